@@ -1,0 +1,175 @@
+"""Engine and model configuration. Everything flows from these dataclasses, never from globals."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nanovllm.common.errors import ConfigError, UnsupportedModelError
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_memory_size(value: str | int | float, available_bytes: int) -> int:
+    """Turn "2GiB", "512MB", a byte count, or a fraction (0, 1] of `available_bytes` into bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"kv_cache_memory must be a size or a fraction, got {value!r}")
+    if isinstance(value, float) and 0.0 < value <= 1.0:
+        return int(value * available_bytes)
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ConfigError(f"kv_cache_memory must be positive, got {value}")
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if match is None or match.group(2).lower() not in _SIZE_UNITS:
+        raise ConfigError(f"kv_cache_memory {value!r} is not a size like '2GiB', '512MB' or a byte count")
+    number = float(match.group(1))
+    if match.group(2) == "" and 0.0 < number <= 1.0 and "." in match.group(1):
+        return int(number * available_bytes)
+    size = int(number * _SIZE_UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise ConfigError(f"kv_cache_memory must be positive, got {value!r}")
+    return size
+
+
+@dataclass(frozen=True)
+class ArchitectureSpec:
+    """What distinguishes the supported decoder families from one another."""
+
+    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k before RoPE
+    qkv_bias: bool  # Qwen2: bias on q, k, v projections
+    o_bias: bool = False
+
+
+ARCHITECTURES: dict[str, ArchitectureSpec] = {
+    "Qwen3ForCausalLM": ArchitectureSpec(qk_norm=True, qkv_bias=False),
+    "Qwen2ForCausalLM": ArchitectureSpec(qk_norm=False, qkv_bias=True),
+    "LlamaForCausalLM": ArchitectureSpec(qk_norm=False, qkv_bias=False),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a decoder-only transformer, independent of the file format it came from."""
+
+    architecture: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    spec: ArchitectureSpec
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        architectures = cfg.get("architectures") or []
+        arch = next((a for a in architectures if a in ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModelError(
+                f"architectures {architectures} not supported; nanovllm implements {sorted(ARCHITECTURES)}"
+            )
+        base = ARCHITECTURES[arch]
+        attention_bias = bool(cfg.get("attention_bias", False))
+        spec = ArchitectureSpec(
+            qk_norm=base.qk_norm, qkv_bias=base.qkv_bias or attention_bias, o_bias=attention_bias
+        )
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise UnsupportedModelError(f"rope type {rope_type!r} is not supported yet (only 'default')")
+        rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            architecture=arch,
+            hidden_size=cfg["hidden_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            intermediate_size=cfg["intermediate_size"],
+            vocab_size=cfg["vocab_size"],
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            eos_token_ids=eos_ids,
+            spec=spec,
+        )
+
+    @classmethod
+    def from_pretrained_dir(cls, path: str | Path) -> ModelConfig:
+        config_path = Path(path) / "config.json"
+        if not config_path.is_file():
+            raise ConfigError(f"{config_path} not found: expected a Hugging Face model directory")
+        cfg = json.loads(config_path.read_text())
+        # generate() stops on generation_config's EOS ids (Qwen3 chat models list two there); honour both.
+        gen_path = Path(path) / "generation_config.json"
+        if gen_path.is_file():
+            gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+            extra = gen_eos if isinstance(gen_eos, list) else ([] if gen_eos is None else [gen_eos])
+            base = cfg.get("eos_token_id")
+            base = base if isinstance(base, list) else ([] if base is None else [base])
+            cfg = {**cfg, "eos_token_id": list(dict.fromkeys(base + extra))}
+        return cls.from_hf_dict(cfg)
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to know; mirrors nano-vllm's `LLM(...)` keyword arguments."""
+
+    model: str
+    max_model_len: int = 4096
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    kvcache_block_size: int = 16
+    kv_cache_memory: str | int | float = "2GiB"  # on CPU: bytes, "2GiB", or a fraction of free RAM
+    gpu_memory_utilization: float = 0.9  # on CUDA: fraction of total GPU memory the engine may use
+    device: str = "auto"
+    dtype: str = "auto"
+    enforce_eager: bool = True
+    tensor_parallel_size: int = 1
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    hf_config: ModelConfig | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        positive = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kvcache_block_size")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.hf_config is None:
+            self.hf_config = ModelConfig.from_pretrained_dir(self.model)
+        limit = self.hf_config.max_position_embeddings
+        if self.max_model_len > limit:
+            # Positions beyond the model's trained range are meaningless; clamp (as nano-vllm does) so
+            # the 4096 default works for small models. LLM reports the effective value.
+            self.max_model_len = limit

@@ -1,0 +1,21 @@
+"""Exceptions the engine raises on purpose, each carrying a message that names the numbers."""
+
+
+class NanoVLLMError(Exception):
+    """Base class for errors raised deliberately by nanovllm."""
+
+
+class ConfigError(NanoVLLMError, ValueError):
+    """The engine configuration or the model cannot work as given (e.g. KV cache too small)."""
+
+
+class RequestError(NanoVLLMError, ValueError):
+    """A request is invalid for this engine (e.g. prompt longer than max_model_len)."""
+
+
+class InvalidStateTransition(NanoVLLMError, RuntimeError):
+    """A sequence was asked to move between states that are not connected; always a bug."""
+
+
+class UnsupportedModelError(NanoVLLMError, ValueError):
+    """The checkpoint's architecture or layout is not one nanovllm implements."""

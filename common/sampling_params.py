@@ -1,0 +1,88 @@
+"""Per-request sampling options, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next token and when to stop.
+
+    temperature 0 means greedy. top_k <= 0 and top_p == 1 disable those filters.
+    logprobs: None returns none; 0 returns the chosen token's logprob; N > 0 also
+    returns the N most likely tokens. Logprobs come from the model's raw
+    distribution (before penalties and temperature), as in vLLM.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 64
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        self.stop_token_ids = list(self.stop_token_ids)
+        self._check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        self._check(self.top_k >= -1, "top_k", f"must be -1, 0 (disabled) or positive, got {self.top_k}")
+        self._check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        self._check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        self._check(
+            self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            f"must be > 0, got {self.repetition_penalty}",
+        )
+        self._check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            f"must be in [-2, 2], got {self.presence_penalty}",
+        )
+        self._check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            f"must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        self._check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        self._check(
+            0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+        )
+        self._check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            f"must be non-negative integers, got {self.stop_token_ids}",
+        )
+        if self.logprobs is not None:
+            self._check(
+                0 <= self.logprobs <= self.MAX_LOGPROBS,
+                "logprobs",
+                f"must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}",
+            )
+        if self.seed is not None:
+            self._check(0 <= self.seed < 2**63, "seed", f"must be in [0, 2**63), got {self.seed}")
+
+    @staticmethod
+    def _check(ok: bool, name: str, message: str) -> None:
+        if not ok:
+            raise ValueError(f"SamplingParams.{name} {message}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )

@@ -1,0 +1,92 @@
+"""Small random Hugging Face checkpoints built at test time (no hub access here), with a real tokenizer.
+
+Weights are scaled up so that logits are far from ties: greedy comparisons against transformers then test
+the implementation, not floating-point luck.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
+
+VOCAB = 512
+EOS_ID = 1
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Continuous batching admits new requests while others decode.",
+    "Prefix caching reuses blocks whose tokens hash the same.",
+    "Ünïcödé text: naïve café, 東京, Ελληνικά, emoji 🙂🚀 too.",
+    "Numbers 0123456789 and punctuation !?,;:()[]{}<>/\\|@#$%^&*",
+] * 20
+
+_CONFIGS = {
+    "qwen3": (Qwen3Config, dict(head_dim=16)),
+    "llama": (LlamaConfig, dict(head_dim=16)),
+    "qwen2": (Qwen2Config, {}),
+}
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<pad>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
+
+
+def build_model(
+    arch: str,
+    out_dir: Path,
+    *,
+    num_layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    tie: bool = False,
+    seed: int = 0,
+    max_position: int = 1024,
+) -> Path:
+    """Save a random `arch` model ("qwen3", "llama", "qwen2") with a tokenizer into out_dir."""
+    config_cls, extra = _CONFIGS[arch]
+    config = config_cls(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_position,
+        tie_word_embeddings=tie,
+        eos_token_id=EOS_ID,
+        pad_token_id=0,
+        bos_token_id=None,
+        rms_norm_eps=1e-6,
+        **extra,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.8, 1.2)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+            else:
+                param.normal_(0.0, 1.0 / param.shape[-1] ** 0.5)
+        if not tie:
+            model.lm_head.weight.mul_(4.0)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    build_tokenizer().save_pretrained(out_dir)
+    return out_dir

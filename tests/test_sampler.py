@@ -1,0 +1,356 @@
+"""Sampler tests: every option is checked against a plain Python/numpy reference."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from nanovllm.common.sampling_params import SamplingParams
+from nanovllm.worker.sampler import (
+    Sampler,
+    SamplingRow,
+    apply_penalties,
+    filtered_probs,
+)
+
+VOCAB = 64
+
+
+def make_row(params: SamplingParams, prompt=(), output=(), generator=None, banned=()) -> SamplingRow:
+    return SamplingRow(
+        params=params,
+        prompt_token_ids=list(prompt),
+        output_token_ids=list(output),
+        generator=generator,
+        banned_token_ids=list(banned),
+    )
+
+
+def rand_logits(batch: int, vocab: int = VOCAB, seed: int = 0, scale: float = 2.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, vocab, generator=g) * scale
+
+
+# --------------------------------------------------------------------------- references
+
+
+def ref_penalties(x: np.ndarray, prompt, output, p: SamplingParams) -> np.ndarray:
+    x = x.astype(np.float64).copy()
+    for tok in range(len(x)):
+        count = sum(1 for t in output if t == tok)
+        if tok in prompt or count > 0:
+            x[tok] = x[tok] / p.repetition_penalty if x[tok] > 0 else x[tok] * p.repetition_penalty
+        x[tok] -= p.frequency_penalty * count
+        if count > 0:
+            x[tok] -= p.presence_penalty
+    return x
+
+
+def ref_softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def ref_log_softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    m = x.max()
+    return x - m - math.log(np.exp(x - m).sum())
+
+
+def ref_filtered(x: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """temperature -> top_k -> top_p -> min_p, written as loops over a small vocab."""
+    x = np.asarray(x, dtype=np.float64) / p.temperature
+    order = sorted(range(len(x)), key=lambda i: -x[i])
+    keep = order[: p.top_k] if p.top_k > 0 else order
+    probs = ref_softmax(x[keep])
+    kept_p = []
+    mass = 0.0
+    for tok, pr in zip(keep, probs):
+        kept_p.append(tok)
+        mass += pr
+        if mass >= p.top_p:
+            break
+    probs = dict(zip(kept_p, ref_softmax(x[kept_p])))
+    biggest = max(probs.values())
+    final = {t: pr for t, pr in probs.items() if pr >= p.min_p * biggest}
+    total = sum(final.values())
+    out = np.zeros(len(x))
+    for t, pr in final.items():
+        out[t] = pr / total
+    return out
+
+
+# --------------------------------------------------------------------------- greedy and bans
+
+
+def test_greedy_is_argmax_first_index_on_ties():
+    logits = rand_logits(4)
+    logits[2] = 0.0
+    logits[2, 7] = logits[2, 30] = 5.0
+    rows = [make_row(SamplingParams(temperature=0.0)) for _ in range(4)]
+    out = Sampler()(logits, rows)
+    assert out.token_ids == [int(np.argmax(logits[i].numpy())) for i in range(4)]
+    assert out.token_ids[2] == 7
+    assert out.logprobs == [None] * 4
+
+
+def test_banned_token_is_never_chosen():
+    logits = rand_logits(2)
+    top = [int(logits[i].argmax()) for i in range(2)]
+    greedy = make_row(SamplingParams(temperature=0.0), banned=[top[0]])
+    out = Sampler()(logits, [greedy, make_row(SamplingParams(temperature=0.0))])
+    second = int(torch.topk(logits[0], 2).indices[1])
+    assert out.token_ids == [second, top[1]]
+
+    # Random rows: ban the three most likely tokens of a peaked distribution, draw many times.
+    n = 2000
+    row_logits = torch.zeros(VOCAB)
+    banned = [3, 9, 40]
+    row_logits[banned] = 10.0
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    rows = [make_row(SamplingParams(temperature=1.0), banned=banned) for _ in range(n)]
+    drawn = sampler(row_logits.expand(n, VOCAB).contiguous(), rows).token_ids
+    assert not set(drawn) & set(banned)
+    assert filtered_probs(row_logits.unsqueeze(0), rows[:1])[0, banned].sum() == 0
+
+
+# --------------------------------------------------------------------------- penalties
+
+
+PENALTY_CASES = [
+    SamplingParams(repetition_penalty=1.7),
+    SamplingParams(repetition_penalty=0.6),
+    SamplingParams(presence_penalty=1.3),
+    SamplingParams(frequency_penalty=0.7),
+    SamplingParams(frequency_penalty=-0.5, presence_penalty=0.4, repetition_penalty=1.2),
+    SamplingParams(),  # no penalties: row must come back unchanged
+]
+
+
+def test_penalties_match_reference():
+    batch = len(PENALTY_CASES)
+    logits = rand_logits(batch, seed=1)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, VOCAB, size=rng.integers(0, 12)).tolist() for _ in range(batch)]
+    outputs = [rng.integers(0, VOCAB, size=rng.integers(0, 20)).tolist() for _ in range(batch)]
+    outputs[3] = [5, 5, 5, 9]  # repeated tokens exercise the frequency count
+    rows = [make_row(p, pr, o) for p, pr, o in zip(PENALTY_CASES, prompts, outputs)]
+    before = logits.clone()
+    got = apply_penalties(logits, rows)
+    assert torch.equal(logits, before), "apply_penalties must not modify its input"
+    for i, p in enumerate(PENALTY_CASES):
+        want = ref_penalties(logits[i].numpy(), prompts[i], outputs[i], p)
+        np.testing.assert_allclose(got[i].numpy(), want, rtol=1e-6, atol=1e-5)
+    assert torch.equal(got[-1], logits[-1])
+
+
+def test_penalties_change_greedy_choice():
+    base = torch.zeros(VOCAB)
+    base[10], base[11], base[12] = 3.0, 2.5, 2.0
+    sampler = Sampler()
+
+    def pick(params: SamplingParams, prompt=(), output=()) -> int:
+        return sampler(base.unsqueeze(0), [make_row(params, prompt, output)]).token_ids[0]
+
+    assert pick(SamplingParams(temperature=0.0)) == 10
+    # Repetition: a token from the prompt alone is penalised (3.0 / 1.5 = 2.0 < 2.5).
+    assert pick(SamplingParams(temperature=0.0, repetition_penalty=1.5), prompt=[10]) == 11
+    # Presence only counts the output, not the prompt.
+    assert pick(SamplingParams(temperature=0.0, presence_penalty=1.0), prompt=[10]) == 10
+    assert pick(SamplingParams(temperature=0.0, presence_penalty=1.0), output=[10, 10, 10]) == 11
+    # Frequency scales with the count: one occurrence (3.0 - 0.4) keeps 10, two (2.2) do not.
+    assert pick(SamplingParams(temperature=0.0, frequency_penalty=0.4), output=[10]) == 10
+    assert pick(SamplingParams(temperature=0.0, frequency_penalty=0.4), output=[10, 10]) == 11
+
+
+# --------------------------------------------------------------------------- temperature and filters
+
+
+FILTER_CASES = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.5),
+    SamplingParams(temperature=1.7),
+    SamplingParams(temperature=1.0, top_k=5),
+    SamplingParams(temperature=0.8, top_k=1),
+    SamplingParams(temperature=1.0, top_p=0.5),
+    SamplingParams(temperature=1.3, top_p=0.9),
+    SamplingParams(temperature=1.0, min_p=0.1),
+    SamplingParams(temperature=0.7, top_k=10, top_p=0.8, min_p=0.05),
+    SamplingParams(temperature=1.0, top_k=VOCAB + 5),  # larger than vocab: no-op
+]
+
+
+def test_filtered_probs_match_reference():
+    logits = rand_logits(len(FILTER_CASES), seed=2)
+    rows = [make_row(p) for p in FILTER_CASES]
+    got = filtered_probs(logits, rows)
+    for i, p in enumerate(FILTER_CASES):
+        want = ref_filtered(logits[i].numpy(), p)
+        np.testing.assert_allclose(got[i].numpy(), want, rtol=1e-4, atol=1e-6, err_msg=str(p))
+        assert set(np.nonzero(got[i].numpy())[0]) == set(np.nonzero(want)[0]), str(p)
+
+
+def test_filtered_probs_greedy_row_is_one_hot():
+    logits = rand_logits(2, seed=3)
+    rows = [make_row(SamplingParams(temperature=0.0)), make_row(SamplingParams(top_k=3))]
+    got = filtered_probs(logits, rows)
+    assert got[0].sum() == 1.0 and got[0, int(logits[0].argmax())] == 1.0
+    assert int((got[1] > 0).sum()) == 3
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.0, top_p=0.7),
+        SamplingParams(temperature=1.2, min_p=0.2),
+    ],
+    ids=["plain", "top_k", "top_p", "min_p"],
+)
+def test_sampling_frequencies_match_distribution(params: SamplingParams):
+    vocab, n = 12, 4000
+    row_logits = rand_logits(1, vocab=vocab, seed=4, scale=1.0)[0]
+    want = ref_filtered(row_logits.numpy(), params)
+    sampler = Sampler(torch.Generator().manual_seed(123))
+    rows = [make_row(params) for _ in range(n)]
+    drawn = sampler(row_logits.expand(n, vocab).contiguous(), rows).token_ids
+    freq = np.bincount(drawn, minlength=vocab) / n
+    # Outside the filtered support: never drawn.
+    assert np.all(freq[want == 0] == 0)
+    # Inside: within 5 standard deviations of the binomial estimate.
+    sigma = np.sqrt(want * (1 - want) / n)
+    assert np.all(np.abs(freq - want) <= 5 * sigma + 1e-9), (freq, want)
+
+
+def test_seeded_draws_use_one_generator_per_row():
+    """A seeded row's draws match an exponential race run by hand with the same seed."""
+    logits = rand_logits(1, seed=5)
+    params = SamplingParams(temperature=0.9, seed=7)
+    probs = filtered_probs(logits, [make_row(params)])[0]
+    ref_gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator().manual_seed(7)
+    sampler = Sampler()
+    for _ in range(5):
+        q = torch.empty(VOCAB).exponential_(generator=ref_gen)
+        want = int((probs / q).argmax())
+        assert sampler(logits, [make_row(params, generator=gen)]).token_ids[0] == want
+
+
+# --------------------------------------------------------------------------- reproducibility
+
+
+def _run_target(position: int | None, steps: int = 20) -> list[int]:
+    """Sample `steps` tokens for one seeded request, alone or at `position` in a batch of 8."""
+    target_params = SamplingParams(temperature=0.8, top_p=0.95, frequency_penalty=0.3, seed=1234)
+    target_gen = torch.Generator().manual_seed(1234)
+    target_logits = rand_logits(1, seed=6)[0]
+    others = [
+        SamplingParams(temperature=1.0, seed=99),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.5, top_k=3, seed=5),
+        SamplingParams(temperature=1.1, presence_penalty=0.5),
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=1.0, min_p=0.1),
+    ]
+    other_gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in others]
+    other_out: list[list[int]] = [[] for _ in others]
+    out: list[int] = []
+    sampler = Sampler(torch.Generator().manual_seed(position or 0))
+    noise = torch.Generator().manual_seed(42 + (position or 0))
+    for _ in range(steps):
+        target = make_row(target_params, prompt=[1, 2, 3], output=out, generator=target_gen)
+        if position is None:
+            rows, logits = [target], target_logits.unsqueeze(0)
+        else:
+            rows = [make_row(p, [4], o, g) for p, o, g in zip(others, other_out, other_gens)]
+            rows.insert(position, target)
+            logits = torch.randn(8, VOCAB, generator=noise) * 2
+            logits[position] = target_logits
+        tokens = sampler(logits, rows).token_ids
+        if position is None:
+            out.append(tokens[0])
+        else:
+            out.append(tokens.pop(position))
+            for seq, t in zip(other_out, tokens):
+                seq.append(t)
+    return out
+
+
+def test_seeded_request_is_reproducible_across_batch_compositions():
+    alone = _run_target(None)
+    assert len(set(alone)) > 1, "the test distribution should not be degenerate"
+    assert _run_target(0) == alone
+    assert _run_target(5) == alone
+
+
+# --------------------------------------------------------------------------- logprobs
+
+
+def test_logprobs_come_from_raw_logits():
+    logits = rand_logits(4, seed=8)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=0),
+        SamplingParams(temperature=0.5, repetition_penalty=2.0, logprobs=3),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0, logprobs=5),
+    ]
+    rows = [make_row(p, prompt=[1, 2], output=[int(logits[i].argmax())]) for i, p in enumerate(params)]
+    out = Sampler(torch.Generator().manual_seed(0))(logits, rows)
+    assert out.logprobs[2] is None
+    for i in (0, 1, 3):
+        lp = out.logprobs[i]
+        assert lp is not None
+        ref = ref_log_softmax(logits[i].numpy())
+        assert lp.token_id == out.token_ids[i]
+        assert lp.logprob == pytest.approx(ref[lp.token_id], abs=1e-5)
+        n = params[i].logprobs
+        assert len(lp.top) == n
+        want_ids = sorted(range(VOCAB), key=lambda t: -ref[t])[:n]
+        assert [t for t, _ in lp.top] == want_ids
+        for t, v in lp.top:
+            assert v == pytest.approx(ref[t], abs=1e-5)
+        assert all(a[1] >= b[1] for a, b in zip(lp.top, lp.top[1:]))
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_invalid_batches_raise_value_error():
+    sampler = Sampler()
+    row = make_row(SamplingParams())
+    with pytest.raises(ValueError, match="rows"):
+        sampler(rand_logits(3), [row, row])
+    with pytest.raises(ValueError, match="2-D"):
+        sampler(torch.zeros(VOCAB), [row])
+    with pytest.raises(ValueError, match="floating"):
+        sampler(torch.zeros(1, VOCAB, dtype=torch.long), [row])
+    with pytest.raises(ValueError, match="banned"):
+        sampler(rand_logits(1), [make_row(SamplingParams(), banned=[VOCAB])])
+    with pytest.raises(ValueError, match="output_token_ids"):
+        apply_penalties(rand_logits(1), [make_row(SamplingParams(presence_penalty=1.0), output=[VOCAB])])
+    assert sampler(torch.zeros(0, VOCAB), []).token_ids == []
+
+
+@pytest.mark.parametrize(
+    ("field", "kwargs"),
+    [
+        ("temperature", {"temperature": -1.0}),
+        ("top_p", {"top_p": 0.0}),
+        ("top_p", {"top_p": 1.5}),
+        ("min_p", {"min_p": 2.0}),
+        ("repetition_penalty", {"repetition_penalty": 0.0}),
+        ("presence_penalty", {"presence_penalty": 3.0}),
+        ("max_tokens", {"max_tokens": 0}),
+        ("min_tokens", {"max_tokens": 4, "min_tokens": 5}),
+        ("logprobs", {"logprobs": 21}),
+        ("stop_token_ids", {"stop_token_ids": [-1]}),
+    ],
+)
+def test_sampling_params_validation(field: str, kwargs: dict):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)

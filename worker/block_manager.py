@@ -1,0 +1,136 @@
+"""Paged KV-cache block allocation with prefix caching.
+
+A full block is identified by a hash chaining the previous block's hash with its own token ids, so equal
+hashes mean equal prefixes. Blocks are shared by reference count. A block enters the hash table only
+after its KV has been computed (`cache_full_blocks`), never at allocation. Freed blocks keep their hash
+and stay reusable until they are recycled, least recently freed first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from nanovllm.common.errors import ConfigError
+from nanovllm.worker.sequence import Sequence
+
+
+def hash_block(prev_hash: int | None, token_ids: list[int]) -> int:
+    h = xxhash.xxh3_64()
+    if prev_hash is not None:
+        h.update(prev_hash.to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ConfigError(f"need at least one block of one token, got {num_blocks} x {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        # Blocks with ref_count 0, oldest-freed first; cached ones among them are still hits until recycled.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+        """Cached blocks covering a prefix of `seq`. The last token is always left out so that at least one
+        token is computed and yields logits."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        prev: int | None = None
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            prev = hash_block(prev, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            block_id = self.cached.get(prev)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+        """Make room for `num_new_tokens` more tokens after those already computed (plus, for a sequence
+        being admitted, the prefix-cache hits in `computed_blocks`). Returns False, changing nothing, when
+        there are not enough free blocks."""
+        num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
+        needed = self.blocks_needed(num_computed + num_new_tokens) - len(seq.block_table) - len(computed_blocks)
+        revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        if needed > self.num_free_blocks - revived:
+            return False
+        if not seq.block_table and not seq.num_computed_tokens:
+            self.prefix_queried_tokens += seq.num_tokens
+            self.prefix_hit_tokens += len(computed_blocks) * self.block_size
+        for block_id in computed_blocks:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_queue[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(block.block_hash)
+        for _ in range(max(needed, 0)):
+            seq.block_table.append(self._take_free_block())
+        return True
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # recycling evicts it from the prefix cache
+            if self.cached.get(block.block_hash) == block_id:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block_id
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register every block of `seq` that is full and whose KV is computed. Call after each step."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        for i in range(len(seq.block_hashes), num_full):
+            prev = seq.block_hashes[-1] if seq.block_hashes else None
+            block_hash = hash_block(prev, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            seq.block_hashes.append(block_hash)
+            block = self.blocks[seq.block_table[i]]
+            if block_hash not in self.cached:  # an identical block computed concurrently keeps the entry
+                self.cached[block_hash] = block.block_id
+                block.block_hash = block_hash
+
+    def free(self, seq: Sequence) -> None:
+        """Release all of `seq`'s blocks. Tail blocks are freed first so that they are recycled before the
+        shared prefix blocks that other requests are more likely to hit."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0

@@ -1,0 +1,212 @@
+"""The step-level engine: requests in, one scheduling + model step at a time, token deltas out.
+
+This is the API the worker service drives; `LLM` wraps it for offline use.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from nanovllm.common.config import EngineConfig
+from nanovllm.common.errors import RequestError
+from nanovllm.common.logging import get_logger
+from nanovllm.common.sampling_params import SamplingParams
+from nanovllm.worker.block_manager import BlockManager
+from nanovllm.worker.model_runner import ModelRunner
+from nanovllm.worker.sampler import SamplerOutput, SamplingRow, TokenLogprobs
+from nanovllm.worker.scheduler import Scheduler, SchedulerOutput
+from nanovllm.worker.sequence import Sequence, SequenceStatus
+
+log = get_logger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """What one step did for one request: tokens added and, on its last step, why it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    num_waiting: int
+    num_running: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+
+
+@dataclass
+class StepStats:
+    """Timing of the last step, split so the benchmark can report Python overhead on its own."""
+
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    schedule_s: float = 0.0
+    execute_s: float = 0.0
+    update_s: float = 0.0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = config.hf_config
+        self.runner = ModelRunner(config)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.kvcache_block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, Sequence] = {}
+        self._aborted: list[RequestOutput] = []
+        self._seq_ids = itertools.count()
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.last_step = StepStats()
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> None:
+        if request_id in self.requests:
+            raise RequestError(f"request_id {request_id!r} is already in flight")
+        n, limit, vocab = len(prompt_token_ids), self.config.max_model_len, self.model_config.vocab_size
+        if n == 0:
+            raise RequestError("prompt_token_ids is empty; a prompt needs at least one token")
+        if n >= limit:
+            raise RequestError(
+                f"prompt has {n} tokens but max_model_len is {limit}: at most {limit - 1} leave room for output"
+            )
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(self.runner.device).manual_seed(params.seed)
+        seq = Sequence(
+            seq_id=next(self._seq_ids),
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            priority=priority,
+            generator=generator,
+        )
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request in any state; its final output (finish_reason "abort") comes from the next step."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        self._aborted.append(self._output(seq, []))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._aborted)
+
+    def load(self) -> EngineLoad:
+        bm = self.block_manager
+        return EngineLoad(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            kv_blocks_used=bm.num_blocks - bm.num_free_blocks,
+            kv_blocks_free=bm.num_free_blocks,
+            prefix_cache_hit_rate=bm.prefix_cache_hit_rate,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute and apply one step; returns the requests that advanced or finished."""
+        outputs, self._aborted = self._aborted, []
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if sched.is_empty:
+            self.last_step = StepStats(schedule_s=t1 - t0)
+            return outputs
+        rows = [self._sampling_row(s.seq) for s in sched.scheduled if s.samples]
+        result = self.runner.execute(sched, rows)
+        t2 = time.perf_counter()
+        outputs.extend(self._update(sched, result.sampled_seq_ids, result.sampler_output))
+        t3 = time.perf_counter()
+        self.last_step = StepStats(
+            num_prefill_tokens=sched.num_tokens - sched.num_decodes,
+            num_decode_tokens=sched.num_decodes,
+            schedule_s=t1 - t0,
+            execute_s=t2 - t1,
+            update_s=t3 - t2,
+        )
+        return outputs
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        params = seq.params
+        banned: tuple[int, ...] = ()
+        if seq.num_output_tokens < params.min_tokens:
+            eos = () if params.ignore_eos else tuple(self.eos_token_ids)
+            banned = eos + tuple(params.stop_token_ids)
+        return SamplingRow(
+            params=params,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            generator=seq.generator,
+            banned_token_ids=banned,
+        )
+
+    def _update(
+        self, sched: SchedulerOutput, sampled_ids: list[int], sampler_out: SamplerOutput
+    ) -> list[RequestOutput]:
+        for item in sched.scheduled:
+            item.seq.num_computed_tokens = item.start + item.num_new_tokens
+            self.block_manager.cache_full_blocks(item.seq)
+        outputs = []
+        by_id = {s.seq.seq_id: s.seq for s in sched.scheduled}
+        for seq_id, token, logprob in zip(sampled_ids, sampler_out.token_ids, sampler_out.logprobs):
+            seq = by_id[seq_id]
+            seq.token_ids.append(token)
+            new_logprobs = []
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+                new_logprobs.append(logprob)
+            status = self._stop_status(seq, token)
+            if status is not None:
+                self.scheduler.finish(seq, status)
+                del self.requests[seq.request_id]
+            outputs.append(self._output(seq, [token], new_logprobs))
+        return outputs
+
+    def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+                return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    @staticmethod
+    def _output(seq: Sequence, tokens: list[int], logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=tokens,
+            finish_reason=seq.finish_reason,
+            new_logprobs=logprobs or [],
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+        )

@@ -1,0 +1,106 @@
+"""Linear layers split across tensor-parallel ranks (Megatron style).
+
+Each parameter carries a `weight_loader(param, loaded, shard_id)` that copies this rank's slice of a
+checkpoint tensor into it, so loaders never need to know how a layer is partitioned.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.worker.layers.parallel import TPContext
+
+
+class _ParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        raise NotImplementedError
+
+
+class ReplicatedLinear(_ParallelLinear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias, TPContext())
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """Output features split across ranks; no communication in forward."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext) -> None:
+        super().__init__(in_features, tp.shard(out_features, "output features"), bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        size = param.shape[0]
+        param.data.copy_(loaded.narrow(0, self.tp.rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input fused into one matmul (gate+up)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPContext) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        index = int(shard_id)  # type: ignore[arg-type]
+        shard = self.output_sizes[index] // self.tp.size
+        offset = sum(self.output_sizes[:index]) // self.tp.size
+        param.data.narrow(0, offset, shard).copy_(loaded.narrow(0, self.tp.rank * shard, shard))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused; heads (not features) are what gets split across ranks."""
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPContext
+    ) -> None:
+        self.head_dim = head_dim
+        self.num_heads = tp.shard(num_heads, "num_attention_heads")
+        self.num_kv_heads = tp.shard(num_kv_heads, "num_key_value_heads")
+        total = (num_heads + 2 * num_kv_heads) * head_dim
+        super().__init__(hidden_size, total, bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[
+            shard_id  # type: ignore[index]
+        ]
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp.rank * size, size))
+
+
+class RowParallelLinear(_ParallelLinear):
+    """Input features split across ranks; partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext) -> None:
+        super().__init__(tp.shard(in_features, "input features"), out_features, bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if param.dim() == 1:  # bias is added once, on rank 0
+            param.data.copy_(loaded if self.tp.rank == 0 else torch.zeros_like(loaded))
+            return
+        size = param.shape[1]
+        param.data.copy_(loaded.narrow(1, self.tp.rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(F.linear(x, self.weight, self.bias))

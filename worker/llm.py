@@ -1,0 +1,107 @@
+"""Offline API, call-compatible with nano-vllm: `LLM(path, ...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from nanovllm.common.config import EngineConfig
+from nanovllm.common.errors import ConfigError
+from nanovllm.common.sampling_params import SamplingParams
+from nanovllm.worker.engine import LLMEngine
+
+
+def load_tokenizer(model_dir: str | Path) -> Any | None:
+    """The checkpoint's Hugging Face tokenizer, or None when the directory ships none."""
+    model_dir = Path(model_dir)
+    if not any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+class LLM:
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        known = {f.name for f in fields(EngineConfig)} - {"model", "hf_config"}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"unknown LLM arguments {unknown}; accepted: {sorted(known)}")
+        self.config = EngineConfig(model=model, **kwargs)
+        self.engine = LLMEngine(self.config)
+        self.tokenizer = load_tokenizer(model)
+        self._request_ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]] | str | list[int],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priorities: list[int] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Generate for every prompt; outputs come back in prompt order as nano-vllm's dicts
+        ({"text", "token_ids"}) plus finish_reason, logprobs and prompt/cached token counts."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; give one or one each"
+            )
+        ids = []
+        for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+            request_id = str(next(self._request_ids))
+            priority = priorities[i] if priorities else 0
+            self.engine.add_request(request_id, self._encode(prompt), params, priority)
+            ids.append(request_id)
+        results = self._run(len(ids), use_tqdm)
+        return [self._to_dict(results[request_id]) for request_id in ids]
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError(f"{self.config.model} has no tokenizer; pass prompts as token-id lists")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def _run(self, num_requests: int, use_tqdm: bool) -> dict[str, dict[str, Any]]:
+        results: dict[str, dict[str, Any]] = {}
+        bar = tqdm(total=num_requests, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        prefill_tps = decode_tps = 0.0
+        while self.engine.has_unfinished_requests():
+            t = time.perf_counter()
+            outputs = self.engine.step()
+            elapsed = max(time.perf_counter() - t, 1e-9)
+            stats = self.engine.last_step
+            if stats.num_prefill_tokens:
+                prefill_tps = stats.num_prefill_tokens / elapsed
+            elif stats.num_decode_tokens:
+                decode_tps = stats.num_decode_tokens / elapsed
+            bar.set_postfix(Prefill=f"{prefill_tps:.0f}tok/s", Decode=f"{decode_tps:.0f}tok/s", refresh=False)
+            for out in outputs:
+                entry = results.setdefault(
+                    out.request_id, {"token_ids": [], "logprobs": [], "finish_reason": None}
+                )
+                entry["token_ids"].extend(out.new_token_ids)
+                entry["logprobs"].extend(out.new_logprobs)
+                entry["num_prompt_tokens"] = out.num_prompt_tokens
+                entry["num_cached_tokens"] = out.num_cached_tokens
+                if out.finished:
+                    entry["finish_reason"] = out.finish_reason
+                    bar.update(1)
+        bar.close()
+        return results
+
+    def _to_dict(self, result: dict[str, Any]) -> dict[str, Any]:
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(result["token_ids"], skip_special_tokens=True)
+        return {"text": text, **result}

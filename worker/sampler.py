@@ -1,0 +1,317 @@
+"""Turns a batch of next-token logits into chosen tokens (and optional logprobs).
+
+Order of operations, per row: banned ids -> penalties -> greedy argmax, or
+temperature -> top-k -> top-p -> min-p -> sample. Logprobs always describe the
+model's raw distribution, so they are computed from the untouched input logits.
+
+Sampling uses the "exponential race": argmax(p / q) with q ~ Exp(1) i.i.d. picks
+token i with probability p_i. Its appeal is that each row consumes exactly
+``vocab`` random numbers per step, so a request with its own seeded generator
+gets the same tokens no matter what else shares the batch or where its row is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from nanovllm.common.sampling_params import SamplingParams
+
+__all__ = [
+    "Sampler",
+    "SamplerOutput",
+    "SamplingRow",
+    "TokenLogprobs",
+    "apply_penalties",
+    "filtered_probs",
+]
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingRow:
+    """One row of the logits batch: everything the sampler needs to know about its request."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    # Per-request generator when params.seed is set, else None (the Sampler's own is used).
+    generator: torch.Generator | None
+    # Logits forced to -inf this step (e.g. EOS/stop ids while below min_tokens).
+    banned_token_ids: Sequence[int] = ()
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of the chosen token plus, when asked for, the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token_id, logprob), most likely first; empty when logprobs == 0
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # None for rows whose params.logprobs is None
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _check_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Reject malformed input up front, with a message that says what is wrong."""
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [batch, vocab], got shape {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be a floating point tensor, got {logits.dtype}")
+    if logits.shape[0] != len(rows):
+        raise ValueError(f"logits has {logits.shape[0]} rows but {len(rows)} SamplingRows were given")
+    if logits.shape[1] == 0 and len(rows) > 0:
+        raise ValueError("logits has an empty vocab dimension")
+
+
+def _take(t: torch.Tensor, idx: list[int], batch: int) -> torch.Tensor:
+    """Rows ``idx`` of ``t``; skips the gather (a copy) when every row is wanted."""
+    if len(idx) == batch:
+        return t
+    return t[torch.tensor(idx, device=t.device)]
+
+
+def _padded(seqs: Sequence[Sequence[int]], pad: int, vocab: int, what: str) -> torch.Tensor:
+    """[len(seqs), max_len] long tensor on CPU, right-padded with ``pad``; built with one torch call."""
+    if any(len(s) and (min(s) < 0 or max(s) >= vocab) for s in seqs):
+        raise ValueError(f"{what} contain token ids outside [0, {vocab})")
+    width = max((len(s) for s in seqs), default=0)
+    out = torch.tensor([[*s, *([pad] * (width - len(s)))] for s in seqs], dtype=torch.long)
+    return out.reshape(len(seqs), width)
+
+
+def _ban_(work: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """In place: set every banned (row, token) logit to -inf with a single index_put."""
+    vocab = work.shape[1]
+    row_ids: list[int] = []
+    tok_ids: list[int] = []
+    for i, row in enumerate(rows):
+        for t in row.banned_token_ids:
+            if not 0 <= t < vocab:
+                raise ValueError(f"banned token id {t} (row {i}) is outside [0, {vocab})")
+            row_ids.append(i)
+            tok_ids.append(t)
+    if row_ids:
+        index = torch.tensor([row_ids, tok_ids], dtype=torch.long).to(work.device)
+        work[index[0], index[1]] = _NEG_INF
+
+
+def _penalize_(work: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """In place: repetition / presence / frequency penalties, only on the rows that set them."""
+    batch, vocab = work.shape
+    idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
+    if not idx:
+        return
+    params = [rows[i].params for i in idx]
+    device = work.device
+    sub = _take(work, idx, batch)
+    n = len(idx)
+
+    # Counts of each token in the output; padding goes to an extra column that is dropped.
+    out_tok = _padded([rows[i].output_token_ids for i in idx], vocab, vocab, "output_token_ids").to(device)
+    counts = torch.zeros((n, vocab + 1), dtype=sub.dtype, device=device)
+    counts.scatter_add_(1, out_tok, torch.ones(out_tok.shape, dtype=sub.dtype, device=device))
+    counts = counts[:, :vocab]
+    in_output = counts > 0
+
+    coeffs = torch.tensor(
+        [
+            [p.repetition_penalty for p in params],
+            [p.presence_penalty for p in params],
+            [p.frequency_penalty for p in params],
+        ],
+        dtype=sub.dtype,
+    ).to(device)
+
+    result = sub
+    if any(p.repetition_penalty != 1.0 for p in params):
+        # Repetition penalty looks at the prompt too (HF/vLLM semantics).
+        prompt_tok = _padded([rows[i].prompt_token_ids for i in idx], vocab, vocab, "prompt_token_ids")
+        seen = torch.zeros((n, vocab + 1), dtype=torch.bool, device=device)
+        seen.scatter_(1, prompt_tok.to(device), True)
+        seen = seen[:, :vocab] | in_output
+        rep = coeffs[0].unsqueeze(1)
+        # Dividing positive logits and multiplying negative ones both make the token less likely.
+        shrunk = torch.where(result > 0, result / rep, result * rep)
+        result = torch.where(seen, shrunk, result)
+    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+        result = result - coeffs[2].unsqueeze(1) * counts - coeffs[1].unsqueeze(1) * in_output.to(sub.dtype)
+
+    if n == batch:
+        work.copy_(result)
+    else:
+        work[torch.tensor(idx, device=device)] = result
+
+
+def _prepared(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """float32 logits with bans and penalties applied; never modifies the caller's tensor."""
+    needs_edit = any(r.banned_token_ids or r.params.has_penalties for r in rows)
+    if not needs_edit:
+        return logits.float()  # no copy when already float32: nothing below writes into it
+    work = logits.to(torch.float32, copy=True)
+    _ban_(work, rows)
+    _penalize_(work, rows)
+    return work
+
+
+def _random_probs(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Final sampling distribution for non-greedy rows: temperature, then top-k, top-p, min-p.
+
+    Each filter is applied to all rows at once with per-row parameter tensors; a
+    filter that no row uses costs nothing.
+    """
+    vocab = x.shape[1]
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    ps = [p.top_p if p.top_p < 1.0 else float("inf") for p in params]  # inf: never cut
+    # One host->device copy for all per-row parameters (vocab < 2**24, so k is exact in float32).
+    spec = torch.tensor(
+        [[p.temperature for p in params], ks, ps, [p.min_p for p in params]], dtype=torch.float32
+    ).to(x.device)
+    x = x / spec[0].unsqueeze(1)
+
+    use_k = any(k < vocab for k in ks)
+    use_p = any(p < 1.0 for p in ps)
+    if use_k or use_p:
+        # Both filters are prefix cuts of the descending order; a stable sort makes ties deterministic.
+        sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
+        if use_k:
+            positions = torch.arange(vocab, device=x.device).unsqueeze(0)
+            sorted_x = sorted_x.masked_fill(positions >= spec[1].unsqueeze(1), _NEG_INF)
+        if use_p:
+            sorted_probs = sorted_x.softmax(dim=-1)
+            # Keep a token while the mass strictly before it is still short of top_p: this is the
+            # smallest prefix reaching top_p, and the top token (mass before it = 0) always stays.
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            sorted_x = sorted_x.masked_fill(mass_before >= spec[2].unsqueeze(1), _NEG_INF)
+        x = torch.empty_like(x).scatter_(1, order, sorted_x)
+    if any(p.min_p > 0.0 for p in params):
+        # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p); log(0) = -inf leaves the row untouched.
+        threshold = x.amax(dim=-1, keepdim=True) + spec[3].log().unsqueeze(1)
+        x = x.masked_fill(x < threshold, _NEG_INF)
+    return x.softmax(dim=-1)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Logits after repetition/presence/frequency penalties (a new float32 tensor; input untouched)."""
+    _check_batch(logits, rows)
+    work = logits.to(torch.float32, copy=True)
+    _penalize_(work, rows)
+    return work
+
+
+def filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """The [batch, vocab] distribution each row's next token is drawn from.
+
+    Random rows get bans, penalties, temperature and the top-k/top-p/min-p filters;
+    greedy rows get a one-hot at their argmax. Mainly for tests and debugging.
+    """
+    _check_batch(logits, rows)
+    work = _prepared(logits, rows)
+    batch = len(rows)
+    probs = torch.zeros_like(work)
+    greedy = [i for i, r in enumerate(rows) if r.params.temperature == 0.0]
+    random = [i for i, r in enumerate(rows) if r.params.temperature != 0.0]
+    if greedy:
+        g = torch.tensor(greedy, device=work.device)
+        probs[g, work[g].argmax(dim=-1)] = 1.0
+    if random:
+        r = torch.tensor(random, device=work.device)
+        probs[r] = _random_probs(_take(work, random, batch), [rows[i].params for i in random])
+    return probs
+
+
+class Sampler:
+    """Chooses one token per logits row following each row's SamplingParams."""
+
+    def __init__(self, generator: torch.Generator | None = None):
+        # Engine-wide generator for rows without their own seed (None: torch's default RNG).
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        _check_batch(logits, rows)
+        batch = len(rows)
+        if batch == 0:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        params = [r.params for r in rows]
+
+        # Hot path: plain greedy decoding needs nothing but an argmax.
+        if all(
+            p.temperature == 0.0 and p.logprobs is None and not p.has_penalties and not r.banned_token_ids
+            for p, r in zip(params, rows)
+        ):
+            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * batch)
+
+        work = _prepared(logits, rows)
+        tokens = self._choose(work, rows)
+        token_ids = tokens.tolist()
+        return SamplerOutput(token_ids=token_ids, logprobs=_logprobs(logits, params, tokens, token_ids))
+
+    def _choose(self, work: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """[batch] long tensor of chosen tokens: argmax for greedy rows, a draw for the others."""
+        batch = len(rows)
+        random = [i for i, r in enumerate(rows) if r.params.temperature != 0.0]
+        if not random:
+            return work.argmax(dim=-1)
+        probs = _random_probs(_take(work, random, batch), [rows[i].params for i in random])
+        sampled = self._draw(probs, [rows[i].generator for i in random])
+        if len(random) == batch:
+            return sampled
+        tokens = work.argmax(dim=-1)
+        tokens[torch.tensor(random, device=work.device)] = sampled
+        return tokens
+
+    def _draw(self, probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+        """Exponential race: argmax(p / q), q ~ Exp(1); seeded rows draw their q from their own generator."""
+        n, vocab = probs.shape
+        q = torch.empty_like(probs)
+        unseeded = [j for j, g in enumerate(generators) if g is None]
+        if len(unseeded) == n:
+            q.exponential_(generator=self.generator)
+        else:
+            if unseeded:
+                block = torch.empty((len(unseeded), vocab), dtype=probs.dtype, device=probs.device)
+                q[torch.tensor(unseeded, device=probs.device)] = block.exponential_(generator=self.generator)
+            for j, g in enumerate(generators):
+                if g is not None:
+                    q[j].exponential_(generator=g)  # exactly `vocab` draws from this request's stream
+        # A zero q would turn 0/0 into NaN for filtered-out tokens; the clamp keeps them at 0.
+        return (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+
+
+def _logprobs(
+    logits: torch.Tensor, params: Sequence[SamplingParams], tokens: torch.Tensor, token_ids: list[int]
+) -> list[TokenLogprobs | None]:
+    """Chosen-token logprob and top-N from the raw logits, only for rows that asked."""
+    batch = len(params)
+    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+    out: list[TokenLogprobs | None] = [None] * batch
+    if not wanted:
+        return out
+    logp = _take(logits, wanted, batch).float().log_softmax(dim=-1)
+    chosen = logp.gather(1, _take(tokens, wanted, batch).unsqueeze(1)).squeeze(1).tolist()
+    top_n = min(max(params[i].logprobs for i in wanted), logp.shape[1])
+    top_vals: list[list[float]] = [[] for _ in wanted]
+    top_ids: list[list[int]] = [[] for _ in wanted]
+    if top_n > 0:
+        values, indices = logp.topk(top_n, dim=-1)
+        top_vals, top_ids = values.tolist(), indices.tolist()
+    for j, i in enumerate(wanted):
+        n = params[i].logprobs
+        out[i] = TokenLogprobs(
+            token_id=token_ids[i], logprob=chosen[j], top=list(zip(top_ids[j][:n], top_vals[j][:n]))
+        )
+    return out

@@ -1,0 +1,92 @@
+"""A request as the engine tracks it: its tokens, its KV blocks and an explicit, checked state."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from nanovllm.common.errors import InvalidStateTransition
+from nanovllm.common.sampling_params import SamplingParams
+from nanovllm.worker.sampler import TokenLogprobs
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED}
+
+# Preemption is RUNNING -> WAITING; every finished state is terminal.
+_ALLOWED = {
+    SequenceStatus.WAITING: {SequenceStatus.RUNNING, SequenceStatus.FINISHED_ABORTED},
+    SequenceStatus.RUNNING: {SequenceStatus.WAITING} | _FINISHED,
+}
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request. `num_computed_tokens` counts tokens whose KV is in the cache (so a prefix-cache hit
+    or a chunk of prefill advances it); tokens past it are scheduled in later steps."""
+
+    seq_id: int  # engine-wide arrival order; ties in priority are broken by it
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    generator: torch.Generator | None = None
+    token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full, computed blocks
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_preemptions: int = 0
+    admitted: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Scheduling order: lower priority value first, then earlier arrival."""
+        return (self.priority, self.seq_id)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def transition(self, new: SequenceStatus) -> None:
+        if new not in _ALLOWED.get(self.status, set()):
+            raise InvalidStateTransition(
+                f"request {self.request_id!r}: {self.status.name} -> {new.name} is not a valid transition"
+            )
+        self.status = new
