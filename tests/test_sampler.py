@@ -183,11 +183,20 @@ FILTER_CASES = [
 ]
 
 
-def test_filtered_probs_match_reference():
-    logits = rand_logits(len(FILTER_CASES), seed=2)
-    rows = [make_row(p) for p in FILTER_CASES]
+# Every row has a top_k, so the sampler takes its partial-topk path instead of a full sort.
+TOP_K_CASES = [
+    SamplingParams(temperature=1.0, top_k=3),
+    SamplingParams(temperature=0.9, top_k=12, top_p=0.6),
+    SamplingParams(temperature=1.2, top_k=20, min_p=0.1),
+]
+
+
+@pytest.mark.parametrize("cases", [FILTER_CASES, TOP_K_CASES], ids=["full_sort", "all_top_k"])
+def test_filtered_probs_match_reference(cases: list[SamplingParams]):
+    logits = rand_logits(len(cases), seed=2)
+    rows = [make_row(p) for p in cases]
     got = filtered_probs(logits, rows)
-    for i, p in enumerate(FILTER_CASES):
+    for i, p in enumerate(cases):
         want = ref_filtered(logits[i].numpy(), p)
         np.testing.assert_allclose(got[i].numpy(), want, rtol=1e-4, atol=1e-6, err_msg=str(p))
         assert set(np.nonzero(got[i].numpy())[0]) == set(np.nonzero(want)[0]), str(p)

@@ -183,10 +183,15 @@ def _random_probs(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Te
     use_k = any(k < vocab for k in ks)
     use_p = any(p < 1.0 for p in ps)
     if use_k or use_p:
-        # Both filters are prefix cuts of the descending order; a stable sort makes ties deterministic.
-        sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
+        # Both filters are prefix cuts of the descending order. When every row has a top_k, only the
+        # first max(k) positions can survive, so a partial topk replaces the (much dearer) full sort.
+        width = max(ks)
+        if width < vocab:
+            sorted_x, order = x.topk(width, dim=-1, sorted=True)
+        else:
+            sorted_x, order = x.sort(dim=-1, descending=True, stable=True)  # stable: deterministic ties
         if use_k:
-            positions = torch.arange(vocab, device=x.device).unsqueeze(0)
+            positions = torch.arange(width, device=x.device).unsqueeze(0)
             sorted_x = sorted_x.masked_fill(positions >= spec[1].unsqueeze(1), _NEG_INF)
         if use_p:
             sorted_probs = sorted_x.softmax(dim=-1)
@@ -194,7 +199,8 @@ def _random_probs(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Te
             # smallest prefix reaching top_p, and the top token (mass before it = 0) always stays.
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
             sorted_x = sorted_x.masked_fill(mass_before >= spec[2].unsqueeze(1), _NEG_INF)
-        x = torch.empty_like(x).scatter_(1, order, sorted_x)
+        base = torch.full_like(x, _NEG_INF) if width < vocab else torch.empty_like(x)
+        x = base.scatter_(1, order, sorted_x)
     if any(p.min_p > 0.0 for p in params):
         # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p); log(0) = -inf leaves the row untouched.
         threshold = x.amax(dim=-1, keepdim=True) + spec[3].log().unsqueeze(1)

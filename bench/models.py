@@ -1,0 +1,88 @@
+"""Randomly initialised checkpoints with the shapes of real small models, for benchmarking offline.
+
+There is no model hub here, but throughput depends only on a model's shapes, not on its trained
+weights: a random model of the right shape costs the same FLOPs and memory traffic per token. The
+benchmark generates with ignore_eos, so what the weights predict never changes the workload.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen3Config
+
+DEFAULT_CACHE = Path.home() / ".cache" / "nanovllm" / "bench-models"
+
+# Shapes copied from the published configs of the models they are named after.
+SHAPES: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
+    "smollm2-135m": (
+        LlamaConfig,
+        dict(
+            hidden_size=576,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            head_dim=64,
+            intermediate_size=1536,
+            vocab_size=49152,
+            tie_word_embeddings=True,
+            rope_theta=100000.0,
+            max_position_embeddings=8192,
+            rms_norm_eps=1e-5,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+    ),
+    "qwen3-0.6b": (
+        Qwen3Config,
+        dict(
+            hidden_size=1024,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=3072,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+            rope_theta=1000000.0,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            bos_token_id=151643,
+            eos_token_id=151645,
+        ),
+    ),
+}
+
+
+def build_config(shape: str) -> PretrainedConfig:
+    """The transformers config for a named shape; raises ValueError on an unknown name."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown model shape {shape!r}; known: {sorted(SHAPES)}")
+    config_cls, kwargs = SHAPES[shape]
+    return config_cls(**kwargs)
+
+
+def build_random_model(shape: str, out_dir: Path | None = None) -> Path:
+    """Save a seeded random fp32 model of `shape` to out_dir (safetensors) and return the directory.
+
+    A directory that already holds config.json is reused as is, so repeated benchmark runs do not pay
+    for initialising and writing hundreds of MB of weights again.
+    """
+    out_dir = Path(out_dir) if out_dir is not None else DEFAULT_CACHE / shape
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    config = build_config(shape)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Write weights before config.json's presence can mark an interrupted build as complete.
+    tmp_dir = out_dir.with_name(out_dir.name + ".partial")
+    model.save_pretrained(tmp_dir, safe_serialization=True)
+    for item in tmp_dir.iterdir():
+        if item.name != "config.json":
+            item.replace(out_dir / item.name)
+    (tmp_dir / "config.json").replace(out_dir / "config.json")
+    tmp_dir.rmdir()
+    return out_dir

@@ -1,0 +1,70 @@
+"""Shared test utilities: a teacher-forcing driver and the transformers reference."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.worker.scheduler import ScheduledSequence, SchedulerOutput
+from nanovllm.worker.sequence import Sequence
+
+
+@lru_cache(maxsize=8)
+def hf_model(model_dir: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    model = hf_model(model_dir)
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        eos_token_id=None,  # like ignore_eos: run to max_new_tokens without banning EOS
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@torch.inference_mode()
+def hf_logits(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
+    return hf_model(model_dir)(torch.tensor([token_ids])).logits[0].float()
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def teacher_forced_logits(llm: LLM, batch: list[list[int]], chunk: int) -> list[torch.Tensor]:
+    """Feed each sequence through the engine's own runner `chunk` tokens per step, all sequences in the
+    same step, and collect the logits of every position. chunk=1 exercises the decode path."""
+    engine = llm.engine
+    seqs = [Sequence(-1 - i, f"tf{i}", list(ids), greedy(1)) for i, ids in enumerate(batch)]
+    rows: list[list[torch.Tensor]] = [[] for _ in batch]
+    while any(s.num_computed_tokens < s.num_tokens for s in seqs):
+        items = []
+        for seq in seqs:
+            n = min(chunk, seq.num_tokens - seq.num_computed_tokens)
+            if n == 0:
+                continue
+            if not engine.block_manager.allocate_slots(seq, n):
+                raise RuntimeError("test KV cache too small")
+            items.append(ScheduledSequence(seq, seq.num_computed_tokens, n))
+        items.sort(key=lambda s: s.num_new_tokens != 1)
+        sched = SchedulerOutput(items, num_decodes=sum(s.num_new_tokens == 1 for s in items))
+        logits = engine.runner.logits_for(sched)
+        offset = 0
+        for item in sched.scheduled:
+            index = seqs.index(item.seq)
+            rows[index].append(logits[offset : offset + item.num_new_tokens])
+            offset += item.num_new_tokens
+            item.seq.num_computed_tokens += item.num_new_tokens
+    for seq in seqs:
+        engine.block_manager.free(seq)
+    return [torch.cat(r) for r in rows]
