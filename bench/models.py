@@ -19,39 +19,39 @@ DEFAULT_CACHE = Path.home() / ".cache" / "nanovllm" / "bench-models"
 SHAPES: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
     "smollm2-135m": (
         LlamaConfig,
-        dict(
-            hidden_size=576,
-            num_hidden_layers=30,
-            num_attention_heads=9,
-            num_key_value_heads=3,
-            head_dim=64,
-            intermediate_size=1536,
-            vocab_size=49152,
-            tie_word_embeddings=True,
-            rope_theta=100000.0,
-            max_position_embeddings=8192,
-            rms_norm_eps=1e-5,
-            bos_token_id=0,
-            eos_token_id=0,
-        ),
+        {
+            "hidden_size": 576,
+            "num_hidden_layers": 30,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "head_dim": 64,
+            "intermediate_size": 1536,
+            "vocab_size": 49152,
+            "tie_word_embeddings": True,
+            "rope_theta": 100000.0,
+            "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-5,
+            "bos_token_id": 0,
+            "eos_token_id": 0,
+        },
     ),
     "qwen3-0.6b": (
         Qwen3Config,
-        dict(
-            hidden_size=1024,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            intermediate_size=3072,
-            vocab_size=151936,
-            tie_word_embeddings=True,
-            rope_theta=1000000.0,
-            max_position_embeddings=40960,
-            rms_norm_eps=1e-6,
-            bos_token_id=151643,
-            eos_token_id=151645,
-        ),
+        {
+            "hidden_size": 1024,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "intermediate_size": 3072,
+            "vocab_size": 151936,
+            "tie_word_embeddings": True,
+            "rope_theta": 1000000.0,
+            "max_position_embeddings": 40960,
+            "rms_norm_eps": 1e-6,
+            "bos_token_id": 151643,
+            "eos_token_id": 151645,
+        },
     ),
 }
 
@@ -79,7 +79,7 @@ def build_random_model(shape: str, out_dir: Path | None = None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     # Write weights before config.json's presence can mark an interrupted build as complete.
     tmp_dir = out_dir.with_name(out_dir.name + ".partial")
-    model.save_pretrained(tmp_dir, safe_serialization=True)
+    model.save_pretrained(tmp_dir)  # transformers 5 always writes safetensors
     for item in tmp_dir.iterdir():
         if item.name != "config.json":
             item.replace(out_dir / item.name)

@@ -24,7 +24,7 @@ _SIZE_UNITS = {
 }
 
 
-def parse_memory_size(value: str | int | float, available_bytes: int) -> int:
+def parse_memory_size(value: str | float, available_bytes: int) -> int:
     """Turn "2GiB", "512MB", a byte count, or a fraction (0, 1] of `available_bytes` into bytes."""
     if isinstance(value, bool):
         raise ConfigError(f"kv_cache_memory must be a size or a fraction, got {value!r}")
@@ -168,8 +168,6 @@ class EngineConfig:
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.hf_config is None:
             self.hf_config = ModelConfig.from_pretrained_dir(self.model)
-        limit = self.hf_config.max_position_embeddings
-        if self.max_model_len > limit:
-            # Positions beyond the model's trained range are meaningless; clamp (as nano-vllm does) so
-            # the 4096 default works for small models. LLM reports the effective value.
-            self.max_model_len = limit
+        # Positions beyond the model's trained range are meaningless; clamp (as nano-vllm does) so the
+        # 4096 default works for small models. `LLM.config.max_model_len` holds the effective value.
+        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)

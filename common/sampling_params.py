@@ -83,6 +83,4 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-        )
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

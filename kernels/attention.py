@@ -85,7 +85,7 @@ def paged_attention(
         k = _gather_kv(k_cache, meta.prefill_block_tables)
         v = _gather_kv(v_cache, meta.prefill_block_tables)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.prefill_mask, scale=scale, enable_gqa=True)
-        out[nd:] = o.transpose(1, 2).reshape(batch * qlen, heads, head_dim).index_select(
-            0, meta.prefill_token_index
+        out[nd:] = (
+            o.transpose(1, 2).reshape(batch * qlen, heads, head_dim).index_select(0, meta.prefill_token_index)
         )
     return out

@@ -25,8 +25,8 @@ _CORPUS = [
 ] * 20
 
 _CONFIGS = {
-    "qwen3": (Qwen3Config, dict(head_dim=16)),
-    "llama": (LlamaConfig, dict(head_dim=16)),
+    "qwen3": (Qwen3Config, {"head_dim": 16}),
+    "llama": (LlamaConfig, {"head_dim": 16}),
     "qwen2": (Qwen2Config, {}),
 }
 

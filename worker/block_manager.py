@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import xxhash
-
 from nanovllm.common.errors import ConfigError
 from nanovllm.worker.sequence import Sequence
 
@@ -81,7 +80,9 @@ class BlockManager:
         being admitted, the prefix-cache hits in `computed_blocks`). Returns False, changing nothing, when
         there are not enough free blocks."""
         num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
-        needed = self.blocks_needed(num_computed + num_new_tokens) - len(seq.block_table) - len(computed_blocks)
+        needed = (
+            self.blocks_needed(num_computed + num_new_tokens) - len(seq.block_table) - len(computed_blocks)
+        )
         revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
         if needed > self.num_free_blocks - revived:
             return False

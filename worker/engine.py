@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-
 from nanovllm.common.config import EngineConfig
 from nanovllm.common.errors import RequestError
 from nanovllm.common.logging import get_logger
@@ -193,15 +192,17 @@ class LLMEngine:
 
     def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
         params = seq.params
-        if seq.num_output_tokens >= params.min_tokens:
-            if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-                return SequenceStatus.FINISHED_STOPPED
+        is_stop = (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
+        if is_stop and seq.num_output_tokens >= params.min_tokens:
+            return SequenceStatus.FINISHED_STOPPED
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
 
     @staticmethod
-    def _output(seq: Sequence, tokens: list[int], logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
+    def _output(
+        seq: Sequence, tokens: list[int], logprobs: list[TokenLogprobs] | None = None
+    ) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=tokens,

@@ -10,18 +10,19 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from torch import nn
-
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
+from safetensors import safe_open
+from torch import nn
 
 log = get_logger(__name__)
 
 
 def _copy_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
     if param.shape != loaded.shape:
-        raise ConfigError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
+        raise ConfigError(
+            f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}"
+        )
     param.data.copy_(loaded)
 
 
@@ -44,7 +45,7 @@ def load_safetensors(model: nn.Module, model_dir: str | Path) -> None:
     loaded: set[str] = set()
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 if "rotary_emb.inv_freq" in name:
                     continue
                 target, shard_id = name, None

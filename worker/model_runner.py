@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import psutil
 import torch
-
 from nanovllm.common.config import EngineConfig, parse_memory_size
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
@@ -148,7 +147,7 @@ class ModelRunner:
             if item.samples:
                 sample_index.append(len(input_ids) - 1)
         dev = self.device
-        as_long = dict(dtype=torch.long, device=dev)
+        as_long = {"dtype": torch.long, "device": dev}
         nd = sched.num_decodes
         decode_tables = decode_mask = None
         if nd:
@@ -188,5 +187,7 @@ class ModelRunner:
     def _block_tables(self, items: list) -> tuple[torch.Tensor, int]:
         """Block tables padded to the longest, and the padded context length in tokens."""
         width = max(-(-(s.start + s.num_new_tokens) // self.block_size) for s in items)
-        tables = [s.seq.block_table[:width] + [0] * (width - min(width, len(s.seq.block_table))) for s in items]
+        tables = [
+            s.seq.block_table[:width] + [0] * (width - min(width, len(s.seq.block_table))) for s in items
+        ]
         return torch.tensor(tables, dtype=torch.long, device=self.device), width * self.block_size

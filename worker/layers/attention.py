@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from nanovllm.kernels.attention import AttentionMetadata, paged_attention, store_kvcache
+from torch import nn
 
 
 class Attention(nn.Module):

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from nanovllm.worker.layers.parallel import TPContext
+from torch import nn
 
 
 class _ParallelLinear(nn.Module):

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
 from nanovllm.common.errors import ConfigError
 
 

@@ -3,10 +3,10 @@ differences (Qwen3's per-head q/k RMSNorm, Qwen2's qkv bias)."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from nanovllm.common.config import ModelConfig
 from nanovllm.kernels.attention import AttentionMetadata
 from nanovllm.worker.layers.attention import Attention
@@ -15,6 +15,7 @@ from nanovllm.worker.layers.linear import MergedColumnParallelLinear, QKVParalle
 from nanovllm.worker.layers.norm import RMSNorm
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.rotary import RotaryEmbedding
+from torch import nn
 
 
 class DecoderAttention(nn.Module):
@@ -89,7 +90,9 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp, rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
@@ -99,7 +102,7 @@ class DecoderModel(nn.Module):
 
 class DecoderForCausalLM(nn.Module):
     # Checkpoint tensors that are fused into one parameter here: name -> (fused name, shard id).
-    packed_modules_mapping = {
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),
@@ -115,7 +118,9 @@ class DecoderForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,210 @@
+"""The step-level engine API the worker service drives, and its error handling."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from nanovllm.common.errors import ConfigError, RequestError
+
+from nanovllm import LLM, SamplingParams
+from tests.helpers import greedy, hf_logits
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir) -> LLM:
+    return LLM(str(qwen3_dir), max_model_len=128, kv_cache_memory="8MiB", kvcache_block_size=8)
+
+
+def _drain(engine) -> dict[str, list]:
+    outputs: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    return outputs
+
+
+def _all_free(llm: LLM) -> bool:
+    load = llm.engine.load()
+    return load.kv_blocks_used == 0 and load.num_running == 0 and load.num_waiting == 0
+
+
+def test_step_api_streams_deltas_and_one_terminal_output(llm):
+    engine = llm.engine
+    engine.add_request("a", [5, 6, 7], greedy(5))
+    engine.add_request("b", list(range(10, 40)), greedy(3))
+    outputs = _drain(engine)
+    assert [len(o.new_token_ids) for o in outputs["a"]] == [1] * 5
+    assert [o.finish_reason for o in outputs["a"]] == [None] * 4 + ["length"]
+    assert sum(o.finished for o in outputs["b"]) == 1
+    assert outputs["b"][-1].num_prompt_tokens == 30
+    assert _all_free(llm)
+
+
+def test_load_reports_waiting_running_and_blocks(llm):
+    engine = llm.engine
+    for i in range(3):
+        engine.add_request(f"load{i}", list(range(2, 22)), greedy(4))
+    load = engine.load()
+    assert (load.num_waiting, load.num_running, load.kv_blocks_used) == (3, 0, 0)
+    engine.step()
+    load = engine.load()
+    assert load.num_waiting == 0 and load.num_running == 3
+    assert load.kv_blocks_used == 3 * 3  # 20 prompt tokens + 1 new, 8-token blocks, hits share none
+    assert load.kv_blocks_used + load.kv_blocks_free == engine.block_manager.num_blocks
+    _drain(engine)
+    assert _all_free(llm)
+
+
+@pytest.mark.parametrize("when", ["waiting", "running", "mid_prefill"])
+def test_abort_in_any_state_frees_everything(qwen3_dir, when):
+    llm = LLM(str(qwen3_dir), max_model_len=128, kv_cache_memory="8MiB", max_num_batched_tokens=16)
+    engine = llm.engine
+    engine.add_request("x", list(range(2, 60)), greedy(50))
+    if when != "waiting":
+        engine.step()
+    if when == "running":
+        while engine.requests["x"].num_computed_tokens < 58:
+            engine.step()
+    assert engine.abort_request("x")
+    assert not engine.abort_request("x")
+    outputs = _drain(engine)
+    assert [o.finish_reason for o in outputs["x"]] == ["abort"]
+    assert _all_free(llm)
+
+
+def test_stop_token_ids_min_tokens_and_eos(llm):
+    prompt = [9, 8, 7, 6]
+    free_run = llm.generate([prompt], greedy(12), use_tqdm=False)[0]["token_ids"]
+    stop_at = free_run[3]
+    first = free_run.index(stop_at)
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at]), use_tqdm=False
+    )[0]
+    assert out["finish_reason"] == "stop" and out["token_ids"] == free_run[: first + 1]
+    # min_tokens bans the stop token until enough tokens exist: the first output then differs.
+    out = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=first + 2, stop_token_ids=[stop_at]),
+        use_tqdm=False,
+    )[0]
+    assert stop_at not in out["token_ids"][: first + 2]
+    assert _all_free(llm)
+
+
+def test_eos_stops_unless_ignored(qwen3_dir, tmp_path):
+    prompt = [9, 8, 7, 6]
+    base = LLM(str(qwen3_dir), max_model_len=128, kv_cache_memory="8MiB")
+    free_run = base.generate([prompt], greedy(12), use_tqdm=False)[0]["token_ids"]
+    # Same weights, but the config names the 4th generated token as EOS.
+    model_dir = tmp_path / "eos_model"
+    shutil.copytree(qwen3_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["eos_token_id"] = free_run[3]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    (model_dir / "generation_config.json").unlink(missing_ok=True)
+    llm = LLM(str(model_dir), max_model_len=128, kv_cache_memory="8MiB")
+    stopped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    first = free_run.index(free_run[3])
+    assert stopped["token_ids"] == free_run[: first + 1] and stopped["finish_reason"] == "stop"
+    ignored = llm.generate([prompt], greedy(12), use_tqdm=False)[0]
+    assert ignored["token_ids"] == free_run and ignored["finish_reason"] == "length"
+
+
+def test_max_model_len_caps_generation(llm):
+    out = llm.generate([list(range(2, 120))], greedy(100), use_tqdm=False)[0]
+    assert out["finish_reason"] == "length"
+    assert len(out["token_ids"]) == 128 - 118
+
+
+def test_priorities_order_admission(qwen3_dir):
+    llm = LLM(str(qwen3_dir), max_model_len=128, kv_cache_memory="8MiB", max_num_seqs=1)
+    finished: list[str] = []
+    for request_id, priority in [("low", 5), ("high", -1), ("mid", 0), ("mid2", 0)]:
+        llm.engine.add_request(request_id, [3, 4, 5], greedy(2), priority=priority)
+    while llm.engine.has_unfinished_requests():
+        finished += [o.request_id for o in llm.engine.step() if o.finished]
+    assert finished == ["high", "mid", "mid2", "low"]
+
+
+def test_seeded_sampling_reproducible_across_batches(llm):
+    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234, max_tokens=16)
+    prompt = [11, 12, 13, 14, 15]
+    alone = llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"]
+    rng = random.Random(3)
+    others = [[rng.randrange(2, 500) for _ in range(rng.randrange(1, 40))] for _ in range(9)]
+    mixed = others[:4] + [prompt] + others[4:]
+    other_params = [SamplingParams(temperature=1.0, max_tokens=20) for _ in others]
+    outs = llm.generate(mixed, other_params[:4] + [params] + other_params[4:], use_tqdm=False)
+    assert outs[4]["token_ids"] == alone
+
+
+def test_logprobs_match_reference(llm):
+    prompt = [21, 22, 23, 24]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=3, logprobs=4, ignore_eos=True), use_tqdm=False
+    )[0]
+    tokens = prompt + out["token_ids"]
+    ref = torch.log_softmax(hf_logits(llm.config.model, tokens), dim=-1)
+    for i, entry in enumerate(out["logprobs"]):
+        row = ref[len(prompt) - 1 + i]
+        assert entry.token_id == out["token_ids"][i]
+        assert entry.logprob == pytest.approx(row[entry.token_id].item(), abs=1e-4)
+        assert [t for t, _ in entry.top] == row.topk(4).indices.tolist()
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ([], "empty"),
+        (list(range(2, 130)), "128 tokens but max_model_len is 128"),
+        ([5, 512], "outside the vocabulary [0, 512)"),
+    ],
+)
+def test_bad_requests_are_rejected_clearly(llm, prompt, message):
+    with pytest.raises(
+        RequestError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")
+    ):
+        llm.engine.add_request("bad", prompt, greedy(4))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_duplicate_request_id_rejected(llm):
+    llm.engine.add_request("dup", [3], greedy(1))
+    with pytest.raises(RequestError, match="already in flight"):
+        llm.engine.add_request("dup", [3], greedy(1))
+    _drain(llm.engine)
+
+
+def test_kv_cache_too_small_names_the_numbers(qwen3_dir):
+    with pytest.raises(ConfigError, match=r"KV cache holds 2 blocks .* max_model_len=128 needs"):
+        LLM(str(qwen3_dir), max_model_len=128, kvcache_block_size=16, kv_cache_memory=2 * 16 * 512)
+
+
+def test_unknown_llm_argument(qwen3_dir):
+    with pytest.raises(ConfigError, match="unknown LLM arguments \\['max_len'\\]"):
+        LLM(str(qwen3_dir), max_len=10)
+
+
+def test_preemption_then_prefix_hit_regression(qwen3_dir):
+    """nano-vllm bug: a preempted sequence re-admitted on a prefix hit indexed past its block table."""
+    rng = random.Random(5)
+    shared = [rng.randrange(2, 500) for _ in range(24)]
+    prompts = [shared + [rng.randrange(2, 500) for _ in range(rng.randrange(1, 20))] for _ in range(8)]
+    roomy = LLM(str(qwen3_dir), max_model_len=96, kv_cache_memory="8MiB", kvcache_block_size=4)
+    expected = [o["token_ids"] for o in roomy.generate(prompts, greedy(40), use_tqdm=False)]
+    tight = LLM(
+        str(qwen3_dir),
+        max_model_len=96,
+        kvcache_block_size=4,
+        kv_cache_memory=30 * 2048,
+        max_num_batched_tokens=32,
+    )
+    got = [o["token_ids"] for o in tight.generate(prompts, greedy(40), use_tqdm=False)]
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.block_manager.prefix_hit_tokens > 0
+    assert got == expected
+    assert _all_free(tight)
