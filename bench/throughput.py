@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import logging
 import math
 import os
 import platform
@@ -74,13 +75,15 @@ class Workload:
 def make_workload(
     num_seqs: int, vocab: int, input_range: tuple[int, int], output_range: tuple[int, int], seed: int
 ) -> Workload:
-    """Random prompts and output lengths, reproducible from `seed` alone."""
+    """Random prompts and output lengths, reproducible from `seed` alone.
+
+    Lengths are drawn before any token id, so the token counts do not depend on the vocabulary size
+    and the same seed gives the same workload shape for every model.
+    """
     rng = random.Random(seed)
-    prompts, output_lens = [], []
-    for _ in range(num_seqs):
-        length = rng.randint(*input_range)
-        prompts.append([rng.randrange(FIRST_PROMPT_TOKEN, vocab - 1) for _ in range(length)])
-        output_lens.append(rng.randint(*output_range))
+    input_lens = [rng.randint(*input_range) for _ in range(num_seqs)]
+    output_lens = [rng.randint(*output_range) for _ in range(num_seqs)]
+    prompts = [[rng.randrange(FIRST_PROMPT_TOKEN, vocab - 1) for _ in range(n)] for n in input_lens]
     return Workload(prompts, output_lens)
 
 
@@ -107,6 +110,8 @@ class StepRecord:
 
 @dataclass
 class NanoResult:
+    """The timed nanovllm run and the steps it took, which the ceiling is computed from."""
+
     wall_s: float
     output_tokens: int
     steps: list[StepRecord]
@@ -156,6 +161,7 @@ def record_steps(llm: LLM) -> Iterator[list[StepRecord]]:
 
 
 def greedy(max_tokens: int) -> SamplingParams:
+    """Exactly `max_tokens` greedy tokens: ignore_eos keeps the workload independent of the weights."""
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
@@ -164,7 +170,7 @@ def build_llm(model_dir: Path, workload: Workload, args: argparse.Namespace) -> 
     cfg = ModelConfig.from_pretrained_dir(model_dir)
     longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens))
     max_model_len = max(1024, longest + 1)
-    block = 16
+    block = 16  # EngineConfig.kvcache_block_size default
     blocks = sum(math.ceil((len(p) + n) / block) + 1 for p, n in zip(workload.prompts, workload.output_lens))
     bytes_per_block = 2 * cfg.num_hidden_layers * block * cfg.num_key_value_heads * cfg.head_dim * 4
     kv_bytes = max(2 * 2**30, int(blocks * bytes_per_block * 1.1))
@@ -253,6 +259,8 @@ class MatmulCeiling:
 
     @staticmethod
     def _time(fn: Callable[[], None], min_total_s: float = 0.2, min_reps: int = 3) -> float:
+        """Best of several runs: a ceiling is what the hardware can do, and on a shared machine every
+        slower run is someone else's load, not the matmul."""
         fn()  # warm-up: allocator and kernel selection
         times: list[float] = []
         while len(times) < min_reps or sum(times) < min_total_s:
@@ -261,7 +269,7 @@ class MatmulCeiling:
             times.append(time.perf_counter() - t0)
             if len(times) >= 50:
                 break
-        return statistics.median(times)
+        return min(times)
 
     def _measure_stack(self, m: int) -> float:
         in_dims = {w.shape[1] for w in self.layer_weights[0]}
@@ -305,12 +313,15 @@ class MatmulCeiling:
 
 @dataclass
 class HFResult:
+    """One transformers measurement; tokens_per_s is None when it could not run."""
+
     label: str
     tokens_per_s: float | None
     note: str = ""
 
 
 def load_hf(model_dir: Path) -> torch.nn.Module:
+    """A fresh fp32 transformers model (continuous batching may switch a model's attention backend)."""
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     return model.eval()
 
@@ -438,6 +449,14 @@ def machine_description() -> str:
     return f"{model}, nproc {os.cpu_count()}, torch threads {torch.get_num_threads()}"
 
 
+def load_average() -> str:
+    """1/5/15-minute load: on a shared machine, anything above 0 means the timings include other work."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
 def percentile(values: list[int], q: float) -> int:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -517,12 +536,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    # transformers' continuous batching logs through its own logger; its warnings (e.g. "EOS disabled",
+    # which is what this benchmark wants) are noise here, its errors are not.
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
     model_dir = args.model or build_random_model(args.shape)
     cfg = ModelConfig.from_pretrained_dir(model_dir)
     shape = args.shape if args.model is None else f"{model_dir} ({cfg.architecture})"
 
     print(f"date: {datetime.datetime.now().isoformat(timespec='seconds')}")
     print(f"machine: {machine_description()}")
+    print(f"load average at start: {load_average()}")
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}"
     )
@@ -595,6 +619,7 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[tuple[str, float | None, str]] = [("nanovllm", nano.tokens_per_s, "LLM.generate")]
     rows += [(r.label, r.tokens_per_s, r.note) for r in hf_rows]
     rows.append(("matmul ceiling", ceiling_tps, "fp32 linears only at the engine's step sizes"))
+    print(f"\nload average at end: {load_average()} (timings are only comparable on an idle machine)")
     print_summary(rows, nano.tokens_per_s, f"throughput: {len(workload)} requests, {shape}")
     if args.single_stream:
         single_rows: list[tuple[str, float | None, str]] = [("nanovllm", nano_single, "decode only")]
