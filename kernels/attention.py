@@ -3,8 +3,12 @@
 KV cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim]. A sequence's tokens live in
 the blocks its block table lists, token i at slot block_table[i // block_size] * block_size + i % block_size.
 
-A step's tokens are laid out decode-first: the first `num_decode_tokens` rows are one new token each of
-sequences that are decoding; the rest are prefill chunks, sequence after sequence.
+A step's flat token batch is laid out in three segments, each attended in one batched call:
+  decodes   one new token per sequence, attending to everything cached for it;
+  fresh     whole prompts or first chunks (position 0 onwards): they attend only to their own new K/V,
+            so no cache read is needed, just a causal mask;
+  cached    chunks that continue a sequence (chunked prefill, prefix-cache hit): they read earlier K/V
+            from the cache.
 """
 
 from __future__ import annotations
@@ -16,25 +20,40 @@ import torch.nn.functional as F
 
 
 @dataclass
-class AttentionMetadata:
-    """How the flat token batch of one step maps onto sequences and cache slots.
+class DecodeBatch:
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] long
+    mask: torch.Tensor  # [num_seqs, 1, 1, max_blocks * block_size] bool, True = attend
 
-    Built once per step by the model runner and shared by every layer, so masks and gather indices are
-    computed once, not per layer.
-    """
 
-    slot_mapping: torch.Tensor  # [num_tokens] long: where each new token's K/V is written
-    num_decode_tokens: int
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend
-    prefill_block_tables: torch.Tensor | None  # [num_prefills, max_blocks] long
-    prefill_mask: torch.Tensor | None  # [num_prefills, 1, max_query_len, max_blocks * block_size] bool
-    prefill_token_index: torch.Tensor | None  # [num_prefill_tokens] long: row in the padded query layout
-    max_query_len: int = 0
+@dataclass
+class PrefillBatch:
+    """Variable-length chunks padded to [num_seqs, max_query_len]; `token_index` maps each flat token to
+    its row in the padded layout."""
+
+    num_seqs: int
+    max_query_len: int
+    token_index: torch.Tensor  # [num_tokens] long
+    block_tables: torch.Tensor | None = None  # cached segment only
+    mask: torch.Tensor | None = None  # cached segment only: [num_seqs, 1, max_query_len, context] bool
 
     @property
-    def num_prefills(self) -> int:
-        return 0 if self.prefill_block_tables is None else self.prefill_block_tables.shape[0]
+    def num_tokens(self) -> int:
+        return self.token_index.shape[0]
+
+
+@dataclass
+class AttentionMetadata:
+    """How one step's tokens map onto sequences and cache slots; built once per step by the model
+    runner and shared by every layer, so masks and indices are not rebuilt per layer."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] long: where each new token's K/V is written
+    decode: DecodeBatch | None = None
+    fresh: PrefillBatch | None = None
+    cached: PrefillBatch | None = None
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return 0 if self.decode is None else self.decode.block_tables.shape[0]
 
 
 def store_kvcache(
@@ -50,42 +69,55 @@ def store_kvcache(
 
 
 def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[B, max_blocks] block ids -> [B, kv_heads, max_blocks * block_size, head_dim] contiguous K or V."""
+    """[B, max_blocks] block ids -> [B, kv_heads, max_blocks * block_size, head_dim] (a strided view)."""
     blocks = cache.index_select(0, block_tables.flatten())
-    batch = block_tables.shape[0]
-    return blocks.view(batch, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
+    return blocks.view(block_tables.shape[0], -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
+
+
+def _pad(x: torch.Tensor, batch: PrefillBatch) -> torch.Tensor:
+    """[T, heads, D] -> [num_seqs, heads, max_query_len, D], zero rows where a chunk is shorter."""
+    padded = x.new_zeros(batch.num_seqs * batch.max_query_len, *x.shape[1:])
+    padded.index_copy_(0, batch.token_index, x)
+    return padded.view(batch.num_seqs, batch.max_query_len, *x.shape[1:]).transpose(1, 2)
+
+
+def _unpad(out: torch.Tensor, batch: PrefillBatch) -> torch.Tensor:
+    flat = out.transpose(1, 2).reshape(batch.num_seqs * batch.max_query_len, *out.shape[1:2], out.shape[3])
+    return flat.index_select(0, batch.token_index)
 
 
 def paged_attention(
     query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Causal attention of a step's queries ([T, heads, head_dim]) over everything cached for their sequences.
-
-    The new tokens' K/V must already be in the cache (store_kvcache), so prefix-cache hits, chunked
-    prefill and decode all read keys the same way.
-    """
+    """Causal attention for a step's queries [T, heads, D]; key/value [T, kv_heads, D] are this step's new
+    K/V, already written to the cache by store_kvcache."""
     out = torch.empty_like(query)
-    heads, head_dim = query.shape[1], query.shape[2]
-    nd = meta.num_decode_tokens
-    if nd:
-        q = query[:nd].unsqueeze(2)  # [B, H, 1, D]
-        k = _gather_kv(k_cache, meta.decode_block_tables)
-        v = _gather_kv(v_cache, meta.decode_block_tables)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
-        out[:nd] = o.squeeze(2)
-    if meta.num_prefills:
-        batch, qlen = meta.num_prefills, meta.max_query_len
-        padded = query.new_zeros(batch * qlen, heads, head_dim)
-        padded.index_copy_(0, meta.prefill_token_index, query[nd:])
-        q = padded.view(batch, qlen, heads, head_dim).transpose(1, 2)
-        k = _gather_kv(k_cache, meta.prefill_block_tables)
-        v = _gather_kv(v_cache, meta.prefill_block_tables)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.prefill_mask, scale=scale, enable_gqa=True)
-        out[nd:] = (
-            o.transpose(1, 2).reshape(batch * qlen, heads, head_dim).index_select(0, meta.prefill_token_index)
-        )
+    begin = 0
+    if meta.decode is not None:
+        end = begin + meta.num_decode_tokens
+        q = query[begin:end].unsqueeze(2)  # [B, H, 1, D]
+        k = _gather_kv(k_cache, meta.decode.block_tables)
+        v = _gather_kv(v_cache, meta.decode.block_tables)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode.mask, scale=scale, enable_gqa=True)
+        out[begin:end] = o.squeeze(2)
+        begin = end
+    if meta.fresh is not None:
+        batch, end = meta.fresh, begin + meta.fresh.num_tokens
+        q, k, v = (_pad(x[begin:end], batch) for x in (query, key, value))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        out[begin:end] = _unpad(o, batch)
+        begin = end
+    if meta.cached is not None:
+        batch, end = meta.cached, begin + meta.cached.num_tokens
+        q = _pad(query[begin:end], batch)
+        k = _gather_kv(k_cache, batch.block_tables)
+        v = _gather_kv(v_cache, batch.block_tables)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=scale, enable_gqa=True)
+        out[begin:end] = _unpad(o, batch)
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 
 import psutil
@@ -10,12 +11,12 @@ import torch
 from nanovllm.common.config import EngineConfig, parse_memory_size
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
-from nanovllm.kernels.attention import AttentionMetadata
+from nanovllm.kernels.attention import AttentionMetadata, DecodeBatch, PrefillBatch
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.loader import load_safetensors
 from nanovllm.worker.models.decoder import DecoderForCausalLM
 from nanovllm.worker.sampler import Sampler, SamplerOutput, SamplingRow
-from nanovllm.worker.scheduler import SchedulerOutput
+from nanovllm.worker.scheduler import ScheduledSequence, SchedulerOutput
 
 log = get_logger(__name__)
 
@@ -133,61 +134,60 @@ class ModelRunner:
     def _prepare(
         self, sched: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Flat input ids, positions, attention metadata, and the rows whose logits are sampled (in
+        scheduler order). Tokens are laid out decodes, then fresh prompts, then continuing chunks."""
         bs = self.block_size
+        nd = sched.num_decodes
+        decodes = sched.scheduled[:nd]
+        fresh = [s for s in sched.scheduled[nd:] if s.start == 0]
+        cached = [s for s in sched.scheduled[nd:] if s.start > 0]
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        sample_index: list[int] = []
-        for item in sched.scheduled:
+        last_row: dict[int, int] = {}
+        for item in itertools.chain(decodes, fresh, cached):
             seq, start, end = item.seq, item.start, item.start + item.num_new_tokens
             table = seq.block_table
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if item.samples:
-                sample_index.append(len(input_ids) - 1)
+            last_row[seq.seq_id] = len(input_ids) - 1
+        sample_index = [last_row[s.seq.seq_id] for s in sched.scheduled if s.samples]
+        meta = AttentionMetadata(
+            slot_mapping=self._long(slots),
+            decode=self._decode_batch(decodes) if decodes else None,
+            fresh=self._prefill_batch(fresh, with_cache=False) if fresh else None,
+            cached=self._prefill_batch(cached, with_cache=True) if cached else None,
+        )
+        return self._long(input_ids), self._long(positions), meta, self._long(sample_index)
+
+    def _long(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _decode_batch(self, items: list[ScheduledSequence]) -> DecodeBatch:
+        tables, context = self._block_tables(items)
+        context_lens = self._long([s.start + 1 for s in items])
+        mask = torch.arange(context, device=self.device) < context_lens[:, None]
+        return DecodeBatch(block_tables=tables, mask=mask[:, None, None, :])
+
+    def _prefill_batch(self, items: list[ScheduledSequence], with_cache: bool) -> PrefillBatch:
         dev = self.device
-        as_long = {"dtype": torch.long, "device": dev}
-        nd = sched.num_decodes
-        decode_tables = decode_mask = None
-        if nd:
-            decode_tables, context = self._block_tables(sched.scheduled[:nd])
-            context_lens = torch.tensor([s.start + 1 for s in sched.scheduled[:nd]], **as_long)
-            decode_mask = (torch.arange(context, device=dev) < context_lens[:, None])[:, None, None, :]
-        prefill_tables = prefill_mask = token_index = None
-        prefills = sched.scheduled[nd:]
-        max_q = max((s.num_new_tokens for s in prefills), default=0)
-        if prefills:
-            prefill_tables, context = self._block_tables(prefills)
-            starts = torch.tensor([s.start for s in prefills], **as_long)
-            q_lens = torch.tensor([s.num_new_tokens for s in prefills], **as_long)
+        max_q = max(s.num_new_tokens for s in items)
+        q_lens = self._long([s.num_new_tokens for s in items])
+        token_index = (torch.arange(max_q, device=dev) < q_lens[:, None]).flatten().nonzero().squeeze(1)
+        batch = PrefillBatch(num_seqs=len(items), max_query_len=max_q, token_index=token_index)
+        if with_cache:
+            batch.block_tables, context = self._block_tables(items)
+            starts = self._long([s.start for s in items])
             q_pos = starts[:, None] + torch.arange(max_q, device=dev)  # [P, max_q]
             k_pos = torch.arange(context, device=dev)
-            prefill_mask = (k_pos <= q_pos[:, :, None]) & (k_pos < (starts + q_lens)[:, None, None])
-            prefill_mask = prefill_mask[:, None]
-            rows = torch.arange(max_q, device=dev) < q_lens[:, None]
-            token_index = rows.flatten().nonzero().squeeze(1)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, **as_long),
-            num_decode_tokens=nd,
-            decode_block_tables=decode_tables,
-            decode_mask=decode_mask,
-            prefill_block_tables=prefill_tables,
-            prefill_mask=prefill_mask,
-            prefill_token_index=token_index,
-            max_query_len=max_q,
-        )
-        return (
-            torch.tensor(input_ids, **as_long),
-            torch.tensor(positions, **as_long),
-            meta,
-            torch.tensor(sample_index, **as_long),
-        )
+            # Padded query rows (past a chunk's end) still see valid keys, so no row is fully masked.
+            mask = (k_pos <= q_pos[:, :, None]) & (k_pos < (starts + q_lens)[:, None, None])
+            batch.mask = mask[:, None]
+        return batch
 
-    def _block_tables(self, items: list) -> tuple[torch.Tensor, int]:
+    def _block_tables(self, items: list[ScheduledSequence]) -> tuple[torch.Tensor, int]:
         """Block tables padded to the longest, and the padded context length in tokens."""
         width = max(-(-(s.start + s.num_new_tokens) // self.block_size) for s in items)
-        tables = [
-            s.seq.block_table[:width] + [0] * (width - min(width, len(s.seq.block_table))) for s in items
-        ]
+        tables = [s.seq.block_table[:width] + [0] * (width - len(s.seq.block_table[:width])) for s in items]
         return torch.tensor(tables, dtype=torch.long, device=self.device), width * self.block_size

@@ -23,5 +23,4 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """q: [T, heads, D]; k, v: [T, kv_heads, D]. Returns [T, heads * D]."""
         store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
-        return out.flatten(1)
+        return paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale).flatten(1)

@@ -20,3 +20,22 @@ class RMSNorm(nn.Module):
         """Returns (norm(x + residual), x + residual): the new residual stream is needed downstream."""
         residual = x.add_(residual)
         return self.forward(residual), residual
+
+
+class HeadRMSNorm(nn.Module):
+    """Qwen3's per-head RMSNorm of q and k, applied to the stacked [T, q_heads + kv_heads, D] view in one
+    pass: the q and k weights are packed into one [heads, D] parameter at load time."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.num_heads = num_heads
+        self.weight = nn.Parameter(torch.ones(num_heads + num_kv_heads, head_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        rows = slice(0, self.num_heads) if shard_id == "q" else slice(self.num_heads, None)
+        param.data[rows] = loaded
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, x.shape[-1:], None, self.eps).mul_(self.weight)

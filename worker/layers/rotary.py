@@ -1,4 +1,8 @@
-"""Rotary position embedding (RoPE), rotate-half convention as in Llama/Qwen checkpoints."""
+"""Rotary position embedding (RoPE), rotate-half convention as in Llama/Qwen checkpoints.
+
+The cos/sin rows for a step's positions are looked up once per forward and shared by all layers; q and k
+heads are rotated together in one pass.
+"""
 
 from __future__ import annotations
 
@@ -11,17 +15,17 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        # cos and sin side by side so one index_select fetches both for a batch of positions.
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        # rotate_half(x) * sin == swap_halves(x) * [-sin, sin]: fold the sign into the table.
+        table = torch.cat([cos, cos, -sin, sin], dim=-1)
+        self.register_buffer("table", table, persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies in q's dtype."""
-        cos, sin = self.cos_sin.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin), each [T, 1, head_dim], for the step's positions."""
+        return self.table.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] (q and k heads may be stacked) into a new tensor."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)

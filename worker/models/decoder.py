@@ -12,14 +12,14 @@ from nanovllm.kernels.attention import AttentionMetadata
 from nanovllm.worker.layers.attention import Attention
 from nanovllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.worker.layers.norm import RMSNorm
+from nanovllm.worker.layers.norm import HeadRMSNorm, RMSNorm
 from nanovllm.worker.layers.parallel import TPContext
-from nanovllm.worker.layers.rotary import RotaryEmbedding
+from nanovllm.worker.layers.rotary import RotaryEmbedding, apply_rotary
 from torch import nn
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
         super().__init__()
         d = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(
@@ -27,21 +27,23 @@ class DecoderAttention(nn.Module):
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, cfg.spec.o_bias, tp)
-        self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, d)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.spec.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.spec.qk_norm else None
-        self.split = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
+        self.qk_norm = (
+            HeadRMSNorm(self.num_heads, self.num_kv_heads, d, cfg.rms_norm_eps) if cfg.spec.qk_norm else None
+        )
         self.head_dim = d
+        self.qk_size = (self.num_heads + self.num_kv_heads) * d
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+    def forward(
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        tokens, d = qkv.shape[0], self.head_dim
+        qk = qkv[:, : self.qk_size].view(tokens, -1, d)
+        if self.qk_norm is not None:
+            qk = self.qk_norm(qk)
+        q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.qk_size :].view(tokens, self.num_kv_heads, d)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -58,16 +60,16 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(cfg, tp, rotary)
+        self.self_attn = DecoderAttention(cfg, tp)
         self.mlp = DecoderMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         x: torch.Tensor,
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
@@ -76,7 +78,7 @@ class DecoderLayer(nn.Module):
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm.add_and_norm(x, residual)
-        x = self.self_attn(positions, x, meta)
+        x = self.self_attn(rope, x, meta)
         x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
         return self.mlp(x), residual
 
@@ -85,17 +87,17 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        # One rotary table shared by all layers: it only depends on head_dim and theta.
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, rotary) for _ in range(cfg.num_hidden_layers))
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary.lookup(positions)  # once per step, shared by every layer
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
+            x, residual = layer(rope, x, residual, meta)
         x, _ = self.norm.add_and_norm(x, residual)
         return x
 
@@ -106,6 +108,8 @@ class DecoderForCausalLM(nn.Module):
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),
+        "q_norm": ("qk_norm", "q"),
+        "k_norm": ("qk_norm", "k"),
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
