@@ -39,11 +39,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench.models` when run as a script
 
 import transformers
-from nanovllm.common.config import ModelConfig
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from bench.models import SHAPES, build_random_model
 from nanovllm import LLM, SamplingParams
+from nanovllm.common.config import ModelConfig
 
 # Token ids below this are often special (bos/eos/pad) in real vocabularies; keep prompts clear of them.
 FIRST_PROMPT_TOKEN = 10

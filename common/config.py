@@ -94,6 +94,11 @@ class ModelConfig:
         spec = ArchitectureSpec(
             qk_norm=base.qk_norm, qkv_bias=base.qkv_bias or attention_bias, o_bias=attention_bias
         )
+        if cfg.get("use_sliding_window") or cfg.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(
+                f"sliding-window attention (use_sliding_window={cfg.get('use_sliding_window')}) and activations "
+                f"other than silu (hidden_act={cfg.get('hidden_act')!r}) are not supported"
+            )
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
@@ -118,6 +123,16 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             spec=spec,
         )
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameter count implied by the shape (biases and norms ignored): sizes memory checks."""
+        attention = (
+            self.hidden_size * self.head_dim * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
+        )
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * (attention + mlp) + embeddings
 
     @classmethod
     def from_pretrained_dir(cls, path: str | Path) -> ModelConfig:
@@ -152,6 +167,8 @@ class EngineConfig:
     enforce_eager: bool = True
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
+    # "auto": the C++ decode-attention kernel on CPU when it builds, else PyTorch; "torch"; "cpu_kernel".
+    attention_backend: str = "auto"
     seed: int = 0
     hf_config: ModelConfig | None = field(default=None, repr=False)
 
@@ -166,6 +183,10 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "torch", "cpu_kernel"):
+            raise ConfigError(
+                f"attention_backend must be auto, torch or cpu_kernel, got {self.attention_backend!r}"
+            )
         if self.hf_config is None:
             self.hf_config = ModelConfig.from_pretrained_dir(self.model)
         # Positions beyond the model's trained range are meaningless; clamp (as nano-vllm does) so the

@@ -13,6 +13,7 @@ A step's flat token batch is laid out in three segments, each attended in one ba
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 @dataclass
 class DecodeBatch:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] long
+    context_lens: torch.Tensor  # [num_seqs] long: tokens each query attends to, itself included
     mask: torch.Tensor  # [num_seqs, 1, 1, max_blocks * block_size] bool, True = attend
 
 
@@ -86,6 +88,23 @@ def _unpad(out: torch.Tensor, batch: PrefillBatch) -> torch.Tensor:
     return flat.index_select(0, batch.token_index)
 
 
+def decode_attention(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float
+) -> torch.Tensor:
+    """One query per sequence [B, heads, D] over its cached context (PyTorch: gather, then SDPA)."""
+    k = _gather_kv(k_cache, batch.block_tables)
+    v = _gather_kv(v_cache, batch.block_tables)
+    out = F.scaled_dot_product_attention(
+        query.unsqueeze(2), k, v, attn_mask=batch.mask, scale=scale, enable_gqa=True
+    )
+    return out.squeeze(2)
+
+
+DecodeKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
+
+
 def paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -94,18 +113,25 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    decode_kernel: DecodeKernel | None = None,
 ) -> torch.Tensor:
     """Causal attention for a step's queries [T, heads, D]; key/value [T, kv_heads, D] are this step's new
-    K/V, already written to the cache by store_kvcache."""
+    K/V, already written to the cache by store_kvcache. `decode_kernel(query, k_cache, v_cache,
+    block_tables, context_lens, scale)` replaces the PyTorch decode path when given (kernels/csrc)."""
     out = torch.empty_like(query)
     begin = 0
     if meta.decode is not None:
         end = begin + meta.num_decode_tokens
-        q = query[begin:end].unsqueeze(2)  # [B, H, 1, D]
-        k = _gather_kv(k_cache, meta.decode.block_tables)
-        v = _gather_kv(v_cache, meta.decode.block_tables)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode.mask, scale=scale, enable_gqa=True)
-        out[begin:end] = o.squeeze(2)
+        batch = meta.decode
+        if decode_kernel is not None:
+            o = decode_kernel(
+                query[begin:end], k_cache, v_cache, batch.block_tables, batch.context_lens, scale
+            )
+        else:
+            o = decode_attention(query[begin:end], k_cache, v_cache, batch, scale)
+        if end == query.shape[0]:
+            return o  # decode-only step: nothing else to place
+        out[begin:end] = o
         begin = end
     if meta.fresh is not None:
         batch, end = meta.fresh, begin + meta.fresh.num_tokens

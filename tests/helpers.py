@@ -6,11 +6,11 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
-from nanovllm.worker.scheduler import ScheduledSequence, SchedulerOutput
-from nanovllm.worker.sequence import Sequence
 from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.worker.scheduler import ScheduledSequence, SchedulerOutput
+from nanovllm.worker.sequence import Sequence
 
 
 @lru_cache(maxsize=8)

@@ -56,6 +56,7 @@ def build_model(
     tie: bool = False,
     seed: int = 0,
     max_position: int = 1024,
+    max_shard_size: str | None = None,
 ) -> Path:
     """Save a random `arch` model ("qwen3", "llama", "qwen2") with a tokenizer into out_dir."""
     config_cls, extra = _CONFIGS[arch]
@@ -87,6 +88,6 @@ def build_model(
         if not tie:
             model.lm_head.weight.mul_(4.0)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
+    model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     build_tokenizer().save_pretrained(out_dir)
     return out_dir

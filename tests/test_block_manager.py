@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.worker.block_manager import BlockManager
 from nanovllm.worker.sequence import Sequence

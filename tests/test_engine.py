@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 import torch
-from nanovllm.common.errors import ConfigError, RequestError
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.common.errors import ConfigError, RequestError
 from tests.helpers import greedy, hf_logits
 
 

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.worker.sampler import (
     Sampler,

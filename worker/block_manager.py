@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import xxhash
+
 from nanovllm.common.errors import ConfigError
 from nanovllm.worker.sequence import Sequence
 

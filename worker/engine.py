@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
 from nanovllm.common.config import EngineConfig
 from nanovllm.common.errors import RequestError
 from nanovllm.common.logging import get_logger

@@ -8,11 +8,12 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from nanovllm.common.config import EngineConfig
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.worker.engine import LLMEngine
-from tqdm.auto import tqdm
 
 
 def load_tokenizer(model_dir: str | Path) -> Any | None:

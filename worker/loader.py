@@ -10,10 +10,11 @@ import json
 from pathlib import Path
 
 import torch
-from nanovllm.common.errors import ConfigError
-from nanovllm.common.logging import get_logger
 from safetensors import safe_open
 from torch import nn
+
+from nanovllm.common.errors import ConfigError
+from nanovllm.common.logging import get_logger
 
 log = get_logger(__name__)
 

@@ -8,10 +8,12 @@ from dataclasses import dataclass
 
 import psutil
 import torch
+
 from nanovllm.common.config import EngineConfig, parse_memory_size
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
-from nanovllm.kernels.attention import AttentionMetadata, DecodeBatch, PrefillBatch
+from nanovllm.kernels.attention import AttentionMetadata, DecodeBatch, DecodeKernel, PrefillBatch
+from nanovllm.kernels.cpu_kernels import load_cpu_kernels
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.loader import load_safetensors
 from nanovllm.worker.models.decoder import DecoderForCausalLM
@@ -62,6 +64,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.kvcache_block_size
         cfg = config.hf_config
+        self._check_weights_fit()
         with _default_dtype(self.dtype), self.device:
             self.model = DecoderForCausalLM(cfg, self.tp)
         load_safetensors(self.model, config.model)
@@ -69,6 +72,29 @@ class ModelRunner:
         self.num_blocks = self._allocate_kv_cache()
         generator = torch.Generator(self.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
+
+    def _check_weights_fit(self) -> None:
+        if self.device.type != "cpu":
+            return  # on CUDA the allocator's own out-of-memory error already names the sizes
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        needed = self.config.hf_config.num_parameters * element // self.tp.size
+        available = psutil.virtual_memory().available
+        if needed > available:
+            raise ConfigError(
+                f"the model's weights need {needed / 2**30:.2f} GiB in {self.dtype} but only "
+                f"{available / 2**30:.2f} GiB of RAM is available"
+            )
+
+    def _decode_kernel(self) -> DecodeKernel | None:
+        backend = self.config.attention_backend
+        if backend == "torch" or self.device.type != "cpu" or self.dtype != torch.float32:
+            return None
+        kernels = load_cpu_kernels()
+        if kernels is None and backend == "cpu_kernel":
+            raise ConfigError(
+                "attention_backend='cpu_kernel' but the C++ CPU kernel failed to build (see log)"
+            )
+        return None if kernels is None else kernels.paged_decode_attention
 
     def _kv_bytes_per_block(self) -> int:
         cfg = self.config.hf_config
@@ -104,8 +130,10 @@ class ModelRunner:
         kv_heads = cfg.num_key_value_heads // self.tp.size
         shape = (2, cfg.num_hidden_layers, num_blocks, self.block_size, kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        decode_kernel = self._decode_kernel()
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            attn.decode_kernel = decode_kernel
         log.info(
             "kv_cache_allocated",
             num_blocks=num_blocks,
@@ -168,7 +196,7 @@ class ModelRunner:
         tables, context = self._block_tables(items)
         context_lens = self._long([s.start + 1 for s in items])
         mask = torch.arange(context, device=self.device) < context_lens[:, None]
-        return DecodeBatch(block_tables=tables, mask=mask[:, None, None, :])
+        return DecodeBatch(block_tables=tables, context_lens=context_lens, mask=mask[:, None, None, :])
 
     def _prefill_batch(self, items: list[ScheduledSequence], with_cache: bool) -> PrefillBatch:
         dev = self.device

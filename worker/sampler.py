@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from nanovllm.common.sampling_params import SamplingParams
 
 __all__ = [

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 import torch
+
 from nanovllm.common.errors import InvalidStateTransition
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.worker.sampler import TokenLogprobs

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-from nanovllm.kernels.attention import AttentionMetadata, paged_attention, store_kvcache
 from torch import nn
+
+from nanovllm.kernels.attention import AttentionMetadata, DecodeKernel, paged_attention, store_kvcache
 
 
 class Attention(nn.Module):
@@ -17,10 +18,12 @@ class Attention(nn.Module):
         # Bound by the model runner once the cache is allocated: [num_blocks, block_size, kv_heads, head_dim].
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.decode_kernel: DecodeKernel | None = None  # set by the model runner (e.g. the C++ CPU kernel)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q: [T, heads, D]; k, v: [T, kv_heads, D]. Returns [T, heads * D]."""
         store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        return paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale).flatten(1)
+        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.decode_kernel)
+        return out.flatten(1)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from nanovllm.worker.layers.parallel import TPContext
 from torch import nn
+
+from nanovllm.worker.layers.parallel import TPContext
 
 
 class _ParallelLinear(nn.Module):

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
 from nanovllm.common.errors import ConfigError
 
 

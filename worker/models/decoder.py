@@ -7,6 +7,8 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from nanovllm.common.config import ModelConfig
 from nanovllm.kernels.attention import AttentionMetadata
 from nanovllm.worker.layers.attention import Attention
@@ -15,7 +17,6 @@ from nanovllm.worker.layers.linear import MergedColumnParallelLinear, QKVParalle
 from nanovllm.worker.layers.norm import HeadRMSNorm, RMSNorm
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.rotary import RotaryEmbedding, apply_rotary
-from torch import nn
 
 
 class DecoderAttention(nn.Module):

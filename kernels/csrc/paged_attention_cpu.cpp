@@ -1,0 +1,99 @@
+// Decode attention straight from the paged KV cache, for CPUs.
+//
+// The PyTorch reference (kernels/attention.py) first gathers every sequence's blocks into a padded
+// tensor and then calls SDPA: on a CPU that copy and the padded reads cost as much as the attention
+// itself. Here each (sequence, kv head) task walks its block table in place, so K and V are read once.
+// The query heads that share a kv head (GQA) are handled together, so each K/V row is loaded once.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+}  // namespace
+
+// query [B, H, D], caches [num_blocks, block_size, KV, D], block_tables [B, max_blocks] (int64),
+// context_lens [B] (int64). Returns [B, H, D].
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
+                  v_cache.scalar_type() == torch::kFloat32,
+              "paged_decode_attention: float32 only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode_attention: caches must be contiguous");
+  query = query.contiguous();
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t group = heads / kv_heads, max_blocks = block_tables.size(1);
+  TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == dim, "paged_decode_attention: shape mismatch");
+  auto out = torch::empty_like(query);
+
+  const float* q = query.data_ptr<float>();
+  const float* kc = k_cache.data_ptr<float>();
+  const float* vc = v_cache.data_ptr<float>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  const int64_t token_stride = kv_heads * dim;  // between consecutive tokens of one block
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, kvh = task % kv_heads;
+      const int64_t len = lens[b];
+      const int64_t* table = tables + b * max_blocks;
+      scores.assign(group * len, 0.f);
+      // Pass 1: scores[g, t] = q_g . k_t * scale, one K row serving every query head of the group.
+      for (int64_t t = 0; t < len; ++t) {
+        const float* k = kc + (table[t / block_size] * block_size + t % block_size) * token_stride + kvh * dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = q + (b * heads + kvh * group + g) * dim;
+          scores[g * len + t] = dot(qg, k, dim) * fscale;
+        }
+      }
+      // Softmax per query head.
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * len;
+        const float mx = *std::max_element(s, s + len);
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          s[t] = std::exp(s[t] - mx);
+          sum += s[t];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+      }
+      // Pass 2: out_g = sum_t p[g, t] * v_t.
+      for (int64_t g = 0; g < group; ++g) std::fill_n(o + (b * heads + kvh * group + g) * dim, dim, 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const float* v = vc + (table[t / block_size] * block_size + t % block_size) * token_stride + kvh * dim;
+        for (int64_t g = 0; g < group; ++g) {
+          axpy(scores[g * len + t], v, o + (b * heads + kvh * group + g) * dim, dim);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "Decode attention over a paged KV cache (CPU, fp32)");
+}
