@@ -52,13 +52,20 @@ class EngineLoad:
 
 @dataclass
 class StepStats:
-    """Timing of the last step, split so the benchmark can report Python overhead on its own."""
+    """Timing of the last step, split so the benchmark can report the Python overhead (scheduling, input
+    preparation, sampling, applying results) apart from the model's forward pass (LM head included)."""
 
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     schedule_s: float = 0.0
-    execute_s: float = 0.0
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
     update_s: float = 0.0
+
+    @property
+    def overhead_s(self) -> float:
+        return self.schedule_s + self.prepare_s + self.sample_s + self.update_s
 
 
 class LLMEngine:
@@ -150,7 +157,9 @@ class LLMEngine:
             num_prefill_tokens=sched.num_tokens - sched.num_decodes,
             num_decode_tokens=sched.num_decodes,
             schedule_s=t1 - t0,
-            execute_s=t2 - t1,
+            prepare_s=result.prepare_s,
+            forward_s=result.forward_s,
+            sample_s=result.sample_s,
             update_s=t3 - t2,
         )
         return outputs

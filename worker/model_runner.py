@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from dataclasses import dataclass
 
 import psutil
@@ -50,15 +51,24 @@ def _default_dtype(dtype: torch.dtype):
 
 @dataclass
 class ModelRunnerOutput:
-    """New tokens for the scheduled sequences that reached the end of their known tokens, in order."""
+    """New tokens for the scheduled sequences that reached the end of their known tokens, in order,
+    and where the step's time went (input preparation and sampling are the runner's overhead)."""
 
     sampled_seq_ids: list[int]
     sampler_output: SamplerOutput
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TPContext | None = None) -> None:
         self.config = config
+        if config.tensor_parallel_size != 1 and tp is None:
+            raise ConfigError(
+                f"tensor_parallel_size={config.tensor_parallel_size}: the layers are sharding-ready but the "
+                f"multi-process runner is not built yet; use tensor_parallel_size=1"
+            )
         self.tp = tp or TPContext()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -145,13 +155,17 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, rows: list[SamplingRow]) -> ModelRunnerOutput:
         """Run one step. `rows` gives sampling state for the sequences whose chunk `samples`, in order."""
+        t0 = time.perf_counter()
         input_ids, positions, meta, sample_index = self._prepare(sched)
+        t1 = time.perf_counter()
         hidden = self.model(input_ids, positions, meta)
         sampled = [s.seq.seq_id for s in sched.scheduled if s.samples]
         if not sampled:
-            return ModelRunnerOutput([], SamplerOutput([], []))
+            return ModelRunnerOutput([], SamplerOutput([], []), t1 - t0, time.perf_counter() - t1)
         logits = self.model.compute_logits(hidden.index_select(0, sample_index)).float()
-        return ModelRunnerOutput(sampled, self.sampler(logits, rows))
+        t2 = time.perf_counter()
+        output = self.sampler(logits, rows)
+        return ModelRunnerOutput(sampled, output, t1 - t0, t2 - t1, time.perf_counter() - t2)
 
     @torch.inference_mode()
     def logits_for(self, sched: SchedulerOutput) -> torch.Tensor:
