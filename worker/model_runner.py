@@ -6,6 +6,7 @@ import contextlib
 import itertools
 import time
 from dataclasses import dataclass
+from types import ModuleType
 
 import psutil
 import torch
@@ -13,8 +14,9 @@ import torch
 from nanovllm.common.config import EngineConfig, parse_memory_size
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
-from nanovllm.kernels.attention import AttentionMetadata, DecodeBatch, DecodeKernel, PrefillBatch
+from nanovllm.kernels.attention import AttentionMetadata, DecodeBatch, PrefillBatch
 from nanovllm.kernels.cpu_kernels import load_cpu_kernels
+from nanovllm.worker.layers.norm import RMSNorm
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.loader import load_safetensors
 from nanovllm.worker.models.decoder import DecoderForCausalLM
@@ -95,16 +97,17 @@ class ModelRunner:
                 f"{available / 2**30:.2f} GiB of RAM is available"
             )
 
-    def _decode_kernel(self) -> DecodeKernel | None:
+    def _cpu_kernels(self) -> ModuleType | None:
+        """The C++ kernels (decode attention, RMSNorm) when configured and buildable, else None."""
         backend = self.config.attention_backend
         if backend == "torch" or self.device.type != "cpu" or self.dtype != torch.float32:
             return None
         kernels = load_cpu_kernels()
         if kernels is None and backend == "cpu_kernel":
             raise ConfigError(
-                "attention_backend='cpu_kernel' but the C++ CPU kernel failed to build (see log)"
+                "attention_backend='cpu_kernel' but the C++ CPU kernels failed to build (see log)"
             )
-        return None if kernels is None else kernels.paged_decode_attention
+        return kernels
 
     def _kv_bytes_per_block(self) -> int:
         cfg = self.config.hf_config
@@ -140,10 +143,13 @@ class ModelRunner:
         kv_heads = cfg.num_key_value_heads // self.tp.size
         shape = (2, cfg.num_hidden_layers, num_blocks, self.block_size, kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        decode_kernel = self._decode_kernel()
+        cpu_kernels = self._cpu_kernels()
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-            attn.decode_kernel = decode_kernel
+            attn.decode_kernel = None if cpu_kernels is None else cpu_kernels.paged_decode_attention
+        for module in self.model.modules():
+            if isinstance(module, RMSNorm):
+                module.cpu_kernels = cpu_kernels
         log.info(
             "kv_cache_allocated",
             num_blocks=num_blocks,

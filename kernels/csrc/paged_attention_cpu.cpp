@@ -124,6 +124,51 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
   return out;
 }
 
+// RMSNorm of each row of x [T, H] into out (which may alias x).
+static void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t hidden, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = x + r * hidden;
+      float* yr = out + r * hidden;
+      float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+      for (int64_t i = 0; i < hidden; ++i) sq += xr[i] * xr[i];
+      const float inv = 1.f / std::sqrt(sq / static_cast<float>(hidden) + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) yr[i] = xr[i] * inv * w[i];
+    }
+  });
+}
+
+// One call instead of the half-dozen ops of the PyTorch RMSNorm: at batch 1 every op launch costs more
+// than its arithmetic, and a decoder layer has two norms.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && weight.is_contiguous(),
+              "rms_norm: contiguous float32 only");
+  auto out = torch::empty_like(x);
+  const int64_t hidden = x.size(-1);
+  rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), x.numel() / hidden, hidden,
+                static_cast<float>(eps));
+  return out;
+}
+
+// In place: residual += x, then x = RMSNorm(residual) * weight (the pre-norm residual stream update).
+void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && residual.is_contiguous() &&
+                  weight.is_contiguous() && x.sizes() == residual.sizes(),
+              "add_rms_norm_: contiguous float32 tensors of one shape only");
+  const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
+  float* xp = x.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  at::parallel_for(0, rows * hidden, 4096, [&](int64_t begin, int64_t end) {
+#pragma omp simd
+    for (int64_t i = begin; i < end; ++i) rp[i] += xp[i];
+  });
+  rms_norm_rows(rp, weight.data_ptr<float>(), xp, rows, hidden, static_cast<float>(eps));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Decode attention over a paged KV cache (CPU, fp32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (CPU, fp32)");
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = RMSNorm(residual) (CPU, fp32, in place)");
 }

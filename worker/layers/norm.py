@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,12 +14,19 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        # Set by the model runner to the C++ CPU kernels (kernels/csrc) when they are in use.
+        self.cpu_kernels: ModuleType | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernels is not None:
+            return self.cpu_kernels.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (norm(x + residual), x + residual): the new residual stream is needed downstream."""
+        """Returns (norm(x + residual), x + residual), reusing both buffers: the caller owns them."""
+        if self.cpu_kernels is not None:
+            self.cpu_kernels.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
         residual = x.add_(residual)
         return self.forward(residual), residual
 
