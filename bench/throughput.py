@@ -241,8 +241,7 @@ class MatmulCeiling:
 
     ALL_LAYERS_UP_TO = 256
 
-    def __init__(self, model: torch.nn.Module, statistic: Callable[[list[float]], float] = min) -> None:
-        self.statistic = statistic
+    def __init__(self, model: torch.nn.Module) -> None:
         self.layer_weights = [
             [
                 layer.self_attn.qkv_proj.weight,
@@ -256,10 +255,10 @@ class MatmulCeiling:
         self._stack: dict[int, float] = {}
         self._head: dict[int, float] = {}
 
-    def _time(self, fn: Callable[[], None], min_total_s: float = 0.2, min_reps: int = 5) -> float:
-        """`statistic` of several runs. `min` is what the hardware can do at its best moment; `median`
-        is its typical speed, the fairer match for engines timed over one long run on a shared,
-        noisy machine. The benchmark reports both."""
+    @staticmethod
+    def _time(fn: Callable[[], None], min_total_s: float = 0.2, min_reps: int = 3) -> float:
+        """Best of several runs: a ceiling is what the hardware can do, and on a shared machine every
+        slower run is someone else's load, not the matmul."""
         fn()  # warm-up: allocator and kernel selection
         times: list[float] = []
         while len(times) < min_reps or sum(times) < min_total_s:
@@ -268,7 +267,7 @@ class MatmulCeiling:
             times.append(time.perf_counter() - t0)
             if len(times) >= 50:
                 break
-        return self.statistic(times)
+        return min(times)
 
     def _measure_stack(self, m: int) -> float:
         in_dims = {w.shape[1] for w in self.layer_weights[0]}
@@ -581,23 +580,16 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  single stream decode: {nano_single:,.1f} tok/s")
 
     print("\n[ceiling] fp32 linear layers only, at the engine's per-step token counts")
-    best = MatmulCeiling(llm.engine.runner.model, min)
-    best_s = sum(best.step_time(s.num_tokens, s.sampled_rows) for s in nano.steps)
-    print(
-        f"  best-case timings: {best_s:.2f} s = {nano.output_tokens / best_s:,.1f} output tok/s;"
-        f" nanovllm reaches {nano.tokens_per_s * best_s / nano.output_tokens:.1%}"
-    )
-    ceiling = MatmulCeiling(llm.engine.runner.model, statistics.median)
+    ceiling = MatmulCeiling(llm.engine.runner.model)
     ceiling_s = sum(ceiling.step_time(s.num_tokens, s.sampled_rows) for s in nano.steps)
     ceiling_tps = nano.output_tokens / ceiling_s
-    print("  median timings (the ceiling used below):")
     print(
         f"  {ceiling_s:.2f} s = {ceiling_tps:,.1f} output tok/s; nanovllm reaches {nano.tokens_per_s / ceiling_tps:.1%}"
     )
     ceiling_single = 1.0 / ceiling.step_time(1, 1)
     if args.single_stream:
         print(f"  single stream (M=1): {ceiling_single:,.1f} tok/s")
-    del llm, ceiling, best
+    del llm, ceiling
     gc.collect()
 
     hf_rows: list[HFResult] = []
