@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from nanovllm.kernels.cpu_kernels import load_cpu_kernels
 from tests.model_factory import build_model
 
 
@@ -20,3 +21,11 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def qwen3_dir(model_dirs: dict[str, Path]) -> Path:
     return model_dirs["qwen3"]
+
+
+@pytest.fixture(scope="session")
+def kernels():
+    """The C++ CPU kernels; building them must work wherever the suite runs (gcc and Python headers)."""
+    module = load_cpu_kernels()
+    assert module is not None, "the C++ CPU kernels failed to build; see the cpu_kernels_unavailable log line"
+    return module

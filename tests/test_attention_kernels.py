@@ -7,15 +7,7 @@ import torch
 
 from nanovllm import LLM
 from nanovllm.kernels.attention import DecodeBatch, decode_attention
-from nanovllm.kernels.cpu_kernels import load_cpu_kernels
 from tests.helpers import greedy
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    module = load_cpu_kernels()
-    assert module is not None, "the C++ kernel must build on these machines (gcc and Python headers exist)"
-    return module
 
 
 @pytest.mark.parametrize(
