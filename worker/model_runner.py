@@ -82,6 +82,7 @@ class ModelRunner:
         load_safetensors(self.model, config.model)
         self.model.eval()
         self.num_blocks = self._allocate_kv_cache()
+        self._bind_cpu_kernels()
         generator = torch.Generator(self.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
 
@@ -96,6 +97,15 @@ class ModelRunner:
                 f"the model's weights need {needed / 2**30:.2f} GiB in {self.dtype} but only "
                 f"{available / 2**30:.2f} GiB of RAM is available"
             )
+
+    def _bind_cpu_kernels(self) -> None:
+        """Point the attention and RMSNorm layers at the C++ kernels, or leave them on PyTorch."""
+        kernels = self._cpu_kernels()
+        for attn in self.model.attention_layers():
+            attn.decode_kernel = None if kernels is None else kernels.paged_decode_attention
+        for module in self.model.modules():
+            if isinstance(module, RMSNorm):
+                module.cpu_kernels = kernels
 
     def _cpu_kernels(self) -> ModuleType | None:
         """The C++ kernels (decode attention, RMSNorm) when configured and buildable, else None."""
@@ -143,13 +153,8 @@ class ModelRunner:
         kv_heads = cfg.num_key_value_heads // self.tp.size
         shape = (2, cfg.num_hidden_layers, num_blocks, self.block_size, kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        cpu_kernels = self._cpu_kernels()
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-            attn.decode_kernel = None if cpu_kernels is None else cpu_kernels.paged_decode_attention
-        for module in self.model.modules():
-            if isinstance(module, RMSNorm):
-                module.cpu_kernels = cpu_kernels
         log.info(
             "kv_cache_allocated",
             num_blocks=num_blocks,
