@@ -16,7 +16,6 @@ from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
 from nanovllm.kernels.attention import AttentionMetadata, DecodeBatch, PrefillBatch
 from nanovllm.kernels.cpu_kernels import load_cpu_kernels
-from nanovllm.worker.layers.norm import RMSNorm
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.loader import load_safetensors
 from nanovllm.worker.models.decoder import DecoderForCausalLM
@@ -99,12 +98,13 @@ class ModelRunner:
             )
 
     def _bind_cpu_kernels(self) -> None:
-        """Point the attention and RMSNorm layers at the C++ kernels, or leave them on PyTorch."""
+        """Point every layer that has a C++ variant (attention, RMSNorm, RoPE, SwiGLU) at the kernels, or
+        leave them all on PyTorch."""
         kernels = self._cpu_kernels()
         for attn in self.model.attention_layers():
             attn.decode_kernel = None if kernels is None else kernels.paged_decode_attention
         for module in self.model.modules():
-            if isinstance(module, RMSNorm):
+            if hasattr(module, "cpu_kernels"):
                 module.cpu_kernels = kernels
 
     def _cpu_kernels(self) -> ModuleType | None:

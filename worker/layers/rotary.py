@@ -21,8 +21,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("table", table, persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, signed sin), each [T, 1, head_dim], for the step's positions."""
-        return self.table.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        """(cos, signed sin), each a contiguous [T, 1, head_dim], for the step's positions."""
+        cos, sin = self.table.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        return cos.contiguous(), sin.contiguous()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

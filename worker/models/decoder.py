@@ -3,6 +3,7 @@ differences (Qwen3's per-head q/k RMSNorm, Qwen2's qkv bias)."""
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import ClassVar
 
 import torch
@@ -34,6 +35,7 @@ class DecoderAttention(nn.Module):
         )
         self.head_dim = d
         self.qk_size = (self.num_heads + self.num_kv_heads) * d
+        self.cpu_kernels: ModuleType | None = None  # bound by the model runner (kernels/csrc)
 
     def forward(
         self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata
@@ -43,7 +45,8 @@ class DecoderAttention(nn.Module):
         qk = qkv[:, : self.qk_size].view(tokens, -1, d)
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
-        q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        rotate = apply_rotary if self.cpu_kernels is None else self.cpu_kernels.rotary
+        q, k = rotate(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.qk_size :].view(tokens, self.num_kv_heads, d)
         return self.o_proj(self.attn(q, k, v, meta))
 
@@ -54,9 +57,13 @@ class DecoderMLP(nn.Module):
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], False, tp)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, tp)
+        self.cpu_kernels: ModuleType | None = None  # bound by the model runner (kernels/csrc)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.cpu_kernels is not None:
+            return self.down_proj(self.cpu_kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
 

@@ -1,10 +1,12 @@
-"""The C++ CPU RMSNorm kernels against the PyTorch RMSNorm."""
+"""The C++ CPU layer kernels (RMSNorm, SwiGLU gate, RoPE) against their PyTorch versions."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from nanovllm.worker.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 @pytest.mark.parametrize("rows, hidden", [(1, 576), (37, 64), (300, 1024)])
@@ -29,3 +31,19 @@ def test_rejects_non_contiguous_input(kernels):
     x = torch.randn(8, 64).t()
     with pytest.raises(RuntimeError, match="contiguous float32"):
         kernels.rms_norm(x, torch.ones(8), 1e-6)
+
+
+@pytest.mark.parametrize("rows, half", [(1, 1536), (13, 64)])
+def test_silu_and_mul_matches_torch(kernels, rows, half):
+    x = torch.randn(rows, 2 * half, generator=torch.Generator().manual_seed(rows)) * 4
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.silu_and_mul(x), F.silu(gate) * up)
+
+
+def test_rotary_matches_torch_on_a_strided_view(kernels):
+    rotary = RotaryEmbedding(head_dim=64, max_position=512, base=1e6)
+    positions = torch.tensor([0, 1, 7, 300, 511])
+    cos, sin = rotary.lookup(positions)
+    qkv = torch.randn(5, (8 + 2 + 2) * 64)
+    qk = qkv[:, : 10 * 64].view(5, 10, 64)  # q and k heads of a fused projection: rows are strided
+    torch.testing.assert_close(kernels.rotary(qk, cos, sin), apply_rotary(qk, cos, sin))
