@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint bench
+.PHONY: venv test lint bench protos
 
 venv: $(STAMP)
 
@@ -26,3 +26,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/throughput.py
+
+# Regenerate the Python gRPC stubs from protos/ (tests fail while they are stale).
+protos: $(STAMP)
+	$(BIN)/python protos/generate.py

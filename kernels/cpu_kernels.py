@@ -1,6 +1,6 @@
 """Build and load the C++ CPU kernels in kernels/csrc on first use (cached by torch's extension builder).
 
-Only the decode attention lives there: on a CPU, gathering paged K/V into a padded tensor for SDPA costs as
+The decode attention lives there (with RMSNorm, RoPE and the SwiGLU gate): on a CPU, gathering paged K/V into a padded tensor for SDPA costs as
 much as the attention itself, and no PyTorch op reads a paged cache in place. When no compiler is
 available the engine keeps the PyTorch implementation, which computes the same thing.
 """
@@ -8,7 +8,9 @@ available the engine keeps the PyTorch implementation, which computes the same t
 from __future__ import annotations
 
 import functools
+import os
 import subprocess
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -17,6 +19,21 @@ from nanovllm.common.logging import get_logger
 log = get_logger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+_NAME = "nanovllm_paged_attention_cpu"
+# A build takes well under a minute; a lock this old was left by a process killed mid-build, and torch's
+# builder would wait on it forever.
+_STALE_LOCK_S = 300.0
+
+
+def _build_directory() -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    path = Path(root) / _NAME
+    path.mkdir(parents=True, exist_ok=True)
+    lock = path / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+        log.warning("cpu_kernels_stale_lock_removed", path=str(lock))
+        lock.unlink(missing_ok=True)
+    return path
 
 
 @functools.cache
@@ -26,8 +43,9 @@ def load_cpu_kernels() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         return load(
-            name="nanovllm_paged_attention_cpu",
+            name=_NAME,
             sources=[str(_SOURCE)],
+            build_directory=str(_build_directory()),
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,

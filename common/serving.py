@@ -1,0 +1,52 @@
+"""What the router's and the worker's gRPC servers share: health, reflection, binding and signals."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+
+class GrpcServer:
+    """A grpc.aio server with the standard health service (NOT_SERVING until `set_serving(True)`) and
+    server reflection for the given service names."""
+
+    def __init__(self, service_names: list[str]) -> None:
+        self.server = grpc.aio.server()
+        self.health = health.aio.HealthServicer()
+        self._service_names = service_names
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+        reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], self.server)
+
+    async def start(self, host: str, port: int) -> str:
+        """Bind (port 0 picks a free one), start, and return the address actually listened on."""
+        bound = self.server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"cannot listen on {host}:{port}")
+        await self.server.start()
+        await self.set_serving(False)
+        return f"{host}:{bound}"
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ["", *self._service_names]:  # "" is the whole server, as probes ask for it
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace_s)
+
+
+def stop_event_on_signals() -> asyncio.Event:
+    """An event set on SIGTERM or SIGINT (Ctrl-C), for the running event loop's main coroutine."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop

@@ -1,0 +1,322 @@
+"""The `nanovllm` command.
+
+  nanovllm serve  --model PATH           worker + router on this machine, for local use
+  nanovllm worker --model PATH --port P  one worker (deployments)
+  nanovllm router --worker HOST:PORT ... the public API in front of one or more workers
+  nanovllm client "prompt"               stream an answer from a router to the terminal
+
+Every flag can also be set through an environment variable, NANOVLLM_<FLAG> (e.g. NANOVLLM_MAX_NUM_SEQS);
+a flag on the command line wins. `--help` on each subcommand lists them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+LISTENING = (
+    "listening on"  # the line each server prints to stdout once bound: "<what> listening on HOST:PORT"
+)
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str  # e.g. "--max-num-seqs"
+    help: str
+    type: Callable[[str], Any] = str
+    default: Any = None
+    kind: str = "value"  # "value", "switch" (boolean), "list" (repeatable; comma-separated in the env)
+    required: bool = False
+
+    @property
+    def dest(self) -> str:
+        return self.name.lstrip("-").replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return "NANOVLLM_" + self.dest.upper()
+
+    def add_to(self, parser: argparse.ArgumentParser) -> None:
+        shown = "" if self.default in (None, False, []) else f"; default {self.default}"
+        help_text = f"{self.help} [env {self.env}{shown}]"
+        if self.kind == "switch":
+            parser.add_argument(self.name, action="store_true", default=None, help=help_text)
+        elif self.kind == "list":
+            parser.add_argument(self.name, action="append", type=self.type, help=help_text)
+        else:
+            parser.add_argument(self.name, type=self.type, help=help_text)
+
+    def resolve(self, value: Any) -> Any:
+        """The command line's value, else the environment's, else the default."""
+        if value is not None:
+            return value
+        raw = os.environ.get(self.env)
+        if raw is None or raw == "":
+            if self.required:
+                raise SystemExit(f"nanovllm: {self.name} is required (or set {self.env})")
+            return self.default
+        if self.kind == "switch":
+            return raw.strip().lower() in ("1", "true", "yes", "on")
+        if self.kind == "list":
+            return [self.type(item.strip()) for item in raw.split(",") if item.strip()]
+        return self.type(raw)
+
+
+LOG_FLAGS = [
+    Flag("--log-level", "debug, info, warning or error", default="info"),
+    Flag("--log-format", "json, console, or auto (json unless stderr is a terminal)", default="auto"),
+]
+ENGINE_FLAGS = [
+    Flag("--model", "Hugging Face model directory (config.json + safetensors)", required=True),
+    Flag("--max-model-len", "longest prompt + output, in tokens", int, 4096),
+    Flag("--max-num-seqs", "most requests in one batch", int, 256),
+    Flag(
+        "--max-num-batched-tokens",
+        "most tokens in one step (chunked prefill splits longer prompts)",
+        int,
+        8192,
+    ),
+    Flag("--kv-cache-memory", "KV cache size on CPU: bytes, 2GiB, or a fraction of free RAM", default="2GiB"),
+    Flag("--gpu-memory-utilization", "on CUDA, share of GPU memory the engine may use", float, 0.9),
+    Flag("--block-size", "tokens per KV-cache block", int, 16),
+    Flag("--device", "auto, cpu or cuda", default="auto"),
+    Flag("--dtype", "auto, float32, bfloat16 or float16", default="auto"),
+    Flag("--tensor-parallel-size", "ranks to shard the model over", int, 1),
+    Flag("--no-prefix-caching", "turn off reuse of cached prompt prefixes", kind="switch", default=False),
+    Flag("--attention-backend", "auto, torch or cpu_kernel", default="auto"),
+    Flag("--seed", "seed for requests that set none", int, 0),
+    Flag("--max-queued-requests", "waiting requests beyond this get RESOURCE_EXHAUSTED", int, 1024),
+]
+WORKER_FLAGS = [
+    Flag("--host", "address to listen on", default="0.0.0.0"),
+    Flag("--port", "port to listen on (0 picks a free one)", int, 50061),
+    *ENGINE_FLAGS,
+    *LOG_FLAGS,
+]
+ROUTER_FLAGS = [
+    Flag("--worker", "worker address HOST:PORT; repeat for several workers", kind="list", required=True),
+    Flag("--host", "address to listen on", default="0.0.0.0"),
+    Flag("--port", "port to listen on (0 picks a free one)", int, 50051),
+    *LOG_FLAGS,
+]
+SERVE_FLAGS = [
+    Flag("--host", "address the router listens on", default="127.0.0.1"),
+    Flag("--port", "port the router listens on (0 picks a free one)", int, 50051),
+    *ENGINE_FLAGS,
+    *LOG_FLAGS,
+]
+CLIENT_FLAGS = [
+    Flag("--router", "router address HOST:PORT", default="127.0.0.1:50051"),
+    Flag("--chat", "send the prompt as a user chat message (rendered with the chat template)", kind="switch"),
+    Flag("--system", "system message for --chat"),
+    Flag("--max-tokens", "most tokens to generate", int, 256),
+    Flag("--temperature", "0 is greedy", float, 0.0),
+    Flag("--top-p", "nucleus sampling mass", float, 1.0),
+    Flag("--stop", "stop string; repeatable", kind="list", default=[]),
+]
+
+
+def _resolve(flags: Sequence[Flag], args: argparse.Namespace) -> dict[str, Any]:
+    return {flag.dest: flag.resolve(getattr(args, flag.dest)) for flag in flags}
+
+
+def _configure_logging(options: dict[str, Any]) -> None:
+    from nanovllm.common.logging import configure_logging
+
+    fmt = options["log_format"]
+    configure_logging(options["log_level"], json=None if fmt == "auto" else fmt == "json")
+
+
+def _announce(what: str) -> Callable[[str], None]:
+    def announce(address: str) -> None:
+        print(f"nanovllm {what} {LISTENING} {address}", flush=True)
+
+    return announce
+
+
+def _engine_config(options: dict[str, Any]):
+    from nanovllm.common.config import EngineConfig
+
+    return EngineConfig(
+        model=options["model"],
+        max_model_len=options["max_model_len"],
+        max_num_seqs=options["max_num_seqs"],
+        max_num_batched_tokens=options["max_num_batched_tokens"],
+        kvcache_block_size=options["block_size"],
+        kv_cache_memory=options["kv_cache_memory"],
+        gpu_memory_utilization=options["gpu_memory_utilization"],
+        device=options["device"],
+        dtype=options["dtype"],
+        tensor_parallel_size=options["tensor_parallel_size"],
+        enable_prefix_caching=not options["no_prefix_caching"],
+        attention_backend=options["attention_backend"],
+        seed=options["seed"],
+    )
+
+
+def run_worker(options: dict[str, Any]) -> int:
+    from nanovllm.common.serving import stop_event_on_signals
+    from nanovllm.worker.server import WorkerServerConfig, serve_worker
+
+    _configure_logging(options)
+    engine_config = _engine_config(options)
+    config = WorkerServerConfig(
+        host=options["host"], port=options["port"], max_queued_requests=options["max_queued_requests"]
+    )
+
+    async def main() -> None:
+        await serve_worker(engine_config, config, stop_event_on_signals(), _announce("worker"))
+
+    asyncio.run(main())
+    return 0
+
+
+def run_router(options: dict[str, Any]) -> int:
+    from nanovllm.common.serving import stop_event_on_signals
+    from nanovllm.router.server import RouterConfig, serve_router
+
+    _configure_logging(options)
+    config = RouterConfig(workers=options["worker"], host=options["host"], port=options["port"])
+
+    async def main() -> None:
+        await serve_router(config, stop_event_on_signals(), _announce("router"))
+
+    asyncio.run(main())
+    return 0
+
+
+def _spawn(args: list[str]) -> tuple[subprocess.Popen, str]:
+    """Start `nanovllm <args>` and return it with the address it printed once listening."""
+    proc = subprocess.Popen([sys.executable, "-m", "nanovllm.cli", *args], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if LISTENING not in line:
+        proc.wait()
+        raise SystemExit(f"nanovllm: `{' '.join(args[:1])}` exited with {proc.returncode} before listening")
+    return proc, line.rsplit(" ", 1)[-1].strip()
+
+
+def run_serve(options: dict[str, Any]) -> int:
+    """A worker and a router as two processes on this machine; Ctrl-C or SIGTERM stops both."""
+    worker_args = ["worker", "--host", "127.0.0.1", "--port", "0"]
+    for flag in ENGINE_FLAGS + LOG_FLAGS:
+        value = options[flag.dest]
+        if flag.kind == "switch":
+            worker_args += [flag.name] if value else []
+        else:
+            worker_args += [flag.name, str(value)]
+    log_args = [arg for flag in LOG_FLAGS for arg in (flag.name, str(options[flag.dest]))]
+
+    def stop(signum: int, frame: Any) -> None:
+        raise _Stop
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    procs: list[subprocess.Popen] = []
+    try:
+        worker, worker_address = _spawn(worker_args)
+        procs.append(worker)
+        router_args = ["router", "--worker", worker_address, "--host", options["host"]]
+        router, router_address = _spawn([*router_args, "--port", str(options["port"]), *log_args])
+        procs.append(router)
+        print(f"nanovllm serving {options['model']}: router at {router_address}, worker at {worker_address}")
+        print(f'try: nanovllm client --router {router_address} "What is the capital of France?"', flush=True)
+        pid, status = os.wait()  # returns when either child exits: then stop the other
+        print(f"nanovllm: process {pid} exited ({status}); stopping", file=sys.stderr)
+        return 1
+    except _Stop:
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the clean-up short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+class _Stop(Exception):
+    """Raised by the signal handler of `nanovllm serve` to leave its wait."""
+
+
+def run_client(options: dict[str, Any], prompt: str) -> int:
+    import grpc
+
+    from nanovllm.v1 import generate_pb2, generate_pb2_grpc
+
+    request = generate_pb2.GenerateRequest(
+        sampling=generate_pb2.SamplingParams(
+            temperature=options["temperature"],
+            top_p=options["top_p"],
+            max_tokens=options["max_tokens"],
+            stop=options["stop"],
+        )
+    )
+    if options["chat"]:
+        if options["system"]:
+            request.chat.messages.add(role="system", content=options["system"])
+        request.chat.messages.add(role="user", content=prompt)
+    else:
+        request.text = prompt
+    with grpc.insecure_channel(options["router"]) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        try:
+            for response in stub.Generate(request):
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+                if response.finish_reason:
+                    usage = response.usage
+                    reason = generate_pb2.FinishReason.Name(response.finish_reason)
+                    print(
+                        f"\n[{reason.removeprefix('FINISH_REASON_').lower()}: {usage.prompt_tokens} prompt, "
+                        f"{usage.completion_tokens} completion tokens]",
+                        file=sys.stderr,
+                    )
+        except grpc.RpcError as exc:
+            print(f"\nnanovllm client: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nanovllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, flags, text in [
+        ("serve", SERVE_FLAGS, "run a worker and a router on this machine"),
+        ("worker", WORKER_FLAGS, "run a worker: the engine behind the internal gRPC API"),
+        ("router", ROUTER_FLAGS, "run a router: the public gRPC API in front of workers"),
+        ("client", CLIENT_FLAGS, "stream an answer from a router"),
+    ]:
+        sub = commands.add_parser(name, help=text, description=text)
+        for flag in flags:
+            flag.add_to(sub)
+        if name == "client":
+            sub.add_argument("prompt", help="the prompt (a user message with --chat)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "worker":
+        return run_worker(_resolve(WORKER_FLAGS, args))
+    if args.command == "router":
+        return run_router(_resolve(ROUTER_FLAGS, args))
+    if args.command == "serve":
+        return run_serve(_resolve(SERVE_FLAGS, args))
+    return run_client(_resolve(CLIENT_FLAGS, args), args.prompt)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

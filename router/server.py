@@ -1,0 +1,187 @@
+"""The public gRPC service (nanovllm.v1.Generation): tokenizes, routes to a worker, streams text back."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from nanovllm.common.logging import get_logger
+from nanovllm.common.serving import GrpcServer
+from nanovllm.router.text_stream import TextStream
+from nanovllm.router.tokenizer import ModelTokenizer
+from nanovllm.router.validation import prompt_token_ids, validate_generate
+from nanovllm.router.workers import WorkerLost, WorkerPool
+from nanovllm.v1 import generate_pb2, generate_pb2_grpc
+from nanovllm.worker.v1 import worker_pb2
+
+log = get_logger(__name__)
+
+_FINISH_REASONS = {
+    worker_pb2.FINISH_REASON_STOP: generate_pb2.FINISH_REASON_STOP,
+    worker_pb2.FINISH_REASON_LENGTH: generate_pb2.FINISH_REASON_LENGTH,
+    worker_pb2.FINISH_REASON_ABORT: generate_pb2.FINISH_REASON_CANCELLED,
+}
+_ERROR_CODES = {
+    worker_pb2.ERROR_CODE_INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    worker_pb2.ERROR_CODE_RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    worker_pb2.ERROR_CODE_INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+
+@dataclass
+class RouterConfig:
+    workers: list[str] = field(default_factory=list)  # worker addresses, HOST:PORT
+    host: str = "0.0.0.0"
+    port: int = 50051
+    shutdown_grace_s: float = 5.0
+
+
+class GenerationService(generate_pb2_grpc.GenerationServicer):
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+
+    async def _model(self, context: grpc.aio.ServicerContext) -> tuple[ModelTokenizer, worker_pb2.WorkerInfo]:
+        if self.pool.tokenizer is None or self.pool.info is None:
+            addresses = ", ".join(w.address for w in self.pool.workers)
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"no worker has been reachable yet ({addresses})"
+            )
+        return self.pool.tokenizer, self.pool.info
+
+    async def Generate(
+        self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        tokenizer, info = await self._model(context)
+        try:
+            valid = validate_generate(request, tokenizer, info)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        worker = self.pool.pick()
+        if worker is None:
+            addresses = ", ".join(w.address for w in self.pool.workers)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"no worker is reachable ({addresses})")
+        request_id = request.request_id or uuid.uuid4().hex
+        wire_id = uuid.uuid4().hex  # unique on the worker link whatever ids clients choose
+        stream = TextStream(tokenizer.backend, valid.stop)
+        events = worker.submit(wire_id, valid.prompt_token_ids, valid.params, request.priority)
+        start = time.perf_counter()
+        first_token_s: float | None = None
+        num_tokens = 0
+        worker_running = True
+        outcome = "cancelled"  # unless the loop below ends otherwise
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, WorkerLost):
+                    worker_running = False
+                    outcome = "worker_lost"
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"worker {event.address} went away while serving this request ({event.reason})",
+                    )
+                if event.error_code != worker_pb2.ERROR_CODE_UNSPECIFIED:
+                    worker_running = False
+                    outcome = "error"
+                    if num_tokens and event.error_code == worker_pb2.ERROR_CODE_INTERNAL:
+                        yield generate_pb2.GenerateResponse(
+                            request_id=request_id,
+                            text=stream.finish(),
+                            finish_reason=generate_pb2.FINISH_REASON_ERROR,
+                            error=event.error_message,
+                        )
+                        return
+                    await context.abort(_ERROR_CODES[event.error_code], event.error_message)
+                if first_token_s is None and event.new_token_ids:
+                    first_token_s = time.perf_counter() - start
+                num_tokens += len(event.new_token_ids)
+                text = stream.push(event.new_token_ids)
+                finish = _FINISH_REASONS.get(event.finish_reason)
+                if finish is not None:
+                    worker_running = False
+                if stream.stopped:
+                    finish = generate_pb2.FINISH_REASON_STOP  # a stop string: the worker still runs it
+                elif finish is not None:
+                    text += stream.finish()
+                response = generate_pb2.GenerateResponse(request_id=request_id, text=text)
+                if request.return_token_ids:
+                    response.token_ids.extend(event.new_token_ids)
+                _add_logprobs(response, event.logprobs)
+                if finish is not None:
+                    response.finish_reason = finish
+                    response.usage.prompt_tokens = event.num_prompt_tokens
+                    response.usage.completion_tokens = num_tokens
+                    response.usage.cached_prompt_tokens = event.num_cached_tokens
+                    outcome = generate_pb2.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower()
+                    yield response
+                    return
+                if text or response.token_ids or response.logprobs:
+                    yield response
+        finally:
+            worker.release(wire_id, abort=worker_running)
+            log.info(
+                "request_finished",
+                request_id=request_id,
+                worker=worker.address,
+                outcome=outcome,
+                prompt_tokens=len(valid.prompt_token_ids),
+                completion_tokens=num_tokens,
+                ttft_s=None if first_token_s is None else round(first_token_s, 4),
+                total_s=round(time.perf_counter() - start, 4),
+            )
+
+    async def Tokenize(
+        self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.TokenizeResponse:
+        tokenizer, _ = await self._model(context)
+        try:
+            ids = prompt_token_ids(request, tokenizer)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return generate_pb2.TokenizeResponse(token_ids=ids)
+
+    async def GetModelInfo(
+        self, request: generate_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.ModelInfo:
+        _, info = await self._model(context)
+        return generate_pb2.ModelInfo(
+            model=info.model,
+            max_model_len=info.max_model_len,
+            architectures=info.architectures,
+            vocab_size=info.vocab_size,
+            eos_token_ids=info.eos_token_ids,
+            num_workers=len(self.pool.connected),
+        )
+
+
+def _add_logprobs(response: generate_pb2.GenerateResponse, logprobs: list[worker_pb2.TokenLogprobs]) -> None:
+    for lp in logprobs:
+        entry = response.logprobs.add(token_id=lp.token_id, logprob=lp.logprob)
+        for token_id, value in zip(lp.top_token_ids, lp.top_logprobs):
+            entry.top.add(token_id=token_id, logprob=value)
+
+
+async def serve_router(
+    config: RouterConfig, stop: asyncio.Event, on_listening: Callable[[str], None]
+) -> None:
+    """Listen, connect to the workers (health is SERVING while at least one is connected), serve until
+    `stop` is set."""
+    server = GrpcServer([generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name])
+
+    def on_change(serving: bool) -> None:
+        asyncio.get_running_loop().create_task(server.set_serving(serving))
+
+    pool = WorkerPool(config.workers, on_change)
+    generate_pb2_grpc.add_GenerationServicer_to_server(GenerationService(pool), server.server)
+    address = await server.start(config.host, config.port)
+    on_listening(address)
+    pool.start()
+    log.info("router_serving", address=address, workers=config.workers)
+    await stop.wait()
+    log.info("router_stopping", address=address)
+    await server.stop(config.shutdown_grace_s)
+    await pool.close()

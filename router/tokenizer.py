@@ -1,0 +1,47 @@
+"""The model's tokenizer and chat template, rebuilt from the files a worker sends (no model volume)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from nanovllm.worker.v1 import worker_pb2
+
+
+class ModelTokenizer:
+    def __init__(self, info: worker_pb2.WorkerInfo) -> None:
+        from transformers import AutoTokenizer  # heavy import, paid once per router at first connect
+
+        if "tokenizer.json" not in info.tokenizer_files and "tokenizer.model" not in info.tokenizer_files:
+            raise ValueError(f"worker for {info.model} sent no tokenizer files; the router cannot tokenize")
+        with tempfile.TemporaryDirectory(prefix="nanovllm-tokenizer-") as tmp:
+            for name, data in info.tokenizer_files.items():
+                (Path(tmp) / name).write_bytes(data)
+            self._hf: Any = AutoTokenizer.from_pretrained(tmp)
+        if info.chat_template:
+            self._hf.chat_template = info.chat_template
+        self.model = info.model
+
+    @property
+    def backend(self) -> Tokenizer:
+        """The tokenizers-library tokenizer, for incremental decoding."""
+        return self._hf.backend_tokenizer
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self._hf.chat_template)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of plain text, with the special tokens (e.g. BOS) the tokenizer adds by itself."""
+        return list(self._hf.encode(text))
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Render messages with the chat template plus the generation prompt, then tokenize. The template
+        writes its own special tokens, so none are added on top."""
+        if not self.has_chat_template:
+            raise ValueError(f"the model {self.model} has no chat template; send text or token_ids instead")
+        text = self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self._hf.encode(text, add_special_tokens=False))

@@ -1,0 +1,193 @@
+"""The router's side of the router-worker link: one reconnecting stream per worker, and the pool that
+picks a worker for each request.
+
+Each WorkerConnection keeps one Connect stream open and multiplexes all of this router's requests to
+that worker over it. Updates for a request go to that request's asyncio.Queue; when the stream breaks,
+every request in flight on it receives a WorkerLost at once, and the connection retries with backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from nanovllm.common.logging import get_logger
+from nanovllm.common.sampling_params import SamplingParams
+from nanovllm.common.wire import sampling_to_wire
+from nanovllm.router.tokenizer import ModelTokenizer
+from nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
+
+log = get_logger(__name__)
+
+# Let the channel retry a dead worker quickly (gRPC's default backoff grows to two minutes), and notice
+# a silently vanished peer through keepalive pings.
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),  # tokenizer files in WorkerInfo
+]
+INITIAL_BACKOFF_S = 0.1
+MAX_BACKOFF_S = 2.0
+INFO_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class WorkerLost:
+    """Put on a request's queue when its worker's stream broke before the request finished."""
+
+    address: str
+    reason: str
+
+
+RequestEvent = worker_pb2.RequestUpdate | WorkerLost
+
+
+class WorkerConnection:
+    def __init__(self, address: str, prepare: Callable[[worker_pb2.WorkerInfo], Awaitable[bool]]) -> None:
+        """`prepare` is awaited with the worker's info before each (re)connect; False means do not use
+        this worker (e.g. it serves another model), and the connection retries later."""
+        self.address = address
+        self.info: worker_pb2.WorkerInfo | None = None
+        self.connected = False
+        self._prepare = prepare
+        self._requests: dict[str, asyncio.Queue[RequestEvent]] = {}
+        self._outbound: asyncio.Queue[worker_pb2.RouterMessage | None] = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = worker_pb2_grpc.WorkerStub(self._channel)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._requests)
+
+    def start(self, on_change: Callable[[], None]) -> None:
+        self._task = asyncio.create_task(self._run(on_change), name=f"worker-{self.address}")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self._channel.close()
+
+    def submit(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int
+    ) -> asyncio.Queue[RequestEvent]:
+        """Send a request; its updates (and a WorkerLost if the worker goes away) arrive on the queue."""
+        events: asyncio.Queue[RequestEvent] = asyncio.Queue()
+        if not self.connected:
+            events.put_nowait(WorkerLost(self.address, "the worker is not connected"))
+            return events
+        self._requests[request_id] = events
+        submit = worker_pb2.Submit(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling=sampling_to_wire(params),
+            priority=priority,
+        )
+        self._outbound.put_nowait(worker_pb2.RouterMessage(submit=submit))
+        return events
+
+    def release(self, request_id: str, abort: bool) -> None:
+        """Forget a request; with abort, also tell the worker to stop it and free its blocks."""
+        if self._requests.pop(request_id, None) is not None and abort and self.connected:
+            abort_msg = worker_pb2.Abort(request_ids=[request_id])
+            self._outbound.put_nowait(worker_pb2.RouterMessage(abort=abort_msg))
+
+    async def _run(self, on_change: Callable[[], None]) -> None:
+        backoff = INITIAL_BACKOFF_S
+        while True:
+            try:
+                self.info = await self.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=INFO_TIMEOUT_S)
+                if await self._prepare(self.info):
+                    await self._stream(on_change)
+                    backoff = INITIAL_BACKOFF_S  # it was up: retry quickly
+                    reason = "the worker closed the stream"
+                else:
+                    reason = "the worker was refused (see the log)"
+            except grpc.aio.AioRpcError as exc:
+                reason = f"{exc.code().name}: {exc.details()}"
+            if self.connected or self._requests:
+                log.warning("worker_lost", worker=self.address, reason=reason, in_flight=len(self._requests))
+            self._disconnect(reason, on_change)
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, MAX_BACKOFF_S)
+
+    async def _stream(self, on_change: Callable[[], None]) -> None:
+        self._outbound = asyncio.Queue()
+        call = self.stub.Connect(self._outgoing(self._outbound))
+        await call.wait_for_connection()
+        self.connected = True
+        log.info("worker_connected", worker=self.address, model=self.info.model)
+        on_change()
+        async for step in call:
+            for update in step.updates:
+                events = self._requests.get(update.request_id)
+                if events is not None:
+                    events.put_nowait(update)
+
+    @staticmethod
+    async def _outgoing(
+        outbound: asyncio.Queue[worker_pb2.RouterMessage | None],
+    ) -> AsyncIterator[worker_pb2.RouterMessage]:
+        while (msg := await outbound.get()) is not None:
+            yield msg
+
+    def _disconnect(self, reason: str, on_change: Callable[[], None]) -> None:
+        was_connected, self.connected = self.connected, False
+        self._outbound.put_nowait(None)  # ends the old stream's request iterator
+        requests, self._requests = self._requests, {}
+        for events in requests.values():
+            events.put_nowait(WorkerLost(self.address, reason))
+        if was_connected:
+            on_change()
+
+
+class WorkerPool:
+    """All workers of one router. They must serve the same model: the first one to connect sets it, and
+    its tokenizer files become the router's tokenizer."""
+
+    def __init__(self, addresses: list[str], on_change: Callable[[bool], None]) -> None:
+        """on_change(serving) is called whenever the set of connected workers changes."""
+        if not addresses:
+            raise ValueError("a router needs at least one worker address (--worker HOST:PORT)")
+        self.info: worker_pb2.WorkerInfo | None = None
+        self.tokenizer: ModelTokenizer | None = None
+        self._on_change = on_change
+        self.workers = [WorkerConnection(address, self._prepare) for address in addresses]
+        self._tokenizer_lock = asyncio.Lock()
+
+    def start(self) -> None:
+        for worker in self.workers:
+            worker.start(self._changed)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(worker.close() for worker in self.workers))
+
+    @property
+    def connected(self) -> list[WorkerConnection]:
+        return [w for w in self.workers if w.connected]
+
+    def pick(self) -> WorkerConnection | None:
+        """The connected worker with the fewest of this router's requests in flight."""
+        return min(self.connected, key=lambda w: w.num_in_flight, default=None)
+
+    async def _prepare(self, info: worker_pb2.WorkerInfo) -> bool:
+        async with self._tokenizer_lock:
+            if self.info is None:
+                self.tokenizer = await asyncio.to_thread(ModelTokenizer, info)
+                self.info = info
+                return True
+        if info.model != self.info.model or info.tokenizer_files != self.info.tokenizer_files:
+            log.error("worker_model_mismatch", expected=self.info.model, got=info.model)
+            return False
+        return True
+
+    def _changed(self) -> None:
+        self._on_change(bool(self.connected))

@@ -1,0 +1,166 @@
+"""The worker's gRPC service (nanovllm.worker.v1.Worker): routers stream token ids in, step outputs out."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from nanovllm.common.config import EngineConfig
+from nanovllm.common.logging import get_logger
+from nanovllm.common.serving import GrpcServer
+from nanovllm.worker.engine import LLMEngine
+from nanovllm.worker.engine_loop import EngineLoop
+from nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
+
+log = get_logger(__name__)
+
+# Files a router needs to tokenize and render chats exactly as the model does.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+@dataclass
+class WorkerServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 50061
+    # Submits beyond this many waiting requests fail with RESOURCE_EXHAUSTED.
+    max_queued_requests: int = 1024
+    # On shutdown, how long to let the final (aborted) step outputs reach the routers.
+    shutdown_grace_s: float = 2.0
+
+
+def worker_info(config: EngineConfig, num_kv_blocks: int) -> worker_pb2.WorkerInfo:
+    model_dir = Path(config.model)
+    files = {
+        name: (model_dir / name).read_bytes() for name in TOKENIZER_FILES if (model_dir / name).is_file()
+    }
+    chat_template = model_dir / "chat_template.jinja"
+    hf = config.hf_config
+    return worker_pb2.WorkerInfo(
+        model=config.model,
+        architectures=[hf.architecture],
+        max_model_len=config.max_model_len,
+        vocab_size=hf.vocab_size,
+        eos_token_ids=list(hf.eos_token_ids),
+        kvcache_block_size=config.kvcache_block_size,
+        num_kv_blocks=num_kv_blocks,
+        max_num_seqs=config.max_num_seqs,
+        tokenizer_files=files,
+        chat_template=chat_template.read_text() if chat_template.is_file() else "",
+    )
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    """Serves once `attach` gives it a running engine loop; until then every RPC is UNAVAILABLE."""
+
+    def __init__(self) -> None:
+        self._loop: EngineLoop | None = None
+        self._info: worker_pb2.WorkerInfo | None = None
+
+    def attach(self, engine_loop: EngineLoop, info: worker_pb2.WorkerInfo) -> None:
+        self._loop, self._info = engine_loop, info
+
+    async def _ready(self, context: grpc.aio.ServicerContext) -> EngineLoop:
+        if self._loop is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model")
+        return self._loop
+
+    async def Connect(
+        self, request_iterator: AsyncIterator[worker_pb2.RouterMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.StepOutputs]:
+        engine_loop = await self._ready(context)
+        outbox: asyncio.Queue[worker_pb2.StepOutputs | None] = asyncio.Queue()
+        event_loop = asyncio.get_running_loop()
+        conn = engine_loop.open_connection(
+            lambda msg: event_loop.call_soon_threadsafe(outbox.put_nowait, msg)
+        )
+        peer = context.peer()
+        log.info("router_connected", peer=peer, connection=conn.id)
+        reader = asyncio.create_task(self._read(request_iterator, engine_loop, conn, outbox))
+        try:
+            while (msg := await outbox.get()) is not None:
+                yield msg
+        finally:
+            reader.cancel()
+            engine_loop.close_connection(conn)
+            log.info("router_disconnected", peer=peer, connection=conn.id)
+
+    @staticmethod
+    async def _read(
+        request_iterator: AsyncIterator[worker_pb2.RouterMessage],
+        engine_loop: EngineLoop,
+        conn,
+        outbox: asyncio.Queue,
+    ) -> None:
+        try:
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("kind")
+                if kind == "submit":
+                    engine_loop.submit(conn, msg.submit)
+                elif kind == "abort":
+                    engine_loop.abort(conn, list(msg.abort.request_ids))
+        finally:
+            outbox.put_nowait(None)  # the router closed its side: end ours
+
+    async def GetInfo(
+        self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerInfo:
+        await self._ready(context)
+        return self._info
+
+    async def GetLoad(
+        self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerLoad:
+        engine_loop = await self._ready(context)
+        load = engine_loop.load
+        return worker_pb2.WorkerLoad(
+            num_waiting=load.num_waiting,
+            num_running=load.num_running,
+            kv_blocks_used=load.kv_blocks_used,
+            kv_blocks_free=load.kv_blocks_free,
+            prefix_cache_hit_rate=load.prefix_cache_hit_rate,
+            num_preemptions=load.num_preemptions,
+            num_connections=engine_loop.num_connections,
+        )
+
+
+async def serve_worker(
+    engine_config: EngineConfig,
+    config: WorkerServerConfig,
+    stop: asyncio.Event,
+    on_listening: Callable[[str], None],
+) -> None:
+    """Listen at once (health NOT_SERVING), load the model, serve until `stop` is set, then shut down."""
+    service = WorkerService()
+    server = GrpcServer([worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name])
+    worker_pb2_grpc.add_WorkerServicer_to_server(service, server.server)
+    address = await server.start(config.host, config.port)
+    on_listening(address)
+    engine = await asyncio.to_thread(LLMEngine, engine_config)
+    engine_loop = EngineLoop(engine, config.max_queued_requests)
+    engine_loop.start()
+    service.attach(engine_loop, worker_info(engine_config, engine.block_manager.num_blocks))
+    await server.set_serving(True)
+    log.info(
+        "worker_serving",
+        address=address,
+        model=engine_config.model,
+        kv_blocks=engine.block_manager.num_blocks,
+    )
+    await stop.wait()
+    log.info("worker_stopping", address=address)
+    await asyncio.to_thread(engine_loop.stop)
+    await server.stop(config.shutdown_grace_s)
