@@ -3,10 +3,16 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The Node.js client test (tests/test_node_client.py) needs tests/node's packages: `make test` installs them
+# where npm exists; elsewhere that test skips. The stamp lies under node_modules/, so git ignores it.
+NODE_STAMP := tests/node/node_modules/.installed
+NODE_DEPS := $(if $(shell command -v npm 2>/dev/null),$(NODE_STAMP))
 
-.PHONY: venv test lint bench protos
+.PHONY: venv test lint bench protos node-deps
 
 venv: $(STAMP)
+
+node-deps: $(NODE_STAMP)
 
 # torch is pinned to the CPU build that lies on this machine's disk; an unpinned `torch` would pull a
 # multi-GB CUDA build. On a CUDA machine install the CUDA build of torch first (see README).
@@ -17,8 +23,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) $(NODE_DEPS)
 	$(BIN)/pytest
+
+$(NODE_STAMP): tests/node/package.json tests/node/package-lock.json
+	npm ci --prefix tests/node --no-audit --no-fund
+	touch $(NODE_STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

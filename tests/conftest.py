@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from nanovllm.kernels.cpu_kernels import load_cpu_kernels
 from tests.model_factory import build_model
+from tests.services import ServerProcess, start_router, start_worker, wait_serving
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +32,26 @@ def kernels():
     module = load_cpu_kernels()
     assert module is not None, "the C++ CPU kernels failed to build; see the cpu_kernels_unavailable log line"
     return module
+
+
+@dataclass
+class Service:
+    worker: ServerProcess
+    router: ServerProcess
+    logs: Path
+
+
+@pytest.fixture(scope="session")
+def service(qwen3_dir: Path, kernels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """One worker (random Qwen3) behind one router, shared by the tests that leave them healthy. The
+    kernels fixture builds the C++ kernels first, so the worker process finds them compiled."""
+    logs = tmp_path_factory.mktemp("service-logs")
+    worker = start_worker(qwen3_dir, log_path=logs / "worker.log")
+    router = start_router([worker.address], log_path=logs / "router.log")
+    try:
+        wait_serving(worker.address)
+        wait_serving(router.address)
+        yield Service(worker, router, logs)
+    finally:
+        router.stop()
+        worker.stop()

@@ -24,6 +24,12 @@ _CORPUS = [
     "Numbers 0123456789 and punctuation !?,;:()[]{}<>/\\|@#$%^&*",
 ] * 20
 
+# ChatML, as Qwen and SmolLM2 use it.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 _CONFIGS = {
     "qwen3": (Qwen3Config, {"head_dim": 16}),
     "llama": (LlamaConfig, {"head_dim": 16}),
@@ -42,7 +48,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", chat_template=CHAT_TEMPLATE
+    )
 
 
 def build_model(

@@ -1,0 +1,441 @@
+"""End to end through real router and worker processes on loopback, with a random Qwen3 model.
+
+The reference for every generated token is the offline engine (`LLM.generate`) on the same weights, which
+tests/test_fidelity.py holds equal to transformers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.v1 import generate_pb2, generate_pb2_grpc
+from nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
+from tests.model_factory import build_tokenizer
+from tests.services import start_router, start_worker, wait_serving
+
+LONG = generate_pb2.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+CALL_TIMEOUT_S = 120.0  # a hang shows up as DEADLINE_EXCEEDED rather than a stuck suite
+
+
+@pytest.fixture(scope="module")
+def offline(qwen3_dir: Path) -> LLM:
+    return LLM(str(qwen3_dir), kv_cache_memory="32MiB", max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def collect(address: str, request: generate_pb2.GenerateRequest, timeout: float = CALL_TIMEOUT_S):
+    """All responses of one Generate call, and the error that ended it (None when it finished)."""
+    responses = []
+    with grpc.insecure_channel(address) as channel:
+        try:
+            for response in generate_pb2_grpc.GenerationStub(channel).Generate(request, timeout=timeout):
+                responses.append(response)  # noqa: PERF402 - keep what came before an error
+        except grpc.RpcError as exc:
+            return responses, exc
+    return responses, None
+
+
+def text_of(responses) -> str:
+    return "".join(r.text for r in responses)
+
+
+def ids_of(responses) -> list[int]:
+    return [t for r in responses for t in r.token_ids]
+
+
+def worker_load(address: str) -> worker_pb2.WorkerLoad:
+    with grpc.insecure_channel(address) as channel:
+        return worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+
+
+def wait_idle(address: str, timeout: float = 30.0) -> worker_pb2.WorkerLoad:
+    """Poll the worker's load until nothing runs and every KV block is free."""
+    deadline = time.monotonic() + timeout
+    while True:
+        load = worker_load(address)
+        if load.num_running == 0 and load.num_waiting == 0 and load.kv_blocks_used == 0:
+            return load
+        if time.monotonic() > deadline:
+            raise AssertionError(f"worker {address} still busy after {timeout} s: {load}")
+        time.sleep(0.02)
+
+
+def greedy_request(text: str, max_tokens: int, **sampling) -> generate_pb2.GenerateRequest:
+    params = generate_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, **sampling)
+    return generate_pb2.GenerateRequest(text=text, sampling=params, return_token_ids=True)
+
+
+def test_stream_equals_offline_greedy(service, offline) -> None:
+    """Text streams in several deltas that concatenate to the offline engine's text, token for token."""
+    responses, error = collect(service.router.address, greedy_request("The quick brown fox", 24))
+    assert error is None
+    expected = offline.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=24))[0]
+    assert len(responses) > 1
+    assert ids_of(responses) == expected["token_ids"]
+    assert text_of(responses) == expected["text"]
+    last = responses[-1]
+    assert last.finish_reason == generate_pb2.FINISH_REASON_LENGTH
+    assert all(r.finish_reason == generate_pb2.FINISH_REASON_UNSPECIFIED for r in responses[:-1])
+    assert last.usage.completion_tokens == 24
+    assert last.usage.prompt_tokens == len(offline.tokenizer.encode("The quick brown fox"))
+
+
+def _mixed_requests() -> list[tuple[generate_pb2.GenerateRequest, SamplingParams]]:
+    """64 requests: greedy, seeded sampling, penalties, logprobs, stop token ids, min_tokens, priorities."""
+    words = [
+        "paged",
+        "attention",
+        "stores",
+        "keys",
+        "and",
+        "values",
+        "in",
+        "fixed",
+        "size",
+        "blocks",
+        "while",
+        "others",
+        "decode",
+    ]
+    requests = []
+    for i in range(64):
+        prompt = " ".join(words[(i * 3) % len(words) :] + words[: i % 5]) or "hello"
+        kind = i % 4
+        kwargs: dict = {"temperature": 0.0, "max_tokens": 8 + (i * 7) % 40}
+        if kind == 1:
+            kwargs.update(temperature=0.9, top_p=0.9, top_k=50, seed=1000 + i)
+        elif kind == 2:
+            kwargs.update(repetition_penalty=1.3, frequency_penalty=0.5, logprobs=3)
+        elif kind == 3:
+            kwargs.update(stop_token_ids=[7, 9], min_tokens=4)
+        proto_kwargs = dict(kwargs)
+        request = generate_pb2.GenerateRequest(
+            request_id=f"req-{i}",
+            text=prompt,
+            sampling=generate_pb2.SamplingParams(**proto_kwargs),
+            priority=i % 3,
+            return_token_ids=True,
+        )
+        requests.append((request, SamplingParams(**kwargs)))
+    return requests
+
+
+def test_64_concurrent_streams_each_get_their_own_tokens(service, offline) -> None:
+    """64 concurrent streams with mixed parameters: each equals the offline engine's output for its own
+    prompt (seeded sampling is batch-invariant, so it compares too), and carries its own request id."""
+    requests = _mixed_requests()
+
+    async def run_all():
+        async with grpc.aio.insecure_channel(service.router.address) as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+
+            async def one(request):
+                return [r async for r in stub.Generate(request, timeout=CALL_TIMEOUT_S)]
+
+            return await asyncio.gather(*(one(request) for request, _ in requests))
+
+    results = asyncio.run(run_all())
+    expected = offline.generate([r.text for r, _ in requests], [p for _, p in requests], use_tqdm=False)
+    for (request, params), responses, reference in zip(requests, results, expected):
+        assert {r.request_id for r in responses} == {request.request_id}
+        assert ids_of(responses) == reference["token_ids"], request.request_id
+        assert text_of(responses) == reference["text"], request.request_id
+        assert responses[-1].usage.completion_tokens == len(reference["token_ids"])
+        if params.logprobs is not None:
+            logprobs = [lp for r in responses for lp in r.logprobs]
+            assert [lp.token_id for lp in logprobs] == reference["token_ids"]
+            for got, want in zip(logprobs, reference["logprobs"]):
+                assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+                assert [t.token_id for t in got.top] == [t for t, _ in want.top]
+    wait_idle(service.worker.address)
+
+
+def test_stop_string_ends_request_and_never_leaks(service, offline) -> None:
+    """A stop string cuts the text before it, finishes with STOP, aborts the request on the worker, and
+    no delta ever holds the stop string or a prefix of it that later completed."""
+    reference = offline.generate(["Prefix caching"], SamplingParams(temperature=0, max_tokens=60))[0]["text"]
+    stop = reference[20:24]
+    expected = reference[: reference.find(stop)]
+    request = greedy_request("Prefix caching", 300, stop=[stop, "never-appears"], ignore_eos=True)
+    responses, error = collect(service.router.address, request)
+    assert error is None
+    assert text_of(responses) == expected
+    assert responses[-1].finish_reason == generate_pb2.FINISH_REASON_STOP
+    streamed = ""
+    for response in responses:
+        streamed += response.text
+        assert stop not in streamed
+    assert len(ids_of(responses)) < 300
+    wait_idle(service.worker.address)
+
+
+def test_utf8_prompt_and_chat(service, offline, tokenizer) -> None:
+    """Multi-byte prompts tokenize as the model's tokenizer does; chats render with its template; text
+    deltas never carry U+FFFD for a character split across tokens (they equal the full decode)."""
+    text = "Ünïcödé: 東京 🙂🚀 Ελληνικά"
+    with grpc.insecure_channel(service.router.address) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        assert list(stub.Tokenize(generate_pb2.TokenizeRequest(text=text)).token_ids) == tokenizer.encode(
+            text
+        )
+        chat = generate_pb2.Chat(messages=[generate_pb2.ChatMessage(role="user", content=text)])
+        chat_ids = list(stub.Tokenize(generate_pb2.TokenizeRequest(chat=chat)).token_ids)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+    assert chat_ids == tokenizer.encode(rendered, add_special_tokens=False)
+    request = generate_pb2.GenerateRequest(
+        chat=chat, sampling=generate_pb2.SamplingParams(temperature=0, max_tokens=40), return_token_ids=True
+    )
+    responses, error = collect(service.router.address, request)
+    assert error is None
+    reference = offline.generate([chat_ids], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
+    assert ids_of(responses) == reference["token_ids"]
+    assert text_of(responses) == tokenizer.decode(reference["token_ids"], skip_special_tokens=True)
+    full = text_of(responses)
+    assert full.count("\ufffd") == sum(r.text.count("\ufffd") for r in responses)
+    for response in responses:  # a delta ends on a whole character: re-encoding as UTF-8 is lossless
+        assert response.text.encode("utf-8").decode("utf-8") == response.text
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "code", "fragments"),
+    [
+        ({"text": "hi", "sampling": {"top_p": 1.5}}, "INVALID_ARGUMENT", ["top_p", "1.5"]),
+        ({"text": "hi", "sampling": {"temperature": -1}}, "INVALID_ARGUMENT", ["temperature", "-1"]),
+        ({"text": "hi", "sampling": {"max_tokens": 0}}, "INVALID_ARGUMENT", ["max_tokens", "0"]),
+        ({"text": "hi", "sampling": {"logprobs": 21}}, "INVALID_ARGUMENT", ["logprobs", "21"]),
+        ({"text": "hi", "sampling": {"stop": ["ok", ""]}}, "INVALID_ARGUMENT", ["stop[1]"]),
+        ({"token_ids": {"ids": [5] * 600}}, "INVALID_ARGUMENT", ["600", "512"]),
+        ({"token_ids": {"ids": [3, 70000]}}, "INVALID_ARGUMENT", ["70000", "512"]),
+        ({"token_ids": {"ids": []}}, "INVALID_ARGUMENT", ["no tokens"]),
+        ({}, "INVALID_ARGUMENT", ["prompt"]),
+    ],
+)
+def test_invalid_requests_name_the_field(service, request_kwargs, code, fragments) -> None:
+    """Bad input gets INVALID_ARGUMENT with a message naming the field and the numbers."""
+    request = generate_pb2.GenerateRequest(**{k: v for k, v in request_kwargs.items() if k != "sampling"})
+    if "sampling" in request_kwargs:
+        request.sampling.CopyFrom(generate_pb2.SamplingParams(**request_kwargs["sampling"]))
+    responses, error = collect(service.router.address, request)
+    assert responses == []
+    assert error is not None and error.code().name == code
+    for fragment in fragments:
+        assert fragment in error.details(), error.details()
+
+
+def test_cancel_and_deadline_free_blocks(service) -> None:
+    """A client that cancels, or whose deadline passes, gets its request aborted on the worker: nothing
+    keeps running and every KV block comes back."""
+    with grpc.insecure_channel(service.router.address) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        call = stub.Generate(
+            generate_pb2.GenerateRequest(text="cancel me", sampling=LONG), timeout=CALL_TIMEOUT_S
+        )
+        assert next(call).text is not None  # generation started
+        assert worker_load(service.worker.address).kv_blocks_used > 0
+        call.cancel()
+        with pytest.raises(grpc.RpcError) as cancelled:
+            list(call)
+        assert cancelled.value.code() == grpc.StatusCode.CANCELLED
+    wait_idle(service.worker.address)
+
+    responses, error = collect(
+        service.router.address, generate_pb2.GenerateRequest(text="too slow", sampling=LONG), timeout=0.3
+    )
+    assert error is not None and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert all(r.finish_reason == generate_pb2.FINISH_REASON_UNSPECIFIED for r in responses)
+    wait_idle(service.worker.address)
+
+
+def test_model_info_health_and_reflection(service) -> None:
+    with grpc.insecure_channel(service.router.address) as channel:
+        info = generate_pb2_grpc.GenerationStub(channel).GetModelInfo(generate_pb2.GetModelInfoRequest())
+        assert (info.max_model_len, list(info.architectures), info.num_workers) == (
+            512,
+            ["Qwen3ForCausalLM"],
+            1,
+        )
+        assert info.vocab_size == 512 and list(info.eos_token_ids) == [1]
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+        assert {"nanovllm.v1.Generation", "grpc.health.v1.Health"} <= services
+        pool_file = ProtoReflectionDescriptorDatabase(channel).FindFileContainingSymbol(
+            "nanovllm.v1.Generation"
+        )
+        assert pool_file.name == "nanovllm/v1/generate.proto"
+    with grpc.insecure_channel(service.worker.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        assert "nanovllm.worker.v1.Worker" in set(ProtoReflectionDescriptorDatabase(channel).get_services())
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def logs(tmp_path: Path) -> Path:
+    return tmp_path
+
+
+def test_no_reachable_worker_is_unavailable(logs) -> None:
+    router = start_router([f"127.0.0.1:{_free_port()}"], log_path=logs / "router.log")
+    try:
+        _, error = collect(router.address, greedy_request("hi", 4))
+        assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no worker" in error.details()
+        with grpc.insecure_channel(router.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+            assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        assert router.stop() == 0
+
+
+@pytest.fixture
+def own_worker(qwen3_dir: Path, logs: Path, kernels) -> Iterator:
+    workers = []
+
+    def start(*extra: str, port: int = 0):
+        worker = start_worker(qwen3_dir, *extra, port=port, log_path=logs / f"worker{len(workers)}.log")
+        workers.append(worker)
+        wait_serving(worker.address)
+        return worker
+
+    yield start
+    for worker in workers:
+        if worker.proc.poll() is None:
+            worker.stop()
+
+
+def test_queue_full_is_resource_exhausted(own_worker, logs) -> None:
+    """Beyond max_queued_requests waiting requests, submits fail with RESOURCE_EXHAUSTED; every request
+    ends with exactly one outcome."""
+    worker = own_worker("--max-num-seqs", "1", "--max-queued-requests", "1")
+    router = start_router([worker.address], log_path=logs / "router.log")
+    try:
+        wait_serving(router.address)
+
+        async def run_all():
+            async with grpc.aio.insecure_channel(router.address) as channel:
+                stub = generate_pb2_grpc.GenerationStub(channel)
+
+                async def one(i: int):
+                    request = generate_pb2.GenerateRequest(text=f"queue {i}", sampling=LONG)
+                    try:
+                        responses = [r async for r in stub.Generate(request, timeout=CALL_TIMEOUT_S)]
+                    except grpc.aio.AioRpcError as exc:
+                        return exc.code(), exc.details()
+                    return responses[-1].finish_reason, None
+
+                return await asyncio.gather(*(one(i) for i in range(6)))
+
+        outcomes = asyncio.run(run_all())
+        codes = [code for code, _ in outcomes]
+        assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
+        assert set(codes) <= {grpc.StatusCode.RESOURCE_EXHAUSTED, generate_pb2.FINISH_REASON_LENGTH}
+        assert codes.count(generate_pb2.FINISH_REASON_LENGTH) >= 2  # one running, one waiting
+        details = next(d for c, d in outcomes if c == grpc.StatusCode.RESOURCE_EXHAUSTED)
+        assert "max_queued_requests is 1" in details
+        wait_idle(worker.address)
+    finally:
+        router.stop()
+
+
+def test_worker_killed_mid_stream_then_restarted(own_worker, logs) -> None:
+    """Streams on a worker that dies end at once with UNAVAILABLE; the router keeps serving (health
+    follows the worker) and reconnects when a worker is back on that address."""
+    worker = own_worker()
+    port = int(worker.address.rsplit(":", 1)[1])
+    router = start_router([worker.address], log_path=logs / "router.log")
+    try:
+        wait_serving(router.address)
+        with grpc.insecure_channel(router.address) as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            calls = [
+                stub.Generate(
+                    generate_pb2.GenerateRequest(text=f"doomed {i}", sampling=LONG), timeout=CALL_TIMEOUT_S
+                )
+                for i in range(3)
+            ]
+            for call in calls:
+                next(call)  # every stream is producing
+            worker.kill()
+            for call in calls:
+                with pytest.raises(grpc.RpcError) as lost:
+                    list(call)
+                assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "went away" in lost.value.details()
+            responses, error = collect(router.address, greedy_request("while down", 4))
+            assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE
+
+        own_worker(port=port)
+        wait_serving(router.address)
+        responses, error = collect(router.address, greedy_request("back again", 4))
+        assert error is None and responses[-1].usage.completion_tokens == 4
+    finally:
+        assert router.stop() == 0
+
+
+def test_router_disconnect_aborts_its_requests_and_worker_keeps_serving(service, logs) -> None:
+    """A router that dies takes its requests with it on the worker (blocks freed), and the worker goes on
+    serving its other routers."""
+    doomed = start_router([service.worker.address], log_path=logs / "router.log")
+    wait_serving(doomed.address)
+    with grpc.insecure_channel(doomed.address) as channel:
+        call = generate_pb2_grpc.GenerationStub(channel).Generate(
+            generate_pb2.GenerateRequest(text="orphan", sampling=LONG), timeout=CALL_TIMEOUT_S
+        )
+        next(call)
+        assert worker_load(service.worker.address).num_connections == 2
+        doomed.kill()
+        load = wait_idle(service.worker.address)
+    assert load.num_connections == 1
+    responses, error = collect(service.router.address, greedy_request("still here", 4))
+    assert error is None and responses[-1].usage.completion_tokens == 4
+
+
+def test_least_loaded_worker_is_picked(own_worker, logs) -> None:
+    """With two workers, concurrent requests spread over both."""
+    workers = [own_worker(), own_worker()]
+    router = start_router([w.address for w in workers], log_path=logs / "router.log")
+    try:
+        wait_serving(router.address)
+        with grpc.insecure_channel(router.address) as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            info = stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
+            while info.num_workers < 2:  # health turns SERVING with the first worker; wait for the second
+                info = stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
+            calls = [
+                stub.Generate(
+                    generate_pb2.GenerateRequest(text=f"spread {i}", sampling=LONG), timeout=CALL_TIMEOUT_S
+                )
+                for i in range(4)
+            ]
+            for call in calls:
+                next(call)
+            loads = [worker_load(w.address) for w in workers]
+            assert [load.num_running + load.num_waiting for load in loads] == [2, 2]
+            for call in calls:
+                call.cancel()
+        for worker in workers:
+            wait_idle(worker.address)
+    finally:
+        router.stop()
