@@ -64,9 +64,12 @@ class Flag:
             return self.default
         if self.kind == "switch":
             return raw.strip().lower() in ("1", "true", "yes", "on")
-        if self.kind == "list":
-            return [self.type(item.strip()) for item in raw.split(",") if item.strip()]
-        return self.type(raw)
+        try:
+            if self.kind == "list":
+                return [self.type(item.strip()) for item in raw.split(",") if item.strip()]
+            return self.type(raw)
+        except ValueError as exc:
+            raise SystemExit(f"nanovllm: {self.env}={raw!r} is not a valid {self.name}: {exc}") from exc
 
 
 LOG_FLAGS = [

@@ -103,10 +103,10 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                 finish = _FINISH_REASONS.get(event.finish_reason)
                 if finish is not None:
                     worker_running = False
-                if stream.stopped:
-                    finish = generate_pb2.FINISH_REASON_STOP  # a stop string: the worker still runs it
-                elif finish is not None:
+                if finish is not None and not stream.stopped:
                     text += stream.finish()
+                if stream.stopped:
+                    finish = generate_pb2.FINISH_REASON_STOP  # a stop string (the worker may still run it)
                 response = generate_pb2.GenerateResponse(request_id=request_id, text=text)
                 if request.return_token_ids:
                     response.token_ids.extend(event.new_token_ids)

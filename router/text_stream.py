@@ -41,12 +41,15 @@ class TextStream:
 
     def finish(self) -> str:
         """The request ended for another reason: send everything held back. A character left incomplete
-        by the last token comes out as the full decode renders it (U+FFFD)."""
+        by the last token comes out as the full decode renders it (U+FFFD). The released text can still
+        hold a stop string; it is cut there and `stopped` becomes True."""
         if self.stopped:
             return ""
         full = self._tokenizer.decode(self._token_ids, skip_special_tokens=True)
         if full.startswith(self._decoded):
             self._decoded = full
+        if self._stop:  # the released tail may complete a stop string: `stopped` tells the caller
+            self._match_stop()
         delta, self._sent = self._decoded[self._sent :], len(self._decoded)
         return delta
 

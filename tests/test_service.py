@@ -205,11 +205,12 @@ def test_utf8_prompt_and_chat(service, offline, tokenizer) -> None:
     assert error is None
     reference = offline.generate([chat_ids], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
     assert ids_of(responses) == reference["token_ids"]
+    # The stream equals the full decode: had a delta carried U+FFFD for part of a character that the next
+    # token completes, the concatenation would differ. The output does hold such partial-byte tokens (the
+    # random model also strings some into invalid UTF-8, which both render as U+FFFD; tests/
+    # test_text_stream.py checks valid split characters one by one).
     assert text_of(responses) == tokenizer.decode(reference["token_ids"], skip_special_tokens=True)
-    full = text_of(responses)
-    assert full.count("\ufffd") == sum(r.text.count("\ufffd") for r in responses)
-    for response in responses:  # a delta ends on a whole character: re-encoding as UTF-8 is lossless
-        assert response.text.encode("utf-8").decode("utf-8") == response.text
+    assert any("\ufffd" in tokenizer.decode([t]) for t in ids_of(responses))
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,281 @@
+"""The `nanovllm` command line: every flag from the command line, else NANOVLLM_<FLAG>, else its default."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from nanovllm import cli
+from nanovllm.cli import (
+    CLIENT_FLAGS,
+    ENGINE_FLAGS,
+    LOG_FLAGS,
+    ROUTER_FLAGS,
+    SERVE_FLAGS,
+    WORKER_FLAGS,
+    Flag,
+    _resolve,
+    build_parser,
+)
+
+COMMANDS = {"serve": SERVE_FLAGS, "worker": WORKER_FLAGS, "router": ROUTER_FLAGS, "client": CLIENT_FLAGS}
+ALL_FLAGS = [flag for flags in COMMANDS.values() for flag in flags]
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    """No NANOVLLM_* variable from the surrounding environment leaks into these tests."""
+    for name in list(os.environ):
+        if name.startswith("NANOVLLM_"):
+            monkeypatch.delenv(name)
+
+
+def resolve(argv: list[str]) -> dict:
+    args = build_parser().parse_args(argv)
+    return _resolve(COMMANDS[args.command], args)
+
+
+# --- values ---------------------------------------------------------------------------------------------
+
+
+def test_env_sets_a_value_flag(monkeypatch):
+    """NANOVLLM_MAX_NUM_SEQS reaches max_num_seqs, converted to the flag's type."""
+    monkeypatch.setenv("NANOVLLM_MAX_NUM_SEQS", "7")
+    assert resolve(["worker", "--model", "m"])["max_num_seqs"] == 7
+
+
+def test_command_line_beats_env(monkeypatch):
+    """A flag on the command line wins over its environment variable."""
+    monkeypatch.setenv("NANOVLLM_MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("NANOVLLM_MODEL", "from-env")
+    options = resolve(["worker", "--model", "m", "--max-num-seqs", "3"])
+    assert options["max_num_seqs"] == 3
+    assert options["model"] == "m"
+
+
+@pytest.mark.parametrize(
+    "argv, dest, value", [(["--port", "0"], "port", 0), (["--temperature", "0"], "temperature", 0.0)]
+)
+def test_falsy_command_line_value_still_beats_env(monkeypatch, argv, dest, value):
+    """--port 0 or --temperature 0 on the command line is a value, not "unset": the env must not win."""
+    monkeypatch.setenv("NANOVLLM_" + dest.upper(), "9")
+    command = "client" if dest == "temperature" else "router"
+    extra = ["p"] if command == "client" else ["--worker", "w:1"]
+    assert resolve([command, *argv, *extra])[dest] == value
+
+
+def test_defaults_apply_without_flag_or_env():
+    """Neither flag nor env: each flag's default, typed."""
+    options = resolve(["worker", "--model", "m"])
+    assert options["max_num_seqs"] == 256
+    assert options["port"] == 50061
+    assert options["gpu_memory_utilization"] == 0.9
+    assert options["kv_cache_memory"] == "2GiB"
+    assert options["no_prefix_caching"] is False
+    assert options["log_level"] == "info"
+
+
+def test_empty_env_counts_as_unset(monkeypatch):
+    """NANOVLLM_X= (empty) gives the default, not a conversion error or an empty value."""
+    monkeypatch.setenv("NANOVLLM_MAX_NUM_SEQS", "")
+    monkeypatch.setenv("NANOVLLM_DEVICE", "")
+    options = resolve(["worker", "--model", "m"])
+    assert options["max_num_seqs"] == 256
+    assert options["device"] == "auto"
+
+
+def test_float_from_env(monkeypatch):
+    """Float flags are converted from the environment too."""
+    monkeypatch.setenv("NANOVLLM_TEMPERATURE", "0.7")
+    monkeypatch.setenv("NANOVLLM_TOP_P", "0.5")
+    options = resolve(["client", "hello"])
+    assert options["temperature"] == pytest.approx(0.7)
+    assert options["top_p"] == pytest.approx(0.5)
+
+
+# --- lists ----------------------------------------------------------------------------------------------
+
+
+def test_list_flag_from_env(monkeypatch):
+    """NANOVLLM_WORKER is comma-separated; blanks around items and empty items are dropped."""
+    monkeypatch.setenv("NANOVLLM_WORKER", "a:1, b:2,")
+    assert resolve(["router"])["worker"] == ["a:1", "b:2"]
+
+
+def test_list_flag_on_command_line_ignores_env(monkeypatch):
+    """Repeated --worker flags replace the env list entirely (no merging)."""
+    monkeypatch.setenv("NANOVLLM_WORKER", "a:1,b:2")
+    assert resolve(["router", "--worker", "c:3", "--worker", "d:4"])["worker"] == ["c:3", "d:4"]
+
+
+def test_list_flag_default(monkeypatch):
+    """--stop without flag or env is an empty list; from the env it splits on commas."""
+    assert resolve(["client", "p"])["stop"] == []
+    monkeypatch.setenv("NANOVLLM_STOP", "END,###")
+    assert resolve(["client", "p"])["stop"] == ["END", "###"]
+
+
+# --- switches -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw, expected",
+    [
+        ("true", True),
+        ("TRUE", True),
+        ("1", True),
+        ("yes", True),
+        ("on", True),
+        ("false", False),
+        ("0", False),
+    ],
+)
+def test_switch_from_env(monkeypatch, raw, expected):
+    """A switch reads true/1/yes/on (any case) from the env as on, anything else as off."""
+    monkeypatch.setenv("NANOVLLM_NO_PREFIX_CACHING", raw)
+    assert resolve(["worker", "--model", "m"])["no_prefix_caching"] is expected
+
+
+def test_switch_on_command_line(monkeypatch):
+    """A switch given on the command line is on, whatever the env says."""
+    monkeypatch.setenv("NANOVLLM_CHAT", "false")
+    assert resolve(["client", "--chat", "p"])["chat"] is True
+    assert resolve(["client", "p"])["chat"] is False
+
+
+def test_switch_default_is_false_when_unset():
+    """--chat has no declared default; unset it must still resolve to a falsy value, not crash."""
+    assert not resolve(["client", "p"])["chat"]
+
+
+# --- required flags -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, flag, env",
+    [
+        (["worker"], "--model", "NANOVLLM_MODEL"),
+        (["serve"], "--model", "NANOVLLM_MODEL"),
+        (["router"], "--worker", "NANOVLLM_WORKER"),
+    ],
+)
+def test_missing_required_flag_names_its_env(monkeypatch, argv, flag, env):
+    """Without the flag and its env variable the command exits, naming both."""
+    with pytest.raises(SystemExit) as exc:
+        resolve(argv)
+    message = str(exc.value.code)
+    assert flag in message and env in message
+
+
+def test_required_flag_with_empty_env_still_missing(monkeypatch):
+    """NANOVLLM_MODEL= (empty) does not satisfy --model."""
+    monkeypatch.setenv("NANOVLLM_MODEL", "")
+    with pytest.raises(SystemExit, match="NANOVLLM_MODEL"):
+        resolve(["worker"])
+
+
+def test_required_flag_from_env(monkeypatch):
+    """A required flag can come from the env alone."""
+    monkeypatch.setenv("NANOVLLM_MODEL", "/models/qwen")
+    assert resolve(["serve"])["model"] == "/models/qwen"
+
+
+# --- every flag -----------------------------------------------------------------------------------------
+
+
+def sample(flag: Flag) -> tuple[str, object]:
+    """An env value for `flag` and what it should resolve to."""
+    if flag.kind == "switch":
+        return "1", True
+    if flag.kind == "list":
+        return "p:1,q:2", [flag.type("p:1"), flag.type("q:2")]
+    if flag.type is int:
+        return "5", 5
+    if flag.type is float:
+        return "0.5", 0.5
+    return "xyz", flag.type("xyz")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_flag_is_settable_from_env(monkeypatch, command):
+    """Each flag of each subcommand is read from NANOVLLM_<FLAG>, and _resolve returns exactly the flags'
+    destinations."""
+    flags = COMMANDS[command]
+    expected = {}
+    for flag in flags:
+        raw, value = sample(flag)
+        monkeypatch.setenv(flag.env, raw)
+        expected[flag.dest] = value
+    argv = [command] + (["p"] if command == "client" else [])
+    assert resolve(argv) == expected
+
+
+def test_env_names_follow_the_flag_names():
+    """NANOVLLM_<FLAG>: the documented naming, e.g. --max-num-seqs -> NANOVLLM_MAX_NUM_SEQS."""
+    assert Flag("--max-num-seqs", "").env == "NANOVLLM_MAX_NUM_SEQS"
+    for flag in ALL_FLAGS:
+        assert flag.env == "NANOVLLM_" + flag.name.removeprefix("--").replace("-", "_").upper()
+
+
+def test_serve_resolves_every_option_it_forwards():
+    """run_serve forwards every engine and log flag to the worker, so serve must resolve all of them."""
+    serve = {flag.dest for flag in SERVE_FLAGS}
+    assert {flag.dest for flag in ENGINE_FLAGS + LOG_FLAGS} <= serve
+    assert {flag.dest for flag in ENGINE_FLAGS + LOG_FLAGS} <= {flag.dest for flag in WORKER_FLAGS}
+
+
+def test_required_flags_have_no_default():
+    """A required flag with a default would never report itself missing."""
+    for flag in ALL_FLAGS:
+        if flag.required:
+            assert flag.default is None, flag.name
+
+
+# --- help -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_names_every_env_variable(command, capsys):
+    """`nanovllm <command> --help` shows, for every flag, its env variable and default if any."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([command, "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
+    for flag in COMMANDS[command]:
+        assert flag.name in text
+        shown = "" if flag.default in (None, False, []) else f"; default {flag.default}"
+        assert f"[env {flag.env}{shown}]" in text, flag.name
+
+
+def test_top_level_help_lists_the_subcommands(capsys):
+    """`nanovllm --help` lists the four subcommands."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    for command in COMMANDS:
+        assert command in out
+
+
+def test_a_subcommand_is_required(capsys):
+    """`nanovllm` alone is a usage error, not a crash."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([])
+    assert exc.value.code == 2
+    assert "command" in capsys.readouterr().err
+
+
+def test_announced_line_is_what_serve_waits_for(capsys):
+    """run_serve reads the address from the servers' first stdout line: it must contain LISTENING and end
+    with the address."""
+    cli._announce("worker")("127.0.0.1:50061")
+    line = capsys.readouterr().out
+    assert cli.LISTENING in line
+    assert line.rsplit(" ", 1)[-1].strip() == "127.0.0.1:50061"
+
+
+def test_invalid_env_value_exits_naming_the_variable(monkeypatch):
+    """A malformed environment value is a one-line error naming the variable, not a traceback."""
+    monkeypatch.setenv("NANOVLLM_MAX_NUM_SEQS", "abc")
+    with pytest.raises(SystemExit, match=r"NANOVLLM_MAX_NUM_SEQS='abc' is not a valid --max-num-seqs"):
+        resolve(["worker", "--model", "m"])
