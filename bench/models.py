@@ -11,7 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen3Config
+from tokenizers import AddedToken, Tokenizer, decoders
+from tokenizers.models import WordLevel
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+)
 
 DEFAULT_CACHE = Path.home() / ".cache" / "nanovllm" / "bench-models"
 
@@ -85,4 +93,34 @@ def build_random_model(shape: str, out_dir: Path | None = None) -> Path:
             item.replace(out_dir / item.name)
     (tmp_dir / "config.json").replace(out_dir / "config.json")
     tmp_dir.rmdir()
+    return out_dir
+
+
+def build_serving_model(shape: str, out_dir: Path | None = None) -> Path:
+    """build_random_model's checkpoint plus a tokenizer, which a router needs to stream text.
+
+    Token id i decodes to " w<i>" through the byte-level decoder of GPT-2-style tokenizers (SmolLM2's,
+    Qwen's), and BOS/EOS are special tokens, so the router detokenizes as it would for the real model.
+    The weights are linked from build_random_model's directory, which stays without a tokenizer: there,
+    LLM.generate (bench/throughput.py) decodes no text.
+    """
+    weights_dir = build_random_model(shape)
+    out_dir = Path(out_dir) if out_dir is not None else DEFAULT_CACHE / f"{shape}-tokenizer"
+    if (out_dir / "tokenizer.json").is_file():
+        return out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for item in weights_dir.iterdir():
+        if not (out_dir / item.name).exists():
+            (out_dir / item.name).symlink_to(item.resolve())
+    config = build_config(shape)
+    special = {i: f"<|special_{i}|>" for i in {config.bos_token_id, config.eos_token_id}}
+    vocab = {special.get(i, f"\u0120w{i}"): i for i in range(config.vocab_size)}  # \u0120: byte-level space
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token=special[config.eos_token_id]))
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(s, special=True) for s in special.values()])
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=special[config.bos_token_id],
+        eos_token=special[config.eos_token_id],
+    ).save_pretrained(out_dir)
     return out_dir

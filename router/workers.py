@@ -113,6 +113,9 @@ class WorkerConnection:
                     reason = "the worker was refused (see the log)"
             except grpc.aio.AioRpcError as exc:
                 reason = f"{exc.code().name}: {exc.details()}"
+            except Exception as exc:  # e.g. unusable tokenizer files: log it, keep retrying
+                log.exception("worker_connection_failed", worker=self.address)
+                reason = f"{type(exc).__name__}: {exc}"
             if self.connected or self._requests:
                 log.warning("worker_lost", worker=self.address, reason=reason, in_flight=len(self._requests))
             self._disconnect(reason, on_change)

@@ -12,7 +12,6 @@ import grpc
 from nanovllm.common.config import EngineConfig
 from nanovllm.common.logging import get_logger
 from nanovllm.common.serving import GrpcServer
-from nanovllm.worker.engine import LLMEngine
 from nanovllm.worker.engine_loop import EngineLoop
 from nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -149,17 +148,12 @@ async def serve_worker(
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server.server)
     address = await server.start(config.host, config.port)
     on_listening(address)
-    engine = await asyncio.to_thread(LLMEngine, engine_config)
-    engine_loop = EngineLoop(engine, config.max_queued_requests)
-    engine_loop.start()
-    service.attach(engine_loop, worker_info(engine_config, engine.block_manager.num_blocks))
+    engine_loop = EngineLoop(engine_config, config.max_queued_requests)
+    await asyncio.wrap_future(engine_loop.start())  # the model loads on the engine thread
+    num_blocks = engine_loop.engine.block_manager.num_blocks
+    service.attach(engine_loop, worker_info(engine_config, num_blocks))
     await server.set_serving(True)
-    log.info(
-        "worker_serving",
-        address=address,
-        model=engine_config.model,
-        kv_blocks=engine.block_manager.num_blocks,
-    )
+    log.info("worker_serving", address=address, model=engine_config.model, kv_blocks=num_blocks)
     await stop.wait()
     log.info("worker_stopping", address=address)
     await asyncio.to_thread(engine_loop.stop)
