@@ -278,10 +278,11 @@ def run_client(options: dict[str, Any], prompt: str) -> int:
                 sys.stdout.write(response.text)
                 sys.stdout.flush()
                 if response.finish_reason:
+                    print(flush=True)  # end the answer's line on stdout; the summary goes to stderr
                     usage = response.usage
                     reason = generate_pb2.FinishReason.Name(response.finish_reason)
                     print(
-                        f"\n[{reason.removeprefix('FINISH_REASON_').lower()}: {usage.prompt_tokens} prompt, "
+                        f"[{reason.removeprefix('FINISH_REASON_').lower()}: {usage.prompt_tokens} prompt, "
                         f"{usage.completion_tokens} completion tokens]",
                         file=sys.stderr,
                     )

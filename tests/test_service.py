@@ -7,12 +7,16 @@ tests/test_fidelity.py holds equal to transformers.
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
@@ -440,3 +444,55 @@ def test_least_loaded_worker_is_picked(own_worker, logs) -> None:
             wait_idle(worker.address)
     finally:
         router.stop()
+
+
+def test_cli_client_streams_an_answer(service, offline) -> None:
+    """`nanovllm client` prints the streamed completion to stdout and the finish reason to stderr."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nanovllm.cli",
+            "client",
+            "--router",
+            service.router.address,
+            "--max-tokens",
+            "12",
+        ]
+        + ["The quick brown fox"],
+        capture_output=True,
+        text=True,
+        timeout=CALL_TIMEOUT_S,
+        check=True,
+    )
+    expected = offline.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=12))[0]
+    assert proc.stdout == expected["text"] + "\n"
+    assert "[length:" in proc.stderr and "12 completion tokens" in proc.stderr
+
+
+def test_cli_serve_runs_both_and_stops_both(qwen3_dir: Path, kernels) -> None:
+    """`nanovllm serve` starts a worker and a router as separate processes, says where it listens, serves,
+    and on SIGTERM stops both and exits 0."""
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "nanovllm.cli", "serve", "--model", str(qwen3_dir), "--port", "0"]
+        + ["--kv-cache-memory", "32MiB", "--max-model-len", "512", "--log-format", "json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        banner = serve.stdout.readline()
+        assert banner.startswith(f"nanovllm serving {qwen3_dir}: router at "), banner
+        router_address = banner.split("router at ")[1].split(",")[0]
+        children = psutil.Process(serve.pid).children()
+        assert len(children) == 2
+        wait_serving(router_address)
+        responses, error = collect(router_address, greedy_request("served", 3))
+        assert error is None and responses[-1].usage.completion_tokens == 3
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=60) == 0
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert alive == []
+    finally:
+        if serve.poll() is None:
+            serve.kill()
