@@ -19,3 +19,7 @@ class InvalidStateTransition(NanoVLLMError, RuntimeError):
 
 class UnsupportedModelError(NanoVLLMError, ValueError):
     """The checkpoint's architecture or layout is not one nanovllm implements."""
+
+
+class EngineDeadError(NanoVLLMError, RuntimeError):
+    """The engine cannot go on (e.g. a tensor-parallel rank died); its process should fail and exit."""

@@ -174,11 +174,10 @@ def run_worker(options: dict[str, Any]) -> int:
         host=options["host"], port=options["port"], max_queued_requests=options["max_queued_requests"]
     )
 
-    async def main() -> None:
-        await serve_worker(engine_config, config, stop_event_on_signals(), _announce("worker"))
+    async def main() -> int:
+        return await serve_worker(engine_config, config, stop_event_on_signals(), _announce("worker"))
 
-    asyncio.run(main())
-    return 0
+    return asyncio.run(main())
 
 
 def run_router(options: dict[str, Any]) -> int:

@@ -184,11 +184,6 @@ def test_kv_cache_too_small_names_the_numbers(qwen3_dir):
         LLM(str(qwen3_dir), max_model_len=128, kvcache_block_size=16, kv_cache_memory=2 * 16 * 512)
 
 
-def test_tensor_parallel_not_yet_is_an_error(qwen3_dir):
-    with pytest.raises(ConfigError, match="tensor_parallel_size=2"):
-        LLM(str(qwen3_dir), max_model_len=64, kv_cache_memory="4MiB", tensor_parallel_size=2)
-
-
 def test_unknown_llm_argument(qwen3_dir):
     with pytest.raises(ConfigError, match="unknown LLM arguments \\['max_len'\\]"):
         LLM(str(qwen3_dir), max_len=10)

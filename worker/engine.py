@@ -125,6 +125,10 @@ class LLMEngine:
         self._aborted.append(self._output(seq, []))
         return True
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks, if any (joined, never orphaned). No step may follow."""
+        self.runner.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._aborted)
 

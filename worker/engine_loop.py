@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from nanovllm.common.config import EngineConfig
+from nanovllm.common.errors import EngineDeadError
 from nanovllm.common.logging import get_logger
 from nanovllm.common.wire import sampling_from_wire
 from nanovllm.worker.engine import EngineLoad, LLMEngine, RequestOutput
@@ -60,6 +61,9 @@ class EngineLoop:
         self._connections: set[Connection] = set()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._ready: Future[None] = Future()
+        # Resolves when the engine thread ends: with None after stop(), with EngineDeadError if the engine
+        # failed for good (e.g. a tensor-parallel rank died); the process should then exit non-zero.
+        self.dead: Future[None] = Future()
         self.engine: LLMEngine | None = None  # set by the engine thread before `ready` resolves
         self.load: EngineLoad | None = None
 
@@ -104,16 +108,23 @@ class EngineLoop:
             self._ready.set_exception(exc)
             return
         self._ready.set_result(None)
-        while True:
-            # Block for a command only when there is nothing to step.
-            for command in self._take_commands(block=not self.engine.has_unfinished_requests()):
-                if command is None:
-                    self._shutdown()
-                    return
-                command()
-            if self.engine.has_unfinished_requests():
-                self._step()
-            self.load = self.engine.load()
+        try:
+            while True:
+                # Block for a command only when there is nothing to step.
+                for command in self._take_commands(block=not self.engine.has_unfinished_requests()):
+                    if command is None:
+                        self._shutdown()
+                        self.dead.set_result(None)
+                        return
+                    command()
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self.load = self.engine.load()
+        except EngineDeadError as exc:
+            log.error("engine_dead", error=str(exc))
+            self._fail_all(str(exc))
+            self.engine.shutdown()
+            self.dead.set_exception(exc)
 
     def _take_commands(self, block: bool) -> list[Callable[[], None] | None]:
         commands = [self._commands.get()] if block else []
@@ -170,10 +181,13 @@ class EngineLoop:
             self._step()
         for conn in list(self._connections):
             self._close(conn)
+        self.engine.shutdown()
 
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except EngineDeadError:
+            raise
         except Exception as exc:  # the engine's state is suspect: fail everything in flight, keep serving
             log.exception("engine_step_failed")
             self._fail_all(f"the engine step failed: {type(exc).__name__}: {exc}")

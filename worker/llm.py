@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,14 @@ class LLM:
             raise ConfigError(f"unknown LLM arguments {unknown}; accepted: {sorted(known)}")
         self.config = EngineConfig(model=model, **kwargs)
         self.engine = LLMEngine(self.config)
+        # Tensor-parallel ranks stop when this LLM is collected or the interpreter exits, if not before.
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
         self.tokenizer = load_tokenizer(model)
         self._request_ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks now (with tensor_parallel_size > 1); the LLM is unusable after."""
+        self._finalizer()
 
     def generate(
         self,

@@ -1,13 +1,15 @@
 """Load Hugging Face safetensors checkpoints (single file or sharded) into a nanovllm model.
 
-Files are memory-mapped; each parameter's `weight_loader` copies only this rank's slice, and fuses
-q/k/v and gate/up projections into the packed parameters the model declares.
+Files are memory-mapped; each parameter's `weight_loader` reads only this rank's slice of a tensor
+(CheckpointTensor.narrow), and fuses q/k/v and gate/up projections into the packed parameters the model
+declares.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -19,12 +21,29 @@ from nanovllm.common.logging import get_logger
 log = get_logger(__name__)
 
 
-def _copy_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+class CheckpointTensor:
+    """One tensor of an open safetensors file, read lazily: `narrow` reads just that slice from the
+    memory-mapped file, so a tensor-parallel rank never materializes the other ranks' parts."""
+
+    def __init__(self, file: Any, name: str) -> None:
+        self._file, self.name = file, name
+        self.shape = torch.Size(file.get_slice(name).get_shape())
+
+    def read(self) -> torch.Tensor:
+        return self._file.get_tensor(self.name)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._file.get_slice(self.name)[tuple(index)]
+
+
+def _copy_whole(param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
     if param.shape != loaded.shape:
         raise ConfigError(
-            f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}"
+            f"checkpoint tensor {loaded.name} of shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}"
         )
-    param.data.copy_(loaded)
+    param.data.copy_(loaded.read())
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
@@ -58,7 +77,7 @@ def load_safetensors(model: nn.Module, model_dir: str | Path) -> None:
                 if param is None:
                     raise ConfigError(f"checkpoint tensor {name!r} in {path.name} matches no model parameter")
                 loader = getattr(param, "weight_loader", _copy_whole)
-                loader(param, f.get_tensor(name), shard_id)
+                loader(param, CheckpointTensor(f, name), shard_id)
                 loaded.add(target)
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     missing = sorted(set(params) - loaded - tied)

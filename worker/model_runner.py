@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 from dataclasses import dataclass
 from types import ModuleType
@@ -21,6 +20,8 @@ from nanovllm.worker.loader import load_safetensors
 from nanovllm.worker.models.decoder import DecoderForCausalLM
 from nanovllm.worker.sampler import Sampler, SamplerOutput, SamplingRow
 from nanovllm.worker.scheduler import ScheduledSequence, SchedulerOutput
+from nanovllm.worker.step_inputs import SeqChunk, StepInputs
+from nanovllm.worker.tensor_parallel import TensorParallelGroup
 
 log = get_logger(__name__)
 
@@ -64,13 +65,27 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TPContext | None = None) -> None:
+        """Rank 0 passes no `tp`: with tensor_parallel_size > 1 it starts ranks 1..N-1 itself. Those ranks
+        (worker/tensor_parallel.py) pass their own TPContext."""
         self.config = config
-        if config.tensor_parallel_size != 1 and tp is None:
-            raise ConfigError(
-                f"tensor_parallel_size={config.tensor_parallel_size}: the layers are sharding-ready but the "
-                f"multi-process runner is not built yet; use tensor_parallel_size=1"
-            )
-        self.tp = tp or TPContext()
+        self.tp_group: TensorParallelGroup | None = None
+        if tp is None:
+            tp = TPContext(0, config.tensor_parallel_size)
+            if tp.size > 1:
+                self.tp_group = TensorParallelGroup(config)
+        self.tp = tp
+        try:
+            self._build()
+        except BaseException as exc:
+            try:
+                if self.tp_group is not None:
+                    self.tp_group.raise_if_dead(exc)  # a rank failed to build its shard: say which
+            finally:
+                self.shutdown()  # never leave the other ranks behind
+            raise
+
+    def _build(self) -> None:
+        config = self.config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.kvcache_block_size
@@ -121,7 +136,7 @@ class ModelRunner:
 
     def _kv_bytes_per_block(self) -> int:
         cfg = self.config.hf_config
-        kv_heads = cfg.num_key_value_heads // self.tp.size
+        kv_heads = self.tp.kv_heads(cfg.num_key_value_heads)[1]
         element = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * cfg.num_hidden_layers * self.block_size * kv_heads * cfg.head_dim * element
 
@@ -137,12 +152,13 @@ class ModelRunner:
                 f"kv_cache_memory={self.config.kv_cache_memory} asks for {budget / 2**30:.2f} GiB but only "
                 f"{available / 2**30:.2f} GiB of RAM is available"
             )
-        return budget
+        return budget // self.tp.size  # the ranks share this machine's RAM: the budget is for all of them
 
     def _allocate_kv_cache(self) -> int:
         cfg = self.config.hf_config
         per_block = self._kv_bytes_per_block()
-        num_blocks = self._kv_cache_budget() // per_block
+        # Every rank must hold the same blocks: the scheduler on rank 0 hands out block ids for all.
+        num_blocks = self.tp.all_reduce_min(self._kv_cache_budget() // per_block)
         needed = -(-self.config.max_model_len // self.block_size)
         if num_blocks < needed:
             raise ConfigError(
@@ -150,7 +166,7 @@ class ModelRunner:
                 f"fewer than the {needed} blocks one sequence of max_model_len={self.config.max_model_len} "
                 f"needs; raise kv_cache_memory or lower max_model_len"
             )
-        kv_heads = cfg.num_key_value_heads // self.tp.size
+        kv_heads = self.tp.kv_heads(cfg.num_key_value_heads)[1]
         shape = (2, cfg.num_hidden_layers, num_blocks, self.block_size, kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
@@ -167,13 +183,12 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput, rows: list[SamplingRow]) -> ModelRunnerOutput:
         """Run one step. `rows` gives sampling state for the sequences whose chunk `samples`, in order."""
         t0 = time.perf_counter()
-        input_ids, positions, meta, sample_index = self._prepare(sched)
-        t1 = time.perf_counter()
-        hidden = self.model(input_ids, positions, meta)
+        inputs = self.step_inputs(sched, all_logits=False)
         sampled = [s.seq.seq_id for s in sched.scheduled if s.samples]
-        if not sampled:
+        t1 = time.perf_counter()
+        logits = self.forward(inputs)
+        if logits is None:
             return ModelRunnerOutput([], SamplerOutput([], []), t1 - t0, time.perf_counter() - t1)
-        logits = self.model.compute_logits(hidden.index_select(0, sample_index)).float()
         t2 = time.perf_counter()
         output = self.sampler(logits, rows)
         return ModelRunnerOutput(sampled, output, t1 - t0, t2 - t1, time.perf_counter() - t2)
@@ -181,57 +196,106 @@ class ModelRunner:
     @torch.inference_mode()
     def logits_for(self, sched: SchedulerOutput) -> torch.Tensor:
         """Logits of every scheduled token (teacher forcing); used to compare with a reference model."""
-        input_ids, positions, meta, _ = self._prepare(sched)
-        return self.model.compute_logits(self.model(input_ids, positions, meta)).float()
+        logits = self.forward(self.step_inputs(sched, all_logits=True))
+        if logits is None:
+            raise ValueError("logits_for needs at least one scheduled token")
+        return logits
 
-    def _prepare(
-        self, sched: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flat input ids, positions, attention metadata, and the rows whose logits are sampled (in
-        scheduler order). Tokens are laid out decodes, then fresh prompts, then continuing chunks."""
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The model on one step's inputs, on every tensor-parallel rank: fp32 logits of the requested
+        rows, or None when no row is requested (a prompt chunk that does not reach its end)."""
+        try:
+            if self.tp_group is not None:
+                self.tp_group.send(inputs)
+            input_ids, positions, meta, logits_index = self._tensors(inputs)
+            hidden = self.model(input_ids, positions, meta)
+            if not inputs.logits_index:
+                return None
+            return self.model.compute_logits(hidden.index_select(0, logits_index)).float()
+        except RuntimeError as exc:  # a collective failed: say which rank went away, if one did
+            if self.tp_group is not None:
+                self.tp_group.raise_if_dead(exc)
+            raise
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (joined, never orphaned); a no-op without them."""
+        if self.tp_group is not None:
+            self.tp_group.shutdown()
+            self.tp_group = None
+
+    def step_inputs(self, sched: SchedulerOutput, all_logits: bool) -> StepInputs:
+        """The step as plain integers. Tokens are laid out decodes, then fresh prompts, then continuing
+        chunks; logits are computed for each sampling sequence's last token (or every token)."""
         bs = self.block_size
         nd = sched.num_decodes
-        decodes = sched.scheduled[:nd]
-        fresh = [s for s in sched.scheduled[nd:] if s.start == 0]
-        cached = [s for s in sched.scheduled[nd:] if s.start > 0]
+        order = [*sched.scheduled[:nd], *(s for s in sched.scheduled[nd:] if s.start == 0)]
+        order += [s for s in sched.scheduled[nd:] if s.start > 0]
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         last_row: dict[int, int] = {}
-        for item in itertools.chain(decodes, fresh, cached):
+        for item in order:
             seq, start, end = item.seq, item.start, item.start + item.num_new_tokens
             table = seq.block_table
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             last_row[seq.seq_id] = len(input_ids) - 1
-        sample_index = [last_row[s.seq.seq_id] for s in sched.scheduled if s.samples]
-        meta = AttentionMetadata(
-            slot_mapping=self._long(slots),
-            decode=self._decode_batch(decodes) if decodes else None,
-            fresh=self._prefill_batch(fresh, with_cache=False) if fresh else None,
-            cached=self._prefill_batch(cached, with_cache=True) if cached else None,
+        if all_logits:
+            logits_index = list(range(len(input_ids)))
+        else:
+            logits_index = [last_row[s.seq.seq_id] for s in sched.scheduled if s.samples]
+
+        def chunk(item: ScheduledSequence, with_table: bool) -> SeqChunk:
+            end = item.start + item.num_new_tokens
+            table = item.seq.block_table[: -(-end // bs)] if with_table else []
+            return SeqChunk(item.start, item.num_new_tokens, table)
+
+        return StepInputs(
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slots,
+            decodes=[chunk(s, True) for s in order[:nd]],
+            fresh=[chunk(s, False) for s in order[nd:] if s.start == 0],
+            cached=[chunk(s, True) for s in order[nd:] if s.start > 0],
+            logits_index=logits_index,
         )
-        return self._long(input_ids), self._long(positions), meta, self._long(sample_index)
+
+    def _tensors(
+        self, inputs: StepInputs
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        meta = AttentionMetadata(
+            slot_mapping=self._long(inputs.slot_mapping),
+            decode=self._decode_batch(inputs.decodes) if inputs.decodes else None,
+            fresh=self._prefill_batch(inputs.fresh, with_cache=False) if inputs.fresh else None,
+            cached=self._prefill_batch(inputs.cached, with_cache=True) if inputs.cached else None,
+        )
+        return (
+            self._long(inputs.input_ids),
+            self._long(inputs.positions),
+            meta,
+            self._long(inputs.logits_index),
+        )
 
     def _long(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def _decode_batch(self, items: list[ScheduledSequence]) -> DecodeBatch:
-        tables, context = self._block_tables(items)
-        context_lens = self._long([s.start + 1 for s in items])
+    def _decode_batch(self, chunks: list[SeqChunk]) -> DecodeBatch:
+        tables, context = self._block_tables(chunks)
+        context_lens = self._long([c.start + 1 for c in chunks])
         mask = torch.arange(context, device=self.device) < context_lens[:, None]
         return DecodeBatch(block_tables=tables, context_lens=context_lens, mask=mask[:, None, None, :])
 
-    def _prefill_batch(self, items: list[ScheduledSequence], with_cache: bool) -> PrefillBatch:
+    def _prefill_batch(self, chunks: list[SeqChunk], with_cache: bool) -> PrefillBatch:
         dev = self.device
-        max_q = max(s.num_new_tokens for s in items)
-        q_lens = self._long([s.num_new_tokens for s in items])
+        max_q = max(c.num_new_tokens for c in chunks)
+        q_lens = self._long([c.num_new_tokens for c in chunks])
         token_index = (torch.arange(max_q, device=dev) < q_lens[:, None]).flatten().nonzero().squeeze(1)
-        batch = PrefillBatch(num_seqs=len(items), max_query_len=max_q, token_index=token_index)
+        batch = PrefillBatch(num_seqs=len(chunks), max_query_len=max_q, token_index=token_index)
         if with_cache:
-            batch.block_tables, context = self._block_tables(items)
-            starts = self._long([s.start for s in items])
+            batch.block_tables, context = self._block_tables(chunks)
+            starts = self._long([c.start for c in chunks])
             q_pos = starts[:, None] + torch.arange(max_q, device=dev)  # [P, max_q]
             k_pos = torch.arange(context, device=dev)
             # Padded query rows (past a chunk's end) still see valid keys, so no row is fully masked.
@@ -239,8 +303,8 @@ class ModelRunner:
             batch.mask = mask[:, None]
         return batch
 
-    def _block_tables(self, items: list[ScheduledSequence]) -> tuple[torch.Tensor, int]:
+    def _block_tables(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, int]:
         """Block tables padded to the longest, and the padded context length in tokens."""
-        width = max(-(-(s.start + s.num_new_tokens) // self.block_size) for s in items)
-        tables = [s.seq.block_table[:width] + [0] * (width - len(s.seq.block_table[:width])) for s in items]
+        width = max(len(c.block_table) for c in chunks)
+        tables = [c.block_table + [0] * (width - len(c.block_table)) for c in chunks]
         return torch.tensor(tables, dtype=torch.long, device=self.device), width * self.block_size

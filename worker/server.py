@@ -141,8 +141,9 @@ async def serve_worker(
     config: WorkerServerConfig,
     stop: asyncio.Event,
     on_listening: Callable[[str], None],
-) -> None:
-    """Listen at once (health NOT_SERVING), load the model, serve until `stop` is set, then shut down."""
+) -> int:
+    """Listen at once (health NOT_SERVING), load the model, serve until `stop` is set, then shut down.
+    Returns the process exit code: 1 when the engine died (e.g. a tensor-parallel rank exited)."""
     service = WorkerService()
     server = GrpcServer([worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name])
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server.server)
@@ -154,7 +155,13 @@ async def serve_worker(
     service.attach(engine_loop, worker_info(engine_config, num_blocks))
     await server.set_serving(True)
     log.info("worker_serving", address=address, model=engine_config.model, kv_blocks=num_blocks)
-    await stop.wait()
+    dead = asyncio.wrap_future(engine_loop.dead)
+    await asyncio.wait([asyncio.ensure_future(stop.wait()), dead], return_when=asyncio.FIRST_COMPLETED)
+    if dead.done() and dead.exception() is not None:
+        log.error("worker_failed", address=address, error=str(dead.exception()))
+        await server.stop(config.shutdown_grace_s)  # in-flight requests already got their error
+        return 1
     log.info("worker_stopping", address=address)
     await asyncio.to_thread(engine_loop.stop)
     await server.stop(config.shutdown_grace_s)
+    return 0

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.worker.layers.parallel import TPContext
+from nanovllm.worker.loader import CheckpointTensor
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -18,7 +19,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
         param.data.copy_(loaded.narrow(0, self.vocab_start, self.shard_size))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

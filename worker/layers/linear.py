@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.worker.layers.parallel import TPContext
+from nanovllm.worker.loader import CheckpointTensor
 
 
 class _ParallelLinear(nn.Module):
@@ -25,7 +26,7 @@ class _ParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
         raise NotImplementedError
 
 
@@ -33,8 +34,8 @@ class ReplicatedLinear(_ParallelLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias, TPContext())
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        param.data.copy_(loaded)
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
+        param.data.copy_(loaded.read())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -46,7 +47,7 @@ class ColumnParallelLinear(_ParallelLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext) -> None:
         super().__init__(in_features, tp.shard(out_features, "output features"), bias, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
         size = param.shape[0]
         param.data.copy_(loaded.narrow(0, self.tp.rank * size, size))
 
@@ -61,32 +62,38 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
         index = int(shard_id)  # type: ignore[arg-type]
         shard = self.output_sizes[index] // self.tp.size
         offset = sum(self.output_sizes[:index]) // self.tp.size
         param.data.narrow(0, offset, shard).copy_(loaded.narrow(0, self.tp.rank * shard, shard))
 
 
-class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections fused; heads (not features) are what gets split across ranks."""
+class QKVParallelLinear(_ParallelLinear):
+    """q, k and v projections fused; heads (not features) are what gets split across ranks, and KV heads
+    are replicated when there are fewer of them than ranks. Column-parallel: no communication."""
 
     def __init__(
         self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPContext
     ) -> None:
         self.head_dim = head_dim
         self.num_heads = tp.shard(num_heads, "num_attention_heads")
-        self.num_kv_heads = tp.shard(num_kv_heads, "num_key_value_heads")
-        total = (num_heads + 2 * num_kv_heads) * head_dim
-        super().__init__(hidden_size, total, bias, tp)
+        self.first_kv_head, self.num_kv_heads = tp.kv_heads(num_kv_heads)
+        super().__init__(hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[
-            shard_id  # type: ignore[index]
-        ]
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp.rank * size, size))
+        kv_start = self.first_kv_head * self.head_dim
+        offset, size, start = {
+            "q": (0, q_size, self.tp.rank * q_size),
+            "k": (q_size, kv_size, kv_start),
+            "v": (q_size + kv_size, kv_size, kv_start),
+        }[shard_id]  # type: ignore[index]
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -95,9 +102,12 @@ class RowParallelLinear(_ParallelLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext) -> None:
         super().__init__(tp.shard(in_features, "input features"), out_features, bias, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
         if param.dim() == 1:  # bias is added once, on rank 0
-            param.data.copy_(loaded if self.tp.rank == 0 else torch.zeros_like(loaded))
+            if self.tp.rank == 0:
+                param.data.copy_(loaded.read())
+            else:
+                param.data.zero_()
             return
         size = param.shape[1]
         param.data.copy_(loaded.narrow(1, self.tp.rank * size, size))

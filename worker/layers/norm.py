@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.worker.loader import CheckpointTensor
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -42,9 +44,9 @@ class HeadRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(num_heads + num_kv_heads, head_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
         rows = slice(0, self.num_heads) if shard_id == "q" else slice(self.num_heads, None)
-        param.data[rows] = loaded
+        param.data[rows] = loaded.read()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, x.shape[-1:], None, self.eps).mul_(self.weight)

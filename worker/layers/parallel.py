@@ -21,10 +21,30 @@ class TPContext:
             raise ConfigError(f"{what}={total} is not divisible by tensor_parallel_size={self.size}")
         return total // self.size
 
+    def kv_heads(self, total: int) -> tuple[int, int]:
+        """(first, count) of the KV heads this rank holds. With fewer KV heads than ranks, each head is
+        replicated on size // total consecutive ranks (as vLLM does), so every rank keeps one."""
+        if total >= self.size:
+            count = self.shard(total, "num_key_value_heads")
+            return self.rank * count, count
+        if self.size % total != 0:
+            raise ConfigError(
+                f"num_key_value_heads={total} cannot be replicated evenly over tensor_parallel_size={self.size}"
+            )
+        return self.rank // (self.size // total), 1
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
             dist.all_reduce(x)
         return x
+
+    def all_reduce_min(self, value: int) -> int:
+        if self.size == 1:
+            return value
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces only CUDA tensors
+        x = torch.tensor([value], dtype=torch.long, device=device)
+        dist.all_reduce(x, op=dist.ReduceOp.MIN)
+        return int(x.item())
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:

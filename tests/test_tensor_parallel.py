@@ -1,0 +1,129 @@
+"""Tensor parallelism: ranks 1..N-1 in subprocesses give the same tokens and logits as one process, fail
+loudly and leave nothing behind when a rank dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+import torch
+
+from nanovllm import LLM
+from nanovllm.common.errors import ConfigError, EngineDeadError
+from nanovllm.v1 import generate_pb2, generate_pb2_grpc
+from tests.helpers import greedy, teacher_forced_logits
+from tests.model_factory import build_model
+from tests.services import start_router, start_worker, wait_serving
+
+PROMPTS = [[5, 9, 33, 2, 71, 100, 4], [300, 12], list(range(40, 97)), [7] * 20, [250, 251, 252]]
+ENGINE = {"kv_cache_memory": "32MiB", "max_model_len": 512}
+
+
+def rank_processes(parent: psutil.Process) -> list[psutil.Process]:
+    """The tensor-parallel ranks among a process's children: multiprocessing spawn children other than
+    its resource tracker (the session's service processes are children of pytest too)."""
+    ranks = []
+    for child in parent.children():
+        cmdline = " ".join(child.cmdline())
+        if "multiprocessing" in cmdline and "resource_tracker" not in cmdline:
+            ranks.append(child)
+    return ranks
+
+
+def compare_tp(model_dir: Path) -> None:
+    single = LLM(str(model_dir), **ENGINE)
+    sharded = LLM(str(model_dir), tensor_parallel_size=2, **ENGINE)
+    try:
+        assert len(rank_processes(psutil.Process())) == 1
+        want = single.generate(PROMPTS, greedy(24), use_tqdm=False)
+        got = sharded.generate(PROMPTS, greedy(24), use_tqdm=False)
+        assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want]
+        for chunk in (1, 6):  # decode path and chunked prefill
+            for ours, ref in zip(
+                teacher_forced_logits(sharded, PROMPTS, chunk), teacher_forced_logits(single, PROMPTS, chunk)
+            ):
+                torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    finally:
+        sharded.shutdown()
+    assert rank_processes(psutil.Process()) == []
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_tp2_equals_tp1(model_dirs: dict[str, Path], arch: str) -> None:
+    """TP=2 greedy tokens equal TP=1 token for token over a batch; logits within 1e-4 (fp32)."""
+    compare_tp(model_dirs[arch])
+
+
+def test_tp2_replicates_a_single_kv_head(tmp_path: Path) -> None:
+    """With fewer KV heads than ranks, each rank keeps a replica of its KV head: outputs unchanged."""
+    compare_tp(build_model("qwen3", tmp_path / "mqa", heads=4, kv_heads=1, seed=5))
+
+
+def test_unshardable_model_is_a_clear_error_before_any_process_starts(qwen3_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="num_attention_heads=4 is not divisible by tensor_parallel_size=3"):
+        LLM(str(qwen3_dir), tensor_parallel_size=3, **ENGINE)
+    assert rank_processes(psutil.Process()) == []
+
+
+def test_killed_rank_fails_the_step_and_leaves_no_process(qwen3_dir: Path) -> None:
+    """Rank 1 killed mid-generation: the next step raises EngineDeadError naming it, within seconds, and
+    after shutdown no rank process is left."""
+    llm = LLM(str(qwen3_dir), tensor_parallel_size=2, **ENGINE)
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, greedy(200))
+    for _ in range(3):
+        engine.step()
+    (rank1,) = rank_processes(psutil.Process())
+    os.kill(rank1.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match=rf"rank 1 \(pid {rank1.pid}\) exited with code -9"):
+        for _ in range(200):
+            engine.step()
+    assert time.monotonic() - start < 10  # a bound on a hang, not a performance target
+    llm.shutdown()
+    assert rank_processes(psutil.Process()) == []
+
+
+def test_serving_with_tp2_and_a_rank_dying(qwen3_dir: Path, kernels, tmp_path: Path) -> None:
+    """Through router and worker with --tensor-parallel-size 2: the stream equals offline TP=1 output.
+    When rank 1 dies mid-stream the stream ends with FINISH_REASON_ERROR naming it, the worker exits
+    non-zero, and none of its processes survive."""
+    worker = start_worker(qwen3_dir, "--tensor-parallel-size", "2", log_path=tmp_path / "worker.log")
+    router = start_router([worker.address], log_path=tmp_path / "router.log")
+    try:
+        wait_serving(worker.address)
+        wait_serving(router.address)
+        reference = LLM(str(qwen3_dir), **ENGINE).generate(
+            ["The quick brown fox"], greedy(20), use_tqdm=False
+        )[0]
+        with grpc.insecure_channel(router.address) as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            request = generate_pb2.GenerateRequest(
+                text="The quick brown fox",
+                sampling=generate_pb2.SamplingParams(temperature=0, max_tokens=20),
+                return_token_ids=True,
+            )
+            responses = list(stub.Generate(request, timeout=120))
+            assert [t for r in responses for t in r.token_ids] == reference["token_ids"]
+
+            ranks = rank_processes(psutil.Process(worker.proc.pid))
+            assert len(ranks) == 1
+            long = generate_pb2.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+            call = stub.Generate(generate_pb2.GenerateRequest(text="doomed", sampling=long), timeout=120)
+            next(call)
+            os.kill(ranks[0].pid, signal.SIGKILL)
+            rest = list(call)  # tokens were already streamed, so the failure is the last response
+            assert rest[-1].finish_reason == generate_pb2.FINISH_REASON_ERROR
+            assert f"tensor-parallel rank 1 (pid {ranks[0].pid}) exited" in rest[-1].error
+            assert worker.proc.wait(timeout=60) == 1
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
+    finally:
+        router.stop()
+        if worker.proc.poll() is None:
+            worker.kill()

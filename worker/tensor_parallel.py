@@ -1,0 +1,175 @@
+"""Tensor parallelism across processes.
+
+Rank 0 is the engine's own process: it schedules, samples and serves. Ranks 1..N-1 are subprocesses that
+hold their shard of every layer and of the KV cache and run the same forward passes. torch.distributed
+connects them (gloo on CPU, NCCL on CUDA) through a TCPStore that rank 0 opens on a free port, so two
+workers on one host never collide. Each step, rank 0 broadcasts the step's StepInputs as one int64 tensor
+(its length first); the layers' own collectives (all-reduce after row-parallel layers, all-gather of the
+vocabulary-parallel logits) do the rest.
+
+No rank outlives rank 0: ranks 1..N-1 ask the kernel to kill them when their parent dies
+(PR_SET_PDEATHSIG), and rank 0 checks before every step that they are alive, so a dead rank becomes an
+EngineDeadError naming it instead of a hang.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import signal
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from nanovllm.common.config import EngineConfig, ModelConfig
+from nanovllm.common.errors import EngineDeadError
+from nanovllm.common.logging import get_logger
+from nanovllm.worker.layers.parallel import TPContext
+from nanovllm.worker.step_inputs import StepInputs
+
+log = get_logger(__name__)
+
+HOST = "127.0.0.1"
+# Ranks 1..N-1 wait for rank 0's next step for as long as the worker is idle, so collectives get no
+# practical timeout; a rank that dies closes its sockets, which fails the others' collectives at once.
+COLLECTIVE_TIMEOUT = timedelta(days=365)
+STARTUP_TIMEOUT_S = 120.0  # for a rank to start and reach the rendezvous
+JOIN_TIMEOUT_S = 30.0
+_STOP = -1  # header value that tells ranks 1..N-1 to leave their loop
+_PR_SET_PDEATHSIG = 1
+
+
+def _joined_key(rank: int) -> str:
+    return f"nanovllm/joined/{rank}"
+
+
+def _backend(config: EngineConfig) -> str:
+    return (
+        "nccl"
+        if config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
+        else "gloo"
+    )
+
+
+def check_shardable(cfg: ModelConfig, size: int) -> None:
+    """Raise ConfigError naming the numbers when the model cannot be split over `size` ranks."""
+    tp = TPContext(0, size)
+    tp.shard(cfg.num_attention_heads, "num_attention_heads")
+    tp.kv_heads(cfg.num_key_value_heads)
+    tp.shard(cfg.vocab_size, "vocab_size")
+    tp.shard(cfg.intermediate_size, "intermediate_size")
+
+
+def _threads_per_rank(size: int) -> int:
+    """The ranks share this machine's cores; more OpenMP threads than cores makes every op wait."""
+    return max(1, (os.cpu_count() or 1) // size)
+
+
+class TensorParallelGroup:
+    """Rank 0's handle on ranks 1..N-1."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        size = config.tensor_parallel_size
+        check_shardable(config.hf_config, size)  # a clear error before any process starts
+        self.size = size
+        store = dist.TCPStore(
+            HOST, 0, world_size=size, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False
+        )
+        context = multiprocessing.get_context("spawn")
+        self.procs = [
+            context.Process(
+                target=run_shard,
+                args=(config, rank, store.port, os.getpid()),
+                name=f"nanovllm-tp-rank{rank}",
+                daemon=True,
+            )
+            for rank in range(1, size)
+        ]
+        for proc in self.procs:
+            proc.start()
+        self._wait_until_joined(store)
+        torch.set_num_threads(_threads_per_rank(size))
+        dist.init_process_group(
+            _backend(config), store=store, rank=0, world_size=size, timeout=COLLECTIVE_TIMEOUT
+        )
+        self._store = store  # kept open for the group's lifetime
+        log.info("tensor_parallel_started", size=size, pids=[p.pid for p in self.procs], port=store.port)
+
+    def _wait_until_joined(self, store: dist.TCPStore) -> None:
+        """Wait for every rank to reach the store, failing at once (not after a timeout) if one exits."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        for rank in range(1, self.size):
+            while True:
+                try:
+                    store.wait([_joined_key(rank)], timedelta(seconds=1))
+                    break
+                except RuntimeError:  # DistStoreError: not yet
+                    self.raise_if_dead()
+                    if time.monotonic() > deadline:
+                        raise EngineDeadError(
+                            f"tensor-parallel rank {rank} did not start within {STARTUP_TIMEOUT_S:.0f} s"
+                        ) from None
+
+    def send(self, inputs: StepInputs) -> None:
+        """Give ranks 1..N-1 this step's inputs (they run the forward pass alongside rank 0)."""
+        self.raise_if_dead()
+        packed = inputs.pack()
+        dist.broadcast(torch.tensor([packed.numel()], dtype=torch.long), src=0)
+        dist.broadcast(packed, src=0)
+
+    def raise_if_dead(self, cause: BaseException | None = None) -> None:
+        """Raise EngineDeadError if a rank has exited. After a failed collective (`cause`), give the
+        kernel a moment to reap the rank whose socket closed."""
+        for rank, proc in enumerate(self.procs, start=1):
+            if cause is not None:
+                proc.join(0.5)
+            if proc.exitcode is not None:
+                raise EngineDeadError(
+                    f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}; "
+                    f"the engine cannot continue"
+                ) from cause
+
+    def shutdown(self) -> None:
+        """Tell ranks 1..N-1 to stop, join them, and kill any that do not exit in time."""
+        if all(proc.exitcode is None for proc in self.procs):
+            try:
+                dist.broadcast(torch.tensor([_STOP], dtype=torch.long), src=0)
+            except RuntimeError:  # a rank is already gone; the kill below covers the rest
+                pass
+        for proc in self.procs:
+            proc.join(JOIN_TIMEOUT_S)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        log.info("tensor_parallel_stopped", exit_codes=[p.exitcode for p in self.procs])
+
+
+def run_shard(config: EngineConfig, rank: int, port: int, parent_pid: int) -> None:
+    """Entry point of ranks 1..N-1: join the group, build this rank's shard, run every step rank 0 sends."""
+    from nanovllm.worker.model_runner import ModelRunner  # imported here: model_runner imports this module
+
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # rank 0 died before the line above took effect
+        os._exit(1)
+    size = config.tensor_parallel_size
+    torch.set_num_threads(_threads_per_rank(size))
+    store = dist.TCPStore(HOST, port, world_size=size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    store.set(_joined_key(rank), "1")
+    dist.init_process_group(
+        _backend(config), store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
+    )
+    runner = ModelRunner(config, TPContext(rank, size))
+    header = torch.empty(1, dtype=torch.long)
+    while True:
+        dist.broadcast(header, src=0)
+        if header.item() == _STOP:
+            break
+        packed = torch.empty(int(header.item()), dtype=torch.long)
+        dist.broadcast(packed, src=0)
+        runner.forward(StepInputs.unpack(packed))
+    dist.destroy_process_group()
