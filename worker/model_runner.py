@@ -87,6 +87,9 @@ class ModelRunner:
     def _build(self) -> None:
         config = self.config
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda" and self.tp.size > 1:  # one GPU per rank
+            self.device = torch.device("cuda", self.tp.rank)
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.kvcache_block_size
         cfg = config.hf_config

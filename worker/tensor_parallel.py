@@ -63,6 +63,12 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
     tp.shard(cfg.intermediate_size, "intermediate_size")
 
 
+def _cpu_group() -> dist.ProcessGroup | None:
+    """The group that carries step inputs (CPU tensors): the default one under gloo, a gloo group beside
+    NCCL (which only moves CUDA tensors). Every rank creates it right after joining, in the same order."""
+    return dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
+
+
 def _threads_per_rank(size: int) -> int:
     """The ranks share this machine's cores; more OpenMP threads than cores makes every op wait."""
     return max(1, (os.cpu_count() or 1) // size)
@@ -96,29 +102,27 @@ class TensorParallelGroup:
             _backend(config), store=store, rank=0, world_size=size, timeout=COLLECTIVE_TIMEOUT
         )
         self._store = store  # kept open for the group's lifetime
+        self._cpu_group = _cpu_group()
         log.info("tensor_parallel_started", size=size, pids=[p.pid for p in self.procs], port=store.port)
 
     def _wait_until_joined(self, store: dist.TCPStore) -> None:
         """Wait for every rank to reach the store, failing at once (not after a timeout) if one exits."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for rank in range(1, self.size):
-            while True:
-                try:
-                    store.wait([_joined_key(rank)], timedelta(seconds=1))
-                    break
-                except RuntimeError:  # DistStoreError: not yet
-                    self.raise_if_dead()
-                    if time.monotonic() > deadline:
-                        raise EngineDeadError(
-                            f"tensor-parallel rank {rank} did not start within {STARTUP_TIMEOUT_S:.0f} s"
-                        ) from None
+            while not store.check([_joined_key(rank)]):
+                self.raise_if_dead()
+                if time.monotonic() > deadline:
+                    raise EngineDeadError(
+                        f"tensor-parallel rank {rank} did not start within {STARTUP_TIMEOUT_S:.0f} s"
+                    )
+                time.sleep(0.05)  # a rank's start-up (importing torch) takes seconds
 
     def send(self, inputs: StepInputs) -> None:
         """Give ranks 1..N-1 this step's inputs (they run the forward pass alongside rank 0)."""
         self.raise_if_dead()
         packed = inputs.pack()
-        dist.broadcast(torch.tensor([packed.numel()], dtype=torch.long), src=0)
-        dist.broadcast(packed, src=0)
+        dist.broadcast(torch.tensor([packed.numel()], dtype=torch.long), src=0, group=self._cpu_group)
+        dist.broadcast(packed, src=0, group=self._cpu_group)
 
     def raise_if_dead(self, cause: BaseException | None = None) -> None:
         """Raise EngineDeadError if a rank has exited. After a failed collective (`cause`), give the
@@ -136,7 +140,7 @@ class TensorParallelGroup:
         """Tell ranks 1..N-1 to stop, join them, and kill any that do not exit in time."""
         if all(proc.exitcode is None for proc in self.procs):
             try:
-                dist.broadcast(torch.tensor([_STOP], dtype=torch.long), src=0)
+                dist.broadcast(torch.tensor([_STOP], dtype=torch.long), src=0, group=self._cpu_group)
             except RuntimeError:  # a rank is already gone; the kill below covers the rest
                 pass
         for proc in self.procs:
@@ -163,13 +167,14 @@ def run_shard(config: EngineConfig, rank: int, port: int, parent_pid: int) -> No
     dist.init_process_group(
         _backend(config), store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
     )
+    cpu_group = _cpu_group()
     runner = ModelRunner(config, TPContext(rank, size))
     header = torch.empty(1, dtype=torch.long)
     while True:
-        dist.broadcast(header, src=0)
+        dist.broadcast(header, src=0, group=cpu_group)
         if header.item() == _STOP:
             break
         packed = torch.empty(int(header.item()), dtype=torch.long)
-        dist.broadcast(packed, src=0)
+        dist.broadcast(packed, src=0, group=cpu_group)
         runner.forward(StepInputs.unpack(packed))
     dist.destroy_process_group()
