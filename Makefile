@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 NODE_STAMP := tests/node/node_modules/.installed
 NODE_DEPS := $(if $(shell command -v npm 2>/dev/null),$(NODE_STAMP))
 
-.PHONY: venv test lint bench protos node-deps
+.PHONY: venv test serve lint bench protos node-deps
 
 venv: $(STAMP)
 
@@ -32,6 +32,11 @@ test: $(STAMP) $(NODE_DEPS)
 $(NODE_STAMP): tests/node/package.json tests/node/package-lock.json
 	npm ci --prefix tests/node --no-audit --no-fund
 	touch $(NODE_STAMP)
+
+# Serve the embedded SmolLM2-135M-Instruct (or MODEL=/path/to/hf-dir-or.gguf) on 127.0.0.1:50051 in the
+# foreground; Ctrl-C stops it. It prints the client command to try.
+serve: $(STAMP)
+	$(BIN)/nanovllm serve $(if $(MODEL),--model $(MODEL))
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

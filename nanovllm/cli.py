@@ -19,6 +19,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 LISTENING = (
@@ -77,7 +78,11 @@ LOG_FLAGS = [
     Flag("--log-format", "json, console, or auto (json unless stderr is a terminal)", default="auto"),
 ]
 ENGINE_FLAGS = [
-    Flag("--model", "Hugging Face model directory (config.json + safetensors)", required=True),
+    Flag(
+        "--model",
+        "Hugging Face model directory (config.json + safetensors) or a .gguf file; default: the embedded "
+        "SmolLM2-135M-Instruct (GGUF, converted once into ~/.cache/nanovllm/gguf)",
+    ),
     Flag("--max-model-len", "longest prompt + output, in tokens", int, 4096),
     Flag("--max-num-seqs", "most requests in one batch", int, 256),
     Flag(
@@ -144,11 +149,20 @@ def _announce(what: str) -> Callable[[str], None]:
     return announce
 
 
+def resolve_model(model: str | None) -> str:
+    """The model directory to load: as given, converted from GGUF (once, cached), or the embedded model."""
+    if model is not None and not model.endswith(".gguf"):
+        return model
+    from nanovllm.worker.gguf import embedded_model_path, prepare_gguf
+
+    return str(prepare_gguf(Path(model) if model else embedded_model_path()))
+
+
 def _engine_config(options: dict[str, Any]):
     from nanovllm.common.config import EngineConfig
 
     return EngineConfig(
-        model=options["model"],
+        model=resolve_model(options["model"]),
         max_model_len=options["max_model_len"],
         max_num_seqs=options["max_num_seqs"],
         max_num_batched_tokens=options["max_num_batched_tokens"],
@@ -211,7 +225,7 @@ def run_serve(options: dict[str, Any]) -> int:
         value = options[flag.dest]
         if flag.kind == "switch":
             worker_args += [flag.name] if value else []
-        else:
+        elif value is not None:
             worker_args += [flag.name, str(value)]
     log_args = [arg for flag in LOG_FLAGS for arg in (flag.name, str(options[flag.dest]))]
 
@@ -227,8 +241,11 @@ def run_serve(options: dict[str, Any]) -> int:
         router_args = ["router", "--worker", worker_address, "--host", options["host"]]
         router, router_address = _spawn([*router_args, "--port", str(options["port"]), *log_args])
         procs.append(router)
-        print(f"nanovllm serving {options['model']}: router at {router_address}, worker at {worker_address}")
-        print(f'try: nanovllm client --router {router_address} "What is the capital of France?"', flush=True)
+        model = options["model"] or "the embedded SmolLM2-135M-Instruct"
+        print(f"nanovllm serving {model}: router at {router_address}, worker at {worker_address}")
+        print(
+            f'try: {_command()} client --router {router_address} "What is the capital of France?"', flush=True
+        )
         pid, status = os.wait()  # returns when either child exits: then stop the other
         print(f"nanovllm: process {pid} exited ({status}); stopping", file=sys.stderr)
         return 1
@@ -245,6 +262,12 @@ def run_serve(options: dict[str, Any]) -> int:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def _command() -> str:
+    """How this command was invoked (e.g. .venv/bin/nanovllm), for the hint printed to the user."""
+    invoked = Path(sys.argv[0])
+    return os.path.relpath(invoked) if invoked.name == "nanovllm" else "nanovllm"
 
 
 class _Stop(Exception):

@@ -155,8 +155,6 @@ def test_switch_default_is_false_when_unset():
 @pytest.mark.parametrize(
     "argv, flag, env",
     [
-        (["worker"], "--model", "NANOVLLM_MODEL"),
-        (["serve"], "--model", "NANOVLLM_MODEL"),
         (["router"], "--worker", "NANOVLLM_WORKER"),
     ],
 )
@@ -169,14 +167,15 @@ def test_missing_required_flag_names_its_env(monkeypatch, argv, flag, env):
 
 
 def test_required_flag_with_empty_env_still_missing(monkeypatch):
-    """NANOVLLM_MODEL= (empty) does not satisfy --model."""
-    monkeypatch.setenv("NANOVLLM_MODEL", "")
-    with pytest.raises(SystemExit, match="NANOVLLM_MODEL"):
-        resolve(["worker"])
+    """NANOVLLM_WORKER= (empty) does not satisfy --worker."""
+    monkeypatch.setenv("NANOVLLM_WORKER", "")
+    with pytest.raises(SystemExit, match="NANOVLLM_WORKER"):
+        resolve(["router"])
 
 
-def test_required_flag_from_env(monkeypatch):
-    """A required flag can come from the env alone."""
+def test_model_from_env_or_the_embedded_default(monkeypatch):
+    """--model can come from the env alone; without either, None selects the embedded model."""
+    assert resolve(["serve"])["model"] is None
     monkeypatch.setenv("NANOVLLM_MODEL", "/models/qwen")
     assert resolve(["serve"])["model"] == "/models/qwen"
 

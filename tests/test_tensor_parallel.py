@@ -127,3 +127,17 @@ def test_serving_with_tp2_and_a_rank_dying(qwen3_dir: Path, kernels, tmp_path: P
         router.stop()
         if worker.proc.poll() is None:
             worker.kill()
+
+
+def test_tp2_worker_stops_cleanly_on_sigterm(qwen3_dir: Path, kernels, tmp_path: Path) -> None:
+    """A TP=2 worker asked to stop joins its rank and exits 0, leaving no process."""
+    worker = start_worker(qwen3_dir, "--tensor-parallel-size", "2", log_path=tmp_path / "worker.log")
+    try:
+        wait_serving(worker.address)
+        ranks = rank_processes(psutil.Process(worker.proc.pid))
+        assert len(ranks) == 1
+        assert worker.stop() == 0
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
+    finally:
+        if worker.proc.poll() is None:
+            worker.kill()
