@@ -122,8 +122,13 @@ SERVE_FLAGS = [
 ]
 CLIENT_FLAGS = [
     Flag("--router", "router address HOST:PORT", default="127.0.0.1:50051"),
-    Flag("--chat", "send the prompt as a user chat message (rendered with the chat template)", kind="switch"),
-    Flag("--system", "system message for --chat"),
+    Flag(
+        "--completion",
+        "send the prompt as plain text to continue, instead of a user chat message (the default, rendered "
+        "with the model's chat template)",
+        kind="switch",
+    ),
+    Flag("--system", "system message of the chat"),
     Flag("--max-tokens", "most tokens to generate", int, 256),
     Flag("--temperature", "0 is greedy", float, 0.0),
     Flag("--top-p", "nucleus sampling mass", float, 1.0),
@@ -287,7 +292,7 @@ def run_client(options: dict[str, Any], prompt: str) -> int:
             stop=options["stop"],
         )
     )
-    if options["chat"]:
+    if not options["completion"]:
         if options["system"]:
             request.chat.messages.add(role="system", content=options["system"])
         request.chat.messages.add(role="user", content=prompt)
@@ -329,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
         for flag in flags:
             flag.add_to(sub)
         if name == "client":
-            sub.add_argument("prompt", help="the prompt (a user message with --chat)")
+            sub.add_argument("prompt", help="the user's message (the text to continue with --completion)")
     return parser
 
 

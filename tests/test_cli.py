@@ -139,14 +139,14 @@ def test_switch_from_env(monkeypatch, raw, expected):
 
 def test_switch_on_command_line(monkeypatch):
     """A switch given on the command line is on, whatever the env says."""
-    monkeypatch.setenv("NANOVLLM_CHAT", "false")
-    assert resolve(["client", "--chat", "p"])["chat"] is True
-    assert resolve(["client", "p"])["chat"] is False
+    monkeypatch.setenv("NANOVLLM_COMPLETION", "false")
+    assert resolve(["client", "--completion", "p"])["completion"] is True
+    assert resolve(["client", "p"])["completion"] is False
 
 
 def test_switch_default_is_false_when_unset():
-    """--chat has no declared default; unset it must still resolve to a falsy value, not crash."""
-    assert not resolve(["client", "p"])["chat"]
+    """--completion has no declared default; unset it must still resolve to a falsy value, not crash."""
+    assert not resolve(["client", "p"])["completion"]
 
 
 # --- required flags -------------------------------------------------------------------------------------

@@ -447,19 +447,11 @@ def test_least_loaded_worker_is_picked(own_worker, logs) -> None:
 
 
 def test_cli_client_streams_an_answer(service, offline) -> None:
-    """`nanovllm client` prints the streamed completion to stdout and the finish reason to stderr."""
+    """`nanovllm client --completion` prints the streamed completion to stdout and the finish reason to
+    stderr. (The chat default is checked with the embedded model in tests/test_gguf.py.)"""
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "nanovllm.cli",
-            "client",
-            "--router",
-            service.router.address,
-            "--max-tokens",
-            "12",
-        ]
-        + ["The quick brown fox"],
+        [sys.executable, "-m", "nanovllm.cli", "client", "--completion", "The quick brown fox"]
+        + ["--router", service.router.address, "--max-tokens", "12"],
         capture_output=True,
         text=True,
         timeout=CALL_TIMEOUT_S,

