@@ -15,7 +15,9 @@ class GrpcServer:
     server reflection for the given service names."""
 
     def __init__(self, service_names: list[str]) -> None:
-        self.server = grpc.aio.server()
+        # Without SO_REUSEPORT (gRPC's default is on) a second server on a port in use fails to start
+        # instead of silently sharing the port with the first.
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self.health = health.aio.HealthServicer()
         self._service_names = service_names
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -24,9 +26,10 @@ class GrpcServer:
 
     async def start(self, host: str, port: int) -> str:
         """Bind (port 0 picks a free one), start, and return the address actually listened on."""
-        bound = self.server.add_insecure_port(f"{host}:{port}")
-        if bound == 0:
-            raise OSError(f"cannot listen on {host}:{port}")
+        try:
+            bound = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as exc:  # grpc's "Failed to bind"
+            raise OSError(f"cannot listen on {host}:{port} (is another server using that port?)") from exc
         await self.server.start()
         await self.set_serving(False)
         return f"{host}:{bound}"

@@ -196,7 +196,10 @@ def run_worker(options: dict[str, Any]) -> int:
     async def main() -> int:
         return await serve_worker(engine_config, config, stop_event_on_signals(), _announce("worker"))
 
-    return asyncio.run(main())
+    try:
+        return asyncio.run(main())
+    except OSError as exc:  # e.g. the port is taken: one line, not a traceback
+        raise SystemExit(f"nanovllm worker: {exc}") from exc
 
 
 def run_router(options: dict[str, Any]) -> int:
@@ -209,7 +212,10 @@ def run_router(options: dict[str, Any]) -> int:
     async def main() -> None:
         await serve_router(config, stop_event_on_signals(), _announce("router"))
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except OSError as exc:
+        raise SystemExit(f"nanovllm router: {exc}") from exc
     return 0
 
 

@@ -25,7 +25,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.model_factory import build_tokenizer
-from tests.services import start_router, start_worker, wait_serving
+from tests.services import start, start_router, start_worker, wait_serving
 
 LONG = generate_pb2.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 CALL_TIMEOUT_S = 120.0  # a hang shows up as DEADLINE_EXCEEDED rather than a stuck suite
@@ -488,3 +488,12 @@ def test_cli_serve_runs_both_and_stops_both(qwen3_dir: Path, kernels) -> None:
     finally:
         if serve.poll() is None:
             serve.kill()
+
+
+def test_port_in_use_is_a_clear_error(service, logs) -> None:
+    """A second server on a port in use exits with a message instead of sharing the port."""
+    port = service.router.address.rsplit(":", 1)[1]
+    args = ["router", "--worker", service.worker.address, "--host", "127.0.0.1", "--port", port]
+    with pytest.raises(RuntimeError, match="exited before listening"):
+        start(args, logs / "router.log")
+    assert "cannot listen on 127.0.0.1:" in (logs / "router.log").read_text()
