@@ -13,7 +13,7 @@ import grpc
 from nanovllm.common.logging import get_logger
 from nanovllm.common.serving import GrpcServer
 from nanovllm.router.text_stream import TextStream
-from nanovllm.router.tokenizer import ModelTokenizer
+from nanovllm.router.tokenizer import ModelTokenizer, preload
 from nanovllm.router.validation import prompt_token_ids, validate_generate
 from nanovllm.router.workers import WorkerLost, WorkerPool
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
@@ -179,9 +179,11 @@ async def serve_router(
     generate_pb2_grpc.add_GenerationServicer_to_server(GenerationService(pool), server.server)
     address = await server.start(config.host, config.port)
     on_listening(address)
+    preloading = asyncio.create_task(asyncio.to_thread(preload))  # overlaps with the workers' start-up
     pool.start()
     log.info("router_serving", address=address, workers=config.workers)
     await stop.wait()
     log.info("router_stopping", address=address)
     await server.stop(config.shutdown_grace_s)
     await pool.close()
+    await preloading

@@ -11,6 +11,11 @@ from tokenizers import Tokenizer
 from nanovllm.worker.v1 import worker_pb2
 
 
+def preload() -> None:
+    """Import transformers' tokenizer machinery (seconds) ahead of the first worker connecting."""
+    from transformers import AutoTokenizer  # noqa: F401
+
+
 class ModelTokenizer:
     def __init__(self, info: worker_pb2.WorkerInfo) -> None:
         from transformers import AutoTokenizer  # heavy import, paid once per router at first connect

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nanovllm.common.logging import get_logger
 from nanovllm.common.sampling_params import SamplingParams
@@ -62,6 +63,7 @@ class WorkerConnection:
         self._task: asyncio.Task | None = None
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = worker_pb2_grpc.WorkerStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     @property
     def num_in_flight(self) -> int:
@@ -104,13 +106,17 @@ class WorkerConnection:
         backoff = INITIAL_BACKOFF_S
         while True:
             try:
-                self.info = await self.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=INFO_TIMEOUT_S)
-                if await self._prepare(self.info):
-                    await self._stream(on_change)
-                    backoff = INITIAL_BACKOFF_S  # it was up: retry quickly
-                    reason = "the worker closed the stream"
+                if await self._wait_until_serving():
+                    info = await self.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=INFO_TIMEOUT_S)
+                    if await self._prepare(info):
+                        self.info = info
+                        await self._stream(on_change)
+                        backoff = INITIAL_BACKOFF_S  # it was up: retry quickly
+                        reason = "the worker closed the stream"
+                    else:
+                        reason = "the worker was refused (see the log)"
                 else:
-                    reason = "the worker was refused (see the log)"
+                    reason = "the worker's health stream ended before it was SERVING"
             except grpc.aio.AioRpcError as exc:
                 reason = f"{exc.code().name}: {exc.details()}"
             except Exception as exc:  # e.g. unusable tokenizer files: log it, keep retrying
@@ -121,6 +127,17 @@ class WorkerConnection:
             self._disconnect(reason, on_change)
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, MAX_BACKOFF_S)
+
+    async def _wait_until_serving(self) -> bool:
+        """Follow the worker's health until it is SERVING (it listens before its model is loaded). With
+        wait_for_ready the call also waits out a worker that is not up yet, so the router connects the
+        moment the worker is ready rather than at its next backoff retry."""
+        watch = self._health.Watch(health_pb2.HealthCheckRequest(service=""), wait_for_ready=True)
+        async for status in watch:
+            if status.status == health_pb2.HealthCheckResponse.SERVING:
+                watch.cancel()
+                return True
+        return False
 
     async def _stream(self, on_change: Callable[[], None]) -> None:
         self._outbound = asyncio.Queue()

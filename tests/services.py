@@ -50,6 +50,7 @@ def start(args: list[str], log_path: Path | None = None) -> ServerProcess:
     line = proc.stdout.readline()
     if LISTENING not in line:
         proc.kill()
+        proc.wait()
         raise RuntimeError(f"nanovllm {args[0]} exited before listening (log: {log_path})")
     return ServerProcess(proc, line.rsplit(" ", 1)[-1].strip())
 

@@ -29,7 +29,10 @@ def rank_processes(parent: psutil.Process) -> list[psutil.Process]:
     its resource tracker (the session's service processes are children of pytest too)."""
     ranks = []
     for child in parent.children():
-        cmdline = " ".join(child.cmdline())
+        try:
+            cmdline = " ".join(child.cmdline())
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):  # exited; not running anything
+            continue
         if "multiprocessing" in cmdline and "resource_tracker" not in cmdline:
             ranks.append(child)
     return ranks
