@@ -181,10 +181,15 @@ def start_servers(
     log_dir = Path(tempfile.mkdtemp(prefix="nanovllm-bench-"))
     print(f"server logs: {log_dir}")
     args = ["worker", "--model", str(model_dir), "--host", "127.0.0.1", "--port", "0", *engine_flags]
-    args += ["--log-level", log_level]  # debug logs every engine step (batch composition, forward time)
+    args += [
+        "--log-level",
+        log_level,
+        "--metrics-port",
+        "0",
+    ]  # debug logs every engine step (batch composition, forward time)
     worker = servers["worker"] = start(args, log_dir / "worker.log")
     wait_serving(worker.address)
-    args = ["router", "--worker", worker.address, "--host", "127.0.0.1", "--port", "0"]
+    args = ["router", "--worker", worker.address, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
     router = servers["router"] = start(args, log_dir / "router.log")
     wait_serving(router.address)
     return router.address

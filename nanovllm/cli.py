@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-LISTENING = (
-    "listening on"  # the line each server prints to stdout once bound: "<what> listening on HOST:PORT"
-)
+# The line each server prints to stdout once bound: "nanovllm <what> listening on HOST:PORT, metrics on
+# HOST:PORT". LISTENING_RE finds the gRPC address in it.
+LISTENING = "listening on"
+LISTENING_RE = re.compile(r"listening on (\S+?),? ")
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,8 @@ ENGINE_FLAGS = [
 WORKER_FLAGS = [
     Flag("--host", "address to listen on", default="0.0.0.0"),
     Flag("--port", "port to listen on (0 picks a free one)", int, 50061),
+    Flag("--metrics-port", "port of the Prometheus /metrics endpoint (0 picks a free one)", int, 9091),
+    Flag("--drain-timeout", "on SIGTERM, seconds requests in flight may take to finish", float, 30.0),
     *ENGINE_FLAGS,
     *LOG_FLAGS,
 ]
@@ -112,6 +116,8 @@ ROUTER_FLAGS = [
     Flag("--worker", "worker address HOST:PORT; repeat for several workers", kind="list", required=True),
     Flag("--host", "address to listen on", default="0.0.0.0"),
     Flag("--port", "port to listen on (0 picks a free one)", int, 50051),
+    Flag("--metrics-port", "port of the Prometheus /metrics endpoint (0 picks a free one)", int, 9090),
+    Flag("--drain-timeout", "on SIGTERM, seconds streams in flight may take to finish", float, 30.0),
     *LOG_FLAGS,
 ]
 SERVE_FLAGS = [
@@ -147,9 +153,9 @@ def _configure_logging(options: dict[str, Any]) -> None:
     configure_logging(options["log_level"], json=None if fmt == "auto" else fmt == "json")
 
 
-def _announce(what: str) -> Callable[[str], None]:
-    def announce(address: str) -> None:
-        print(f"nanovllm {what} {LISTENING} {address}", flush=True)
+def _announce(what: str) -> Callable[[str, str], None]:
+    def announce(address: str, metrics_address: str) -> None:
+        print(f"nanovllm {what} {LISTENING} {address}, metrics on {metrics_address}", flush=True)
 
     return announce
 
@@ -190,7 +196,11 @@ def run_worker(options: dict[str, Any]) -> int:
     _configure_logging(options)
     engine_config = _engine_config(options)
     config = WorkerServerConfig(
-        host=options["host"], port=options["port"], max_queued_requests=options["max_queued_requests"]
+        host=options["host"],
+        port=options["port"],
+        max_queued_requests=options["max_queued_requests"],
+        drain_timeout_s=options["drain_timeout"],
+        metrics_port=options["metrics_port"],
     )
 
     async def main() -> int:
@@ -207,7 +217,13 @@ def run_router(options: dict[str, Any]) -> int:
     from nanovllm.router.server import RouterConfig, serve_router
 
     _configure_logging(options)
-    config = RouterConfig(workers=options["worker"], host=options["host"], port=options["port"])
+    config = RouterConfig(
+        workers=options["worker"],
+        host=options["host"],
+        port=options["port"],
+        metrics_port=options["metrics_port"],
+        drain_timeout_s=options["drain_timeout"],
+    )
 
     async def main() -> None:
         await serve_router(config, stop_event_on_signals(), _announce("router"))
@@ -222,11 +238,11 @@ def run_router(options: dict[str, Any]) -> int:
 def _spawn(args: list[str]) -> tuple[subprocess.Popen, str]:
     """Start `nanovllm <args>` and return it with the address it printed once listening."""
     proc = subprocess.Popen([sys.executable, "-m", "nanovllm.cli", *args], stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    if LISTENING not in line:
+    match = LISTENING_RE.search(proc.stdout.readline())
+    if match is None:
         proc.wait()
         raise SystemExit(f"nanovllm: `{' '.join(args[:1])}` exited with {proc.returncode} before listening")
-    return proc, line.rsplit(" ", 1)[-1].strip()
+    return proc, match.group(1)
 
 
 def run_serve(options: dict[str, Any]) -> int:

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from nanovllm.common.logging import get_logger
+from nanovllm.common.metrics import serve_metrics
 from nanovllm.common.serving import GrpcServer
+from nanovllm.router.metrics import RouterMetrics
 from nanovllm.router.text_stream import TextStream
 from nanovllm.router.tokenizer import ModelTokenizer, preload
 from nanovllm.router.validation import prompt_token_ids, validate_generate
@@ -30,6 +32,7 @@ _ERROR_CODES = {
     worker_pb2.ERROR_CODE_INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
     worker_pb2.ERROR_CODE_RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     worker_pb2.ERROR_CODE_INTERNAL: grpc.StatusCode.INTERNAL,
+    worker_pb2.ERROR_CODE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
 }
 
 
@@ -38,12 +41,20 @@ class RouterConfig:
     workers: list[str] = field(default_factory=list)  # worker addresses, HOST:PORT
     host: str = "0.0.0.0"
     port: int = 50051
-    shutdown_grace_s: float = 5.0
+    metrics_port: int = 9090  # Prometheus /metrics over HTTP, on `host`; 0 picks a free port
+    # On SIGTERM, how long streams in flight may take to finish before they are cut.
+    drain_timeout_s: float = 30.0
+    shutdown_grace_s: float = 1.0
 
 
 class GenerationService(generate_pb2_grpc.GenerationServicer):
-    def __init__(self, pool: WorkerPool) -> None:
+    def __init__(self, pool: WorkerPool, metrics: RouterMetrics) -> None:
         self.pool = pool
+        self.metrics = metrics
+        self.draining = False
+        self._in_flight = 0
+        self.idle = asyncio.Event()  # set while no Generate call is in flight
+        self.idle.set()
 
     async def _model(self, context: grpc.aio.ServicerContext) -> tuple[ModelTokenizer, worker_pb2.WorkerInfo]:
         if self.pool.tokenizer is None or self.pool.info is None:
@@ -53,41 +64,69 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             )
         return self.pool.tokenizer, self.pool.info
 
+    async def _reject(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+        """End a call that never reached a worker."""
+        self.metrics.requests.labels(status=code.name.lower()).inc()
+        await context.abort(code, message)
+
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        tokenizer, info = await self._model(context)
+        if self.draining:
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "the router is shutting down; retry")
+        self._in_flight += 1
+        self.idle.clear()
+        try:
+            async for response in self._generate(request, context):
+                yield response
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self.idle.set()
+
+    async def _generate(
+        self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        if self.pool.tokenizer is None or self.pool.info is None:
+            addresses = ", ".join(w.address for w in self.pool.workers)
+            await self._reject(
+                context, grpc.StatusCode.UNAVAILABLE, f"no worker has been reachable yet ({addresses})"
+            )
+        tokenizer, info = self.pool.tokenizer, self.pool.info
         try:
             valid = validate_generate(request, tokenizer, info)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         worker = self.pool.pick()
         if worker is None:
             addresses = ", ".join(w.address for w in self.pool.workers)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"no worker is reachable ({addresses})")
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, f"no worker is reachable ({addresses})")
         request_id = request.request_id or uuid.uuid4().hex
         wire_id = uuid.uuid4().hex  # unique on the worker link whatever ids clients choose
         stream = TextStream(tokenizer.backend, valid.stop)
-        events = worker.submit(wire_id, valid.prompt_token_ids, valid.params, request.priority)
-        start = time.perf_counter()
+        events = worker.submit(wire_id, valid.prompt_token_ids, valid.params, request.priority, request_id)
+        in_flight = self.metrics.requests_in_flight.labels(worker=worker.address)
+        in_flight.inc()
+        start = last_token_at = time.perf_counter()
         first_token_s: float | None = None
         num_tokens = 0
+        cached_tokens = 0
         worker_running = True
-        outcome = "cancelled"  # unless the loop below ends otherwise
+        outcome = "client_cancelled"  # unless the loop below ends otherwise
         try:
             while True:
                 event = await events.get()
                 if isinstance(event, WorkerLost):
                     worker_running = False
-                    outcome = "worker_lost"
+                    outcome = "unavailable"
                     await context.abort(
                         grpc.StatusCode.UNAVAILABLE,
                         f"worker {event.address} went away while serving this request ({event.reason})",
                     )
                 if event.error_code != worker_pb2.ERROR_CODE_UNSPECIFIED:
                     worker_running = False
-                    outcome = "error"
                     if num_tokens and event.error_code == worker_pb2.ERROR_CODE_INTERNAL:
+                        outcome = "error"
                         yield generate_pb2.GenerateResponse(
                             request_id=request_id,
                             text=stream.finish(),
@@ -95,10 +134,21 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                             error=event.error_message,
                         )
                         return
-                    await context.abort(_ERROR_CODES[event.error_code], event.error_message)
-                if first_token_s is None and event.new_token_ids:
-                    first_token_s = time.perf_counter() - start
+                    code = _ERROR_CODES[event.error_code]
+                    outcome = code.name.lower()
+                    await context.abort(code, event.error_message)
+                if event.new_token_ids:
+                    now = time.perf_counter()
+                    if first_token_s is None:
+                        first_token_s = now - start
+                        self.metrics.time_to_first_token.observe(first_token_s)
+                    else:
+                        gap = (now - last_token_at) / len(event.new_token_ids)
+                        for _ in event.new_token_ids:
+                            self.metrics.inter_token_latency.observe(gap)
+                    last_token_at = now
                 num_tokens += len(event.new_token_ids)
+                cached_tokens = event.num_cached_tokens
                 text = stream.push(event.new_token_ids)
                 finish = _FINISH_REASONS.get(event.finish_reason)
                 if finish is not None:
@@ -117,12 +167,15 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                     response.usage.completion_tokens = num_tokens
                     response.usage.cached_prompt_tokens = event.num_cached_tokens
                     outcome = generate_pb2.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower()
+                    self.metrics.e2e_request_latency.observe(time.perf_counter() - start)
                     yield response
                     return
                 if text or response.token_ids or response.logprobs:
                     yield response
         finally:
             worker.release(wire_id, abort=worker_running)
+            in_flight.dec()
+            self.metrics.requests.labels(status=outcome).inc()
             log.info(
                 "request_finished",
                 request_id=request_id,
@@ -130,6 +183,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                 outcome=outcome,
                 prompt_tokens=len(valid.prompt_token_ids),
                 completion_tokens=num_tokens,
+                cached_tokens=cached_tokens,
                 ttft_s=None if first_token_s is None else round(first_token_s, 4),
                 total_s=round(time.perf_counter() - start, 4),
             )
@@ -166,23 +220,38 @@ def _add_logprobs(response: generate_pb2.GenerateResponse, logprobs: list[worker
 
 
 async def serve_router(
-    config: RouterConfig, stop: asyncio.Event, on_listening: Callable[[str], None]
+    config: RouterConfig, stop: asyncio.Event, on_listening: Callable[[str, str], None]
 ) -> None:
     """Listen, connect to the workers (health is SERVING while at least one is connected), serve until
-    `stop` is set."""
+    `stop` is set, then drain: NOT_SERVING, new calls UNAVAILABLE, calls in flight finish within the
+    drain timeout."""
     server = GrpcServer([generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name])
+    metrics = RouterMetrics()
+    service: GenerationService | None = None
 
     def on_change(serving: bool) -> None:
-        asyncio.get_running_loop().create_task(server.set_serving(serving))
+        if service is not None and not service.draining:
+            asyncio.get_running_loop().create_task(server.set_serving(serving))
 
     pool = WorkerPool(config.workers, on_change)
-    generate_pb2_grpc.add_GenerationServicer_to_server(GenerationService(pool), server.server)
+    service = GenerationService(pool, metrics)
+    generate_pb2_grpc.add_GenerationServicer_to_server(service, server.server)
     address = await server.start(config.host, config.port)
-    on_listening(address)
+    metrics_address = serve_metrics(metrics.registry, config.host, config.metrics_port)
+    on_listening(address, metrics_address)
     preloading = asyncio.create_task(asyncio.to_thread(preload))  # overlaps with the workers' start-up
     pool.start()
-    log.info("router_serving", address=address, workers=config.workers)
+    log.info("router_serving", address=address, metrics=metrics_address, workers=config.workers)
     await stop.wait()
+    service.draining = True
+    await server.set_serving(False)
+    log.info(
+        "router_draining", address=address, in_flight=service._in_flight, timeout_s=config.drain_timeout_s
+    )
+    try:
+        await asyncio.wait_for(service.idle.wait(), config.drain_timeout_s)
+    except asyncio.TimeoutError:
+        log.warning("router_drain_timeout", timeout_s=config.drain_timeout_s)
     log.info("router_stopping", address=address)
     await server.stop(config.shutdown_grace_s)
     await pool.close()

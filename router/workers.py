@@ -79,7 +79,12 @@ class WorkerConnection:
         await self._channel.close()
 
     def submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        client_request_id: str = "",
     ) -> asyncio.Queue[RequestEvent]:
         """Send a request; its updates (and a WorkerLost if the worker goes away) arrive on the queue."""
         events: asyncio.Queue[RequestEvent] = asyncio.Queue()
@@ -92,6 +97,7 @@ class WorkerConnection:
             prompt_token_ids=prompt_token_ids,
             sampling=sampling_to_wire(params),
             priority=priority,
+            client_request_id=client_request_id,
         )
         self._outbound.put_nowait(worker_pb2.RouterMessage(submit=submit))
         return events

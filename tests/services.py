@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from nanovllm.cli import LISTENING
+from nanovllm.cli import LISTENING_RE
 
 START_TIMEOUT_S = 180.0  # the first worker of a session may compile the C++ kernels
 
@@ -24,7 +24,8 @@ START_TIMEOUT_S = 180.0  # the first worker of a session may compile the C++ ker
 @dataclass
 class ServerProcess:
     proc: subprocess.Popen
-    address: str
+    address: str  # gRPC
+    metrics_address: str  # Prometheus /metrics over HTTP
 
     def stop(self, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
@@ -48,20 +49,31 @@ def start(args: list[str], log_path: Path | None = None) -> ServerProcess:
         env=env,
     )
     line = proc.stdout.readline()
-    if LISTENING not in line:
+    match = LISTENING_RE.search(line)
+    if match is None:
         proc.kill()
         proc.wait()
         raise RuntimeError(f"nanovllm {args[0]} exited before listening (log: {log_path})")
-    return ServerProcess(proc, line.rsplit(" ", 1)[-1].strip())
+    return ServerProcess(proc, match.group(1), line.rsplit(" ", 1)[-1].strip())
 
 
 def start_worker(model: Path, *extra: str, port: int = 0, log_path: Path | None = None) -> ServerProcess:
-    args = ["worker", "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
+    args = [
+        "worker",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--metrics-port",
+        "0",
+    ]
     return start([*args, "--kv-cache-memory", "32MiB", "--max-model-len", "512", *extra], log_path)
 
 
 def start_router(workers: list[str], *extra: str, log_path: Path | None = None) -> ServerProcess:
-    args = ["router", "--host", "127.0.0.1", "--port", "0"]
+    args = ["router", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
     for worker in workers:
         args += ["--worker", worker]
     return start([*args, *extra], log_path)

@@ -265,12 +265,11 @@ def test_a_subcommand_is_required(capsys):
 
 
 def test_announced_line_is_what_serve_waits_for(capsys):
-    """run_serve reads the address from the servers' first stdout line: it must contain LISTENING and end
-    with the address."""
-    cli._announce("worker")("127.0.0.1:50061")
+    """run_serve and the tests read both addresses from the servers' first stdout line."""
+    cli._announce("worker")("127.0.0.1:50061", "127.0.0.1:9091")
     line = capsys.readouterr().out
-    assert cli.LISTENING in line
-    assert line.rsplit(" ", 1)[-1].strip() == "127.0.0.1:50061"
+    assert cli.LISTENING_RE.search(line).group(1) == "127.0.0.1:50061"
+    assert line.rsplit(" ", 1)[-1].strip() == "127.0.0.1:9091"
 
 
 def test_invalid_env_value_exits_naming_the_variable(monkeypatch):

@@ -494,6 +494,7 @@ def test_port_in_use_is_a_clear_error(service, logs) -> None:
     """A second server on a port in use exits with a message instead of sharing the port."""
     port = service.router.address.rsplit(":", 1)[1]
     args = ["router", "--worker", service.worker.address, "--host", "127.0.0.1", "--port", port]
+    args += ["--metrics-port", "0"]
     with pytest.raises(RuntimeError, match="exited before listening"):
         start(args, logs / "router.log")
     assert "cannot listen on 127.0.0.1:" in (logs / "router.log").read_text()

@@ -34,6 +34,7 @@ class RequestOutput:
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    num_output_tokens: int = 0  # generated so far, these included
 
     @property
     def finished(self) -> bool:
@@ -224,4 +225,5 @@ class LLMEngine:
             new_logprobs=logprobs or [],
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=seq.num_output_tokens,
         )

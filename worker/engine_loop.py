@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -26,6 +27,7 @@ from nanovllm.common.errors import EngineDeadError
 from nanovllm.common.logging import get_logger
 from nanovllm.common.wire import sampling_from_wire
 from nanovllm.worker.engine import EngineLoad, LLMEngine, RequestOutput
+from nanovllm.worker.metrics import WorkerMetrics
 from nanovllm.worker.v1 import worker_pb2
 
 log = get_logger(__name__)
@@ -52,11 +54,15 @@ class Connection:
 
 
 class EngineLoop:
-    def __init__(self, config: EngineConfig, max_queued_requests: int) -> None:
+    def __init__(self, config: EngineConfig, max_queued_requests: int, metrics: WorkerMetrics) -> None:
         self.config = config
         self.max_queued_requests = max_queued_requests
+        self.metrics = metrics
+        self._draining = False
+        self._drained: Future[None] = Future()  # resolves once draining and nothing is in flight
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._owners: dict[str, tuple[Connection, str]] = {}  # engine id -> (connection, request id)
+        self._client_ids: dict[str, str] = {}  # engine id -> the client's request id, for the logs
         self._connection_ids = itertools.count()
         self._connections: set[Connection] = set()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -98,6 +104,12 @@ class EngineLoop:
     def abort(self, conn: Connection, request_ids: list[str]) -> None:
         self._commands.put(lambda: self._abort(conn, request_ids))
 
+    def drain(self) -> Future[None]:
+        """Refuse new requests (ERROR_CODE_UNAVAILABLE) and let the ones in flight finish; the future
+        resolves when none is left."""
+        self._commands.put(self._start_draining)
+        return self._drained
+
     # --- engine thread ------------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -120,6 +132,9 @@ class EngineLoop:
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self.load = self.engine.load()
+                self.metrics.observe_load(self.load)
+                if self._draining and not self._owners and not self._drained.done():
+                    self._drained.set_result(None)
         except EngineDeadError as exc:
             log.error("engine_dead", error=str(exc))
             self._fail_all(str(exc))
@@ -134,8 +149,16 @@ class EngineLoop:
             except queue.Empty:
                 return commands
 
+    def _start_draining(self) -> None:
+        self._draining = True
+        log.info("worker_draining", in_flight=len(self._owners))
+
     def _submit(self, conn: Connection, submit: worker_pb2.Submit) -> None:
         if conn.closed:
+            return
+        if self._draining:
+            message = "the worker is draining (shutting down) and takes no new requests"
+            self._fail(conn, submit.request_id, worker_pb2.ERROR_CODE_UNAVAILABLE, message)
             return
         waiting = len(self.engine.scheduler.waiting)
         if waiting >= self.max_queued_requests:
@@ -155,6 +178,7 @@ class EngineLoop:
             self._fail(conn, submit.request_id, worker_pb2.ERROR_CODE_INVALID_ARGUMENT, str(exc))
             return
         self._owners[engine_id] = (conn, submit.request_id)
+        self._client_ids[engine_id] = submit.client_request_id
         conn.engine_ids.add(engine_id)
 
     def _abort(self, conn: Connection, request_ids: list[str]) -> None:
@@ -168,6 +192,7 @@ class EngineLoop:
         self._connections.discard(conn)
         for engine_id in conn.engine_ids:
             self._owners.pop(engine_id, None)
+            self._client_ids.pop(engine_id, None)
             self.engine.abort_request(engine_id)
         if conn.engine_ids:
             log.info("connection_closed", connection=conn.id, aborted=len(conn.engine_ids))
@@ -184,6 +209,7 @@ class EngineLoop:
         self.engine.shutdown()
 
     def _step(self) -> None:
+        start = time.perf_counter()
         try:
             outputs = self.engine.step()
         except EngineDeadError:
@@ -193,6 +219,9 @@ class EngineLoop:
             self._fail_all(f"the engine step failed: {type(exc).__name__}: {exc}")
             return
         stats = self.engine.last_step
+        self.metrics.observe_step(
+            stats, time.perf_counter() - start, sum(len(out.new_token_ids) for out in outputs)
+        )
         log.debug(
             "engine_step",
             prefill_tokens=stats.num_prefill_tokens,
@@ -210,6 +239,14 @@ class EngineLoop:
             if out.finished:
                 del self._owners[out.request_id]
                 conn.engine_ids.discard(out.request_id)
+                log.info(
+                    "request_finished",
+                    request_id=self._client_ids.pop(out.request_id, ""),
+                    finish_reason=out.finish_reason,
+                    prompt_tokens=out.num_prompt_tokens,
+                    cached_tokens=out.num_cached_tokens,
+                    completion_tokens=out.num_output_tokens,
+                )
         for conn, updates in by_conn.items():
             conn.deliver(worker_pb2.StepOutputs(updates=updates))
 
@@ -219,6 +256,7 @@ class EngineLoop:
 
     def _fail_all(self, message: str) -> None:
         owners, self._owners = self._owners, {}
+        self._client_ids.clear()
         for engine_id, (conn, request_id) in owners.items():
             conn.engine_ids.discard(engine_id)
             self.engine.abort_request(engine_id)

@@ -11,8 +11,10 @@ import grpc
 
 from nanovllm.common.config import EngineConfig
 from nanovllm.common.logging import get_logger
+from nanovllm.common.metrics import serve_metrics
 from nanovllm.common.serving import GrpcServer
 from nanovllm.worker.engine_loop import EngineLoop
+from nanovllm.worker.metrics import WorkerMetrics
 from nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
 
 log = get_logger(__name__)
@@ -37,8 +39,11 @@ class WorkerServerConfig:
     port: int = 50061
     # Submits beyond this many waiting requests fail with RESOURCE_EXHAUSTED.
     max_queued_requests: int = 1024
-    # On shutdown, how long to let the final (aborted) step outputs reach the routers.
+    # On SIGTERM, how long requests in flight may take to finish before they are aborted.
+    drain_timeout_s: float = 30.0
+    # After that, how long to let the final (aborted) step outputs reach the routers.
     shutdown_grace_s: float = 2.0
+    metrics_port: int = 9091  # Prometheus /metrics over HTTP, on `host`; 0 picks a free port
 
 
 def worker_info(config: EngineConfig, num_kv_blocks: int) -> worker_pb2.WorkerInfo:
@@ -140,16 +145,19 @@ async def serve_worker(
     engine_config: EngineConfig,
     config: WorkerServerConfig,
     stop: asyncio.Event,
-    on_listening: Callable[[str], None],
+    on_listening: Callable[[str, str], None],
 ) -> int:
-    """Listen at once (health NOT_SERVING), load the model, serve until `stop` is set, then shut down.
+    """Listen at once (health NOT_SERVING), load the model, serve until `stop` is set, then drain and
+    shut down.
     Returns the process exit code: 1 when the engine died (e.g. a tensor-parallel rank exited)."""
     service = WorkerService()
     server = GrpcServer([worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name])
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server.server)
     address = await server.start(config.host, config.port)
-    on_listening(address)
-    engine_loop = EngineLoop(engine_config, config.max_queued_requests)
+    metrics = WorkerMetrics()
+    metrics_address = serve_metrics(metrics.registry, config.host, config.metrics_port)
+    on_listening(address, metrics_address)
+    engine_loop = EngineLoop(engine_config, config.max_queued_requests, metrics)
     await asyncio.wrap_future(engine_loop.start())  # the model loads on the engine thread
     num_blocks = engine_loop.engine.block_manager.num_blocks
     service.attach(engine_loop, worker_info(engine_config, num_blocks))
@@ -161,6 +169,14 @@ async def serve_worker(
         log.error("worker_failed", address=address, error=str(dead.exception()))
         await server.stop(config.shutdown_grace_s)  # in-flight requests already got their error
         return 1
+    # Drain: NOT_SERVING at once (routers and probes stop sending), new submits refused, requests in
+    # flight finish within the drain timeout; what is left then is aborted.
+    await server.set_serving(False)
+    log.info("worker_draining", address=address, timeout_s=config.drain_timeout_s)
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(engine_loop.drain()), config.drain_timeout_s)
+    except asyncio.TimeoutError:
+        log.warning("worker_drain_timeout", timeout_s=config.drain_timeout_s)
     log.info("worker_stopping", address=address)
     await asyncio.to_thread(engine_loop.stop)
     await server.stop(config.shutdown_grace_s)

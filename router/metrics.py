@@ -1,0 +1,43 @@
+"""The router's Prometheus metrics: requests by outcome and the latencies clients see."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from nanovllm.common.metrics import LATENCY_BUCKETS
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "nanovllm:requests",
+            "Generate calls by outcome: stop, length, cancelled, error (finish reasons), or the gRPC status "
+            "of a failed call (invalid_argument, unavailable, resource_exhausted, internal, client_cancelled)",
+            ["status"],
+            registry=self.registry,
+        )
+        self.time_to_first_token = Histogram(
+            "nanovllm:time_to_first_token_seconds",
+            "Time from receiving a Generate call to sending its first token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "nanovllm:inter_token_latency_seconds",
+            "Time between successive tokens of one stream (per token)",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e_request_latency = Histogram(
+            "nanovllm:e2e_request_latency_seconds",
+            "Time from receiving a Generate call to its last response",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.requests_in_flight = Gauge(
+            "nanovllm:requests_in_flight",
+            "Generate calls in flight on each worker",
+            ["worker"],
+            registry=self.registry,
+        )

@@ -1,0 +1,135 @@
+"""Operations: Prometheus metrics on both processes, graceful drain on SIGTERM, NOT_SERVING until ready."""
+
+from __future__ import annotations
+
+import signal
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from nanovllm.v1 import generate_pb2, generate_pb2_grpc
+from tests.services import start_router, start_worker, wait_serving
+
+CALL_TIMEOUT_S = 120.0
+
+
+def scrape(address: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of a /metrics endpoint, keyed by (name, sorted labels)."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def request(text: str, max_tokens: int) -> generate_pb2.GenerateRequest:
+    sampling = generate_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return generate_pb2.GenerateRequest(text=text, sampling=sampling)
+
+
+def test_metrics_after_traffic(service) -> None:
+    """Both /metrics endpoints carry the documented series, and they move by what the traffic did."""
+    router_before, worker_before = (
+        scrape(service.router.metrics_address),
+        scrape(service.worker.metrics_address),
+    )
+    with grpc.insecure_channel(service.router.address) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        for i in range(3):
+            list(stub.Generate(request(f"metrics {i}", 10), timeout=CALL_TIMEOUT_S))
+        with pytest.raises(grpc.RpcError):
+            list(stub.Generate(generate_pb2.GenerateRequest(text="x", sampling={"top_p": 2.0})))
+    router, worker = scrape(service.router.metrics_address), scrape(service.worker.metrics_address)
+
+    def delta(after: dict, before: dict, name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta(router, router_before, "nanovllm:requests_total", status="length") == 3
+    assert delta(router, router_before, "nanovllm:requests_total", status="invalid_argument") == 1
+    assert delta(router, router_before, "nanovllm:time_to_first_token_seconds_count") == 3
+    assert delta(router, router_before, "nanovllm:e2e_request_latency_seconds_count") == 3
+    assert delta(router, router_before, "nanovllm:inter_token_latency_seconds_count") == 3 * 9
+    assert value(router, "nanovllm:requests_in_flight", worker=service.worker.address) == 0
+    assert 0 < delta(router, router_before, "nanovllm:e2e_request_latency_seconds_sum") < 3 * CALL_TIMEOUT_S
+
+    assert delta(worker, worker_before, "nanovllm:generation_tokens_total") == 30
+    assert delta(worker, worker_before, "nanovllm:prompt_tokens_total") > 0
+    assert delta(worker, worker_before, "nanovllm:engine_step_seconds_count") >= 10
+    assert value(worker, "nanovllm:num_requests_running") == 0
+    assert value(worker, "nanovllm:num_requests_waiting") == 0
+    assert value(worker, "nanovllm:kv_cache_usage_perc") == 0
+    assert 0 <= value(worker, "nanovllm:prefix_cache_hit_rate") <= 1
+    assert ("nanovllm:num_preemptions_total", ()) in worker
+
+
+@pytest.fixture
+def pair(qwen3_dir: Path, kernels, tmp_path: Path):
+    worker = start_worker(qwen3_dir, "--drain-timeout", "60", log_path=tmp_path / "worker.log")
+    router = start_router([worker.address], "--drain-timeout", "60", log_path=tmp_path / "router.log")
+    wait_serving(worker.address)
+    wait_serving(router.address)
+    yield worker, router
+    for server in (router, worker):
+        if server.proc.poll() is None:
+            server.kill()
+
+
+def health(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+
+
+@pytest.mark.parametrize("target", ["worker", "router"])
+def test_sigterm_drains_in_flight_streams(pair, target: str) -> None:
+    """SIGTERM mid-stream: health goes NOT_SERVING, new requests get UNAVAILABLE, the stream in flight
+    still completes with all its tokens, and the process exits 0."""
+    worker, router = pair
+    draining = worker if target == "worker" else router
+    with grpc.insecure_channel(router.address) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        call = stub.Generate(request("drain me", 150), timeout=CALL_TIMEOUT_S)
+        first = next(call)
+        draining.proc.send_signal(signal.SIGTERM)
+        with grpc.insecure_channel(draining.address) as probe:  # wait for the health change, not a sleep
+            watch = health_pb2_grpc.HealthStub(probe).Watch(health_pb2.HealthCheckRequest(), timeout=30)
+            for status in watch:
+                if status.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    watch.cancel()
+                    break
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(request("too late", 5), timeout=CALL_TIMEOUT_S))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        rest = list(call)
+    assert rest[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
+    assert rest[-1].usage.completion_tokens == 150
+    assert first.text + "".join(r.text for r in rest)
+    assert draining.proc.wait(timeout=60) == 0
+
+
+def test_health_is_not_serving_until_the_model_is_loaded(qwen3_dir: Path, kernels, tmp_path: Path) -> None:
+    """The worker listens before loading (so probes get an answer) but reports NOT_SERVING until the model
+    and KV cache are ready. A 2 GiB KV cache takes long enough to zero for the watch to see both states."""
+    worker = start_worker(qwen3_dir, "--kv-cache-memory", "2GiB", log_path=tmp_path / "worker.log")
+    try:
+        seen = []
+        with grpc.insecure_channel(worker.address) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=120)
+            for status in watch:
+                seen.append(status.status)
+                if status.status == health_pb2.HealthCheckResponse.SERVING:
+                    watch.cancel()
+                    break
+        assert seen[0] == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert seen[-1] == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        assert worker.stop() == 0

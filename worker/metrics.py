@@ -1,0 +1,45 @@
+"""The worker's Prometheus metrics, updated by the engine thread after every step."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from nanovllm.common.metrics import LATENCY_BUCKETS
+from nanovllm.worker.engine import EngineLoad, StepStats
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.num_requests_waiting = Gauge("nanovllm:num_requests_waiting", "Requests waiting", registry=r)
+        self.num_requests_running = Gauge("nanovllm:num_requests_running", "Requests running", registry=r)
+        self.kv_cache_usage_perc = Gauge(
+            "nanovllm:kv_cache_usage_perc", "Share of KV-cache blocks in use, 0 to 1", registry=r
+        )
+        self.prefix_cache_hit_rate = Gauge(
+            "nanovllm:prefix_cache_hit_rate",
+            "Share of prompt tokens served from the prefix cache since start, 0 to 1",
+            registry=r,
+        )
+        self.num_preemptions = Counter("nanovllm:num_preemptions", "Preempted requests", registry=r)
+        self.prompt_tokens = Counter("nanovllm:prompt_tokens", "Prompt tokens computed", registry=r)
+        self.generation_tokens = Counter("nanovllm:generation_tokens", "Tokens generated", registry=r)
+        self.step_time = Histogram(
+            "nanovllm:engine_step_seconds", "Time of one engine step", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self._preemptions_seen = 0
+
+    def observe_step(self, stats: StepStats, step_s: float, num_generated: int) -> None:
+        self.prompt_tokens.inc(stats.num_prefill_tokens)
+        self.generation_tokens.inc(num_generated)
+        self.step_time.observe(step_s)
+
+    def observe_load(self, load: EngineLoad) -> None:
+        self.num_requests_waiting.set(load.num_waiting)
+        self.num_requests_running.set(load.num_running)
+        total = load.kv_blocks_used + load.kv_blocks_free
+        self.kv_cache_usage_perc.set(load.kv_blocks_used / total if total else 0.0)
+        self.prefix_cache_hit_rate.set(load.prefix_cache_hit_rate)
+        self.num_preemptions.inc(load.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = load.num_preemptions
