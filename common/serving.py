@@ -9,6 +9,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+# A health service name that is SERVING for as long as the process runs, for liveness probes: "" (and the
+# API's own name) follow readiness, which a router loses whenever every worker is down.
+LIVENESS_SERVICE = "nanovllm.liveness"
+
 
 class GrpcServer:
     """A grpc.aio server with the standard health service (NOT_SERVING until `set_serving(True)`) and
@@ -32,6 +36,7 @@ class GrpcServer:
             raise OSError(f"cannot listen on {host}:{port} (is another server using that port?)") from exc
         await self.server.start()
         await self.set_serving(False)
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         return f"{host}:{bound}"
 
     async def set_serving(self, serving: bool) -> None:

@@ -308,8 +308,12 @@ def test_no_reachable_worker_is_unavailable(logs) -> None:
         assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE
         assert "no worker" in error.details()
         with grpc.insecure_channel(router.address) as channel:
-            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+            stub = health_pb2_grpc.HealthStub(channel)
+            health = stub.Check(health_pb2.HealthCheckRequest(service=""))
             assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            # Liveness stays SERVING: a router without workers is not ready, but not broken either.
+            alive = stub.Check(health_pb2.HealthCheckRequest(service="nanovllm.liveness"))
+            assert alive.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         assert router.stop() == 0
 
