@@ -56,16 +56,19 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         self.idle = asyncio.Event()  # set while no Generate call is in flight
         self.idle.set()
 
-    async def _model(self, context: grpc.aio.ServicerContext) -> tuple[ModelTokenizer, worker_pb2.WorkerInfo]:
+    async def _model(
+        self, context: grpc.aio.ServicerContext, count_as_request: bool = False
+    ) -> tuple[ModelTokenizer, worker_pb2.WorkerInfo]:
+        """The tokenizer and worker info, or UNAVAILABLE before any worker has connected."""
         if self.pool.tokenizer is None or self.pool.info is None:
-            addresses = ", ".join(w.address for w in self.pool.workers)
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, f"no worker has been reachable yet ({addresses})"
-            )
+            message = f"no worker has been reachable yet ({self.pool.addresses})"
+            if count_as_request:
+                await self._reject(context, grpc.StatusCode.UNAVAILABLE, message)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, message)
         return self.pool.tokenizer, self.pool.info
 
     async def _reject(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
-        """End a call that never reached a worker."""
+        """End a Generate call that never reached a worker."""
         self.metrics.requests.labels(status=code.name.lower()).inc()
         await context.abort(code, message)
 
@@ -87,20 +90,16 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     async def _generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        if self.pool.tokenizer is None or self.pool.info is None:
-            addresses = ", ".join(w.address for w in self.pool.workers)
-            await self._reject(
-                context, grpc.StatusCode.UNAVAILABLE, f"no worker has been reachable yet ({addresses})"
-            )
-        tokenizer, info = self.pool.tokenizer, self.pool.info
+        tokenizer, info = await self._model(context, count_as_request=True)
         try:
             valid = validate_generate(request, tokenizer, info)
         except ValueError as exc:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         worker = self.pool.pick()
         if worker is None:
-            addresses = ", ".join(w.address for w in self.pool.workers)
-            await self._reject(context, grpc.StatusCode.UNAVAILABLE, f"no worker is reachable ({addresses})")
+            await self._reject(
+                context, grpc.StatusCode.UNAVAILABLE, f"no worker is reachable ({self.pool.addresses})"
+            )
         request_id = request.request_id or uuid.uuid4().hex
         wire_id = uuid.uuid4().hex  # unique on the worker link whatever ids clients choose
         stream = TextStream(tokenizer.backend, valid.stop)

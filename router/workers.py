@@ -197,6 +197,11 @@ class WorkerPool:
         await asyncio.gather(*(worker.close() for worker in self.workers))
 
     @property
+    def addresses(self) -> str:
+        """Every configured worker address, for error messages."""
+        return ", ".join(w.address for w in self.workers)
+
+    @property
     def connected(self) -> list[WorkerConnection]:
         return [w for w in self.workers if w.connected]
 
