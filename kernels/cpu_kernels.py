@@ -14,12 +14,16 @@ import time
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 from nanovllm.common.logging import get_logger
 
 log = get_logger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
 _NAME = "nanovllm_paged_attention_cpu"
+# Activation dtypes the kernels take; the model runner keeps PyTorch for any other.
+SUPPORTED_DTYPES = frozenset({torch.float32})
 # A build takes well under a minute; a lock this old was left by a process killed mid-build, and torch's
 # builder would wait on it forever.
 _STALE_LOCK_S = 300.0

@@ -41,7 +41,7 @@ def test_silu_and_mul_matches_torch(kernels, rows, half):
 
 
 def test_rotary_matches_torch_on_a_strided_view(kernels):
-    rotary = RotaryEmbedding(head_dim=64, max_position=512, base=1e6)
+    rotary = RotaryEmbedding(head_dim=64, max_position=512, base=1e6, dtype=torch.float32)
     positions = torch.tensor([0, 1, 7, 300, 511])
     cos, sin = rotary.lookup(positions)
     qkv = torch.randn(5, (8 + 2 + 2) * 64)

@@ -14,7 +14,7 @@ from nanovllm.common.config import EngineConfig, parse_memory_size
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
 from nanovllm.kernels.attention import AttentionMetadata, DecodeBatch, PrefillBatch
-from nanovllm.kernels.cpu_kernels import load_cpu_kernels
+from nanovllm.kernels.cpu_kernels import SUPPORTED_DTYPES, load_cpu_kernels
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.loader import load_safetensors
 from nanovllm.worker.models.decoder import DecoderForCausalLM
@@ -128,7 +128,7 @@ class ModelRunner:
     def _cpu_kernels(self) -> ModuleType | None:
         """The C++ kernels (decode attention, RMSNorm) when configured and buildable, else None."""
         backend = self.config.attention_backend
-        if backend == "torch" or self.device.type != "cpu" or self.dtype != torch.float32:
+        if backend == "torch" or self.device.type != "cpu" or self.dtype not in SUPPORTED_DTYPES:
             return None
         kernels = load_cpu_kernels()
         if kernels is None and backend == "cpu_kernel":

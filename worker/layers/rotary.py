@@ -11,13 +11,15 @@ from torch import nn
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, base: float) -> None:
+    def __init__(self, head_dim: int, max_position: int, base: float, dtype: torch.dtype) -> None:
+        """The table is computed in fp32 and stored in the model's `dtype`, as transformers rounds cos and
+        sin to the activations' dtype before rotating: q and k then stay in that dtype."""
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         cos, sin = freqs.cos(), freqs.sin()
         # rotate_half(x) * sin == swap_halves(x) * [-sin, sin]: fold the sign into the table.
-        table = torch.cat([cos, cos, -sin, sin], dim=-1)
+        table = torch.cat([cos, cos, -sin, sin], dim=-1).to(dtype)
         self.register_buffer("table", table, persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
