@@ -119,6 +119,7 @@ class ModelRunner:
         """Point every layer that has a C++ variant (attention, RMSNorm, RoPE, SwiGLU) at the kernels, or
         leave them all on PyTorch."""
         kernels = self._cpu_kernels()
+        self.kernel_backend = "torch" if kernels is None else "cpu_kernel"  # reported by the bench and logs
         for attn in self.model.attention_layers():
             attn.decode_kernel = None if kernels is None else kernels.paged_decode_attention
         for module in self.model.modules():
