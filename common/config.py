@@ -151,6 +151,9 @@ class ModelConfig:
         return cls.from_hf_dict(cfg)
 
 
+DEFAULT_CPU_KV_CACHE = "2GiB"
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to know; mirrors nano-vllm's `LLM(...)` keyword arguments."""
@@ -160,8 +163,11 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     kvcache_block_size: int = 16
-    kv_cache_memory: str | int | float = "2GiB"  # on CPU: bytes, "2GiB", or a fraction of free RAM
-    gpu_memory_utilization: float = 0.9  # on CUDA: fraction of total GPU memory the engine may use
+    # KV cache size: bytes, "2GiB", or a fraction (0, 1] of what is available (free RAM on CPU; on CUDA
+    # what gpu_memory_utilization leaves after the weights and activations). None: 2GiB on CPU, all of
+    # that share on CUDA.
+    kv_cache_memory: str | int | float | None = None
+    gpu_memory_utilization: float = 0.9  # on CUDA: fraction of total GPU memory this engine may use
     device: str = "auto"
     dtype: str = "auto"
     enforce_eager: bool = True
@@ -182,7 +188,10 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ConfigError(
+                f"dtype {self.dtype!r} is not supported on device {self.device!r}: "
+                f"use auto, float32, bfloat16 or float16"
+            )
         if self.attention_backend not in ("auto", "torch", "cpu_kernel"):
             raise ConfigError(
                 f"attention_backend must be auto, torch or cpu_kernel, got {self.attention_backend!r}"

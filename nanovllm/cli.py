@@ -93,11 +93,19 @@ ENGINE_FLAGS = [
         int,
         8192,
     ),
-    Flag("--kv-cache-memory", "KV cache size on CPU: bytes, 2GiB, or a fraction of free RAM", default="2GiB"),
+    Flag(
+        "--kv-cache-memory",
+        "KV cache size: bytes, 2GiB, or a fraction of free RAM (CPU) or of what --gpu-memory-utilization "
+        "leaves after weights and activations (CUDA); default 2GiB on CPU, all of that share on CUDA",
+    ),
     Flag("--gpu-memory-utilization", "on CUDA, share of GPU memory the engine may use", float, 0.9),
     Flag("--block-size", "tokens per KV-cache block", int, 16),
     Flag("--device", "auto, cpu or cuda", default="auto"),
-    Flag("--dtype", "auto, float32, bfloat16 or float16", default="auto"),
+    Flag(
+        "--dtype",
+        "auto (bf16 on CUDA and on CPUs with native bf16, else float32), float32, bfloat16 or float16",
+        default="auto",
+    ),
     Flag("--tensor-parallel-size", "ranks to shard the model over", int, 1),
     Flag("--no-prefix-caching", "turn off reuse of cached prompt prefixes", kind="switch", default=False),
     Flag("--attention-backend", "auto, torch or cpu_kernel", default="auto"),

@@ -208,6 +208,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             vocab_size=info.vocab_size,
             eos_token_ids=info.eos_token_ids,
             num_workers=len(self.pool.connected),
+            dtype=info.dtype,
         )
 
 

@@ -71,7 +71,7 @@ def test_defaults_apply_without_flag_or_env():
     assert options["max_num_seqs"] == 256
     assert options["port"] == 50061
     assert options["gpu_memory_utilization"] == 0.9
-    assert options["kv_cache_memory"] == "2GiB"
+    assert options["kv_cache_memory"] is None  # 2GiB on CPU, the utilization share on CUDA
     assert options["no_prefix_caching"] is False
     assert options["log_level"] == "info"
 

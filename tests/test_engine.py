@@ -16,7 +16,10 @@ from tests.helpers import greedy, hf_logits
 
 @pytest.fixture(scope="module")
 def llm(qwen3_dir) -> LLM:
-    return LLM(str(qwen3_dir), max_model_len=128, kv_cache_memory="8MiB", kvcache_block_size=8)
+    # float32: logprobs are compared with transformers' fp32 logits (tests/test_dtypes.py covers 16-bit).
+    return LLM(
+        str(qwen3_dir), max_model_len=128, kv_cache_memory="8MiB", kvcache_block_size=8, dtype="float32"
+    )
 
 
 def _drain(engine) -> dict[str, list]:
@@ -181,7 +184,13 @@ def test_duplicate_request_id_rejected(llm):
 
 def test_kv_cache_too_small_names_the_numbers(qwen3_dir):
     with pytest.raises(ConfigError, match=r"KV cache holds 2 blocks .* max_model_len=128 needs"):
-        LLM(str(qwen3_dir), max_model_len=128, kvcache_block_size=16, kv_cache_memory=2 * 16 * 512)
+        LLM(
+            str(qwen3_dir),
+            max_model_len=128,
+            kvcache_block_size=16,
+            kv_cache_memory=2 * 16 * 512,  # 512 B per token in float32
+            dtype="float32",
+        )
 
 
 def test_unknown_llm_argument(qwen3_dir):
@@ -194,7 +203,9 @@ def test_preemption_then_prefix_hit_regression(qwen3_dir):
     rng = random.Random(5)
     shared = [rng.randrange(2, 500) for _ in range(24)]
     prompts = [shared + [rng.randrange(2, 500) for _ in range(rng.randrange(1, 20))] for _ in range(8)]
-    roomy = LLM(str(qwen3_dir), max_model_len=96, kv_cache_memory="8MiB", kvcache_block_size=4)
+    roomy = LLM(
+        str(qwen3_dir), max_model_len=96, kv_cache_memory="8MiB", kvcache_block_size=4, dtype="float32"
+    )
     expected = [o["token_ids"] for o in roomy.generate(prompts, greedy(40), use_tqdm=False)]
     tight = LLM(
         str(qwen3_dir),
@@ -202,6 +213,7 @@ def test_preemption_then_prefix_hit_regression(qwen3_dir):
         kvcache_block_size=4,
         kv_cache_memory=30 * 2048,
         max_num_batched_tokens=32,
+        dtype="float32",  # 2 KiB blocks; and preempted and roomy runs must agree exactly
     )
     got = [o["token_ids"] for o in tight.generate(prompts, greedy(40), use_tqdm=False)]
     assert tight.engine.scheduler.num_preemptions > 0

@@ -1,4 +1,5 @@
-"""Acceptance 1: greedy tokens equal transformers', teacher-forced logits within 1e-4 (fp32)."""
+"""In float32: greedy tokens equal transformers', teacher-forced logits within 1e-4 (16-bit dtypes are
+tested against transformers in the same dtype in tests/test_dtypes.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def _prompts(seed: int) -> list[list[int]]:
 @pytest.fixture(scope="module", params=ARCHS)
 def arch_llm(request, model_dirs):
     path = model_dirs[request.param]
-    return path, LLM(str(path), max_model_len=512, kv_cache_memory="32MiB", kvcache_block_size=16)
+    llm = LLM(str(path), max_model_len=512, kv_cache_memory="32MiB", kvcache_block_size=16, dtype="float32")
+    return path, llm
 
 
 def test_greedy_batch_equals_transformers(arch_llm):

@@ -3,6 +3,7 @@ exactly as transformers runs the same file (weights, tokens, greedy output)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -18,6 +20,8 @@ from tokenizers import Tokenizer, pre_tokenizers
 from nanovllm import LLM, SamplingParams
 from nanovllm.common.config import ModelConfig
 from nanovllm.common.errors import ConfigError
+from nanovllm.v1 import generate_pb2, generate_pb2_grpc
+from nanovllm.worker.device import resolve_placement
 from nanovllm.worker.gguf import (
     STALE_STAGING_S,
     cache_key,
@@ -248,15 +252,19 @@ def test_tokenizer_digits(ours_tokenizer, hf_gguf_tokenizer) -> None:
         assert ours_tokenizer.encode(text) == reference.encode(text).ids, text
 
 
-def test_serve_without_model_answers_paris(gguf_path: Path, kernels) -> None:
-    """`nanovllm serve` with no --model serves the embedded model, and `nanovllm client` (a chat by
-    default) streams an answer to "What is the capital of France?" that names Paris."""
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "nanovllm.cli", "serve", "--port", "0", "--kv-cache-memory", "256MiB"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+def test_serve_without_model_answers_paris(gguf_path: Path, kernels, tmp_path: Path) -> None:
+    """`nanovllm serve` with no --model serves the embedded model in the machine's default dtype (bf16
+    on a CPU with native bf16), says which and why at startup and in the model info, and `nanovllm
+    client` (a chat by default) streams an answer to "What is the capital of France?" that names Paris."""
+    expected = resolve_placement("auto", "auto")
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log_file:
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "nanovllm.cli", "serve", "--port", "0", "--kv-cache-memory", "256MiB"],
+            stdout=subprocess.PIPE,
+            stderr=log_file,
+            text=True,
+        )
     try:
         banner = serve.stdout.readline()
         assert "embedded SmolLM2-135M-Instruct" in banner, banner
@@ -279,6 +287,13 @@ def test_serve_without_model_answers_paris(gguf_path: Path, kernels) -> None:
         )
         assert "Paris" in client.stdout
         assert "[stop:" in client.stderr
+        with grpc.insecure_channel(router) as channel:
+            info = generate_pb2_grpc.GenerationStub(channel).GetModelInfo(generate_pb2.GetModelInfoRequest())
+        assert info.dtype == expected.dtype_name
+        selected = [
+            json.loads(line) for line in log_path.read_text().splitlines() if "dtype_selected" in line
+        ]
+        assert [(e["dtype"], e["reason"]) for e in selected] == [(expected.dtype_name, expected.reason)]
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=60) == 0
     finally:

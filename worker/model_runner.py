@@ -10,11 +10,13 @@ from types import ModuleType
 import psutil
 import torch
 
-from nanovllm.common.config import EngineConfig, parse_memory_size
+from nanovllm.common.config import DEFAULT_CPU_KV_CACHE, EngineConfig, parse_memory_size
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
+from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.kernels.attention import AttentionMetadata, DecodeBatch, PrefillBatch
 from nanovllm.kernels.cpu_kernels import SUPPORTED_DTYPES, load_cpu_kernels
+from nanovllm.worker.device import resolve_placement
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.loader import load_safetensors
 from nanovllm.worker.models.decoder import DecoderForCausalLM
@@ -24,21 +26,6 @@ from nanovllm.worker.step_inputs import SeqChunk, StepInputs
 from nanovllm.worker.tensor_parallel import TensorParallelGroup
 
 log = get_logger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """fp32 on CPU: this class of CPU has no native bf16, so bf16 matmuls are emulated and slower."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
 
 
 @contextlib.contextmanager
@@ -63,13 +50,38 @@ class ModelRunnerOutput:
     sample_s: float = 0.0
 
 
+def gpu_kv_cache_budget(total: int, utilization: float, weights: int, activation_peak: int) -> int:
+    """Bytes left for the KV cache on a GPU of `total` bytes: this engine may use `utilization` of it, less
+    its own weights and activation peak. Memory other engines or processes hold is not subtracted: sharing
+    a GPU is done by giving each engine its share through `utilization`."""
+    allowed = int(total * utilization)
+    budget = allowed - weights - activation_peak
+    if budget <= 0:
+        gib = 2**30
+        raise ConfigError(
+            f"no GPU memory left for the KV cache: gpu_memory_utilization={utilization} allows "
+            f"{allowed / gib:.2f} of {total / gib:.2f} GiB, and the weights take {weights / gib:.2f} GiB and "
+            f"the activation peak {activation_peak / gib:.2f} GiB; raise gpu_memory_utilization, lower "
+            f"max_num_batched_tokens or max_num_seqs, or use more tensor-parallel ranks"
+        )
+    return budget
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TPContext | None = None) -> None:
         """Rank 0 passes no `tp`: with tensor_parallel_size > 1 it starts ranks 1..N-1 itself. Those ranks
         (worker/tensor_parallel.py) pass their own TPContext."""
         self.config = config
         self.tp_group: TensorParallelGroup | None = None
+        # Before any rank starts: a device that cannot run the dtype fails here, with nothing to undo.
+        self.placement = resolve_placement(config.device, config.dtype)
         if tp is None:
+            log.info(
+                "dtype_selected",
+                dtype=self.placement.dtype_name,
+                device=str(self.placement.device),
+                reason=self.placement.reason,
+            )
             tp = TPContext(0, config.tensor_parallel_size)
             if tp.size > 1:
                 self.tp_group = TensorParallelGroup(config)
@@ -86,22 +98,25 @@ class ModelRunner:
 
     def _build(self) -> None:
         config = self.config
-        self.device = resolve_device(config.device)
+        self.device = self.placement.device
         if self.device.type == "cuda" and self.tp.size > 1:  # one GPU per rank
             self.device = torch.device("cuda", self.tp.rank)
+        if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = self.placement.dtype
         self.block_size = config.kvcache_block_size
         cfg = config.hf_config
         self._check_weights_fit()
+        baseline = self._cuda_allocated()
         with _default_dtype(self.dtype), self.device:
             self.model = DecoderForCausalLM(cfg, self.tp)
         load_safetensors(self.model, config.model)
         self.model.eval()
-        self.num_blocks = self._allocate_kv_cache()
-        self._bind_cpu_kernels()
+        self.weights_bytes = self._cuda_allocated() - baseline
         generator = torch.Generator(self.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
+        self.num_blocks = self._allocate_kv_cache()
+        self._bind_cpu_kernels()
 
     def _check_weights_fit(self) -> None:
         if self.device.type != "cpu":
@@ -144,19 +159,71 @@ class ModelRunner:
         element = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * cfg.num_hidden_layers * self.block_size * kv_heads * cfg.head_dim * element
 
+    def _cuda_allocated(self) -> int:
+        """Bytes this process holds on the GPU through torch (0 on CPU): differences of it are this
+        engine's own, whatever other engines or processes hold on the same GPU."""
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+
     def _kv_cache_budget(self) -> int:
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            return int(total * self.config.gpu_memory_utilization) - used
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            budget = gpu_kv_cache_budget(
+                total, self.config.gpu_memory_utilization, self.weights_bytes, self._activation_peak()
+            )
+            if self.config.kv_cache_memory is None:
+                return budget
+            size = parse_memory_size(self.config.kv_cache_memory, budget)
+            if size > budget:
+                raise ConfigError(
+                    f"kv_cache_memory={self.config.kv_cache_memory} asks for {size / 2**30:.2f} GiB but "
+                    f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves {budget / 2**30:.2f} "
+                    f"GiB for the KV cache on {self.device}"
+                )
+            return size
         available = psutil.virtual_memory().available
-        budget = parse_memory_size(self.config.kv_cache_memory, available)
+        requested = self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE
+        budget = parse_memory_size(requested, available)
         if budget > available:
             raise ConfigError(
-                f"kv_cache_memory={self.config.kv_cache_memory} asks for {budget / 2**30:.2f} GiB but only "
+                f"kv_cache_memory={requested} asks for {budget / 2**30:.2f} GiB but only "
                 f"{available / 2**30:.2f} GiB of RAM is available"
             )
         return budget // self.tp.size  # the ranks share this machine's RAM: the budget is for all of them
+
+    @torch.inference_mode()
+    def _activation_peak(self) -> int:
+        """GPU bytes the largest step needs beyond the weights, measured by running it: a prompt batch of
+        max_num_batched_tokens, logits for max_num_seqs rows and the sampler's heaviest path (top-k/top-p
+        sorts and logprobs). The KV cache does not exist yet, so nothing is written to it. Every
+        tensor-parallel rank runs it at once (the forward's collectives pair up)."""
+        config = self.config
+        num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
+        lengths = [config.max_model_len] * (num_tokens // config.max_model_len)
+        lengths += [num_tokens % config.max_model_len] if num_tokens % config.max_model_len else []
+        num_rows = min(config.max_num_seqs, num_tokens)
+        inputs = StepInputs(
+            input_ids=[0] * num_tokens,
+            positions=[p for n in lengths for p in range(n)],
+            slot_mapping=[],
+            decodes=[],
+            fresh=[SeqChunk(0, n, []) for n in lengths],
+            cached=[],
+            logits_index=list(range(num_rows)),
+        )
+        torch.cuda.synchronize(self.device)
+        before = self._cuda_allocated()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        input_ids, positions, meta, logits_index = self._tensors(inputs)
+        hidden = self.model(input_ids, positions, meta)
+        logits = self.model.compute_logits(hidden.index_select(0, logits_index)).float()
+        del hidden
+        heaviest = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=SamplingParams.MAX_LOGPROBS)
+        self.sampler(logits, [SamplingRow(heaviest, [0], [], None)] * num_rows)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del logits, input_ids, positions, meta, logits_index
+        torch.cuda.empty_cache()
+        return peak
 
     def _allocate_kv_cache(self) -> int:
         cfg = self.config.hf_config

@@ -13,6 +13,7 @@ from nanovllm.common.config import EngineConfig
 from nanovllm.common.logging import get_logger
 from nanovllm.common.metrics import serve_metrics
 from nanovllm.common.serving import GrpcServer
+from nanovllm.worker.device import Placement
 from nanovllm.worker.engine_loop import EngineLoop
 from nanovllm.worker.metrics import WorkerMetrics
 from nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -46,7 +47,7 @@ class WorkerServerConfig:
     metrics_port: int = 9091  # Prometheus /metrics over HTTP, on `host`; 0 picks a free port
 
 
-def worker_info(config: EngineConfig, num_kv_blocks: int) -> worker_pb2.WorkerInfo:
+def worker_info(config: EngineConfig, num_kv_blocks: int, placement: Placement) -> worker_pb2.WorkerInfo:
     model_dir = Path(config.model)
     files = {
         name: (model_dir / name).read_bytes() for name in TOKENIZER_FILES if (model_dir / name).is_file()
@@ -64,6 +65,8 @@ def worker_info(config: EngineConfig, num_kv_blocks: int) -> worker_pb2.WorkerIn
         max_num_seqs=config.max_num_seqs,
         tokenizer_files=files,
         chat_template=chat_template.read_text() if chat_template.is_file() else "",
+        dtype=placement.dtype_name,
+        device=str(placement.device),
     )
 
 
@@ -160,9 +163,17 @@ async def serve_worker(
     engine_loop = EngineLoop(engine_config, config.max_queued_requests, metrics)
     await asyncio.wrap_future(engine_loop.start())  # the model loads on the engine thread
     num_blocks = engine_loop.engine.block_manager.num_blocks
-    service.attach(engine_loop, worker_info(engine_config, num_blocks))
+    placement = engine_loop.engine.runner.placement
+    service.attach(engine_loop, worker_info(engine_config, num_blocks, placement))
     await server.set_serving(True)
-    log.info("worker_serving", address=address, model=engine_config.model, kv_blocks=num_blocks)
+    log.info(
+        "worker_serving",
+        address=address,
+        model=engine_config.model,
+        kv_blocks=num_blocks,
+        dtype=placement.dtype_name,
+        device=str(placement.device),
+    )
     dead = asyncio.wrap_future(engine_loop.dead)
     await asyncio.wait([asyncio.ensure_future(stop.wait()), dead], return_when=asyncio.FIRST_COMPLETED)
     if dead.done() and dead.exception() is not None:

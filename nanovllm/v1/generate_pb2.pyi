@@ -155,17 +155,19 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "architectures", "vocab_size", "eos_token_ids", "num_workers")
+    __slots__ = ("model", "max_model_len", "architectures", "vocab_size", "eos_token_ids", "num_workers", "dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURES_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     architectures: _containers.RepeatedScalarFieldContainer[str]
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_workers: int
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., architectures: _Optional[_Iterable[str]] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_workers: _Optional[int] = ...) -> None: ...
+    dtype: str
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., architectures: _Optional[_Iterable[str]] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_workers: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...

@@ -24,6 +24,7 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q: [T, heads, D]; k, v: [T, kv_heads, D]. Returns [T, heads * D]."""
-        store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if self.k_cache.numel():  # no cache yet while the runner measures the activation peak
+            store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.decode_kernel)
         return out.flatten(1)

@@ -132,7 +132,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "architectures", "max_model_len", "vocab_size", "eos_token_ids", "kvcache_block_size", "num_kv_blocks", "max_num_seqs", "tokenizer_files", "chat_template")
+    __slots__ = ("model", "architectures", "max_model_len", "vocab_size", "eos_token_ids", "kvcache_block_size", "num_kv_blocks", "max_num_seqs", "tokenizer_files", "chat_template", "dtype", "device")
     class TokenizerFilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,8 @@ class WorkerInfo(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FILES_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     model: str
     architectures: _containers.RepeatedScalarFieldContainer[str]
     max_model_len: int
@@ -160,7 +162,9 @@ class WorkerInfo(_message.Message):
     max_num_seqs: int
     tokenizer_files: _containers.ScalarMap[str, bytes]
     chat_template: str
-    def __init__(self, model: _Optional[str] = ..., architectures: _Optional[_Iterable[str]] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kvcache_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., chat_template: _Optional[str] = ...) -> None: ...
+    dtype: str
+    device: str
+    def __init__(self, model: _Optional[str] = ..., architectures: _Optional[_Iterable[str]] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kvcache_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., chat_template: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
