@@ -112,6 +112,7 @@ def run_offline(
         *("--max-model-len", str(c.max_model_len), "--max-num-seqs", str(c.max_num_seqs)),
         *("--max-num-batched-tokens", str(c.max_num_batched_tokens)),
         *("--kv-cache-memory", str(c.kv_cache_memory), "--block-size", str(c.kvcache_block_size)),
+        *("--dtype", llm.engine.runner.placement.dtype_name),
     ]
     del llm
     gc.collect()
@@ -283,6 +284,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-output", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=None, help="cap each request's output (smoke runs)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads, here and worker")
     parser.add_argument(
@@ -327,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"date: {started}")
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}")
     print(f"load average at start: {load_average()}")
-    print(f"model: {model_dir} ({cfg.architecture}, fp32)")
+    print(f"model: {model_dir} ({cfg.architecture}), dtype {args.dtype}")
     print(
         f"workload: {len(workload)} requests, {workload.num_prompt_tokens:,} prompt tokens, "
         f"{workload.num_output_tokens:,} output tokens (seed {args.seed}), greedy, ignore_eos"
@@ -353,7 +355,9 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.json is not None:
         write_json(args, started, engine_flags, mismatches, [offline, serving], streams)
-    if mismatches:
+    # In float32 the engine is batch-invariant, so serving must reproduce offline exactly. In 16-bit dtypes
+    # how requests happen to be batched changes rounding, and a few sequences may diverge after a while.
+    if mismatches and "float32" in engine_flags:
         sys.exit(1)
 
 

@@ -1,14 +1,18 @@
-"""Offline throughput benchmark: nanovllm vs transformers vs an fp32 matmul-only ceiling, on CPU.
+"""Offline throughput benchmark: nanovllm vs transformers vs a matmul-only ceiling, on CPU.
 
 The workload follows nano-vllm's bench.py (random token prompts, random output lengths, greedy,
 ignore_eos), scaled down so that it finishes in minutes on a few CPU cores. Every number comes
 from the same process and the same random-weight checkpoint, so the ratios are what matters:
 
-  * nanovllm      LLM.generate over the whole workload (continuous batching, paged KV cache);
-  * HF static     transformers `generate` on fixed batches padded to the batch's longest output;
-  * HF CB         transformers continuous batching (`generate_batch`'s manager) when installed;
-  * ceiling       the time the model's own linear layers alone need for the token counts the
-                  engine actually ran in each step: no attention, norms, sampling or Python.
+  * nanovllm      LLM.generate over the whole workload (continuous batching, paged KV cache), in
+                  its default dtype (`--dtype auto`: bf16 where the CPU has native bf16, else fp32);
+  * HF static     transformers `generate` on fixed batches padded to the batch's longest output, in
+                  float32 and in bfloat16: nanovllm is compared with the faster of the two;
+  * HF CB         transformers continuous batching (`generate_batch`'s manager) when installed, in
+                  the dtype that was faster for static batches;
+  * ceiling       the time the model's own linear layers alone need, in nanovllm's dtype, for the
+                  token counts the engine actually ran in each step: no attention, norms, sampling
+                  or Python.
 
 Usage:  .venv/bin/python bench/throughput.py [--num-seqs 64] [--single-stream] [--skip-hf]
 """
@@ -44,6 +48,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from bench.models import SHAPES, build_random_model
 from nanovllm import LLM, SamplingParams
 from nanovllm.common.config import ModelConfig
+from nanovllm.worker.device import DTYPES, cpu_bf16_support, cpu_flags
 
 # Token ids below this are often special (bos/eos/pad) in real vocabularies; keep prompts clear of them.
 FIRST_PROMPT_TOKEN = 10
@@ -170,7 +175,7 @@ def build_llm(model_dir: Path, workload: Workload, args: argparse.Namespace) -> 
     max_model_len = max(1024, longest + 1)
     block = 16  # EngineConfig.kvcache_block_size default
     blocks = sum(math.ceil((len(p) + n) / block) + 1 for p, n in zip(workload.prompts, workload.output_lens))
-    bytes_per_block = 2 * cfg.num_hidden_layers * block * cfg.num_key_value_heads * cfg.head_dim * 4
+    bytes_per_block = 2 * cfg.num_hidden_layers * block * cfg.num_key_value_heads * cfg.head_dim * 4  # fp32
     kv_bytes = max(2 * 2**30, int(blocks * bytes_per_block * 1.1))
     return LLM(
         str(model_dir),
@@ -179,6 +184,7 @@ def build_llm(model_dir: Path, workload: Workload, args: argparse.Namespace) -> 
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=kv_bytes,
         enforce_eager=True,
+        dtype=args.dtype,
     )
 
 
@@ -230,7 +236,7 @@ def _bracket(m: int) -> tuple[int, int]:
 
 
 class MatmulCeiling:
-    """Time of the model's own fp32 linear layers at M tokens, as a lower bound for a step.
+    """Time of the model's own linear layers (in their dtype) at M tokens, as a lower bound for a step.
 
     Timings are taken at powers of two and interpolated linearly in between: matmul time is flat in
     M while it is bound by reading the weights, and linear once it is bound by arithmetic. Small M
@@ -271,7 +277,8 @@ class MatmulCeiling:
 
     def _measure_stack(self, m: int) -> float:
         in_dims = {w.shape[1] for w in self.layer_weights[0]}
-        inputs = {d: torch.randn(m, d) for d in in_dims}
+        dtype = self.lm_head.dtype
+        inputs = {d: torch.randn(m, d, dtype=dtype) for d in in_dims}
         layers = self.layer_weights if m <= self.ALL_LAYERS_UP_TO else self.layer_weights[:1]
 
         def run() -> None:
@@ -283,7 +290,7 @@ class MatmulCeiling:
             return self._time(run) * len(self.layer_weights) / len(layers)
 
     def _measure_head(self, m: int) -> float:
-        x = torch.randn(m, self.lm_head.shape[1])
+        x = torch.randn(m, self.lm_head.shape[1], dtype=self.lm_head.dtype)
         with torch.inference_mode():
             return self._time(lambda: F.linear(x, self.lm_head), min_total_s=0.05)
 
@@ -318,9 +325,9 @@ class HFResult:
     note: str = ""
 
 
-def load_hf(model_dir: Path) -> torch.nn.Module:
-    """A fresh fp32 transformers model (continuous batching may switch a model's attention backend)."""
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+def load_hf(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """A fresh transformers model (continuous batching may switch a model's attention backend)."""
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     return model.eval()
 
 
@@ -338,6 +345,7 @@ def hf_static_batch(model: torch.nn.Module, prompts: list[list[int]], new_tokens
 
 def run_hf_static(model: torch.nn.Module, workload: Workload, batch_size: int) -> HFResult:
     """Static batching: each batch runs to its longest request; only requested tokens count."""
+    dtype = str(model.dtype).removeprefix("torch.")
     hf_static_batch(model, workload.prompts[:2], 4)  # warm-up
     t0 = time.perf_counter()
     for start in range(0, len(workload), batch_size):
@@ -350,7 +358,7 @@ def run_hf_static(model: torch.nn.Module, workload: Workload, batch_size: int) -
     )
     waste = 1 - workload.num_output_tokens / steps
     return HFResult(
-        f"HF generate (static, batch {batch_size})",
+        f"HF generate (static, batch {batch_size}, {dtype})",
         workload.num_output_tokens / wall,
         f"{waste:.0%} of generated tokens past their request's length",
     )
@@ -362,7 +370,7 @@ def run_hf_continuous(model: torch.nn.Module, workload: Workload, max_batch_toke
     `generate_batch` takes one max_new_tokens for all prompts, so this drives the manager behind it
     (the same code path) and gives each request its own length and no EOS (-1), like ignore_eos.
     """
-    label = "HF generate_batch"
+    label = f"HF generate_batch ({str(model.dtype).removeprefix('torch.')})"
     if not hasattr(model, "generate_batch"):
         return HFResult(label, None, "unavailable (this transformers has no generate_batch)")
     try:
@@ -444,7 +452,13 @@ def machine_description() -> str:
         )
     except (OSError, subprocess.CalledProcessError):
         pass
-    return f"{model}, nproc {os.cpu_count()}, torch threads {torch.get_num_threads()}"
+    flags = cpu_flags()
+    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16", "bf16") if f in flags]
+    return (
+        f"{model}, nproc {os.cpu_count()}, torch threads {torch.get_num_threads()}, "
+        f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, flags: {' '.join(shown) or 'none'}"
+        f" ({cpu_bf16_support()[1]})"
+    )
 
 
 def load_average() -> str:
@@ -517,6 +531,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--hf-batch-size", type=int, default=None, help="default: --num-seqs")
     parser.add_argument("--skip-hf", action="store_true", help="skip every transformers measurement")
+    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="nanovllm's dtype")
+    parser.add_argument(
+        "--hf-dtypes", nargs="+", choices=list(DTYPES), default=["float32", "bfloat16"], help="transformers'"
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
     single = parser.add_argument_group("single stream")
     single.add_argument("--single-stream", action="store_true", help="also measure one-request decode speed")
@@ -548,9 +566,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}"
     )
-    print(
-        f"model: {shape}, fp32, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}"
-    )
+    print(f"model: {shape}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
 
     workload = make_workload(
         args.num_seqs,
@@ -569,8 +585,12 @@ def main(argv: list[str] | None = None) -> None:
 
     # nanovllm, then the ceiling (it needs the engine's weights), then free the engine for HF.
     llm = build_llm(model_dir, workload, args)
+    runner = llm.engine.runner
+    nano_dtype = runner.placement.dtype_name
     warm_up_nanovllm(llm, cfg.vocab_size)
-    print("\n[nanovllm] LLM.generate")
+    print(
+        f"\n[nanovllm] LLM.generate, dtype {nano_dtype} ({runner.placement.reason}), kernels: {runner.kernel_backend}"
+    )
     nano = run_nanovllm(llm, workload)
     print(f"  {nano.output_tokens:,} tokens in {nano.wall_s:.2f} s = {nano.tokens_per_s:,.1f} output tok/s")
     report_steps(nano)
@@ -579,7 +599,7 @@ def main(argv: list[str] | None = None) -> None:
         nano_single = nanovllm_single_stream(llm, single_prompt, args.single_new_tokens)
         print(f"  single stream decode: {nano_single:,.1f} tok/s")
 
-    print("\n[ceiling] fp32 linear layers only, at the engine's per-step token counts")
+    print(f"\n[ceiling] {nano_dtype} linear layers only, at the engine's per-step token counts")
     ceiling = MatmulCeiling(llm.engine.runner.model)
     ceiling_s = sum(ceiling.step_time(s.num_tokens, s.sampled_rows) for s in nano.steps)
     ceiling_tps = nano.output_tokens / ceiling_s
@@ -593,38 +613,47 @@ def main(argv: list[str] | None = None) -> None:
     gc.collect()
 
     hf_rows: list[HFResult] = []
-    hf_single = None
+    hf_single: dict[str, float] = {}
     if not args.skip_hf:
-        print(f"\n[transformers] generate, static batches of {args.hf_batch_size}")
-        model = load_hf(model_dir)
-        static = run_hf_static(model, workload, args.hf_batch_size)
-        print(f"  {static.tokens_per_s:,.1f} useful output tok/s ({static.note})")
-        hf_rows.append(static)
-        if args.single_stream:
-            hf_single = hf_single_stream(model, single_prompt, args.single_new_tokens)
-            print(f"  single stream decode: {hf_single:,.1f} tok/s")
-        del model
-        gc.collect()
+        for dtype_name in args.hf_dtypes:
+            print(f"\n[transformers] generate, static batches of {args.hf_batch_size}, {dtype_name}")
+            model = load_hf(model_dir, DTYPES[dtype_name])
+            static = run_hf_static(model, workload, args.hf_batch_size)
+            print(f"  {static.tokens_per_s:,.1f} useful output tok/s ({static.note})")
+            hf_rows.append(static)
+            if args.single_stream:
+                hf_single[dtype_name] = hf_single_stream(model, single_prompt, args.single_new_tokens)
+                print(f"  single stream decode: {hf_single[dtype_name]:,.1f} tok/s")
+            del model
+            gc.collect()
 
-        print("\n[transformers] continuous batching (generate_batch)")
-        model = load_hf(model_dir)
+        fastest_dtype = args.hf_dtypes[max(range(len(hf_rows)), key=lambda i: hf_rows[i].tokens_per_s or 0)]
+        print(f"\n[transformers] continuous batching (generate_batch), {fastest_dtype} (faster static dtype)")
+        model = load_hf(model_dir, DTYPES[fastest_dtype])
         cb = run_hf_continuous(model, workload, args.max_num_batched_tokens)
         print(f"  {cb.tokens_per_s:,.1f} output tok/s" if cb.tokens_per_s else f"  generate_batch: {cb.note}")
         hf_rows.append(cb)
         del model
         gc.collect()
 
-    rows: list[tuple[str, float | None, str]] = [("nanovllm", nano.tokens_per_s, "LLM.generate")]
+    nano_label = f"nanovllm ({nano_dtype}, {runner.kernel_backend} kernels)"
+    rows: list[tuple[str, float | None, str]] = [(nano_label, nano.tokens_per_s, "LLM.generate")]
     rows += [(r.label, r.tokens_per_s, r.note) for r in hf_rows]
-    rows.append(("matmul ceiling", ceiling_tps, "fp32 linears only at the engine's step sizes"))
+    rows.append(("matmul ceiling", ceiling_tps, f"{nano_dtype} linears only at the engine's step sizes"))
     print(f"\nload average at end: {load_average()} (timings are only comparable on an idle machine)")
     print_summary(rows, nano.tokens_per_s, f"throughput: {len(workload)} requests, {shape}")
+    measured = [r for r in hf_rows if r.tokens_per_s]
+    if measured:
+        best = max(measured, key=lambda r: r.tokens_per_s or 0.0)
+        print(
+            f"\nnanovllm / fastest transformers ({best.label}): {nano.tokens_per_s / (best.tokens_per_s or 1):.2f}x"
+        )
     if args.single_stream:
-        single_rows: list[tuple[str, float | None, str]] = [("nanovllm", nano_single, "decode only")]
-        if not args.skip_hf:
-            n = args.single_new_tokens
-            single_rows.append(("HF generate", hf_single, f"{n} / (t({n + 1}) - t(1))"))
-        single_rows.append(("matmul ceiling", ceiling_single, "M=1 linears + LM head"))
+        single_rows: list[tuple[str, float | None, str]] = [(nano_label, nano_single, "decode only")]
+        n = args.single_new_tokens
+        for dtype_name, tps in hf_single.items():
+            single_rows.append((f"HF generate ({dtype_name})", tps, f"{n} / (t({n + 1}) - t(1))"))
+        single_rows.append(("matmul ceiling", ceiling_single, f"M=1 {nano_dtype} linears + LM head"))
         print_summary(single_rows, nano_single or 0.0, "single stream decode")
 
 

@@ -112,7 +112,8 @@ def ours_tokenizer(converted: Path):
 
 @pytest.fixture(scope="module")
 def llm(converted: Path) -> LLM:
-    return LLM(str(converted), kv_cache_memory="256MiB", max_model_len=1024)
+    # float32, as transformers runs the GGUF here (tests/test_dtypes.py holds bf16 to the top-5 rule).
+    return LLM(str(converted), kv_cache_memory="256MiB", max_model_len=1024, dtype="float32")
 
 
 def test_conversion_writes_a_hugging_face_directory(converted: Path, hf_gguf_model) -> None:

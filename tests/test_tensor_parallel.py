@@ -21,8 +21,10 @@ from tests.model_factory import build_model
 from tests.services import start_router, start_worker, wait_serving
 
 PROMPTS = [[5, 9, 33, 2, 71, 100, 4], [300, 12], list(range(40, 97)), [7] * 20, [250, 251, 252]]
-# float32: TP=2 logits are compared with TP=1 within 1e-4.
-ENGINE = {"kv_cache_memory": "32MiB", "max_model_len": 512, "dtype": "float32"}
+# float32: TP=2 logits are compared with TP=1 within 1e-4. On CPU (gloo), also on a CUDA machine: these
+# tests start two ranks, and a machine with one GPU has no device for the second.
+ENGINE = {"kv_cache_memory": "32MiB", "max_model_len": 512, "dtype": "float32", "device": "cpu"}
+ENGINE_FLAGS = ["--dtype", "float32", "--device", "cpu"]
 
 
 def rank_processes(parent: psutil.Process) -> list[psutil.Process]:
@@ -99,7 +101,7 @@ def test_serving_with_tp2_and_a_rank_dying(qwen3_dir: Path, kernels, tmp_path: P
     When rank 1 dies mid-stream the stream ends with FINISH_REASON_ERROR naming it, the worker exits
     non-zero, and none of its processes survive."""
     worker = start_worker(
-        qwen3_dir, "--tensor-parallel-size", "2", "--dtype", "float32", log_path=tmp_path / "worker.log"
+        qwen3_dir, "--tensor-parallel-size", "2", *ENGINE_FLAGS, log_path=tmp_path / "worker.log"
     )
     router = start_router([worker.address], log_path=tmp_path / "router.log")
     try:
@@ -137,7 +139,9 @@ def test_serving_with_tp2_and_a_rank_dying(qwen3_dir: Path, kernels, tmp_path: P
 
 def test_tp2_worker_stops_cleanly_on_sigterm(qwen3_dir: Path, kernels, tmp_path: Path) -> None:
     """A TP=2 worker asked to stop joins its rank and exits 0, leaving no process."""
-    worker = start_worker(qwen3_dir, "--tensor-parallel-size", "2", log_path=tmp_path / "worker.log")
+    worker = start_worker(
+        qwen3_dir, "--tensor-parallel-size", "2", *ENGINE_FLAGS, log_path=tmp_path / "worker.log"
+    )
     try:
         wait_serving(worker.address)
         ranks = rank_processes(psutil.Process(worker.proc.pid))

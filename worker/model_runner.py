@@ -99,9 +99,12 @@ class ModelRunner:
     def _build(self) -> None:
         config = self.config
         self.device = self.placement.device
-        if self.device.type == "cuda" and self.tp.size > 1:  # one GPU per rank
-            self.device = torch.device("cuda", self.tp.rank)
         if self.device.type == "cuda":
+            if self.tp.size > 1:  # one GPU per rank
+                index = self.tp.rank
+            else:
+                index = torch.cuda.current_device() if self.device.index is None else self.device.index
+            self.device = torch.device("cuda", index)
             torch.cuda.set_device(self.device)
         self.dtype = self.placement.dtype
         self.block_size = config.kvcache_block_size
