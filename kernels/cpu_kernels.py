@@ -1,8 +1,13 @@
 """Build and load the C++ CPU kernels in kernels/csrc on first use (cached by torch's extension builder).
 
-The decode attention lives there (with RMSNorm, RoPE and the SwiGLU gate): on a CPU, gathering paged K/V into a padded tensor for SDPA costs as
-much as the attention itself, and no PyTorch op reads a paged cache in place. When no compiler is
-available the engine keeps the PyTorch implementation, which computes the same thing.
+The decode attention lives there (with RMSNorm, RoPE and the SwiGLU gate): on a CPU, gathering paged K/V
+into a padded tensor for SDPA costs as much as the attention itself, and no PyTorch op reads a paged cache
+in place. When no compiler is available the engine keeps the PyTorch implementation, which computes the
+same thing.
+
+Every kernel takes float32, bfloat16 or float16 tensors, all of one call in one dtype (a mix is an
+error that names the dtypes), and returns that dtype; arithmetic is in fp32, and 16-bit results are rounded
+where transformers rounds (see the .cpp header). bench/cpu_kernels.py times each against PyTorch.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ log = get_logger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
 _NAME = "nanovllm_paged_attention_cpu"
-# Activation dtypes the kernels take; the model runner keeps PyTorch for any other.
-SUPPORTED_DTYPES = frozenset({torch.float32})
+# Model dtypes the model runner binds the kernels for (PyTorch for any other): those where they beat the
+# PyTorch path (bench/cpu_kernels.py).
+SUPPORTED_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 # A build takes well under a minute; a lock this old was left by a process killed mid-build, and torch's
 # builder would wait on it forever.
 _STALE_LOCK_S = 300.0

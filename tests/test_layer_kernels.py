@@ -1,49 +1,128 @@
-"""The C++ CPU layer kernels (RMSNorm, SwiGLU gate, RoPE) against their PyTorch versions."""
+"""The C++ CPU layer kernels (RMSNorm, SwiGLU gate, RoPE) against their PyTorch versions, in each dtype the
+kernels take; and the PyTorch versions against transformers' own code in 16-bit (the same roundings)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, rotate_half
 
+from nanovllm.worker.layers.norm import RMSNorm
 from nanovllm.worker.layers.rotary import RotaryEmbedding, apply_rotary
 
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+HALF_DTYPES = DTYPES[1:]
 
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, max_differing: float = 1e-3) -> None:
+    """fp32: close. 16-bit: the same roundings as the reference, so equal bit for bit but for the odd
+    element where an fp32 intermediate summed in another order rounds the other way (one ulp of the
+    intermediate, up to two of the output after the weight multiply)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref)
+        return
+    finfo = torch.finfo(out.dtype)
+    torch.testing.assert_close(out, ref, rtol=2 * finfo.eps, atol=finfo.tiny)
+    assert (out != ref).float().mean().item() <= max_differing
+
+
+def torch_norm(hidden: int, weight: torch.Tensor, eps: float) -> RMSNorm:
+    """The RMSNorm layer on its PyTorch path (no kernels bound)."""
+    norm = RMSNorm(hidden, eps)
+    norm.weight.data = weight
+    return norm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, hidden", [(1, 576), (37, 64), (300, 1024)])
-def test_rms_norm_matches_torch(kernels, rows, hidden):
+def test_rms_norm_matches_torch(kernels, dtype, rows, hidden):
     gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, hidden, generator=gen) * 3
-    w = torch.rand(hidden, generator=gen)
-    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (hidden,), w, 1e-5))
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    w = torch.rand(hidden, generator=gen).to(dtype)
+    assert_matches(kernels.rms_norm(x, w, 1e-5), torch_norm(hidden, w, 1e-5)(x))
 
 
-def test_add_rms_norm_updates_both_in_place(kernels):
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_rms_norm_torch_path_rounds_as_transformers(dtype):
     gen = torch.Generator().manual_seed(0)
-    x, residual, w = torch.randn(9, 128, generator=gen), torch.randn(9, 128, generator=gen), torch.rand(128)
-    expected_residual = x + residual
-    expected = F.rms_norm(expected_residual, (128,), w, 1e-6)
+    x = (torch.randn(64, 576, generator=gen) * 3).to(dtype)
+    hf = LlamaRMSNorm(576, eps=1e-5).to(dtype)
+    hf.weight.data = (torch.rand(576, generator=gen) + 0.5).to(dtype)
+    assert torch.equal(torch_norm(576, hf.weight.data, 1e-5)(x), hf(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_updates_both_in_place(kernels, dtype):
+    gen = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(9, 128, generator=gen).to(dtype) for _ in range(2))
+    w = torch.rand(128, generator=gen).to(dtype)
+    expected, expected_residual = torch_norm(128, w, 1e-6).add_and_norm(x.clone(), residual.clone())
     kernels.add_rms_norm_(x, residual, w, 1e-6)
-    torch.testing.assert_close(residual, expected_residual)
-    torch.testing.assert_close(x, expected)
+    assert torch.equal(residual, expected_residual)  # one rounded add, as PyTorch's
+    assert_matches(x, expected)
 
 
 def test_rejects_non_contiguous_input(kernels):
     x = torch.randn(8, 64).t()
-    with pytest.raises(RuntimeError, match="contiguous float32"):
+    with pytest.raises(RuntimeError, match="contiguous"):
         kernels.rms_norm(x, torch.ones(8), 1e-6)
 
 
+def test_rejects_mixed_dtypes(kernels):
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(
+        RuntimeError, match="rms_norm: all tensors must have the same dtype, got x BFloat16, weight Float"
+    ):
+        kernels.rms_norm(x, torch.ones(64), 1e-6)
+    with pytest.raises(RuntimeError, match="residual Half"):
+        kernels.add_rms_norm_(x, x.half(), torch.ones(64, dtype=torch.bfloat16), 1e-6)
+    cos = torch.ones(4, 1, 64)
+    with pytest.raises(RuntimeError, match="rotary: .* got x BFloat16, cos Float, sin Float"):
+        kernels.rotary(x.view(4, 1, 64), cos, cos)
+
+
+def test_rejects_other_dtypes(kernels):
+    with pytest.raises(RuntimeError, match="silu_and_mul: float32, bfloat16 or float16 only, got Double"):
+        kernels.silu_and_mul(torch.randn(2, 8, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, half", [(1, 1536), (13, 64)])
-def test_silu_and_mul_matches_torch(kernels, rows, half):
-    x = torch.randn(rows, 2 * half, generator=torch.Generator().manual_seed(rows)) * 4
+def test_silu_and_mul_matches_torch(kernels, dtype, rows, half):
+    x = (torch.randn(rows, 2 * half, generator=torch.Generator().manual_seed(rows)) * 4).to(dtype)
     gate, up = x.chunk(2, dim=-1)
-    torch.testing.assert_close(kernels.silu_and_mul(x), F.silu(gate) * up)
+    assert_matches(kernels.silu_and_mul(x), F.silu(gate) * up)  # transformers' act_fn(gate) * up
 
 
-def test_rotary_matches_torch_on_a_strided_view(kernels):
-    rotary = RotaryEmbedding(head_dim=64, max_position=512, base=1e6, dtype=torch.float32)
+def test_silu_and_mul_extremes(kernels):
+    """The kernel's own exp: overflow, underflow and NaN behave as PyTorch's."""
+    gate = torch.tensor(
+        [-200.0, -89.0, -87.0, 0.0, 87.0, 89.0, 200.0, float("inf"), float("-inf"), float("nan")]
+    )
+    x = torch.cat([gate, torch.ones_like(gate)])[None]
+    torch.testing.assert_close(kernels.silu_and_mul(x)[0], F.silu(gate), equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_matches_torch_on_a_strided_view(kernels, dtype):
+    rotary = RotaryEmbedding(head_dim=64, max_position=512, base=1e6, dtype=dtype)
     positions = torch.tensor([0, 1, 7, 300, 511])
     cos, sin = rotary.lookup(positions)
-    qkv = torch.randn(5, (8 + 2 + 2) * 64)
+    qkv = torch.randn(5, (8 + 2 + 2) * 64).to(dtype)
     qk = qkv[:, : 10 * 64].view(5, 10, 64)  # q and k heads of a fused projection: rows are strided
-    torch.testing.assert_close(kernels.rotary(qk, cos, sin), apply_rotary(qk, cos, sin))
+    out, ref = kernels.rotary(qk, cos, sin), apply_rotary(qk, cos, sin)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref)
+    else:
+        assert torch.equal(out, ref)  # the same three roundings, no sums to reorder
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_rotary_torch_path_rounds_as_transformers(dtype):
+    rotary = RotaryEmbedding(head_dim=64, max_position=512, base=1e6, dtype=dtype)
+    cos, signed_sin = rotary.lookup(torch.arange(0, 512, 7))
+    sin = torch.cat([-signed_sin[..., :32], signed_sin[..., 32:]], dim=-1)  # transformers' [sin, sin]
+    q = torch.randn(cos.shape[0], 12, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    assert torch.equal(apply_rotary(q, cos, signed_sin), (q * cos) + (rotate_half(q) * sin))

@@ -22,7 +22,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernels is not None:
             return self.cpu_kernels.rms_norm(x, self.weight, self.eps)
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # 16-bit, as transformers: normalise in fp32, round to the dtype, then multiply by the weight in
+        # the dtype. F.rms_norm given the weight would multiply in fp32 and round once: other numbers.
+        return F.rms_norm(x, self.weight.shape, None, self.eps).mul_(self.weight)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual), reusing both buffers: the caller owns them."""

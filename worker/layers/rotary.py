@@ -31,4 +31,8 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, heads, head_dim] (q and k heads may be stacked) into a new tensor."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)
+    swapped = torch.cat((x2, x1), dim=-1)
+    if x.dtype == torch.float32:
+        return torch.addcmul(x * cos, swapped, sin)
+    # 16-bit: transformers rounds both products to the dtype before adding them (addcmul rounds once).
+    return (x * cos).add_(swapped.mul_(sin))

@@ -1,0 +1,139 @@
+"""Each C++ CPU kernel (kernels/csrc) against the PyTorch path it replaces, at SmolLM2-135M's shapes.
+
+Both sides run in the same process, alternating call by call, so the ratio holds even when the machine
+is shared; the PyTorch side is the layer's own code (RMSNorm, apply_rotary, the SwiGLU gate of the MLP,
+decode_attention) with the kernels unbound. Prints a markdown table of median milliseconds per call.
+
+Usage:  .venv/bin/python bench/cpu_kernels.py [--dtypes float32 bfloat16] [--rows 1 64] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanovllm from this checkout
+
+from nanovllm.kernels.attention import DecodeBatch, decode_attention
+from nanovllm.kernels.cpu_kernels import load_cpu_kernels
+from nanovllm.worker.layers.norm import RMSNorm
+from nanovllm.worker.layers.rotary import RotaryEmbedding, apply_rotary
+
+# SmolLM2-135M
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, BLOCK, EPS = 576, 9, 3, 64, 1536, 16, 1e-5
+
+Case = tuple[str, Callable[[], object], Callable[[], object], Callable[[], None]]
+
+
+def cases(kernels, dtype: torch.dtype, rows: int, contexts: list[int]) -> Iterator[Case]:
+    """(name, torch call, kernel call, reset): reset restores the inputs an in-place call changed."""
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    torch_norm, kernel_norm = RMSNorm(HIDDEN, EPS), RMSNorm(HIDDEN, EPS)
+    for norm in (torch_norm, kernel_norm):
+        norm.weight.data = torch.rand(HIDDEN, generator=gen).to(dtype)
+    kernel_norm.cpu_kernels = kernels
+    x = randn(rows, HIDDEN)
+    yield "rms_norm", lambda: torch_norm(x), lambda: kernel_norm(x), lambda: None
+
+    x0, r0 = randn(rows, HIDDEN), randn(rows, HIDDEN)
+    xs, rs = x0.clone(), r0.clone()
+
+    def reset() -> None:
+        xs.copy_(x0), rs.copy_(r0)
+
+    yield (
+        "add_rms_norm_",
+        lambda: torch_norm.add_and_norm(xs, rs),
+        lambda: kernel_norm.add_and_norm(xs, rs),
+        reset,
+    )
+
+    gate_up = randn(rows, 2 * INTERMEDIATE)
+
+    def torch_gate() -> torch.Tensor:  # DecoderMLP's PyTorch path
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+
+    yield "silu_and_mul", torch_gate, lambda: kernels.silu_and_mul(gate_up), lambda: None
+
+    rope = RotaryEmbedding(HEAD_DIM, 4096, 1e5, dtype)
+    cos, sin = rope.lookup(torch.randint(0, 4096, (rows,), generator=gen))
+    qkv = randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+    qk = qkv[:, : (HEADS + KV_HEADS) * HEAD_DIM].view(rows, -1, HEAD_DIM)  # strided, as in the model
+    yield "rotary", lambda: apply_rotary(qk, cos, sin), lambda: kernels.rotary(qk, cos, sin), lambda: None
+
+    for context in contexts:
+        yield attention_case(kernels, randn, gen, rows, context)
+
+
+def attention_case(kernels, randn, gen: torch.Generator, rows: int, context: int) -> Case:
+    """`rows` sequences of `context` tokens each, their blocks scattered over the cache."""
+    width = -(-context // BLOCK)
+    num_blocks = rows * width
+    k_cache, v_cache = (randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM) for _ in range(2))
+    tables = torch.randperm(num_blocks, generator=gen).view(rows, width)
+    lens = torch.full((rows,), context)
+    mask = (torch.arange(width * BLOCK) < lens[:, None])[:, None, None, :]
+    batch, q, scale = DecodeBatch(tables, lens, mask), randn(rows, HEADS, HEAD_DIM), HEAD_DIM**-0.5
+    return (
+        f"decode attention, context {context}",
+        lambda: decode_attention(q, k_cache, v_cache, batch, scale),
+        lambda: kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale),
+        lambda: None,
+    )
+
+
+def median_ms(torch_call, kernel_call, reset, repeats: int) -> tuple[float, float]:
+    """Median milliseconds of each call, alternating the two so that both see the same machine."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(repeats + 5):
+        for call, out in ((torch_call, times[0]), (kernel_call, times[1])):
+            reset()
+            start = time.perf_counter()
+            call()
+            if i >= 5:  # warm-up
+                out.append(time.perf_counter() - start)
+    return statistics.median(times[0]) * 1e3, statistics.median(times[1]) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 64], help="tokens / sequences per call")
+    parser.add_argument(
+        "--contexts", nargs="+", type=int, default=[128, 512], help="attention context lengths"
+    )
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--threads", type=int, help="torch / OpenMP threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        sys.exit("the C++ kernels did not build")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats} calls\n")
+    print("| kernel | dtype | rows | torch ms | kernel ms | torch / kernel |")
+    print("|---|---|---:|---:|---:|---:|")
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
+        for rows in args.rows:
+            for label, torch_call, kernel_call, reset in cases(kernels, dtype, rows, args.contexts):
+                t, k = median_ms(torch_call, kernel_call, reset, args.repeats)
+                print(f"| {label} | {name} | {rows} | {t:.4f} | {k:.4f} | {t / k:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
