@@ -69,7 +69,10 @@ def start_worker(model: Path, *extra: str, port: int = 0, log_path: Path | None 
         "--metrics-port",
         "0",
     ]
-    return start([*args, "--kv-cache-memory", "32MiB", "--max-model-len", "512", *extra], log_path)
+    # float32 unless `extra` says otherwise (a later flag wins): tests compare served tokens with the offline
+    # engine's, and only float32 is invariant to how the two happen to batch requests.
+    defaults = ["--kv-cache-memory", "32MiB", "--max-model-len", "512", "--dtype", "float32"]
+    return start([*args, *defaults, *extra], log_path)
 
 
 def start_router(workers: list[str], *extra: str, log_path: Path | None = None) -> ServerProcess:

@@ -47,8 +47,13 @@ def test_decode_kernel_rejects_mixed_dtypes(kernels):
 
 
 def _generate(model_dir, dtype: str, backend: str, prompts: list[list[int]]) -> list[dict]:
-    llm = LLM(
-        str(model_dir), max_model_len=256, kv_cache_memory="8MiB", dtype=dtype, attention_backend=backend
+    llm = LLM(  # device="cpu": these are the CPU kernels, also on a machine with a GPU
+        str(model_dir),
+        max_model_len=256,
+        kv_cache_memory="8MiB",
+        dtype=dtype,
+        attention_backend=backend,
+        device="cpu",
     )
     attn = llm.engine.runner.model.attention_layers()[0]
     assert (attn.decode_kernel is None) == (backend == "torch")

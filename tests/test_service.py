@@ -33,7 +33,7 @@ CALL_TIMEOUT_S = 120.0  # a hang shows up as DEADLINE_EXCEEDED rather than a stu
 
 @pytest.fixture(scope="module")
 def offline(qwen3_dir: Path) -> LLM:
-    return LLM(str(qwen3_dir), kv_cache_memory="32MiB", max_model_len=512)
+    return LLM(str(qwen3_dir), kv_cache_memory="32MiB", max_model_len=512, dtype="float32")  # as start_worker
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +260,7 @@ def test_cancel_and_deadline_free_blocks(service) -> None:
     wait_idle(service.worker.address)
 
     responses, error = collect(
-        service.router.address, generate_pb2.GenerateRequest(text="too slow", sampling=LONG), timeout=0.3
+        service.router.address, generate_pb2.GenerateRequest(text="too slow", sampling=LONG), timeout=0.1
     )
     assert error is not None and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert all(r.finish_reason == generate_pb2.FINISH_REASON_UNSPECIFIED for r in responses)
