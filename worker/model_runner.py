@@ -14,7 +14,7 @@ from nanovllm.common.config import DEFAULT_CPU_KV_CACHE, EngineConfig, parse_mem
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
 from nanovllm.common.sampling_params import SamplingParams
-from nanovllm.kernels.attention import AttentionMetadata, DecodeBatch, PrefillBatch
+from nanovllm.kernels.attention import AttentionMetadata, DecodeBatch, FreshBatch, PrefillBatch
 from nanovllm.kernels.cpu_kernels import SUPPORTED_DTYPES, load_cpu_kernels
 from nanovllm.worker.device import resolve_placement
 from nanovllm.worker.layers.parallel import TPContext
@@ -342,8 +342,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=self._long(inputs.slot_mapping),
             decode=self._decode_batch(inputs.decodes) if inputs.decodes else None,
-            fresh=self._prefill_batch(inputs.fresh, with_cache=False) if inputs.fresh else None,
-            cached=self._prefill_batch(inputs.cached, with_cache=True) if inputs.cached else None,
+            fresh=FreshBatch([c.num_new_tokens for c in inputs.fresh]) if inputs.fresh else None,
+            cached=self._cached_batch(inputs.cached) if inputs.cached else None,
         )
         return (
             self._long(inputs.input_ids),
@@ -361,21 +361,18 @@ class ModelRunner:
         mask = torch.arange(context, device=self.device) < context_lens[:, None]
         return DecodeBatch(block_tables=tables, context_lens=context_lens, mask=mask[:, None, None, :])
 
-    def _prefill_batch(self, chunks: list[SeqChunk], with_cache: bool) -> PrefillBatch:
+    def _cached_batch(self, chunks: list[SeqChunk]) -> PrefillBatch:
         dev = self.device
         max_q = max(c.num_new_tokens for c in chunks)
         q_lens = self._long([c.num_new_tokens for c in chunks])
         token_index = (torch.arange(max_q, device=dev) < q_lens[:, None]).flatten().nonzero().squeeze(1)
-        batch = PrefillBatch(num_seqs=len(chunks), max_query_len=max_q, token_index=token_index)
-        if with_cache:
-            batch.block_tables, context = self._block_tables(chunks)
-            starts = self._long([c.start for c in chunks])
-            q_pos = starts[:, None] + torch.arange(max_q, device=dev)  # [P, max_q]
-            k_pos = torch.arange(context, device=dev)
-            # Padded query rows (past a chunk's end) still see valid keys, so no row is fully masked.
-            mask = (k_pos <= q_pos[:, :, None]) & (k_pos < (starts + q_lens)[:, None, None])
-            batch.mask = mask[:, None]
-        return batch
+        block_tables, context = self._block_tables(chunks)
+        starts = self._long([c.start for c in chunks])
+        q_pos = starts[:, None] + torch.arange(max_q, device=dev)  # [P, max_q]
+        k_pos = torch.arange(context, device=dev)
+        # Padded query rows (past a chunk's end) still see valid keys, so no row is fully masked.
+        mask = (k_pos <= q_pos[:, :, None]) & (k_pos < (starts + q_lens)[:, None, None])
+        return PrefillBatch(len(chunks), max_q, token_index, block_tables, mask[:, None])
 
     def _block_tables(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, int]:
         """Block tables padded to the longest, and the padded context length in tokens."""
