@@ -90,3 +90,21 @@ def test_gpu_budget_subtracts_only_this_engine() -> None:
         ConfigError, match=r"allows 7\.20 of 80\.00 GiB.*weights take 6\.00 GiB.*peak 1\.50 GiB"
     ):
         gpu_kv_cache_budget(80 * gib, 0.09, 6 * gib, int(1.5 * gib))
+
+
+def test_largest_step_runs_without_a_kv_cache(qwen3_dir: Path) -> None:
+    """The step CUDA sizing measures (max_num_batched_tokens of prompt in several max_model_len prompts,
+    logits and the heaviest sampling for max_num_seqs rows) runs before any cache exists. Here on the CPU,
+    on a throwaway engine whose caches are taken away, since no GPU is at hand."""
+    llm = LLM(
+        str(qwen3_dir),
+        device="cpu",
+        max_model_len=48,
+        max_num_seqs=7,
+        max_num_batched_tokens=100,
+        kv_cache_memory="4MiB",
+    )
+    runner = llm.engine.runner
+    for attn in runner.model.attention_layers():
+        attn.k_cache = attn.v_cache = torch.empty(0)
+    runner._run_largest_step()

@@ -193,12 +193,23 @@ class ModelRunner:
             )
         return budget // self.tp.size  # the ranks share this machine's RAM: the budget is for all of them
 
-    @torch.inference_mode()
     def _activation_peak(self) -> int:
-        """GPU bytes the largest step needs beyond the weights, measured by running it: a prompt batch of
+        """GPU bytes the largest step needs beyond the weights, measured by running it before the KV cache
+        exists. Every tensor-parallel rank runs it at once (the forward's collectives pair up)."""
+        torch.cuda.synchronize(self.device)
+        before = self._cuda_allocated()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._run_largest_step()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        torch.cuda.empty_cache()
+        return peak
+
+    @torch.inference_mode()
+    def _run_largest_step(self) -> None:
+        """The step that needs the most activation memory, on dummy tokens: a prompt batch of
         max_num_batched_tokens, logits for max_num_seqs rows and the sampler's heaviest path (top-k/top-p
-        sorts and logprobs). The KV cache does not exist yet, so nothing is written to it. Every
-        tensor-parallel rank runs it at once (the forward's collectives pair up)."""
+        sorts and logprobs). Only valid while the attention layers have no KV cache (nothing is stored)."""
         config = self.config
         num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
         lengths = [config.max_model_len] * (num_tokens // config.max_model_len)
@@ -213,20 +224,12 @@ class ModelRunner:
             cached=[],
             logits_index=list(range(num_rows)),
         )
-        torch.cuda.synchronize(self.device)
-        before = self._cuda_allocated()
-        torch.cuda.reset_peak_memory_stats(self.device)
         input_ids, positions, meta, logits_index = self._tensors(inputs)
         hidden = self.model(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden.index_select(0, logits_index)).float()
         del hidden
         heaviest = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=SamplingParams.MAX_LOGPROBS)
         self.sampler(logits, [SamplingRow(heaviest, [0], [], None)] * num_rows)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        del logits, input_ids, positions, meta, logits_index
-        torch.cuda.empty_cache()
-        return peak
 
     def _allocate_kv_cache(self) -> int:
         cfg = self.config.hf_config
