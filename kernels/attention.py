@@ -6,7 +6,7 @@ the blocks its block table lists, token i at slot block_table[i // block_size] *
 A step's flat token batch is laid out in three segments, each attended in one batched call:
   decodes   one new token per sequence, attending to everything cached for it;
   fresh     whole prompts or first chunks (position 0 onwards): they attend only to their own new K/V,
-            so no cache read is needed, just causality; one call per prompt, unpadded;
+            so no cache read is needed, just causality;
   cached    chunks that continue a sequence (chunked prefill, prefix-cache hit): they read earlier K/V
             from the cache.
 """
@@ -29,29 +29,24 @@ class DecodeBatch:
 
 @dataclass
 class FreshBatch:
-    """Prompts (or first chunks) laid out back to back in the flat token batch."""
-
-    query_lens: list[int]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.query_lens)
-
-
-@dataclass
-class PrefillBatch:
-    """Variable-length chunks padded to [num_seqs, max_query_len]; `token_index` maps each flat token to
-    its row in the padded layout."""
+    """Variable-length prompts (or first chunks) padded to [num_seqs, max_query_len]; `token_index` maps
+    each flat token to its row in the padded layout."""
 
     num_seqs: int
     max_query_len: int
     token_index: torch.Tensor  # [num_tokens] long
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] long
-    mask: torch.Tensor  # [num_seqs, 1, max_query_len, context] bool, True = attend
 
     @property
     def num_tokens(self) -> int:
         return self.token_index.shape[0]
+
+
+@dataclass
+class PrefillBatch(FreshBatch):
+    """Chunks that continue a sequence: padded like prompts, and attending to the cache as well."""
+
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] long
+    mask: torch.Tensor  # [num_seqs, 1, max_query_len, context] bool, True = attend
 
 
 @dataclass
@@ -87,14 +82,14 @@ def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return blocks.view(block_tables.shape[0], -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 
-def _pad(x: torch.Tensor, batch: PrefillBatch) -> torch.Tensor:
+def _pad(x: torch.Tensor, batch: FreshBatch) -> torch.Tensor:
     """[T, heads, D] -> [num_seqs, heads, max_query_len, D], zero rows where a chunk is shorter."""
     padded = x.new_zeros(batch.num_seqs * batch.max_query_len, *x.shape[1:])
     padded.index_copy_(0, batch.token_index, x)
     return padded.view(batch.num_seqs, batch.max_query_len, *x.shape[1:]).transpose(1, 2)
 
 
-def _unpad(out: torch.Tensor, batch: PrefillBatch) -> torch.Tensor:
+def _unpad(out: torch.Tensor, batch: FreshBatch) -> torch.Tensor:
     flat = out.transpose(1, 2).reshape(batch.num_seqs * batch.max_query_len, *out.shape[1:2], out.shape[3])
     return flat.index_select(0, batch.token_index)
 
@@ -102,18 +97,19 @@ def _unpad(out: torch.Tensor, batch: PrefillBatch) -> torch.Tensor:
 def fresh_prefill_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: FreshBatch, scale: float
 ) -> torch.Tensor:
-    """Causal attention of each prompt over its own new K/V ([T, heads, D] laid back to back), one SDPA
-    call per prompt. Padding the prompts to the longest (one batched call) computes up to 2.6x the
-    attention of prompts 32-256 tokens long, and the pad/unpad copies cost as much again on a CPU."""
-    out = torch.empty_like(query)
-    begin = 0
-    for n in batch.query_lens:
-        end = begin + n
-        q, k, v = (x[begin:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+    """Causal attention of each prompt over its own new K/V ([T, heads, D] laid back to back).
+
+    Several prompts go through one SDPA call, padded to the longest. One call per prompt computes less
+    (up to 2.6x less on prompts of 32-256 tokens) and is 2x faster on one thread, but on 2 threads its
+    ~2,000 small parallel regions per step made W64's prefill 2-4x slower (measured): each region waits
+    for both threads, and any other load on the machine stretches every wait."""
+    if batch.num_seqs == 1:
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        out[begin:end] = o[0].transpose(0, 1)
-        begin = end
-    return out
+        return o[0].transpose(0, 1)
+    q, k, v = (_pad(x, batch) for x in (query, key, value))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    return _unpad(o, batch)
 
 
 def decode_attention(

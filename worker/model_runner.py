@@ -345,7 +345,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=self._long(inputs.slot_mapping),
             decode=self._decode_batch(inputs.decodes) if inputs.decodes else None,
-            fresh=FreshBatch([c.num_new_tokens for c in inputs.fresh]) if inputs.fresh else None,
+            fresh=self._fresh_batch(inputs.fresh) if inputs.fresh else None,
             cached=self._cached_batch(inputs.cached) if inputs.cached else None,
         )
         return (
@@ -364,18 +364,27 @@ class ModelRunner:
         mask = torch.arange(context, device=self.device) < context_lens[:, None]
         return DecodeBatch(block_tables=tables, context_lens=context_lens, mask=mask[:, None, None, :])
 
-    def _cached_batch(self, chunks: list[SeqChunk]) -> PrefillBatch:
-        dev = self.device
+    def _fresh_batch(self, chunks: list[SeqChunk]) -> FreshBatch:
         max_q = max(c.num_new_tokens for c in chunks)
         q_lens = self._long([c.num_new_tokens for c in chunks])
-        token_index = (torch.arange(max_q, device=dev) < q_lens[:, None]).flatten().nonzero().squeeze(1)
+        token_index = (
+            (torch.arange(max_q, device=self.device) < q_lens[:, None]).flatten().nonzero().squeeze(1)
+        )
+        return FreshBatch(len(chunks), max_q, token_index)
+
+    def _cached_batch(self, chunks: list[SeqChunk]) -> PrefillBatch:
+        dev = self.device
+        fresh = self._fresh_batch(chunks)
+        q_lens = self._long([c.num_new_tokens for c in chunks])
         block_tables, context = self._block_tables(chunks)
         starts = self._long([c.start for c in chunks])
-        q_pos = starts[:, None] + torch.arange(max_q, device=dev)  # [P, max_q]
+        q_pos = starts[:, None] + torch.arange(fresh.max_query_len, device=dev)  # [P, max_q]
         k_pos = torch.arange(context, device=dev)
         # Padded query rows (past a chunk's end) still see valid keys, so no row is fully masked.
         mask = (k_pos <= q_pos[:, :, None]) & (k_pos < (starts + q_lens)[:, None, None])
-        return PrefillBatch(len(chunks), max_q, token_index, block_tables, mask[:, None])
+        return PrefillBatch(
+            fresh.num_seqs, fresh.max_query_len, fresh.token_index, block_tables, mask[:, None]
+        )
 
     def _block_tables(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, int]:
         """Block tables padded to the longest, and the padded context length in tokens."""
