@@ -4,12 +4,19 @@ Both sides run in the same process, alternating call by call, so the ratio holds
 is shared; the PyTorch side is the layer's own code (RMSNorm, apply_rotary, the SwiGLU gate of the MLP,
 decode_attention) with the kernels unbound. Prints a markdown table of median milliseconds per call.
 
+Decode attention runs at SmolLM2's 3 kv heads for each group size (query heads per kv head) and head dim
+asked for; a context "100-500" gives each sequence its own length, drawn uniformly from that range (the
+mixed lengths of a serving batch). Its K/V come from memory, as in a model (see attention_case), unless
+--warm.
+
 Usage:  .venv/bin/python bench/cpu_kernels.py [--dtypes float32 bfloat16] [--rows 1 64] [--threads N]
+            [--contexts 128 512 100-500] [--groups 3] [--head-dims 64] [--only attention] [--warm]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -28,11 +35,12 @@ from nanovllm.worker.layers.rotary import RotaryEmbedding, apply_rotary
 
 # SmolLM2-135M
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, BLOCK, EPS = 576, 9, 3, 64, 1536, 16, 1e-5
+COLD_BYTES = 256 << 20  # K/V copies cycled through by the attention cases: well over a last-level cache
 
 Case = tuple[str, Callable[[], object], Callable[[], object], Callable[[], None]]
 
 
-def cases(kernels, dtype: torch.dtype, rows: int, contexts: list[int]) -> Iterator[Case]:
+def cases(kernels, dtype: torch.dtype, rows: int, args: argparse.Namespace) -> Iterator[Case]:
     """(name, torch call, kernel call, reset): reset restores the inputs an in-place call changed."""
     gen = torch.Generator().manual_seed(0)
 
@@ -73,23 +81,35 @@ def cases(kernels, dtype: torch.dtype, rows: int, contexts: list[int]) -> Iterat
     qk = qkv[:, : (HEADS + KV_HEADS) * HEAD_DIM].view(rows, -1, HEAD_DIM)  # strided, as in the model
     yield "rotary", lambda: apply_rotary(qk, cos, sin), lambda: kernels.rotary(qk, cos, sin), lambda: None
 
-    for context in contexts:
-        yield attention_case(kernels, randn, gen, rows, context)
+    for head_dim in args.head_dims:
+        for group in args.groups:
+            for context in args.contexts:
+                yield attention_case(kernels, randn, gen, rows, context, group, head_dim, args.warm)
 
 
-def attention_case(kernels, randn, gen: torch.Generator, rows: int, context: int) -> Case:
-    """`rows` sequences of `context` tokens each, their blocks scattered over the cache."""
-    width = -(-context // BLOCK)
+def attention_case(
+    kernels, randn, gen: torch.Generator, rows: int, context: str, group: int, head_dim: int, warm: bool
+) -> Case:
+    """`rows` sequences of `context` tokens each ("lo-hi": lengths drawn from that range), their blocks
+    scattered over the cache. Unless `warm`, each call reads another copy of the caches (as many copies as
+    fill COLD_BYTES): in a model, the other layers' caches pass through the CPU caches between two calls
+    of one layer, so it reads its K/V from memory, not from a last-level cache that holds them."""
+    lo, _, hi = context.partition("-")
+    lens = torch.randint(int(lo), int(hi or lo) + 1, (rows,), generator=gen)
+    width = -(-int(lens.max()) // BLOCK)
     num_blocks = rows * width
-    k_cache, v_cache = (randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM) for _ in range(2))
+    k_cache, v_cache = (randn(num_blocks, BLOCK, KV_HEADS, head_dim) for _ in range(2))
+    copies = 1 if warm else max(1, COLD_BYTES // (2 * k_cache.nbytes))
+    caches = [(k_cache, v_cache)] + [(k_cache.clone(), v_cache.clone()) for _ in range(copies - 1)]
+    torch_caches, kernel_caches = itertools.cycle(caches), itertools.cycle(caches)
     tables = torch.randperm(num_blocks, generator=gen).view(rows, width)
-    lens = torch.full((rows,), context)
     mask = (torch.arange(width * BLOCK) < lens[:, None])[:, None, None, :]
-    batch, q, scale = DecodeBatch(tables, lens, mask), randn(rows, HEADS, HEAD_DIM), HEAD_DIM**-0.5
+    q, scale = randn(rows, group * KV_HEADS, head_dim), head_dim**-0.5
+    batch = DecodeBatch(tables, lens, mask)
     return (
-        f"decode attention, context {context}",
-        lambda: decode_attention(q, k_cache, v_cache, batch, scale),
-        lambda: kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale),
+        f"decode attention, context {context}, group {group}, head_dim {head_dim}",
+        lambda: decode_attention(q, *next(torch_caches), batch, scale),
+        lambda: kernels.paged_decode_attention(q, *next(kernel_caches), tables, lens, scale),
         lambda: None,
     )
 
@@ -114,7 +134,17 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 64], help="tokens / sequences per call")
     parser.add_argument(
-        "--contexts", nargs="+", type=int, default=[128, 512], help="attention context lengths"
+        "--contexts", nargs="+", default=["128", "512", "100-500"], help='attention contexts: "N" or "lo-hi"'
+    )
+    parser.add_argument(
+        "--groups", nargs="+", type=int, default=[HEADS // KV_HEADS], help="query heads per kv head"
+    )
+    parser.add_argument("--head-dims", nargs="+", type=int, default=[HEAD_DIM])
+    parser.add_argument("--only", help="run only the kernels whose name contains this")
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="attention reads one copy of the K/V caches (cache-resident if small)",
     )
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--threads", type=int, help="torch / OpenMP threads (default: torch's)")
@@ -130,7 +160,9 @@ def main() -> None:
     for name in args.dtypes:
         dtype = getattr(torch, name)
         for rows in args.rows:
-            for label, torch_call, kernel_call, reset in cases(kernels, dtype, rows, args.contexts):
+            for label, torch_call, kernel_call, reset in cases(kernels, dtype, rows, args):
+                if args.only and args.only not in label:
+                    continue
                 t, k = median_ms(torch_call, kernel_call, reset, args.repeats)
                 print(f"| {label} | {name} | {rows} | {t:.4f} | {k:.4f} | {t / k:.2f}x |", flush=True)
 

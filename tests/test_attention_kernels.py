@@ -8,34 +8,90 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels.attention import DecodeBatch, decode_attention
 
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(  # head_dim 24: not a multiple of 16, the portable scoring loop
-    "batch, heads, kv_heads, head_dim, block_size",
-    [(1, 4, 2, 16, 16), (7, 9, 3, 64, 16), (5, 8, 8, 32, 4), (3, 16, 8, 128, 8), (2, 4, 2, 24, 8)],
-)
-def test_decode_kernel_matches_reference(kernels, dtype, batch, heads, kv_heads, head_dim, block_size):
-    """The reference runs in fp32 on the same (upcast) inputs: the kernel accumulates in fp32 and rounds
-    its output once, so in 16-bit it is the reference rounded, up to one ulp where the fp32 sums differ."""
-    gen = torch.Generator().manual_seed(batch * heads)
-    num_blocks = 40
+
+def _decode_case(gen, dtype, context_lens, heads, kv_heads, head_dim, block_size, num_blocks=40):
+    """Inputs of the kernel (each sequence's blocks drawn at random from the cache) and the reference output,
+    computed in fp32 on the same (upcast) inputs."""
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    context_lens = torch.randint(1, 6 * block_size, (batch,), generator=gen)
     width = int(-(-context_lens.max() // block_size))
-    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in range(batch)])
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in context_lens])
     mask = (torch.arange(width * block_size) < context_lens[:, None])[:, None, None, :]
-    query = torch.randn(batch, heads, head_dim, generator=gen).to(dtype)
+    query = torch.randn(len(context_lens), heads, head_dim, generator=gen).to(dtype)
     scale = head_dim**-0.5
     batch_meta = DecodeBatch(tables, context_lens, mask)
     ref = decode_attention(query.float(), k_cache.float(), v_cache.float(), batch_meta, scale)
-    out = kernels.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, scale)
+    return (query, k_cache, v_cache, tables, context_lens, scale), ref
+
+
+def _assert_matches(out, ref, dtype):
+    """The kernel accumulates in fp32 and rounds its output once, so in 16-bit it is the reference rounded,
+    up to one ulp where the fp32 sums differ (they add in another order)."""
     assert out.dtype == dtype
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     else:
         torch.testing.assert_close(out.float(), ref, atol=1e-5, rtol=torch.finfo(dtype).eps)
         assert (out != ref.to(dtype)).float().mean().item() < 0.02
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(  # group = heads / kv_heads, 1 to 8 (odd ones too)
+    "batch, heads, kv_heads, head_dim, block_size",
+    [
+        (1, 4, 2, 16, 16),
+        (7, 9, 3, 64, 16),
+        (5, 8, 8, 32, 4),
+        (3, 16, 8, 128, 8),
+        (4, 15, 3, 64, 16),
+        (3, 8, 1, 128, 16),
+        (2, 6, 2, 96, 16),  # bf16 rows read in place take head dims that are multiples of 32 ...
+        (2, 6, 2, 80, 16),  # ... others are widened, as 16 (above) and 24 (the portable loops: not 16k)
+        (2, 4, 2, 24, 8),
+    ],
+)
+def test_decode_kernel_matches_reference(kernels, dtype, batch, heads, kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(batch * heads)
+    context_lens = torch.randint(1, 6 * block_size, (batch,), generator=gen)
+    args, ref = _decode_case(gen, dtype, context_lens, heads, kv_heads, head_dim, block_size)
+    _assert_matches(kernels.paged_decode_attention(*args), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_kernel_contexts_at_block_and_row_group_edges(kernels, dtype, head_dim):
+    """Contexts one short of, at and one past the 16-token blocks and the kernel's 8-row steps (the last
+    step is padded with zero rows), and a single token."""
+    gen = torch.Generator().manual_seed(head_dim)
+    context_lens = torch.tensor([1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 48, 63, 64, 65])
+    args, ref = _decode_case(gen, dtype, context_lens, 6, 2, head_dim, 16, num_blocks=60)
+    _assert_matches(kernels.paged_decode_attention(*args), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_same_result_for_any_thread_count(kernels, dtype):
+    """The threads split the (sequence, kv head) tasks by work, not by count: with the long contexts first,
+    as in a serving batch, every task must still run once, and each sequence's result must not depend on
+    how many threads there are (batch invariance)."""
+    gen = torch.Generator().manual_seed(7)
+    context_lens = torch.tensor([300, 290, 250, 40, 12, 9, 5, 3, 1])
+    args, ref = _decode_case(gen, dtype, context_lens, 9, 3, 64, 16, num_blocks=80)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3, 5):
+            torch.set_num_threads(n)
+            outs.append(kernels.paged_decode_attention(*args))
+    finally:
+        torch.set_num_threads(threads)
+    _assert_matches(outs[0], ref, dtype)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    # one sequence alone gives the rows it gives in the batch
+    alone = kernels.paged_decode_attention(*(a[4:5] if i in (0, 3, 4) else a for i, a in enumerate(args)))
+    assert torch.equal(alone, outs[0][4:5])
 
 
 def test_decode_kernel_rejects_mixed_dtypes(kernels):
