@@ -51,6 +51,11 @@ def validate_generate(
     if bad is not None:
         raise ValueError(f"token_ids holds {bad}, outside the vocabulary [0, {info.vocab_size})")
     s = request.sampling
+    bad = next((t for t in s.stop_token_ids if t >= info.vocab_size), None)
+    if bad is not None:
+        raise ValueError(
+            f"sampling.stop_token_ids holds {bad}, outside the vocabulary [0, {info.vocab_size})"
+        )
     stop = list(s.stop)
     if len(stop) > MAX_STOP_STRINGS:
         raise ValueError(f"sampling.stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")

@@ -175,6 +175,21 @@ def test_bad_requests_are_rejected_clearly(llm, prompt, message):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_out_of_vocabulary_stop_id_fails_only_its_request(llm):
+    """Banned below min_tokens, a stop id past the vocabulary would index past the logits row and fail the
+    whole step: add_request refuses it, and the request already running finishes untouched."""
+    engine = llm.engine
+    engine.add_request("bystander", [3, 4, 5], greedy(6))
+    engine.step()
+    bad = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[7, 512])
+    with pytest.raises(RequestError, match=r"stop_token_ids holds 512, outside the vocabulary \[0, 512\)"):
+        engine.add_request("bad", [3], bad)
+    outputs = _drain(engine)
+    assert set(outputs) == {"bystander"}
+    assert outputs["bystander"][-1].finish_reason == "length"
+    assert _all_free(llm)
+
+
 def test_duplicate_request_id_rejected(llm):
     llm.engine.add_request("dup", [3], greedy(1))
     with pytest.raises(RequestError, match="already in flight"):

@@ -230,6 +230,11 @@ def test_utf8_prompt_and_chat(service, offline, tokenizer) -> None:
         ({"token_ids": {"ids": [5] * 600}}, "INVALID_ARGUMENT", ["600", "512"]),
         ({"token_ids": {"ids": [3, 70000]}}, "INVALID_ARGUMENT", ["70000", "512"]),
         ({"token_ids": {"ids": []}}, "INVALID_ARGUMENT", ["no tokens"]),
+        (
+            {"text": "hi", "sampling": {"stop_token_ids": [2, 70000]}},
+            "INVALID_ARGUMENT",
+            ["stop_token_ids", "70000"],
+        ),
         ({}, "INVALID_ARGUMENT", ["prompt"]),
     ],
 )

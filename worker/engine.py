@@ -103,6 +103,10 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        # Checked here, not when sampling: an id past the logits row would fail the whole batch's step.
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise RequestError(f"stop_token_ids holds {bad}, outside the vocabulary [0, {vocab})")
         generator = None
         if params.seed is not None:
             generator = torch.Generator(self.runner.device).manual_seed(params.seed)
