@@ -30,17 +30,26 @@ class SamplingParams:
     logprobs: int | None = None
 
     MAX_LOGPROBS = 20
+    # Logits are divided by these: below MIN_DIVISOR a logit of ~30 overflows float32 to inf (1e-45 made
+    # every token inf and the sampler picked token 0), and far outside [MIN, MAX] nothing is gained.
+    MIN_DIVISOR = 0.01
+    MAX_DIVISOR = 100.0
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids)
-        self._check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        lo, hi = self.MIN_DIVISOR, self.MAX_DIVISOR
+        self._check(
+            self.temperature == 0.0 or lo <= self.temperature <= hi,
+            "temperature",
+            f"must be 0 (greedy) or in [{lo}, {hi}], got {self.temperature}",
+        )
         self._check(self.top_k >= -1, "top_k", f"must be -1, 0 (disabled) or positive, got {self.top_k}")
         self._check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         self._check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
         self._check(
-            self.repetition_penalty > 0.0,
+            lo <= self.repetition_penalty <= hi,
             "repetition_penalty",
-            f"must be > 0, got {self.repetition_penalty}",
+            f"must be in [{lo}, {hi}], got {self.repetition_penalty}",
         )
         self._check(
             -2.0 <= self.presence_penalty <= 2.0,

@@ -350,6 +350,12 @@ def test_invalid_batches_raise_value_error():
     ("field", "kwargs"),
     [
         ("temperature", {"temperature": -1.0}),
+        ("temperature", {"temperature": 1e-45}),  # a denormal: logits / it overflow to inf
+        ("temperature", {"temperature": math.inf}),
+        ("temperature", {"temperature": math.nan}),
+        ("repetition_penalty", {"repetition_penalty": 1e-45}),
+        ("repetition_penalty", {"repetition_penalty": math.inf}),
+        ("min_p", {"min_p": math.nan}),
         ("top_p", {"top_p": 0.0}),
         ("top_p", {"top_p": 1.5}),
         ("min_p", {"min_p": 2.0}),
