@@ -375,13 +375,13 @@ class ModelRunner:
     def _cached_batch(self, chunks: list[SeqChunk]) -> PrefillBatch:
         dev = self.device
         fresh = self._fresh_batch(chunks)
-        q_lens = self._long([c.num_new_tokens for c in chunks])
         block_tables, context = self._block_tables(chunks)
         starts = self._long([c.start for c in chunks])
+        ends = self._long([c.start + c.num_new_tokens for c in chunks])
         q_pos = starts[:, None] + torch.arange(fresh.max_query_len, device=dev)  # [P, max_q]
         k_pos = torch.arange(context, device=dev)
         # Padded query rows (past a chunk's end) still see valid keys, so no row is fully masked.
-        mask = (k_pos <= q_pos[:, :, None]) & (k_pos < (starts + q_lens)[:, None, None])
+        mask = (k_pos <= q_pos[:, :, None]) & (k_pos < ends[:, None, None])
         return PrefillBatch(
             fresh.num_seqs, fresh.max_query_len, fresh.token_index, block_tables, mask[:, None]
         )
