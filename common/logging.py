@@ -12,13 +12,19 @@ def configure_logging(level: str = "INFO", json: bool | None = None) -> None:
     """Configure structlog once for a process; library code only calls get_logger()."""
     if json is None:
         json = not sys.stderr.isatty()
-    renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
+    if json:
+        # exc_info becomes an "exception" field: type, message and frames of each exception in the chain
+        # (without the frames' local variables, which may hold prompts or whole tensors).
+        exceptions = structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+        renderers = [structlog.processors.ExceptionRenderer(exceptions), structlog.processors.JSONRenderer()]
+    else:
+        renderers = [structlog.dev.ConsoleRenderer()]  # prints exc_info as a traceback itself
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso"),
-            renderer,
+            *renderers,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
