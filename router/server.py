@@ -15,7 +15,7 @@ from nanovllm.common.metrics import serve_metrics
 from nanovllm.common.serving import GrpcServer
 from nanovllm.router.metrics import RouterMetrics
 from nanovllm.router.text_stream import TextStream
-from nanovllm.router.tokenizer import ModelTokenizer, preload
+from nanovllm.router.tokenizer import ModelTokenizer, auto_tokenizer
 from nanovllm.router.validation import prompt_token_ids, validate_generate
 from nanovllm.router.workers import WorkerLost, WorkerPool
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
@@ -239,7 +239,7 @@ async def serve_router(
     address = await server.start(config.host, config.port)
     metrics_address = serve_metrics(metrics.registry, config.host, config.metrics_port)
     on_listening(address, metrics_address)
-    preloading = asyncio.create_task(asyncio.to_thread(preload))  # overlaps with the workers' start-up
+    preloading = asyncio.create_task(asyncio.to_thread(auto_tokenizer))  # overlaps the workers' start-up
     pool.start()
     log.info("router_serving", address=address, metrics=metrics_address, workers=config.workers)
     await stop.wait()

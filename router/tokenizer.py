@@ -3,29 +3,37 @@
 from __future__ import annotations
 
 import tempfile
+import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer
 
 from nanovllm.worker.v1 import worker_pb2
 
+if TYPE_CHECKING:
+    from transformers import AutoTokenizer
 
-def preload() -> None:
-    """Import transformers' tokenizer machinery (seconds) ahead of the first worker connecting."""
-    from transformers import AutoTokenizer  # noqa: F401
+_import_lock = threading.Lock()
+
+
+def auto_tokenizer() -> type[AutoTokenizer]:
+    """transformers' AutoTokenizer. Importing it takes seconds, so the router starts that on a thread at
+    once; a worker that connects meanwhile waits here for that import to finish instead of importing
+    transformers from a second thread, which fails (transformers' lazy imports are not thread-safe)."""
+    with _import_lock:
+        from transformers import AutoTokenizer
+    return AutoTokenizer
 
 
 class ModelTokenizer:
     def __init__(self, info: worker_pb2.WorkerInfo) -> None:
-        from transformers import AutoTokenizer  # heavy import, paid once per router at first connect
-
         if "tokenizer.json" not in info.tokenizer_files and "tokenizer.model" not in info.tokenizer_files:
             raise ValueError(f"worker for {info.model} sent no tokenizer files; the router cannot tokenize")
         with tempfile.TemporaryDirectory(prefix="nanovllm-tokenizer-") as tmp:
             for name, data in info.tokenizer_files.items():
                 (Path(tmp) / name).write_bytes(data)
-            self._hf: Any = AutoTokenizer.from_pretrained(tmp)
+            self._hf: Any = auto_tokenizer().from_pretrained(tmp)
         if info.chat_template:
             self._hf.chat_template = info.chat_template
         self.model = info.model

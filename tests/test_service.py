@@ -429,6 +429,20 @@ def test_router_disconnect_aborts_its_requests_and_worker_keeps_serving(service,
     assert error is None and responses[-1].usage.completion_tokens == 4
 
 
+def test_router_connects_to_a_serving_worker_at_its_first_try(service, logs) -> None:
+    """A router started in front of a worker that already serves loads its tokenizer while still importing
+    transformers on another thread: that must wait for the import, not fail (an ImportError from two
+    threads importing transformers at once used to log worker_connection_failed at every start)."""
+    router = start_router([service.worker.address], log_path=logs / "router.log")
+    try:
+        wait_serving(router.address)
+    finally:
+        assert router.stop() == 0
+    records = [json.loads(line) for line in (logs / "router.log").read_text().splitlines()]
+    assert [r for r in records if r["level"] != "info"] == []
+    assert [r["event"] for r in records].count("worker_connected") == 1
+
+
 def test_least_loaded_worker_is_picked(own_worker, logs) -> None:
     """With two workers, concurrent requests spread over both. Counted from the router's one
     request_finished line per request, which names its worker: the workers' own load is a snapshot that a
