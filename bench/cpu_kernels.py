@@ -2,7 +2,7 @@
 
 Both sides run in the same process, alternating call by call, so the ratio holds even when the machine
 is shared; the PyTorch side is the layer's own code (RMSNorm, apply_rotary, the SwiGLU gate of the MLP,
-decode_attention) with the kernels unbound. Prints a markdown table of median milliseconds per call.
+the reference AttentionBackend's decode) with the kernels unbound. Prints a markdown table of median milliseconds per call.
 
 Decode attention runs at SmolLM2's 3 kv heads for each group size (query heads per kv head) and head dim
 asked for; a context "100-500" gives each sequence its own length, drawn uniformly from that range (the
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanovllm from this checkout
 
-from nanovllm.kernels.attention import DecodeBatch, decode_attention
+from nanovllm.kernels.attention import AttentionBackend, DecodeBatch
 from nanovllm.kernels.cpu_kernels import load_cpu_kernels
 from nanovllm.worker.layers.norm import RMSNorm
 from nanovllm.worker.layers.rotary import RotaryEmbedding, apply_rotary
@@ -103,12 +103,11 @@ def attention_case(
     caches = [(k_cache, v_cache)] + [(k_cache.clone(), v_cache.clone()) for _ in range(copies - 1)]
     torch_caches, kernel_caches = itertools.cycle(caches), itertools.cycle(caches)
     tables = torch.randperm(num_blocks, generator=gen).view(rows, width)
-    mask = (torch.arange(width * BLOCK) < lens[:, None])[:, None, None, :]
     q, scale = randn(rows, group * KV_HEADS, head_dim), head_dim**-0.5
-    batch = DecodeBatch(tables, lens, mask)
+    batch, reference = DecodeBatch(tables, lens, BLOCK), AttentionBackend()
     return (
         f"decode attention, context {context}, group {group}, head_dim {head_dim}",
-        lambda: decode_attention(q, *next(torch_caches), batch, scale),
+        lambda: reference.decode(q, *next(torch_caches), batch, scale),
         lambda: kernels.paged_decode_attention(q, *next(kernel_caches), tables, lens, scale),
         lambda: None,
     )

@@ -152,6 +152,7 @@ class ModelConfig:
 
 
 DEFAULT_CPU_KV_CACHE = "2GiB"
+ATTENTION_BACKENDS = ("auto", "torch", "cpu_kernel", "triton", "flash_attn")
 
 
 @dataclass
@@ -173,7 +174,8 @@ class EngineConfig:
     enforce_eager: bool = True
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
-    # "auto": the C++ decode-attention kernel on CPU when it builds, else PyTorch; "torch"; "cpu_kernel".
+    # "auto" (the fastest the device runs), "torch", "cpu_kernel", "triton" or "flash_attn": see
+    # kernels/backends.py.
     attention_backend: str = "auto"
     seed: int = 0
     hf_config: ModelConfig | None = field(default=None, repr=False)
@@ -192,9 +194,9 @@ class EngineConfig:
                 f"dtype {self.dtype!r} is not supported on device {self.device!r}: "
                 f"use auto, float32, bfloat16 or float16"
             )
-        if self.attention_backend not in ("auto", "torch", "cpu_kernel"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
-                f"attention_backend must be auto, torch or cpu_kernel, got {self.attention_backend!r}"
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
             )
         if self.hf_config is None:
             self.hf_config = ModelConfig.from_pretrained_dir(self.model)

@@ -1,5 +1,14 @@
 from __future__ import annotations
 
+import os
+
+import torch
+
+# Triton kernels run on a CPU only in Triton's interpreter, which must be on before any kernel is defined
+# (at the import of nanovllm.kernels.triton_attention); with a GPU the tests run the compiled kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path

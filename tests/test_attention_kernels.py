@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.kernels.attention import DecodeBatch, decode_attention
+from nanovllm.kernels.attention import AttentionBackend, DecodeBatch
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -18,11 +18,10 @@ def _decode_case(gen, dtype, context_lens, heads, kv_heads, head_dim, block_size
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     width = int(-(-context_lens.max() // block_size))
     tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in context_lens])
-    mask = (torch.arange(width * block_size) < context_lens[:, None])[:, None, None, :]
     query = torch.randn(len(context_lens), heads, head_dim, generator=gen).to(dtype)
     scale = head_dim**-0.5
-    batch_meta = DecodeBatch(tables, context_lens, mask)
-    ref = decode_attention(query.float(), k_cache.float(), v_cache.float(), batch_meta, scale)
+    batch_meta = DecodeBatch(tables, context_lens, block_size)
+    ref = AttentionBackend().decode(query.float(), k_cache.float(), v_cache.float(), batch_meta, scale)
     return (query, k_cache, v_cache, tables, context_lens, scale), ref
 
 
@@ -112,7 +111,7 @@ def _generate(model_dir, dtype: str, backend: str, prompts: list[list[int]]) -> 
         device="cpu",
     )
     attn = llm.engine.runner.model.attention_layers()[0]
-    assert (attn.decode_kernel is None) == (backend == "torch")
+    assert attn.backend.name == backend
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=5)
     return llm.generate(prompts, params, use_tqdm=False)
 

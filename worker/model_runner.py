@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from types import ModuleType
 
 import psutil
 import torch
@@ -14,8 +13,8 @@ from nanovllm.common.config import DEFAULT_CPU_KV_CACHE, EngineConfig, parse_mem
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
 from nanovllm.common.sampling_params import SamplingParams
-from nanovllm.kernels.attention import AttentionMetadata, DecodeBatch, FreshBatch, PrefillBatch
-from nanovllm.kernels.cpu_kernels import SUPPORTED_DTYPES, load_cpu_kernels
+from nanovllm.kernels.attention import AttentionMetadata, ChunkBatch, DecodeBatch
+from nanovllm.kernels.backends import CpuKernelAttention, select_attention_backend
 from nanovllm.worker.device import resolve_placement
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.loader import load_safetensors
@@ -119,7 +118,7 @@ class ModelRunner:
         generator = torch.Generator(self.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
         self.num_blocks = self._allocate_kv_cache()
-        self._bind_cpu_kernels()
+        self._bind_kernels()
 
     def _check_weights_fit(self) -> None:
         if self.device.type != "cpu":
@@ -133,28 +132,21 @@ class ModelRunner:
                 f"{available / 2**30:.2f} GiB of RAM is available"
             )
 
-    def _bind_cpu_kernels(self) -> None:
-        """Point every layer that has a C++ variant (attention, RMSNorm, RoPE, SwiGLU) at the kernels, or
-        leave them all on PyTorch."""
-        kernels = self._cpu_kernels()
-        self.kernel_backend = "torch" if kernels is None else "cpu_kernel"  # reported by the bench and logs
+    def _bind_kernels(self) -> None:
+        """Point every attention layer at the configured backend; with the C++ attention, the other
+        layers that have a C++ variant (RMSNorm, RoPE, SwiGLU) use the C++ kernels too."""
+        choice = select_attention_backend(
+            self.config.attention_backend, self.device, self.dtype, self.block_size
+        )
+        self.kernel_backend = choice.backend.name  # reported by the bench and logs
+        if self.tp.rank == 0:
+            log.info("attention_backend_selected", backend=self.kernel_backend, reason=choice.reason)
         for attn in self.model.attention_layers():
-            attn.decode_kernel = None if kernels is None else kernels.paged_decode_attention
+            attn.backend = choice.backend
+        kernels = choice.backend.kernels if isinstance(choice.backend, CpuKernelAttention) else None
         for module in self.model.modules():
             if hasattr(module, "cpu_kernels"):
                 module.cpu_kernels = kernels
-
-    def _cpu_kernels(self) -> ModuleType | None:
-        """The C++ kernels (decode attention, RMSNorm) when configured and buildable, else None."""
-        backend = self.config.attention_backend
-        if backend == "torch" or self.device.type != "cpu" or self.dtype not in SUPPORTED_DTYPES:
-            return None
-        kernels = load_cpu_kernels()
-        if kernels is None and backend == "cpu_kernel":
-            raise ConfigError(
-                "attention_backend='cpu_kernel' but the C++ CPU kernels failed to build (see log)"
-            )
-        return kernels
 
     def _kv_bytes_per_block(self) -> int:
         cfg = self.config.hf_config
@@ -324,18 +316,17 @@ class ModelRunner:
         else:
             logits_index = [last_row[s.seq.seq_id] for s in sched.scheduled if s.samples]
 
-        def chunk(item: ScheduledSequence, with_table: bool) -> SeqChunk:
+        def chunk(item: ScheduledSequence) -> SeqChunk:
             end = item.start + item.num_new_tokens
-            table = item.seq.block_table[: -(-end // bs)] if with_table else []
-            return SeqChunk(item.start, item.num_new_tokens, table)
+            return SeqChunk(item.start, item.num_new_tokens, item.seq.block_table[: -(-end // bs)])
 
         return StepInputs(
             input_ids=input_ids,
             positions=positions,
             slot_mapping=slots,
-            decodes=[chunk(s, True) for s in order[:nd]],
-            fresh=[chunk(s, False) for s in order[nd:] if s.start == 0],
-            cached=[chunk(s, True) for s in order[nd:] if s.start > 0],
+            decodes=[chunk(s) for s in order[:nd]],
+            fresh=[chunk(s) for s in order[nd:] if s.start == 0],
+            cached=[chunk(s) for s in order[nd:] if s.start > 0],
             logits_index=logits_index,
         )
 
@@ -345,8 +336,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=self._long(inputs.slot_mapping),
             decode=self._decode_batch(inputs.decodes) if inputs.decodes else None,
-            fresh=self._fresh_batch(inputs.fresh) if inputs.fresh else None,
-            cached=self._cached_batch(inputs.cached) if inputs.cached else None,
+            fresh=self._chunk_batch(inputs.fresh) if inputs.fresh else None,
+            cached=self._chunk_batch(inputs.cached) if inputs.cached else None,
         )
         return (
             self._long(inputs.input_ids),
@@ -355,39 +346,28 @@ class ModelRunner:
             self._long(inputs.logits_index),
         )
 
-    def _long(self, values: list[int]) -> torch.Tensor:
+    def _long(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def _decode_batch(self, chunks: list[SeqChunk]) -> DecodeBatch:
-        tables, context = self._block_tables(chunks)
-        context_lens = self._long([c.start + 1 for c in chunks])
-        mask = torch.arange(context, device=self.device) < context_lens[:, None]
-        return DecodeBatch(block_tables=tables, context_lens=context_lens, mask=mask[:, None, None, :])
-
-    def _fresh_batch(self, chunks: list[SeqChunk]) -> FreshBatch:
-        max_q = max(c.num_new_tokens for c in chunks)
-        q_lens = self._long([c.num_new_tokens for c in chunks])
-        token_index = (
-            (torch.arange(max_q, device=self.device) < q_lens[:, None]).flatten().nonzero().squeeze(1)
-        )
-        return FreshBatch(len(chunks), max_q, token_index)
-
-    def _cached_batch(self, chunks: list[SeqChunk]) -> PrefillBatch:
-        dev = self.device
-        fresh = self._fresh_batch(chunks)
-        block_tables, context = self._block_tables(chunks)
-        starts = self._long([c.start for c in chunks])
-        ends = self._long([c.start + c.num_new_tokens for c in chunks])
-        q_pos = starts[:, None] + torch.arange(fresh.max_query_len, device=dev)  # [P, max_q]
-        k_pos = torch.arange(context, device=dev)
-        # Padded query rows (past a chunk's end) still see valid keys, so no row is fully masked.
-        mask = (k_pos <= q_pos[:, :, None]) & (k_pos < ends[:, None, None])
-        return PrefillBatch(
-            fresh.num_seqs, fresh.max_query_len, fresh.token_index, block_tables, mask[:, None]
+        return DecodeBatch(
+            self._block_tables(chunks), self._long([c.start + 1 for c in chunks]), self.block_size
         )
 
-    def _block_tables(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, int]:
-        """Block tables padded to the longest, and the padded context length in tokens."""
+    def _chunk_batch(self, chunks: list[SeqChunk]) -> ChunkBatch:
+        query_start_loc = [0]
+        for c in chunks:
+            query_start_loc.append(query_start_loc[-1] + c.num_new_tokens)
+        return ChunkBatch(
+            query_start_loc=self._long(query_start_loc),
+            start_positions=self._long([c.start for c in chunks]),
+            block_tables=self._block_tables(chunks),
+            max_query_len=max(c.num_new_tokens for c in chunks),
+            num_tokens=query_start_loc[-1],
+            block_size=self.block_size,
+        )
+
+    def _block_tables(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """Block tables padded with block 0 to the longest."""
         width = max(len(c.block_table) for c in chunks)
-        tables = [c.block_table + [0] * (width - len(c.block_table)) for c in chunks]
-        return torch.tensor(tables, dtype=torch.long, device=self.device), width * self.block_size
+        return self._long([c.block_table + [0] * (width - len(c.block_table)) for c in chunks])

@@ -14,7 +14,7 @@ class SeqChunk:
 
     start: int
     num_new_tokens: int
-    block_table: list[int]  # the blocks up to this chunk's end (empty for fresh prompts: no cache read)
+    block_table: list[int]  # the blocks up to this chunk's end
 
 
 @dataclass

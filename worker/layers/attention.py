@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanovllm.kernels.attention import AttentionMetadata, DecodeKernel, paged_attention, store_kvcache
+from nanovllm.kernels.attention import AttentionBackend, AttentionMetadata
 
 
 class Attention(nn.Module):
@@ -18,13 +18,14 @@ class Attention(nn.Module):
         # Bound by the model runner once the cache is allocated: [num_blocks, block_size, kv_heads, head_dim].
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
-        self.decode_kernel: DecodeKernel | None = None  # set by the model runner (e.g. the C++ CPU kernel)
+        # The reference until the model runner binds the configured one (after sizing the KV cache).
+        self.backend = AttentionBackend()
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q: [T, heads, D]; k, v: [T, kv_heads, D]. Returns [T, heads * D]."""
         if self.k_cache.numel():  # no cache yet while the runner measures the activation peak
-            store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.decode_kernel)
+            self.backend.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return out.flatten(1)
