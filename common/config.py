@@ -178,6 +178,9 @@ class EngineConfig:
     # kernels/backends.py.
     attention_backend: str = "auto"
     seed: int = 0
+    # CPU threads of the torch ops, shared by the tensor-parallel ranks; None: the CPUs this process may
+    # use (affinity mask and cgroup quota, see worker/device.py).
+    num_threads: int | None = None
     hf_config: ModelConfig | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -185,6 +188,10 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(
+                f"num_threads must be >= 1 (or None for the usable CPUs), got {self.num_threads}"
+            )
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

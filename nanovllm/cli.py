@@ -108,7 +108,17 @@ ENGINE_FLAGS = [
     ),
     Flag("--tensor-parallel-size", "ranks to shard the model over", int, 1),
     Flag("--no-prefix-caching", "turn off reuse of cached prompt prefixes", kind="switch", default=False),
-    Flag("--attention-backend", "auto, torch or cpu_kernel", default="auto"),
+    Flag(
+        "--attention-backend",
+        "auto (the fastest the device runs), torch, cpu_kernel, triton (CUDA) or flash_attn (CUDA)",
+        default="auto",
+    ),
+    Flag(
+        "--num-threads",
+        "CPU threads of the model's ops, shared by the tensor-parallel ranks; default: the CPUs this "
+        "process may use (its affinity mask, capped by its cgroup CPU limit)",
+        int,
+    ),
     Flag("--seed", "seed for requests that set none", int, 0),
     Flag("--max-queued-requests", "waiting requests beyond this get RESOURCE_EXHAUSTED", int, 1024),
 ]
@@ -194,6 +204,7 @@ def _engine_config(options: dict[str, Any]):
         enable_prefix_caching=not options["no_prefix_caching"],
         attention_backend=options["attention_backend"],
         seed=options["seed"],
+        num_threads=options["num_threads"],
     )
 
 

@@ -10,7 +10,13 @@ import torch
 
 from nanovllm import LLM
 from nanovllm.common.errors import ConfigError
-from nanovllm.worker.device import cpu_bf16_support, cpu_flags, resolve_placement
+from nanovllm.worker.device import (
+    cgroup_cpu_limit,
+    cpu_bf16_support,
+    cpu_flags,
+    resolve_placement,
+    usable_cpus,
+)
 from nanovllm.worker.model_runner import gpu_kv_cache_budget
 
 EPYC_FLAGS = "fpu vme avx2 avx512f avx512bw avx512_bf16 avx512_vnni"
@@ -108,3 +114,46 @@ def test_largest_step_runs_without_a_kv_cache(qwen3_dir: Path) -> None:
     for attn in runner.model.attention_layers():
         attn.k_cache = attn.v_cache = torch.empty(0)
     runner._run_largest_step()
+
+
+@pytest.mark.parametrize(
+    "files, limit",
+    [
+        ({"cpu.max": "max 100000\n"}, None),  # cgroup v2, no quota
+        ({"cpu.max": "150000 100000\n"}, 2),  # 1.5 CPUs: two threads, rounded up
+        ({"cpu.max": "100000 100000\n"}, 1),
+        ({"cpu/cpu.cfs_quota_us": "400000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 4),  # cgroup v1
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+        ({}, None),  # no cgroup files at all
+    ],
+)
+def test_cgroup_cpu_limit(tmp_path: Path, files: dict[str, str], limit: int | None) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cgroup_cpu_limit(tmp_path) == limit
+
+
+def test_usable_cpus_is_the_affinity_capped_by_the_quota(tmp_path: Path) -> None:
+    import os
+
+    affinity = len(os.sched_getaffinity(0))
+    assert usable_cpus(tmp_path) == affinity
+    (tmp_path / "cpu.max").write_text("100000 100000\n")
+    assert usable_cpus(tmp_path) == 1
+
+
+def test_engine_sets_its_thread_count(qwen3_dir: Path) -> None:
+    before = torch.get_num_threads()
+    try:
+        LLM(str(qwen3_dir), kv_cache_memory="4MiB", device="cpu", num_threads=1)
+        assert torch.get_num_threads() == 1
+        LLM(str(qwen3_dir), kv_cache_memory="4MiB", device="cpu")
+        assert torch.get_num_threads() == usable_cpus()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_bad_thread_count_is_named(qwen3_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="num_threads must be >= 1 .*got 0"):
+        LLM(str(qwen3_dir), kv_cache_memory="4MiB", device="cpu", num_threads=0)

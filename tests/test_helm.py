@@ -373,6 +373,12 @@ def test_drain_timeout_is_rendered_from_values(chart: helm_python.Chart) -> None
     assert pod_spec(objects, "router")["terminationGracePeriodSeconds"] == 5 + 60 + 15
 
 
+def test_worker_threads_follow_the_cpu_limit_unless_set(chart: helm_python.Chart) -> None:
+    """By default the worker finds its CPU limit itself (no NANOVLLM_NUM_THREADS); numThreads sets it."""
+    assert "NANOVLLM_NUM_THREADS" not in config(render(chart, {}), "worker")
+    assert config(render(chart, {"worker": {"numThreads": 3}}), "worker")["NANOVLLM_NUM_THREADS"] == "3"
+
+
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
 def test_probes_are_native_grpc_probes_on_the_grpc_port(name: str) -> None:
     objects = rendered(name)

@@ -9,6 +9,7 @@ assumed, everything is read off the machine.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,3 +120,27 @@ def _auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
     if native:
         return torch.bfloat16, f"auto: {evidence}"
     return torch.float32, f"auto: {evidence}, and emulated bf16 is slower than float32"
+
+
+def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """CPUs the process's cgroup quota allows (rounded up), or None without a quota. Reads cgroup v2's
+    cpu.max ("max 100000" or "200000 100000"), else v1's cpu.cfs_quota_us / cpu.cfs_period_us."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        try:
+            quota = (root / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (root / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    if quota in ("max", "-1") or int(period) <= 0:
+        return None
+    return max(1, -(-int(quota) // int(period)))
+
+
+def usable_cpus(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
+    """CPUs this process may actually run on: its affinity mask, capped by its cgroup's quota (a pod's CPU
+    limit). os.cpu_count() and torch's default see every core of the host instead."""
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    limit = cgroup_cpu_limit(cgroup_root)
+    return allowed if limit is None else min(allowed, limit)

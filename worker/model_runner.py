@@ -15,7 +15,7 @@ from nanovllm.common.logging import get_logger
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.kernels.attention import AttentionMetadata, ChunkBatch, DecodeBatch
 from nanovllm.kernels.backends import CpuKernelAttention, select_attention_backend
-from nanovllm.worker.device import resolve_placement
+from nanovllm.worker.device import resolve_placement, usable_cpus
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.loader import load_safetensors
 from nanovllm.worker.models.decoder import DecoderForCausalLM
@@ -105,6 +105,8 @@ class ModelRunner:
                 index = torch.cuda.current_device() if self.device.index is None else self.device.index
             self.device = torch.device("cuda", index)
             torch.cuda.set_device(self.device)
+        else:
+            self._set_cpu_threads()
         self.dtype = self.placement.dtype
         self.block_size = config.kvcache_block_size
         cfg = config.hf_config
@@ -119,6 +121,15 @@ class ModelRunner:
         self.sampler = Sampler(generator)
         self.num_blocks = self._allocate_kv_cache()
         self._bind_kernels()
+
+    def _set_cpu_threads(self) -> None:
+        """The ranks share the process's CPUs: more OpenMP threads than CPUs makes every op wait on the
+        slowest thread (two workers with all the host's cores each ran 40-60x slower)."""
+        total = self.config.num_threads or usable_cpus()
+        threads = max(1, total // self.tp.size)
+        torch.set_num_threads(threads)
+        if self.tp.rank == 0:
+            log.info("cpu_threads", threads_per_rank=threads, ranks=self.tp.size, usable_cpus=usable_cpus())
 
     def _check_weights_fit(self) -> None:
         if self.device.type != "cpu":

@@ -69,11 +69,6 @@ def _cpu_group() -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
 
 
-def _threads_per_rank(size: int) -> int:
-    """The ranks share this machine's cores; more OpenMP threads than cores makes every op wait."""
-    return max(1, (os.cpu_count() or 1) // size)
-
-
 class TensorParallelGroup:
     """Rank 0's handle on ranks 1..N-1."""
 
@@ -97,7 +92,6 @@ class TensorParallelGroup:
         for proc in self.procs:
             proc.start()
         self._wait_until_joined(store)
-        torch.set_num_threads(_threads_per_rank(size))
         dist.init_process_group(
             _backend(config), store=store, rank=0, world_size=size, timeout=COLLECTIVE_TIMEOUT
         )
@@ -161,7 +155,6 @@ def run_shard(config: EngineConfig, rank: int, port: int, parent_pid: int) -> No
     if os.getppid() != parent_pid:  # rank 0 died before the line above took effect
         os._exit(1)
     size = config.tensor_parallel_size
-    torch.set_num_threads(_threads_per_rank(size))
     store = dist.TCPStore(HOST, port, world_size=size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
     store.set(_joined_key(rank), "1")
     dist.init_process_group(
