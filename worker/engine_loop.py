@@ -91,7 +91,7 @@ class EngineLoop:
 
     def open_connection(self, deliver: Callable[[worker_pb2.StepOutputs], None]) -> Connection:
         conn = Connection(next(self._connection_ids), deliver)
-        self._commands.put(lambda: self._connections.add(conn))
+        self._commands.put(lambda: self._open(conn))
         return conn
 
     def close_connection(self, conn: Connection) -> None:
@@ -149,9 +149,17 @@ class EngineLoop:
             except queue.Empty:
                 return commands
 
+    def _open(self, conn: Connection) -> None:
+        self._connections.add(conn)
+        if self._draining:
+            conn.deliver(worker_pb2.StepOutputs(draining=True))
+
     def _start_draining(self) -> None:
+        """Tell every router at once, so none sends a request only to have it refused."""
         self._draining = True
         log.info("worker_draining", in_flight=len(self._owners))
+        for conn in self._connections:
+            conn.deliver(worker_pb2.StepOutputs(draining=True))
 
     def _submit(self, conn: Connection, submit: worker_pb2.Submit) -> None:
         if conn.closed:

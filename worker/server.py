@@ -34,6 +34,9 @@ TOKENIZER_FILES = (
 )
 
 
+MAX_ROUTER_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
 @dataclass
 class WorkerServerConfig:
     host: str = "0.0.0.0"
@@ -154,7 +157,12 @@ async def serve_worker(
     shut down.
     Returns the process exit code: 1 when the engine died (e.g. a tensor-parallel rank exited)."""
     service = WorkerService()
-    server = GrpcServer([worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name])
+    # A router forwards what it accepted (at most its own 4 MiB limit, then tokenized): the worker takes
+    # anything a router can legally send, so one large request never breaks a router's whole stream.
+    server = GrpcServer(
+        [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
+        max_receive_bytes=MAX_ROUTER_MESSAGE_BYTES,
+    )
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server.server)
     address = await server.start(config.host, config.port)
     metrics = WorkerMetrics()
