@@ -16,7 +16,7 @@ from nanovllm.common.serving import GrpcServer
 from nanovllm.router.metrics import RouterMetrics
 from nanovllm.router.text_stream import TextStream
 from nanovllm.router.tokenizer import ModelTokenizer, auto_tokenizer
-from nanovllm.router.validation import prompt_token_ids, validate_generate
+from nanovllm.router.validation import NoTokenizerError, prompt_token_ids, validate_generate
 from nanovllm.router.workers import WorkerLost, WorkerPool
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from nanovllm.worker.v1 import worker_pb2
@@ -58,9 +58,10 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
 
     async def _model(
         self, context: grpc.aio.ServicerContext, count_as_request: bool = False
-    ) -> tuple[ModelTokenizer, worker_pb2.WorkerInfo]:
-        """The tokenizer and worker info, or UNAVAILABLE before any worker has connected."""
-        if self.pool.tokenizer is None or self.pool.info is None:
+    ) -> tuple[ModelTokenizer | None, worker_pb2.WorkerInfo]:
+        """The tokenizer (None for a model without one) and worker info, or UNAVAILABLE before any worker
+        has connected."""
+        if self.pool.info is None:
             message = f"no worker has been reachable yet ({self.pool.addresses})"
             if count_as_request:
                 await self._reject(context, grpc.StatusCode.UNAVAILABLE, message)
@@ -93,6 +94,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         tokenizer, info = await self._model(context, count_as_request=True)
         try:
             valid = validate_generate(request, tokenizer, info)
+        except NoTokenizerError as exc:
+            await self._reject(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         worker = self.pool.pick()
@@ -102,7 +105,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             )
         request_id = request.request_id or uuid.uuid4().hex
         wire_id = uuid.uuid4().hex  # unique on the worker link whatever ids clients choose
-        stream = TextStream(tokenizer.backend, valid.stop)
+        stream = TextStream(tokenizer.backend if tokenizer else None, valid.stop)
         events = worker.submit(wire_id, valid.prompt_token_ids, valid.params, request.priority, request_id)
         in_flight = self.metrics.requests_in_flight.labels(worker=worker.address)
         in_flight.inc()
@@ -157,7 +160,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                 if stream.stopped:
                     finish = generate_pb2.FINISH_REASON_STOP  # a stop string (the worker may still run it)
                 response = generate_pb2.GenerateResponse(request_id=request_id, text=text)
-                if request.return_token_ids:
+                if request.return_token_ids or tokenizer is None:  # without a tokenizer, ids are all there is
                     response.token_ids.extend(event.new_token_ids)
                 _add_logprobs(response, event.logprobs)
                 if finish is not None:
@@ -190,9 +193,11 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     async def Tokenize(
         self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.TokenizeResponse:
-        tokenizer, _ = await self._model(context)
+        tokenizer, info = await self._model(context)
         try:
-            ids = prompt_token_ids(request, tokenizer)
+            ids = prompt_token_ids(request, tokenizer, info.model)
+        except NoTokenizerError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return generate_pb2.TokenizeResponse(token_ids=ids)

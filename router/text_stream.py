@@ -15,7 +15,8 @@ from tokenizers.decoders import DecodeStream
 
 
 class TextStream:
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, stop: Sequence[str] = ()) -> None:
+        """Without a tokenizer (a model that has none) no text comes out, and there are no stop strings."""
         self._tokenizer = tokenizer
         self._decoder = DecodeStream(skip_special_tokens=True)
         self._stop = [s for s in stop if s]
@@ -26,7 +27,7 @@ class TextStream:
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Feed new tokens; returns the text that is now safe to send (possibly empty)."""
-        if self.stopped:
+        if self.stopped or self._tokenizer is None:
             return ""
         for token_id in token_ids:
             self._token_ids.append(token_id)
@@ -43,7 +44,7 @@ class TextStream:
         """The request ended for another reason: send everything held back. A character left incomplete
         by the last token comes out as the full decode renders it (U+FFFD). The released text can still
         hold a stop string; it is cut there and `stopped` becomes True."""
-        if self.stopped:
+        if self.stopped or self._tokenizer is None:
             return ""
         full = self._tokenizer.decode(self._token_ids, skip_special_tokens=True)
         if full.startswith(self._decoded):

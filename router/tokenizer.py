@@ -26,10 +26,15 @@ def auto_tokenizer() -> type[AutoTokenizer]:
     return AutoTokenizer
 
 
+def has_tokenizer(info: worker_pb2.WorkerInfo) -> bool:
+    """Whether the worker sent a tokenizer: a converted or custom model may come without one and take
+    prompt token ids only."""
+    return "tokenizer.json" in info.tokenizer_files or "tokenizer.model" in info.tokenizer_files
+
+
 class ModelTokenizer:
     def __init__(self, info: worker_pb2.WorkerInfo) -> None:
-        if "tokenizer.json" not in info.tokenizer_files and "tokenizer.model" not in info.tokenizer_files:
-            raise ValueError(f"worker for {info.model} sent no tokenizer files; the router cannot tokenize")
+        """The tokenizer a worker sent; see has_tokenizer."""
         with tempfile.TemporaryDirectory(prefix="nanovllm-tokenizer-") as tmp:
             for name, data in info.tokenizer_files.items():
                 (Path(tmp) / name).write_bytes(data)

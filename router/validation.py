@@ -1,5 +1,6 @@
 """Public requests (nanovllm.v1) checked and turned into engine terms: prompt token ids and
-SamplingParams. Every failure is a ValueError whose message names the field and the numbers."""
+SamplingParams. Every failure is a ValueError whose message names the field and the numbers, or a
+NoTokenizerError for what needs a tokenizer the model does not have."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ from nanovllm.worker.v1 import worker_pb2
 MAX_STOP_STRINGS = 16
 
 
+class NoTokenizerError(Exception):
+    """The request needs the model's tokenizer (a text or chat prompt, stop strings) and it has none."""
+
+
 @dataclass(frozen=True)
 class ValidRequest:
     prompt_token_ids: list[int]
@@ -22,24 +27,28 @@ class ValidRequest:
 
 def prompt_token_ids(
     request: generate_pb2.GenerateRequest | generate_pb2.TokenizeRequest,
-    tokenizer: ModelTokenizer,
+    tokenizer: ModelTokenizer | None,
+    model: str,
 ) -> list[int]:
+    """The prompt's token ids; `tokenizer` is None for a model without one (`model` names it)."""
     kind = request.WhichOneof("prompt")
-    if kind == "text":
-        return tokenizer.encode(request.text)
-    if kind == "chat":
-        if not request.chat.messages:
-            raise ValueError("chat.messages is empty; a chat needs at least one message")
-        return tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
     if kind == "token_ids":
         return list(request.token_ids.ids)
-    raise ValueError("prompt is not set: give one of text, chat or token_ids")
+    if kind is None:
+        raise ValueError("prompt is not set: give one of text, chat or token_ids")
+    if tokenizer is None:
+        raise NoTokenizerError(f"model {model} has no tokenizer: send prompt token ids")
+    if kind == "text":
+        return tokenizer.encode(request.text)
+    if not request.chat.messages:
+        raise ValueError("chat.messages is empty; a chat needs at least one message")
+    return tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
 
 
 def validate_generate(
-    request: generate_pb2.GenerateRequest, tokenizer: ModelTokenizer, info: worker_pb2.WorkerInfo
+    request: generate_pb2.GenerateRequest, tokenizer: ModelTokenizer | None, info: worker_pb2.WorkerInfo
 ) -> ValidRequest:
-    ids = prompt_token_ids(request, tokenizer)
+    ids = prompt_token_ids(request, tokenizer, info.model)
     n, limit = len(ids), info.max_model_len
     if n == 0:
         raise ValueError("the prompt has no tokens; it needs at least one")
@@ -62,6 +71,10 @@ def validate_generate(
     empty = next((i for i, text in enumerate(stop) if not text), None)
     if empty is not None:
         raise ValueError(f"sampling.stop[{empty}] is empty; stop strings need at least one character")
+    if stop and tokenizer is None:
+        raise NoTokenizerError(
+            f"model {info.model} has no tokenizer: sampling.stop needs one; use stop_token_ids"
+        )
     params = SamplingParams(
         temperature=s.temperature if s.HasField("temperature") else 1.0,
         top_k=s.top_k,

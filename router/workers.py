@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from nanovllm.common.logging import get_logger
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.common.wire import sampling_to_wire
-from nanovllm.router.tokenizer import ModelTokenizer
+from nanovllm.router.tokenizer import ModelTokenizer, has_tokenizer
 from nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
 
 log = get_logger(__name__)
@@ -126,8 +126,8 @@ class WorkerConnection:
             except grpc.aio.AioRpcError as exc:
                 reason = f"{exc.code().name}: {exc.details()}"
             except Exception as exc:  # e.g. unusable tokenizer files: log it, keep retrying
-                log.exception("worker_connection_failed", worker=self.address)
                 reason = f"{type(exc).__name__}: {exc}"
+                log.exception("worker_connection_failed", worker=self.address, reason=reason)
             if self.connected or self._requests:
                 log.warning("worker_lost", worker=self.address, reason=reason, in_flight=len(self._requests))
             self._disconnect(reason, on_change)
@@ -177,7 +177,7 @@ class WorkerConnection:
 
 class WorkerPool:
     """All workers of one router. They must serve the same model: the first one to connect sets it, and
-    its tokenizer files become the router's tokenizer."""
+    its tokenizer files become the router's tokenizer (None for a model without one)."""
 
     def __init__(self, addresses: list[str], on_change: Callable[[bool], None]) -> None:
         """on_change(serving) is called whenever the set of connected workers changes."""
@@ -212,7 +212,15 @@ class WorkerPool:
     async def _prepare(self, info: worker_pb2.WorkerInfo) -> bool:
         async with self._tokenizer_lock:
             if self.info is None:
-                self.tokenizer = await asyncio.to_thread(ModelTokenizer, info)
+                if has_tokenizer(info):
+                    self.tokenizer = await asyncio.to_thread(ModelTokenizer, info)
+                else:
+                    log.warning(
+                        "model_has_no_tokenizer",
+                        model=info.model,
+                        detail="only prompt token ids are served: text, chat and stop strings get "
+                        "FAILED_PRECONDITION, responses carry token ids and no text",
+                    )
                 self.info = info
                 return True
         if info.model != self.info.model or info.tokenizer_files != self.info.tokenizer_files:

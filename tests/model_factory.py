@@ -65,8 +65,10 @@ def build_model(
     seed: int = 0,
     max_position: int = 1024,
     max_shard_size: str | None = None,
+    tokenizer: bool = True,
 ) -> Path:
-    """Save a random `arch` model ("qwen3", "llama", "qwen2") with a tokenizer into out_dir."""
+    """Save a random `arch` model ("qwen3", "llama", "qwen2") into out_dir, with a tokenizer unless
+    tokenizer=False (as a converted or custom model may come: it takes prompt token ids only)."""
     config_cls, extra = _CONFIGS[arch]
     config = config_cls(
         vocab_size=VOCAB,
@@ -97,5 +99,6 @@ def build_model(
             model.lm_head.weight.mul_(4.0)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
-    build_tokenizer().save_pretrained(out_dir)
+    if tokenizer:
+        build_tokenizer().save_pretrained(out_dir)
     return out_dir

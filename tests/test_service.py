@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,8 +27,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from nanovllm import LLM, SamplingParams
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
-from tests.model_factory import build_tokenizer
-from tests.services import start, start_router, start_worker, wait_serving
+from tests.model_factory import build_model, build_tokenizer
+from tests.services import START_TIMEOUT_S, start, start_router, start_worker, wait_serving
 
 LONG = generate_pb2.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 CALL_TIMEOUT_S = 120.0  # a hang shows up as DEADLINE_EXCEEDED rather than a stuck suite
@@ -438,9 +439,82 @@ def test_router_connects_to_a_serving_worker_at_its_first_try(service, logs) -> 
         wait_serving(router.address)
     finally:
         assert router.stop() == 0
-    records = [json.loads(line) for line in (logs / "router.log").read_text().splitlines()]
+    records = log_records(logs / "router.log")
     assert [r for r in records if r["level"] != "info"] == []
     assert [r["event"] for r in records].count("worker_connected") == 1
+
+
+def log_records(path: Path) -> list[dict]:
+    """The records of a server's JSON log, up to its last complete line."""
+    return [json.loads(line) for line in path.read_text().splitlines(keepends=True) if line.endswith("\n")]
+
+
+def test_model_without_tokenizer_serves_token_ids(qwen3_dir: Path, offline, kernels, logs) -> None:
+    """A model directory without tokenizer files (a converted or custom model): the router serves token-id
+    prompts, with token ids and no text in the responses, and refuses what needs a tokenizer (text, chat,
+    stop strings, Tokenize) with FAILED_PRECONDITION naming it; its log says so once, as a warning."""
+    model = build_model("qwen3", logs / "no-tokenizer", seed=1, tokenizer=False)  # qwen3_dir's weights
+    assert {p.name for p in model.iterdir()} == {"config.json", "generation_config.json", "model.safetensors"}
+    worker = start_worker(model, log_path=logs / "worker.log")
+    router = start_router([worker.address], log_path=logs / "router.log")
+    try:
+        wait_serving(router.address)
+        prompt = [5, 17, 42, 99]
+        sampling = generate_pb2.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        request = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt), sampling=sampling)
+        responses, error = collect(router.address, request)
+        assert error is None
+        expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[
+            0
+        ]
+        assert ids_of(responses) == expected["token_ids"]
+        assert text_of(responses) == ""
+        assert responses[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
+        chat = generate_pb2.Chat(messages=[generate_pb2.ChatMessage(role="user", content="hi")])
+        refused = [
+            generate_pb2.GenerateRequest(text="hi"),
+            generate_pb2.GenerateRequest(chat=chat),
+            generate_pb2.GenerateRequest(
+                token_ids=generate_pb2.TokenIds(ids=prompt), sampling=generate_pb2.SamplingParams(stop=["x"])
+            ),
+        ]
+        for request in refused:
+            responses, error = collect(router.address, request)
+            assert responses == [] and error.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert f"model {model} has no tokenizer: " in error.details()
+        with grpc.insecure_channel(router.address) as channel, pytest.raises(grpc.RpcError) as tokenize:
+            generate_pb2_grpc.GenerationStub(channel).Tokenize(generate_pb2.TokenizeRequest(text="hi"))
+        assert tokenize.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert tokenize.value.details() == f"model {model} has no tokenizer: send prompt token ids"
+    finally:
+        router.stop()
+        worker.stop()
+    problems = [r for r in log_records(logs / "router.log") if r["level"] != "info"]
+    assert [(r["level"], r["event"], r["model"]) for r in problems] == [
+        ("warning", "model_has_no_tokenizer", str(model))
+    ]
+
+
+def test_unusable_tokenizer_is_logged_with_its_reason(qwen3_dir: Path, kernels, logs) -> None:
+    """Tokenizer files the router cannot load: worker_connection_failed says why, as a reason (the
+    exception's type and message) and as the exception itself."""
+    model = shutil.copytree(qwen3_dir, logs / "bad-tokenizer")
+    (model / "tokenizer.json").write_text("{not json")
+    worker = start_worker(model, log_path=logs / "worker.log")
+    router = start_router([worker.address], log_path=logs / "router.log")
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not (failed := [r for r in log_records(logs / "router.log") if r["level"] == "error"]):
+            assert time.monotonic() < deadline, "the router logged no error"
+            time.sleep(0.05)
+    finally:
+        router.stop()
+        worker.stop()
+    record = failed[0]
+    assert record["event"] == "worker_connection_failed" and record["worker"] == worker.address
+    (exception,) = record["exception"]
+    assert record["reason"] == f"{exception['exc_type']}: {exception['exc_value']}"
+    assert exception["exc_type"] == "JSONDecodeError", exception
 
 
 def test_least_loaded_worker_is_picked(own_worker, logs) -> None:

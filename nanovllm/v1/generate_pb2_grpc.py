@@ -59,15 +59,17 @@ class GenerationServicer:
     def Generate(self, request, context):
         """Streams one response per engine step that produced text for this request. The last response carries
         finish_reason and usage. Errors before the first token come back as gRPC status codes:
-        INVALID_ARGUMENT (a field is out of range; the message names it), UNAVAILABLE (no worker reachable,
-        or the worker died while serving this request), RESOURCE_EXHAUSTED (the worker's queue is full).
+        INVALID_ARGUMENT (a field is out of range; the message names it), FAILED_PRECONDITION (text, chat or
+        stop strings for a model served without a tokenizer: send token_ids), UNAVAILABLE (no worker
+        reachable, or the worker died while serving this request), RESOURCE_EXHAUSTED (the worker's queue is
+        full).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
-        """Token ids of a prompt exactly as Generate would see it.
+        """Token ids of a prompt exactly as Generate would see it (FAILED_PRECONDITION without a tokenizer).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
