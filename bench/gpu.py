@@ -1,0 +1,444 @@
+"""GPU benchmark: nano-vllm's bench.py workload on a Qwen3-0.6B-shaped model, nanovllm vs transformers.
+
+What it measures, in one process on one random-weight bf16 checkpoint (ignore_eos everywhere, so the
+weights do not change the work; a random model of a shape costs what the real one costs):
+
+  1. throughput  nano-vllm's bench.py exactly: random.seed(0), 256 requests, prompts of randint(100, 1024)
+                 random token ids in [0, 10000], max_tokens randint(100, 1024), temperature 0.6,
+                 ignore_eos (133,966 output tokens), timed over one LLM.generate after a warm-up;
+  2. GPU busy    in decode: the engine is driven step by step over the same requests until every prompt
+                 is prefilled, then a window of decode-only steps runs under torch.profiler (CUDA
+                 activity only); busy = union of the GPU kernel intervals / wall time of the window;
+  3. vs HF       transformers' static `generate` (left-padded batches, each run to its longest request,
+                 only the tokens each request asked for counted) on the first 64 requests, against
+                 nanovllm's LLM.generate on the same 64 requests; both in nanovllm's dtype;
+  4. one stream  prompt 128, 256 new tokens, greedy: decode tok/s of both (prefill not timed).
+
+Prefix caching is off: the workload shares no prefixes (no hits either way), and steps 2-4 repeat its
+prompts, which must not be served from the cache. The KV cache is sized to hold the whole workload, so
+nothing is preempted and the rest of the GPU is left to transformers.
+
+On the GPU machine (CUDA torch in .venv; no network needed):
+
+    .venv/bin/python bench/gpu.py                        # Qwen3-0.6B shape, random weights
+    .venv/bin/python bench/gpu.py --model /path/to/Qwen3-0.6B --attention-backend triton
+
+CPU smoke test (tiny sizes; GPU busy is reported as n/a):
+
+    .venv/bin/python bench/gpu.py --device cpu --tiny --layers 2 --num-seqs 4 --max-input-len 64 \\
+        --max-output-len 16 --profile-steps 4 --single-prompt 16 --single-new-tokens 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import importlib.metadata
+import math
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench.*` when run as a script
+
+import transformers
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from bench.models import SHAPES
+from bench.throughput import load_hf, machine_description, nanovllm_single_stream
+from nanovllm import LLM, SamplingParams
+from nanovllm.common.config import ATTENTION_BACKENDS, ModelConfig
+from nanovllm.worker.device import DTYPES, resolve_placement
+
+DEFAULT_SIZES = (256, 1024, 1024, 100)  # num_seqs, max_input_len, max_output_len, min_len: bench.py's
+DEFAULT_OUTPUT_TOKENS = 133_966  # what bench.py's draws give for those sizes
+TINY = {
+    "hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "intermediate_size": 256,
+    "vocab_size": 10240,
+}  # vocab must exceed bench.py's token ids (<= 10000)
+
+
+# --------------------------------------------------------------------------------------------------
+# Workload and model
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(p.max_tokens for p in self.params)
+
+    def head(self, n: int) -> Workload:
+        return Workload(self.prompts[:n], self.params[:n])
+
+
+def make_workload(num_seqs: int, max_input_len: int, max_output_len: int, min_len: int) -> Workload:
+    """nano-vllm's bench.py draws, in its order, from the global RNG seeded with 0."""
+    random.seed(0)
+    lo_in, lo_out = min(min_len, max_input_len), min(min_len, max_output_len)
+    prompts = [
+        [random.randint(0, 10000) for _ in range(random.randint(lo_in, max_input_len))]
+        for _ in range(num_seqs)
+    ]
+    params = [
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(lo_out, max_output_len))
+        for _ in range(num_seqs)
+    ]
+    return Workload(prompts, params)
+
+
+def build_model(out_dir: Path, layers: int | None, tiny: bool) -> Path:
+    """Qwen3-0.6B's shape (bench/models.py) with seeded random weights, saved by transformers in bf16."""
+    config_cls, shape = SHAPES["qwen3-0.6b"]
+    shape = {**shape, **(TINY if tiny else {}), **({"num_hidden_layers": layers} if layers else {})}
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config_cls(**shape), dtype=torch.bfloat16).save_pretrained(out_dir)
+    return out_dir
+
+
+def kv_cache_bytes(cfg: ModelConfig, workload: Workload, dtype: torch.dtype, block: int = 16) -> int:
+    """KV cache for every request of the workload at once (a spare block each, 10% more), and at least
+    two sequences of max_model_len 4096."""
+    lens = [len(p) + s.max_tokens for p, s in zip(workload.prompts, workload.params)]
+    blocks = max(sum(math.ceil(n / block) + 1 for n in lens), 2 * 4096 // block)
+    return int(
+        1.1
+        * blocks
+        * 2
+        * cfg.num_hidden_layers
+        * block
+        * cfg.num_key_value_heads
+        * cfg.head_dim
+        * dtype.itemsize
+    )
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --------------------------------------------------------------------------------------------------
+# nanovllm
+
+
+def build_llm(args: argparse.Namespace, model_dir: Path, workload: Workload, dtype: torch.dtype) -> LLM:
+    """nano-vllm bench.py's LLM(...) (max_model_len 4096, nano-vllm's batch limits), warmed up."""
+    llm = LLM(
+        str(model_dir),
+        max_model_len=4096,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=kv_cache_bytes(ModelConfig.from_pretrained_dir(model_dir), workload, dtype),
+        enable_prefix_caching=False,
+        device=args.device,
+        dtype=args.dtype,
+        enforce_eager=args.enforce_eager,
+        attention_backend=args.attention_backend,
+    )
+    # Prefill lengths 16..816, sampled decode at batch 8 down to 1, one greedy request.
+    rng = random.Random(1234)
+    warm = [[rng.randint(0, 10000) for _ in range(16 + 100 * i)] for i in range(9)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=8 * (i + 1)) for i in range(8)]
+    params.append(SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8))
+    llm.generate(warm, params, use_tqdm=False)
+    return llm
+
+
+def timed_generate(llm: LLM, workload: Workload, device: torch.device) -> float:
+    """Output tok/s of one LLM.generate over the workload; checks every request got its max_tokens."""
+    sync(device)
+    t0 = time.perf_counter()
+    outputs = llm.generate(workload.prompts, workload.params, use_tqdm=False)
+    sync(device)
+    wall = time.perf_counter() - t0
+    if [len(o["token_ids"]) for o in outputs] != [p.max_tokens for p in workload.params]:
+        raise RuntimeError("nanovllm generated a different number of tokens than requested")
+    return workload.output_tokens / wall
+
+
+@dataclass
+class DecodeWindow:
+    steps: int
+    mean_batch: float
+    wall_s: float  # the unprofiled window
+    profiled_steps: int = 0
+    profiled_wall_s: float = 0.0
+    kernels: int = 0
+    kernel_s: float | None = None  # union of the kernels' intervals
+    copy_s: float = 0.0  # union of the memcpy/memset intervals
+
+    @property
+    def busy(self) -> str:
+        if self.kernel_s is None or not self.profiled_wall_s:
+            return "n/a (no GPU)"
+        return f"{self.kernel_s / self.profiled_wall_s:.1%}"
+
+
+def union_s(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals in microseconds, in seconds."""
+    total, end = 0.0, -math.inf
+    for s, e in sorted(intervals):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total / 1e6
+
+
+def run_decode_steps(llm: LLM, n: int, device: torch.device) -> tuple[int, int, float]:
+    """Up to n decode-only steps (fewer if requests run out): (steps, decode tokens, wall seconds)."""
+    engine = llm.engine
+    steps = tokens = 0
+    sync(device)
+    t0 = time.perf_counter()
+    while steps < n and engine.has_unfinished_requests():
+        engine.step()
+        if engine.last_step.num_prefill_tokens:
+            raise RuntimeError("a prefill step ran inside the decode window")
+        steps, tokens = steps + 1, tokens + engine.last_step.num_decode_tokens
+    sync(device)
+    return steps, tokens, time.perf_counter() - t0
+
+
+def decode_window(llm: LLM, workload: Workload, n: int, device: torch.device) -> DecodeWindow:
+    """Prefill the whole workload step by step, then time n decode-only steps and, on CUDA, profile
+    the next n: the first window warms the profiled one up and shows what the profiler costs."""
+    engine = llm.engine
+    ids = [f"window-{i}" for i in range(len(workload.prompts))]
+    for rid, prompt, params in zip(ids, workload.prompts, workload.params):
+        engine.add_request(rid, prompt, params)
+    while engine.load().num_waiting or engine.last_step.num_prefill_tokens:
+        engine.step()
+    steps, tokens, wall = run_decode_steps(llm, n, device)
+    window = DecodeWindow(steps, tokens / max(steps, 1), wall)
+    if device.type == "cuda":
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            window.profiled_steps, _, window.profiled_wall_s = run_decode_steps(llm, n, device)
+        gpu = [
+            (e.name, e.time_range.start, e.time_range.end)
+            for e in prof.events()
+            if e.device_type == DeviceType.CUDA
+        ]
+        kernels = [(s, e) for name, s, e in gpu if not name.startswith(("Memcpy", "Memset"))]
+        window.kernels, window.kernel_s = len(kernels), union_s(kernels)
+        window.copy_s = union_s([(s, e) for name, s, e in gpu if name.startswith(("Memcpy", "Memset"))])
+    for rid in ids:
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return window
+
+
+# --------------------------------------------------------------------------------------------------
+# transformers
+
+
+def hf_generate(
+    model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, temperature: float
+) -> None:
+    """One left-padded `generate` on the model's device, exactly `new_tokens` steps for every row
+    (bench/throughput.py's hf_static_batch builds CPU tensors and samples greedily only)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    sampling = {"temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
+    config = GenerationConfig(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=0,
+        do_sample=bool(temperature),
+        **sampling,
+    )
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    sync(model.device)
+
+
+def hf_static(model: torch.nn.Module, workload: Workload, batch_size: int) -> tuple[float, str]:
+    """Requests sorted by max_tokens into equal-sized batches, each run to its longest; useful tok/s."""
+    hf_generate(model, workload.prompts[:2], 4, 0.6)  # warm-up
+    order = sorted(range(len(workload.prompts)), key=lambda i: workload.params[i].max_tokens)
+    num_batches = math.ceil(len(order) / batch_size)
+    batches = [
+        order[b * len(order) // num_batches : (b + 1) * len(order) // num_batches] for b in range(num_batches)
+    ]
+    run_tokens = 0
+    t0 = time.perf_counter()
+    for batch in batches:
+        longest = max(workload.params[i].max_tokens for i in batch)
+        hf_generate(model, [workload.prompts[i] for i in batch], longest, 0.6)
+        run_tokens += longest * len(batch)
+    wall = time.perf_counter() - t0
+    waste = 1 - workload.output_tokens / run_tokens
+    sizes = "/".join(str(len(b)) for b in batches)
+    return (
+        workload.output_tokens / wall,
+        f"batches of {sizes}, {waste:.0%} of generated tokens past a request's max_tokens",
+    )
+
+
+def hf_single_stream(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> float:
+    """Greedy decode tok/s for one request: N / (t(1 + N tokens) - t(1 token)), as bench/throughput.py."""
+    hf_generate(model, [prompt], 4, 0.0)  # warm-up
+    t0 = time.perf_counter()
+    hf_generate(model, [prompt], 1, 0.0)
+    t1 = time.perf_counter()
+    hf_generate(model, [prompt], new_tokens + 1, 0.0)
+    t2 = time.perf_counter()
+    return new_tokens / ((t2 - t1) - (t1 - t0))
+
+
+# --------------------------------------------------------------------------------------------------
+# Main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, help="a Hugging Face model dir (default: random Qwen3-0.6B shape)")
+    p.add_argument("--layers", type=int, help="layer count of the random model (default 28)")
+    p.add_argument(
+        "--tiny", action="store_true", help="random model with hidden 128, vocab 10240 (CPU smoke)"
+    )
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="nanovllm's and transformers'")
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    p.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="default: off on CUDA (as bench.py), on on CPU",
+    )
+    p.add_argument("--num-seqs", type=int, default=DEFAULT_SIZES[0])
+    p.add_argument("--max-input-len", type=int, default=DEFAULT_SIZES[1])
+    p.add_argument("--max-output-len", type=int, default=DEFAULT_SIZES[2])
+    p.add_argument(
+        "--min-len", type=int, default=DEFAULT_SIZES[3], help="lower bound of both (capped at the max)"
+    )
+    p.add_argument("--max-num-seqs", type=int, default=512, help="nano-vllm's default")
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="nano-vllm's default")
+    p.add_argument("--profile-steps", type=int, default=32, help="decode steps per window")
+    p.add_argument(
+        "--hf-num-seqs", type=int, default=64, help="first N requests for the transformers comparison"
+    )
+    p.add_argument("--hf-batch-size", type=int, default=64)
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--single-prompt", type=int, default=128)
+    p.add_argument("--single-new-tokens", type=int, default=256)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    placement = resolve_placement(args.device, args.dtype)
+    device, dtype = placement.device, placement.dtype
+    if args.enforce_eager is None:
+        args.enforce_eager = device.type != "cuda"
+    sizes = (args.num_seqs, args.max_input_len, args.max_output_len, args.min_len)
+    workload = make_workload(*sizes)
+    print(
+        f"workload: {args.num_seqs} requests, {sum(map(len, workload.prompts)):,} prompt tokens, "
+        f"total output tokens {workload.output_tokens:,}"
+    )
+    if sizes == DEFAULT_SIZES:
+        assert workload.output_tokens == DEFAULT_OUTPUT_TOKENS, "not nano-vllm bench.py's workload"
+    hf_subset = workload.head(args.hf_num_seqs)
+    rng = random.Random(1)
+    single_prompt = [rng.randint(0, 10000) for _ in range(args.single_prompt)]
+
+    with tempfile.TemporaryDirectory(prefix="nanovllm-gpu-bench-") as tmp:
+        model_dir = args.model or build_model(Path(tmp), args.layers, args.tiny)
+        cfg = ModelConfig.from_pretrained_dir(model_dir)
+        model_desc = f"{args.model or 'random Qwen3-0.6B shape' + (' (tiny)' if args.tiny else '')}: " + (
+            f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}"
+        )
+        print(f"model: {model_desc}")
+
+        llm = build_llm(args, model_dir, workload, dtype)
+        backend = llm.engine.runner.kernel_backend
+        print(
+            f"nanovllm: {placement.dtype_name} on {device}, attention backend {backend}, "
+            f"enforce_eager {args.enforce_eager}"
+        )
+        tps = timed_generate(llm, workload, device)
+        print(f"[1] nanovllm LLM.generate: {workload.output_tokens:,} output tokens, {tps:,.1f} tok/s")
+        window = decode_window(llm, workload, args.profile_steps, device)
+        ms_per_step = 1e3 * window.wall_s / max(window.steps, 1)
+        print(
+            f"[2] decode window: {window.steps} steps at mean batch {window.mean_batch:.0f}, "
+            f"{ms_per_step:.2f} ms/step; GPU busy (kernels / wall): {window.busy}"
+        )
+        if window.kernel_s is not None and window.profiled_steps:
+            steps, wall = window.profiled_steps, window.profiled_wall_s
+            print(
+                f"    profiled window: {steps} steps, {1e3 * wall / steps:.2f} ms/step, "
+                f"{window.kernels / steps:.0f} kernels/step; memcpy/memset busy {window.copy_s / wall:.1%}; "
+                f"kernel time per step / unprofiled ms/step {1e3 * window.kernel_s / steps / ms_per_step:.1%}"
+            )
+        nano_hf_tps = timed_generate(llm, hf_subset, device)
+        nano_single = nanovllm_single_stream(llm, single_prompt, args.single_new_tokens)
+        del llm
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+        hf_tps = hf_single = None
+        hf_note = "transformers skipped"
+        if not args.skip_hf:
+            model = load_hf(model_dir, dtype).to(device)
+            hf_tps, hf_note = hf_static(model, hf_subset, args.hf_batch_size)
+            hf_note += f"; attention {model.config._attn_implementation}"
+            hf_single = hf_single_stream(model, single_prompt, args.single_new_tokens)
+            del model
+
+    def ratio(nano: float, hf: float | None) -> str:
+        return f"{nano:,.1f} / {hf:,.1f} ({nano / hf:.2f}x)" if hf else f"{nano:,.1f} / n/a"
+
+    n = len(hf_subset.prompts)
+    print(
+        f"[3] first {n} requests ({hf_subset.output_tokens:,} output tokens, temperature 0.6, ignore_eos), "
+        f"{placement.dtype_name}, tok/s: nanovllm LLM.generate / transformers static generate (useful "
+        f"tokens): {ratio(nano_hf_tps, hf_tps)}\n    transformers: {hf_note}"
+    )
+    print(
+        f"[4] one stream, prompt {args.single_prompt}, {args.single_new_tokens} new tokens, greedy, decode "
+        f"only, tok/s: nanovllm / transformers: {ratio(nano_single, hf_single)}"
+    )
+
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else machine_description()
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = "not installed"
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"\nmodel: {model_desc}; {placement.dtype_name}; enforce_eager {args.enforce_eager}\n")
+    print(
+        f"| date | device | torch | triton | transformers | attention backend | {args.num_seqs} requests, "
+        f"tok/s | decode GPU busy ({window.steps} steps, batch {window.mean_batch:.0f}) "
+        f"| first {n} requests, tok/s: nanovllm / HF | one stream, tok/s: nanovllm / HF |"
+    )
+    print("|---|---|---|---|---|---|---:|---:|---:|---:|")
+    print(
+        f"| {date} | {device_name} | {torch.__version__} | {triton} | {transformers.__version__} | {backend} "
+        f"| {tps:,.1f} | {window.busy} | {ratio(nano_hf_tps, hf_tps)} | {ratio(nano_single, hf_single)} |"
+    )
+
+
+if __name__ == "__main__":
+    main()
