@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NamedTuple
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -26,9 +30,72 @@ KEEPALIVE_OPTIONS = [
 ]
 
 
+class _Unparsed(NamedTuple):
+    """A request message whose bytes did not parse, handed to the handler in place of the message."""
+
+    error: str
+
+
+class RejectUnparsable(grpc.aio.ServerInterceptor):
+    """Answers a request message that does not parse (invalid UTF-8 in a string field, truncated bytes)
+    with INVALID_ARGUMENT, where grpc itself answers UNKNOWN: each method's deserializer returns _Unparsed
+    instead of raising, and the method's handler, wrapped, aborts on it. For grpc.aio handlers (coroutines
+    and async generators)."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+        kind = "_".join(
+            "stream" if s else "unary" for s in (handler.request_streaming, handler.response_streaming)
+        )
+        behavior = getattr(handler, kind)
+
+        def lenient(raw: bytes) -> Any:
+            try:
+                return parse(raw)
+            except DecodeError as exc:
+                return _Unparsed(str(exc))
+
+        async def check(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Unparsed):
+                message = f"the request could not be parsed ({request.error})"
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+            return request
+
+        async def check_each(
+            requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Any]:
+            async for request in requests:
+                yield await check(request, context)
+
+        async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            return (
+                check_each(request, context) if handler.request_streaming else await check(request, context)
+            )
+
+        if inspect.isasyncgenfunction(behavior):
+
+            async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                async for response in behavior(await checked(request, context), context):
+                    yield response
+
+        else:  # a coroutine (a unary response, or one written with context.write)
+
+            async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                return await behavior(await checked(request, context), context)
+
+        return handler._replace(request_deserializer=lenient, **{kind: call})
+
+
 class GrpcServer:
-    """A grpc.aio server with the standard health service (NOT_SERVING until `set_serving(True)`) and
-    server reflection for the given service names."""
+    """A grpc.aio server with the standard health service (NOT_SERVING until `set_serving(True)`),
+    server reflection for the given service names, and INVALID_ARGUMENT for requests that do not parse."""
 
     def __init__(self, service_names: list[str], max_receive_bytes: int = 4 * 1024 * 1024) -> None:
         # Without SO_REUSEPORT (gRPC's default is on) a second server on a port in use fails to start
@@ -38,7 +105,7 @@ class GrpcServer:
             ("grpc.max_receive_message_length", max_receive_bytes),
             *KEEPALIVE_OPTIONS,
         ]
-        self.server = grpc.aio.server(options=options)
+        self.server = grpc.aio.server(options=options, interceptors=[RejectUnparsable()])
         self.health = health.aio.HealthServicer()
         self._service_names = service_names
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

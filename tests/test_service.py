@@ -252,6 +252,40 @@ def test_invalid_requests_name_the_field(service, request_kwargs, code, fragment
         assert fragment in error.details(), error.details()
 
 
+INVALID_UTF8 = b"\x0a\x03\xff\xfe\xfd"  # field 1 (a string, or a message), 3 bytes that are not UTF-8
+TRUNCATED = generate_pb2.GenerateRequest(text="The quick brown fox").SerializeToString()[:-3]
+
+
+@pytest.mark.parametrize("payload", [INVALID_UTF8, TRUNCATED], ids=["invalid-utf8", "truncated"])
+def test_unparsable_request_is_invalid_argument(service, payload: bytes) -> None:
+    """Bytes that do not parse as a GenerateRequest get INVALID_ARGUMENT saying so (grpc's own answer
+    would be UNKNOWN)."""
+    with grpc.insecure_channel(service.router.address) as channel:
+        generate = channel.unary_stream(
+            "/nanovllm.v1.Generation/Generate", response_deserializer=generate_pb2.GenerateResponse.FromString
+        )
+        with pytest.raises(grpc.RpcError) as error:
+            list(generate(payload, timeout=CALL_TIMEOUT_S))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the request could not be parsed" in error.value.details()
+
+
+def test_unparsable_router_message_ends_only_its_connection(service) -> None:
+    """A router's Connect stream carrying bytes that do not parse as a RouterMessage ends with
+    INVALID_ARGUMENT, and the worker goes on serving its other routers."""
+    with grpc.insecure_channel(service.worker.address) as channel:
+        connect = channel.stream_stream(
+            "/nanovllm.worker.v1.Worker/Connect", response_deserializer=worker_pb2.StepOutputs.FromString
+        )
+        with pytest.raises(grpc.RpcError) as error:
+            list(connect(iter([INVALID_UTF8]), timeout=CALL_TIMEOUT_S))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the request could not be parsed" in error.value.details()
+    responses, error = collect(service.router.address, greedy_request("still serving", 4))
+    assert error is None and responses[-1].usage.completion_tokens == 4
+    assert service.worker.proc.poll() is None
+
+
 def test_cancel_and_deadline_free_blocks(service) -> None:
     """A client that cancels, or whose deadline passes, gets its request aborted on the worker: nothing
     keeps running and every KV block comes back."""

@@ -103,6 +103,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         try:
             while (msg := await outbox.get()) is not None:
                 yield msg
+            await reader  # re-raises what ended the router's side, e.g. the abort of an unparsable message
         finally:
             reader.cancel()
             engine_loop.close_connection(conn)
