@@ -18,16 +18,18 @@ from grpc_reflection.v1alpha import reflection
 LIVENESS_SERVICE = "nanovllm.liveness"
 
 
-# HTTP/2 keepalive: the server pings each connection every 20 s and drops it when a ping goes unanswered
-# for 10 s, cancelling its calls, so a frozen or vanished peer (a stopped process still has its TCP
-# connection) does not hold requests and KV cache until TCP gives up. Clients may ping every 5 s.
-KEEPALIVE_OPTIONS = [
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ("grpc.http2.max_ping_strikes", 0),
-]
+def keepalive_options(time_s: float, timeout_s: float) -> list[tuple[str, int]]:
+    """HTTP/2 keepalive: the server pings each connection every `time_s` and drops it when a ping goes
+    unanswered for `timeout_s`, cancelling its calls, so a frozen or vanished peer (a stopped process still
+    has its TCP connection) does not hold requests and KV cache until TCP gives up. Clients may ping every
+    5 s."""
+    return [
+        ("grpc.keepalive_time_ms", int(time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_ping_strikes", 0),
+    ]
 
 
 class _Unparsed(NamedTuple):
@@ -97,13 +99,19 @@ class GrpcServer:
     """A grpc.aio server with the standard health service (NOT_SERVING until `set_serving(True)`),
     server reflection for the given service names, and INVALID_ARGUMENT for requests that do not parse."""
 
-    def __init__(self, service_names: list[str], max_receive_bytes: int = 4 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        service_names: list[str],
+        max_receive_bytes: int = 4 * 1024 * 1024,
+        keepalive_time_s: float = 20.0,
+        keepalive_timeout_s: float = 10.0,
+    ) -> None:
         # Without SO_REUSEPORT (gRPC's default is on) a second server on a port in use fails to start
         # instead of silently sharing the port with the first.
         options = [
             ("grpc.so_reuseport", 0),
             ("grpc.max_receive_message_length", max_receive_bytes),
-            *KEEPALIVE_OPTIONS,
+            *keepalive_options(keepalive_time_s, keepalive_timeout_s),
         ]
         self.server = grpc.aio.server(options=options, interceptors=[RejectUnparsable()])
         self.health = health.aio.HealthServicer()

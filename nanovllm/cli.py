@@ -136,6 +136,23 @@ ROUTER_FLAGS = [
     Flag("--port", "port to listen on (0 picks a free one)", int, 50051),
     Flag("--metrics-port", "port of the Prometheus /metrics endpoint (0 picks a free one)", int, 9090),
     Flag("--drain-timeout", "on SIGTERM, seconds streams in flight may take to finish", float, 30.0),
+    Flag("--max-attempts", "workers a request may be tried on before its first token", int, 3),
+    Flag(
+        "--stall-timeout",
+        "seconds a client may take no response before its stream is cut off and its request aborted",
+        float,
+        30.0,
+    ),
+    Flag("--keepalive-time", "seconds between HTTP/2 pings to each client connection", float, 20.0),
+    Flag(
+        "--keepalive-timeout", "seconds a ping may go unanswered before the connection is closed", float, 10.0
+    ),
+    Flag(
+        "--max-prompt-bytes",
+        "largest text or chat prompt accepted, in UTF-8 bytes, checked before tokenizing; default 16 bytes "
+        "per token of the model's max_model_len",
+        int,
+    ),
     *LOG_FLAGS,
 ]
 SERVE_FLAGS = [
@@ -234,6 +251,7 @@ def run_worker(options: dict[str, Any]) -> int:
 def run_router(options: dict[str, Any]) -> int:
     from nanovllm.common.serving import stop_event_on_signals
     from nanovllm.router.server import RouterConfig, serve_router
+    from nanovllm.router.validation import RequestLimits
 
     _configure_logging(options)
     config = RouterConfig(
@@ -242,6 +260,11 @@ def run_router(options: dict[str, Any]) -> int:
         port=options["port"],
         metrics_port=options["metrics_port"],
         drain_timeout_s=options["drain_timeout"],
+        limits=RequestLimits(max_prompt_bytes=options["max_prompt_bytes"]),
+        max_attempts=options["max_attempts"],
+        stall_timeout_s=options["stall_timeout"],
+        keepalive_time_s=options["keepalive_time"],
+        keepalive_timeout_s=options["keepalive_timeout"],
     )
 
     async def main() -> None:

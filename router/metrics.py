@@ -13,7 +13,7 @@ class RouterMetrics:
         self.requests = Counter(
             "nanovllm:requests",
             "Generate calls by outcome: stop, length, cancelled, error (finish reasons), or the gRPC status "
-            "of a failed call (invalid_argument, unavailable, resource_exhausted, internal, client_cancelled)",
+            "of a failed call (invalid_argument, unavailable, resource_exhausted, internal, client_cancelled, stalled)",
             ["status"],
             registry=self.registry,
         )
@@ -33,6 +33,13 @@ class RouterMetrics:
             "nanovllm:e2e_request_latency_seconds",
             "Time from receiving a Generate call to its last response",
             buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.retries = Counter(
+            "nanovllm:request_retries",
+            "Requests moved to another worker before their first token, by why: worker_lost, "
+            "worker_unavailable (draining), worker_full (its queue)",
+            ["reason"],
             registry=self.registry,
         )
         self.requests_in_flight = Gauge(

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import NoReturn, TypeVar
 
 import grpc
 
@@ -16,8 +19,16 @@ from nanovllm.common.serving import GrpcServer
 from nanovllm.router.metrics import RouterMetrics
 from nanovllm.router.text_stream import TextStream
 from nanovllm.router.tokenizer import ModelTokenizer, auto_tokenizer
-from nanovllm.router.validation import NoTokenizerError, prompt_token_ids, validate_generate
-from nanovllm.router.workers import WorkerLost, WorkerPool
+from nanovllm.router.validation import (
+    NoTokenizerError,
+    RequestLimits,
+    ValidRequest,
+    check_prompt_size,
+    check_request,
+    prompt_token_ids,
+    validate_generate,
+)
+from nanovllm.router.workers import RequestEvent, WorkerConnection, WorkerLost, WorkerPool
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from nanovllm.worker.v1 import worker_pb2
 
@@ -28,6 +39,13 @@ _FINISH_REASONS = {
     worker_pb2.FINISH_REASON_LENGTH: generate_pb2.FINISH_REASON_LENGTH,
     worker_pb2.FINISH_REASON_ABORT: generate_pb2.FINISH_REASON_CANCELLED,
 }
+# Worker errors another worker may not have: draining, its queue full.
+_RETRYABLE = {
+    worker_pb2.ERROR_CODE_UNAVAILABLE: "worker_unavailable",
+    worker_pb2.ERROR_CODE_RESOURCE_EXHAUSTED: "worker_full",
+}
+STALL_CHECK_S = 0.5  # how often a blocked write looks at the stall timeout and the backlog
+T = TypeVar("T")
 _ERROR_CODES = {
     worker_pb2.ERROR_CODE_INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
     worker_pb2.ERROR_CODE_RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -45,16 +63,49 @@ class RouterConfig:
     # On SIGTERM, how long streams in flight may take to finish before they are cut.
     drain_timeout_s: float = 30.0
     shutdown_grace_s: float = 1.0
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    # Workers a request may be tried on while it has no token yet (the worker was lost, draining or full);
+    # between tries a jittered backoff from retry_backoff_s, doubling.
+    max_attempts: int = 3
+    retry_backoff_s: float = 0.02
+    # A client that takes no response for this long, or leaves more than max_buffered_responses waiting
+    # behind the one it does not take, is cut off (CANCELLED) and its request aborted on the worker.
+    stall_timeout_s: float = 30.0
+    max_buffered_responses: int = 4096
+    # Threads that tokenize and render chat templates, off the event loop; more prompts wait their turn.
+    tokenizer_threads: int = 2
+    # HTTP/2 pings to clients: a connection whose ping goes unanswered is closed, cancelling its calls (a
+    # stopped client process keeps its TCP connection).
+    keepalive_time_s: float = 20.0
+    keepalive_timeout_s: float = 10.0
+
+
+class StreamStalled(Exception):
+    """The client stopped taking responses."""
+
+
+@dataclass
+class _Attempt:
+    """A request's current worker and the queue its updates arrive on."""
+
+    worker: WorkerConnection
+    wire_id: str
+    events: asyncio.Queue[RequestEvent]
 
 
 class GenerationService(generate_pb2_grpc.GenerationServicer):
-    def __init__(self, pool: WorkerPool, metrics: RouterMetrics) -> None:
+    def __init__(self, pool: WorkerPool, metrics: RouterMetrics, config: RouterConfig) -> None:
         self.pool = pool
         self.metrics = metrics
+        self.config = config
         self.draining = False
         self._in_flight = 0
         self.idle = asyncio.Event()  # set while no Generate call is in flight
         self.idle.set()
+        self._tokenizers = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
+
+    def close(self) -> None:
+        self._tokenizers.shutdown(wait=False, cancel_futures=True)
 
     async def _model(
         self, context: grpc.aio.ServicerContext, count_as_request: bool = False
@@ -68,46 +119,86 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, message)
         return self.pool.tokenizer, self.pool.info
 
-    async def _reject(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    async def _reject(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
         """End a Generate call that never reached a worker."""
         self.metrics.requests.labels(status=code.name.lower()).inc()
         await context.abort(code, message)
 
+    async def _off_loop(self, fn: Callable[..., T], *args) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizers, fn, *args)
+
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+    ) -> None:
         if self.draining:
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "the router is shutting down; retry")
         self._in_flight += 1
         self.idle.clear()
         try:
-            async for response in self._generate(request, context):
-                yield response
+            await self._generate(request, context)
         finally:
             self._in_flight -= 1
             if self._in_flight == 0:
                 self.idle.set()
 
-    async def _generate(
+    async def _admit(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+    ) -> tuple[ValidRequest, ModelTokenizer | None]:
+        """The request checked and tokenized, or the call ended with the status that blames it."""
         tokenizer, info = await self._model(context, count_as_request=True)
         try:
-            valid = validate_generate(request, tokenizer, info)
+            check_request(request, tokenizer, info, self.config.limits)
+            return await self._off_loop(validate_generate, request, tokenizer, info), tokenizer
         except NoTokenizerError as exc:
-            await self._reject(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            code, message = grpc.StatusCode.FAILED_PRECONDITION, str(exc)
         except ValueError as exc:
-            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        worker = self.pool.pick()
+            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        await self._reject(context, code, message)
+
+    def _submit(
+        self, valid: ValidRequest, request: generate_pb2.GenerateRequest, request_id: str, tried: set[str]
+    ) -> _Attempt | None:
+        worker = self.pool.pick(exclude=frozenset(tried))
         if worker is None:
+            return None
+        tried.add(worker.address)
+        wire_id = uuid.uuid4().hex  # unique on the worker link whatever ids clients choose
+        events = worker.submit(wire_id, valid.prompt_token_ids, valid.params, request.priority, request_id)
+        return _Attempt(worker, wire_id, events)
+
+    async def _send(
+        self,
+        context: grpc.aio.ServicerContext,
+        response: generate_pb2.GenerateResponse,
+        backlog: asyncio.Queue,
+    ) -> None:
+        """Write one response, cutting off a client that stopped taking them (see RouterConfig)."""
+        write = asyncio.ensure_future(context.write(response))
+        waited = 0.0
+        while True:
+            done, _ = await asyncio.wait({write}, timeout=STALL_CHECK_S)
+            if done:
+                return write.result()
+            waited += STALL_CHECK_S
+            if waited >= self.config.stall_timeout_s or backlog.qsize() > self.config.max_buffered_responses:
+                write.cancel()
+                raise StreamStalled(
+                    f"the client took no response for {waited:.1f} s ({backlog.qsize()} waiting)"
+                )
+
+    async def _generate(
+        self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        valid, tokenizer = await self._admit(request, context)
+        request_id = request.request_id or uuid.uuid4().hex
+        tried: set[str] = set()
+        attempt = self._submit(valid, request, request_id, tried)
+        if attempt is None:
             await self._reject(
                 context, grpc.StatusCode.UNAVAILABLE, f"no worker is reachable ({self.pool.addresses})"
             )
-        request_id = request.request_id or uuid.uuid4().hex
-        wire_id = uuid.uuid4().hex  # unique on the worker link whatever ids clients choose
         stream = TextStream(tokenizer.backend if tokenizer else None, valid.stop)
-        events = worker.submit(wire_id, valid.prompt_token_ids, valid.params, request.priority, request_id)
-        in_flight = self.metrics.requests_in_flight.labels(worker=worker.address)
+        in_flight = self.metrics.requests_in_flight.labels(worker=attempt.worker.address)
         in_flight.inc()
         start = last_token_at = time.perf_counter()
         first_token_s: float | None = None
@@ -117,7 +208,16 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         outcome = "client_cancelled"  # unless the loop below ends otherwise
         try:
             while True:
-                event = await events.get()
+                event = await attempt.events.get()
+                retry_reason = _retry_reason(event) if num_tokens == 0 else None
+                if retry_reason is not None and len(tried) < self.config.max_attempts:
+                    retried = await self._retry(attempt, valid, request, request_id, tried, retry_reason)
+                    if retried is not None:
+                        in_flight.dec()
+                        attempt = retried
+                        in_flight = self.metrics.requests_in_flight.labels(worker=attempt.worker.address)
+                        in_flight.inc()
+                        continue
                 if isinstance(event, WorkerLost):
                     worker_running = False
                     outcome = "unavailable"
@@ -129,11 +229,15 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                     worker_running = False
                     if num_tokens and event.error_code == worker_pb2.ERROR_CODE_INTERNAL:
                         outcome = "error"
-                        yield generate_pb2.GenerateResponse(
-                            request_id=request_id,
-                            text=stream.finish(),
-                            finish_reason=generate_pb2.FINISH_REASON_ERROR,
-                            error=event.error_message,
+                        await self._send(
+                            context,
+                            generate_pb2.GenerateResponse(
+                                request_id=request_id,
+                                text=stream.finish(),
+                                finish_reason=generate_pb2.FINISH_REASON_ERROR,
+                                error=event.error_message,
+                            ),
+                            attempt.events,
                         )
                         return
                     code = _ERROR_CODES[event.error_code]
@@ -170,19 +274,24 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                     response.usage.cached_prompt_tokens = event.num_cached_tokens
                     outcome = generate_pb2.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower()
                     self.metrics.e2e_request_latency.observe(time.perf_counter() - start)
-                    yield response
+                    await self._send(context, response, attempt.events)
                     return
                 if text or response.token_ids or response.logprobs:
-                    yield response
+                    await self._send(context, response, attempt.events)
+        except StreamStalled as exc:
+            outcome = "stalled"
+            log.warning("client_stalled", request_id=request_id, reason=str(exc))
+            await context.abort(grpc.StatusCode.CANCELLED, f"the router cut this stream off: {exc}")
         finally:
-            worker.release(wire_id, abort=worker_running)
+            attempt.worker.release(attempt.wire_id, abort=worker_running)
             in_flight.dec()
             self.metrics.requests.labels(status=outcome).inc()
             log.info(
                 "request_finished",
-                request_id=request_id,
-                worker=worker.address,
+                request_id=request_id[:64],
+                worker=attempt.worker.address,
                 outcome=outcome,
+                attempts=len(tried),
                 prompt_tokens=len(valid.prompt_token_ids),
                 completion_tokens=num_tokens,
                 cached_tokens=cached_tokens,
@@ -190,12 +299,35 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                 total_s=round(time.perf_counter() - start, 4),
             )
 
+    async def _retry(
+        self,
+        failed: _Attempt,
+        valid: ValidRequest,
+        request: generate_pb2.GenerateRequest,
+        request_id: str,
+        tried: set[str],
+        reason: str,
+    ) -> _Attempt | None:
+        """Move a request that has no token yet off a worker that failed it; None when no other worker
+        is available (the failure then stands)."""
+        failed.worker.release(failed.wire_id, abort=False)  # it ended there already
+        backoff = self.config.retry_backoff_s * 2 ** (len(tried) - 1)
+        await asyncio.sleep(random.uniform(0.5, 1.0) * backoff)  # jitter: retries do not arrive in waves
+        attempt = self._submit(valid, request, request_id, tried)
+        if attempt is not None:
+            self.metrics.retries.labels(reason=reason).inc()
+            log.info(
+                "request_retried", request_id=request_id[:64], reason=reason, worker=attempt.worker.address
+            )
+        return attempt
+
     async def Tokenize(
         self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.TokenizeResponse:
         tokenizer, info = await self._model(context)
         try:
-            ids = prompt_token_ids(request, tokenizer, info.model)
+            check_prompt_size(request, self.config.limits, info.max_model_len)
+            ids = await self._off_loop(prompt_token_ids, request, tokenizer, info.model)
         except NoTokenizerError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:
@@ -212,9 +344,16 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             architectures=info.architectures,
             vocab_size=info.vocab_size,
             eos_token_ids=info.eos_token_ids,
-            num_workers=len(self.pool.connected),
+            num_workers=len(self.pool.available),
             dtype=info.dtype,
         )
+
+
+def _retry_reason(event: RequestEvent) -> str | None:
+    """Why a request may go to another worker, if this first event says its worker could not serve it."""
+    if isinstance(event, WorkerLost):
+        return "worker_lost"
+    return _RETRYABLE.get(event.error_code)
 
 
 def _add_logprobs(response: generate_pb2.GenerateResponse, logprobs: list[worker_pb2.TokenLogprobs]) -> None:
@@ -230,7 +369,11 @@ async def serve_router(
     """Listen, connect to the workers (health is SERVING while at least one is connected), serve until
     `stop` is set, then drain: NOT_SERVING, new calls UNAVAILABLE, calls in flight finish within the
     drain timeout."""
-    server = GrpcServer([generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name])
+    server = GrpcServer(
+        [generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
+        keepalive_time_s=config.keepalive_time_s,
+        keepalive_timeout_s=config.keepalive_timeout_s,
+    )
     metrics = RouterMetrics()
     service: GenerationService | None = None
 
@@ -239,7 +382,7 @@ async def serve_router(
             asyncio.get_running_loop().create_task(server.set_serving(serving))
 
     pool = WorkerPool(config.workers, on_change)
-    service = GenerationService(pool, metrics)
+    service = GenerationService(pool, metrics, config)
     generate_pb2_grpc.add_GenerationServicer_to_server(service, server.server)
     address = await server.start(config.host, config.port)
     metrics_address = serve_metrics(metrics.registry, config.host, config.metrics_port)
@@ -260,4 +403,5 @@ async def serve_router(
     log.info("router_stopping", address=address)
     await server.stop(config.shutdown_grace_s)
     await pool.close()
+    service.close()
     await preloading

@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jinja2 import TemplateError
 from tokenizers import Tokenizer
 
 from nanovllm.worker.v1 import worker_pb2
@@ -61,5 +62,8 @@ class ModelTokenizer:
         writes its own special tokens, so none are added on top."""
         if not self.has_chat_template:
             raise ValueError(f"the model {self.model} has no chat template; send text or token_ids instead")
-        text = self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            text = self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except TemplateError as exc:  # the template's own raise_exception, e.g. roles out of order
+            raise ValueError(f"the model's chat template refused the messages: {exc}") from exc
         return list(self._hf.encode(text, add_special_tokens=False))

@@ -1,6 +1,10 @@
 """Public requests (nanovllm.v1) checked and turned into engine terms: prompt token ids and
 SamplingParams. Every failure is a ValueError whose message names the field and the numbers, or a
-NoTokenizerError for what needs a tokenizer the model does not have."""
+NoTokenizerError for what needs a tokenizer the model does not have.
+
+Checking runs in two parts: `check_request` looks at sizes and fields without tokenizing (cheap, on the
+event loop), so an oversized request is refused before any tokenizer work; `validate_generate`
+tokenizes (the router runs it on a thread) and checks the prompt against the model."""
 
 from __future__ import annotations
 
@@ -11,7 +15,24 @@ from nanovllm.router.tokenizer import ModelTokenizer
 from nanovllm.v1 import generate_pb2
 from nanovllm.worker.v1 import worker_pb2
 
-MAX_STOP_STRINGS = 16
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may carry. Each bounds the work or memory one request can cost everyone else:
+    stop strings and stop ids are checked against every new token, the request id is echoed in every
+    response and log line, and the prompt is tokenized before its length is known."""
+
+    max_request_id_bytes: int = 256
+    max_stop_strings: int = 16
+    max_stop_string_bytes: int = 1024
+    max_stop_token_ids: int = 256
+    # Text and chat prompts, in UTF-8 bytes, before tokenizing. None: 16 bytes per token of max_model_len
+    # (English averages about 4 bytes per token), so a prompt that cannot fit is refused untokenized.
+    max_prompt_bytes: int | None = None
+    prompt_bytes_per_token: int = 16
+
+    def prompt_bytes(self, max_model_len: int) -> int:
+        return self.max_prompt_bytes or self.prompt_bytes_per_token * max_model_len
 
 
 class NoTokenizerError(Exception):
@@ -23,6 +44,69 @@ class ValidRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     stop: list[str]
+
+
+def _prompt_bytes(request: generate_pb2.GenerateRequest | generate_pb2.TokenizeRequest) -> int:
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        return len(request.text.encode())
+    if kind == "chat":
+        return sum(len(m.role.encode()) + len(m.content.encode()) for m in request.chat.messages)
+    return 0
+
+
+def check_prompt_size(
+    request: generate_pb2.GenerateRequest | generate_pb2.TokenizeRequest,
+    limits: RequestLimits,
+    max_model_len: int,
+) -> None:
+    size, limit = _prompt_bytes(request), limits.prompt_bytes(max_model_len)
+    if size > limit:
+        raise ValueError(
+            f"the prompt is {size} bytes; at most {limit} are accepted ({limits.prompt_bytes_per_token} bytes "
+            f"per token of max_model_len {max_model_len}); send fewer, or token_ids"
+        )
+
+
+def check_request(
+    request: generate_pb2.GenerateRequest,
+    tokenizer: ModelTokenizer | None,
+    info: worker_pb2.WorkerInfo,
+    limits: RequestLimits,
+) -> None:
+    """Everything that can be checked without tokenizing."""
+    id_bytes = len(request.request_id.encode())
+    if id_bytes > limits.max_request_id_bytes:
+        raise ValueError(f"request_id is {id_bytes} bytes; at most {limits.max_request_id_bytes} are allowed")
+    check_prompt_size(request, limits, info.max_model_len)
+    s = request.sampling
+    if len(s.stop_token_ids) > limits.max_stop_token_ids:
+        raise ValueError(
+            f"sampling.stop_token_ids has {len(s.stop_token_ids)} ids; at most {limits.max_stop_token_ids} "
+            f"are allowed"
+        )
+    bad = next((t for t in s.stop_token_ids if t >= info.vocab_size), None)
+    if bad is not None:
+        raise ValueError(
+            f"sampling.stop_token_ids holds {bad}, outside the vocabulary [0, {info.vocab_size})"
+        )
+    if len(s.stop) > limits.max_stop_strings:
+        raise ValueError(
+            f"sampling.stop has {len(s.stop)} strings; at most {limits.max_stop_strings} are allowed"
+        )
+    for i, text in enumerate(s.stop):
+        if not text:
+            raise ValueError(f"sampling.stop[{i}] is empty; stop strings need at least one character")
+        if len(text.encode()) > limits.max_stop_string_bytes:
+            raise ValueError(
+                f"sampling.stop[{i}] is {len(text.encode())} bytes; at most {limits.max_stop_string_bytes} "
+                f"are allowed"
+            )
+    if s.stop and tokenizer is None:
+        raise NoTokenizerError(
+            f"model {info.model} has no tokenizer: sampling.stop needs one; use stop_token_ids"
+        )
+    _sampling_params(s, info.max_model_len)  # its own range checks, before any tokenizer work
 
 
 def prompt_token_ids(
@@ -48,6 +132,8 @@ def prompt_token_ids(
 def validate_generate(
     request: generate_pb2.GenerateRequest, tokenizer: ModelTokenizer | None, info: worker_pb2.WorkerInfo
 ) -> ValidRequest:
+    """Tokenize (this may take a while: run it off the event loop) and check the prompt against the
+    model. check_request must have passed."""
     ids = prompt_token_ids(request, tokenizer, info.model)
     n, limit = len(ids), info.max_model_len
     if n == 0:
@@ -59,23 +145,12 @@ def validate_generate(
     bad = next((t for t in ids if t >= info.vocab_size), None)
     if bad is not None:
         raise ValueError(f"token_ids holds {bad}, outside the vocabulary [0, {info.vocab_size})")
-    s = request.sampling
-    bad = next((t for t in s.stop_token_ids if t >= info.vocab_size), None)
-    if bad is not None:
-        raise ValueError(
-            f"sampling.stop_token_ids holds {bad}, outside the vocabulary [0, {info.vocab_size})"
-        )
-    stop = list(s.stop)
-    if len(stop) > MAX_STOP_STRINGS:
-        raise ValueError(f"sampling.stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
-    empty = next((i for i, text in enumerate(stop) if not text), None)
-    if empty is not None:
-        raise ValueError(f"sampling.stop[{empty}] is empty; stop strings need at least one character")
-    if stop and tokenizer is None:
-        raise NoTokenizerError(
-            f"model {info.model} has no tokenizer: sampling.stop needs one; use stop_token_ids"
-        )
-    params = SamplingParams(
+    return ValidRequest(ids, _sampling_params(request.sampling, limit - n), list(request.sampling.stop))
+
+
+def _sampling_params(s: generate_pb2.SamplingParams, room: int) -> SamplingParams:
+    """SamplingParams (which checks every range); an unset max_tokens is the `room` the context leaves."""
+    return SamplingParams(
         temperature=s.temperature if s.HasField("temperature") else 1.0,
         top_k=s.top_k,
         top_p=s.top_p if s.HasField("top_p") else 1.0,
@@ -85,10 +160,9 @@ def validate_generate(
         frequency_penalty=s.frequency_penalty,
         seed=s.seed if s.HasField("seed") else None,
         # Unset: as many as the context leaves, ending at EOS or max_model_len.
-        max_tokens=s.max_tokens if s.HasField("max_tokens") else limit - n,
+        max_tokens=s.max_tokens if s.HasField("max_tokens") else room,
         min_tokens=s.min_tokens,
         stop_token_ids=list(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
     )
-    return ValidRequest(ids, params, stop)

@@ -57,6 +57,7 @@ class WorkerConnection:
         self.address = address
         self.info: worker_pb2.WorkerInfo | None = None
         self.connected = False
+        self.draining = False  # the worker said it is shutting down: send it nothing new
         self._prepare = prepare
         self._requests: dict[str, asyncio.Queue[RequestEvent]] = {}
         self._outbound: asyncio.Queue[worker_pb2.RouterMessage | None] = asyncio.Queue()
@@ -68,6 +69,11 @@ class WorkerConnection:
     @property
     def num_in_flight(self) -> int:
         return len(self._requests)
+
+    @property
+    def available(self) -> bool:
+        """Whether new requests may go here."""
+        return self.connected and not self.draining
 
     def start(self, on_change: Callable[[], None]) -> None:
         self._task = asyncio.create_task(self._run(on_change), name=f"worker-{self.address}")
@@ -149,10 +155,14 @@ class WorkerConnection:
         self._outbound = asyncio.Queue()
         call = self.stub.Connect(self._outgoing(self._outbound))
         await call.wait_for_connection()
-        self.connected = True
+        self.connected, self.draining = True, False
         log.info("worker_connected", worker=self.address, model=self.info.model)
         on_change()
         async for step in call:
+            if step.draining:
+                self.draining = True
+                log.info("worker_draining", worker=self.address, in_flight=len(self._requests))
+                on_change()
             for update in step.updates:
                 events = self._requests.get(update.request_id)
                 if events is not None:
@@ -202,12 +212,15 @@ class WorkerPool:
         return ", ".join(w.address for w in self.workers)
 
     @property
-    def connected(self) -> list[WorkerConnection]:
-        return [w for w in self.workers if w.connected]
+    def available(self) -> list[WorkerConnection]:
+        """Connected workers that take new requests (not draining)."""
+        return [w for w in self.workers if w.available]
 
-    def pick(self) -> WorkerConnection | None:
-        """The connected worker with the fewest of this router's requests in flight."""
-        return min(self.connected, key=lambda w: w.num_in_flight, default=None)
+    def pick(self, exclude: frozenset[str] = frozenset()) -> WorkerConnection | None:
+        """The available worker with the fewest of this router's requests in flight, other than the
+        addresses in `exclude` (those a request already failed on)."""
+        candidates = [w for w in self.available if w.address not in exclude]
+        return min(candidates, key=lambda w: w.num_in_flight, default=None)
 
     async def _prepare(self, info: worker_pb2.WorkerInfo) -> bool:
         async with self._tokenizer_lock:
@@ -229,4 +242,4 @@ class WorkerPool:
         return True
 
     def _changed(self) -> None:
-        self._on_change(bool(self.connected))
+        self._on_change(bool(self.available))

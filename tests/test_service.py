@@ -238,6 +238,15 @@ def test_utf8_prompt_and_chat(service, offline, tokenizer) -> None:
             ["stop_token_ids", "70000"],
         ),
         ({}, "INVALID_ARGUMENT", ["prompt"]),
+        ({"text": "hi", "request_id": "r" * 257}, "INVALID_ARGUMENT", ["request_id", "257", "256"]),
+        ({"text": "x" * 8193}, "INVALID_ARGUMENT", ["8193 bytes", "8192", "max_model_len 512"]),
+        ({"text": "hi", "sampling": {"stop": ["s" * 1025]}}, "INVALID_ARGUMENT", ["stop[0]", "1025", "1024"]),
+        ({"text": "hi", "sampling": {"stop": ["s"] * 17}}, "INVALID_ARGUMENT", ["stop", "17", "16"]),
+        (
+            {"text": "hi", "sampling": {"stop_token_ids": [2] * 257}},
+            "INVALID_ARGUMENT",
+            ["stop_token_ids", "257", "256"],
+        ),
     ],
 )
 def test_invalid_requests_name_the_field(service, request_kwargs, code, fragments) -> None:

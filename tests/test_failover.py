@@ -1,0 +1,146 @@
+"""Two workers behind one router: a draining or killed worker costs clients nothing but latency, since
+requests without a token yet move to the other worker; and a frozen client does not hold its request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from nanovllm.v1 import generate_pb2, generate_pb2_grpc
+from tests.model_factory import build_model
+from tests.services import ServerProcess, start_router, start_worker, wait_serving
+from tests.test_service import wait_idle, worker_load
+
+CALL_TIMEOUT_S = 120.0
+SHORT = generate_pb2.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture
+def two_workers(
+    qwen3_dir: Path, kernels, tmp_path: Path
+) -> Iterator[tuple[list[ServerProcess], ServerProcess]]:
+    workers = [start_worker(qwen3_dir, log_path=tmp_path / f"worker{i}.log") for i in range(2)]
+    router = start_router([w.address for w in workers], log_path=tmp_path / "router.log")
+    try:
+        for server in (*workers, router):
+            wait_serving(server.address)
+        yield workers, router
+    finally:
+        for server in (router, *workers):
+            if server.proc.poll() is None:
+                server.kill()
+
+
+async def _calls(address: str, count: int, concurrency: int, during) -> list[tuple[float, object]]:
+    """`count` short calls, `concurrency` at a time; `during()` runs once a fifth of them have finished.
+    Returns (send time, final finish reason or the gRPC error) per call."""
+    results: list[tuple[float, object]] = []
+    fired = asyncio.Event()
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(i: int) -> None:
+            async with gate:
+                sent = time.monotonic()
+                request = generate_pb2.GenerateRequest(text=f"call {i}", sampling=SHORT)
+                try:
+                    responses = [r async for r in stub.Generate(request, timeout=CALL_TIMEOUT_S)]
+                    results.append((sent, responses[-1].finish_reason))
+                except grpc.aio.AioRpcError as exc:
+                    results.append((sent, f"{exc.code().name}: {exc.details()}"))
+                if len(results) == count // 5 and not fired.is_set():
+                    fired.set()
+                    during()
+
+        await asyncio.gather(*(one(i) for i in range(count)))
+    return results
+
+
+def test_draining_worker_fails_no_call(two_workers) -> None:
+    """SIGTERM one of two workers in the middle of 100 calls: every call succeeds (the worker tells the
+    router at once; a submit that crosses that notice is refused and retried on the other worker)."""
+    workers, router = two_workers
+    results = asyncio.run(_calls(router.address, 100, 8, lambda: workers[0].proc.send_signal(signal.SIGTERM)))
+    failures = [r for _, r in results if r != generate_pb2.FINISH_REASON_LENGTH]
+    assert failures == []
+    assert workers[0].proc.wait(timeout=60) == 0
+    wait_idle(workers[1].address)
+
+
+def test_killed_worker_fails_no_new_call(two_workers) -> None:
+    """SIGKILL one of two workers in the middle of 100 calls: no call sent after the kill fails; calls that
+    had no token yet when it died are retried on the other worker."""
+    workers, router = two_workers
+    killed_at: list[float] = []
+
+    def kill() -> None:
+        workers[0].proc.kill()
+        killed_at.append(time.monotonic())
+
+    results = asyncio.run(_calls(router.address, 100, 8, kill))
+    after = [r for sent, r in results if sent > killed_at[0]]
+    assert len(after) >= 50
+    assert [r for r in after if r != generate_pb2.FINISH_REASON_LENGTH] == []
+    wait_idle(workers[1].address)
+
+
+LONG_CONTEXT = 16384  # long enough that generating to the end takes many seconds even for a tiny model
+
+FROZEN_CLIENT = f"""
+import sys, grpc
+from nanovllm.v1 import generate_pb2, generate_pb2_grpc
+channel = grpc.insecure_channel(sys.argv[1])
+request = generate_pb2.GenerateRequest(
+    text="frozen", sampling=generate_pb2.SamplingParams(temperature=0, max_tokens={LONG_CONTEXT - 100}, ignore_eos=True))
+call = generate_pb2_grpc.GenerationStub(channel).Generate(request)
+next(call)
+print("streaming", flush=True)
+for _ in call:
+    pass
+"""
+
+
+def test_frozen_client_is_dropped_by_keepalive(kernels, tmp_path: Path) -> None:
+    """A stopped client process keeps its TCP connection open, but answers no HTTP/2 ping: the router closes
+    the connection after the keepalive timeout, which cancels the call and frees its KV blocks."""
+    model = build_model("qwen3", tmp_path / "model", seed=1, max_position=LONG_CONTEXT)
+    worker = start_worker(model, "--max-model-len", str(LONG_CONTEXT), log_path=tmp_path / "worker.log")
+    router = start_router(
+        [worker.address],
+        "--keepalive-time",
+        "1",
+        "--keepalive-timeout",
+        "1",
+        log_path=tmp_path / "router.log",
+    )
+    client = None
+    try:
+        wait_serving(router.address)
+        client = subprocess.Popen(
+            [sys.executable, "-c", FROZEN_CLIENT, router.address], stdout=subprocess.PIPE, text=True
+        )
+        assert client.stdout.readline().strip() == "streaming"
+        client.send_signal(signal.SIGSTOP)
+        assert worker_load(worker.address).num_running == 1
+        wait_idle(worker.address, timeout=30)
+        assert client.poll() is None  # still there, still stopped
+        finished = [json.loads(line) for line in (tmp_path / "router.log").read_text().splitlines()]
+        finished = [e for e in finished if e.get("event") == "request_finished"]
+        assert [e["outcome"] for e in finished] == ["client_cancelled"]
+        assert finished[0]["completion_tokens"] < LONG_CONTEXT - 100  # cut off, not run to the end
+    finally:
+        if client is not None:
+            client.kill()
+            client.wait()
+        router.kill()
+        worker.kill()
