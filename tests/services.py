@@ -6,10 +6,13 @@ free ports. Readiness is the standard health service's Watch stream reaching SER
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +20,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nanovllm.cli import LISTENING_RE
+from nanovllm.v1 import generate_pb2, generate_pb2_grpc
+from nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
 
 START_TIMEOUT_S = 180.0  # the first worker of a session may compile the C++ kernels
 
@@ -37,8 +42,9 @@ class ServerProcess:
         self.proc.wait()
 
 
-def start(args: list[str], log_path: Path | None = None) -> ServerProcess:
-    """Run `nanovllm <args>` and return once it listens (not necessarily serving yet)."""
+def start(args: list[str], log_path: Path | None = None, cpus: set[int] | None = None) -> ServerProcess:
+    """Run `nanovllm <args>` (on the CPUs `cpus` only, when given) and return once it listens (not
+    necessarily serving yet)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     stderr = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - owned by the child
     proc = subprocess.Popen(
@@ -47,6 +53,7 @@ def start(args: list[str], log_path: Path | None = None) -> ServerProcess:
         stderr=stderr,
         text=True,
         env=env,
+        preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),  # noqa: PLW1509
     )
     line = proc.stdout.readline()
     match = LISTENING_RE.search(line)
@@ -57,7 +64,9 @@ def start(args: list[str], log_path: Path | None = None) -> ServerProcess:
     return ServerProcess(proc, match.group(1), line.rsplit(" ", 1)[-1].strip())
 
 
-def start_worker(model: Path, *extra: str, port: int = 0, log_path: Path | None = None) -> ServerProcess:
+def start_worker(
+    model: Path, *extra: str, port: int = 0, log_path: Path | None = None, cpus: set[int] | None = None
+) -> ServerProcess:
     args = [
         "worker",
         "--model",
@@ -72,7 +81,7 @@ def start_worker(model: Path, *extra: str, port: int = 0, log_path: Path | None 
     # float32 unless `extra` says otherwise (a later flag wins): tests compare served tokens with the offline
     # engine's, and only float32 is invariant to how the two happen to batch requests.
     defaults = ["--kv-cache-memory", "32MiB", "--max-model-len", "512", "--dtype", "float32"]
-    return start([*args, *defaults, *extra], log_path)
+    return start([*args, *defaults, *extra], log_path, cpus)
 
 
 def start_router(workers: list[str], *extra: str, log_path: Path | None = None) -> ServerProcess:
@@ -91,3 +100,53 @@ def wait_serving(address: str, timeout: float = START_TIMEOUT_S) -> None:
             if status.status == health_pb2.HealthCheckResponse.SERVING:
                 watch.cancel()
                 return
+
+
+def worker_load(address: str) -> worker_pb2.WorkerLoad:
+    with grpc.insecure_channel(address) as channel:
+        return worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+
+
+def wait_idle(address: str, timeout: float = 30.0) -> worker_pb2.WorkerLoad:
+    """Poll the worker's load until nothing runs and every KV block is free."""
+    deadline = time.monotonic() + timeout
+    while True:
+        load = worker_load(address)
+        if load.num_running == 0 and load.num_waiting == 0 and load.kv_blocks_used == 0:
+            return load
+        if time.monotonic() > deadline:
+            raise AssertionError(f"worker {address} still busy after {timeout} s: {load}")
+        time.sleep(0.02)
+
+
+SHORT_CALL = generate_pb2.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+CALL_TIMEOUT_S = 120.0
+
+
+async def run_calls(
+    address: str, count: int, concurrency: int, during: Callable[[], None]
+) -> list[tuple[float, object]]:
+    """`count` short greedy calls, `concurrency` at a time; `during()` runs once a fifth of them have
+    finished (to stop or kill a server under load). Returns (send time, the last response's finish reason
+    or "CODE: details" of the error) per call."""
+    results: list[tuple[float, object]] = []
+    fired = asyncio.Event()
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(i: int) -> None:
+            async with gate:
+                sent = time.monotonic()
+                request = generate_pb2.GenerateRequest(text=f"call {i}", sampling=SHORT_CALL)
+                try:
+                    responses = [r async for r in stub.Generate(request, timeout=CALL_TIMEOUT_S)]
+                    results.append((sent, responses[-1].finish_reason))
+                except grpc.aio.AioRpcError as exc:
+                    results.append((sent, f"{exc.code().name}: {exc.details()}"))
+                if len(results) == count // 5 and not fired.is_set():
+                    fired.set()
+                    during()
+
+        await asyncio.gather(*(one(i) for i in range(count)))
+    return results

@@ -12,16 +12,21 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 
-from nanovllm.v1 import generate_pb2, generate_pb2_grpc
+from nanovllm.v1 import generate_pb2
 from tests.model_factory import build_model
-from tests.services import ServerProcess, start_router, start_worker, wait_serving
-from tests.test_service import wait_idle, worker_load
+from tests.services import (
+    ServerProcess,
+    run_calls,
+    start_router,
+    start_worker,
+    wait_idle,
+    wait_serving,
+    worker_load,
+)
 
 CALL_TIMEOUT_S = 120.0
-SHORT = generate_pb2.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture
@@ -40,37 +45,13 @@ def two_workers(
                 server.kill()
 
 
-async def _calls(address: str, count: int, concurrency: int, during) -> list[tuple[float, object]]:
-    """`count` short calls, `concurrency` at a time; `during()` runs once a fifth of them have finished.
-    Returns (send time, final finish reason or the gRPC error) per call."""
-    results: list[tuple[float, object]] = []
-    fired = asyncio.Event()
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = generate_pb2_grpc.GenerationStub(channel)
-        gate = asyncio.Semaphore(concurrency)
-
-        async def one(i: int) -> None:
-            async with gate:
-                sent = time.monotonic()
-                request = generate_pb2.GenerateRequest(text=f"call {i}", sampling=SHORT)
-                try:
-                    responses = [r async for r in stub.Generate(request, timeout=CALL_TIMEOUT_S)]
-                    results.append((sent, responses[-1].finish_reason))
-                except grpc.aio.AioRpcError as exc:
-                    results.append((sent, f"{exc.code().name}: {exc.details()}"))
-                if len(results) == count // 5 and not fired.is_set():
-                    fired.set()
-                    during()
-
-        await asyncio.gather(*(one(i) for i in range(count)))
-    return results
-
-
 def test_draining_worker_fails_no_call(two_workers) -> None:
     """SIGTERM one of two workers in the middle of 100 calls: every call succeeds (the worker tells the
     router at once; a submit that crosses that notice is refused and retried on the other worker)."""
     workers, router = two_workers
-    results = asyncio.run(_calls(router.address, 100, 8, lambda: workers[0].proc.send_signal(signal.SIGTERM)))
+    results = asyncio.run(
+        run_calls(router.address, 100, 8, lambda: workers[0].proc.send_signal(signal.SIGTERM))
+    )
     failures = [r for _, r in results if r != generate_pb2.FINISH_REASON_LENGTH]
     assert failures == []
     assert workers[0].proc.wait(timeout=60) == 0
@@ -87,7 +68,7 @@ def test_killed_worker_fails_no_new_call(two_workers) -> None:
         workers[0].proc.kill()
         killed_at.append(time.monotonic())
 
-    results = asyncio.run(_calls(router.address, 100, 8, kill))
+    results = asyncio.run(run_calls(router.address, 100, 8, kill))
     after = [r for sent, r in results if sent > killed_at[0]]
     assert len(after) >= 50
     assert [r for r in after if r != generate_pb2.FINISH_REASON_LENGTH] == []

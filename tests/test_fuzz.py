@@ -7,7 +7,7 @@ import grpc
 from hypothesis import HealthCheck, given, settings
 
 from tests.fuzz import Bystanders, check, raw_messages, requests, run_raw, run_request
-from tests.test_service import wait_idle
+from tests.services import wait_idle
 
 CASES = 500
 FUZZ_SETTINGS = settings(

@@ -26,9 +26,17 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
-from nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
+from nanovllm.worker.v1 import worker_pb2
 from tests.model_factory import build_model, build_tokenizer
-from tests.services import START_TIMEOUT_S, start, start_router, start_worker, wait_serving
+from tests.services import (
+    START_TIMEOUT_S,
+    start,
+    start_router,
+    start_worker,
+    wait_idle,
+    wait_serving,
+    worker_load,
+)
 
 LONG = generate_pb2.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 CALL_TIMEOUT_S = 120.0  # a hang shows up as DEADLINE_EXCEEDED rather than a stuck suite
@@ -62,23 +70,6 @@ def text_of(responses) -> str:
 
 def ids_of(responses) -> list[int]:
     return [t for r in responses for t in r.token_ids]
-
-
-def worker_load(address: str) -> worker_pb2.WorkerLoad:
-    with grpc.insecure_channel(address) as channel:
-        return worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
-
-
-def wait_idle(address: str, timeout: float = 30.0) -> worker_pb2.WorkerLoad:
-    """Poll the worker's load until nothing runs and every KV block is free."""
-    deadline = time.monotonic() + timeout
-    while True:
-        load = worker_load(address)
-        if load.num_running == 0 and load.num_waiting == 0 and load.kv_blocks_used == 0:
-            return load
-        if time.monotonic() > deadline:
-            raise AssertionError(f"worker {address} still busy after {timeout} s: {load}")
-        time.sleep(0.02)
 
 
 def greedy_request(text: str, max_tokens: int, **sampling) -> generate_pb2.GenerateRequest:
