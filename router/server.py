@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -17,8 +16,10 @@ from nanovllm.common.logging import get_logger
 from nanovllm.common.metrics import serve_metrics
 from nanovllm.common.serving import GrpcServer
 from nanovllm.router.metrics import RouterMetrics
+from nanovllm.router.responses import build_response, error_response, finish_name
 from nanovllm.router.text_stream import TextStream
 from nanovllm.router.tokenizer import ModelTokenizer, auto_tokenizer
+from nanovllm.router.trace import RequestTrace
 from nanovllm.router.validation import (
     NoTokenizerError,
     RequestLimits,
@@ -34,11 +35,6 @@ from nanovllm.worker.v1 import worker_pb2
 
 log = get_logger(__name__)
 
-_FINISH_REASONS = {
-    worker_pb2.FINISH_REASON_STOP: generate_pb2.FINISH_REASON_STOP,
-    worker_pb2.FINISH_REASON_LENGTH: generate_pb2.FINISH_REASON_LENGTH,
-    worker_pb2.FINISH_REASON_ABORT: generate_pb2.FINISH_REASON_CANCELLED,
-}
 # Worker errors another worker may not have: draining, its queue full.
 _RETRYABLE = {
     worker_pb2.ERROR_CODE_UNAVAILABLE: "worker_unavailable",
@@ -91,6 +87,7 @@ class _Attempt:
     worker: WorkerConnection
     wire_id: str
     events: asyncio.Queue[RequestEvent]
+    tried: frozenset[str]  # addresses of every worker this request went to, this one included
 
 
 class GenerationService(generate_pb2_grpc.GenerationServicer):
@@ -108,18 +105,24 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         self._tokenizers.shutdown(wait=False, cancel_futures=True)
 
     async def _model(
-        self, context: grpc.aio.ServicerContext, count_as_request: bool = False
+        self, context: grpc.aio.ServicerContext
     ) -> tuple[ModelTokenizer | None, worker_pb2.WorkerInfo]:
         """The tokenizer (None for a model without one) and worker info, or UNAVAILABLE before any worker
         has connected."""
         if self.pool.info is None:
-            message = f"no worker has been reachable yet ({self.pool.addresses})"
-            if count_as_request:
-                await self._reject(context, grpc.StatusCode.UNAVAILABLE, message)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, message)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._never_reached())
         return self.pool.tokenizer, self.pool.info
 
-    async def _reject(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    def _never_reached(self) -> str:
+        return f"no worker has been reachable yet ({self.pool.addresses})"
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    async def _reject(
+        self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str
+    ) -> NoReturn:
         """End a Generate call that never reached a worker."""
         self.metrics.requests.labels(status=code.name.lower()).inc()
         await context.abort(code, message)
@@ -145,7 +148,9 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> tuple[ValidRequest, ModelTokenizer | None]:
         """The request checked and tokenized, or the call ended with the status that blames it."""
-        tokenizer, info = await self._model(context, count_as_request=True)
+        if self.pool.info is None:
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, self._never_reached())
+        tokenizer, info = self.pool.tokenizer, self.pool.info
         try:
             check_request(request, tokenizer, info, self.config.limits)
             return await self._off_loop(validate_generate, request, tokenizer, info), tokenizer
@@ -156,15 +161,21 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         await self._reject(context, code, message)
 
     def _submit(
-        self, valid: ValidRequest, request: generate_pb2.GenerateRequest, request_id: str, tried: set[str]
+        self,
+        valid: ValidRequest,
+        request: generate_pb2.GenerateRequest,
+        request_id: str,
+        trace: RequestTrace,
+        tried: frozenset[str] = frozenset(),
     ) -> _Attempt | None:
-        worker = self.pool.pick(exclude=frozenset(tried))
+        """Send the request to the least busy available worker not in `tried`; None when there is none."""
+        worker = self.pool.pick(exclude=tried)
         if worker is None:
             return None
-        tried.add(worker.address)
+        trace.on_worker(worker.address)
         wire_id = uuid.uuid4().hex  # unique on the worker link whatever ids clients choose
         events = worker.submit(wire_id, valid.prompt_token_ids, valid.params, request.priority, request_id)
-        return _Attempt(worker, wire_id, events)
+        return _Attempt(worker, wire_id, events, tried | {worker.address})
 
     async def _send(
         self,
@@ -191,134 +202,86 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     ) -> None:
         valid, tokenizer = await self._admit(request, context)
         request_id = request.request_id or uuid.uuid4().hex
-        tried: set[str] = set()
-        attempt = self._submit(valid, request, request_id, tried)
+        trace = RequestTrace(self.metrics, request_id, len(valid.prompt_token_ids))
+        attempt = self._submit(valid, request, request_id, trace)
         if attempt is None:
-            await self._reject(
-                context, grpc.StatusCode.UNAVAILABLE, f"no worker is reachable ({self.pool.addresses})"
-            )
+            message = f"no worker is reachable ({self.pool.addresses})"
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, message)
         stream = TextStream(tokenizer.backend if tokenizer else None, valid.stop)
-        in_flight = self.metrics.requests_in_flight.labels(worker=attempt.worker.address)
-        in_flight.inc()
-        start = last_token_at = time.perf_counter()
-        first_token_s: float | None = None
-        num_tokens = 0
-        cached_tokens = 0
-        worker_running = True
-        outcome = "client_cancelled"  # unless the loop below ends otherwise
+        with_ids = request.return_token_ids or tokenizer is None  # without a tokenizer, ids are all there is
+        worker_running = True  # until the worker reports the request ended there
         try:
             while True:
                 event = await attempt.events.get()
-                retry_reason = _retry_reason(event) if num_tokens == 0 else None
-                if retry_reason is not None and len(tried) < self.config.max_attempts:
-                    retried = await self._retry(attempt, valid, request, request_id, tried, retry_reason)
+                reason = _retry_reason(event) if trace.num_tokens == 0 else None
+                if reason is not None and trace.attempts < self.config.max_attempts:
+                    retried = await self._retry(attempt, valid, request, trace, reason)
                     if retried is not None:
-                        in_flight.dec()
                         attempt = retried
-                        in_flight = self.metrics.requests_in_flight.labels(worker=attempt.worker.address)
-                        in_flight.inc()
                         continue
-                if isinstance(event, WorkerLost):
+                if isinstance(event, WorkerLost) or event.error_code != worker_pb2.ERROR_CODE_UNSPECIFIED:
                     worker_running = False
-                    outcome = "unavailable"
-                    await context.abort(
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"worker {event.address} went away while serving this request ({event.reason})",
-                    )
-                if event.error_code != worker_pb2.ERROR_CODE_UNSPECIFIED:
-                    worker_running = False
-                    if num_tokens and event.error_code == worker_pb2.ERROR_CODE_INTERNAL:
-                        outcome = "error"
-                        await self._send(
-                            context,
-                            generate_pb2.GenerateResponse(
-                                request_id=request_id,
-                                text=stream.finish(),
-                                finish_reason=generate_pb2.FINISH_REASON_ERROR,
-                                error=event.error_message,
-                            ),
-                            attempt.events,
-                        )
-                        return
-                    code = _ERROR_CODES[event.error_code]
-                    outcome = code.name.lower()
-                    await context.abort(code, event.error_message)
-                if event.new_token_ids:
-                    now = time.perf_counter()
-                    if first_token_s is None:
-                        first_token_s = now - start
-                        self.metrics.time_to_first_token.observe(first_token_s)
-                    else:
-                        gap = (now - last_token_at) / len(event.new_token_ids)
-                        for _ in event.new_token_ids:
-                            self.metrics.inter_token_latency.observe(gap)
-                    last_token_at = now
-                num_tokens += len(event.new_token_ids)
-                cached_tokens = event.num_cached_tokens
-                text = stream.push(event.new_token_ids)
-                finish = _FINISH_REASONS.get(event.finish_reason)
-                if finish is not None:
-                    worker_running = False
-                if finish is not None and not stream.stopped:
-                    text += stream.finish()
-                if stream.stopped:
-                    finish = generate_pb2.FINISH_REASON_STOP  # a stop string (the worker may still run it)
-                response = generate_pb2.GenerateResponse(request_id=request_id, text=text)
-                if request.return_token_ids or tokenizer is None:  # without a tokenizer, ids are all there is
-                    response.token_ids.extend(event.new_token_ids)
-                _add_logprobs(response, event.logprobs)
-                if finish is not None:
-                    response.finish_reason = finish
-                    response.usage.prompt_tokens = event.num_prompt_tokens
-                    response.usage.completion_tokens = num_tokens
-                    response.usage.cached_prompt_tokens = event.num_cached_tokens
-                    outcome = generate_pb2.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower()
-                    self.metrics.e2e_request_latency.observe(time.perf_counter() - start)
-                    await self._send(context, response, attempt.events)
+                    await self._fail(context, event, stream, trace, attempt.events)
                     return
-                if text or response.token_ids or response.logprobs:
-                    await self._send(context, response, attempt.events)
+                trace.on_tokens(len(event.new_token_ids), event.num_cached_tokens)
+                response = build_response(event, stream, request_id, with_ids, trace.num_tokens)
+                if response is None:
+                    continue
+                if response.finish_reason:
+                    worker_running = (
+                        event.finish_reason == worker_pb2.FINISH_REASON_UNSPECIFIED
+                    )  # stop string
+                    trace.on_finish(finish_name(response.finish_reason))
+                await self._send(context, response, attempt.events)
+                if response.finish_reason:
+                    return
         except StreamStalled as exc:
-            outcome = "stalled"
-            log.warning("client_stalled", request_id=request_id, reason=str(exc))
+            trace.outcome = "stalled"
+            log.warning("client_stalled", request_id=request_id[:64], reason=str(exc))
             await context.abort(grpc.StatusCode.CANCELLED, f"the router cut this stream off: {exc}")
         finally:
             attempt.worker.release(attempt.wire_id, abort=worker_running)
-            in_flight.dec()
-            self.metrics.requests.labels(status=outcome).inc()
-            log.info(
-                "request_finished",
-                request_id=request_id[:64],
-                worker=attempt.worker.address,
-                outcome=outcome,
-                attempts=len(tried),
-                prompt_tokens=len(valid.prompt_token_ids),
-                completion_tokens=num_tokens,
-                cached_tokens=cached_tokens,
-                ttft_s=None if first_token_s is None else round(first_token_s, 4),
-                total_s=round(time.perf_counter() - start, 4),
-            )
+            trace.close()
+
+    async def _fail(
+        self,
+        context: grpc.aio.ServicerContext,
+        event: RequestEvent,
+        stream: TextStream,
+        trace: RequestTrace,
+        backlog: asyncio.Queue,
+    ) -> None:
+        """End a call whose worker failed it: a stream that has tokens ends with FINISH_REASON_ERROR on an
+        engine error; otherwise the call ends with the status of the failure."""
+        if isinstance(event, WorkerLost):
+            trace.outcome = "unavailable"
+            message = f"worker {event.address} went away while serving this request ({event.reason})"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, message)
+        if trace.num_tokens and event.error_code == worker_pb2.ERROR_CODE_INTERNAL:
+            trace.on_finish("error")
+            await self._send(context, error_response(trace.request_id, stream, event.error_message), backlog)
+            return
+        code = _ERROR_CODES[event.error_code]
+        trace.outcome = code.name.lower()
+        await context.abort(code, event.error_message)
 
     async def _retry(
         self,
         failed: _Attempt,
         valid: ValidRequest,
         request: generate_pb2.GenerateRequest,
-        request_id: str,
-        tried: set[str],
+        trace: RequestTrace,
         reason: str,
     ) -> _Attempt | None:
         """Move a request that has no token yet off a worker that failed it; None when no other worker
         is available (the failure then stands)."""
-        failed.worker.release(failed.wire_id, abort=False)  # it ended there already
-        backoff = self.config.retry_backoff_s * 2 ** (len(tried) - 1)
+        backoff = self.config.retry_backoff_s * 2 ** (trace.attempts - 1)
         await asyncio.sleep(random.uniform(0.5, 1.0) * backoff)  # jitter: retries do not arrive in waves
-        attempt = self._submit(valid, request, request_id, tried)
+        attempt = self._submit(valid, request, trace.request_id, trace, failed.tried)
         if attempt is not None:
+            failed.worker.release(failed.wire_id, abort=False)  # it ended there already
             self.metrics.retries.labels(reason=reason).inc()
-            log.info(
-                "request_retried", request_id=request_id[:64], reason=reason, worker=attempt.worker.address
-            )
+            log.info("request_retried", request_id=trace.request_id[:64], reason=reason, worker=trace.worker)
         return attempt
 
     async def Tokenize(
@@ -356,13 +319,6 @@ def _retry_reason(event: RequestEvent) -> str | None:
     return _RETRYABLE.get(event.error_code)
 
 
-def _add_logprobs(response: generate_pb2.GenerateResponse, logprobs: list[worker_pb2.TokenLogprobs]) -> None:
-    for lp in logprobs:
-        entry = response.logprobs.add(token_id=lp.token_id, logprob=lp.logprob)
-        for token_id, value in zip(lp.top_token_ids, lp.top_logprobs):
-            entry.top.add(token_id=token_id, logprob=value)
-
-
 async def serve_router(
     config: RouterConfig, stop: asyncio.Event, on_listening: Callable[[str, str], None]
 ) -> None:
@@ -394,7 +350,7 @@ async def serve_router(
     service.draining = True
     await server.set_serving(False)
     log.info(
-        "router_draining", address=address, in_flight=service._in_flight, timeout_s=config.drain_timeout_s
+        "router_draining", address=address, in_flight=service.in_flight, timeout_s=config.drain_timeout_s
     )
     try:
         await asyncio.wait_for(service.idle.wait(), config.drain_timeout_s)

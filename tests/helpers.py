@@ -59,7 +59,8 @@ def teacher_forced_logits(llm: LLM, batch: list[list[int]], chunk: int) -> list[
             items.append(ScheduledSequence(seq, seq.num_computed_tokens, n))
         items.sort(key=lambda s: s.num_new_tokens != 1)
         sched = SchedulerOutput(items, num_decodes=sum(s.num_new_tokens == 1 for s in items))
-        logits = engine.runner.logits_for(sched)
+        with torch.inference_mode():  # every scheduled token's logits (teacher forcing)
+            logits = engine.runner.forward(engine.runner.step_inputs(sched, all_logits=True))
         offset = 0
         for item in sched.scheduled:
             index = seqs.index(item.seq)

@@ -45,12 +45,22 @@ class Connection:
 
     id: int
     deliver: Callable[[worker_pb2.StepOutputs], None]
-    engine_ids: set[str] = field(default_factory=set)
+    requests: dict[str, InFlight] = field(default_factory=dict)  # by wire id
     closed: bool = False
 
-    def engine_id(self, request_id: str) -> str:
-        # Two routers may pick the same request id; the engine sees them apart.
-        return f"{self.id}/{request_id}"
+
+@dataclass(eq=False)
+class InFlight:
+    """A request in the engine, and whom it belongs to."""
+
+    connection: Connection
+    wire_id: str  # the router's id for it on this connection
+    client_id: str  # the id its client chose (or its router assigned), for the logs
+
+    @property
+    def engine_id(self) -> str:
+        """Unique within the engine: two routers may choose the same wire id."""
+        return f"{self.connection.id}/{self.wire_id}"
 
 
 class EngineLoop:
@@ -61,8 +71,7 @@ class EngineLoop:
         self._draining = False
         self._drained: Future[None] = Future()  # resolves once draining and nothing is in flight
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._owners: dict[str, tuple[Connection, str]] = {}  # engine id -> (connection, request id)
-        self._client_ids: dict[str, str] = {}  # engine id -> the client's request id, for the logs
+        self._in_flight: dict[str, InFlight] = {}  # by engine id
         self._connection_ids = itertools.count()
         self._connections: set[Connection] = set()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -101,8 +110,8 @@ class EngineLoop:
     def submit(self, conn: Connection, submit: worker_pb2.Submit) -> None:
         self._commands.put(lambda: self._submit(conn, submit))
 
-    def abort(self, conn: Connection, request_ids: list[str]) -> None:
-        self._commands.put(lambda: self._abort(conn, request_ids))
+    def abort(self, conn: Connection, wire_ids: list[str]) -> None:
+        self._commands.put(lambda: self._abort(conn, wire_ids))
 
     def drain(self) -> Future[None]:
         """Refuse new requests (ERROR_CODE_UNAVAILABLE) and let the ones in flight finish; the future
@@ -133,7 +142,7 @@ class EngineLoop:
                     self._step()
                 self.load = self.engine.load()
                 self.metrics.observe_load(self.load)
-                if self._draining and not self._owners and not self._drained.done():
+                if self._draining and not self._in_flight and not self._drained.done():
                     self._drained.set_result(None)
         except EngineDeadError as exc:
             log.error("engine_dead", error=str(exc))
@@ -157,7 +166,7 @@ class EngineLoop:
     def _start_draining(self) -> None:
         """Tell every router at once, so none sends a request only to have it refused."""
         self._draining = True
-        log.info("worker_draining", in_flight=len(self._owners))
+        log.info("worker_draining", in_flight=len(self._in_flight))
         for conn in self._connections:
             conn.deliver(worker_pb2.StepOutputs(draining=True))
 
@@ -178,37 +187,37 @@ class EngineLoop:
                 f"{self.max_queued_requests}",
             )
             return
-        engine_id = conn.engine_id(submit.request_id)
+        request = InFlight(conn, submit.request_id, submit.client_request_id)
         try:
             params = sampling_from_wire(submit.sampling)
-            self.engine.add_request(engine_id, list(submit.prompt_token_ids), params, submit.priority)
+            self.engine.add_request(request.engine_id, list(submit.prompt_token_ids), params, submit.priority)
         except ValueError as exc:  # SamplingParams and RequestError both name the field and numbers
             self._fail(conn, submit.request_id, worker_pb2.ERROR_CODE_INVALID_ARGUMENT, str(exc))
             return
-        self._owners[engine_id] = (conn, submit.request_id)
-        self._client_ids[engine_id] = submit.client_request_id
-        conn.engine_ids.add(engine_id)
+        self._in_flight[request.engine_id] = conn.requests[request.wire_id] = request
 
-    def _abort(self, conn: Connection, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            engine_id = conn.engine_id(request_id)
-            if engine_id in self._owners:
-                self.engine.abort_request(engine_id)  # its "abort" output comes from the next step
+    def _abort(self, conn: Connection, wire_ids: list[str]) -> None:
+        for wire_id in wire_ids:
+            request = conn.requests.get(wire_id)
+            if request is not None:
+                self.engine.abort_request(request.engine_id)  # its "abort" output comes from the next step
+
+    def _forget(self, request: InFlight) -> None:
+        del self._in_flight[request.engine_id]
+        del request.connection.requests[request.wire_id]
 
     def _close(self, conn: Connection) -> None:
         conn.closed = True
         self._connections.discard(conn)
-        for engine_id in conn.engine_ids:
-            self._owners.pop(engine_id, None)
-            self._client_ids.pop(engine_id, None)
-            self.engine.abort_request(engine_id)
-        if conn.engine_ids:
-            log.info("connection_closed", connection=conn.id, aborted=len(conn.engine_ids))
-        conn.engine_ids.clear()
+        if conn.requests:
+            log.info("connection_closed", connection=conn.id, aborted=len(conn.requests))
+        for request in list(conn.requests.values()):
+            self.engine.abort_request(request.engine_id)
+            self._forget(request)
 
     def _shutdown(self) -> None:
         """Abort what is in flight and tell its routers (finish reason "abort"), freeing every block."""
-        for engine_id in list(self._owners):
+        for engine_id in list(self._in_flight):
             self.engine.abort_request(engine_id)
         while self.engine.has_unfinished_requests():
             self._step()
@@ -239,17 +248,15 @@ class EngineLoop:
         )
         by_conn: dict[Connection, list[worker_pb2.RequestUpdate]] = defaultdict(list)
         for out in outputs:
-            owner = self._owners.get(out.request_id)
-            if owner is None:  # its connection closed; nobody is listening
+            request = self._in_flight.get(out.request_id)  # the engine's request id is our engine id
+            if request is None:  # its connection closed; nobody is listening
                 continue
-            conn, request_id = owner
-            by_conn[conn].append(_update(request_id, out))
+            by_conn[request.connection].append(_update(request.wire_id, out))
             if out.finished:
-                del self._owners[out.request_id]
-                conn.engine_ids.discard(out.request_id)
+                self._forget(request)
                 log.info(
                     "request_finished",
-                    request_id=self._client_ids.pop(out.request_id, ""),
+                    request_id=request.client_id,
                     finish_reason=out.finish_reason,
                     prompt_tokens=out.num_prompt_tokens,
                     cached_tokens=out.num_cached_tokens,
@@ -258,22 +265,20 @@ class EngineLoop:
         for conn, updates in by_conn.items():
             conn.deliver(worker_pb2.StepOutputs(updates=updates))
 
-    def _fail(self, conn: Connection, request_id: str, code: int, message: str) -> None:
-        update = worker_pb2.RequestUpdate(request_id=request_id, error_code=code, error_message=message)
+    def _fail(self, conn: Connection, wire_id: str, code: int, message: str) -> None:
+        update = worker_pb2.RequestUpdate(request_id=wire_id, error_code=code, error_message=message)
         conn.deliver(worker_pb2.StepOutputs(updates=[update]))
 
     def _fail_all(self, message: str) -> None:
-        owners, self._owners = self._owners, {}
-        self._client_ids.clear()
-        for engine_id, (conn, request_id) in owners.items():
-            conn.engine_ids.discard(engine_id)
-            self.engine.abort_request(engine_id)
-            self._fail(conn, request_id, worker_pb2.ERROR_CODE_INTERNAL, message)
+        for request in list(self._in_flight.values()):
+            self.engine.abort_request(request.engine_id)
+            self._forget(request)
+            self._fail(request.connection, request.wire_id, worker_pb2.ERROR_CODE_INTERNAL, message)
 
 
-def _update(request_id: str, out: RequestOutput) -> worker_pb2.RequestUpdate:
+def _update(wire_id: str, out: RequestOutput) -> worker_pb2.RequestUpdate:
     update = worker_pb2.RequestUpdate(
-        request_id=request_id,
+        request_id=wire_id,
         new_token_ids=out.new_token_ids,
         num_prompt_tokens=out.num_prompt_tokens,
         num_cached_tokens=out.num_cached_tokens,

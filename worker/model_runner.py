@@ -274,14 +274,6 @@ class ModelRunner:
         return ModelRunnerOutput(sampled, output, t1 - t0, t2 - t1, time.perf_counter() - t2)
 
     @torch.inference_mode()
-    def logits_for(self, sched: SchedulerOutput) -> torch.Tensor:
-        """Logits of every scheduled token (teacher forcing); used to compare with a reference model."""
-        logits = self.forward(self.step_inputs(sched, all_logits=True))
-        if logits is None:
-            raise ValueError("logits_for needs at least one scheduled token")
-        return logits
-
-    @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model on one step's inputs, on every tensor-parallel rank: fp32 logits of the requested
         rows, or None when no row is requested (a prompt chunk that does not reach its end)."""

@@ -8,13 +8,14 @@ Policy, in order:
 2. Waiting requests in priority order (lower value first, then arrival), with prefix-cache lookup, while
    the token budget, `max_num_seqs` and free blocks allow. A prompt longer than the remaining budget is
    chunked, so a long prompt never holds running decodes back for more than one step's budget.
-The scheduler only decides; the model runner executes its SchedulerOutput, and `update` applies results.
+The scheduler only decides; the model runner executes its SchedulerOutput, and the engine (`LLMEngine._update`)
+applies the results.
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from nanovllm.worker.block_manager import BlockManager
 from nanovllm.worker.sequence import Sequence, SequenceStatus
@@ -36,7 +37,6 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence]  # decodes (one token) first, then prefill chunks
     num_decodes: int
-    preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -58,9 +58,6 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -91,7 +88,7 @@ class Scheduler:
 
         if not preempted:
             budget = self._admit_waiting(budget, decodes, prefills)
-        return SchedulerOutput(decodes + prefills, len(decodes), preempted)
+        return SchedulerOutput(decodes + prefills, len(decodes))
 
     def _admit_waiting(
         self, budget: int, decodes: list[ScheduledSequence], prefills: list[ScheduledSequence]
@@ -125,7 +122,6 @@ class Scheduler:
         self.block_manager.free(seq)
         self.running.remove(seq)
         seq.transition(SequenceStatus.WAITING)
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 

@@ -51,7 +51,6 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full, computed blocks
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    num_preemptions: int = 0
     admitted: bool = False
 
     def __post_init__(self) -> None:

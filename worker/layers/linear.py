@@ -30,17 +30,6 @@ class _ParallelLinear(nn.Module):
         raise NotImplementedError
 
 
-class ReplicatedLinear(_ParallelLinear):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(in_features, out_features, bias, TPContext())
-
-    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
-        param.data.copy_(loaded.read())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
 class ColumnParallelLinear(_ParallelLinear):
     """Output features split across ranks; no communication in forward."""
 

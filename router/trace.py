@@ -1,0 +1,74 @@
+"""One Generate call's accounting: the metrics it moves, its outcome and its final log line."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import Gauge
+
+from nanovllm.common.logging import get_logger
+from nanovllm.router.metrics import RouterMetrics
+
+log = get_logger(__name__)
+
+
+class RequestTrace:
+    """Created once a call passed validation; `close` must run exactly once, however the call ends."""
+
+    def __init__(self, metrics: RouterMetrics, request_id: str, prompt_tokens: int) -> None:
+        self.metrics = metrics
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.start = self._last_token_at = time.perf_counter()
+        self.first_token_s: float | None = None
+        self.num_tokens = 0
+        self.cached_tokens = 0
+        self.outcome = "client_cancelled"  # unless the call ends otherwise
+        self.worker = ""
+        self.attempts = 0
+        self._in_flight: Gauge | None = None
+
+    def on_worker(self, address: str) -> None:
+        """The request went to (another) worker."""
+        if self._in_flight is not None:
+            self._in_flight.dec()
+        self.worker, self.attempts = address, self.attempts + 1
+        self._in_flight = self.metrics.requests_in_flight.labels(worker=address)
+        self._in_flight.inc()
+
+    def on_tokens(self, count: int, cached_tokens: int) -> None:
+        self.cached_tokens = cached_tokens
+        if not count:
+            return
+        now = time.perf_counter()
+        if self.first_token_s is None:
+            self.first_token_s = now - self.start
+            self.metrics.time_to_first_token.observe(self.first_token_s)
+        else:
+            gap = (now - self._last_token_at) / count
+            for _ in range(count):
+                self.metrics.inter_token_latency.observe(gap)
+        self._last_token_at = now
+        self.num_tokens += count
+
+    def on_finish(self, outcome: str) -> None:
+        """The call completed with a finish reason (stop, length, cancelled, error)."""
+        self.outcome = outcome
+        self.metrics.e2e_request_latency.observe(time.perf_counter() - self.start)
+
+    def close(self) -> None:
+        if self._in_flight is not None:
+            self._in_flight.dec()
+        self.metrics.requests.labels(status=self.outcome).inc()
+        log.info(
+            "request_finished",
+            request_id=self.request_id[:64],
+            worker=self.worker,
+            outcome=self.outcome,
+            attempts=self.attempts,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.num_tokens,
+            cached_tokens=self.cached_tokens,
+            ttft_s=None if self.first_token_s is None else round(self.first_token_s, 4),
+            total_s=round(time.perf_counter() - self.start, 4),
+        )
