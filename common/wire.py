@@ -1,50 +1,43 @@
-"""Engine sampling options on the router-worker link (nanovllm.worker.v1), in both directions.
+"""Engine sampling options on the router-worker link, in both directions.
 
-The router validates a client's options into SamplingParams and sends every field; the worker rebuilds
-SamplingParams from the message, so both ends validate with the same code.
+The link's message (nanovllm.worker.v1.SamplingParams) has one field per SamplingParams field, of the same
+name, so the conversion walks the dataclass's fields: a field added to one side and not the other fails
+here (and in tests/test_protos.py), never silently. The router validates a client's options into
+SamplingParams and sends every field; the worker rebuilds SamplingParams from the message, so both ends
+validate with the same code. Fields that may be None (seed, logprobs) are proto3 `optional`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TypeVar
+
+from google.protobuf.message import Message
+
 from nanovllm.common.sampling_params import SamplingParams
-from nanovllm.worker.v1 import worker_pb2
+
+M = TypeVar("M", bound=Message)
 
 
-def sampling_to_wire(params: SamplingParams) -> worker_pb2.SamplingParams:
-    msg = worker_pb2.SamplingParams(
-        temperature=params.temperature,
-        top_k=params.top_k,
-        top_p=params.top_p,
-        min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        max_tokens=params.max_tokens,
-        min_tokens=params.min_tokens,
-        stop_token_ids=params.stop_token_ids,
-        ignore_eos=params.ignore_eos,
-    )
-    if params.seed is not None:
-        msg.seed = params.seed
-    if params.logprobs is not None:
-        msg.logprobs = params.logprobs
-    return msg
+def sampling_to_wire(params: SamplingParams, message_type: type[M]) -> M:
+    message = message_type()
+    for f in dataclasses.fields(params):
+        value = getattr(params, f.name)
+        if isinstance(value, list):
+            getattr(message, f.name).extend(value)
+        elif value is not None:  # None leaves an optional field unset
+            setattr(message, f.name, value)
+    return message
 
 
-def sampling_from_wire(msg: worker_pb2.SamplingParams) -> SamplingParams:
+def sampling_from_wire(message: Message) -> SamplingParams:
     """Raises ValueError naming the field when a value is out of range."""
-    return SamplingParams(
-        temperature=msg.temperature,
-        top_k=msg.top_k,
-        top_p=msg.top_p,
-        min_p=msg.min_p,
-        repetition_penalty=msg.repetition_penalty,
-        presence_penalty=msg.presence_penalty,
-        frequency_penalty=msg.frequency_penalty,
-        seed=msg.seed if msg.HasField("seed") else None,
-        max_tokens=msg.max_tokens,
-        min_tokens=msg.min_tokens,
-        stop_token_ids=list(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
-        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
-    )
+    values = {}
+    for f in dataclasses.fields(SamplingParams):
+        field = message.DESCRIPTOR.fields_by_name[f.name]
+        if field.has_presence and not message.HasField(f.name):
+            values[f.name] = None
+        else:
+            value = getattr(message, f.name)
+            values[f.name] = list(value) if field.is_repeated else value
+    return SamplingParams(**values)

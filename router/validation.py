@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nanovllm.common.request_checks import check_prompt
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.router.tokenizer import ModelTokenizer
 from nanovllm.v1 import generate_pb2
@@ -135,17 +136,10 @@ def validate_generate(
     """Tokenize (this may take a while: run it off the event loop) and check the prompt against the
     model. check_request must have passed."""
     ids = prompt_token_ids(request, tokenizer, info.model)
-    n, limit = len(ids), info.max_model_len
-    if n == 0:
-        raise ValueError("the prompt has no tokens; it needs at least one")
-    if n >= limit:
-        raise ValueError(
-            f"the prompt has {n} tokens but max_model_len is {limit}: at most {limit - 1} leave room to generate"
-        )
-    bad = next((t for t in ids if t >= info.vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"token_ids holds {bad}, outside the vocabulary [0, {info.vocab_size})")
-    return ValidRequest(ids, _sampling_params(request.sampling, limit - n), list(request.sampling.stop))
+    check_prompt(ids, info.max_model_len, info.vocab_size)
+    return ValidRequest(
+        ids, _sampling_params(request.sampling, info.max_model_len - len(ids)), list(request.sampling.stop)
+    )
 
 
 def _sampling_params(s: generate_pb2.SamplingParams, room: int) -> SamplingParams:

@@ -101,7 +101,7 @@ class WorkerConnection:
         submit = worker_pb2.Submit(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
-            sampling=sampling_to_wire(params),
+            sampling=sampling_to_wire(params, worker_pb2.SamplingParams),
             priority=priority,
             client_request_id=client_request_id,
         )

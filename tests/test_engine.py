@@ -162,7 +162,7 @@ def test_logprobs_match_reference(llm):
 @pytest.mark.parametrize(
     "prompt, message",
     [
-        ([], "empty"),
+        ([], "no tokens"),
         (list(range(2, 130)), "128 tokens but max_model_len is 128"),
         ([5, 512], "outside the vocabulary [0, 512)"),
     ],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import shutil
 import subprocess
@@ -9,6 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from nanovllm.common.sampling_params import SamplingParams
+from nanovllm.common.wire import sampling_from_wire, sampling_to_wire
+from nanovllm.worker.v1 import worker_pb2
 
 REPO = Path(__file__).resolve().parent.parent
 GENERATE = REPO / "protos" / "generate.py"
@@ -96,3 +101,18 @@ def test_regenerating_repairs_stale_stubs(gen, fake_repo, monkeypatch, capsys):
     assert stub.read_bytes() == (REPO / "nanovllm" / "v1" / "generate_pb2.pyi").read_bytes()
     assert run_main(gen, monkeypatch, "--check") == 0
     assert "stale" not in capsys.readouterr().err
+
+
+def test_every_sampling_field_crosses_the_worker_link():
+    """SamplingParams and the link's message have the same fields (None-able ones `optional`), so a
+    non-default value of each comes back unchanged."""
+    message_fields = worker_pb2.SamplingParams.DESCRIPTOR.fields_by_name
+    assert {f.name for f in dataclasses.fields(SamplingParams)} == set(message_fields)
+    params = SamplingParams(
+        temperature=0.5, top_k=7, top_p=0.25, min_p=0.125, repetition_penalty=1.5, presence_penalty=-0.5,
+        frequency_penalty=0.75, seed=2**40, max_tokens=33, min_tokens=3, stop_token_ids=[4, 9],
+        ignore_eos=True, logprobs=0,
+    )  # fmt: skip
+    assert sampling_from_wire(sampling_to_wire(params, worker_pb2.SamplingParams)) == params
+    unset = sampling_from_wire(sampling_to_wire(SamplingParams(), worker_pb2.SamplingParams))
+    assert unset.seed is None and unset.logprobs is None

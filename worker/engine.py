@@ -14,6 +14,7 @@ import torch
 from nanovllm.common.config import EngineConfig
 from nanovllm.common.errors import RequestError
 from nanovllm.common.logging import get_logger
+from nanovllm.common.request_checks import check_prompt, check_stop_token_ids
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.worker.block_manager import BlockManager
 from nanovllm.worker.model_runner import ModelRunner
@@ -93,20 +94,9 @@ class LLMEngine:
     ) -> None:
         if request_id in self.requests:
             raise RequestError(f"request_id {request_id!r} is already in flight")
-        n, limit, vocab = len(prompt_token_ids), self.config.max_model_len, self.model_config.vocab_size
-        if n == 0:
-            raise RequestError("prompt_token_ids is empty; a prompt needs at least one token")
-        if n >= limit:
-            raise RequestError(
-                f"prompt has {n} tokens but max_model_len is {limit}: at most {limit - 1} leave room for output"
-            )
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        # Checked here, not when sampling: an id past the logits row would fail the whole batch's step.
-        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
-        if bad is not None:
-            raise RequestError(f"stop_token_ids holds {bad}, outside the vocabulary [0, {vocab})")
+        vocab = self.model_config.vocab_size
+        check_prompt(prompt_token_ids, self.config.max_model_len, vocab)
+        check_stop_token_ids(params.stop_token_ids, vocab)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(self.runner.device).manual_seed(params.seed)
