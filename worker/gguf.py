@@ -156,27 +156,13 @@ def _remove_stale_staging(root: Path, name: str) -> None:
             continue
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> dict[str, Any]:
-    """Write the Hugging Face files for `gguf_path` into the existing directory `out_dir`; returns the
-    time each stage took (seconds) and which tokenizer path was used."""
+def _dequantized_tensors(gguf_path: Path, reader: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """Every tensor of the file as float32 torch tensors under transformers' names and layouts."""
     import gguf
     import torch
-    from safetensors.torch import save_file
 
-    start = time.perf_counter()
-    try:
-        reader = gguf.GGUFReader(str(gguf_path))
-    except (ValueError, OSError) as exc:
-        raise ConfigError(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
-    metadata = _read_metadata(reader)
-    tensor_names = [tensor.name for tensor in reader.tensors]
-    config = hf_config(metadata, tensor_names)
-    read_s = time.perf_counter() - start
-
-    start = time.perf_counter()
     tensors: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
         try:
             values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError as exc:
@@ -194,7 +180,28 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> dict[str, Any]:
         values = np.ascontiguousarray(values)
         if not values.flags.writeable:  # F32 tensors come back as views of the read-only file mapping
             values = values.copy()
-        tensors[name] = torch.from_numpy(values)
+        tensors[hf_tensor_name(tensor.name)] = torch.from_numpy(values)
+    return tensors
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> dict[str, Any]:
+    """Write the Hugging Face files for `gguf_path` into the existing directory `out_dir`; returns the
+    time each stage took (seconds) and which tokenizer path was used."""
+    import gguf
+    from safetensors.torch import save_file
+
+    start = time.perf_counter()
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
+    metadata = _read_metadata(reader)
+    tensor_names = [tensor.name for tensor in reader.tensors]
+    config = hf_config(metadata, tensor_names)
+    read_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    tensors = _dequantized_tensors(gguf_path, reader, config)
     dequantize_s = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -352,40 +359,23 @@ def generation_config(metadata: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def build_tokenizer(metadata: dict[str, Any], model_max_length: int) -> Any | None:
-    """A transformers fast tokenizer built directly from the GGUF vocabulary, or None when the file's
-    tokenizer is not a byte-level BPE with a pre-tokenizer this module knows.
+def _pre_tokenizer(pre: str) -> Any | None:
+    """The pre-tokenizer llama.cpp applies for the file's tokenizer.ggml.pre, or None for one not known."""
+    from tokenizers import pre_tokenizers
 
-    The vocabulary, merges, special tokens and decoder are what transformers' GGUF conversion produces
-    (integrations/gguf/gguf_tokenizer_mapping.py: byte_level_tokenizer, add_gguf_special_tokens). The
-    pre-tokenizer follows the name the file gives (tokenizer.ggml.pre) as llama.cpp interprets it; for
-    "smollm" that is the digit split of SmolLM2's own tokenizer.json, which transformers' GGUF conversion
-    leaves out (it falls back to plain GPT-2 splitting for names it does not list).
-    """
-    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
-    from tokenizers.models import BPE
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    if metadata.get("tokenizer.ggml.model") != "gpt2":
-        return None
-    pre = metadata.get("tokenizer.ggml.pre", "")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in _DIGITS_PRE_TOKENIZERS:
-        pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
-        )
-    elif pre in _GPT2_PRE_TOKENIZERS:
-        pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    else:
-        return None
-    tokens: list[str] = list(metadata.get("tokenizer.ggml.tokens") or [])
-    merges: list[str] = list(metadata.get("tokenizer.ggml.merges") or [])
-    token_types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [])
-    if not tokens or not merges:
-        return None
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    return byte_level if pre in _GPT2_PRE_TOKENIZERS else None
+
+
+def _byte_level_bpe(
+    tokens: list[str], merges: list[str], token_types: list[int]
+) -> tuple[Any, dict[str, int]]:
+    """The BPE model, byte-level decoder and added tokens of a GGUF vocabulary, and the vocabulary itself."""
+    from tokenizers import AddedToken, Tokenizer, decoders
+    from tokenizers.models import BPE
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     # Tokens are spelled in the byte-level alphabet; one that is not (a user-defined token stored as
     # plain text) is respelled, as transformers does.
@@ -405,7 +395,6 @@ def build_tokenizer(metadata: dict[str, Any], model_max_length: int) -> Any | No
             fuse_unk=False,
         )
     )
-    backend.pre_tokenizer = pre_tokenizer
     backend.decoder = decoders.ByteLevel()
     # Control tokens (<|im_start|>, <|endoftext|>, ...) are matched whole and are special; one spelled
     # outside the byte alphabet is a llama.cpp mislabel and is skipped, as transformers does.
@@ -423,6 +412,32 @@ def build_tokenizer(metadata: dict[str, Any], model_max_length: int) -> Any | No
             if kind == _TOKEN_USER_DEFINED and token in vocab
         ]
     )
+    return backend, vocab
+
+
+def build_tokenizer(metadata: dict[str, Any], model_max_length: int) -> Any | None:
+    """A transformers fast tokenizer built directly from the GGUF vocabulary, or None when the file's
+    tokenizer is not a byte-level BPE with a pre-tokenizer this module knows.
+
+    The vocabulary, merges, special tokens and decoder are what transformers' GGUF conversion produces
+    (integrations/gguf/gguf_tokenizer_mapping.py: byte_level_tokenizer, add_gguf_special_tokens). The
+    pre-tokenizer follows the name the file gives (tokenizer.ggml.pre) as llama.cpp interprets it; for
+    "smollm" that is the digit split of SmolLM2's own tokenizer.json, which transformers' GGUF conversion
+    leaves out (it falls back to plain GPT-2 splitting for names it does not list).
+    """
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    if metadata.get("tokenizer.ggml.model") != "gpt2":
+        return None
+    pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", ""))
+    tokens: list[str] = list(metadata.get("tokenizer.ggml.tokens") or [])
+    merges: list[str] = list(metadata.get("tokenizer.ggml.merges") or [])
+    token_types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [])
+    if pre_tokenizer is None or not tokens or not merges:
+        return None
+    backend, vocab = _byte_level_bpe(tokens, merges, token_types)
+    backend.pre_tokenizer = pre_tokenizer
 
     def special(key: str) -> str | None:
         token_id = metadata.get(f"tokenizer.ggml.{key}_token_id")
