@@ -20,7 +20,7 @@ from nanovllm.worker.block_manager import BlockManager
 from nanovllm.worker.model_runner import ModelRunner
 from nanovllm.worker.sampler import SamplerOutput, SamplingRow, TokenLogprobs
 from nanovllm.worker.scheduler import Scheduler, SchedulerOutput
-from nanovllm.worker.sequence import Sequence, SequenceStatus
+from nanovllm.worker.sequence import FinishReason, Sequence, SequenceStatus
 
 log = get_logger(__name__)
 
@@ -31,7 +31,7 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    finish_reason: FinishReason | None  # None while running
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -150,7 +150,7 @@ class LLMEngine:
         rows = [self._sampling_row(s.seq) for s in sched.scheduled if s.samples]
         result = self.runner.execute(sched, rows)
         t2 = time.perf_counter()
-        outputs.extend(self._update(sched, result.sampled_seq_ids, result.sampler_output))
+        outputs.extend(self._update(sched, result.sampler_output))
         t3 = time.perf_counter()
         self.last_step = StepStats(
             num_prefill_tokens=sched.num_tokens - sched.num_decodes,
@@ -177,16 +177,13 @@ class LLMEngine:
             banned_token_ids=banned,
         )
 
-    def _update(
-        self, sched: SchedulerOutput, sampled_ids: list[int], sampler_out: SamplerOutput
-    ) -> list[RequestOutput]:
+    def _update(self, sched: SchedulerOutput, sampler_out: SamplerOutput) -> list[RequestOutput]:
         for item in sched.scheduled:
             item.seq.num_computed_tokens = item.start + item.num_new_tokens
             self.block_manager.cache_full_blocks(item.seq)
         outputs = []
-        by_id = {s.seq.seq_id: s.seq for s in sched.scheduled}
-        for seq_id, token, logprob in zip(sampled_ids, sampler_out.token_ids, sampler_out.logprobs):
-            seq = by_id[seq_id]
+        sampled = [item.seq for item in sched.scheduled if item.samples]  # the sampler's rows, in order
+        for seq, token, logprob in zip(sampled, sampler_out.token_ids, sampler_out.logprobs):
             seq.token_ids.append(token)
             new_logprobs = []
             if logprob is not None:

@@ -32,12 +32,6 @@ from nanovllm.worker.v1 import worker_pb2
 
 log = get_logger(__name__)
 
-_FINISH_REASONS = {
-    "stop": worker_pb2.FINISH_REASON_STOP,
-    "length": worker_pb2.FINISH_REASON_LENGTH,
-    "abort": worker_pb2.FINISH_REASON_ABORT,
-}
-
 
 @dataclass(eq=False)
 class Connection:
@@ -284,7 +278,7 @@ def _update(wire_id: str, out: RequestOutput) -> worker_pb2.RequestUpdate:
         num_cached_tokens=out.num_cached_tokens,
     )
     if out.finish_reason is not None:
-        update.finish_reason = _FINISH_REASONS[out.finish_reason]
+        update.finish_reason = worker_pb2.FinishReason.Value(f"FINISH_REASON_{out.finish_reason.name}")
     for lp in out.new_logprobs:
         update.logprobs.add(
             token_id=lp.token_id,

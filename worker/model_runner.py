@@ -39,10 +39,10 @@ def _default_dtype(dtype: torch.dtype):
 
 @dataclass
 class ModelRunnerOutput:
-    """New tokens for the scheduled sequences that reached the end of their known tokens, in order,
-    and where the step's time went (input preparation and sampling are the runner's overhead)."""
+    """One new token for each scheduled sequence whose chunk `samples`, in their order in the
+    SchedulerOutput, and where the step's time went (input preparation and sampling are the runner's
+    overhead)."""
 
-    sampled_seq_ids: list[int]
     sampler_output: SamplerOutput
     prepare_s: float = 0.0
     forward_s: float = 0.0
@@ -152,12 +152,8 @@ class ModelRunner:
         self.kernel_backend = choice.backend.name  # reported by the bench and logs
         if self.tp.rank == 0:
             log.info("attention_backend_selected", backend=self.kernel_backend, reason=choice.reason)
-        for attn in self.model.attention_layers():
-            attn.backend = choice.backend
         kernels = choice.backend.kernels if isinstance(choice.backend, CpuKernelAttention) else None
-        for module in self.model.modules():
-            if hasattr(module, "cpu_kernels"):
-                module.cpu_kernels = kernels
+        self.model.bind_kernels(choice.backend, kernels)
 
     def _kv_bytes_per_block(self) -> int:
         cfg = self.config.hf_config
@@ -264,14 +260,13 @@ class ModelRunner:
         """Run one step. `rows` gives sampling state for the sequences whose chunk `samples`, in order."""
         t0 = time.perf_counter()
         inputs = self.step_inputs(sched, all_logits=False)
-        sampled = [s.seq.seq_id for s in sched.scheduled if s.samples]
         t1 = time.perf_counter()
         logits = self.forward(inputs)
         if logits is None:
-            return ModelRunnerOutput([], SamplerOutput([], []), t1 - t0, time.perf_counter() - t1)
+            return ModelRunnerOutput(SamplerOutput([], []), t1 - t0, time.perf_counter() - t1)
         t2 = time.perf_counter()
         output = self.sampler(logits, rows)
-        return ModelRunnerOutput(sampled, output, t1 - t0, t2 - t1, time.perf_counter() - t2)
+        return ModelRunnerOutput(output, t1 - t0, t2 - t1, time.perf_counter() - t2)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:

@@ -12,6 +12,15 @@ from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.worker.sampler import TokenLogprobs
 
 
+class FinishReason(str, enum.Enum):
+    """Why a request ended. A str, so LLM.generate's outputs compare equal to nano-vllm's strings; the
+    worker link's enum spells the same names (FINISH_REASON_STOP, ...)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -80,8 +89,8 @@ class Sequence:
         return (self.priority, self.seq_id)
 
     @property
-    def finish_reason(self) -> str | None:
-        return self.status.value if self.status.finished else None
+    def finish_reason(self) -> FinishReason | None:
+        return FinishReason(self.status.value) if self.status.finished else None
 
     def transition(self, new: SequenceStatus) -> None:
         if new not in _ALLOWED.get(self.status, set()):

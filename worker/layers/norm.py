@@ -16,7 +16,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        # Set by the model runner to the C++ CPU kernels (kernels/csrc) when they are in use.
+        # The C++ CPU kernels (kernels/csrc) when in use: see DecoderForCausalLM.bind_kernels.
         self.cpu_kernels: ModuleType | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

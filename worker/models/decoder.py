@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.common.config import ModelConfig
-from nanovllm.kernels.attention import AttentionMetadata
+from nanovllm.kernels.attention import AttentionBackend, AttentionMetadata
 from nanovllm.worker.layers.attention import Attention
 from nanovllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -35,7 +35,7 @@ class DecoderAttention(nn.Module):
         )
         self.head_dim = d
         self.qk_size = (self.num_heads + self.num_kv_heads) * d
-        self.cpu_kernels: ModuleType | None = None  # bound by the model runner (kernels/csrc)
+        self.cpu_kernels: ModuleType | None = None  # see DecoderForCausalLM.bind_kernels
 
     def forward(
         self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata
@@ -57,7 +57,7 @@ class DecoderMLP(nn.Module):
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], False, tp)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, tp)
-        self.cpu_kernels: ModuleType | None = None  # bound by the model runner (kernels/csrc)
+        self.cpu_kernels: ModuleType | None = None  # see DecoderForCausalLM.bind_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -142,3 +142,12 @@ class DecoderForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def bind_kernels(self, attention: AttentionBackend, cpu_kernels: ModuleType | None) -> None:
+        """Run every attention layer on `attention`, and RMSNorm, RoPE and the SwiGLU gate on the C++ CPU
+        kernels (kernels/csrc), or on PyTorch when `cpu_kernels` is None."""
+        for attn in self.attention_layers():
+            attn.backend = attention
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, DecoderAttention, DecoderMLP)):
+                module.cpu_kernels = cpu_kernels
