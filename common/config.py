@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from nanovllm.common.errors import ConfigError, UnsupportedModelError
+from nanovllm.common.options import option
 
 _SIZE_UNITS = {
     "": 1,
@@ -159,28 +160,43 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu_kernel", "triton", "flash_attn")
 class EngineConfig:
     """Everything the engine needs to know; mirrors nano-vllm's `LLM(...)` keyword arguments."""
 
-    model: str
-    max_model_len: int = 4096
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    kvcache_block_size: int = 16
-    # KV cache size: bytes, "2GiB", or a fraction (0, 1] of what is available (free RAM on CPU; on CUDA
-    # what gpu_memory_utilization leaves after the weights and activations). None: 2GiB on CPU, all of
-    # that share on CUDA.
-    kv_cache_memory: str | int | float | None = None
-    gpu_memory_utilization: float = 0.9  # on CUDA: fraction of total GPU memory this engine may use
-    device: str = "auto"
-    dtype: str = "auto"
+    model: str = option(
+        help="Hugging Face model directory (config.json + safetensors) or a .gguf file; default: the "
+        "embedded SmolLM2-135M-Instruct (GGUF, converted once into ~/.cache/nanovllm/gguf)"
+    )
+    max_model_len: int = option(4096, help="longest prompt + output, in tokens")
+    max_num_seqs: int = option(256, help="most requests in one batch")
+    max_num_batched_tokens: int = option(
+        8192, help="most tokens in one step (chunked prefill splits longer prompts)"
+    )
+    kvcache_block_size: int = option(16, flag="--block-size", help="tokens per KV-cache block")
+    kv_cache_memory: str | int | float | None = option(
+        None,
+        help="KV cache size: bytes, 2GiB, or a fraction of free RAM (CPU) or of what "
+        "--gpu-memory-utilization leaves after weights and activations (CUDA); default 2GiB on CPU, all of "
+        "that share on CUDA",
+    )
+    gpu_memory_utilization: float = option(0.9, help="on CUDA, share of GPU memory the engine may use")
+    device: str = option("auto", help="auto, cpu or cuda")
+    dtype: str = option(
+        "auto",
+        help="auto (bf16 on CUDA and on CPUs with native bf16, else float32), float32, bfloat16 or float16",
+    )
     enforce_eager: bool = True
-    tensor_parallel_size: int = 1
-    enable_prefix_caching: bool = True
-    # "auto" (the fastest the device runs), "torch", "cpu_kernel", "triton" or "flash_attn": see
-    # kernels/backends.py.
-    attention_backend: str = "auto"
-    seed: int = 0
-    # CPU threads of the torch ops, shared by the tensor-parallel ranks; None: the CPUs this process may
-    # use (affinity mask and cgroup quota, see worker/device.py).
-    num_threads: int | None = None
+    tensor_parallel_size: int = option(1, help="ranks to shard the model over")
+    enable_prefix_caching: bool = option(
+        True, flag="--no-prefix-caching", negate=True, help="turn off reuse of cached prompt prefixes"
+    )
+    attention_backend: str = option(
+        "auto",
+        help="auto (the fastest the device runs), torch, cpu_kernel, triton (CUDA) or flash_attn (CUDA)",
+    )
+    seed: int = option(0, help="seed for requests that set none")
+    num_threads: int | None = option(
+        None,
+        help="CPU threads of the model's ops, shared by the tensor-parallel ranks; default: the CPUs this "
+        "process may use (its affinity mask, capped by its cgroup CPU limit)",
+    )
     hf_config: ModelConfig | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

@@ -4,8 +4,21 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import dataclass
 
 import structlog
+
+from nanovllm.common.options import option
+
+
+@dataclass
+class LogConfig:
+    log_level: str = option("info", help="debug, info, warning or error")
+    log_format: str = option("auto", help="json, console, or auto (json unless stderr is a terminal)")
+
+    def apply(self) -> None:
+        fmt = self.log_format
+        configure_logging(self.log_level, json=None if fmt == "auto" else fmt == "json")
 
 
 def configure_logging(level: str = "INFO", json: bool | None = None) -> None:

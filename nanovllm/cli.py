@@ -6,7 +6,8 @@
   nanovllm client "prompt"               stream an answer from a router to the terminal
 
 Every flag can also be set through an environment variable, NANOVLLM_<FLAG> (e.g. NANOVLLM_MAX_NUM_SEQS);
-a flag on the command line wins. `--help` on each subcommand lists them.
+a flag on the command line wins. `--help` on each subcommand lists them. The flags are the fields of the
+config dataclasses declared with `option` (common/options.py): their names, defaults and help live there.
 """
 
 from __future__ import annotations
@@ -18,10 +19,15 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
+
+from nanovllm.client import ClientOptions, run_client
+from nanovllm.common.config import EngineConfig
+from nanovllm.common.logging import LogConfig
+from nanovllm.common.server_config import RequestLimits, RouterConfig, WorkerServerConfig
+from nanovllm.flags import build, flags_of, resolve_all
 
 # The line each server prints to stdout once bound: "nanovllm <what> listening on HOST:PORT, metrics on
 # HOST:PORT". LISTENING_RE finds the gRPC address in it.
@@ -29,163 +35,18 @@ LISTENING = "listening on"
 LISTENING_RE = re.compile(r"listening on (\S+?),? ")
 
 
-@dataclass(frozen=True)
-class Flag:
-    name: str  # e.g. "--max-num-seqs"
-    help: str
-    type: Callable[[str], Any] = str
-    default: Any = None
-    kind: str = "value"  # "value", "switch" (boolean), "list" (repeatable; comma-separated in the env)
-    required: bool = False
-
-    @property
-    def dest(self) -> str:
-        return self.name.lstrip("-").replace("-", "_")
-
-    @property
-    def env(self) -> str:
-        return "NANOVLLM_" + self.dest.upper()
-
-    def add_to(self, parser: argparse.ArgumentParser) -> None:
-        shown = "" if self.default in (None, False, []) else f"; default {self.default}"
-        help_text = f"{self.help} [env {self.env}{shown}]"
-        if self.kind == "switch":
-            parser.add_argument(self.name, action="store_true", default=None, help=help_text)
-        elif self.kind == "list":
-            parser.add_argument(self.name, action="append", type=self.type, help=help_text)
-        else:
-            parser.add_argument(self.name, type=self.type, help=help_text)
-
-    def resolve(self, value: Any) -> Any:
-        """The command line's value, else the environment's, else the default."""
-        if value is not None:
-            return value
-        raw = os.environ.get(self.env)
-        if raw is None or raw == "":
-            if self.required:
-                raise SystemExit(f"nanovllm: {self.name} is required (or set {self.env})")
-            return self.default
-        if self.kind == "switch":
-            return raw.strip().lower() in ("1", "true", "yes", "on")
-        try:
-            if self.kind == "list":
-                return [self.type(item.strip()) for item in raw.split(",") if item.strip()]
-            return self.type(raw)
-        except ValueError as exc:
-            raise SystemExit(f"nanovllm: {self.env}={raw!r} is not a valid {self.name}: {exc}") from exc
-
-
-LOG_FLAGS = [
-    Flag("--log-level", "debug, info, warning or error", default="info"),
-    Flag("--log-format", "json, console, or auto (json unless stderr is a terminal)", default="auto"),
-]
-ENGINE_FLAGS = [
-    Flag(
-        "--model",
-        "Hugging Face model directory (config.json + safetensors) or a .gguf file; default: the embedded "
-        "SmolLM2-135M-Instruct (GGUF, converted once into ~/.cache/nanovllm/gguf)",
-    ),
-    Flag("--max-model-len", "longest prompt + output, in tokens", int, 4096),
-    Flag("--max-num-seqs", "most requests in one batch", int, 256),
-    Flag(
-        "--max-num-batched-tokens",
-        "most tokens in one step (chunked prefill splits longer prompts)",
-        int,
-        8192,
-    ),
-    Flag(
-        "--kv-cache-memory",
-        "KV cache size: bytes, 2GiB, or a fraction of free RAM (CPU) or of what --gpu-memory-utilization "
-        "leaves after weights and activations (CUDA); default 2GiB on CPU, all of that share on CUDA",
-    ),
-    Flag("--gpu-memory-utilization", "on CUDA, share of GPU memory the engine may use", float, 0.9),
-    Flag("--block-size", "tokens per KV-cache block", int, 16),
-    Flag("--device", "auto, cpu or cuda", default="auto"),
-    Flag(
-        "--dtype",
-        "auto (bf16 on CUDA and on CPUs with native bf16, else float32), float32, bfloat16 or float16",
-        default="auto",
-    ),
-    Flag("--tensor-parallel-size", "ranks to shard the model over", int, 1),
-    Flag("--no-prefix-caching", "turn off reuse of cached prompt prefixes", kind="switch", default=False),
-    Flag(
-        "--attention-backend",
-        "auto (the fastest the device runs), torch, cpu_kernel, triton (CUDA) or flash_attn (CUDA)",
-        default="auto",
-    ),
-    Flag(
-        "--num-threads",
-        "CPU threads of the model's ops, shared by the tensor-parallel ranks; default: the CPUs this "
-        "process may use (its affinity mask, capped by its cgroup CPU limit)",
-        int,
-    ),
-    Flag("--seed", "seed for requests that set none", int, 0),
-    Flag("--max-queued-requests", "waiting requests beyond this get RESOURCE_EXHAUSTED", int, 1024),
-]
-WORKER_FLAGS = [
-    Flag("--host", "address to listen on", default="0.0.0.0"),
-    Flag("--port", "port to listen on (0 picks a free one)", int, 50061),
-    Flag("--metrics-port", "port of the Prometheus /metrics endpoint (0 picks a free one)", int, 9091),
-    Flag("--drain-timeout", "on SIGTERM, seconds requests in flight may take to finish", float, 30.0),
-    *ENGINE_FLAGS,
-    *LOG_FLAGS,
-]
-ROUTER_FLAGS = [
-    Flag("--worker", "worker address HOST:PORT; repeat for several workers", kind="list", required=True),
-    Flag("--host", "address to listen on", default="0.0.0.0"),
-    Flag("--port", "port to listen on (0 picks a free one)", int, 50051),
-    Flag("--metrics-port", "port of the Prometheus /metrics endpoint (0 picks a free one)", int, 9090),
-    Flag("--drain-timeout", "on SIGTERM, seconds streams in flight may take to finish", float, 30.0),
-    Flag("--max-attempts", "workers a request may be tried on before its first token", int, 3),
-    Flag(
-        "--stall-timeout",
-        "seconds a client may take no response before its stream is cut off and its request aborted",
-        float,
-        30.0,
-    ),
-    Flag("--keepalive-time", "seconds between HTTP/2 pings to each client connection", float, 20.0),
-    Flag(
-        "--keepalive-timeout", "seconds a ping may go unanswered before the connection is closed", float, 10.0
-    ),
-    Flag(
-        "--max-prompt-bytes",
-        "largest text or chat prompt accepted, in UTF-8 bytes, checked before tokenizing; default 16 bytes "
-        "per token of the model's max_model_len",
-        int,
-    ),
-    *LOG_FLAGS,
-]
+LOG_FLAGS = flags_of(LogConfig)
+ENGINE_FLAGS = flags_of(EngineConfig)
+# What `serve` forwards to its worker: the engine and its queue (the worker listens on a free local port).
+SERVE_WORKER_FLAGS = [*ENGINE_FLAGS, *flags_of(WorkerServerConfig, only=["max_queued_requests"])]
+WORKER_FLAGS = [*flags_of(WorkerServerConfig), *ENGINE_FLAGS, *LOG_FLAGS]
+ROUTER_FLAGS = [*flags_of(RouterConfig), *flags_of(RequestLimits), *LOG_FLAGS]
 SERVE_FLAGS = [
-    Flag("--host", "address the router listens on", default="127.0.0.1"),
-    Flag("--port", "port the router listens on (0 picks a free one)", int, 50051),
-    *ENGINE_FLAGS,
+    *flags_of(RouterConfig, only=["host", "port"], defaults={"host": "127.0.0.1"}),
+    *SERVE_WORKER_FLAGS,
     *LOG_FLAGS,
 ]
-CLIENT_FLAGS = [
-    Flag("--router", "router address HOST:PORT", default="127.0.0.1:50051"),
-    Flag(
-        "--completion",
-        "send the prompt as plain text to continue, instead of a user chat message (the default, rendered "
-        "with the model's chat template)",
-        kind="switch",
-    ),
-    Flag("--system", "system message of the chat"),
-    Flag("--max-tokens", "most tokens to generate", int, 256),
-    Flag("--temperature", "0 is greedy", float, 0.0),
-    Flag("--top-p", "nucleus sampling mass", float, 1.0),
-    Flag("--stop", "stop string; repeatable", kind="list", default=[]),
-]
-
-
-def _resolve(flags: Sequence[Flag], args: argparse.Namespace) -> dict[str, Any]:
-    return {flag.dest: flag.resolve(getattr(args, flag.dest)) for flag in flags}
-
-
-def _configure_logging(options: dict[str, Any]) -> None:
-    from nanovllm.common.logging import configure_logging
-
-    fmt = options["log_format"]
-    configure_logging(options["log_level"], json=None if fmt == "auto" else fmt == "json")
+CLIENT_FLAGS = flags_of(ClientOptions)
 
 
 def _announce(what: str) -> Callable[[str, str], None]:
@@ -204,77 +65,33 @@ def resolve_model(model: str | None) -> str:
     return str(prepare_gguf(Path(model) if model else embedded_model_path()))
 
 
-def _engine_config(options: dict[str, Any]):
-    from nanovllm.common.config import EngineConfig
+def _run_server(what: str, serve: Callable[..., Coroutine[Any, Any, int | None]], *configs: Any) -> int:
+    """Run a server's coroutine until SIGTERM or Ctrl-C; a port that is taken is one line, not a traceback."""
+    from nanovllm.common.serving import stop_event_on_signals
 
-    return EngineConfig(
-        model=resolve_model(options["model"]),
-        max_model_len=options["max_model_len"],
-        max_num_seqs=options["max_num_seqs"],
-        max_num_batched_tokens=options["max_num_batched_tokens"],
-        kvcache_block_size=options["block_size"],
-        kv_cache_memory=options["kv_cache_memory"],
-        gpu_memory_utilization=options["gpu_memory_utilization"],
-        device=options["device"],
-        dtype=options["dtype"],
-        tensor_parallel_size=options["tensor_parallel_size"],
-        enable_prefix_caching=not options["no_prefix_caching"],
-        attention_backend=options["attention_backend"],
-        seed=options["seed"],
-        num_threads=options["num_threads"],
-    )
+    async def main() -> int | None:
+        return await serve(*configs, stop_event_on_signals(), _announce(what))
+
+    try:
+        return asyncio.run(main()) or 0
+    except OSError as exc:
+        raise SystemExit(f"nanovllm {what}: {exc}") from exc
 
 
 def run_worker(options: dict[str, Any]) -> int:
-    from nanovllm.common.serving import stop_event_on_signals
-    from nanovllm.worker.server import WorkerServerConfig, serve_worker
+    from nanovllm.worker.server import serve_worker
 
-    _configure_logging(options)
-    engine_config = _engine_config(options)
-    config = WorkerServerConfig(
-        host=options["host"],
-        port=options["port"],
-        max_queued_requests=options["max_queued_requests"],
-        drain_timeout_s=options["drain_timeout"],
-        metrics_port=options["metrics_port"],
-    )
-
-    async def main() -> int:
-        return await serve_worker(engine_config, config, stop_event_on_signals(), _announce("worker"))
-
-    try:
-        return asyncio.run(main())
-    except OSError as exc:  # e.g. the port is taken: one line, not a traceback
-        raise SystemExit(f"nanovllm worker: {exc}") from exc
+    build(LogConfig, options).apply()
+    engine = build(EngineConfig, options, model=resolve_model(options["model"]))
+    return _run_server("worker", serve_worker, engine, build(WorkerServerConfig, options))
 
 
 def run_router(options: dict[str, Any]) -> int:
-    from nanovllm.common.serving import stop_event_on_signals
-    from nanovllm.router.server import RouterConfig, serve_router
-    from nanovllm.router.validation import RequestLimits
+    from nanovllm.router.server import serve_router
 
-    _configure_logging(options)
-    config = RouterConfig(
-        workers=options["worker"],
-        host=options["host"],
-        port=options["port"],
-        metrics_port=options["metrics_port"],
-        drain_timeout_s=options["drain_timeout"],
-        limits=RequestLimits(max_prompt_bytes=options["max_prompt_bytes"]),
-        max_attempts=options["max_attempts"],
-        stall_timeout_s=options["stall_timeout"],
-        keepalive_time_s=options["keepalive_time"],
-        keepalive_timeout_s=options["keepalive_timeout"],
-    )
-
-    async def main() -> None:
-        await serve_router(config, stop_event_on_signals(), _announce("router"))
-
-    try:
-        asyncio.run(main())
-    except OSError as exc:
-        raise SystemExit(f"nanovllm router: {exc}") from exc
-    return 0
+    build(LogConfig, options).apply()
+    config = build(RouterConfig, options, limits=build(RequestLimits, options))
+    return _run_server("router", serve_router, config)
 
 
 def _spawn(args: list[str]) -> tuple[subprocess.Popen, str]:
@@ -290,7 +107,7 @@ def _spawn(args: list[str]) -> tuple[subprocess.Popen, str]:
 def run_serve(options: dict[str, Any]) -> int:
     """A worker and a router as two processes on this machine; Ctrl-C or SIGTERM stops both."""
     worker_args = ["worker", "--host", "127.0.0.1", "--port", "0"]
-    for flag in ENGINE_FLAGS + LOG_FLAGS:
+    for flag in SERVE_WORKER_FLAGS + LOG_FLAGS:
         value = options[flag.dest]
         if flag.kind == "switch":
             worker_args += [flag.name] if value else []
@@ -343,46 +160,6 @@ class _Stop(Exception):
     """Raised by the signal handler of `nanovllm serve` to leave its wait."""
 
 
-def run_client(options: dict[str, Any], prompt: str) -> int:
-    import grpc
-
-    from nanovllm.v1 import generate_pb2, generate_pb2_grpc
-
-    request = generate_pb2.GenerateRequest(
-        sampling=generate_pb2.SamplingParams(
-            temperature=options["temperature"],
-            top_p=options["top_p"],
-            max_tokens=options["max_tokens"],
-            stop=options["stop"],
-        )
-    )
-    if not options["completion"]:
-        if options["system"]:
-            request.chat.messages.add(role="system", content=options["system"])
-        request.chat.messages.add(role="user", content=prompt)
-    else:
-        request.text = prompt
-    with grpc.insecure_channel(options["router"]) as channel:
-        stub = generate_pb2_grpc.GenerationStub(channel)
-        try:
-            for response in stub.Generate(request):
-                sys.stdout.write(response.text)
-                sys.stdout.flush()
-                if response.finish_reason:
-                    print(flush=True)  # end the answer's line on stdout; the summary goes to stderr
-                    usage = response.usage
-                    reason = generate_pb2.FinishReason.Name(response.finish_reason)
-                    print(
-                        f"[{reason.removeprefix('FINISH_REASON_').lower()}: {usage.prompt_tokens} prompt, "
-                        f"{usage.completion_tokens} completion tokens]",
-                        file=sys.stderr,
-                    )
-        except grpc.RpcError as exc:
-            print(f"\nnanovllm client: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 1
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nanovllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -405,12 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "worker":
-        return run_worker(_resolve(WORKER_FLAGS, args))
+        return run_worker(resolve_all(WORKER_FLAGS, args))
     if args.command == "router":
-        return run_router(_resolve(ROUTER_FLAGS, args))
+        return run_router(resolve_all(ROUTER_FLAGS, args))
     if args.command == "serve":
-        return run_serve(_resolve(SERVE_FLAGS, args))
-    return run_client(_resolve(CLIENT_FLAGS, args), args.prompt)
+        return run_serve(resolve_all(SERVE_FLAGS, args))
+    return run_client(resolve_all(CLIENT_FLAGS, args), args.prompt)
 
 
 if __name__ == "__main__":

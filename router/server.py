@@ -7,13 +7,14 @@ import random
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NoReturn, TypeVar
 
 import grpc
 
 from nanovllm.common.logging import get_logger
 from nanovllm.common.metrics import serve_metrics
+from nanovllm.common.server_config import RouterConfig
 from nanovllm.common.serving import GrpcServer
 from nanovllm.router.metrics import RouterMetrics
 from nanovllm.router.responses import build_response, error_response, finish_name
@@ -22,7 +23,6 @@ from nanovllm.router.tokenizer import ModelTokenizer, auto_tokenizer
 from nanovllm.router.trace import RequestTrace
 from nanovllm.router.validation import (
     NoTokenizerError,
-    RequestLimits,
     ValidRequest,
     check_prompt_size,
     check_request,
@@ -48,32 +48,6 @@ _ERROR_CODES = {
     worker_pb2.ERROR_CODE_INTERNAL: grpc.StatusCode.INTERNAL,
     worker_pb2.ERROR_CODE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
 }
-
-
-@dataclass
-class RouterConfig:
-    workers: list[str] = field(default_factory=list)  # worker addresses, HOST:PORT
-    host: str = "0.0.0.0"
-    port: int = 50051
-    metrics_port: int = 9090  # Prometheus /metrics over HTTP, on `host`; 0 picks a free port
-    # On SIGTERM, how long streams in flight may take to finish before they are cut.
-    drain_timeout_s: float = 30.0
-    shutdown_grace_s: float = 1.0
-    limits: RequestLimits = field(default_factory=RequestLimits)
-    # Workers a request may be tried on while it has no token yet (the worker was lost, draining or full);
-    # between tries a jittered backoff from retry_backoff_s, doubling.
-    max_attempts: int = 3
-    retry_backoff_s: float = 0.02
-    # A client that takes no response for this long, or leaves more than max_buffered_responses waiting
-    # behind the one it does not take, is cut off (CANCELLED) and its request aborted on the worker.
-    stall_timeout_s: float = 30.0
-    max_buffered_responses: int = 4096
-    # Threads that tokenize and render chat templates, off the event loop; more prompts wait their turn.
-    tokenizer_threads: int = 2
-    # HTTP/2 pings to clients: a connection whose ping goes unanswered is closed, cancelling its calls (a
-    # stopped client process keeps its TCP connection).
-    keepalive_time_s: float = 20.0
-    keepalive_timeout_s: float = 10.0
 
 
 class StreamStalled(Exception):

@@ -12,28 +12,10 @@ from dataclasses import dataclass
 
 from nanovllm.common.request_checks import check_prompt
 from nanovllm.common.sampling_params import SamplingParams
+from nanovllm.common.server_config import RequestLimits
 from nanovllm.router.tokenizer import ModelTokenizer
 from nanovllm.v1 import generate_pb2
 from nanovllm.worker.v1 import worker_pb2
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """What one request may carry. Each bounds the work or memory one request can cost everyone else:
-    stop strings and stop ids are checked against every new token, the request id is echoed in every
-    response and log line, and the prompt is tokenized before its length is known."""
-
-    max_request_id_bytes: int = 256
-    max_stop_strings: int = 16
-    max_stop_string_bytes: int = 1024
-    max_stop_token_ids: int = 256
-    # Text and chat prompts, in UTF-8 bytes, before tokenizing. None: 16 bytes per token of max_model_len
-    # (English averages about 4 bytes per token), so a prompt that cannot fit is refused untokenized.
-    max_prompt_bytes: int | None = None
-    prompt_bytes_per_token: int = 16
-
-    def prompt_bytes(self, max_model_len: int) -> int:
-        return self.max_prompt_bytes or self.prompt_bytes_per_token * max_model_len
 
 
 class NoTokenizerError(Exception):

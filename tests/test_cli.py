@@ -14,10 +14,11 @@ from nanovllm.cli import (
     ROUTER_FLAGS,
     SERVE_FLAGS,
     WORKER_FLAGS,
-    Flag,
-    _resolve,
     build_parser,
 )
+from nanovllm.common.config import EngineConfig
+from nanovllm.common.server_config import RequestLimits, RouterConfig
+from nanovllm.flags import Flag, build, resolve_all
 
 COMMANDS = {"serve": SERVE_FLAGS, "worker": WORKER_FLAGS, "router": ROUTER_FLAGS, "client": CLIENT_FLAGS}
 ALL_FLAGS = [flag for flags in COMMANDS.values() for flag in flags]
@@ -33,7 +34,7 @@ def clean_env(monkeypatch):
 
 def resolve(argv: list[str]) -> dict:
     args = build_parser().parse_args(argv)
-    return _resolve(COMMANDS[args.command], args)
+    return resolve_all(COMMANDS[args.command], args)
 
 
 # --- values ---------------------------------------------------------------------------------------------
@@ -277,3 +278,20 @@ def test_invalid_env_value_exits_naming_the_variable(monkeypatch):
     monkeypatch.setenv("NANOVLLM_MAX_NUM_SEQS", "abc")
     with pytest.raises(SystemExit, match=r"NANOVLLM_MAX_NUM_SEQS='abc' is not a valid --max-num-seqs"):
         resolve(["worker", "--model", "m"])
+
+
+# --- flags are the config dataclasses' fields -----------------------------------------------------------
+
+
+def test_flags_build_the_configs_they_come_from(qwen3_dir):
+    """Each flag sets its field, whatever the flag is called (--block-size is kvcache_block_size), and a
+    negating switch turns its field off (--no-prefix-caching)."""
+    model = ["--model", str(qwen3_dir)]
+    options = resolve(["worker", *model, "--block-size", "32", "--no-prefix-caching", "--num-threads", "3"])
+    engine = build(EngineConfig, options)
+    assert (engine.kvcache_block_size, engine.enable_prefix_caching, engine.num_threads) == (32, False, 3)
+    assert build(EngineConfig, resolve(["worker", *model])).enable_prefix_caching
+    options = resolve(["router", "--worker", "a:1", "--drain-timeout", "5", "--max-prompt-bytes", "100"])
+    router = build(RouterConfig, options, limits=build(RequestLimits, options))
+    assert (router.workers, router.drain_timeout_s, router.limits.max_prompt_bytes) == (["a:1"], 5.0, 100)
+    assert router.limits.max_stop_strings == RequestLimits().max_stop_strings

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -12,6 +11,7 @@ import grpc
 from nanovllm.common.config import EngineConfig
 from nanovllm.common.logging import get_logger
 from nanovllm.common.metrics import serve_metrics
+from nanovllm.common.server_config import WorkerServerConfig
 from nanovllm.common.serving import GrpcServer
 from nanovllm.worker.device import Placement
 from nanovllm.worker.engine_loop import EngineLoop
@@ -35,19 +35,6 @@ TOKENIZER_FILES = (
 
 
 MAX_ROUTER_MESSAGE_BYTES = 64 * 1024 * 1024
-
-
-@dataclass
-class WorkerServerConfig:
-    host: str = "0.0.0.0"
-    port: int = 50061
-    # Submits beyond this many waiting requests fail with RESOURCE_EXHAUSTED.
-    max_queued_requests: int = 1024
-    # On SIGTERM, how long requests in flight may take to finish before they are aborted.
-    drain_timeout_s: float = 30.0
-    # After that, how long to let the final (aborted) step outputs reach the routers.
-    shutdown_grace_s: float = 2.0
-    metrics_port: int = 9091  # Prometheus /metrics over HTTP, on `host`; 0 picks a free port
 
 
 def worker_info(config: EngineConfig, num_kv_blocks: int, placement: Placement) -> worker_pb2.WorkerInfo:

@@ -1,0 +1,81 @@
+"""The servers' settings: a worker's, a router's and the limits a router puts on each request. Each field
+declared with `option` is also a flag of `nanovllm worker` / `nanovllm router` (see common/options.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanovllm.common.options import option
+
+
+@dataclass
+class WorkerServerConfig:
+    host: str = option("0.0.0.0", help="address to listen on")
+    port: int = option(50061, help="port to listen on (0 picks a free one)")
+    metrics_port: int = option(9091, help="port of the Prometheus /metrics endpoint (0 picks a free one)")
+    max_queued_requests: int = option(1024, help="waiting requests beyond this get RESOURCE_EXHAUSTED")
+    drain_timeout_s: float = option(
+        30.0, flag="--drain-timeout", help="on SIGTERM, seconds requests in flight may take to finish"
+    )
+    # After the drain, how long to let the final (aborted) step outputs reach the routers.
+    shutdown_grace_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may carry. Each bounds the work or memory one request can cost everyone else:
+    stop strings and stop ids are checked against every new token, the request id is echoed in every
+    response and log line, and the prompt is tokenized before its length is known."""
+
+    max_request_id_bytes: int = option(256, help="longest request_id accepted, in bytes")
+    max_stop_strings: int = option(16, help="most stop strings in one request")
+    max_stop_string_bytes: int = option(1024, help="longest stop string accepted, in UTF-8 bytes")
+    max_stop_token_ids: int = option(256, help="most stop_token_ids in one request")
+    max_prompt_bytes: int | None = option(
+        None,
+        help="largest text or chat prompt accepted, in UTF-8 bytes, checked before tokenizing; default 16 "
+        "bytes per token of the model's max_model_len",
+    )
+    # English averages about 4 bytes per token: a prompt over 16 per token of max_model_len cannot fit.
+    prompt_bytes_per_token: int = 16
+
+    def prompt_bytes(self, max_model_len: int) -> int:
+        return self.max_prompt_bytes or self.prompt_bytes_per_token * max_model_len
+
+
+@dataclass
+class RouterConfig:
+    workers: list[str] = option(
+        flag="--worker",
+        required=True,
+        default_factory=list,
+        help="worker address HOST:PORT; repeat for several workers",
+    )
+    host: str = option("0.0.0.0", help="address to listen on")
+    port: int = option(50051, help="port to listen on (0 picks a free one)")
+    metrics_port: int = option(9090, help="port of the Prometheus /metrics endpoint (0 picks a free one)")
+    drain_timeout_s: float = option(
+        30.0, flag="--drain-timeout", help="on SIGTERM, seconds streams in flight may take to finish"
+    )
+    shutdown_grace_s: float = 1.0
+    limits: RequestLimits = RequestLimits()
+    max_attempts: int = option(3, help="workers a request may be tried on before its first token")
+    # Between tries, a jittered backoff from this, doubling.
+    retry_backoff_s: float = 0.02
+    stall_timeout_s: float = option(
+        30.0,
+        flag="--stall-timeout",
+        help="seconds a client may take no response before its stream is cut off and its request aborted",
+    )
+    # A client that leaves more than this many responses waiting behind one it does not take is cut off too.
+    max_buffered_responses: int = 4096
+    # Threads that tokenize and render chat templates, off the event loop; more prompts wait their turn.
+    tokenizer_threads: int = 2
+    keepalive_time_s: float = option(
+        20.0, flag="--keepalive-time", help="seconds between HTTP/2 pings to each client connection"
+    )
+    keepalive_timeout_s: float = option(
+        10.0,
+        flag="--keepalive-timeout",
+        help="seconds a ping may go unanswered before the connection is closed",
+    )
