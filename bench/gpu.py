@@ -207,10 +207,10 @@ def run_decode_steps(llm: LLM, n: int, device: torch.device) -> tuple[int, int, 
     sync(device)
     t0 = time.perf_counter()
     while steps < n and engine.has_unfinished_requests():
-        engine.step()
-        if engine.last_step.num_prefill_tokens:
+        stats = engine.step().stats
+        if stats.num_prefill_tokens:
             raise RuntimeError("a prefill step ran inside the decode window")
-        steps, tokens = steps + 1, tokens + engine.last_step.num_decode_tokens
+        steps, tokens = steps + 1, tokens + stats.num_decode_tokens
     sync(device)
     return steps, tokens, time.perf_counter() - t0
 
@@ -222,8 +222,9 @@ def decode_window(llm: LLM, workload: Workload, n: int, device: torch.device) ->
     ids = [f"window-{i}" for i in range(len(workload.prompts))]
     for rid, prompt, params in zip(ids, workload.prompts, workload.params):
         engine.add_request(rid, prompt, params)
-    while engine.load().num_waiting or engine.last_step.num_prefill_tokens:
-        engine.step()
+    prefilling = True
+    while engine.load().num_waiting or prefilling:
+        prefilling = engine.step().stats.num_prefill_tokens > 0
     steps, tokens, wall = run_decode_steps(llm, n, device)
     window = DecodeWindow(steps, tokens / max(steps, 1), wall)
     if device.type == "cuda":

@@ -49,6 +49,7 @@ from bench.models import SHAPES, build_random_model
 from nanovllm import LLM, SamplingParams
 from nanovllm.common.config import ModelConfig
 from nanovllm.worker.device import DTYPES, cpu_bf16_support, cpu_flags
+from nanovllm.worker.engine import StepResult
 
 # Token ids below this are often special (bos/eos/pad) in real vocabularies; keep prompts clear of them.
 FIRST_PROMPT_TOKEN = 10
@@ -139,22 +140,22 @@ def record_steps(llm: LLM) -> Iterator[list[StepRecord]]:
     step = engine.step
     records: list[StepRecord] = []
 
-    def recording_step() -> list[Any]:
+    def recording_step() -> StepResult:
         t0 = time.perf_counter()
-        outputs = step()
+        result = step()
         wall = time.perf_counter() - t0
-        stats = engine.last_step
+        stats = result.stats
         records.append(
             StepRecord(
                 prefill_tokens=stats.num_prefill_tokens,
                 decode_tokens=stats.num_decode_tokens,
-                sampled_rows=sum(len(o.new_token_ids) for o in outputs),
+                sampled_rows=sum(len(o.new_token_ids) for o in result.outputs),
                 overhead_s=stats.overhead_s,
                 forward_s=stats.forward_s,
                 wall_s=wall,
             )
         )
-        return outputs
+        return result
 
     engine.step = recording_step  # type: ignore[method-assign]
     try:
@@ -221,7 +222,7 @@ def nanovllm_single_stream(llm: LLM, prompt: list[int], new_tokens: int) -> floa
     t0 = time.perf_counter()
     produced = 0
     while engine.has_unfinished_requests():
-        produced += sum(len(o.new_token_ids) for o in engine.step())
+        produced += sum(len(o.new_token_ids) for o in engine.step().outputs)
     return produced / (time.perf_counter() - t0)
 
 

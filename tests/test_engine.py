@@ -25,7 +25,7 @@ def llm(qwen3_dir) -> LLM:
 def _drain(engine) -> dict[str, list]:
     outputs: dict[str, list] = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in engine.step().outputs:
             outputs.setdefault(out.request_id, []).append(out)
     return outputs
 
@@ -129,7 +129,7 @@ def test_priorities_order_admission(qwen3_dir):
     for request_id, priority in [("low", 5), ("high", -1), ("mid", 0), ("mid2", 0)]:
         llm.engine.add_request(request_id, [3, 4, 5], greedy(2), priority=priority)
     while llm.engine.has_unfinished_requests():
-        finished += [o.request_id for o in llm.engine.step() if o.finished]
+        finished += [o.request_id for o in llm.engine.step().outputs if o.finished]
     assert finished == ["high", "mid", "mid2", "low"]
 
 

@@ -70,6 +70,12 @@ class StepStats:
         return self.schedule_s + self.prepare_s + self.sample_s + self.update_s
 
 
+@dataclass
+class StepResult:
+    outputs: list[RequestOutput]  # one per request that advanced or finished this step
+    stats: StepStats
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -83,7 +89,6 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self._seq_ids = itertools.count()
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
-        self.last_step = StepStats()
 
     def add_request(
         self,
@@ -138,21 +143,20 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
         )
 
-    def step(self) -> list[RequestOutput]:
-        """Schedule, execute and apply one step; returns the requests that advanced or finished."""
+    def step(self) -> StepResult:
+        """Schedule, execute and apply one step: the requests that advanced or finished, and the timings."""
         outputs, self._aborted = self._aborted, []
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         if sched.is_empty:
-            self.last_step = StepStats(schedule_s=t1 - t0)
-            return outputs
+            return StepResult(outputs, StepStats(schedule_s=t1 - t0))
         rows = [self._sampling_row(s.seq) for s in sched.scheduled if s.samples]
         result = self.runner.execute(sched, rows)
         t2 = time.perf_counter()
         outputs.extend(self._update(sched, result.sampler_output))
         t3 = time.perf_counter()
-        self.last_step = StepStats(
+        stats = StepStats(
             num_prefill_tokens=sched.num_tokens - sched.num_decodes,
             num_decode_tokens=sched.num_decodes,
             schedule_s=t1 - t0,
@@ -161,7 +165,7 @@ class LLMEngine:
             sample_s=result.sample_s,
             update_s=t3 - t2,
         )
-        return outputs
+        return StepResult(outputs, stats)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         params = seq.params

@@ -222,14 +222,14 @@ class EngineLoop:
     def _step(self) -> None:
         start = time.perf_counter()
         try:
-            outputs = self.engine.step()
+            step = self.engine.step()
         except EngineDeadError:
             raise
         except Exception as exc:  # the engine's state is suspect: fail everything in flight, keep serving
             log.exception("engine_step_failed")
             self._fail_all(f"the engine step failed: {type(exc).__name__}: {exc}")
             return
-        stats = self.engine.last_step
+        outputs, stats = step.outputs, step.stats
         self.metrics.observe_step(
             stats, time.perf_counter() - start, sum(len(out.new_token_ids) for out in outputs)
         )

@@ -85,9 +85,9 @@ class LLM:
         prefill_tps = decode_tps = 0.0
         while self.engine.has_unfinished_requests():
             t = time.perf_counter()
-            outputs = self.engine.step()
+            step = self.engine.step()
             elapsed = max(time.perf_counter() - t, 1e-9)
-            stats = self.engine.last_step
+            outputs, stats = step.outputs, step.stats
             if stats.num_prefill_tokens:
                 prefill_tps = stats.num_prefill_tokens / elapsed
             elif stats.num_decode_tokens:
