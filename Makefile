@@ -45,7 +45,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 bench: $(STAMP)
-	$(BIN)/python bench/throughput.py
+	$(BIN)/python -m bench.throughput
 
 # Regenerate the Python gRPC stubs from protos/ (tests fail while they are stale).
 protos: $(STAMP)

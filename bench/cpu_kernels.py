@@ -9,7 +9,7 @@ asked for; a context "100-500" gives each sequence its own length, drawn uniform
 mixed lengths of a serving batch). Its K/V come from memory, as in a model (see attention_case), unless
 --warm.
 
-Usage:  .venv/bin/python bench/cpu_kernels.py [--dtypes float32 bfloat16] [--rows 1 64] [--threads N]
+Usage:  .venv/bin/python -m bench.cpu_kernels [--dtypes float32 bfloat16] [--rows 1 64] [--threads N]
             [--contexts 128 512 100-500] [--groups 3] [--head-dims 64] [--only attention] [--warm]
 """
 
@@ -21,12 +21,9 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanovllm from this checkout
 
 from nanovllm.kernels.attention import AttentionBackend, DecodeBatch
 from nanovllm.kernels.cpu_kernels import load_cpu_kernels

@@ -20,12 +20,12 @@ nothing is preempted and the rest of the GPU is left to transformers.
 
 On the GPU machine (CUDA torch in .venv; no network needed):
 
-    .venv/bin/python bench/gpu.py                        # Qwen3-0.6B shape, random weights
-    .venv/bin/python bench/gpu.py --model /path/to/Qwen3-0.6B --attention-backend triton
+    .venv/bin/python -m bench.gpu                        # Qwen3-0.6B shape, random weights
+    .venv/bin/python -m bench.gpu --model /path/to/Qwen3-0.6B --attention-backend triton
 
 CPU smoke test (tiny sizes; GPU busy is reported as n/a):
 
-    .venv/bin/python bench/gpu.py --device cpu --tiny --layers 2 --num-seqs 4 --max-input-len 64 \\
+    .venv/bin/python -m bench.gpu --device cpu --tiny --layers 2 --num-seqs 4 --max-input-len 64 \\
         --max-output-len 16 --profile-steps 4 --single-prompt 16 --single-new-tokens 8
 """
 
@@ -37,23 +37,21 @@ import gc
 import importlib.metadata
 import math
 import random
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench.*` when run as a script
-
-import transformers
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from bench.baselines import load_hf
+from bench.engine_run import nanovllm_single_stream
 from bench.models import SHAPES
-from bench.throughput import load_hf, machine_description, nanovllm_single_stream
+from bench.report import machine_description
 from nanovllm import LLM, SamplingParams
 from nanovllm.common.config import ATTENTION_BACKENDS, ModelConfig
 from nanovllm.worker.device import DTYPES, resolve_placement
@@ -253,7 +251,7 @@ def hf_generate(
     model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, temperature: float
 ) -> None:
     """One left-padded `generate` on the model's device, exactly `new_tokens` steps for every row
-    (bench/throughput.py's hf_static_batch builds CPU tensors and samples greedily only)."""
+    (bench/baselines.py's hf_static_batch builds CPU tensors and samples greedily only)."""
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=model.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
@@ -294,7 +292,7 @@ def hf_static(model: torch.nn.Module, workload: Workload, batch_size: int) -> tu
 
 
 def hf_single_stream(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> float:
-    """Greedy decode tok/s for one request: N / (t(1 + N tokens) - t(1 token)), as bench/throughput.py."""
+    """Greedy decode tok/s for one request: N / (t(1 + N tokens) - t(1 token)), as bench/baselines.py."""
     hf_generate(model, [prompt], 4, 0.0)  # warm-up
     t0 = time.perf_counter()
     hf_generate(model, [prompt], 1, 0.0)

@@ -15,7 +15,7 @@ Scenarios (all by default; --only picks some):
             default thread setting, unpinned and pinned to a CPU each: the pair's throughput as a share of
             the one worker's.
 
-Usage: .venv/bin/python bench/robustness.py [--only soak,fuzz,...] [--quick]
+Usage: .venv/bin/python -m bench.robustness [--only soak,fuzz,...] [--quick]
 Prints one markdown table per scenario.
 """
 
@@ -30,8 +30,6 @@ import itertools
 import os
 import random
 import signal
-import statistics
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -42,9 +40,7 @@ from pathlib import Path
 import grpc
 from hypothesis import HealthCheck, given, settings
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench`, `tests` when run as a script
-
-from bench.serving import cpu_model
+from bench.report import cpu_model, percentile
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from tests.fuzz import Bystanders, requests, run_request
 from tests.model_factory import build_model
@@ -271,10 +267,10 @@ def prompt(model: Path, logs: Path, runs: int) -> None:
     with servers(model, 1, logs) as (_, router):
         for run in range(runs):
             base, _ = asyncio.run(_bystander_itl(router.address, None, limit))
-            p99_base = statistics.quantiles(base, n=100)[98]
+            p99_base = percentile(base, 0.99)
             for disturb in ("1MB", "limit"):
                 gaps, codes = asyncio.run(_bystander_itl(router.address, disturb, limit))
-                p99 = statistics.quantiles(gaps, n=100)[98]
+                p99 = percentile(gaps, 0.99)
                 rows.append(
                     [
                         run + 1,

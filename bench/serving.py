@@ -16,7 +16,7 @@ Serving adds the router hop, gRPC streaming and incremental detokenization to th
 client, router and worker share this machine's cores. The target: serving throughput at high concurrency
 (all requests at once) at least 90% of offline. The greedy token ids of every request must match offline.
 
-Usage:  .venv/bin/python bench/serving.py [--num-requests 64] [--concurrency N] [--router HOST:PORT]
+Usage:  .venv/bin/python -m bench.serving [--num-requests 64] [--concurrency N] [--router HOST:PORT]
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import asyncio
 import datetime
 import gc
 import json
-import math
 import os
 import subprocess
 import sys
@@ -38,10 +37,10 @@ from pathlib import Path
 import grpc
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench`, `tests` when run as a script
-
+from bench.engine_run import build_llm, warm_up_nanovllm
 from bench.models import SHAPES, build_serving_model
-from bench.throughput import Workload, build_llm, greedy, load_average, make_workload, warm_up_nanovllm
+from bench.report import cpu_model, load_average, percentile
+from bench.workload import Workload, greedy, make_workload
 from nanovllm.common.config import ModelConfig
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from tests.services import ServerProcess, start, wait_serving
@@ -82,15 +81,6 @@ class Result:
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.wall_s
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between the closest ranks."""
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -210,11 +200,6 @@ def stop_servers(servers: dict[str, ServerProcess]) -> None:
 
 # --------------------------------------------------------------------------------------------------
 # Reporting
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "unknown")
 
 
 def ms(values: list[float], q: float) -> str:

@@ -6,7 +6,7 @@ comparison that shows the communication cost is TP=2 against TP=1 with the same 
 against TP=1 with one thread (what each rank computes with). The broadcast of each step's inputs from
 rank 0 is timed on its own.
 
-Usage: .venv/bin/python bench/tensor_parallel.py [--shape qwen3-0.6b] [--batch 1 16] [--steps 20]
+Usage: .venv/bin/python -m bench.tensor_parallel [--shape qwen3-0.6b] [--batch 1 16] [--steps 20]
 """
 
 from __future__ import annotations
@@ -14,13 +14,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` when run as a script
 
 from bench.models import SHAPES, build_random_model
 from nanovllm import LLM, SamplingParams

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -28,12 +27,7 @@ from nanovllm.common.config import EngineConfig
 from nanovllm.common.logging import LogConfig
 from nanovllm.common.server_config import RequestLimits, RouterConfig, WorkerServerConfig
 from nanovllm.flags import build, flags_of, resolve_all
-
-# The line each server prints to stdout once bound: "nanovllm <what> listening on HOST:PORT, metrics on
-# HOST:PORT". LISTENING_RE finds the gRPC address in it.
-LISTENING = "listening on"
-LISTENING_RE = re.compile(r"listening on (\S+?),? ")
-
+from nanovllm.processes import LISTENING, spawn
 
 LOG_FLAGS = flags_of(LogConfig)
 ENGINE_FLAGS = flags_of(EngineConfig)
@@ -94,16 +88,6 @@ def run_router(options: dict[str, Any]) -> int:
     return _run_server("router", serve_router, config)
 
 
-def _spawn(args: list[str]) -> tuple[subprocess.Popen, str]:
-    """Start `nanovllm <args>` and return it with the address it printed once listening."""
-    proc = subprocess.Popen([sys.executable, "-m", "nanovllm.cli", *args], stdout=subprocess.PIPE, text=True)
-    match = LISTENING_RE.search(proc.stdout.readline())
-    if match is None:
-        proc.wait()
-        raise SystemExit(f"nanovllm: `{' '.join(args[:1])}` exited with {proc.returncode} before listening")
-    return proc, match.group(1)
-
-
 def run_serve(options: dict[str, Any]) -> int:
     """A worker and a router as two processes on this machine; Ctrl-C or SIGTERM stops both."""
     worker_args = ["worker", "--host", "127.0.0.1", "--port", "0"]
@@ -122,11 +106,13 @@ def run_serve(options: dict[str, Any]) -> int:
     signal.signal(signal.SIGINT, stop)
     procs: list[subprocess.Popen] = []
     try:
-        worker, worker_address = _spawn(worker_args)
-        procs.append(worker)
+        worker = spawn(worker_args)
+        procs.append(worker.proc)
+        worker_address = worker.address
         router_args = ["router", "--worker", worker_address, "--host", options["host"]]
-        router, router_address = _spawn([*router_args, "--port", str(options["port"]), *log_args])
-        procs.append(router)
+        router = spawn([*router_args, "--port", str(options["port"]), *log_args])
+        procs.append(router.proc)
+        router_address = router.address
         model = options["model"] or "the embedded SmolLM2-135M-Instruct"
         print(f"nanovllm serving {model}: router at {router_address}, worker at {worker_address}")
         print(

@@ -8,60 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from nanovllm.cli import LISTENING_RE
+from nanovllm.processes import ServerProcess, spawn
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
 
 START_TIMEOUT_S = 180.0  # the first worker of a session may compile the C++ kernels
 
 
-@dataclass
-class ServerProcess:
-    proc: subprocess.Popen
-    address: str  # gRPC
-    metrics_address: str  # Prometheus /metrics over HTTP
-
-    def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=timeout)
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-
 def start(args: list[str], log_path: Path | None = None, cpus: set[int] | None = None) -> ServerProcess:
-    """Run `nanovllm <args>` (on the CPUs `cpus` only, when given) and return once it listens (not
-    necessarily serving yet)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    stderr = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - owned by the child
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "nanovllm.cli", *args, "--log-format", "json"],
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-        env=env,
-        preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),  # noqa: PLW1509
-    )
-    line = proc.stdout.readline()
-    match = LISTENING_RE.search(line)
-    if match is None:
-        proc.kill()
-        proc.wait()
-        raise RuntimeError(f"nanovllm {args[0]} exited before listening (log: {log_path})")
-    return ServerProcess(proc, match.group(1), line.rsplit(" ", 1)[-1].strip())
+    """`nanovllm <args>` with JSON logs to `log_path` (or nowhere), once it listens."""
+    if log_path is None:
+        log_path = Path(os.devnull)
+    return spawn([*args, "--log-format", "json"], log_path, cpus)
 
 
 def start_worker(

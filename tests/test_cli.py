@@ -19,6 +19,7 @@ from nanovllm.cli import (
 from nanovllm.common.config import EngineConfig
 from nanovllm.common.server_config import RequestLimits, RouterConfig
 from nanovllm.flags import Flag, build, resolve_all
+from nanovllm.processes import LISTENING_RE
 
 COMMANDS = {"serve": SERVE_FLAGS, "worker": WORKER_FLAGS, "router": ROUTER_FLAGS, "client": CLIENT_FLAGS}
 ALL_FLAGS = [flag for flags in COMMANDS.values() for flag in flags]
@@ -269,7 +270,7 @@ def test_announced_line_is_what_serve_waits_for(capsys):
     """run_serve and the tests read both addresses from the servers' first stdout line."""
     cli._announce("worker")("127.0.0.1:50061", "127.0.0.1:9091")
     line = capsys.readouterr().out
-    assert cli.LISTENING_RE.search(line).group(1) == "127.0.0.1:50061"
+    assert LISTENING_RE.search(line).group(1) == "127.0.0.1:50061"
     assert line.rsplit(" ", 1)[-1].strip() == "127.0.0.1:9091"
 
 

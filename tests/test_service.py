@@ -634,6 +634,6 @@ def test_port_in_use_is_a_clear_error(service, logs) -> None:
     port = service.router.address.rsplit(":", 1)[1]
     args = ["router", "--worker", service.worker.address, "--host", "127.0.0.1", "--port", port]
     args += ["--metrics-port", "0"]
-    with pytest.raises(RuntimeError, match="exited before listening"):
+    with pytest.raises(RuntimeError, match="exited with 1 before listening"):
         start(args, logs / "router.log")
     assert "cannot listen on 127.0.0.1:" in (logs / "router.log").read_text()

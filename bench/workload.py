@@ -1,0 +1,50 @@
+"""The benchmark workload: random token prompts and exact output lengths, reproducible from a seed."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from nanovllm import SamplingParams
+
+# Token ids below this are often special (bos/eos/pad) in real vocabularies; keep prompts clear of them.
+FIRST_PROMPT_TOKEN = 10
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Prompts and the exact number of tokens each request must generate."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+def make_workload(
+    num_seqs: int, vocab: int, input_range: tuple[int, int], output_range: tuple[int, int], seed: int
+) -> Workload:
+    """Random prompts and output lengths, reproducible from `seed` alone.
+
+    Lengths are drawn before any token id, so the token counts do not depend on the vocabulary size
+    and the same seed gives the same workload shape for every model.
+    """
+    rng = random.Random(seed)
+    input_lens = [rng.randint(*input_range) for _ in range(num_seqs)]
+    output_lens = [rng.randint(*output_range) for _ in range(num_seqs)]
+    prompts = [[rng.randrange(FIRST_PROMPT_TOKEN, vocab - 1) for _ in range(n)] for n in input_lens]
+    return Workload(prompts, output_lens)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    """Exactly `max_tokens` greedy tokens: ignore_eos keeps the workload independent of the weights."""
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -1,0 +1,58 @@
+"""Server processes started from Python: `nanovllm serve` starts its worker and router this way, and so
+do the tests and the benchmarks. A server prints one line to stdout once bound ("nanovllm <what>
+listening on HOST:PORT, metrics on HOST:PORT"), so `--port 0` never races for a free port."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+LISTENING = "listening on"
+LISTENING_RE = re.compile(r"listening on (\S+?),? ")
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    address: str  # gRPC
+    metrics_address: str  # Prometheus /metrics over HTTP
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM (the server drains), then wait for its exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def spawn(args: list[str], log_path: Path | None = None, cpus: set[int] | None = None) -> ServerProcess:
+    """Run `nanovllm <args>` and return once it listens (not necessarily serving yet). Its stderr goes to
+    `log_path` (appended) when given, else to this process's stderr; with `cpus`, it may run on those
+    CPUs only (its affinity mask)."""
+    log = open(log_path, "ab") if log_path else None  # noqa: SIM115 - the child's stderr
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nanovllm.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),  # noqa: PLW1509
+    )
+    if log is not None:
+        log.close()  # the child holds its own copy
+    line = proc.stdout.readline()
+    match = LISTENING_RE.search(line)
+    if match is None:
+        proc.kill()
+        proc.wait()
+        where = f" (log: {log_path})" if log_path else ""
+        raise RuntimeError(f"nanovllm {args[0]} exited with {proc.returncode} before listening{where}")
+    return ServerProcess(proc, match.group(1), line.rsplit(" ", 1)[-1].strip())
