@@ -42,6 +42,12 @@ class RouterMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.worker_queue = Gauge(
+            "nanovllm:worker_queue",
+            "Requests waiting or running on each worker, all routers' included, as this router routes on it",
+            ["worker"],
+            registry=self.registry,
+        )
         self.requests_in_flight = Gauge(
             "nanovllm:requests_in_flight",
             "Generate calls in flight on each worker",

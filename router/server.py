@@ -312,6 +312,8 @@ async def serve_router(
             asyncio.get_running_loop().create_task(server.set_serving(serving))
 
     pool = WorkerPool(config.workers, on_change)
+    for worker in pool.workers:
+        metrics.worker_queue.labels(worker=worker.address).set_function(lambda w=worker: w.queue_estimate)
     service = GenerationService(pool, metrics, config)
     generate_pb2_grpc.add_GenerationServicer_to_server(service, server.server)
     address = await server.start(config.host, config.port)

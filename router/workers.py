@@ -58,6 +58,9 @@ class WorkerConnection:
         self.info: worker_pb2.WorkerInfo | None = None
         self.connected = False
         self.draining = False  # the worker said it is shutting down: send it nothing new
+        # The worker's queue (waiting + running) as it last reported it, and what this router sent it since.
+        self.reported_queue: int | None = None
+        self._sent_since_report = 0
         self._prepare = prepare
         self._requests: dict[str, asyncio.Queue[RequestEvent]] = {}
         self._outbound: asyncio.Queue[worker_pb2.RouterMessage | None] = asyncio.Queue()
@@ -69,6 +72,14 @@ class WorkerConnection:
     @property
     def num_in_flight(self) -> int:
         return len(self._requests)
+
+    @property
+    def queue_estimate(self) -> int:
+        """Requests queued or running on the worker, every router's included: its last report plus what
+        this router sent since; before any report, this router's own requests in flight."""
+        if self.reported_queue is None:
+            return self.num_in_flight
+        return self.reported_queue + self._sent_since_report
 
     @property
     def available(self) -> bool:
@@ -98,6 +109,7 @@ class WorkerConnection:
             events.put_nowait(WorkerLost(self.address, "the worker is not connected"))
             return events
         self._requests[request_id] = events
+        self._sent_since_report += 1
         submit = worker_pb2.Submit(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -155,10 +167,15 @@ class WorkerConnection:
         self._outbound = asyncio.Queue()
         call = self.stub.Connect(self._outgoing(self._outbound))
         await call.wait_for_connection()
+        load = await self.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=INFO_TIMEOUT_S)
         self.connected, self.draining = True, False
+        self.reported_queue, self._sent_since_report = load.num_waiting + load.num_running, 0
         log.info("worker_connected", worker=self.address, model=self.info.model)
         on_change()
         async for step in call:
+            if step.HasField("load"):
+                self.reported_queue = step.load.num_waiting + step.load.num_running
+                self._sent_since_report = 0
             if step.draining:
                 self.draining = True
                 log.info("worker_draining", worker=self.address, in_flight=len(self._requests))
@@ -217,10 +234,11 @@ class WorkerPool:
         return [w for w in self.workers if w.available]
 
     def pick(self, exclude: frozenset[str] = frozenset()) -> WorkerConnection | None:
-        """The available worker with the fewest of this router's requests in flight, other than the
-        addresses in `exclude` (those a request already failed on)."""
+        """The available worker with the shortest queue (see queue_estimate: what the worker reports, so
+        several routers see each other's requests), other than the addresses in `exclude` (those a request
+        already failed on)."""
         candidates = [w for w in self.available if w.address not in exclude]
-        return min(candidates, key=lambda w: w.num_in_flight, default=None)
+        return min(candidates, key=lambda w: w.queue_estimate, default=None)
 
     async def _prepare(self, info: worker_pb2.WorkerInfo) -> bool:
         async with self._tokenizer_lock:

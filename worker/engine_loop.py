@@ -32,6 +32,8 @@ from nanovllm.worker.v1 import worker_pb2
 
 log = get_logger(__name__)
 
+LOAD_PUSH_INTERVAL_S = 0.05
+
 
 @dataclass(eq=False)
 class Connection:
@@ -68,6 +70,8 @@ class EngineLoop:
         self._in_flight: dict[str, InFlight] = {}  # by engine id
         self._connection_ids = itertools.count()
         self._connections: set[Connection] = set()
+        self._pushed_queue: tuple[int, int, int] | None = None  # (waiting, running, KV blocks) last pushed
+        self._pushed_at = 0.0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._ready: Future[None] = Future()
         # Resolves when the engine thread ends: with None after stop(), with EngineDeadError if the engine
@@ -136,6 +140,7 @@ class EngineLoop:
                     self._step()
                 self.load = self.engine.load()
                 self.metrics.observe_load(self.load)
+                self._push_load()
                 if self._draining and not self._in_flight and not self._drained.done():
                     self._drained.set_result(None)
         except EngineDeadError as exc:
@@ -156,6 +161,31 @@ class EngineLoop:
         self._connections.add(conn)
         if self._draining:
             conn.deliver(worker_pb2.StepOutputs(draining=True))
+
+    def load_message(self) -> worker_pb2.WorkerLoad:
+        load = self.load
+        return worker_pb2.WorkerLoad(
+            num_waiting=load.num_waiting,
+            num_running=load.num_running,
+            kv_blocks_used=load.kv_blocks_used,
+            kv_blocks_free=load.kv_blocks_free,
+            prefix_cache_hit_rate=load.prefix_cache_hit_rate,
+            num_preemptions=load.num_preemptions,
+            num_connections=len(self._connections),
+        )
+
+    def _push_load(self) -> None:
+        """Send every router the load once it changed; while the engine is busy, at most every
+        LOAD_PUSH_INTERVAL_S (the next iteration comes soon and will send what changed by then)."""
+        queue = (self.load.num_waiting, self.load.num_running, self.load.kv_blocks_used)
+        now = time.monotonic()
+        busy = self.engine.has_unfinished_requests()
+        if queue == self._pushed_queue or (busy and now - self._pushed_at < LOAD_PUSH_INTERVAL_S):
+            return
+        self._pushed_queue, self._pushed_at = queue, now
+        message = worker_pb2.StepOutputs(load=self.load_message())
+        for conn in self._connections:
+            conn.deliver(message)
 
     def _start_draining(self) -> None:
         """Tell every router at once, so none sends a request only to have it refused."""

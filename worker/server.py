@@ -122,17 +122,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def GetLoad(
         self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerLoad:
-        engine_loop = await self._ready(context)
-        load = engine_loop.load
-        return worker_pb2.WorkerLoad(
-            num_waiting=load.num_waiting,
-            num_running=load.num_running,
-            kv_blocks_used=load.kv_blocks_used,
-            kv_blocks_free=load.kv_blocks_free,
-            prefix_cache_hit_rate=load.prefix_cache_hit_rate,
-            num_preemptions=load.num_preemptions,
-            num_connections=engine_loop.num_connections,
-        )
+        return (await self._ready(context)).load_message()
 
 
 async def serve_worker(

@@ -1,0 +1,78 @@
+"""Routing on the workers' own reports: every worker pushes its queue to every router, so a router
+places a request by the whole fleet's load, its peers' requests included, not by its own share."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+
+from nanovllm.v1 import generate_pb2, generate_pb2_grpc
+from tests.model_factory import build_model
+from tests.services import start_router, start_worker, wait_idle, wait_serving, worker_load
+
+LONG_CONTEXT = 16384  # streams that run for seconds even on a tiny model
+CALL_TIMEOUT_S = 120.0
+
+
+def _queue_seen_by(router_metrics: str) -> dict[str, float]:
+    """The router's nanovllm:worker_queue gauge, by worker address."""
+    text = urllib.request.urlopen(f"http://{router_metrics}/metrics", timeout=10).read().decode()
+    seen = {}
+    for line in text.splitlines():
+        if line.startswith("nanovllm:worker_queue{"):
+            address = line.split('worker="', 1)[1].split('"', 1)[0]
+            seen[address] = float(line.rsplit(" ", 1)[1])
+    return seen
+
+
+def _wait_for_view(router_metrics: str, expected: dict[str, float], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (seen := _queue_seen_by(router_metrics)) != expected:
+        assert time.monotonic() < deadline, f"router sees {seen}, expected {expected}"
+        time.sleep(0.02)
+
+
+def test_second_router_routes_around_the_first_routers_load(kernels, tmp_path: Path) -> None:
+    """Router A puts two long streams on worker 0 and one on worker 1. Router B, which has sent nothing
+    yet, must see that (from the workers' reports) and put its stream on worker 1; counting only its own
+    requests it would have picked worker 0."""
+    model = build_model("qwen3", tmp_path / "model", seed=1, max_position=LONG_CONTEXT)
+    workers = [
+        start_worker(model, "--max-model-len", str(LONG_CONTEXT), log_path=tmp_path / f"worker{i}.log")
+        for i in range(2)
+    ]
+    addresses = [w.address for w in workers]
+    routers = [start_router(addresses, log_path=tmp_path / f"router{i}.log") for i in range(2)]
+    channels = [grpc.insecure_channel(r.address) for r in routers]
+    calls = []
+    try:
+        for server in (*workers, *routers):
+            wait_serving(server.address)
+        sampling = generate_pb2.SamplingParams(temperature=0, max_tokens=LONG_CONTEXT - 100, ignore_eos=True)
+        a, b = (generate_pb2_grpc.GenerationStub(c) for c in channels)
+        for i in range(3):  # A alternates between the workers as their queues grow: 0, 1, 0
+            calls.append(
+                a.Generate(
+                    generate_pb2.GenerateRequest(text=f"a{i}", sampling=sampling), timeout=CALL_TIMEOUT_S
+                )
+            )
+            next(calls[-1])
+        assert [worker_load(w).num_running for w in addresses] == [2, 1]
+        _wait_for_view(routers[1].metrics_address, {addresses[0]: 2.0, addresses[1]: 1.0})
+        calls.append(
+            b.Generate(generate_pb2.GenerateRequest(text="b", sampling=sampling), timeout=CALL_TIMEOUT_S)
+        )
+        next(calls[-1])
+        assert [worker_load(w).num_running for w in addresses] == [2, 2]
+    finally:
+        for call in calls:
+            call.cancel()
+        for channel in channels:
+            channel.close()
+        for address in addresses:
+            wait_idle(address)
+        for server in (*routers, *workers):
+            server.kill()
