@@ -165,11 +165,17 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             if done:
                 return write.result()
             waited += STALL_CHECK_S
-            if waited >= self.config.stall_timeout_s or backlog.qsize() > self.config.max_buffered_responses:
-                write.cancel()
-                raise StreamStalled(
-                    f"the client took no response for {waited:.1f} s ({backlog.qsize()} waiting)"
+            limit = self.config.max_buffered_responses
+            if waited >= self.config.stall_timeout_s:
+                reason = f"the client took no response for {waited:.1f} s (stall timeout)"
+            elif backlog.qsize() > limit:
+                reason = (
+                    f"{backlog.qsize()} responses wait behind one the client has not taken (limit {limit})"
                 )
+            else:
+                continue
+            write.cancel()
+            raise StreamStalled(reason)
 
     async def _generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -212,9 +218,13 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         except StreamStalled as exc:
             trace.outcome = "stalled"
             log.warning("client_stalled", request_id=request_id[:64], reason=str(exc))
+            # Free the worker's KV blocks first: the status below waits behind the data the client does
+            # not read, until it reads or its connection dies.
+            attempt.worker.release(attempt.wire_id, abort=worker_running)
+            trace.close()
             await context.abort(grpc.StatusCode.CANCELLED, f"the router cut this stream off: {exc}")
         finally:
-            attempt.worker.release(attempt.wire_id, abort=worker_running)
+            attempt.worker.release(attempt.wire_id, abort=worker_running)  # both no-ops when done above
             trace.close()
 
     async def _fail(

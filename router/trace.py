@@ -13,7 +13,7 @@ log = get_logger(__name__)
 
 
 class RequestTrace:
-    """Created once a call passed validation; `close` must run exactly once, however the call ends."""
+    """Created once a call passed validation; `close` must run however the call ends (it counts once)."""
 
     def __init__(self, metrics: RouterMetrics, request_id: str, prompt_tokens: int) -> None:
         self.metrics = metrics
@@ -27,6 +27,7 @@ class RequestTrace:
         self.worker = ""
         self.attempts = 0
         self._in_flight: Gauge | None = None
+        self._closed = False
 
     def on_worker(self, address: str) -> None:
         """The request went to (another) worker."""
@@ -57,6 +58,10 @@ class RequestTrace:
         self.metrics.e2e_request_latency.observe(time.perf_counter() - self.start)
 
     def close(self) -> None:
+        """Count the outcome and log the call; later calls do nothing."""
+        if self._closed:
+            return
+        self._closed = True
         if self._in_flight is not None:
             self._in_flight.dec()
         self.metrics.requests.labels(status=self.outcome).inc()

@@ -125,3 +125,55 @@ def test_frozen_client_is_dropped_by_keepalive(kernels, tmp_path: Path) -> None:
             client.wait()
         router.kill()
         worker.kill()
+
+
+SLOW_CLIENT = f"""
+import sys, time, grpc
+from nanovllm.v1 import generate_pb2, generate_pb2_grpc
+# A small receive window that does not grow: unread responses soon hold the router's writes back.
+options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+channel = grpc.insecure_channel(sys.argv[1], options=options)
+request = generate_pb2.GenerateRequest(
+    text="slow", sampling=generate_pb2.SamplingParams(temperature=0, max_tokens={LONG_CONTEXT - 100}, ignore_eos=True))
+call = generate_pb2_grpc.GenerationStub(channel).Generate(request)
+next(call)
+print("streaming", flush=True)
+time.sleep(600)  # alive (it answers keepalive pings) but reading nothing
+"""
+
+
+@pytest.mark.parametrize(
+    "stall_timeout, reason",
+    [("1", "took no response for 1.0 s (stall timeout)"), ("600", "responses wait behind one the client")],
+)
+def test_client_that_stops_reading_is_cut_off(
+    kernels, tmp_path: Path, stall_timeout: str, reason: str
+) -> None:
+    """A live client that takes no response for --stall-timeout seconds, or lets more than 4,096 responses
+    pile up behind one it does not take, has its stream cut off and its request aborted on the worker (KV
+    blocks freed) long before the generation would have ended."""
+    model = build_model("qwen3", tmp_path / "model", seed=1, max_position=LONG_CONTEXT)
+    worker = start_worker(model, "--max-model-len", str(LONG_CONTEXT), log_path=tmp_path / "worker.log")
+    router = start_router(
+        [worker.address], "--stall-timeout", stall_timeout, log_path=tmp_path / "router.log"
+    )
+    client = None
+    try:
+        wait_serving(router.address)
+        client = subprocess.Popen(
+            [sys.executable, "-c", SLOW_CLIENT, router.address], stdout=subprocess.PIPE, text=True
+        )
+        assert client.stdout.readline().strip() == "streaming"
+        wait_idle(worker.address, timeout=30)
+        events = [json.loads(line) for line in (tmp_path / "router.log").read_text().splitlines()]
+        finished = [e for e in events if e.get("event") == "request_finished"]
+        assert [e["outcome"] for e in finished] == ["stalled"]
+        assert finished[0]["completion_tokens"] < LONG_CONTEXT - 100
+        assert [reason in e["reason"] for e in events if e.get("event") == "client_stalled"] == [True]
+        assert client.poll() is None  # the client itself is fine: only its stream was cut
+    finally:
+        if client is not None:
+            client.kill()
+            client.wait()
+        router.kill()
+        worker.kill()
