@@ -27,7 +27,7 @@ from nanovllm.common.config import EngineConfig
 from nanovllm.common.logging import LogConfig
 from nanovllm.common.server_config import RequestLimits, RouterConfig, WorkerServerConfig
 from nanovllm.flags import build, flags_of, resolve_all
-from nanovllm.processes import LISTENING, spawn
+from nanovllm.processes import LISTENING, spawn, wait_until_serving
 
 LOG_FLAGS = flags_of(LogConfig)
 ENGINE_FLAGS = flags_of(EngineConfig)
@@ -114,10 +114,14 @@ def run_serve(options: dict[str, Any]) -> int:
         procs.append(router.proc)
         router_address = router.address
         model = options["model"] or "the embedded SmolLM2-135M-Instruct"
-        print(f"nanovllm serving {model}: router at {router_address}, worker at {worker_address}")
-        print(
-            f'try: {_command()} client --router {router_address} "What is the capital of France?"', flush=True
-        )
+        print(f"nanovllm loading {model}: router at {router_address}, worker at {worker_address}", flush=True)
+        # Only say "try" once a request would be answered: the worker may load for a while.
+        if wait_until_serving(router_address, alive=lambda: all(p.poll() is None for p in procs)):
+            print(f"nanovllm serving {model}")
+            print(
+                f'try: {_command()} client --router {router_address} "What is the capital of France?"',
+                flush=True,
+            )
         pid, status = os.wait()  # returns when either child exits: then stop the other
         print(f"nanovllm: process {pid} exited ({status}); stopping", file=sys.stderr)
         return 1

@@ -9,6 +9,8 @@ import re
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +33,27 @@ class ServerProcess:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
+
+
+def wait_until_serving(address: str, alive: Callable[[], bool], poll_s: float = 0.2) -> bool:
+    """Poll the server's health until it is SERVING (True), or until `alive()` turns false (False): a
+    worker may take minutes to load, or die loading, and then nothing would ever report SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while alive():
+            try:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
+                    return True
+            except grpc.RpcError:
+                pass  # not listening yet, or busy: ask again
+            time.sleep(poll_s)
+    return False
 
 
 def spawn(args: list[str], log_path: Path | None = None, cpus: set[int] | None = None) -> ServerProcess:

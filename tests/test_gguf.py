@@ -30,7 +30,6 @@ from nanovllm.worker.gguf import (
     transformers_tokenizer,
 )
 from nanovllm.worker.llm import load_tokenizer
-from tests.services import wait_serving
 
 MAX_NEW = 24
 QUESTIONS = [
@@ -270,7 +269,9 @@ def test_serve_without_model_answers_paris(gguf_path: Path, kernels, tmp_path: P
         banner = serve.stdout.readline()
         assert "embedded SmolLM2-135M-Instruct" in banner, banner
         router = banner.split("router at ")[1].split(",")[0]
-        wait_serving(router)
+        # "try: ..." is printed only once the router answers: the client runs right after it, no waiting.
+        assert serve.stdout.readline().startswith("nanovllm serving")
+        assert serve.stdout.readline().startswith("try: ")
         client = subprocess.run(
             [
                 sys.executable,

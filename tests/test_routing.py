@@ -28,6 +28,14 @@ def _queue_seen_by(router_metrics: str) -> dict[str, float]:
     return seen
 
 
+def _wait_for_running(addresses: list[str], expected: list[int], timeout: float = 30.0) -> None:
+    """The workers' running counts (GetLoad reads the engine's state as of its last step)."""
+    deadline = time.monotonic() + timeout
+    while (running := [worker_load(a).num_running for a in addresses]) != expected:
+        assert time.monotonic() < deadline, f"workers run {running}, expected {expected}"
+        time.sleep(0.02)
+
+
 def _wait_for_view(router_metrics: str, expected: dict[str, float], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while (seen := _queue_seen_by(router_metrics)) != expected:
@@ -60,13 +68,13 @@ def test_second_router_routes_around_the_first_routers_load(kernels, tmp_path: P
                 )
             )
             next(calls[-1])
-        assert [worker_load(w).num_running for w in addresses] == [2, 1]
+        _wait_for_running(addresses, [2, 1])
         _wait_for_view(routers[1].metrics_address, {addresses[0]: 2.0, addresses[1]: 1.0})
         calls.append(
             b.Generate(generate_pb2.GenerateRequest(text="b", sampling=sampling), timeout=CALL_TIMEOUT_S)
         )
         next(calls[-1])
-        assert [worker_load(w).num_running for w in addresses] == [2, 2]
+        _wait_for_running(addresses, [2, 2])
     finally:
         for call in calls:
             call.cancel()
