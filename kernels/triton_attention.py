@@ -94,6 +94,17 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _online_softmax_step(s, v, acc, l_i, m_i, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold one tile of log2-scaled scores `s` [rows, keys] and its values `v` [keys, D] into the running
+    output `acc`, row sums `l_i` and row maxima `m_i` (flash-attention's rescaling)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PRECISION)
+    return acc, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
 def _decode_kernel(
     query, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_b, stride_t, stride_h, stride_table,
@@ -124,14 +135,9 @@ def _decode_kernel(
                           stride_b, stride_t, stride_h, BLOCK_SIZE, DOT)  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
         v = _load_kv_tile(v_cache, table_row, pos, valid, kv_head, dims, d_mask,
                           stride_b, stride_t, stride_h, BLOCK_SIZE, DOT)  # fmt: skip
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        acc, l_i, m_i = _online_softmax_step(s, v, acc, l_i, m_i, DOT, PRECISION)
     mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
         o = acc / l_i[:, None]
@@ -248,15 +254,11 @@ def _prefill_kernel(
         k = _load_kv_tile(k_cache, table_row, pos, valid, kv_head, dims, d_mask,
                           stride_b, stride_t, stride_h, BLOCK_SIZE, DOT)  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        # Causal: the row max stays finite, since key 0 precedes every query.
         s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 precedes every query
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
         v = _load_kv_tile(v_cache, table_row, pos, valid, kv_head, dims, d_mask,
                           stride_b, stride_t, stride_h, BLOCK_SIZE, DOT)  # fmt: skip
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        acc, l_i, m_i = _online_softmax_step(s, v, acc, l_i, m_i, DOT, PRECISION)
     o = acc / l_i[:, None]
     tl.store(out + (first + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
              o.to(out.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])  # fmt: skip

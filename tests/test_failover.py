@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -77,48 +78,40 @@ def test_killed_worker_fails_no_new_call(two_workers) -> None:
 
 LONG_CONTEXT = 16384  # long enough that generating to the end takes many seconds even for a tiny model
 
-FROZEN_CLIENT = f"""
-import sys, grpc
+# A client process streaming one long generation; it prints "streaming" after the first response, then
+# does what `then` says. `options` are its channel's.
+CLIENT = """
+import sys, time, grpc
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
-channel = grpc.insecure_channel(sys.argv[1])
-request = generate_pb2.GenerateRequest(
-    text="frozen", sampling=generate_pb2.SamplingParams(temperature=0, max_tokens={LONG_CONTEXT - 100}, ignore_eos=True))
-call = generate_pb2_grpc.GenerationStub(channel).Generate(request)
+channel = grpc.insecure_channel(sys.argv[1], options={options})
+sampling = generate_pb2.SamplingParams(temperature=0, max_tokens={max_tokens}, ignore_eos=True)
+call = generate_pb2_grpc.GenerationStub(channel).Generate(generate_pb2.GenerateRequest(text="c", sampling=sampling))
 next(call)
 print("streaming", flush=True)
-for _ in call:
-    pass
+{then}
 """
 
 
-def test_frozen_client_is_dropped_by_keepalive(kernels, tmp_path: Path) -> None:
-    """A stopped client process keeps its TCP connection open, but answers no HTTP/2 ping: the router closes
-    the connection after the keepalive timeout, which cancels the call and frees its KV blocks."""
+@contextmanager
+def long_stream(tmp_path: Path, client_options: str, then: str, *router_flags: str) -> Iterator[tuple]:
+    """A worker that can generate for many seconds, a router with `router_flags`, and a client process
+    already streaming from it. Yields (worker, client, the router's log events as a function)."""
     model = build_model("qwen3", tmp_path / "model", seed=1, max_position=LONG_CONTEXT)
     worker = start_worker(model, "--max-model-len", str(LONG_CONTEXT), log_path=tmp_path / "worker.log")
-    router = start_router(
-        [worker.address],
-        "--keepalive-time",
-        "1",
-        "--keepalive-timeout",
-        "1",
-        log_path=tmp_path / "router.log",
-    )
+    router = start_router([worker.address], *router_flags, log_path=tmp_path / "router.log")
     client = None
     try:
         wait_serving(router.address)
+        script = CLIENT.format(options=client_options, max_tokens=LONG_CONTEXT - 100, then=then)
         client = subprocess.Popen(
-            [sys.executable, "-c", FROZEN_CLIENT, router.address], stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", script, router.address], stdout=subprocess.PIPE, text=True
         )
         assert client.stdout.readline().strip() == "streaming"
-        client.send_signal(signal.SIGSTOP)
-        assert worker_load(worker.address).num_running == 1
-        wait_idle(worker.address, timeout=30)
-        assert client.poll() is None  # still there, still stopped
-        finished = [json.loads(line) for line in (tmp_path / "router.log").read_text().splitlines()]
-        finished = [e for e in finished if e.get("event") == "request_finished"]
-        assert [e["outcome"] for e in finished] == ["client_cancelled"]
-        assert finished[0]["completion_tokens"] < LONG_CONTEXT - 100  # cut off, not run to the end
+
+        def events() -> list[dict]:
+            return [json.loads(line) for line in (tmp_path / "router.log").read_text().splitlines()]
+
+        yield worker, client, events
     finally:
         if client is not None:
             client.kill()
@@ -127,19 +120,26 @@ def test_frozen_client_is_dropped_by_keepalive(kernels, tmp_path: Path) -> None:
         worker.kill()
 
 
-SLOW_CLIENT = f"""
-import sys, time, grpc
-from nanovllm.v1 import generate_pb2, generate_pb2_grpc
+def finished(events: list[dict]) -> list[dict]:
+    return [e for e in events if e.get("event") == "request_finished"]
+
+
+def test_frozen_client_is_dropped_by_keepalive(kernels, tmp_path: Path) -> None:
+    """A stopped client process keeps its TCP connection open, but answers no HTTP/2 ping: the router closes
+    the connection after the keepalive timeout, which cancels the call and frees its KV blocks."""
+    keepalive = ("--keepalive-time", "1", "--keepalive-timeout", "1")
+    with long_stream(tmp_path, "[]", "for _ in call: pass", *keepalive) as (worker, client, events):
+        client.send_signal(signal.SIGSTOP)
+        assert worker_load(worker.address).num_running == 1
+        wait_idle(worker.address, timeout=30)
+        assert client.poll() is None  # still there, still stopped
+        done = finished(events())
+        assert [e["outcome"] for e in done] == ["client_cancelled"]
+        assert done[0]["completion_tokens"] < LONG_CONTEXT - 100  # cut off, not run to the end
+
+
 # A small receive window that does not grow: unread responses soon hold the router's writes back.
-options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
-channel = grpc.insecure_channel(sys.argv[1], options=options)
-request = generate_pb2.GenerateRequest(
-    text="slow", sampling=generate_pb2.SamplingParams(temperature=0, max_tokens={LONG_CONTEXT - 100}, ignore_eos=True))
-call = generate_pb2_grpc.GenerationStub(channel).Generate(request)
-next(call)
-print("streaming", flush=True)
-time.sleep(600)  # alive (it answers keepalive pings) but reading nothing
-"""
+SMALL_WINDOW = '[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]'
 
 
 @pytest.mark.parametrize(
@@ -152,28 +152,12 @@ def test_client_that_stops_reading_is_cut_off(
     """A live client that takes no response for --stall-timeout seconds, or lets more than 4,096 responses
     pile up behind one it does not take, has its stream cut off and its request aborted on the worker (KV
     blocks freed) long before the generation would have ended."""
-    model = build_model("qwen3", tmp_path / "model", seed=1, max_position=LONG_CONTEXT)
-    worker = start_worker(model, "--max-model-len", str(LONG_CONTEXT), log_path=tmp_path / "worker.log")
-    router = start_router(
-        [worker.address], "--stall-timeout", stall_timeout, log_path=tmp_path / "router.log"
-    )
-    client = None
-    try:
-        wait_serving(router.address)
-        client = subprocess.Popen(
-            [sys.executable, "-c", SLOW_CLIENT, router.address], stdout=subprocess.PIPE, text=True
-        )
-        assert client.stdout.readline().strip() == "streaming"
+    sleeping = "time.sleep(600)  # alive (it answers keepalive pings) but reading nothing"
+    stall = ("--stall-timeout", stall_timeout)
+    with long_stream(tmp_path, SMALL_WINDOW, sleeping, *stall) as (worker, client, events):
         wait_idle(worker.address, timeout=30)
-        events = [json.loads(line) for line in (tmp_path / "router.log").read_text().splitlines()]
-        finished = [e for e in events if e.get("event") == "request_finished"]
-        assert [e["outcome"] for e in finished] == ["stalled"]
-        assert finished[0]["completion_tokens"] < LONG_CONTEXT - 100
-        assert [reason in e["reason"] for e in events if e.get("event") == "client_stalled"] == [True]
+        done = finished(events())
+        assert [e["outcome"] for e in done] == ["stalled"]
+        assert done[0]["completion_tokens"] < LONG_CONTEXT - 100
+        assert [reason in e["reason"] for e in events() if e.get("event") == "client_stalled"] == [True]
         assert client.poll() is None  # the client itself is fine: only its stream was cut
-    finally:
-        if client is not None:
-            client.kill()
-            client.wait()
-        router.kill()
-        worker.kill()
