@@ -28,3 +28,20 @@ def check_stop_token_ids(token_ids: Sequence[int], vocab_size: int, field: str =
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise RequestError(f"{field} holds {bad}, outside the vocabulary [0, {vocab_size})")
+
+
+def check_resumed_outputs(
+    token_ids: Sequence[int], num_prompt_tokens: int, max_tokens: int, max_model_len: int, vocab_size: int
+) -> None:
+    """A request resumed with the tokens it already generated must still have one token to go."""
+    n = len(token_ids)
+    if n >= max_tokens:
+        raise RequestError(
+            f"output_token_ids holds {n} tokens: max_tokens {max_tokens} leaves none to generate"
+        )
+    if num_prompt_tokens + n >= max_model_len:
+        raise RequestError(
+            f"the prompt ({num_prompt_tokens} tokens) and output_token_ids ({n}) fill max_model_len "
+            f"{max_model_len}: none is left to generate"
+        )
+    check_stop_token_ids(token_ids, vocab_size, field="output_token_ids")

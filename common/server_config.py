@@ -60,6 +60,18 @@ class RouterConfig:
     shutdown_grace_s: float = 1.0
     limits: RequestLimits = RequestLimits()
     max_attempts: int = option(3, help="workers a request may be tried on before its first token")
+    resume_streams: bool = option(
+        True,
+        flag="--no-resume-streams",
+        negate=True,
+        help="do not move a stream whose worker fails mid-generation to another worker (it then ends "
+        "UNAVAILABLE)",
+    )
+    max_resumes: int = option(
+        8, help="times one stream may move to another worker after its worker failed mid-generation"
+    )
+    # How long a stream whose worker failed mid-generation waits for another worker to take it.
+    resume_wait_s: float = 10.0
     # Between tries, a jittered backoff from this, doubling.
     retry_backoff_s: float = 0.02
     stall_timeout_s: float = option(

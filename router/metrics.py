@@ -42,6 +42,13 @@ class RouterMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.resumes = Counter(
+            "nanovllm:request_resumes",
+            "Streams moved to another worker mid-generation, with the tokens they had, by why: worker_lost, "
+            "worker_unavailable, worker_full (the new worker refused it and it moved again)",
+            ["reason"],
+            registry=self.registry,
+        )
         self.worker_queue = Gauge(
             "nanovllm:worker_queue",
             "Requests waiting or running on each worker, all routers' included, as this router routes on it",

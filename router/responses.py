@@ -24,9 +24,10 @@ def build_response(
     request_id: str,
     with_token_ids: bool,
     num_tokens: int,
+    cached_tokens: int,
 ) -> generate_pb2.GenerateResponse | None:
     """The response for one worker update of a request that has produced `num_tokens` so far (this
-    update's included), or None when it carries nothing to send yet. A response with finish_reason set
+    update's included) and found `cached_tokens` of its prompt in the prefix cache, or None when it carries nothing to send yet. A response with finish_reason set
     is the call's last: the worker finished the request, or a stop string matched in the text."""
     text = stream.push(update.new_token_ids)
     finish = _FINISH_REASONS.get(update.finish_reason)
@@ -45,7 +46,7 @@ def build_response(
         response.finish_reason = finish
         response.usage.prompt_tokens = update.num_prompt_tokens
         response.usage.completion_tokens = num_tokens
-        response.usage.cached_prompt_tokens = update.num_cached_tokens
+        response.usage.cached_prompt_tokens = cached_tokens
         return response
     return response if text or response.token_ids or response.logprobs else None
 

@@ -138,17 +138,28 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         self,
         valid: ValidRequest,
         request: generate_pb2.GenerateRequest,
-        request_id: str,
         trace: RequestTrace,
-        tried: frozenset[str] = frozenset(),
     ) -> _Attempt | None:
-        """Send the request to the least busy available worker not in `tried`; None when there is none."""
-        worker = self.pool.pick(exclude=tried)
+        """Send a new request to the least busy available worker; None when there is none."""
+        worker = self.pool.pick()
         if worker is None:
             return None
+        return self._submit_to(worker, valid, request, trace, frozenset(), [])
+
+    def _submit_to(
+        self,
+        worker: WorkerConnection,
+        valid: ValidRequest,
+        request: generate_pb2.GenerateRequest,
+        trace: RequestTrace,
+        tried: frozenset[str],
+        generated: list[int],
+    ) -> _Attempt:
         trace.on_worker(worker.address)
         wire_id = uuid.uuid4().hex  # unique on the worker link whatever ids clients choose
-        events = worker.submit(wire_id, valid.prompt_token_ids, valid.params, request.priority, request_id)
+        events = worker.submit(
+            wire_id, valid.prompt_token_ids, valid.params, request.priority, trace.request_id, generated
+        )
         return _Attempt(worker, wire_id, events, tried | {worker.address})
 
     async def _send(
@@ -183,28 +194,32 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         valid, tokenizer = await self._admit(request, context)
         request_id = request.request_id or uuid.uuid4().hex
         trace = RequestTrace(self.metrics, request_id, len(valid.prompt_token_ids))
-        attempt = self._submit(valid, request, request_id, trace)
+        attempt = self._submit(valid, request, trace)
         if attempt is None:
             message = f"no worker is reachable ({self.pool.addresses})"
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, message)
         stream = TextStream(tokenizer.backend if tokenizer else None, valid.stop)
         with_ids = request.return_token_ids or tokenizer is None  # without a tokenizer, ids are all there is
+        generated: list[int] = []  # every token the workers produced for this call, in order
         worker_running = True  # until the worker reports the request ended there
         try:
             while True:
                 event = await attempt.events.get()
-                reason = _retry_reason(event) if trace.num_tokens == 0 else None
-                if reason is not None and trace.attempts < self.config.max_attempts:
-                    retried = await self._retry(attempt, valid, request, trace, reason)
-                    if retried is not None:
-                        attempt = retried
+                reason = _retry_reason(event)
+                if reason is not None:
+                    moved = await self._move(attempt, valid, request, trace, reason, generated)
+                    if moved is not None:
+                        attempt = moved
                         continue
                 if isinstance(event, WorkerLost) or event.error_code != worker_pb2.ERROR_CODE_UNSPECIFIED:
                     worker_running = False
                     await self._fail(context, event, stream, trace, attempt.events)
                     return
+                generated.extend(event.new_token_ids)
                 trace.on_tokens(len(event.new_token_ids), event.num_cached_tokens)
-                response = build_response(event, stream, request_id, with_ids, trace.num_tokens)
+                response = build_response(
+                    event, stream, request_id, with_ids, trace.num_tokens, trace.cached_tokens
+                )
                 if response is None:
                     continue
                 if response.finish_reason:
@@ -249,23 +264,48 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         trace.outcome = code.name.lower()
         await context.abort(code, event.error_message)
 
-    async def _retry(
+    async def _move(
         self,
         failed: _Attempt,
         valid: ValidRequest,
         request: generate_pb2.GenerateRequest,
         trace: RequestTrace,
         reason: str,
+        generated: list[int],
     ) -> _Attempt | None:
-        """Move a request that has no token yet off a worker that failed it; None when no other worker
-        is available (the failure then stands)."""
+        """Send a request its worker could not serve to another worker; None when the failure stands.
+
+        Before its first token, a retry: up to max_attempts workers, each tried once. After it, a resume
+        (resume_streams): the new worker gets the tokens generated so far and continues after them, and
+        since a seeded sampler's draws depend only on the seed and the position, the client's stream goes
+        on as if nothing had happened."""
+        if not generated:
+            if trace.attempts >= self.config.max_attempts:
+                return None
+            exclude, counter = failed.tried, self.metrics.retries
+        elif self.config.resume_streams and trace.resumes < self.config.max_resumes:
+            exclude, counter = frozenset({failed.worker.address}), self.metrics.resumes
+        else:
+            return None
         backoff = self.config.retry_backoff_s * 2 ** (trace.attempts - 1)
         await asyncio.sleep(random.uniform(0.5, 1.0) * backoff)  # jitter: retries do not arrive in waves
-        attempt = self._submit(valid, request, trace.request_id, trace, failed.tried)
-        if attempt is not None:
-            failed.worker.release(failed.wire_id, abort=False)  # it ended there already
-            self.metrics.retries.labels(reason=reason).inc()
-            log.info("request_retried", request_id=trace.request_id[:64], reason=reason, worker=trace.worker)
+        if generated:
+            worker = await self.pool.wait_for_worker(exclude, self.config.resume_wait_s)
+        else:
+            worker = self.pool.pick(exclude)
+        if worker is None:
+            return None
+        failed.worker.release(failed.wire_id, abort=False)  # it ended there already
+        attempt = self._submit_to(worker, valid, request, trace, failed.tried, generated)
+        trace.resumes += bool(generated)
+        counter.labels(reason=reason).inc()
+        log.info(
+            "request_resumed" if generated else "request_retried",
+            request_id=trace.request_id[:64],
+            reason=reason,
+            worker=worker.address,
+            tokens_so_far=len(generated),
+        )
         return attempt
 
     async def Tokenize(

@@ -26,6 +26,7 @@ class RequestTrace:
         self.outcome = "client_cancelled"  # unless the call ends otherwise
         self.worker = ""
         self.attempts = 0
+        self.resumes = 0  # times the stream moved to another worker after its first token
         self._in_flight: Gauge | None = None
         self._closed = False
 
@@ -38,7 +39,9 @@ class RequestTrace:
         self._in_flight.inc()
 
     def on_tokens(self, count: int, cached_tokens: int) -> None:
-        self.cached_tokens = cached_tokens
+        """`cached_tokens` counts while no token has come: a resumed stream keeps its first worker's."""
+        if self.first_token_s is None:
+            self.cached_tokens = cached_tokens
         if not count:
             return
         now = time.perf_counter()
@@ -71,6 +74,7 @@ class RequestTrace:
             worker=self.worker,
             outcome=self.outcome,
             attempts=self.attempts,
+            resumes=self.resumes,
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.num_tokens,
             cached_tokens=self.cached_tokens,

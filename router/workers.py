@@ -102,8 +102,10 @@ class WorkerConnection:
         params: SamplingParams,
         priority: int,
         client_request_id: str = "",
+        output_token_ids: list[int] | None = None,
     ) -> asyncio.Queue[RequestEvent]:
-        """Send a request; its updates (and a WorkerLost if the worker goes away) arrive on the queue."""
+        """Send a request; its updates (and a WorkerLost if the worker goes away) arrive on the queue.
+        `output_token_ids` resumes a stream with the tokens another worker generated for it."""
         events: asyncio.Queue[RequestEvent] = asyncio.Queue()
         if not self.connected:
             events.put_nowait(WorkerLost(self.address, "the worker is not connected"))
@@ -116,6 +118,7 @@ class WorkerConnection:
             sampling=sampling_to_wire(params, worker_pb2.SamplingParams),
             priority=priority,
             client_request_id=client_request_id,
+            output_token_ids=output_token_ids or (),
         )
         self._outbound.put_nowait(worker_pb2.RouterMessage(submit=submit))
         return events
@@ -215,6 +218,7 @@ class WorkerPool:
         self._on_change = on_change
         self.workers = [WorkerConnection(address, self._prepare) for address in addresses]
         self._tokenizer_lock = asyncio.Lock()
+        self._change = asyncio.Event()  # set (and replaced) whenever a worker connects, drains or goes
 
     def start(self) -> None:
         for worker in self.workers:
@@ -240,6 +244,19 @@ class WorkerPool:
         candidates = [w for w in self.available if w.address not in exclude]
         return min(candidates, key=lambda w: w.queue_estimate, default=None)
 
+    async def wait_for_worker(self, exclude: frozenset[str], timeout: float) -> WorkerConnection | None:
+        """pick(exclude), or else any available worker, waiting up to `timeout` seconds for one to connect
+        (a worker restarting after a crash)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (worker := self.pick(exclude) or self.pick()) is None:
+            change = self._change
+            try:
+                await asyncio.wait_for(change.wait(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                return None
+        return worker
+
     async def _prepare(self, info: worker_pb2.WorkerInfo) -> bool:
         async with self._tokenizer_lock:
             if self.info is None:
@@ -260,4 +277,6 @@ class WorkerPool:
         return True
 
     def _changed(self) -> None:
+        self._change.set()
+        self._change = asyncio.Event()
         self._on_change(bool(self.available))

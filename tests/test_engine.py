@@ -190,6 +190,52 @@ def test_out_of_vocabulary_stop_id_fails_only_its_request(llm):
     assert _all_free(llm)
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(
+            temperature=1.0,
+            seed=5,
+            top_k=40,
+            min_tokens=20,
+            max_tokens=24,
+            frequency_penalty=0.5,
+            repetition_penalty=1.2,
+        ),
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_a_resumed_request_continues_exactly(llm, params):
+    """add_request with the first n output tokens (a stream moved off a failed worker) produces exactly the
+    rest of the unbroken run: max_tokens, min_tokens, penalties and the seeded draws all count them."""
+    engine = llm.engine
+    prompt = [9, 10, 11, 12]
+    engine.add_request("whole", prompt, params)
+    whole = [t for out in _drain(engine)["whole"] for t in out.new_token_ids]
+    assert len(set(whole)) > 3
+    for n in (1, 9, len(whole) - 1):
+        engine.add_request("resumed", prompt, params, output_token_ids=whole[:n])
+        outputs = _drain(engine)["resumed"]
+        assert [t for out in outputs for t in out.new_token_ids] == whole[n:]
+        assert outputs[-1].num_output_tokens == len(whole)
+    assert _all_free(llm)
+
+
+@pytest.mark.parametrize(
+    "outputs, max_tokens, message",
+    [
+        ([5] * 4, 4, "output_token_ids holds 4 tokens: max_tokens 4 leaves none to generate"),
+        ([5] * 124, 200, r"the prompt \(4 tokens\) and output_token_ids \(124\) fill max_model_len 128"),
+        ([5, 512], 8, r"output_token_ids holds 512, outside the vocabulary \[0, 512\)"),
+    ],
+)
+def test_bad_resumed_outputs_are_rejected(llm, outputs, max_tokens, message):
+    with pytest.raises(RequestError, match=message):
+        llm.engine.add_request("bad", [3, 4, 5, 6], greedy(max_tokens), output_token_ids=outputs)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_duplicate_request_id_rejected(llm):
     llm.engine.add_request("dup", [3], greedy(1))
     with pytest.raises(RequestError, match="already in flight"):

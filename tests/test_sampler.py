@@ -14,17 +14,17 @@ from nanovllm.worker.sampler import (
     SamplingRow,
     apply_penalties,
     filtered_probs,
+    position_seed,
 )
 
 VOCAB = 64
 
 
-def make_row(params: SamplingParams, prompt=(), output=(), generator=None, banned=()) -> SamplingRow:
+def make_row(params: SamplingParams, prompt=(), output=(), banned=()) -> SamplingRow:
     return SamplingRow(
         params=params,
         prompt_token_ids=list(prompt),
         output_token_ids=list(output),
-        generator=generator,
         banned_token_ids=list(banned),
     )
 
@@ -236,18 +236,23 @@ def test_sampling_frequencies_match_distribution(params: SamplingParams):
     assert np.all(np.abs(freq - want) <= 5 * sigma + 1e-9), (freq, want)
 
 
-def test_seeded_draws_use_one_generator_per_row():
-    """A seeded row's draws match an exponential race run by hand with the same seed."""
+def test_seeded_draws_depend_on_the_seed_and_position_alone():
+    """A seeded row's n-th draw is an exponential race run with position_seed(seed, n), whatever came
+    before: a fresh sampler given the first n tokens (a request resumed on another worker) draws the same."""
     logits = rand_logits(1, seed=5)
     params = SamplingParams(temperature=0.9, seed=7)
     probs = filtered_probs(logits, [make_row(params)])[0]
-    ref_gen = torch.Generator().manual_seed(7)
-    gen = torch.Generator().manual_seed(7)
-    sampler = Sampler()
-    for _ in range(5):
-        q = torch.empty(VOCAB).exponential_(generator=ref_gen)
+    sampler, out = Sampler(), []
+    for n in range(12):
+        q = torch.empty(VOCAB).exponential_(generator=torch.Generator().manual_seed(position_seed(7, n)))
         want = int((probs / q).argmax())
-        assert sampler(logits, [make_row(params, generator=gen)]).token_ids[0] == want
+        assert sampler(logits, [make_row(params, output=out)]).token_ids[0] == want
+        out.append(want)
+    assert len(set(out)) > 3, "the test distribution should not be degenerate"
+    for n in (0, 5, 11):
+        resumed = Sampler(torch.Generator().manual_seed(n + 100))(logits, [make_row(params, output=out[:n])])
+        assert resumed.token_ids == [out[n]]
+    assert position_seed(7, 0) != position_seed(7, 1) != position_seed(8, 1)
 
 
 # --------------------------------------------------------------------------- reproducibility
@@ -256,7 +261,6 @@ def test_seeded_draws_use_one_generator_per_row():
 def _run_target(position: int | None, steps: int = 20) -> list[int]:
     """Sample `steps` tokens for one seeded request, alone or at `position` in a batch of 8."""
     target_params = SamplingParams(temperature=0.8, top_p=0.95, frequency_penalty=0.3, seed=1234)
-    target_gen = torch.Generator().manual_seed(1234)
     target_logits = rand_logits(1, seed=6)[0]
     others = [
         SamplingParams(temperature=1.0, seed=99),
@@ -267,17 +271,16 @@ def _run_target(position: int | None, steps: int = 20) -> list[int]:
         SamplingParams(temperature=0.0, logprobs=2),
         SamplingParams(temperature=1.0, min_p=0.1),
     ]
-    other_gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in others]
     other_out: list[list[int]] = [[] for _ in others]
     out: list[int] = []
     sampler = Sampler(torch.Generator().manual_seed(position or 0))
     noise = torch.Generator().manual_seed(42 + (position or 0))
     for _ in range(steps):
-        target = make_row(target_params, prompt=[1, 2, 3], output=out, generator=target_gen)
+        target = make_row(target_params, prompt=[1, 2, 3], output=out)
         if position is None:
             rows, logits = [target], target_logits.unsqueeze(0)
         else:
-            rows = [make_row(p, [4], o, g) for p, o, g in zip(others, other_out, other_gens)]
+            rows = [make_row(p, [4], o) for p, o in zip(others, other_out)]
             rows.insert(position, target)
             logits = torch.randn(8, VOCAB, generator=noise) * 2
             logits[position] = target_logits

@@ -9,12 +9,10 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from nanovllm.common.config import EngineConfig
 from nanovllm.common.errors import RequestError
 from nanovllm.common.logging import get_logger
-from nanovllm.common.request_checks import check_prompt, check_stop_token_ids
+from nanovllm.common.request_checks import check_prompt, check_resumed_outputs, check_stop_token_ids
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.worker.block_manager import BlockManager
 from nanovllm.worker.model_runner import ModelRunner
@@ -96,22 +94,27 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        output_token_ids: list[int] | None = None,
     ) -> None:
+        """Queue a request. `output_token_ids` resumes one that generated those tokens elsewhere: it goes on
+        after them exactly as if it had produced them here (see Submit.output_token_ids)."""
         if request_id in self.requests:
             raise RequestError(f"request_id {request_id!r} is already in flight")
         vocab = self.model_config.vocab_size
         check_prompt(prompt_token_ids, self.config.max_model_len, vocab)
         check_stop_token_ids(params.stop_token_ids, vocab)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(self.runner.device).manual_seed(params.seed)
+        outputs = list(output_token_ids or ())
+        if outputs:
+            check_resumed_outputs(
+                outputs, len(prompt_token_ids), params.max_tokens, self.config.max_model_len, vocab
+            )
         seq = Sequence(
             seq_id=next(self._seq_ids),
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
             priority=priority,
-            generator=generator,
+            token_ids=list(prompt_token_ids) + outputs,
         )
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -177,7 +180,6 @@ class LLMEngine:
             params=params,
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
-            generator=seq.generator,
             banned_token_ids=banned,
         )
 

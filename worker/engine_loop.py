@@ -214,7 +214,13 @@ class EngineLoop:
         request = InFlight(conn, submit.request_id, submit.client_request_id)
         try:
             params = sampling_from_wire(submit.sampling)
-            self.engine.add_request(request.engine_id, list(submit.prompt_token_ids), params, submit.priority)
+            self.engine.add_request(
+                request.engine_id,
+                list(submit.prompt_token_ids),
+                params,
+                submit.priority,
+                output_token_ids=list(submit.output_token_ids),
+            )
         except ValueError as exc:  # SamplingParams and RequestError both name the field and numbers
             self._fail(conn, submit.request_id, worker_pb2.ERROR_CODE_INVALID_ARGUMENT, str(exc))
             return

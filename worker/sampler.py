@@ -5,9 +5,10 @@ temperature -> top-k -> top-p -> min-p -> sample. Logprobs always describe the
 model's raw distribution, so they are computed from the untouched input logits.
 
 Sampling uses the "exponential race": argmax(p / q) with q ~ Exp(1) i.i.d. picks
-token i with probability p_i. Its appeal is that each row consumes exactly
-``vocab`` random numbers per step, so a request with its own seeded generator
-gets the same tokens no matter what else shares the batch or where its row is.
+token i with probability p_i. A seeded request draws the q of its n-th output token
+from a generator seeded with a hash of (seed, n) alone, so it gets the same tokens
+whatever shares the batch, wherever its row is, and on whichever worker it resumes
+after a failover with its first n tokens.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from nanovllm.common.sampling_params import SamplingParams
 
@@ -26,6 +28,7 @@ __all__ = [
     "TokenLogprobs",
     "apply_penalties",
     "filtered_probs",
+    "position_seed",
 ]
 
 _NEG_INF = float("-inf")
@@ -38,8 +41,6 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
-    # Per-request generator when params.seed is set, else None (the Sampler's own is used).
-    generator: torch.Generator | None
     # Logits forced to -inf this step (e.g. EOS/stop ids while below min_tokens).
     banned_token_ids: Sequence[int] = ()
 
@@ -60,6 +61,12 @@ class SamplerOutput:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of a request's draw for its output token number `position` (0-based): a hash of the two,
+    so draws of neighbouring positions or seeds are unrelated."""
+    return xxhash.xxh64_intdigest(seed.to_bytes(8, "little", signed=True) + position.to_bytes(8, "little"))
 
 
 def _check_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -274,27 +281,30 @@ class Sampler:
         if not random:
             return work.argmax(dim=-1)
         probs = _random_probs(_take(work, random, batch), [rows[i].params for i in random])
-        sampled = self._draw(probs, [rows[i].generator for i in random])
+        sampled = self._draw(probs, [rows[i] for i in random])
         if len(random) == batch:
             return sampled
         tokens = work.argmax(dim=-1)
         tokens[torch.tensor(random, device=work.device)] = sampled
         return tokens
 
-    def _draw(self, probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-        """Exponential race: argmax(p / q), q ~ Exp(1); seeded rows draw their q from their own generator."""
+    def _draw(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Exponential race: argmax(p / q), q ~ Exp(1). Unseeded rows share the engine's generator; each
+        seeded row reseeds a scratch generator for its position (see position_seed)."""
         n, vocab = probs.shape
         q = torch.empty_like(probs)
-        unseeded = [j for j, g in enumerate(generators) if g is None]
-        if len(unseeded) == n:
+        seeded = [j for j, row in enumerate(rows) if row.params.seed is not None]
+        if not seeded:
             q.exponential_(generator=self.generator)
         else:
+            unseeded = [j for j in range(n) if rows[j].params.seed is None]
             if unseeded:
                 block = torch.empty((len(unseeded), vocab), dtype=probs.dtype, device=probs.device)
                 q[torch.tensor(unseeded, device=probs.device)] = block.exponential_(generator=self.generator)
-            for j, g in enumerate(generators):
-                if g is not None:
-                    q[j].exponential_(generator=g)  # exactly `vocab` draws from this request's stream
+            scratch = torch.Generator(probs.device)
+            for j in seeded:
+                scratch.manual_seed(position_seed(rows[j].params.seed, len(rows[j].output_token_ids)))
+                q[j].exponential_(generator=scratch)
         # A zero q would turn 0/0 into NaN for filtered-out tokens; the clamp keeps them at 0.
         return (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from nanovllm.common.errors import InvalidStateTransition
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.worker.sampler import TokenLogprobs
@@ -52,7 +50,6 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
-    generator: torch.Generator | None = None
     token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

@@ -1,0 +1,147 @@
+"""Exact mid-stream failover: when the worker running a stream dies, the router hands another worker the
+prompt and the tokens generated so far, and the client's stream goes on token for token as if nothing had
+happened: greedy and seeded sampling, penalties, min_tokens and stop strings included."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+
+from nanovllm.v1 import generate_pb2, generate_pb2_grpc
+from tests.services import ServerProcess, start_router, start_worker, wait_idle, wait_serving
+
+CALL_TIMEOUT_S = 120.0
+MAX_TOKENS = 300
+STREAMS = 8
+
+
+def _requests() -> list[generate_pb2.GenerateRequest]:
+    """Half greedy, half seeded sampling with penalties and min_tokens (state a resume must carry)."""
+    requests = []
+    for i in range(STREAMS):
+        if i % 2 == 0:
+            sampling = generate_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        else:
+            sampling = generate_pb2.SamplingParams(
+                temperature=0.9,
+                top_p=0.95,
+                seed=1000 + i,
+                repetition_penalty=1.1,
+                frequency_penalty=0.3,
+                presence_penalty=0.2,
+                min_tokens=MAX_TOKENS // 2,
+                max_tokens=MAX_TOKENS,
+            )
+        requests.append(
+            generate_pb2.GenerateRequest(
+                token_ids=generate_pb2.TokenIds(ids=[7 + i, 40 + 3 * i, 90, 11 + i]),
+                sampling=sampling,
+                return_token_ids=True,
+            )
+        )
+    return requests
+
+
+async def _stream(
+    stub: generate_pb2_grpc.GenerationStub, request: generate_pb2.GenerateRequest, seen: list[int]
+) -> tuple[list[int], str, int]:
+    """Token ids, text and finish reason of one call; `seen` grows as its tokens arrive."""
+    text = []
+    finish = 0
+    async for response in stub.Generate(request, timeout=CALL_TIMEOUT_S):
+        seen.extend(response.token_ids)
+        text.append(response.text)
+        finish = response.finish_reason or finish
+    return list(seen), "".join(text), finish
+
+
+async def _run(address: str, kill_when: int | None = None, kill=None) -> tuple[list, list[int]]:
+    """Every request at once; with `kill_when`, `kill()` runs once every stream has that many tokens. Returns
+    the results and each stream's token count at the kill."""
+    at_kill: list[int] = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        seen: list[list[int]] = [[] for _ in range(STREAMS)]
+        calls = [asyncio.ensure_future(_stream(stub, r, s)) for r, s in zip(_requests(), seen)]
+        if kill_when is not None:
+            while min(len(s) for s in seen) < kill_when:
+                await asyncio.wait(calls, timeout=0.005, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.to_thread(kill)  # the streams go on meanwhile
+            at_kill = [len(s) for s in seen]
+        return await asyncio.gather(*calls), at_kill
+
+
+def _wait_for_workers(router: str, count: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(router) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        while stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10).num_workers < count:
+            assert time.monotonic() < deadline, f"the router did not see {count} workers in {timeout} s"
+            time.sleep(0.02)
+
+
+def _metric(metrics_address: str, name: str) -> float:
+    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+@contextmanager
+def _held_streams(model: Path, tmp_path: Path, *router_flags: str) -> Iterator[tuple]:
+    """Workers A and B and a router over both, where B is frozen (SIGSTOP) until `kill_a()` thaws it, waits
+    for the router to connect it and SIGKILLs A: streams started before that all run on A."""
+    a, b = (start_worker(model, log_path=tmp_path / f"worker-{n}.log") for n in "ab")
+    servers: list[ServerProcess] = [a, b]
+    try:
+        wait_serving(b.address)
+        b.proc.send_signal(signal.SIGSTOP)
+        router = start_router([a.address, b.address], *router_flags, log_path=tmp_path / "router.log")
+        servers.append(router)
+        wait_serving(router.address)
+
+        def kill_a() -> None:
+            b.proc.send_signal(signal.SIGCONT)
+            _wait_for_workers(router.address, 2)
+            a.proc.kill()
+
+        yield a, b, router, kill_a
+    finally:
+        for server in servers:
+            if server.proc.poll() is None:
+                server.proc.send_signal(signal.SIGCONT)
+                server.kill()
+
+
+def test_streams_resume_token_identical_when_their_worker_is_killed(
+    qwen3_dir: Path, kernels, tmp_path: Path
+) -> None:
+    """Eight streams run on worker A; A is SIGKILLed mid-stream. Every stream completes on B and equals,
+    token for token and in text, the same request run unbroken on B."""
+    with _held_streams(qwen3_dir, tmp_path) as (_, b, router, kill_a):
+        results, at_kill = asyncio.run(_run(router.address, kill_when=4, kill=kill_a))
+        assert all(4 <= n < MAX_TOKENS for n in at_kill), at_kill  # every stream was cut mid-generation
+        assert _metric(router.metrics_address, "nanovllm:request_resumes_total") == STREAMS
+        unbroken, _ = asyncio.run(_run(router.address))
+        for i, (got, want) in enumerate(zip(results, unbroken)):
+            assert got == want, f"stream {i} differs from its unbroken run"  # ids, text, finish reason
+            assert len(got[0]) > at_kill[i] and got[2] != generate_pb2.FINISH_REASON_ERROR
+        wait_idle(b.address)
+
+
+def test_without_resume_a_stream_cut_mid_generation_fails(qwen3_dir: Path, kernels, tmp_path: Path) -> None:
+    """--no-resume-streams: the streams of a killed worker end UNAVAILABLE, naming the worker."""
+    with _held_streams(qwen3_dir, tmp_path, "--no-resume-streams") as (a, b, router, kill_a):
+        try:
+            asyncio.run(_run(router.address, kill_when=4, kill=kill_a))
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE
+            assert a.address in exc.details()
+        else:
+            raise AssertionError("a stream cut mid-generation completed although resuming was off")
+        wait_idle(b.address)
