@@ -43,6 +43,23 @@ class RequestLimits:
         return self.max_prompt_bytes or self.prompt_bytes_per_token * max_model_len
 
 
+@dataclass(frozen=True)
+class RoutingWeights:
+    """The weights of the router's cost function (router/routing.py)."""
+
+    queued_request_cost: float = option(
+        256.0,
+        help="routing: how many prompt tokens to prefill one request queued on a worker is worth, against "
+        "the tokens its prefix cache would save",
+    )
+    hotspot_ratio: float = option(
+        1.25, help="routing: a worker whose queue is over this times the fleet's mean takes nothing new"
+    )
+    hotspot_slack: int = option(
+        2, help="routing: a worker within this many requests of the fleet's mean queue is never a hotspot"
+    )
+
+
 @dataclass
 class RouterConfig:
     workers: list[str] = option(
@@ -59,6 +76,7 @@ class RouterConfig:
     )
     shutdown_grace_s: float = 1.0
     limits: RequestLimits = RequestLimits()
+    routing: RoutingWeights = RoutingWeights()
     max_attempts: int = option(3, help="workers a request may be tried on before its first token")
     resume_streams: bool = option(
         True,

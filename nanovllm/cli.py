@@ -25,7 +25,7 @@ from typing import Any
 from nanovllm.client import ClientOptions, run_client
 from nanovllm.common.config import EngineConfig
 from nanovllm.common.logging import LogConfig
-from nanovllm.common.server_config import RequestLimits, RouterConfig, WorkerServerConfig
+from nanovllm.common.server_config import RequestLimits, RouterConfig, RoutingWeights, WorkerServerConfig
 from nanovllm.flags import build, flags_of, resolve_all
 from nanovllm.processes import LISTENING, spawn, wait_until_serving
 
@@ -34,7 +34,7 @@ ENGINE_FLAGS = flags_of(EngineConfig)
 # What `serve` forwards to its worker: the engine and its queue (the worker listens on a free local port).
 SERVE_WORKER_FLAGS = [*ENGINE_FLAGS, *flags_of(WorkerServerConfig, only=["max_queued_requests"])]
 WORKER_FLAGS = [*flags_of(WorkerServerConfig), *ENGINE_FLAGS, *LOG_FLAGS]
-ROUTER_FLAGS = [*flags_of(RouterConfig), *flags_of(RequestLimits), *LOG_FLAGS]
+ROUTER_FLAGS = [*flags_of(RouterConfig), *flags_of(RequestLimits), *flags_of(RoutingWeights), *LOG_FLAGS]
 SERVE_FLAGS = [
     *flags_of(RouterConfig, only=["host", "port"], defaults={"host": "127.0.0.1"}),
     *SERVE_WORKER_FLAGS,
@@ -84,7 +84,9 @@ def run_router(options: dict[str, Any]) -> int:
     from nanovllm.router.server import serve_router
 
     build(LogConfig, options).apply()
-    config = build(RouterConfig, options, limits=build(RequestLimits, options))
+    config = build(
+        RouterConfig, options, limits=build(RequestLimits, options), routing=build(RoutingWeights, options)
+    )
     return _run_server("router", serve_router, config)
 
 

@@ -49,9 +49,30 @@ class RouterMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.prompt_tokens = Counter(
+            "nanovllm:prompt_tokens",
+            "Prompt tokens of the calls that produced a token",
+            registry=self.registry,
+        )
+        self.expected_hit_tokens = Counter(
+            "nanovllm:routing_expected_hit_tokens",
+            "Prompt tokens routing expected the chosen worker's prefix cache to hold",
+            registry=self.registry,
+        )
+        self.cached_prompt_tokens = Counter(
+            "nanovllm:cached_prompt_tokens",
+            "Prompt tokens the workers found in their prefix cache (the achieved hits)",
+            registry=self.registry,
+        )
         self.worker_queue = Gauge(
             "nanovllm:worker_queue",
             "Requests waiting or running on each worker, all routers' included, as this router routes on it",
+            ["worker"],
+            registry=self.registry,
+        )
+        self.worker_cached_blocks = Gauge(
+            "nanovllm:worker_cached_blocks",
+            "KV blocks in each worker's prefix cache, as the worker reported them to this router",
             ["worker"],
             registry=self.registry,
         )

@@ -18,6 +18,7 @@ from nanovllm.common.server_config import RouterConfig
 from nanovllm.common.serving import GrpcServer
 from nanovllm.router.metrics import RouterMetrics
 from nanovllm.router.responses import build_response, error_response, finish_name
+from nanovllm.router.routing import Decision
 from nanovllm.router.text_stream import TextStream
 from nanovllm.router.tokenizer import ModelTokenizer, auto_tokenizer
 from nanovllm.router.trace import RequestTrace
@@ -140,22 +141,32 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         request: generate_pb2.GenerateRequest,
         trace: RequestTrace,
     ) -> _Attempt | None:
-        """Send a new request to the least busy available worker; None when there is none."""
-        worker = self.pool.pick()
-        if worker is None:
+        """Send a new request where it costs least (router/routing.py); None when no worker is available."""
+        decision = self.pool.pick(valid.prompt_token_ids)
+        if decision is None:
             return None
-        return self._submit_to(worker, valid, request, trace, frozenset(), [])
+        return self._submit_to(decision, valid, request, trace, frozenset(), [])
 
     def _submit_to(
         self,
-        worker: WorkerConnection,
+        decision: Decision,
         valid: ValidRequest,
         request: generate_pb2.GenerateRequest,
         trace: RequestTrace,
         tried: frozenset[str],
         generated: list[int],
     ) -> _Attempt:
-        trace.on_worker(worker.address)
+        worker = decision.worker
+        trace.on_worker(worker.address, decision.expected_hit_tokens)
+        log.debug(
+            "request_routed",
+            request_id=trace.request_id[:64],
+            worker=worker.address,
+            expected_hit_tokens=decision.expected_hit_tokens,
+            cost=decision.cost,
+            queue=worker.queue_estimate,
+            candidates=decision.candidates,
+        )
         wire_id = uuid.uuid4().hex  # unique on the worker link whatever ids clients choose
         events = worker.submit(
             wire_id, valid.prompt_token_ids, valid.params, request.priority, trace.request_id, generated
@@ -289,21 +300,22 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             return None
         backoff = self.config.retry_backoff_s * 2 ** (trace.attempts - 1)
         await asyncio.sleep(random.uniform(0.5, 1.0) * backoff)  # jitter: retries do not arrive in waves
+        tokens = valid.prompt_token_ids + generated
         if generated:
-            worker = await self.pool.wait_for_worker(exclude, self.config.resume_wait_s)
+            decision = await self.pool.wait_for_worker(tokens, exclude, self.config.resume_wait_s)
         else:
-            worker = self.pool.pick(exclude)
-        if worker is None:
+            decision = self.pool.pick(tokens, exclude)
+        if decision is None:
             return None
         failed.worker.release(failed.wire_id, abort=False)  # it ended there already
-        attempt = self._submit_to(worker, valid, request, trace, failed.tried, generated)
+        attempt = self._submit_to(decision, valid, request, trace, failed.tried, generated)
         trace.resumes += bool(generated)
         counter.labels(reason=reason).inc()
         log.info(
             "request_resumed" if generated else "request_retried",
             request_id=trace.request_id[:64],
             reason=reason,
-            worker=worker.address,
+            worker=attempt.worker.address,
             tokens_so_far=len(generated),
         )
         return attempt
@@ -361,9 +373,11 @@ async def serve_router(
         if service is not None and not service.draining:
             asyncio.get_running_loop().create_task(server.set_serving(serving))
 
-    pool = WorkerPool(config.workers, on_change)
+    pool = WorkerPool(config.workers, on_change, config.routing)
     for worker in pool.workers:
         metrics.worker_queue.labels(worker=worker.address).set_function(lambda w=worker: w.queue_estimate)
+        cached = metrics.worker_cached_blocks.labels(worker=worker.address)
+        cached.set_function(lambda w=worker: len(w.cached_blocks))
     service = GenerationService(pool, metrics, config)
     generate_pb2_grpc.add_GenerationServicer_to_server(service, server.server)
     address = await server.start(config.host, config.port)

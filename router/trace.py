@@ -23,6 +23,7 @@ class RequestTrace:
         self.first_token_s: float | None = None
         self.num_tokens = 0
         self.cached_tokens = 0
+        self.expected_hit_tokens = 0
         self.outcome = "client_cancelled"  # unless the call ends otherwise
         self.worker = ""
         self.attempts = 0
@@ -30,8 +31,9 @@ class RequestTrace:
         self._in_flight: Gauge | None = None
         self._closed = False
 
-    def on_worker(self, address: str) -> None:
-        """The request went to (another) worker."""
+    def on_worker(self, address: str, expected_hit_tokens: int) -> None:
+        """The request went to (another) worker, where routing expected that many cached prompt tokens."""
+        self.expected_hit_tokens = expected_hit_tokens
         if self._in_flight is not None:
             self._in_flight.dec()
         self.worker, self.attempts = address, self.attempts + 1
@@ -47,6 +49,9 @@ class RequestTrace:
         now = time.perf_counter()
         if self.first_token_s is None:
             self.first_token_s = now - self.start
+            self.metrics.expected_hit_tokens.inc(self.expected_hit_tokens)
+            self.metrics.cached_prompt_tokens.inc(cached_tokens)
+            self.metrics.prompt_tokens.inc(self.prompt_tokens)
             self.metrics.time_to_first_token.observe(self.first_token_s)
         else:
             gap = (now - self._last_token_at) / count
@@ -78,6 +83,7 @@ class RequestTrace:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.num_tokens,
             cached_tokens=self.cached_tokens,
+            expected_hit_tokens=self.expected_hit_tokens,
             ttft_s=None if self.first_token_s is None else round(self.first_token_s, 4),
             total_s=round(time.perf_counter() - self.start, 4),
         )

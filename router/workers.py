@@ -9,7 +9,7 @@ every request in flight on it receives a WorkerLost at once, and the connection 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -17,7 +17,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nanovllm.common.logging import get_logger
 from nanovllm.common.sampling_params import SamplingParams
+from nanovllm.common.server_config import RoutingWeights
 from nanovllm.common.wire import sampling_to_wire
+from nanovllm.router.routing import Decision, choose
 from nanovllm.router.tokenizer import ModelTokenizer, has_tokenizer
 from nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -61,6 +63,8 @@ class WorkerConnection:
         # The worker's queue (waiting + running) as it last reported it, and what this router sent it since.
         self.reported_queue: int | None = None
         self._sent_since_report = 0
+        # The block hashes the worker's prefix cache holds, exactly as it reported them.
+        self.cached_blocks: set[int] = set()
         self._prepare = prepare
         self._requests: dict[str, asyncio.Queue[RequestEvent]] = {}
         self._outbound: asyncio.Queue[worker_pb2.RouterMessage | None] = asyncio.Queue()
@@ -80,6 +84,19 @@ class WorkerConnection:
         if self.reported_queue is None:
             return self.num_in_flight
         return self.reported_queue + self._sent_since_report
+
+    @property
+    def block_size(self) -> int:
+        return self.info.kvcache_block_size if self.info is not None else 1
+
+    def cached_prefix_blocks(self, hashes: Sequence[int]) -> int:
+        """How many of a prompt's leading blocks (given by their hashes) the worker has cached."""
+        count = 0
+        for block_hash in hashes:
+            if block_hash not in self.cached_blocks:
+                break
+            count += 1
+        return count
 
     @property
     def available(self) -> bool:
@@ -168,6 +185,9 @@ class WorkerConnection:
 
     async def _stream(self, on_change: Callable[[], None]) -> None:
         self._outbound = asyncio.Queue()
+        self.cached_blocks = set()
+        subscribe = worker_pb2.Subscribe(prefix_cache=True)
+        self._outbound.put_nowait(worker_pb2.RouterMessage(subscribe=subscribe))
         call = self.stub.Connect(self._outgoing(self._outbound))
         await call.wait_for_connection()
         load = await self.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=INFO_TIMEOUT_S)
@@ -179,6 +199,8 @@ class WorkerConnection:
             if step.HasField("load"):
                 self.reported_queue = step.load.num_waiting + step.load.num_running
                 self._sent_since_report = 0
+            if step.HasField("prefix_cache"):
+                self._apply(step.prefix_cache)
             if step.draining:
                 self.draining = True
                 log.info("worker_draining", worker=self.address, in_flight=len(self._requests))
@@ -187,6 +209,13 @@ class WorkerConnection:
                 events = self._requests.get(update.request_id)
                 if events is not None:
                     events.put_nowait(update)
+
+    def _apply(self, events: worker_pb2.PrefixCacheEvents) -> None:
+        if events.reset:
+            self.cached_blocks = set(events.stored)
+            return
+        self.cached_blocks.difference_update(events.evicted)
+        self.cached_blocks.update(events.stored)
 
     @staticmethod
     async def _outgoing(
@@ -209,13 +238,20 @@ class WorkerPool:
     """All workers of one router. They must serve the same model: the first one to connect sets it, and
     its tokenizer files become the router's tokenizer (None for a model without one)."""
 
-    def __init__(self, addresses: list[str], on_change: Callable[[bool], None]) -> None:
-        """on_change(serving) is called whenever the set of connected workers changes."""
+    def __init__(
+        self,
+        addresses: list[str],
+        on_change: Callable[[bool], None],
+        weights: RoutingWeights,
+    ) -> None:
+        """on_change(serving) is called whenever the set of connected workers changes; `weights` are the
+        routing cost function's (router/routing.py)."""
         if not addresses:
             raise ValueError("a router needs at least one worker address (--worker HOST:PORT)")
         self.info: worker_pb2.WorkerInfo | None = None
         self.tokenizer: ModelTokenizer | None = None
         self._on_change = on_change
+        self.weights = weights
         self.workers = [WorkerConnection(address, self._prepare) for address in addresses]
         self._tokenizer_lock = asyncio.Lock()
         self._change = asyncio.Event()  # set (and replaced) whenever a worker connects, drains or goes
@@ -237,25 +273,26 @@ class WorkerPool:
         """Connected workers that take new requests (not draining)."""
         return [w for w in self.workers if w.available]
 
-    def pick(self, exclude: frozenset[str] = frozenset()) -> WorkerConnection | None:
-        """The available worker with the shortest queue (see queue_estimate: what the worker reports, so
-        several routers see each other's requests), other than the addresses in `exclude` (those a request
-        already failed on)."""
+    def pick(self, token_ids: Sequence[int], exclude: frozenset[str] = frozenset()) -> Decision | None:
+        """Where a request whose tokens are `token_ids` costs least (router/routing.py), among the available
+        workers other than the addresses in `exclude` (those it already failed on); None if there is none."""
         candidates = [w for w in self.available if w.address not in exclude]
-        return min(candidates, key=lambda w: w.queue_estimate, default=None)
+        return choose(candidates, token_ids, self.weights)
 
-    async def wait_for_worker(self, exclude: frozenset[str], timeout: float) -> WorkerConnection | None:
-        """pick(exclude), or else any available worker, waiting up to `timeout` seconds for one to connect
-        (a worker restarting after a crash)."""
+    async def wait_for_worker(
+        self, token_ids: Sequence[int], exclude: frozenset[str], timeout: float
+    ) -> Decision | None:
+        """pick(token_ids, exclude), or else any available worker, waiting up to `timeout` seconds for one
+        to connect (a worker restarting after a crash)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while (worker := self.pick(exclude) or self.pick()) is None:
+        while (decision := self.pick(token_ids, exclude) or self.pick(token_ids)) is None:
             change = self._change
             try:
                 await asyncio.wait_for(change.wait(), deadline - loop.time())
             except asyncio.TimeoutError:
                 return None
-        return worker
+        return decision
 
     async def _prepare(self, info: worker_pb2.WorkerInfo) -> bool:
         async with self._tokenizer_lock:

@@ -59,6 +59,7 @@ def test_every_block_is_free_or_held_by_exactly_its_holders(ops, num_blocks):
     bm = BlockManager(num_blocks, BLOCK)
     live: list[Sequence] = []
     next_id = 0
+    reported: set[int] = set()  # the cached hashes as a router rebuilds them from the events
     for op, pick, tokens in ops:
         if op == "admit":
             seq = _seq(next_id, tokens)
@@ -81,6 +82,11 @@ def test_every_block_is_free_or_held_by_exactly_its_holders(ops, num_blocks):
             bm.free(seq)
             assert seq.block_table == []
         check_invariants(bm, live)
+        if pick % 2:  # the events of several operations together add up the same
+            events = bm.take_cache_events()
+            assert not events.stored & events.evicted
+            reported = (reported - events.evicted) | events.stored
+            assert reported == set(bm.cached)
     for seq in live:
         bm.free(seq)
     check_invariants(bm, [])

@@ -84,3 +84,72 @@ def test_second_router_routes_around_the_first_routers_load(kernels, tmp_path: P
             wait_idle(address)
         for server in (*routers, *workers):
             server.kill()
+
+
+def _cached_blocks_seen_by(router_metrics: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://{router_metrics}/metrics", timeout=10).read().decode()
+    return {
+        line.split('worker="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("nanovllm:worker_cached_blocks{")
+    }
+
+
+def _counter(router_metrics: str, name: str) -> float:
+    text = urllib.request.urlopen(f"http://{router_metrics}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_a_cached_prefix_draws_its_requests_to_the_worker_that_holds_it(kernels, tmp_path: Path) -> None:
+    """Worker 0 caches a 480-token prefix (reported block by block to the router) and is busier by one
+    long stream: a request sharing the prefix still goes there (its hit is worth more than one queued
+    request), and finds the prefix cached; a request sharing nothing goes to the idle worker 1."""
+    model = build_model("qwen3", tmp_path / "model", seed=1, max_position=LONG_CONTEXT)
+    workers = [
+        start_worker(model, "--max-model-len", str(LONG_CONTEXT), log_path=tmp_path / f"worker{i}.log")
+        for i in range(2)
+    ]
+    addresses = [w.address for w in workers]
+    router = start_router(addresses, log_path=tmp_path / "router.log")
+    channel = grpc.insecure_channel(router.address)
+    stub = generate_pb2_grpc.GenerationStub(channel)
+    prefix = [100 + i % 300 for i in range(480)]
+
+    def ask(prompt: list[int], max_tokens: int = 2) -> generate_pb2.GenerateResponse:
+        sampling = generate_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        request = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt), sampling=sampling)
+        return list(stub.Generate(request, timeout=CALL_TIMEOUT_S))[-1]
+
+    long_call = None
+    try:
+        for server in (*workers, router):
+            wait_serving(server.address)
+        assert ask(prefix + [1]).usage.cached_prompt_tokens == 0  # both idle: worker 0, the first
+        deadline = time.monotonic() + 30
+        while _cached_blocks_seen_by(router.metrics_address) != {addresses[0]: 30.0, addresses[1]: 0.0}:
+            assert time.monotonic() < deadline, _cached_blocks_seen_by(router.metrics_address)
+            time.sleep(0.02)
+        sampling = generate_pb2.SamplingParams(temperature=0, max_tokens=LONG_CONTEXT - 100, ignore_eos=True)
+        long_call = stub.Generate(
+            generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[5, 6]), sampling=sampling),
+            timeout=CALL_TIMEOUT_S,
+        )
+        next(long_call)  # both queues empty, both miss: worker 0 again
+        _wait_for_running(addresses, [1, 0])
+        assert ask(prefix + [2, 3]).usage.cached_prompt_tokens == 480  # on worker 0 despite its queue
+        assert ask([7 + i % 200 for i in range(480)]).usage.cached_prompt_tokens == 0
+        assert [worker_load(a).num_running for a in addresses] == [1, 0]
+        while _cached_blocks_seen_by(router.metrics_address)[addresses[1]] != 30.0:  # the fresh prompt's
+            assert time.monotonic() < deadline + 30, _cached_blocks_seen_by(router.metrics_address)
+            time.sleep(0.02)
+        metrics = router.metrics_address
+        assert _counter(metrics, "nanovllm:routing_expected_hit_tokens_total") == 480
+        assert _counter(metrics, "nanovllm:cached_prompt_tokens_total") == 480
+    finally:
+        if long_call is not None:
+            long_call.cancel()
+        channel.close()
+        for address in addresses:
+            wait_idle(address)
+        for server in (router, *workers):
+            server.kill()

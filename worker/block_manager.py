@@ -9,21 +9,36 @@ and stay reusable until they are recycled, least recently freed first.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import numpy as np
-import xxhash
-
+from nanovllm.common.block_hash import hash_block
 from nanovllm.common.errors import ConfigError
 from nanovllm.worker.sequence import Sequence
 
 
-def hash_block(prev_hash: int | None, token_ids: list[int]) -> int:
-    h = xxhash.xxh3_64()
-    if prev_hash is not None:
-        h.update(prev_hash.to_bytes(8, "little"))
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return h.intdigest()
+@dataclass
+class CacheEvents:
+    """How the set of cached block hashes changed since the last `take`, as two disjoint sets: a hash
+    stored then evicted in between (or the reverse) cancels out, so applying `evicted` and `stored` in
+    either order to the previous set gives the current one."""
+
+    stored: set[int] = field(default_factory=set)
+    evicted: set[int] = field(default_factory=set)
+
+    def store(self, block_hash: int) -> None:
+        if block_hash in self.evicted:
+            self.evicted.discard(block_hash)
+        else:
+            self.stored.add(block_hash)
+
+    def evict(self, block_hash: int) -> None:
+        if block_hash in self.stored:
+            self.stored.discard(block_hash)
+        else:
+            self.evicted.add(block_hash)
+
+    def __bool__(self) -> bool:
+        return bool(self.stored or self.evicted)
 
 
 @dataclass
@@ -43,6 +58,7 @@ class BlockManager:
         self.cached: dict[int, int] = {}  # block hash -> block id
         # Blocks with ref_count 0, oldest-freed first; cached ones among them are still hits until recycled.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cache_events = CacheEvents()  # changes to `cached` not yet reported (see take_cache_events)
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -57,6 +73,11 @@ class BlockManager:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
+
+    def take_cache_events(self) -> CacheEvents:
+        """The changes to the cached hashes since the last call."""
+        events, self.cache_events = self.cache_events, CacheEvents()
+        return events
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -107,6 +128,7 @@ class BlockManager:
         if block.block_hash is not None:  # recycling evicts it from the prefix cache
             if self.cached.get(block.block_hash) == block_id:
                 del self.cached[block.block_hash]
+                self.cache_events.evict(block.block_hash)
             block.block_hash = None
         block.ref_count = 1
         return block_id
@@ -124,6 +146,7 @@ class BlockManager:
             if block_hash not in self.cached:  # an identical block computed concurrently keeps the entry
                 self.cached[block_hash] = block.block_id
                 block.block_hash = block_hash
+                self.cache_events.store(block_hash)
 
     def free(self, seq: Sequence) -> None:
         """Release all of `seq`'s blocks. Tail blocks are freed first so that they are recycled before the

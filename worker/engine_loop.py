@@ -43,6 +43,7 @@ class Connection:
     deliver: Callable[[worker_pb2.StepOutputs], None]
     requests: dict[str, InFlight] = field(default_factory=dict)  # by wire id
     closed: bool = False
+    prefix_cache_subscribed: bool = False  # it asked for PrefixCacheEvents
 
 
 @dataclass(eq=False)
@@ -111,6 +112,9 @@ class EngineLoop:
     def abort(self, conn: Connection, wire_ids: list[str]) -> None:
         self._commands.put(lambda: self._abort(conn, wire_ids))
 
+    def subscribe(self, conn: Connection, subscribe: worker_pb2.Subscribe) -> None:
+        self._commands.put(lambda: self._subscribe(conn, subscribe))
+
     def drain(self) -> Future[None]:
         """Refuse new requests (ERROR_CODE_UNAVAILABLE) and let the ones in flight finish; the future
         resolves when none is left."""
@@ -175,17 +179,37 @@ class EngineLoop:
         )
 
     def _push_load(self) -> None:
-        """Send every router the load once it changed; while the engine is busy, at most every
-        LOAD_PUSH_INTERVAL_S (the next iteration comes soon and will send what changed by then)."""
+        """Send every router the load and the prefix cache's changes once they changed; while the engine is
+        busy, at most every LOAD_PUSH_INTERVAL_S (the next iteration comes soon and will send what changed
+        by then: cache changes wait in the block manager until taken)."""
         queue = (self.load.num_waiting, self.load.num_running, self.load.kv_blocks_used)
+        cache_changed = bool(self.engine.block_manager.cache_events)
         now = time.monotonic()
         busy = self.engine.has_unfinished_requests()
-        if queue == self._pushed_queue or (busy and now - self._pushed_at < LOAD_PUSH_INTERVAL_S):
+        if (queue == self._pushed_queue and not cache_changed) or (
+            busy and now - self._pushed_at < LOAD_PUSH_INTERVAL_S
+        ):
             return
         self._pushed_queue, self._pushed_at = queue, now
-        message = worker_pb2.StepOutputs(load=self.load_message())
+        load = worker_pb2.StepOutputs(load=self.load_message())
+        with_cache = load
+        if cache_changed:
+            events = self.engine.block_manager.take_cache_events()
+            cache = worker_pb2.PrefixCacheEvents(stored=sorted(events.stored), evicted=sorted(events.evicted))
+            with_cache = worker_pb2.StepOutputs(load=load.load, prefix_cache=cache)
         for conn in self._connections:
-            conn.deliver(message)
+            conn.deliver(with_cache if conn.prefix_cache_subscribed else load)
+
+    def _subscribe(self, conn: Connection, subscribe: worker_pb2.Subscribe) -> None:
+        """Start reporting the prefix cache to `conn` with the whole set of cached hashes; the changes
+        that follow (some already in that set) apply on top of it."""
+        if conn.closed or not subscribe.prefix_cache or conn.prefix_cache_subscribed:
+            return
+        conn.prefix_cache_subscribed = True
+        cached = sorted(self.engine.block_manager.cached)
+        conn.deliver(
+            worker_pb2.StepOutputs(prefix_cache=worker_pb2.PrefixCacheEvents(reset=True, stored=cached))
+        )
 
     def _start_draining(self) -> None:
         """Tell every router at once, so none sends a request only to have it refused."""

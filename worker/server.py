@@ -110,6 +110,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     engine_loop.submit(conn, msg.submit)
                 elif kind == "abort":
                     engine_loop.abort(conn, list(msg.abort.request_ids))
+                elif kind == "subscribe":
+                    engine_loop.subscribe(conn, msg.subscribe)
         finally:
             outbox.put_nowait(None)  # the router closed its side: end ours
 

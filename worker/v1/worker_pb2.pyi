@@ -83,13 +83,21 @@ class Abort(_message.Message):
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class Subscribe(_message.Message):
+    __slots__ = ("prefix_cache",)
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    prefix_cache: bool
+    def __init__(self, prefix_cache: _Optional[bool] = ...) -> None: ...
+
 class RouterMessage(_message.Message):
-    __slots__ = ("submit", "abort")
+    __slots__ = ("submit", "abort", "subscribe")
     SUBMIT_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIBE_FIELD_NUMBER: _ClassVar[int]
     submit: Submit
     abort: Abort
-    def __init__(self, submit: _Optional[_Union[Submit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ...) -> None: ...
+    subscribe: Subscribe
+    def __init__(self, submit: _Optional[_Union[Submit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., subscribe: _Optional[_Union[Subscribe, _Mapping]] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
@@ -123,15 +131,27 @@ class RequestUpdate(_message.Message):
     error_message: str
     def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error_code: _Optional[_Union[ErrorCode, str]] = ..., error_message: _Optional[str] = ...) -> None: ...
 
+class PrefixCacheEvents(_message.Message):
+    __slots__ = ("reset", "stored", "evicted")
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    reset: bool
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    evicted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, reset: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., evicted: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class StepOutputs(_message.Message):
-    __slots__ = ("updates", "draining", "load")
+    __slots__ = ("updates", "draining", "load", "prefix_cache")
     UPDATES_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     updates: _containers.RepeatedCompositeFieldContainer[RequestUpdate]
     draining: bool
     load: WorkerLoad
-    def __init__(self, updates: _Optional[_Iterable[_Union[RequestUpdate, _Mapping]]] = ..., draining: _Optional[bool] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
+    prefix_cache: PrefixCacheEvents
+    def __init__(self, updates: _Optional[_Iterable[_Union[RequestUpdate, _Mapping]]] = ..., draining: _Optional[bool] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., prefix_cache: _Optional[_Union[PrefixCacheEvents, _Mapping]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()

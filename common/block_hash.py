@@ -1,0 +1,32 @@
+"""The identity of a full KV-cache block: a hash chaining the previous block's hash with the block's own
+token ids, so equal hashes mean equal prefixes. The worker's block manager keys its prefix cache by it and
+reports the hashes it stores and evicts; the router hashes a prompt the same way to count, for each
+worker, how many of its tokens that worker has cached."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+
+def hash_block(prev_hash: int | None, token_ids: Sequence[int]) -> int:
+    h = xxhash.xxh3_64()
+    if prev_hash is not None:
+        h.update(prev_hash.to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+def prefix_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
+    """The hashes of the full blocks of `token_ids`, first block first (at most `limit` of them)."""
+    count = len(token_ids) // block_size
+    if limit is not None:
+        count = min(count, limit)
+    hashes: list[int] = []
+    prev: int | None = None
+    for i in range(count):
+        prev = hash_block(prev, token_ids[i * block_size : (i + 1) * block_size])
+        hashes.append(prev)
+    return hashes

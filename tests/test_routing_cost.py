@@ -1,0 +1,86 @@
+"""The routing cost function (router/routing.py) on its own: cache hits against queues, the hotspot guard."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from nanovllm.common.block_hash import prefix_hashes
+from nanovllm.common.server_config import RoutingWeights
+from nanovllm.router.routing import choose
+
+BLOCK = 16
+WEIGHTS = RoutingWeights(queued_request_cost=256.0, hotspot_ratio=1.25, hotspot_slack=2)
+
+
+@dataclass
+class Worker:
+    """What routing reads of a worker connection: its queue and its reported cached block hashes."""
+
+    address: str
+    queue_estimate: int = 0
+    cached_blocks: set[int] = field(default_factory=set)
+    block_size: int = BLOCK
+
+    def cached_prefix_blocks(self, hashes: Sequence[int]) -> int:
+        count = 0
+        while count < len(hashes) and hashes[count] in self.cached_blocks:
+            count += 1
+        return count
+
+    def caches(self, token_ids: list[int]) -> Worker:
+        self.cached_blocks.update(prefix_hashes(token_ids, BLOCK))
+        return self
+
+
+PREFIX = list(range(100, 100 + 40 * BLOCK))  # 640 tokens
+
+
+def test_nothing_shared_goes_to_the_shortest_queue():
+    workers = [Worker("a", 3), Worker("b", 1), Worker("c", 2)]
+    decision = choose(workers, list(range(50)), WEIGHTS)
+    assert (decision.worker.address, decision.expected_hit_tokens) == ("b", 0)
+
+
+def test_a_cached_prefix_outweighs_a_short_queue_but_not_a_long_one():
+    prompt = PREFIX + [7, 8, 9]
+    holder = Worker("holder", 1).caches(PREFIX)
+    idle = Worker("idle", 0)
+    decision = choose([idle, holder], prompt, WEIGHTS)
+    assert decision.worker is holder and decision.expected_hit_tokens == len(PREFIX)
+    # 640 cached tokens are worth 2.5 queued requests: three more in the queue tip it to the idle worker.
+    holder.queue_estimate, idle.queue_estimate = 4, 1
+    assert choose([idle, holder], prompt, WEIGHTS).worker is idle
+
+
+def test_the_last_token_is_never_counted_as_cached():
+    """The worker always computes the prompt's last token, so a prompt that is exactly a cached prefix
+    hits one block less."""
+    holder = Worker("holder").caches(PREFIX)
+    assert choose([holder], PREFIX, WEIGHTS).expected_hit_tokens == len(PREFIX) - BLOCK
+
+
+def test_only_a_leading_run_of_blocks_counts():
+    """A block hash chains everything before it: the same tokens after a different start are a miss."""
+    holder = Worker("holder").caches([1] * BLOCK + PREFIX)
+    assert choose([holder], PREFIX + [5], WEIGHTS).expected_hit_tokens == 0
+
+
+def test_a_hotspot_takes_nothing_new_while_a_cooler_worker_is_there():
+    prompt = list(range(100, 100 + 400 * BLOCK)) + [1]  # 6,400 cached tokens would outweigh 25 requests
+    hot = Worker("hot", 9).caches(prompt[:-1])
+    cool = [Worker("b", 3), Worker("c", 3)]
+    # A hotspot's queue is over both 1.25 x the mean and the mean + 2.
+    assert choose([hot, *cool], prompt, WEIGHTS).worker.address == "b"  # mean 5: 9 > 7
+    hot.queue_estimate = 7
+    assert choose([hot, *cool], prompt, WEIGHTS).worker.address == "b"  # mean 4.33: 7 > 6.33
+    hot.queue_estimate = 6
+    assert choose([hot, *cool], prompt, WEIGHTS).worker is hot  # mean 4: 6 <= 6, and the cache wins
+    assert choose([hot, *cool], prompt, WEIGHTS).worker is hot
+
+
+def test_workers_with_other_block_sizes_are_matched_by_their_own_hashes():
+    big = Worker("big", block_size=32)
+    big.cached_blocks.update(prefix_hashes(PREFIX, 32))
+    decision = choose([Worker("small"), big], PREFIX + [1], WEIGHTS)
+    assert (decision.worker.address, decision.expected_hit_tokens) == ("big", len(PREFIX))
