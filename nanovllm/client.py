@@ -29,6 +29,9 @@ class ClientOptions:
     )
     tls_cert: str | None = option(None, help="PEM client certificate, for a router that asks for one")
     tls_key: str | None = option(None, help="PEM private key of --tls-cert")
+    tls_server_name: str | None = option(
+        None, help="name to check the router's certificate against instead of the host in --router"
+    )
     token: str | None = option(
         None, help="bearer token for a router with auth (prefer the environment variable to the flag)"
     )
@@ -44,7 +47,9 @@ def open_channel(options: dict[str, Any]) -> Any:
     if not (options["tls_ca"] or options["tls_cert"] or options["tls_key"]):
         return grpc.insecure_channel(options["router"])
     files = TlsFiles(options["tls_cert"], options["tls_key"], options["tls_ca"], CLIENT_TLS_FLAGS)
-    return grpc.secure_channel(options["router"], channel_credentials(files))
+    name = options["tls_server_name"]
+    overrides = [("grpc.ssl_target_name_override", name)] if name else []
+    return grpc.secure_channel(options["router"], channel_credentials(files), options=overrides)
 
 
 def run_client(options: dict[str, Any], prompt: str) -> int:
