@@ -318,6 +318,14 @@ def _access(config: RouterConfig, metrics: RouterMetrics) -> tuple[Access, list[
     return Access(table, limits, denied), interceptors
 
 
+def _worker_pool(config: RouterConfig, on_change: Callable[[bool], None]) -> WorkerPool:
+    """The pool, over mutual TLS when configured: its files are checked here, so a bad one fails the start
+    naming the file rather than every connection attempt."""
+    if config.worker_tls.enabled:
+        config.worker_tls.check(need_identity=True, need_ca=True)  # workers always ask for a certificate
+    return WorkerPool(config.workers, on_change, config.worker_tls, config.worker_tls_server_name)
+
+
 def _retry_reason(event: RequestEvent) -> str | None:
     """Why a request may go to another worker, if this first event says its worker could not serve it."""
     if isinstance(event, WorkerLost):
@@ -346,10 +354,7 @@ async def serve_router(
         if service is not None and not service.draining:
             asyncio.get_running_loop().create_task(server.set_serving(serving))
 
-    worker_tls = config.worker_tls
-    if worker_tls.enabled:  # fail at start, naming the file, rather than at each connection attempt
-        worker_tls.check(need_identity=False, need_ca=True)
-    pool = WorkerPool(config.workers, on_change, worker_tls, config.worker_tls_server_name)
+    pool = _worker_pool(config, on_change)
     for worker in pool.workers:
         metrics.worker_queue.labels(worker=worker.address).set_function(lambda w=worker: w.queue_estimate)
     service = GenerationService(pool, metrics, config, access)
@@ -367,7 +372,7 @@ async def serve_router(
         metrics=metrics_address,
         workers=config.workers,
         tls=config.tls.enabled,
-        worker_tls=worker_tls.enabled,
+        worker_tls=config.worker_tls.enabled,
         auth=access.table is not None,
     )
     await stop.wait()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
 import socket
 import subprocess
 import sys
@@ -210,6 +212,40 @@ def test_health_port_is_plaintext_and_serves_health_alone(secured: Secured, pki:
         with pytest.raises(grpc.RpcError) as exc:
             worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
         assert exc.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_public_port_with_client_certificates(secured: Secured, pki: Pki) -> None:
+    """--tls-client-ca: the public port refuses clients without a certificate from that CA."""
+    router = start_router(
+        [secured.worker.address],
+        *worker_tls(pki),
+        *public_tls(pki.public),
+        "--tls-client-ca",
+        str(pki.b.ca_path),
+    )
+    try:
+        client = pki.b.issue("client")
+        wait_serving(router.address, credentials=creds(pki.a.ca_path, client))
+        for refused in (creds(pki.a.ca_path), creds(pki.a.ca_path, pki.x.issue("client-x"))):
+            with grpc.secure_channel(router.address, refused) as channel:
+                with pytest.raises(grpc.RpcError) as exc:
+                    health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+                assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        router.stop()
+
+
+def test_nanovllm_client_speaks_tls_with_a_token(secured: Secured, pki: Pki) -> None:
+    """`nanovllm client --tls-ca` with NANOVLLM_TOKEN streams an answer; without the token it says why."""
+    command = [sys.executable, "-m", "nanovllm.cli", "client", "--router", secured.router.address]
+    command += ["--tls-ca", str(pki.a.ca_path), "--completion", "--max-tokens", "5", "hello"]
+    env = {**os.environ, "NANOVLLM_TOKEN": ALICE}
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"\[length: \d+ prompt, 5 completion tokens\]", done.stderr), done.stderr
+    env.pop("NANOVLLM_TOKEN")
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 1 and "UNAUTHENTICATED" in done.stderr
 
 
 def test_public_certificate_rotation_mid_stream_keeps_the_stream(
