@@ -6,6 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nanovllm.common.options import option
+from nanovllm.common.tls import TlsFiles
+
+WORKER_TLS_FLAGS = ("--worker-tls-cert", "--worker-tls-key", "--worker-tls-ca")
+HEALTH_PORT_HELP = (
+    "also serve grpc.health.v1 alone, in plaintext, on this port (0 picks a free one): for Kubernetes gRPC "
+    "probes, which cannot speak TLS; unset: no such port"
+)
 
 
 @dataclass
@@ -19,6 +26,19 @@ class WorkerServerConfig:
     )
     # After the drain, how long to let the final (aborted) step outputs reach the routers.
     shutdown_grace_s: float = 2.0
+    worker_tls_cert: str | None = option(
+        None, help="PEM certificate (chain) this worker presents to routers; turns on mutual TLS"
+    )
+    worker_tls_key: str | None = option(None, help="PEM private key of --worker-tls-cert")
+    worker_tls_ca: str | None = option(
+        None, help="PEM CA bundle: routers must present a certificate it signed (required with TLS)"
+    )
+    health_port: int | None = option(None, help=HEALTH_PORT_HELP)
+
+    @property
+    def tls(self) -> TlsFiles:
+        """Mutual TLS on the worker's port: its identity, and the CA every router must be signed by."""
+        return TlsFiles(self.worker_tls_cert, self.worker_tls_key, self.worker_tls_ca, WORKER_TLS_FLAGS)
 
 
 @dataclass(frozen=True)
@@ -109,3 +129,46 @@ class RouterConfig:
         flag="--keepalive-timeout",
         help="seconds a ping may go unanswered before the connection is closed",
     )
+    tls_cert: str | None = option(None, help="PEM certificate (chain) of the public port; turns on TLS")
+    tls_key: str | None = option(None, help="PEM private key of --tls-cert")
+    tls_client_ca: str | None = option(
+        None, help="PEM CA bundle: clients of the public port must present a certificate it signed"
+    )
+    worker_tls_cert: str | None = option(
+        None, help="PEM certificate (chain) the router presents to workers (mutual TLS)"
+    )
+    worker_tls_key: str | None = option(None, help="PEM private key of --worker-tls-cert")
+    worker_tls_ca: str | None = option(
+        None, help="PEM CA bundle that signed the workers' certificates; turns on TLS to the workers"
+    )
+    worker_tls_server_name: str | None = option(
+        None, help="name to check the workers' certificates against instead of each worker's host name"
+    )
+    health_port: int | None = option(None, help=HEALTH_PORT_HELP)
+    auth_tokens_file: str | None = option(
+        None,
+        help="file of bearer tokens, one per line as NAME:TOKEN (or TOKEN alone); turns on auth: calls "
+        "without 'authorization: Bearer TOKEN' metadata get UNAUTHENTICATED, other tokens PERMISSION_DENIED",
+    )
+    max_streams_per_token: int = option(
+        0, help="Generate streams one token may have open at once (0: no limit); more: RESOURCE_EXHAUSTED"
+    )
+    tokens_per_minute_per_token: int = option(
+        0,
+        help="prompt plus completion tokens one token may use in any 60 s (0: no limit); a call arriving "
+        "when they are used up gets RESOURCE_EXHAUSTED with a retry-after hint",
+    )
+    log_request_content: bool = option(
+        False, help="log each request's prompt (text, chat or token ids) in its request_finished line"
+    )
+
+    @property
+    def tls(self) -> TlsFiles:
+        """TLS on the public port; with tls_client_ca, clients must present a certificate too."""
+        flags = ("--tls-cert", "--tls-key", "--tls-client-ca")
+        return TlsFiles(self.tls_cert, self.tls_key, self.tls_client_ca, flags)
+
+    @property
+    def worker_tls(self) -> TlsFiles:
+        """TLS to the workers: the CA that signed them, and this router's client certificate."""
+        return TlsFiles(self.worker_tls_cert, self.worker_tls_key, self.worker_tls_ca, WORKER_TLS_FLAGS)

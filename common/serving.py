@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, NamedTuple
 
 import grpc
@@ -97,7 +97,11 @@ class RejectUnparsable(grpc.aio.ServerInterceptor):
 
 class GrpcServer:
     """A grpc.aio server with the standard health service (NOT_SERVING until `set_serving(True)`),
-    server reflection for the given service names, and INVALID_ARGUMENT for requests that do not parse."""
+    server reflection for the given service names, and INVALID_ARGUMENT for requests that do not parse.
+
+    With `credentials` its port speaks TLS only (common/tls.py); `interceptors` run before the
+    unparsable-request check. `start_health` adds a second, plaintext server with the health service alone,
+    for probes that cannot speak TLS: it shares the same statuses."""
 
     def __init__(
         self,
@@ -105,6 +109,8 @@ class GrpcServer:
         max_receive_bytes: int = 4 * 1024 * 1024,
         keepalive_time_s: float = 20.0,
         keepalive_timeout_s: float = 10.0,
+        credentials: grpc.ServerCredentials | None = None,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     ) -> None:
         # Without SO_REUSEPORT (gRPC's default is on) a second server on a port in use fails to start
         # instead of silently sharing the port with the first.
@@ -113,7 +119,9 @@ class GrpcServer:
             ("grpc.max_receive_message_length", max_receive_bytes),
             *keepalive_options(keepalive_time_s, keepalive_timeout_s),
         ]
-        self.server = grpc.aio.server(options=options, interceptors=[RejectUnparsable()])
+        self.server = grpc.aio.server(options=options, interceptors=[*interceptors, RejectUnparsable()])
+        self._credentials = credentials
+        self._health_server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self._service_names = service_names
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -122,13 +130,18 @@ class GrpcServer:
 
     async def start(self, host: str, port: int) -> str:
         """Bind (port 0 picks a free one), start, and return the address actually listened on."""
-        try:
-            bound = self.server.add_insecure_port(f"{host}:{port}")
-        except RuntimeError as exc:  # grpc's "Failed to bind"
-            raise OSError(f"cannot listen on {host}:{port} (is another server using that port?)") from exc
+        bound = _bind(self.server, host, port, self._credentials)
         await self.server.start()
         await self.set_serving(False)
         await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        return f"{host}:{bound}"
+
+    async def start_health(self, host: str, port: int) -> str:
+        """The plaintext health-only port; returns the address it listens on."""
+        self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+        bound = _bind(self._health_server, host, port, None)
+        await self._health_server.start()
         return f"{host}:{bound}"
 
     async def set_serving(self, serving: bool) -> None:
@@ -141,6 +154,17 @@ class GrpcServer:
     async def stop(self, grace_s: float) -> None:
         await self.set_serving(False)
         await self.server.stop(grace_s)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
+    try:
+        if credentials is None:
+            return server.add_insecure_port(f"{host}:{port}")
+        return server.add_secure_port(f"{host}:{port}", credentials)
+    except RuntimeError as exc:  # grpc's "Failed to bind"
+        raise OSError(f"cannot listen on {host}:{port} (is another server using that port?)") from exc
 
 
 def stop_event_on_signals() -> asyncio.Event:

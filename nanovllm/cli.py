@@ -24,6 +24,7 @@ from typing import Any
 
 from nanovllm.client import ClientOptions, run_client
 from nanovllm.common.config import EngineConfig
+from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import LogConfig
 from nanovllm.common.server_config import RequestLimits, RouterConfig, RoutingWeights, WorkerServerConfig
 from nanovllm.flags import build, flags_of, resolve_all
@@ -68,7 +69,7 @@ def _run_server(what: str, serve: Callable[..., Coroutine[Any, Any, int | None]]
 
     try:
         return asyncio.run(main()) or 0
-    except OSError as exc:
+    except (OSError, ConfigError) as exc:  # a port taken; a certificate, key or tokens file unusable
         raise SystemExit(f"nanovllm {what}: {exc}") from exc
 
 

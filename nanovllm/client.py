@@ -8,6 +8,8 @@ from typing import Any
 
 from nanovllm.common.options import option
 
+CLIENT_TLS_FLAGS = ("--tls-cert", "--tls-key", "--tls-ca")
+
 
 @dataclass
 class ClientOptions:
@@ -22,11 +24,38 @@ class ClientOptions:
     temperature: float = option(0.0, help="0 is greedy")
     top_p: float = option(1.0, help="nucleus sampling mass")
     stop: list[str] = option(default_factory=list, help="stop string; repeatable")
+    tls_ca: str | None = option(
+        None, help="PEM CA bundle that signed the router's certificate; turns on TLS (plaintext without)"
+    )
+    tls_cert: str | None = option(None, help="PEM client certificate, for a router that asks for one")
+    tls_key: str | None = option(None, help="PEM private key of --tls-cert")
+    tls_server_name: str | None = option(
+        None, help="name to check the router's certificate against instead of the host in --router"
+    )
+    token: str | None = option(
+        None, help="bearer token for a router with auth (prefer the environment variable to the flag)"
+    )
+
+
+def open_channel(options: dict[str, Any]) -> Any:
+    """A channel to the router: plaintext, or TLS with any of --tls-ca (the CA to trust; the system's roots
+    without it), --tls-cert and --tls-key (a client certificate)."""
+    import grpc
+
+    from nanovllm.common.tls import TlsFiles, channel_credentials
+
+    if not (options["tls_ca"] or options["tls_cert"] or options["tls_key"]):
+        return grpc.insecure_channel(options["router"])
+    files = TlsFiles(options["tls_cert"], options["tls_key"], options["tls_ca"], CLIENT_TLS_FLAGS)
+    name = options["tls_server_name"]
+    overrides = [("grpc.ssl_target_name_override", name)] if name else []
+    return grpc.secure_channel(options["router"], channel_credentials(files), options=overrides)
 
 
 def run_client(options: dict[str, Any], prompt: str) -> int:
     import grpc
 
+    from nanovllm.common.errors import ConfigError
     from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 
     request = generate_pb2.GenerateRequest(
@@ -43,10 +72,16 @@ def run_client(options: dict[str, Any], prompt: str) -> int:
         request.chat.messages.add(role="user", content=prompt)
     else:
         request.text = prompt
-    with grpc.insecure_channel(options["router"]) as channel:
+    metadata = [("authorization", f"Bearer {options['token']}")] if options["token"] else None
+    try:
+        channel = open_channel(options)
+    except ConfigError as exc:
+        print(f"nanovllm client: {exc}", file=sys.stderr)
+        return 2
+    with channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         try:
-            for response in stub.Generate(request):
+            for response in stub.Generate(request, metadata=metadata):
                 sys.stdout.write(response.text)
                 sys.stdout.flush()
                 if response.finish_reason:

@@ -76,6 +76,13 @@ class RouterMetrics:
             ["worker"],
             registry=self.registry,
         )
+        self.access_denied = Counter(
+            "nanovllm:access_denied",
+            "Calls refused before any work, by why: unauthenticated (no bearer token), permission_denied "
+            "(an unknown token), stream_limit, token_rate_limit (per-token limits)",
+            ["reason"],
+            registry=self.registry,
+        )
         self.requests_in_flight = Gauge(
             "nanovllm:requests_in_flight",
             "Generate calls in flight on each worker",

@@ -16,12 +16,14 @@ from nanovllm.common.logging import get_logger
 from nanovllm.common.metrics import serve_metrics
 from nanovllm.common.server_config import RouterConfig
 from nanovllm.common.serving import GrpcServer
+from nanovllm.common.tls import server_credentials
+from nanovllm.router.auth import Access, AuthInterceptor, Lease, TokenLimits, TokenTable
 from nanovllm.router.metrics import RouterMetrics
 from nanovllm.router.responses import build_response, error_response, finish_name
 from nanovllm.router.routing import Decision
 from nanovllm.router.text_stream import TextStream
 from nanovllm.router.tokenizer import ModelTokenizer, auto_tokenizer
-from nanovllm.router.trace import RequestTrace
+from nanovllm.router.trace import RequestTrace, request_content
 from nanovllm.router.validation import (
     NoTokenizerError,
     ValidRequest,
@@ -66,10 +68,13 @@ class _Attempt:
 
 
 class GenerationService(generate_pb2_grpc.GenerationServicer):
-    def __init__(self, pool: WorkerPool, metrics: RouterMetrics, config: RouterConfig) -> None:
+    def __init__(
+        self, pool: WorkerPool, metrics: RouterMetrics, config: RouterConfig, access: Access
+    ) -> None:
         self.pool = pool
         self.metrics = metrics
         self.config = config
+        self.access = access  # who calls (auth) and whether their limits allow another stream
         self.draining = False
         self._in_flight = 0
         self.idle = asyncio.Event()  # set while no Generate call is in flight
@@ -110,11 +115,13 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     ) -> None:
         if self.draining:
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "the router is shutting down; retry")
+        lease = await self.access.admit(context)
         self._in_flight += 1
         self.idle.clear()
         try:
-            await self._generate(request, context)
+            await self._generate(request, context, lease)
         finally:
+            lease.close()
             self._in_flight -= 1
             if self._in_flight == 0:
                 self.idle.set()
@@ -200,11 +207,13 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             raise StreamStalled(reason)
 
     async def _generate(
-        self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext, lease: Lease
     ) -> None:
         valid, tokenizer = await self._admit(request, context)
         request_id = request.request_id or uuid.uuid4().hex
-        trace = RequestTrace(self.metrics, request_id, len(valid.prompt_token_ids))
+        lease.charge(len(valid.prompt_token_ids))
+        content = request_content(request) if self.config.log_request_content else None
+        trace = RequestTrace(self.metrics, request_id, len(valid.prompt_token_ids), lease, content)
         attempt = self._submit(valid, request, trace)
         if attempt is None:
             message = f"no worker is reachable ({self.pool.addresses})"
@@ -348,6 +357,29 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         )
 
 
+def _access(config: RouterConfig, metrics: RouterMetrics) -> tuple[Access, list[grpc.aio.ServerInterceptor]]:
+    """Auth (with a tokens file: every call but health and reflection needs a token) and the per-token
+    limits; the tokens file is read here, so a bad one fails the start naming the file."""
+
+    def denied(reason: str) -> None:
+        metrics.access_denied.labels(reason=reason).inc()
+
+    table = TokenTable(config.auth_tokens_file) if config.auth_tokens_file else None
+    limits = TokenLimits(config.max_streams_per_token, config.tokens_per_minute_per_token)
+    interceptors = [AuthInterceptor(table, denied)] if table is not None else []
+    return Access(table, limits, denied), interceptors
+
+
+def _worker_pool(config: RouterConfig, on_change: Callable[[bool], None]) -> WorkerPool:
+    """The pool, over mutual TLS when configured: its files are checked here, so a bad one fails the start
+    naming the file rather than every connection attempt."""
+    if config.worker_tls.enabled:
+        config.worker_tls.check(need_identity=True, need_ca=True)  # workers always ask for a certificate
+    return WorkerPool(
+        config.workers, on_change, config.routing, config.worker_tls, config.worker_tls_server_name
+    )
+
+
 def _retry_reason(event: RequestEvent) -> str | None:
     """Why a request may go to another worker, if this first event says its worker could not serve it."""
     if isinstance(event, WorkerLost):
@@ -361,31 +393,44 @@ async def serve_router(
     """Listen, connect to the workers (health is SERVING while at least one is connected), serve until
     `stop` is set, then drain: NOT_SERVING, new calls UNAVAILABLE, calls in flight finish within the
     drain timeout."""
+    metrics = RouterMetrics()
+    access, interceptors = _access(config, metrics)
     server = GrpcServer(
         [generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
         keepalive_time_s=config.keepalive_time_s,
         keepalive_timeout_s=config.keepalive_timeout_s,
+        credentials=server_credentials(config.tls, require_client_cert=bool(config.tls_client_ca)),
+        interceptors=interceptors,
     )
-    metrics = RouterMetrics()
     service: GenerationService | None = None
 
     def on_change(serving: bool) -> None:
         if service is not None and not service.draining:
             asyncio.get_running_loop().create_task(server.set_serving(serving))
 
-    pool = WorkerPool(config.workers, on_change, config.routing)
+    pool = _worker_pool(config, on_change)
     for worker in pool.workers:
         metrics.worker_queue.labels(worker=worker.address).set_function(lambda w=worker: w.queue_estimate)
         cached = metrics.worker_cached_blocks.labels(worker=worker.address)
         cached.set_function(lambda w=worker: len(w.cached_blocks))
-    service = GenerationService(pool, metrics, config)
+    service = GenerationService(pool, metrics, config, access)
     generate_pb2_grpc.add_GenerationServicer_to_server(service, server.server)
     address = await server.start(config.host, config.port)
+    if config.health_port is not None:
+        log.info("health_listening", address=await server.start_health(config.host, config.health_port))
     metrics_address = serve_metrics(metrics.registry, config.host, config.metrics_port)
     on_listening(address, metrics_address)
     preloading = asyncio.create_task(asyncio.to_thread(auto_tokenizer))  # overlaps the workers' start-up
     pool.start()
-    log.info("router_serving", address=address, metrics=metrics_address, workers=config.workers)
+    log.info(
+        "router_serving",
+        address=address,
+        metrics=metrics_address,
+        workers=config.workers,
+        tls=config.tls.enabled,
+        worker_tls=config.worker_tls.enabled,
+        auth=access.table is not None,
+    )
     await stop.wait()
     service.draining = True
     await server.set_serving(False)

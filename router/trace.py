@@ -7,7 +7,9 @@ import time
 from prometheus_client import Gauge
 
 from nanovllm.common.logging import get_logger
+from nanovllm.router.auth import Lease
 from nanovllm.router.metrics import RouterMetrics
+from nanovllm.v1 import generate_pb2
 
 log = get_logger(__name__)
 
@@ -15,10 +17,21 @@ log = get_logger(__name__)
 class RequestTrace:
     """Created once a call passed validation; `close` must run however the call ends (it counts once)."""
 
-    def __init__(self, metrics: RouterMetrics, request_id: str, prompt_tokens: int) -> None:
+    def __init__(
+        self,
+        metrics: RouterMetrics,
+        request_id: str,
+        prompt_tokens: int,
+        lease: Lease,
+        content: str | None = None,
+    ) -> None:
+        """`lease` is charged every token; `content` (the prompt, only with --log-request-content) goes
+        into the final log line."""
         self.metrics = metrics
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
+        self.lease = lease
+        self.content = content
         self.start = self._last_token_at = time.perf_counter()
         self.first_token_s: float | None = None
         self.num_tokens = 0
@@ -46,6 +59,7 @@ class RequestTrace:
             self.cached_tokens = cached_tokens
         if not count:
             return
+        self.lease.charge(count)
         now = time.perf_counter()
         if self.first_token_s is None:
             self.first_token_s = now - self.start
@@ -73,9 +87,11 @@ class RequestTrace:
         if self._in_flight is not None:
             self._in_flight.dec()
         self.metrics.requests.labels(status=self.outcome).inc()
+        content = {} if self.content is None else {"prompt": self.content}
         log.info(
             "request_finished",
             request_id=self.request_id[:64],
+            client=self.lease.name,
             worker=self.worker,
             outcome=self.outcome,
             attempts=self.attempts,
@@ -86,4 +102,16 @@ class RequestTrace:
             expected_hit_tokens=self.expected_hit_tokens,
             ttft_s=None if self.first_token_s is None else round(self.first_token_s, 4),
             total_s=round(time.perf_counter() - self.start, 4),
+            **content,
         )
+
+
+def request_content(request: generate_pb2.GenerateRequest) -> str:
+    """The prompt as text for the log (only with --log-request-content): the text, the chat messages as
+    `role: content` lines, or the token ids."""
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        return request.text
+    if kind == "chat":
+        return "\n".join(f"{m.role}: {m.content}" for m in request.chat.messages)
+    return " ".join(map(str, request.token_ids.ids)) if kind == "token_ids" else ""

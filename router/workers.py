@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from nanovllm.common.logging import get_logger
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.common.server_config import RoutingWeights
+from nanovllm.common.tls import TlsFiles, open_channel
 from nanovllm.common.wire import sampling_to_wire
 from nanovllm.router.routing import Decision, choose
 from nanovllm.router.tokenizer import ModelTokenizer, has_tokenizer
@@ -53,7 +54,13 @@ RequestEvent = worker_pb2.RequestUpdate | WorkerLost
 
 
 class WorkerConnection:
-    def __init__(self, address: str, prepare: Callable[[worker_pb2.WorkerInfo], Awaitable[bool]]) -> None:
+    def __init__(
+        self,
+        address: str,
+        prepare: Callable[[worker_pb2.WorkerInfo], Awaitable[bool]],
+        tls: TlsFiles | None = None,
+        server_name: str | None = None,
+    ) -> None:
         """`prepare` is awaited with the worker's info before each (re)connect; False means do not use
         this worker (e.g. it serves another model), and the connection retries later."""
         self.address = address
@@ -69,7 +76,8 @@ class WorkerConnection:
         self._requests: dict[str, asyncio.Queue[RequestEvent]] = {}
         self._outbound: asyncio.Queue[worker_pb2.RouterMessage | None] = asyncio.Queue()
         self._task: asyncio.Task | None = None
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        # With TLS files: mutual TLS, and a new certificate is presented from the next connection on.
+        self._channel = open_channel(address, CHANNEL_OPTIONS, tls, server_name)
         self.stub = worker_pb2_grpc.WorkerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -243,16 +251,18 @@ class WorkerPool:
         addresses: list[str],
         on_change: Callable[[bool], None],
         weights: RoutingWeights,
+        tls: TlsFiles | None = None,
+        server_name: str | None = None,
     ) -> None:
         """on_change(serving) is called whenever the set of connected workers changes; `weights` are the
-        routing cost function's (router/routing.py)."""
+        routing cost function's (router/routing.py); `tls` the router's files for mutual TLS to workers."""
         if not addresses:
             raise ValueError("a router needs at least one worker address (--worker HOST:PORT)")
         self.info: worker_pb2.WorkerInfo | None = None
         self.tokenizer: ModelTokenizer | None = None
         self._on_change = on_change
         self.weights = weights
-        self.workers = [WorkerConnection(address, self._prepare) for address in addresses]
+        self.workers = [WorkerConnection(address, self._prepare, tls, server_name) for address in addresses]
         self._tokenizer_lock = asyncio.Lock()
         self._change = asyncio.Event()  # set (and replaced) whenever a worker connects, drains or goes
 

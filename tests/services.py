@@ -56,9 +56,18 @@ def start_router(workers: list[str], *extra: str, log_path: Path | None = None) 
     return start([*args, *extra], log_path)
 
 
-def wait_serving(address: str, timeout: float = START_TIMEOUT_S) -> None:
+def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    """A plaintext channel, or a TLS one with `credentials`."""
+    if credentials is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, credentials)
+
+
+def wait_serving(
+    address: str, timeout: float = START_TIMEOUT_S, credentials: grpc.ChannelCredentials | None = None
+) -> None:
     """Block until the server's health is SERVING (it may first report NOT_SERVING while loading)."""
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         watch = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=timeout, wait_for_ready=True)
         for status in watch:
@@ -67,16 +76,18 @@ def wait_serving(address: str, timeout: float = START_TIMEOUT_S) -> None:
                 return
 
 
-def worker_load(address: str) -> worker_pb2.WorkerLoad:
-    with grpc.insecure_channel(address) as channel:
+def worker_load(address: str, credentials: grpc.ChannelCredentials | None = None) -> worker_pb2.WorkerLoad:
+    with open_channel(address, credentials) as channel:
         return worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
 
 
-def wait_idle(address: str, timeout: float = 30.0) -> worker_pb2.WorkerLoad:
+def wait_idle(
+    address: str, timeout: float = 30.0, credentials: grpc.ChannelCredentials | None = None
+) -> worker_pb2.WorkerLoad:
     """Poll the worker's load until nothing runs and every KV block is free."""
     deadline = time.monotonic() + timeout
     while True:
-        load = worker_load(address)
+        load = worker_load(address, credentials)
         if load.num_running == 0 and load.num_waiting == 0 and load.kv_blocks_used == 0:
             return load
         if time.monotonic() > deadline:

@@ -4,6 +4,7 @@ Go SDK; no helm binary), every manifest validated against the Kubernetes 1.30 Op
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import re
@@ -48,10 +49,30 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         },
         "worker": {"cache": {"seed": False}, "replicas": 2},
     },
+    "tls-secrets-auth": {
+        "tls": {
+            "internal": {"existingSecret": "mesh-tls"},
+            "public": {"enabled": True, "existingSecret": "router-tls", "clientAuth": True},
+        },
+        "auth": {
+            "enabled": True,
+            "existingSecret": "api-tokens",
+            "maxStreamsPerToken": 4,
+            "tokensPerMinutePerToken": 60000,
+        },
+        "networkPolicy": {"enabled": True},
+    },
+    "cert-manager": {
+        "tls": {
+            "public": {"enabled": True, "dnsNames": ["llm.example.com"]},
+            "certManager": {"enabled": True, "issuerRef": {"name": "internal-ca", "kind": "ClusterIssuer"}},
+        },
+    },
+    "plaintext": {"tls": {"internal": {"enabled": False}}},
 }
 
 # Kinds that are not in Kubernetes' own OpenAPI schemas (CRDs), checked structurally below instead.
-CRD_API_GROUPS = {"monitoring.coreos.com"}
+CRD_API_GROUPS = {"monitoring.coreos.com", "cert-manager.io"}
 
 
 @pytest.fixture(scope="module")
@@ -156,9 +177,39 @@ def test_lint_reports_values_the_schema_rejects() -> None:
     assert any("/worker/replicas" in e for e in report["errors"]), report
 
 
+def _validate_certificate_structurally(obj: dict[str, Any]) -> None:
+    """cert-manager's Certificate (cert-manager.io/v1), the fields the chart sets."""
+    assert set(obj) == {"apiVersion", "kind", "metadata", "spec"} and obj["kind"] == "Certificate"
+    assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", obj["metadata"]["name"])
+    assert obj["metadata"]["namespace"] == NAMESPACE
+    spec = obj["spec"]
+    assert set(spec) <= {
+        "secretName",
+        "commonName",
+        "dnsNames",
+        "usages",
+        "duration",
+        "renewBefore",
+        "privateKey",
+        "issuerRef",
+    }
+    assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", spec["secretName"])
+    assert spec["dnsNames"] and all(isinstance(n, str) and n for n in spec["dnsNames"])
+    usages = {"digital signature", "key encipherment", "server auth", "client auth"}
+    assert set(spec["usages"]) <= usages and "server auth" in spec["usages"]
+    for field in ("duration", "renewBefore"):
+        assert re.fullmatch(r"([0-9]+(h|m|s))+", spec[field])
+    assert spec["privateKey"] == {"rotationPolicy": "Always"}
+    assert spec["issuerRef"]["name"] and spec["issuerRef"]["kind"] in {"Issuer", "ClusterIssuer"}
+    assert spec["issuerRef"]["group"] == "cert-manager.io"
+
+
 def _validate_crd_structurally(obj: dict[str, Any]) -> None:
     # kubernetes-validate only ships Kubernetes' built-in schemas, not CRDs such as the Prometheus Operator's
-    # ServiceMonitor: check its shape here instead.
+    # ServiceMonitor or cert-manager's Certificate: check their shape here instead.
+    if obj["apiVersion"] == "cert-manager.io/v1":
+        _validate_certificate_structurally(obj)
+        return
     assert obj["apiVersion"] == "monitoring.coreos.com/v1"
     assert obj["kind"] == "ServiceMonitor"
     assert set(obj) == {"apiVersion", "kind", "metadata", "spec"}
@@ -206,6 +257,7 @@ def test_the_default_renders_the_expected_objects() -> None:
         ("Deployment", "demo-nanovllm-router"),
         ("PodDisruptionBudget", "demo-nanovllm-router"),
         ("PodDisruptionBudget", "demo-nanovllm-worker"),
+        ("Secret", "demo-nanovllm-internal-tls"),  # mutual TLS between routers and workers, generated
         ("Service", "demo-nanovllm-router"),
         ("Service", "demo-nanovllm-worker-headless"),
         ("ServiceAccount", "demo-nanovllm"),
@@ -381,12 +433,19 @@ def test_worker_threads_follow_the_cpu_limit_unless_set(chart: helm_python.Chart
 
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
 def test_probes_are_native_grpc_probes_on_the_grpc_port(name: str) -> None:
+    """On the gRPC port when it is plaintext; on the plaintext health port when it speaks TLS (Kubernetes
+    gRPC probes cannot)."""
     objects = rendered(name)
     for component in ("router", "worker"):
         c = container(objects, component)
+        data = config(objects, component)
+        tls = "NANOVLLM_TLS_CERT" in data if component == "router" else "NANOVLLM_WORKER_TLS_CERT" in data
+        probe_port = port(c, "health") if tls else port(c, "grpc")
+        if tls:
+            assert data["NANOVLLM_HEALTH_PORT"] == str(probe_port) and probe_port != port(c, "grpc")
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert set(c[probe]) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, (component, probe)
-            assert c[probe]["grpc"]["port"] == port(c, "grpc"), (component, probe)
+            assert c[probe]["grpc"]["port"] == probe_port, (component, probe)
         # Loading a model takes time: the startup probe allows minutes before liveness takes over.
         startup = c["startupProbe"]
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, component
@@ -487,9 +546,9 @@ def test_network_policy_lets_only_routers_reach_the_workers_grpc_port() -> None:
     assert set(peer) == {"podSelector"}  # no namespaceSelector or ipBlock: this namespace's routers only
     assert matches(peer["podSelector"]["matchLabels"], router_labels)
     assert not matches(peer["podSelector"]["matchLabels"], worker_labels)
-    # Every other rule opens the metrics port alone.
+    # Every other rule opens the metrics port alone, or the plaintext health port (the kubelet's probes).
     for other in spec["ingress"]:
-        if other is not rule:
+        if other is not rule and other["ports"] != [{"protocol": "TCP", "port": 50062}]:
             assert other["ports"] == [{"protocol": "TCP", "port": 9091}]
             assert other["from"] == [{"podSelector": {}}]
     assert not any(o["kind"] == "NetworkPolicy" for o in rendered("cpu-default"))
@@ -563,3 +622,119 @@ def test_the_dockerfile_matches_the_chart() -> None:
     ignored = {line.strip() for line in lines if line.strip() and not line.startswith("#")}
     for needed in ("pyproject.toml", "README.md", "nanovllm", "common", "worker", "kernels", "router"):
         assert needed not in ignored
+
+
+# --- TLS and auth ------------------------------------------------------------------------------------------
+
+TLS_DIR = "/etc/nanovllm/tls"
+
+
+def secret_mounts(objects: list[dict[str, Any]], component: str) -> dict[str, tuple[str, bool]]:
+    """mountPath -> (Secret name, readOnly) of the container's Secret volumes."""
+    volumes = {v["name"]: v for v in pod_spec(objects, component)["volumes"]}
+    return {
+        m["mountPath"]: (volumes[m["name"]]["secret"]["secretName"], m.get("readOnly", False))
+        for m in container(objects, component)["volumeMounts"]
+        if "secret" in volumes[m["name"]]
+    }
+
+
+def test_mutual_tls_is_on_by_default_with_a_generated_ca() -> None:
+    """The default: one generated Secret (CA, certificate, key) that routers and workers mount whole (so
+    renewals reach them) and point their NANOVLLM_WORKER_TLS_* at; the certificate names every worker pod
+    and serves both ends; the public port stays plaintext and auth off."""
+    objects = rendered("cpu-default")
+    secret = one(objects, "Secret")
+    assert secret["type"] == "kubernetes.io/tls" and set(secret["data"]) == {"ca.crt", "tls.crt", "tls.key"}
+    for component in ("router", "worker"):
+        data = config(objects, component)
+        assert data["NANOVLLM_WORKER_TLS_CERT"] == f"{TLS_DIR}/internal/tls.crt"
+        assert data["NANOVLLM_WORKER_TLS_KEY"] == f"{TLS_DIR}/internal/tls.key"
+        assert data["NANOVLLM_WORKER_TLS_CA"] == f"{TLS_DIR}/internal/ca.crt"
+        assert secret_mounts(objects, component) == {
+            f"{TLS_DIR}/internal": ("demo-nanovllm-internal-tls", True)
+        }
+        assert not any("subPath" in m for m in container(objects, component)["volumeMounts"])
+    router = config(objects, "router")
+    assert "NANOVLLM_TLS_CERT" not in router and "NANOVLLM_AUTH_TOKENS_FILE" not in router
+
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    cert = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
+    ca = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["ca.crt"]))
+    cert.verify_directly_issued_by(ca)
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName
+    )
+    assert "*.demo-nanovllm-worker-headless.llm.svc.cluster.local" in names
+    for address in worker_addresses(1):  # the names the router dials match the wildcard
+        assert address.split(":")[0].split(".", 1)[1] == names[0].split(".", 1)[1]
+    usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH} <= set(usages)
+
+
+def test_existing_secrets_and_auth() -> None:
+    """Given Secrets: nothing generated; the public port's certificate, client CA and tokens file come from
+    their Secrets, and the limits from the values."""
+    objects = rendered("tls-secrets-auth")
+    assert not [o for o in objects if o["kind"] in ("Secret", "Certificate")]
+    router = config(objects, "router")
+    assert router["NANOVLLM_TLS_CERT"] == f"{TLS_DIR}/public/tls.crt"
+    assert router["NANOVLLM_TLS_CLIENT_CA"] == f"{TLS_DIR}/public/ca.crt"
+    assert router["NANOVLLM_AUTH_TOKENS_FILE"] == "/etc/nanovllm/auth/tokens"
+    assert (router["NANOVLLM_MAX_STREAMS_PER_TOKEN"], router["NANOVLLM_TOKENS_PER_MINUTE_PER_TOKEN"]) == (
+        "4",
+        "60000",
+    )
+    assert secret_mounts(objects, "router") == {
+        f"{TLS_DIR}/internal": ("mesh-tls", True),
+        f"{TLS_DIR}/public": ("router-tls", True),
+        "/etc/nanovllm/auth": ("api-tokens", True),
+    }
+    assert secret_mounts(objects, "worker") == {f"{TLS_DIR}/internal": ("mesh-tls", True)}
+    volumes = pod_spec(objects, "router")["volumes"]
+    assert all(v["secret"]["defaultMode"] == 0o440 for v in volumes if "secret" in v)
+
+
+def test_cert_manager_issues_both_certificates() -> None:
+    objects = rendered("cert-manager")
+    assert not [o for o in objects if o["kind"] == "Secret"]
+    certificates = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "Certificate"}
+    assert set(certificates) == {"demo-nanovllm-internal-tls", "demo-nanovllm-router-tls"}
+    internal, public = certificates["demo-nanovllm-internal-tls"], certificates["demo-nanovllm-router-tls"]
+    assert "client auth" in internal["usages"] and "client auth" not in public["usages"]
+    assert "*.demo-nanovllm-worker-headless.llm.svc.cluster.local" in internal["dnsNames"]
+    assert {"demo-nanovllm-router.llm.svc.cluster.local", "llm.example.com"} <= set(public["dnsNames"])
+    assert internal["issuerRef"] == {
+        "name": "internal-ca",
+        "kind": "ClusterIssuer",
+        "group": "cert-manager.io",
+    }
+    assert secret_mounts(objects, "router")[f"{TLS_DIR}/public"] == ("demo-nanovllm-router-tls", True)
+
+
+def test_plaintext_when_asked() -> None:
+    objects = rendered("plaintext")
+    assert not [o for o in objects if o["kind"] == "Secret"]
+    for component in ("router", "worker"):
+        assert not [k for k in config(objects, component) if "TLS" in k or k == "NANOVLLM_HEALTH_PORT"]
+        assert secret_mounts(objects, component) == {}
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"tls": {"public": {"enabled": True}}}, "tls.public.enabled needs tls.public.existingSecret"),
+        ({"auth": {"enabled": True}}, "auth.enabled needs auth.existingSecret"),
+        (
+            {"tls": {"certManager": {"enabled": True}}},
+            "tls.certManager.enabled needs tls.certManager.issuerRef.name",
+        ),
+    ],
+)
+def test_incomplete_tls_and_auth_values_fail_to_render(
+    chart: helm_python.Chart, values: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(helm_python.HelmRenderError, match=re.escape(message)):
+        render(chart, values)

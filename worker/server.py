@@ -13,6 +13,7 @@ from nanovllm.common.logging import get_logger
 from nanovllm.common.metrics import serve_metrics
 from nanovllm.common.server_config import WorkerServerConfig
 from nanovllm.common.serving import GrpcServer
+from nanovllm.common.tls import server_credentials
 from nanovllm.worker.device import Placement
 from nanovllm.worker.engine_loop import EngineLoop
 from nanovllm.worker.metrics import WorkerMetrics
@@ -139,12 +140,18 @@ async def serve_worker(
     service = WorkerService()
     # A router forwards what it accepted (at most its own 4 MiB limit, then tokenized): the worker takes
     # anything a router can legally send, so one large request never breaks a router's whole stream.
+    # With TLS files a router must present a certificate signed by the CA (mutual TLS); others are refused
+    # in the handshake, before any RPC.
     server = GrpcServer(
         [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
         max_receive_bytes=MAX_ROUTER_MESSAGE_BYTES,
+        credentials=server_credentials(config.tls, require_client_cert=True),
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server.server)
     address = await server.start(config.host, config.port)
+    if config.health_port is not None:
+        health_address = await server.start_health(config.host, config.health_port)
+        log.info("health_listening", address=health_address)
     metrics = WorkerMetrics()
     metrics_address = serve_metrics(metrics.registry, config.host, config.metrics_port)
     on_listening(address, metrics_address)

@@ -1,0 +1,306 @@
+"""Bearer-token auth and per-token limits on the router's public API.
+
+Tokens file (`--auth-tokens-file`, e.g. a mounted Secret): one token per line, either `NAME:TOKEN` (split at
+the first colon; NAME is what logs and errors show) or `TOKEN` alone (then named `token-` plus the first 8 hex
+digits of its SHA-256). Blank lines and lines starting with `#` are skipped; a token has at least 16
+characters. The file is read again when it changes (a rotated Secret), at the next call.
+
+A client sends `authorization: Bearer TOKEN` metadata. `AuthInterceptor` answers every method except the
+health service (and reflection, unless asked otherwise) with UNAUTHENTICATED when the metadata is missing
+or not a bearer token, and PERMISSION_DENIED when the token is not in the file. Tokens are compared with
+hmac.compare_digest against every known token, and never logged: logs and metrics see the name only.
+
+`TokenLimits` bounds what one token may use: Generate streams open at once, and prompt plus completion
+tokens within any 60 s. A call over either limit gets RESOURCE_EXHAUSTED, with the seconds to wait in the
+message and in the `retry-after` trailing metadata. A stream already admitted is never cut off: its tokens
+count against the minute it produced them in, which may delay the next call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from nanovllm.common.errors import ConfigError
+from nanovllm.common.logging import get_logger
+
+log = get_logger(__name__)
+
+MIN_TOKEN_CHARS = 16
+WINDOW_S = 60.0
+RETRY_AFTER_KEY = "retry-after"  # seconds, as HTTP's Retry-After
+ANONYMOUS = "anonymous"  # every caller's name when auth is off (limits then apply to all callers together)
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+REFLECTION_PREFIX = "/grpc.reflection."
+
+
+class AuthError(Exception):
+    """A call that may not proceed: the status code and a message that never contains the token."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def token_name(token: str) -> str:
+    return "token-" + hashlib.sha256(token.encode()).hexdigest()[:8]
+
+
+def parse_tokens(path: str) -> dict[str, str]:
+    """NAME -> TOKEN from a tokens file, or ConfigError naming the file (and the line)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--auth-tokens-file {path}: cannot read the file ({exc})") from exc
+    tokens: dict[str, str] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, token = line.partition(":")
+        name, token = (name.strip(), token.strip()) if sep else (token_name(line), line)
+        where = f"--auth-tokens-file {path} line {number}"
+        if len(token) < MIN_TOKEN_CHARS:
+            raise ConfigError(f"{where}: a token has at least {MIN_TOKEN_CHARS} characters, got {len(token)}")
+        if name in tokens:
+            raise ConfigError(f"{where}: the name {name!r} is used twice")
+        if any(hmac.compare_digest(token, other) for other in tokens.values()):
+            raise ConfigError(f"{where}: the same token appears twice")
+        tokens[name] = token
+    if not tokens:
+        raise ConfigError(f"--auth-tokens-file {path}: no token in the file")
+    return tokens
+
+
+class TokenTable:
+    """The known tokens, read from the file at start (errors are ConfigError) and again when it changes
+    (errors then keep the tokens in use and are logged)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._stat = self._file_stat()
+        self._tokens = [(name, token.encode()) for name, token in parse_tokens(path).items()]
+
+    def _file_stat(self) -> tuple[int, int, int]:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return (0, 0, 0)
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def _reload_if_changed(self) -> None:
+        stat = self._file_stat()
+        if stat == self._stat:
+            return
+        try:
+            tokens = parse_tokens(self.path)
+        except ConfigError as exc:
+            log.warning("auth_tokens_reload_skipped", reason=str(exc))
+            return
+        self._stat = stat
+        self._tokens = [(name, token.encode()) for name, token in tokens.items()]
+        log.info("auth_tokens_reloaded", path=self.path, tokens=len(self._tokens))
+
+    def identify(self, metadata: Any) -> str:
+        """The name of the bearer token in the call's metadata, or AuthError."""
+        self._reload_if_changed()
+        header = next((value for key, value in metadata or () if key == "authorization"), None)
+        if header is None:
+            raise AuthError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "this router needs a token: send the metadata 'authorization: Bearer <token>'",
+            )
+        scheme, _, presented = str(header).strip().partition(" ")
+        if scheme.lower() != "bearer" or not presented.strip():
+            raise AuthError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "the authorization metadata is not 'Bearer <token>'",
+            )
+        candidate = presented.strip().encode()
+        found = None
+        for name, token in self._tokens:  # every comparison runs: no early exit on a match
+            if hmac.compare_digest(candidate, token) and found is None:
+                found = name
+        if found is None:
+            raise AuthError(grpc.StatusCode.PERMISSION_DENIED, "the token is not valid for this router")
+        return found
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls without a valid token before their handler runs; health (and reflection, when
+    `open_reflection`) stay open for probes and tools."""
+
+    def __init__(
+        self, table: TokenTable, on_reject: Callable[[str], None], open_reflection: bool = True
+    ) -> None:
+        """`on_reject(reason)` counts each refusal (unauthenticated, permission_denied)."""
+        self.table = table
+        self.open_reflection = open_reflection
+        self._on_reject = on_reject
+
+    def _exempt(self, method: str) -> bool:
+        return method.startswith(HEALTH_PREFIX) or (
+            self.open_reflection and method.startswith(REFLECTION_PREFIX)
+        )
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        if handler is None or self._exempt(details.method):
+            return handler
+        try:
+            self.table.identify(details.invocation_metadata)
+            return handler
+        except AuthError as exc:
+            self._on_reject(exc.code.name.lower())
+            return _refusal(handler, exc)
+
+
+def _refusal(handler: grpc.RpcMethodHandler, error: AuthError) -> grpc.RpcMethodHandler:
+    """The same kind of handler, ending the call with the error before reading the request."""
+
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(error.code, str(error))
+
+    kind = "_".join(
+        "stream" if s else "unary" for s in (handler.request_streaming, handler.response_streaming)
+    )
+    return handler._replace(**{kind: refuse})
+
+
+@dataclass
+class _Usage:
+    """One token's open streams and its tokens per second over the last minute ([second, count] pairs)."""
+
+    streams: int = 0
+    seconds: deque[list[int]] = field(default_factory=deque)
+    total: int = 0
+
+    def expire(self, now: float) -> None:
+        while self.seconds and self.seconds[0][0] <= now - WINDOW_S:
+            self.total -= self.seconds.popleft()[1]
+
+    def add(self, now: float, count: int) -> None:
+        second = int(now)
+        if self.seconds and self.seconds[-1][0] == second:
+            self.seconds[-1][1] += count
+        else:
+            self.seconds.append([second, count])
+        self.total += count
+
+    def wait_for(self, now: float, limit: int) -> float:
+        """Seconds until the tokens used in the window drop below `limit`."""
+        left = self.total
+        for second, count in self.seconds:
+            left -= count
+            if left < limit:
+                return max(second + WINDOW_S - now, 0.0)
+        return 0.0
+
+
+class LimitExceeded(Exception):
+    def __init__(self, message: str, retry_after_s: float, limit: str) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.limit = limit  # stream_limit or token_rate_limit
+
+
+class Lease:
+    """One admitted stream: `charge` counts its tokens, `close` gives its stream slot back (once)."""
+
+    def __init__(self, limits: TokenLimits, name: str) -> None:
+        self._limits, self.name, self._open = limits, name, True
+
+    def charge(self, count: int) -> None:
+        if count:
+            self._limits.usage(self.name).add(self._limits.clock(), count)
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._limits.usage(self.name).streams -= 1
+
+
+class TokenLimits:
+    """Streams at once and tokens per minute, per token name (0: no limit). Used on the event loop only."""
+
+    def __init__(self, max_streams: int, tokens_per_minute: int, clock: Callable[[], float] = time.monotonic):
+        self.max_streams = max_streams
+        self.tokens_per_minute = tokens_per_minute
+        self.clock = clock
+        self._usage: dict[str, _Usage] = {}
+
+    def usage(self, name: str) -> _Usage:
+        return self._usage.setdefault(name, _Usage())
+
+    def admit(self, name: str) -> Lease:
+        """A lease for one more stream of `name`, or LimitExceeded with the seconds to wait."""
+        usage, now = self.usage(name), self.clock()
+        usage.expire(now)
+        if self.max_streams and usage.streams >= self.max_streams:
+            raise LimitExceeded(
+                f"{name} has {usage.streams} streams open (limit {self.max_streams} per token); retry "
+                "after one ends (about 1 s)",
+                1.0,
+                "stream_limit",
+            )
+        if self.tokens_per_minute and usage.total >= self.tokens_per_minute:
+            wait = usage.wait_for(now, self.tokens_per_minute)
+            raise LimitExceeded(
+                f"{name} used {usage.total} tokens in the last {WINDOW_S:.0f} s (limit "
+                f"{self.tokens_per_minute} per token); retry after {wait:.1f} s",
+                wait,
+                "token_rate_limit",
+            )
+        usage.streams += 1
+        return Lease(self, name)
+
+
+def retry_metadata(retry_after_s: float) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata of a RESOURCE_EXHAUSTED call: whole seconds, rounded up (at least 1)."""
+    return ((RETRY_AFTER_KEY, str(max(1, math.ceil(retry_after_s)))),)
+
+
+class Access:
+    """What the router's service asks before a call: who it is (auth on or off) and whether its limits
+    allow one more stream."""
+
+    def __init__(
+        self, table: TokenTable | None, limits: TokenLimits, on_reject: Callable[[str], None]
+    ) -> None:
+        """`on_reject(reason)` counts each call refused by a limit (stream_limit, token_rate_limit)."""
+        self.table = table
+        self.limits = limits
+        self._on_reject = on_reject
+
+    def name(self, context: grpc.aio.ServicerContext) -> str:
+        """The caller's token name (the interceptor already refused calls without a valid token)."""
+        if self.table is None:
+            return ANONYMOUS
+        return self.table.identify(context.invocation_metadata())
+
+    async def admit(self, context: grpc.aio.ServicerContext) -> Lease:
+        """A lease, or the call ended with RESOURCE_EXHAUSTED and a retry-after hint."""
+        try:
+            return self.limits.admit(self.name(context))
+        except LimitExceeded as exc:
+            self._on_reject(exc.limit)
+            context.set_trailing_metadata(retry_metadata(exc.retry_after_s))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except AuthError as exc:  # the tokens file changed since the interceptor looked
+            self._on_reject(exc.code.name.lower())
+            await context.abort(exc.code, str(exc))
+        raise AssertionError("context.abort returns only by raising")
