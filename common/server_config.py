@@ -86,7 +86,13 @@ class RouterConfig:
         flag="--worker",
         required=True,
         default_factory=list,
-        help="worker address HOST:PORT; repeat for several workers",
+        help="worker HOST:PORT, where HOST may be a DNS name with one record per worker (a Kubernetes "
+        "headless Service), or dns://NAMESERVER/HOST:PORT; repeat for several",
+    )
+    discovery_interval_s: float = option(
+        5.0,
+        flag="--discovery-interval",
+        help="seconds between lookups of worker names (new and gone workers)",
     )
     host: str = option("0.0.0.0", help="address to listen on")
     port: int = option(50051, help="port to listen on (0 picks a free one)")

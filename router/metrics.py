@@ -2,9 +2,37 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from nanovllm.common.metrics import LATENCY_BUCKETS
+
+
+class _WorkerView:
+    """Per-worker gauges read at scrape time from the workers the router has then (they come and go with
+    discovery)."""
+
+    def __init__(self, workers: Callable[[], list]) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        queue = GaugeMetricFamily(
+            "nanovllm:worker_queue",
+            "Requests waiting or running on each worker, all routers' included, as this router routes on it",
+            labels=["worker"],
+        )
+        cached = GaugeMetricFamily(
+            "nanovllm:worker_cached_blocks",
+            "KV blocks in each worker's prefix cache, as the worker reported them to this router",
+            labels=["worker"],
+        )
+        for worker in self._workers():
+            queue.add_metric([worker.address], worker.queue_estimate)
+            cached.add_metric([worker.address], len(worker.cached_blocks))
+        yield queue
+        yield cached
 
 
 class RouterMetrics:
@@ -64,18 +92,6 @@ class RouterMetrics:
             "Prompt tokens the workers found in their prefix cache (the achieved hits)",
             registry=self.registry,
         )
-        self.worker_queue = Gauge(
-            "nanovllm:worker_queue",
-            "Requests waiting or running on each worker, all routers' included, as this router routes on it",
-            ["worker"],
-            registry=self.registry,
-        )
-        self.worker_cached_blocks = Gauge(
-            "nanovllm:worker_cached_blocks",
-            "KV blocks in each worker's prefix cache, as the worker reported them to this router",
-            ["worker"],
-            registry=self.registry,
-        )
         self.access_denied = Counter(
             "nanovllm:access_denied",
             "Calls refused before any work, by why: unauthenticated (no bearer token), permission_denied "
@@ -89,3 +105,7 @@ class RouterMetrics:
             ["worker"],
             registry=self.registry,
         )
+
+    def watch_workers(self, workers: Callable[[], list]) -> None:
+        """Export nanovllm:worker_queue and nanovllm:worker_cached_blocks for the workers `workers()` gives."""
+        self.registry.register(_WorkerView(workers))

@@ -19,6 +19,7 @@ from nanovllm.common.serving import GrpcServer
 from nanovllm.common.tls import server_credentials
 from nanovllm.router.auth import Access, AuthInterceptor, Lease, TokenLimits, TokenTable
 from nanovllm.router.metrics import RouterMetrics
+from nanovllm.router.pool import WorkerPool
 from nanovllm.router.responses import build_response, error_response, finish_name
 from nanovllm.router.routing import Decision
 from nanovllm.router.text_stream import TextStream
@@ -32,7 +33,7 @@ from nanovllm.router.validation import (
     prompt_token_ids,
     validate_generate,
 )
-from nanovllm.router.workers import RequestEvent, WorkerConnection, WorkerLost, WorkerPool
+from nanovllm.router.workers import RequestEvent, WorkerConnection, WorkerLost
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from nanovllm.worker.v1 import worker_pb2
 
@@ -376,7 +377,12 @@ def _worker_pool(config: RouterConfig, on_change: Callable[[bool], None]) -> Wor
     if config.worker_tls.enabled:
         config.worker_tls.check(need_identity=True, need_ca=True)  # workers always ask for a certificate
     return WorkerPool(
-        config.workers, on_change, config.routing, config.worker_tls, config.worker_tls_server_name
+        config.workers,
+        on_change,
+        config.routing,
+        config.discovery_interval_s,
+        config.worker_tls,
+        config.worker_tls_server_name,
     )
 
 
@@ -409,10 +415,7 @@ async def serve_router(
             asyncio.get_running_loop().create_task(server.set_serving(serving))
 
     pool = _worker_pool(config, on_change)
-    for worker in pool.workers:
-        metrics.worker_queue.labels(worker=worker.address).set_function(lambda w=worker: w.queue_estimate)
-        cached = metrics.worker_cached_blocks.labels(worker=worker.address)
-        cached.set_function(lambda w=worker: len(w.cached_blocks))
+    metrics.watch_workers(lambda: pool.workers)
     service = GenerationService(pool, metrics, config, access)
     generate_pb2_grpc.add_GenerationServicer_to_server(service, server.server)
     address = await server.start(config.host, config.port)

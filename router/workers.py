@@ -1,5 +1,4 @@
-"""The router's side of the router-worker link: one reconnecting stream per worker, and the pool that
-picks a worker for each request.
+"""The router's side of the router-worker link: one reconnecting stream per worker.
 
 Each WorkerConnection keeps one Connect stream open and multiplexes all of this router's requests to
 that worker over it. Updates for a request go to that request's asyncio.Queue; when the stream breaks,
@@ -17,11 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nanovllm.common.logging import get_logger
 from nanovllm.common.sampling_params import SamplingParams
-from nanovllm.common.server_config import RoutingWeights
 from nanovllm.common.tls import TlsFiles, open_channel
 from nanovllm.common.wire import sampling_to_wire
-from nanovllm.router.routing import Decision, choose
-from nanovllm.router.tokenizer import ModelTokenizer, has_tokenizer
 from nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
 
 log = get_logger(__name__)
@@ -67,6 +63,7 @@ class WorkerConnection:
         self.info: worker_pb2.WorkerInfo | None = None
         self.connected = False
         self.draining = False  # the worker said it is shutting down: send it nothing new
+        self.retired = False  # its address no longer resolves: send it nothing new (see WorkerPool)
         # The worker's queue (waiting + running) as it last reported it, and what this router sent it since.
         self.reported_queue: int | None = None
         self._sent_since_report = 0
@@ -109,7 +106,7 @@ class WorkerConnection:
     @property
     def available(self) -> bool:
         """Whether new requests may go here."""
-        return self.connected and not self.draining
+        return self.connected and not self.draining and not self.retired
 
     def start(self, on_change: Callable[[], None]) -> None:
         self._task = asyncio.create_task(self._run(on_change), name=f"worker-{self.address}")
@@ -240,90 +237,3 @@ class WorkerConnection:
             events.put_nowait(WorkerLost(self.address, reason))
         if was_connected:
             on_change()
-
-
-class WorkerPool:
-    """All workers of one router. They must serve the same model: the first one to connect sets it, and
-    its tokenizer files become the router's tokenizer (None for a model without one)."""
-
-    def __init__(
-        self,
-        addresses: list[str],
-        on_change: Callable[[bool], None],
-        weights: RoutingWeights,
-        tls: TlsFiles | None = None,
-        server_name: str | None = None,
-    ) -> None:
-        """on_change(serving) is called whenever the set of connected workers changes; `weights` are the
-        routing cost function's (router/routing.py); `tls` the router's files for mutual TLS to workers."""
-        if not addresses:
-            raise ValueError("a router needs at least one worker address (--worker HOST:PORT)")
-        self.info: worker_pb2.WorkerInfo | None = None
-        self.tokenizer: ModelTokenizer | None = None
-        self._on_change = on_change
-        self.weights = weights
-        self.workers = [WorkerConnection(address, self._prepare, tls, server_name) for address in addresses]
-        self._tokenizer_lock = asyncio.Lock()
-        self._change = asyncio.Event()  # set (and replaced) whenever a worker connects, drains or goes
-
-    def start(self) -> None:
-        for worker in self.workers:
-            worker.start(self._changed)
-
-    async def close(self) -> None:
-        await asyncio.gather(*(worker.close() for worker in self.workers))
-
-    @property
-    def addresses(self) -> str:
-        """Every configured worker address, for error messages."""
-        return ", ".join(w.address for w in self.workers)
-
-    @property
-    def available(self) -> list[WorkerConnection]:
-        """Connected workers that take new requests (not draining)."""
-        return [w for w in self.workers if w.available]
-
-    def pick(self, token_ids: Sequence[int], exclude: frozenset[str] = frozenset()) -> Decision | None:
-        """Where a request whose tokens are `token_ids` costs least (router/routing.py), among the available
-        workers other than the addresses in `exclude` (those it already failed on); None if there is none."""
-        candidates = [w for w in self.available if w.address not in exclude]
-        return choose(candidates, token_ids, self.weights)
-
-    async def wait_for_worker(
-        self, token_ids: Sequence[int], exclude: frozenset[str], timeout: float
-    ) -> Decision | None:
-        """pick(token_ids, exclude), or else any available worker, waiting up to `timeout` seconds for one
-        to connect (a worker restarting after a crash)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while (decision := self.pick(token_ids, exclude) or self.pick(token_ids)) is None:
-            change = self._change
-            try:
-                await asyncio.wait_for(change.wait(), deadline - loop.time())
-            except asyncio.TimeoutError:
-                return None
-        return decision
-
-    async def _prepare(self, info: worker_pb2.WorkerInfo) -> bool:
-        async with self._tokenizer_lock:
-            if self.info is None:
-                if has_tokenizer(info):
-                    self.tokenizer = await asyncio.to_thread(ModelTokenizer, info)
-                else:
-                    log.warning(
-                        "model_has_no_tokenizer",
-                        model=info.model,
-                        detail="only prompt token ids are served: text, chat and stop strings get "
-                        "FAILED_PRECONDITION, responses carry token ids and no text",
-                    )
-                self.info = info
-                return True
-        if info.model != self.info.model or info.tokenizer_files != self.info.tokenizer_files:
-            log.error("worker_model_mismatch", expected=self.info.model, got=info.model)
-            return False
-        return True
-
-    def _changed(self) -> None:
-        self._change.set()
-        self._change = asyncio.Event()
-        self._on_change(bool(self.available))

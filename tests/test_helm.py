@@ -141,11 +141,8 @@ def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
 
-def worker_addresses(replicas: int) -> list[str]:
-    return [
-        f"{RELEASE}-nanovllm-worker-{i}.{RELEASE}-nanovllm-worker-headless.{NAMESPACE}.svc.cluster.local:50061"
-        for i in range(replicas)
-    ]
+# The router finds the workers through the headless Service's name (one A record per pod).
+WORKER_TARGET = f"{RELEASE}-nanovllm-worker-headless.{NAMESPACE}.svc.cluster.local:50061"
 
 
 # --- lint and schema validation --------------------------------------------------------------------------
@@ -289,7 +286,9 @@ def test_the_longest_release_name_gives_valid_names(chart: helm_python.Chart) ->
         {"router": {"replica": 2}},  # a typo: unknown keys are refused
         {"worker": {"config": {"MAX_NUM_SEQS": "8"}}},  # not a NANOVLLM_* setting
         {"worker": {"config": {"NANOVLLM_PORT": "1"}}},  # set by the chart from worker.port
-        {"router": {"config": {"NANOVLLM_WORKER": "elsewhere:1"}}},  # rendered from worker.replicas
+        {
+            "router": {"config": {"NANOVLLM_WORKER": "elsewhere:1"}}
+        },  # the chart sets it (the worker Service's name)
         {"worker": {"cache": {"sizeLimit": "lots"}}},
     ],
 )
@@ -323,15 +322,18 @@ def test_incomplete_model_volumes_fail_to_render(
 
 
 @pytest.mark.parametrize("replicas", [1, 3, 7])
-def test_the_router_lists_exactly_every_worker_pod(chart: helm_python.Chart, replicas: int) -> None:
+def test_the_router_finds_the_workers_through_the_headless_service(
+    chart: helm_python.Chart, replicas: int
+) -> None:
+    """One DNS name whatever the replicas, so scaling the workers changes nothing on the router."""
     objects = render(chart, {"worker": {"replicas": replicas}})
-    assert config(objects, "router")["NANOVLLM_WORKER"].split(",") == worker_addresses(replicas)
+    assert config(objects, "router")["NANOVLLM_WORKER"] == WORKER_TARGET
     # The router reads that list through envFrom, with no explicit env that could shadow it.
     router = container(objects, "router")
     assert router["args"] == ["router"]
     assert router["envFrom"] == [{"configMapRef": {"name": "demo-nanovllm-router"}}]
     assert "env" not in router
-    # Each address is a pod of the StatefulSet under its headless Service.
+    # The name is the StatefulSet's headless Service.
     sts = one(objects, "StatefulSet", "worker")
     headless = one(objects, "Service", "worker")
     assert sts["spec"]["replicas"] == replicas
@@ -345,12 +347,14 @@ def test_the_router_lists_exactly_every_worker_pod(chart: helm_python.Chart, rep
     assert config(objects, "worker")["NANOVLLM_PORT"] == "50061"
 
 
-def test_scaling_the_workers_rolls_the_routers() -> None:
+def test_scaling_the_workers_leaves_the_routers_alone() -> None:
+    """The routers find new workers through DNS: their config, and so their pods, stay as they are."""
+
     def checksum(name: str) -> str:
         deployment = one(rendered(name), "Deployment", "router")
         return deployment["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
 
-    assert checksum("cpu-default") != checksum("three-workers")
+    assert checksum("cpu-default") == checksum("three-workers")
 
 
 def test_cpu_default_uses_no_gpu() -> None:
@@ -668,8 +672,7 @@ def test_mutual_tls_is_on_by_default_with_a_generated_ca() -> None:
         x509.DNSName
     )
     assert "*.demo-nanovllm-worker-headless.llm.svc.cluster.local" in names
-    for address in worker_addresses(1):  # the names the router dials match the wildcard
-        assert address.split(":")[0].split(".", 1)[1] == names[0].split(".", 1)[1]
+    assert WORKER_TARGET.split(":")[0] in names  # the name the router looks up, and checks certificates for
     usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     assert {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH} <= set(usages)
 

@@ -84,16 +84,13 @@ Images. The router always runs the CPU image; workers run the CUDA one when work
 {{- end }}
 
 {{/*
-The router's worker list: every StatefulSet pod by its stable DNS name, rendered from worker.replicas.
+The router's worker target: the headless Service's DNS name, which has one A record per worker pod (ready
+or not: the router waits for each worker's health). The router looks it up again every few seconds, so
+scaling the StatefulSet needs no router change. The mTLS certificate of the workers holds this name.
 */}}
 {{- define "nanovllm.workerAddresses" -}}
-{{- $sts := include "nanovllm.worker.fullname" . }}
 {{- $headless := include "nanovllm.worker.headlessServiceName" . }}
-{{- $addresses := list }}
-{{- range $i := until (int .Values.worker.replicas) }}
-{{- $addresses = append $addresses (printf "%s-%d.%s.%s.svc.%s:%d" $sts $i $headless $.Release.Namespace $.Values.clusterDomain (int $.Values.worker.port)) }}
-{{- end }}
-{{- join "," $addresses }}
+{{- printf "%s.%s.svc.%s:%d" $headless .Release.Namespace .Values.clusterDomain (int .Values.worker.port) }}
 {{- end }}
 
 {{/*
@@ -230,10 +227,11 @@ processes, which read the files again at the next handshake.
 {{- end }}
 {{- end }}
 
-{{/* The workers' DNS names, for the internal certificate: every pod of the headless Service. */}}
+{{/* The workers' DNS names, for the internal certificate: the headless Service's name, which the router
+looks up and checks the certificate against, and every pod under it. */}}
 {{- define "nanovllm.workerDnsNames" -}}
 {{- $svc := include "nanovllm.worker.headlessServiceName" . }}
-{{- list (printf "*.%s.%s.svc.%s" $svc .Release.Namespace .Values.clusterDomain) (printf "*.%s.%s.svc" $svc .Release.Namespace) (printf "*.%s" $svc) | toJson }}
+{{- list (printf "%s.%s.svc.%s" $svc .Release.Namespace .Values.clusterDomain) (printf "*.%s.%s.svc.%s" $svc .Release.Namespace .Values.clusterDomain) (printf "*.%s.%s.svc" $svc .Release.Namespace) (printf "*.%s" $svc) | toJson }}
 {{- end }}
 
 {{/* The router Service's names, for the public certificate. */}}
