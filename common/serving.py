@@ -22,11 +22,13 @@ def keepalive_options(time_s: float, timeout_s: float) -> list[tuple[str, int]]:
     """HTTP/2 keepalive: the server pings each connection every `time_s` and drops it when a ping goes
     unanswered for `timeout_s`, cancelling its calls, so a frozen or vanished peer (a stopped process still
     has its TCP connection) does not hold requests and KV cache until TCP gives up. Clients may ping every
-    5 s."""
+    5 s. The server keeps pinging while it has no data to send (by default it stops after two pings
+    without data): a frozen client's full flow-control window is exactly such a silence."""
     return [
         ("grpc.keepalive_time_ms", int(time_s * 1000)),
         ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.http2.max_ping_strikes", 0),
     ]

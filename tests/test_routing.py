@@ -124,6 +124,10 @@ def test_a_cached_prefix_draws_its_requests_to_the_worker_that_holds_it(kernels,
     try:
         for server in (*workers, router):
             wait_serving(server.address)
+        deadline = time.monotonic() + 30
+        while stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10).num_workers < 2:
+            assert time.monotonic() < deadline, "the router did not connect both workers"
+            time.sleep(0.02)
         assert ask(prefix + [1]).usage.cached_prompt_tokens == 0  # both idle: worker 0, the first
         deadline = time.monotonic() + 30
         while _cached_blocks_seen_by(router.metrics_address) != {addresses[0]: 30.0, addresses[1]: 0.0}:
