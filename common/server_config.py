@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nanovllm.common.errors import ConfigError
 from nanovllm.common.options import option
 from nanovllm.common.tls import TlsFiles
 
@@ -63,12 +64,21 @@ class RequestLimits:
         return self.max_prompt_bytes or self.prompt_bytes_per_token * max_model_len
 
 
-@dataclass(frozen=True)
-class RoutingWeights:
-    """The weights of the router's cost function (router/routing.py)."""
+ROUTING_POLICIES = ("cost", "least-loaded", "round-robin")
 
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How the router picks a worker (router/routing.py): the policy and its cost function's weights."""
+
+    policy: str = option(
+        "cost",
+        flag="--routing",
+        help="cost: expected prefix-cache hits against load (the default); least-loaded: the shortest "
+        "queue; round-robin: in turn (both ignore the cache, for comparison)",
+    )
     queued_request_cost: float = option(
-        256.0,
+        64.0,
         help="routing: how many prompt tokens to prefill one request queued on a worker is worth, against "
         "the tokens its prefix cache would save",
     )
@@ -76,7 +86,7 @@ class RoutingWeights:
         1.25, help="routing: a worker whose queue is over this times the fleet's mean takes nothing new"
     )
     hotspot_slack: int = option(
-        2, help="routing: a worker within this many requests of the fleet's mean queue is never a hotspot"
+        4, help="routing: a worker within this many requests of the fleet's mean queue is never a hotspot"
     )
 
 
@@ -102,7 +112,14 @@ class RouterConfig:
     )
     shutdown_grace_s: float = 1.0
     limits: RequestLimits = RequestLimits()
-    routing: RoutingWeights = RoutingWeights()
+    routing: RoutingConfig = RoutingConfig()
+
+    def __post_init__(self) -> None:
+        if self.routing.policy not in ROUTING_POLICIES:
+            raise ConfigError(
+                f"--routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing.policy!r}"
+            )
+
     max_attempts: int = option(3, help="workers a request may be tried on before its first token")
     resume_streams: bool = option(
         True,

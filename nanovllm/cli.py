@@ -26,7 +26,7 @@ from nanovllm.client import ClientOptions, run_client
 from nanovllm.common.config import EngineConfig
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import LogConfig
-from nanovllm.common.server_config import RequestLimits, RouterConfig, RoutingWeights, WorkerServerConfig
+from nanovllm.common.server_config import RequestLimits, RouterConfig, RoutingConfig, WorkerServerConfig
 from nanovllm.flags import build, flags_of, resolve_all
 from nanovllm.processes import LISTENING, spawn, wait_until_serving
 
@@ -35,7 +35,7 @@ ENGINE_FLAGS = flags_of(EngineConfig)
 # What `serve` forwards to its worker: the engine and its queue (the worker listens on a free local port).
 SERVE_WORKER_FLAGS = [*ENGINE_FLAGS, *flags_of(WorkerServerConfig, only=["max_queued_requests"])]
 WORKER_FLAGS = [*flags_of(WorkerServerConfig), *ENGINE_FLAGS, *LOG_FLAGS]
-ROUTER_FLAGS = [*flags_of(RouterConfig), *flags_of(RequestLimits), *flags_of(RoutingWeights), *LOG_FLAGS]
+ROUTER_FLAGS = [*flags_of(RouterConfig), *flags_of(RequestLimits), *flags_of(RoutingConfig), *LOG_FLAGS]
 SERVE_FLAGS = [
     *flags_of(RouterConfig, only=["host", "port"], defaults={"host": "127.0.0.1"}),
     *SERVE_WORKER_FLAGS,
@@ -86,7 +86,7 @@ def run_router(options: dict[str, Any]) -> int:
 
     build(LogConfig, options).apply()
     config = build(
-        RouterConfig, options, limits=build(RequestLimits, options), routing=build(RoutingWeights, options)
+        RouterConfig, options, limits=build(RequestLimits, options), routing=build(RoutingConfig, options)
     )
     return _run_server("router", serve_router, config)
 

@@ -30,7 +30,7 @@ class _WorkerView:
         )
         for worker in self._workers():
             queue.add_metric([worker.address], worker.queue_estimate)
-            cached.add_metric([worker.address], len(worker.cached_blocks))
+            cached.add_metric([worker.address], worker.num_cached_blocks)
         yield queue
         yield cached
 

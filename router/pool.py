@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 
 from nanovllm.common.logging import get_logger
-from nanovllm.common.server_config import RoutingWeights
+from nanovllm.common.server_config import RoutingConfig
 from nanovllm.common.tls import TlsFiles
 from nanovllm.router.discovery import RESOLVE_ERRORS, WorkerTarget, resolve
 from nanovllm.router.routing import Decision, choose
@@ -28,20 +28,21 @@ class WorkerPool:
         self,
         targets: list[str],
         on_change: Callable[[bool], None],
-        weights: RoutingWeights,
+        routing: RoutingConfig,
         discovery_interval_s: float = 5.0,
         tls: TlsFiles | None = None,
         server_name: str | None = None,
     ) -> None:
-        """on_change(serving) is called whenever the set of connected workers changes; `weights` are the
-        routing cost function's; `tls` the router's files for mutual TLS to workers, whose certificates
+        """on_change(serving) is called whenever the set of connected workers changes; `routing` says how
+        to pick a worker; `tls` the router's files for mutual TLS to workers, whose certificates
         are checked against `server_name`, or else the name the worker was found under."""
         if not targets:
             raise ValueError("a router needs at least one worker address (--worker HOST:PORT)")
         self.targets = [WorkerTarget.parse(t) for t in targets]
         self.info: worker_pb2.WorkerInfo | None = None
         self.tokenizer: ModelTokenizer | None = None
-        self.weights = weights
+        self.routing = routing
+        self._turn = 0  # requests picked for so far: round-robin's position
         self.discovery_interval_s = discovery_interval_s
         self._on_change = on_change
         self._tls, self._server_name = tls, server_name
@@ -88,7 +89,8 @@ class WorkerPool:
         """Where a request whose tokens are `token_ids` costs least (router/routing.py), among the available
         workers other than the addresses in `exclude` (those it already failed on); None if there is none."""
         candidates = [w for w in self.available if w.address not in exclude]
-        return choose(candidates, token_ids, self.weights)
+        self._turn += 1
+        return choose(candidates, token_ids, self.routing, self._turn)
 
     async def wait_for_worker(
         self, token_ids: Sequence[int], exclude: frozenset[str], timeout: float

@@ -3,17 +3,19 @@
     cost(w) = uncached_tokens(w) + queued_request_cost * queue(w)
 
 - uncached_tokens(w): the prompt tokens worker w would have to prefill, that is the prompt's length less
-  the tokens its prefix cache holds (an exact count: workers report every block hash they store and evict,
-  see common/block_hash.py);
+  the leading tokens its prefix cache holds. The count is exact: workers report every block hash they store
+  and evict (common/block_hash.py), and until they report them, the blocks of this router's own requests
+  in flight there count as cached (the worker is computing them);
 - queue(w): requests waiting or running there, every router's included (the worker's own report plus what
-  this router sent since);
-- queued_request_cost: how many prefill tokens one queued request is worth.
+  this router sent since, never fewer than this router's own requests there);
+- queued_request_cost: how many prefill tokens one queued request is worth (default 64).
 
 So a worker holding a long shared prefix keeps winning until its queue is about prefix /
-queued_request_cost requests longer than the others'; requests that share nothing go to the shortest
-queue. On top of that, a hotspot guard: a worker whose queue is over `hotspot_ratio` times the mean
-(and `hotspot_slack` requests above it) takes nothing new while a cooler one is available, so one hot
-prefix in a burst spreads instead of piling onto the worker that cached it first.
+queued_request_cost requests longer than the others' (16 for a 1,024-token prefix at the default);
+requests that share nothing go to the shortest queue. On top of that, a hotspot guard: a worker whose
+queue is over both `hotspot_ratio` times the mean and the mean plus `hotspot_slack` takes nothing new
+while a cooler one is available, so one hot prefix in a burst spreads instead of piling onto the worker
+that cached it first.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from nanovllm.common.block_hash import prefix_hashes
-from nanovllm.common.server_config import RoutingWeights
+from nanovllm.common.server_config import RoutingConfig
 
 
 class Candidate(Protocol):
@@ -37,6 +39,9 @@ class Candidate(Protocol):
 
     def cached_prefix_blocks(self, hashes: Sequence[int]) -> int: ...
 
+    @property
+    def num_cached_blocks(self) -> int: ...
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -46,27 +51,44 @@ class Decision:
     expected_hit_tokens: int
     cost: float
     candidates: int
+    block_hashes: Sequence[int] = ()  # the request's block hashes at the worker's block size
 
 
 def choose(
-    candidates: Sequence[Candidate], token_ids: Sequence[int], weights: RoutingWeights
+    candidates: Sequence[Candidate], token_ids: Sequence[int], config: RoutingConfig, turn: int = 0
 ) -> Decision | None:
-    """The cheapest worker for a request whose prompt (plus any tokens it already generated) is
-    `token_ids`; None without candidates."""
+    """The worker for a request whose prompt (plus any tokens it already generated) is `token_ids`, by
+    the configured policy (`turn` counts the router's requests, for round-robin); None without
+    candidates."""
     if not candidates:
         return None
+    if config.policy == "round-robin":
+        return Decision(candidates[turn % len(candidates)], 0, 0.0, len(candidates))
+    if config.policy == "least-loaded":
+        worker = min(candidates, key=lambda w: w.queue_estimate)
+        return Decision(worker, 0, float(worker.queue_estimate), len(candidates))
+    return _cheapest(candidates, token_ids, config)
+
+
+def _cheapest(
+    candidates: Sequence[Candidate], token_ids: Sequence[int], weights: RoutingConfig
+) -> Decision | None:
+    """The least cost; among equals, the emptiest prefix cache, so that new prefixes spread over the
+    workers instead of all landing on the first (and evicting each other there)."""
     pool = _without_hotspots(candidates, weights)
     hashes = _HashesBySize(token_ids)
-    best: Decision | None = None
+    best: tuple[float, int] | None = None
+    decision: Decision | None = None
     for worker in pool:
         hit = worker.cached_prefix_blocks(hashes(worker.block_size)) * worker.block_size
         cost = (len(token_ids) - hit) + weights.queued_request_cost * worker.queue_estimate
-        if best is None or cost < best.cost:
-            best = Decision(worker, hit, cost, len(pool))
-    return best
+        if best is None or (cost, worker.num_cached_blocks) < best:
+            best = (cost, worker.num_cached_blocks)
+            decision = Decision(worker, hit, cost, len(pool), hashes(worker.block_size))
+    return decision
 
 
-def _without_hotspots(candidates: Sequence[Candidate], weights: RoutingWeights) -> list[Candidate]:
+def _without_hotspots(candidates: Sequence[Candidate], weights: RoutingConfig) -> list[Candidate]:
     queues = [w.queue_estimate for w in candidates]
     mean = sum(queues) / len(queues)
     limit = max(weights.hotspot_ratio * mean, mean + weights.hotspot_slack)

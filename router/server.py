@@ -177,7 +177,13 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         )
         wire_id = uuid.uuid4().hex  # unique on the worker link whatever ids clients choose
         events = worker.submit(
-            wire_id, valid.prompt_token_ids, valid.params, request.priority, trace.request_id, generated
+            wire_id,
+            valid.prompt_token_ids,
+            valid.params,
+            request.priority,
+            trace.request_id,
+            generated,
+            decision.block_hashes,
         )
         return _Attempt(worker, wire_id, events, tried | {worker.address})
 

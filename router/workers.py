@@ -8,6 +8,7 @@ every request in flight on it receives a WorkerLost at once, and the connection 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -69,6 +70,10 @@ class WorkerConnection:
         self._sent_since_report = 0
         # The block hashes the worker's prefix cache holds, exactly as it reported them.
         self.cached_blocks: set[int] = set()
+        # The prompt blocks of this router's requests in flight there, which it is computing or has cached
+        # (the reports lag): a burst sharing a prefix then finds its first request's worker at once.
+        self._in_flight_blocks: Counter[int] = Counter()
+        self._blocks_of: dict[str, Sequence[int]] = {}  # by request id
         self._prepare = prepare
         self._requests: dict[str, asyncio.Queue[RequestEvent]] = {}
         self._outbound: asyncio.Queue[worker_pb2.RouterMessage | None] = asyncio.Queue()
@@ -85,20 +90,26 @@ class WorkerConnection:
     @property
     def queue_estimate(self) -> int:
         """Requests queued or running on the worker, every router's included: its last report plus what
-        this router sent since; before any report, this router's own requests in flight."""
+        this router sent since, and never fewer than this router's own requests in flight there (a report
+        made before the worker received what this router just sent would undercount a burst)."""
         if self.reported_queue is None:
             return self.num_in_flight
-        return self.reported_queue + self._sent_since_report
+        return max(self.reported_queue + self._sent_since_report, self.num_in_flight)
 
     @property
     def block_size(self) -> int:
         return self.info.kvcache_block_size if self.info is not None else 1
 
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached_blocks)
+
     def cached_prefix_blocks(self, hashes: Sequence[int]) -> int:
-        """How many of a prompt's leading blocks (given by their hashes) the worker has cached."""
+        """How many of a prompt's leading blocks (given by their hashes) the worker has cached, or has in
+        a request of this router's in flight."""
         count = 0
         for block_hash in hashes:
-            if block_hash not in self.cached_blocks:
+            if block_hash not in self.cached_blocks and not self._in_flight_blocks[block_hash]:
                 break
             count += 1
         return count
@@ -125,15 +136,19 @@ class WorkerConnection:
         priority: int,
         client_request_id: str = "",
         output_token_ids: list[int] | None = None,
+        block_hashes: Sequence[int] = (),
     ) -> asyncio.Queue[RequestEvent]:
         """Send a request; its updates (and a WorkerLost if the worker goes away) arrive on the queue.
-        `output_token_ids` resumes a stream with the tokens another worker generated for it."""
+        `output_token_ids` resumes a stream with the tokens another worker generated for it;
+        `block_hashes` are its prompt's blocks (common/block_hash.py), counted as cached there meanwhile."""
         events: asyncio.Queue[RequestEvent] = asyncio.Queue()
         if not self.connected:
             events.put_nowait(WorkerLost(self.address, "the worker is not connected"))
             return events
         self._requests[request_id] = events
         self._sent_since_report += 1
+        self._blocks_of[request_id] = block_hashes
+        self._in_flight_blocks.update(block_hashes)
         submit = worker_pb2.Submit(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -147,6 +162,12 @@ class WorkerConnection:
 
     def release(self, request_id: str, abort: bool) -> None:
         """Forget a request; with abort, also tell the worker to stop it and free its blocks."""
+        for block_hash in self._blocks_of.pop(request_id, ()):
+            left = self._in_flight_blocks[block_hash] - 1
+            if left:
+                self._in_flight_blocks[block_hash] = left
+            else:
+                del self._in_flight_blocks[block_hash]
         if self._requests.pop(request_id, None) is not None and abort and self.connected:
             abort_msg = worker_pb2.Abort(request_ids=[request_id])
             self._outbound.put_nowait(worker_pb2.RouterMessage(abort=abort_msg))
@@ -233,6 +254,7 @@ class WorkerConnection:
         was_connected, self.connected = self.connected, False
         self._outbound.put_nowait(None)  # ends the old stream's request iterator
         requests, self._requests = self._requests, {}
+        self._blocks_of, self._in_flight_blocks = {}, Counter()
         for events in requests.values():
             events.put_nowait(WorkerLost(self.address, reason))
         if was_connected:

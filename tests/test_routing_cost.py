@@ -5,12 +5,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import pytest
+
 from nanovllm.common.block_hash import prefix_hashes
-from nanovllm.common.server_config import RoutingWeights
+from nanovllm.common.errors import ConfigError
+from nanovllm.common.server_config import RouterConfig, RoutingConfig
 from nanovllm.router.routing import choose
 
 BLOCK = 16
-WEIGHTS = RoutingWeights(queued_request_cost=256.0, hotspot_ratio=1.25, hotspot_slack=2)
+WEIGHTS = RoutingConfig(queued_request_cost=256.0, hotspot_ratio=1.25, hotspot_slack=2)
 
 
 @dataclass
@@ -28,6 +31,10 @@ class Worker:
             count += 1
         return count
 
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached_blocks)
+
     def caches(self, token_ids: list[int]) -> Worker:
         self.cached_blocks.update(prefix_hashes(token_ids, BLOCK))
         return self
@@ -40,6 +47,13 @@ def test_nothing_shared_goes_to_the_shortest_queue():
     workers = [Worker("a", 3), Worker("b", 1), Worker("c", 2)]
     decision = choose(workers, list(range(50)), WEIGHTS)
     assert (decision.worker.address, decision.expected_hit_tokens) == ("b", 0)
+
+
+def test_a_new_prefix_goes_to_the_emptiest_cache_among_equals():
+    """All miss, all idle: not the first worker every time (it would hold every new prefix and evict them),
+    but the one whose cache holds least."""
+    workers = [Worker("a").caches(PREFIX), Worker("b"), Worker("c").caches(PREFIX[:BLOCK])]
+    assert choose(workers, list(range(1, 60)), WEIGHTS).worker.address == "b"
 
 
 def test_a_cached_prefix_outweighs_a_short_queue_but_not_a_long_one():
@@ -84,3 +98,25 @@ def test_workers_with_other_block_sizes_are_matched_by_their_own_hashes():
     big.cached_blocks.update(prefix_hashes(PREFIX, 32))
     decision = choose([Worker("small"), big], PREFIX + [1], WEIGHTS)
     assert (decision.worker.address, decision.expected_hit_tokens) == ("big", len(PREFIX))
+
+
+def test_the_comparison_policies_ignore_the_cache():
+    holder = Worker("holder", 2).caches(PREFIX)
+    others = [Worker("b", 1), Worker("c", 3)]
+    prompt = PREFIX + [1]
+    least = RoutingConfig(policy="least-loaded")
+    assert choose([holder, *others], prompt, least).worker.address == "b"
+    turns = RoutingConfig(policy="round-robin")
+    assert [choose([holder, *others], prompt, turns, turn).worker.address for turn in range(4)] == [
+        "holder",
+        "b",
+        "c",
+        "holder",
+    ]
+
+
+def test_an_unknown_policy_is_refused():
+    with pytest.raises(
+        ConfigError, match="--routing must be one of cost, least-loaded, round-robin, got 'best'"
+    ):
+        RouterConfig(workers=["w:1"], routing=RoutingConfig(policy="best"))
