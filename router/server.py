@@ -17,7 +17,8 @@ from nanovllm.common.metrics import serve_metrics
 from nanovllm.common.server_config import RouterConfig
 from nanovllm.common.serving import GrpcServer
 from nanovllm.common.tls import server_credentials
-from nanovllm.router.auth import Access, AuthInterceptor, Lease, TokenLimits, TokenTable
+from nanovllm.router.auth import Access, AuthInterceptor, TokenTable
+from nanovllm.router.limits import Lease, TokenLimits
 from nanovllm.router.metrics import RouterMetrics
 from nanovllm.router.pool import WorkerPool
 from nanovllm.router.responses import build_response, error_response, finish_name

@@ -7,7 +7,7 @@ import time
 from prometheus_client import Gauge
 
 from nanovllm.common.logging import get_logger
-from nanovllm.router.auth import Lease
+from nanovllm.router.limits import Lease
 from nanovllm.router.metrics import RouterMetrics
 from nanovllm.v1 import generate_pb2
 

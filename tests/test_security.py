@@ -28,7 +28,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.tls import ReloadingChannel, TlsFiles
 from nanovllm.processes import ServerProcess
-from nanovllm.router.auth import TokenLimits, parse_tokens, token_name
+from nanovllm.router.auth import parse_tokens, token_name
+from nanovllm.router.limits import TokenLimits
 from nanovllm.router.workers import CHANNEL_OPTIONS
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
