@@ -36,6 +36,14 @@ def _wait_for_running(addresses: list[str], expected: list[int], timeout: float 
         time.sleep(0.02)
 
 
+def _wait_for_workers(stub: generate_pb2_grpc.GenerationStub, count: int, timeout: float = 30.0) -> None:
+    """Until the router has `count` workers connected (it is SERVING from the first)."""
+    deadline = time.monotonic() + timeout
+    while stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10).num_workers < count:
+        assert time.monotonic() < deadline, f"the router did not connect {count} workers"
+        time.sleep(0.02)
+
+
 def _wait_for_view(router_metrics: str, expected: dict[str, float], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while (seen := _queue_seen_by(router_metrics)) != expected:
@@ -44,9 +52,9 @@ def _wait_for_view(router_metrics: str, expected: dict[str, float], timeout: flo
 
 
 def test_second_router_routes_around_the_first_routers_load(kernels, tmp_path: Path) -> None:
-    """Router A puts two long streams on worker 0 and one on worker 1. Router B, which has sent nothing
-    yet, must see that (from the workers' reports) and put its stream on worker 1; counting only its own
-    requests it would have picked worker 0."""
+    """Router A puts two long streams on one worker and one on the other. Router B, which has sent nothing
+    yet, must see that (from the workers' reports) and put its stream on the less busy worker; counting
+    only its own requests it would see two idle workers."""
     model = build_model("qwen3", tmp_path / "model", seed=1, max_position=LONG_CONTEXT)
     workers = [
         start_worker(model, "--max-model-len", str(LONG_CONTEXT), log_path=tmp_path / f"worker{i}.log")
@@ -61,15 +69,20 @@ def test_second_router_routes_around_the_first_routers_load(kernels, tmp_path: P
             wait_serving(server.address)
         sampling = generate_pb2.SamplingParams(temperature=0, max_tokens=LONG_CONTEXT - 100, ignore_eos=True)
         a, b = (generate_pb2_grpc.GenerationStub(c) for c in channels)
-        for i in range(3):  # A alternates between the workers as their queues grow: 0, 1, 0
+        for stub in (a, b):
+            _wait_for_workers(stub, 2)
+        for i in range(3):  # A alternates between the workers as their queues grow
             calls.append(
                 a.Generate(
                     generate_pb2.GenerateRequest(text=f"a{i}", sampling=sampling), timeout=CALL_TIMEOUT_S
                 )
             )
             next(calls[-1])
-        _wait_for_running(addresses, [2, 1])
-        _wait_for_view(routers[1].metrics_address, {addresses[0]: 2.0, addresses[1]: 1.0})
+        deadline = time.monotonic() + 30
+        while sorted(running := [worker_load(address).num_running for address in addresses]) != [1, 2]:
+            assert time.monotonic() < deadline, f"workers run {running}"
+            time.sleep(0.02)
+        _wait_for_view(routers[1].metrics_address, dict(zip(addresses, map(float, running))))
         calls.append(
             b.Generate(generate_pb2.GenerateRequest(text="b", sampling=sampling), timeout=CALL_TIMEOUT_S)
         )
@@ -101,9 +114,10 @@ def _counter(router_metrics: str, name: str) -> float:
 
 
 def test_a_cached_prefix_draws_its_requests_to_the_worker_that_holds_it(kernels, tmp_path: Path) -> None:
-    """Worker 0 caches a 480-token prefix (reported block by block to the router) and is busier by one
-    long stream: a request sharing the prefix still goes there (its hit is worth more than one queued
-    request), and finds the prefix cached; a request sharing nothing goes to the idle worker 1."""
+    """Worker 0 caches a 480-token prefix (reported block by block to the router) and is made busier by
+    one long stream that shares it: another request sharing the prefix still goes there (its hit is worth
+    more than one queued request), and finds the prefix cached; a request sharing nothing goes to the idle
+    worker 1."""
     model = build_model("qwen3", tmp_path / "model", seed=1, max_position=LONG_CONTEXT)
     workers = [
         start_worker(model, "--max-model-len", str(LONG_CONTEXT), log_path=tmp_path / f"worker{i}.log")
@@ -124,21 +138,20 @@ def test_a_cached_prefix_draws_its_requests_to_the_worker_that_holds_it(kernels,
     try:
         for server in (*workers, router):
             wait_serving(server.address)
-        deadline = time.monotonic() + 30
-        while stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10).num_workers < 2:
-            assert time.monotonic() < deadline, "the router did not connect both workers"
-            time.sleep(0.02)
+        _wait_for_workers(stub, 2)
         assert ask(prefix + [1]).usage.cached_prompt_tokens == 0  # both idle: worker 0, the first
         deadline = time.monotonic() + 30
         while _cached_blocks_seen_by(router.metrics_address) != {addresses[0]: 30.0, addresses[1]: 0.0}:
             assert time.monotonic() < deadline, _cached_blocks_seen_by(router.metrics_address)
             time.sleep(0.02)
-        sampling = generate_pb2.SamplingParams(temperature=0, max_tokens=LONG_CONTEXT - 100, ignore_eos=True)
+        sampling = generate_pb2.SamplingParams(temperature=0, max_tokens=LONG_CONTEXT - 1000, ignore_eos=True)
         long_call = stub.Generate(
-            generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[5, 6]), sampling=sampling),
+            generate_pb2.GenerateRequest(
+                token_ids=generate_pb2.TokenIds(ids=prefix + [5, 6]), sampling=sampling
+            ),
             timeout=CALL_TIMEOUT_S,
         )
-        next(long_call)  # both queues empty, both miss: worker 0 again
+        next(long_call)  # shares the prefix: worker 0
         _wait_for_running(addresses, [1, 0])
         assert ask(prefix + [2, 3]).usage.cached_prompt_tokens == 480  # on worker 0 despite its queue
         assert ask([7 + i % 200 for i in range(480)]).usage.cached_prompt_tokens == 0
@@ -147,8 +160,8 @@ def test_a_cached_prefix_draws_its_requests_to_the_worker_that_holds_it(kernels,
             assert time.monotonic() < deadline + 30, _cached_blocks_seen_by(router.metrics_address)
             time.sleep(0.02)
         metrics = router.metrics_address
-        assert _counter(metrics, "nanovllm:routing_expected_hit_tokens_total") == 480
-        assert _counter(metrics, "nanovllm:cached_prompt_tokens_total") == 480
+        assert _counter(metrics, "nanovllm:routing_expected_hit_tokens_total") == 2 * 480  # both sharers
+        assert _counter(metrics, "nanovllm:cached_prompt_tokens_total") == 2 * 480
     finally:
         if long_call is not None:
             long_call.cancel()
