@@ -5,6 +5,7 @@ loopback addresses."""
 
 from __future__ import annotations
 
+import asyncio
 import socketserver
 import threading
 import time
@@ -18,7 +19,9 @@ import dns.rrset
 import grpc
 import pytest
 
+from nanovllm.common.server_config import RoutingConfig
 from nanovllm.router.discovery import WorkerTarget
+from nanovllm.router.pool import WorkerPool
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from tests.model_factory import build_model
 from tests.services import start_router, start_worker, wait_idle, wait_serving, worker_load
@@ -30,9 +33,12 @@ DEADLINE_S = 10.0  # the issue's bound for a worker to be used or dropped
 
 
 class _Records(socketserver.BaseRequestHandler):
-    """Answers A queries for NAME from the server's `addresses`; NXDOMAIN for anything else."""
+    """Answers A queries for NAME from the server's `addresses` (none at all while it is `silent`);
+    NXDOMAIN for anything else."""
 
     def handle(self) -> None:
+        if self.server.silent:  # a resolver that does not answer: lookups time out
+            return
         data, sock = self.request
         query = dns.message.from_wire(data)
         response = dns.message.make_response(query)
@@ -50,6 +56,7 @@ class _Records(socketserver.BaseRequestHandler):
 def dns_server() -> Iterator[socketserver.UDPServer]:
     server = socketserver.ThreadingUDPServer(("127.0.0.1", 0), _Records)
     server.addresses = set()
+    server.silent = False
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -155,3 +162,27 @@ def test_workers_under_a_dns_name_are_used_and_dropped_without_a_restart(kernels
             channel.close()
             for server in servers:
                 server.kill()
+
+
+def test_a_failed_lookup_keeps_the_workers_an_empty_answer_drops_them() -> None:
+    """The pool's refresh on its own (no worker needs to run: connections are not started): a DNS server
+    that does not answer leaves the workers as they were; one that answers with no record retires them."""
+
+    async def scenario(records: socketserver.UDPServer) -> list[list[str]]:
+        target = f"dns://127.0.0.1:{records.server_address[1]}/{NAME.rstrip('.')}:7000"
+        pool = WorkerPool([target], lambda serving: None, RoutingConfig())
+        seen = []
+        for addresses in ({"127.0.0.2", "127.0.0.3"}, None, set()):  # None: the server stays silent
+            records.silent = addresses is None
+            records.addresses = addresses or set()
+            await pool.refresh()
+            seen.append(sorted(w.address for w in pool.workers))
+        await pool.close()
+        return seen
+
+    with dns_server() as records:
+        assert asyncio.run(scenario(records)) == [
+            ["127.0.0.2:7000", "127.0.0.3:7000"],
+            ["127.0.0.2:7000", "127.0.0.3:7000"],
+            [],
+        ]
