@@ -11,9 +11,11 @@ Scenarios (all by default; --only picks some):
   prompt    8 greedy bystander streams, p99 inter-token latency alone and while a 1 MB prompt arrives every
             250 ms (refused before tokenizing), and while prompts at the byte limit arrive (tokenized on the
             router's pool, then refused as too many tokens).
-  threads   the same workload through one worker, then through two workers on this host, each with the
-            default thread setting, unpinned and pinned to a CPU each: the pair's throughput as a share of
-            the one worker's.
+  threads   the same workload through one worker, then through two workers on this host: with the
+            default thread setting (they split the CPUs: worker/cpu_share.py), with every CPU each
+            (--num-threads), and pinned to a CPU each. The pair's throughput as a share of the one
+            worker's. A random model of SmolLM2-135M's shape in the worker's default dtype, so that the
+            model's compute, not the router, sets the pace.
 
 Usage: .venv/bin/python -m bench.robustness [--only soak,fuzz,...] [--quick]
 Prints one markdown table per scenario.
@@ -40,6 +42,7 @@ from pathlib import Path
 import grpc
 from hypothesis import HealthCheck, given, settings
 
+from bench.models import build_serving_model
 from bench.report import cpu_model, percentile
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from tests.fuzz import Bystanders, requests, run_request
@@ -51,7 +54,6 @@ from tests.services import (
     start_worker,
     wait_idle,
     wait_serving,
-    worker_load,
 )
 
 SCENARIOS = ("soak", "fuzz", "drain", "kill", "prompt", "threads")
@@ -314,22 +316,25 @@ async def _throughput(address: str, requests_: int) -> float:
         return tokens / (time.perf_counter() - t0)
 
 
-def threads(model: Path, logs: Path, requests_: int, runs: int) -> None:
+def threads(logs: Path, requests_: int, runs: int) -> None:
+    model = build_serving_model("smollm2-135m")
+    every_cpu = ["--num-threads", str(len(os.sched_getaffinity(0)))]
+    pairs = {"two": ([], False), "two, every CPU": (every_cpu, False), "two pinned": ([], True)}
     rows = []
     for run in range(runs):
         results = {}
-        for name, count, pin in (("one", 1, False), ("two", 2, False), ("two pinned", 2, True)):
-            with servers(model, count, logs / f"threads{run}-{name}", pin=pin) as (workers, router):
+        for name, count, flags, pin in [("one", 1, [], False)] + [(k, 2, *v) for k, v in pairs.items()]:
+            with servers(
+                model, count, logs / f"threads{run}-{name}", "--dtype", "auto", *flags, pin=pin
+            ) as (workers, router):
                 results[name] = asyncio.run(_throughput(router.address, requests_))
-                assert all(worker_load(w.address).kv_blocks_used == 0 for w in workers)
+                for worker in workers:  # every block comes back (the last token can reach us first)
+                    wait_idle(worker.address)
         one = results["one"]
-        rows.append(
-            [run + 1, f"{one:.0f}"]
-            + [f"{results[k]:.0f} ({results[k] / one:.2f})" for k in ("two", "two pinned")]
-        )
+        rows.append([run + 1, f"{one:.0f}"] + [f"{results[k]:.0f} ({results[k] / one:.2f})" for k in pairs])
     table(
         f"two workers on one host, default threads: {requests_} concurrent requests, tok/s (share of one)",
-        ["run", "one worker", "two workers", "two workers, one CPU each (affinity)"],
+        ["run", "one worker", "two workers", "two, --num-threads <all CPUs>", "two, one CPU each (affinity)"],
         rows,
     )
 
@@ -360,7 +365,7 @@ def main() -> None:
     if "prompt" in chosen:
         prompt(model, logs / "prompt", 1 if quick else 3)
     if "threads" in chosen:
-        threads(model, logs, 32 if quick else 64, 1 if quick else 3)
+        threads(logs, 32 if quick else 64, 1 if quick else 3)
 
 
 if __name__ == "__main__":

@@ -195,7 +195,8 @@ class EngineConfig:
     num_threads: int | None = option(
         None,
         help="CPU threads of the model's ops, shared by the tensor-parallel ranks; default: the CPUs this "
-        "process may use (its affinity mask, capped by its cgroup CPU limit)",
+        "process may use (its affinity mask, capped by its cgroup CPU limit), split with the other "
+        "nanovllm processes on the same CPUs (worker/cpu_share.py)",
     )
     hf_config: ModelConfig | None = field(default=None, repr=False)
 

@@ -148,8 +148,10 @@ def test_engine_sets_its_thread_count(qwen3_dir: Path) -> None:
     try:
         LLM(str(qwen3_dir), kv_cache_memory="4MiB", device="cpu", num_threads=1)
         assert torch.get_num_threads() == 1
-        LLM(str(qwen3_dir), kv_cache_memory="4MiB", device="cpu")
-        assert torch.get_num_threads() == usable_cpus()
+        llm = LLM(str(qwen3_dir), kv_cache_memory="4MiB", device="cpu")
+        share = llm.engine.runner.cpu_share.current  # the usable CPUs, split with other engines' processes
+        assert torch.get_num_threads() == share.threads
+        assert share.threads == max(1, min(len(share.cpus), usable_cpus() // share.processes))
     finally:
         torch.set_num_threads(before)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ from nanovllm.common.logging import get_logger
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.kernels.attention import AttentionMetadata, ChunkBatch, DecodeBatch
 from nanovllm.kernels.backends import CpuKernelAttention, select_attention_backend
+from nanovllm.worker.cpu_share import CpuShare
 from nanovllm.worker.device import resolve_placement, usable_cpus
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.loader import load_safetensors
@@ -72,6 +74,7 @@ class ModelRunner:
         (worker/tensor_parallel.py) pass their own TPContext."""
         self.config = config
         self.tp_group: TensorParallelGroup | None = None
+        self.cpu_share: CpuShare | None = None
         # Before any rank starts: a device that cannot run the dtype fails here, with nothing to undo.
         self.placement = resolve_placement(config.device, config.dtype)
         if tp is None:
@@ -123,13 +126,17 @@ class ModelRunner:
         self._bind_kernels()
 
     def _set_cpu_threads(self) -> None:
-        """The ranks share the process's CPUs: more OpenMP threads than CPUs makes every op wait on the
-        slowest thread (two workers with all the host's cores each ran 40-60x slower)."""
-        total = self.config.num_threads or usable_cpus()
-        threads = max(1, total // self.tp.size)
+        """A fixed num_threads is split between the ranks. By default every process that runs a model on
+        these CPUs (each rank, each co-located worker) takes its share of them (worker/cpu_share.py):
+        more OpenMP threads than CPUs makes every op wait on the slowest thread."""
+        if self.config.num_threads is None:
+            self.cpu_share = CpuShare(frozenset(os.sched_getaffinity(0)), usable_cpus())
+            self.cpu_share.refresh()
+            return
+        threads = max(1, self.config.num_threads // self.tp.size)
         torch.set_num_threads(threads)
         if self.tp.rank == 0:
-            log.info("cpu_threads", threads_per_rank=threads, ranks=self.tp.size, usable_cpus=usable_cpus())
+            log.info("cpu_threads", threads_per_rank=threads, ranks=self.tp.size)
 
     def _check_weights_fit(self) -> None:
         if self.device.type != "cpu":
@@ -272,6 +279,8 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model on one step's inputs, on every tensor-parallel rank: fp32 logits of the requested
         rows, or None when no row is requested (a prompt chunk that does not reach its end)."""
+        if self.cpu_share is not None:
+            self.cpu_share.refresh()
         try:
             if self.tp_group is not None:
                 self.tp_group.send(inputs)
@@ -286,10 +295,13 @@ class ModelRunner:
             raise
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks (joined, never orphaned); a no-op without them."""
+        """Stop the other tensor-parallel ranks (joined, never orphaned) and leave the CPU share."""
         if self.tp_group is not None:
             self.tp_group.shutdown()
             self.tp_group = None
+        if self.cpu_share is not None:
+            self.cpu_share.close()
+            self.cpu_share = None
 
     def step_inputs(self, sched: SchedulerOutput, all_logits: bool) -> StepInputs:
         """The step as plain integers. Tokens are laid out decodes, then fresh prompts, then continuing
