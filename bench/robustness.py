@@ -8,7 +8,7 @@ Scenarios (all by default; --only picks some):
             0 UNKNOWN, 0 bystander failures, 0 KV blocks left.
   drain     two workers, SIGTERM one while 100 calls run: failed calls per run (5 runs).
   kill      two workers, SIGKILL one while 100 calls run: failed calls sent after the kill (5 runs).
-  prompt    8 greedy bystander streams, p99 inter-token latency alone and while a 1 MB prompt arrives every
+  prompt    8 greedy bystander streams of 1,000 tokens, p99 inter-token latency alone and while a 1 MB prompt arrives every
             250 ms (refused before tokenizing), and while prompts at the byte limit arrive (tokenized on the
             router's pool, then refused as too many tokens).
   threads   the same workload through one worker, then through two workers on this host: with the
@@ -59,6 +59,7 @@ from tests.services import (
 SCENARIOS = ("soak", "fuzz", "drain", "kill", "prompt", "threads")
 MAX_MODEL_LEN = 1024
 DISTURB_INTERVAL_S = 0.25
+BYSTANDER_TOKENS = 1000
 
 
 @contextmanager
@@ -225,7 +226,8 @@ def failover(model: Path, logs: Path, kind: str, runs: int) -> None:
 
 
 async def _bystander_itl(address: str, disturb: str | None, limit_bytes: int) -> tuple[list[float], Counter]:
-    """8 greedy streams of 200 tokens; meanwhile, with `disturb`, a big text prompt arrives every 250 ms.
+    """8 greedy streams of BYSTANDER_TOKENS tokens; meanwhile, with `disturb`, a big text prompt arrives every
+    250 ms (a dozen or more of them while the streams run, so that p99 is not one hiccup's luck).
     Returns the bystanders' inter-token gaps and the big prompts' status codes."""
     big = {"1MB": "word " * 200_000, "limit": "w" * limit_bytes}.get(disturb or "", "")
     codes: Counter = Counter()
@@ -236,7 +238,9 @@ async def _bystander_itl(address: str, disturb: str | None, limit_bytes: int) ->
         async def bystander(i: int) -> list[float]:
             request = generate_pb2.GenerateRequest(
                 token_ids=generate_pb2.TokenIds(ids=[10 + i, 20, 30, 40]),
-                sampling=generate_pb2.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                sampling=generate_pb2.SamplingParams(
+                    temperature=0, max_tokens=BYSTANDER_TOKENS, ignore_eos=True
+                ),
             )
             arrivals = [time.perf_counter() async for _ in stub.Generate(request)]
             return [b - a for a, b in itertools.pairwise(arrivals[1:])]  # after the first token
