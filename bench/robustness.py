@@ -328,9 +328,10 @@ def threads(logs: Path, requests_: int, runs: int) -> None:
     for run in range(runs):
         results = {}
         for name, count, flags, pin in [("one", 1, [], False)] + [(k, 2, *v) for k, v in pairs.items()]:
-            with servers(
-                model, count, logs / f"threads{run}-{name}", "--dtype", "auto", *flags, pin=pin
-            ) as (workers, router):
+            with servers(model, count, logs / f"threads{run}-{name}", "--dtype", "auto", *flags, pin=pin) as (
+                workers,
+                router,
+            ):
                 results[name] = asyncio.run(_throughput(router.address, requests_))
                 for worker in workers:  # every block comes back (the last token can reach us first)
                     wait_idle(worker.address)

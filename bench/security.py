@@ -1,22 +1,25 @@
 """What TLS and auth cost: the same calls through a plaintext stack and a secured one, in one run.
 
 Two stacks of one worker and one router each, on loopback, with the tiny random Qwen3 of the tests (so the
-model's work is small and the per-call and per-message costs of TLS and auth weigh as much as they ever can):
+model's work is small and the per-call and per-message costs of TLS and auth weigh as much as they ever can),
+or with `--shape smollm2-135m` a random model of that shape in the worker's default dtype (a model whose
+compute sets the pace, as a served model's does):
 
   plaintext  router and worker without TLS, no auth;
   secured    mutual TLS between router and worker, TLS on the public port, bearer-token auth (a tokens file
              of 100 tokens, the client's the last one), certificates made for the run (tests/certs.py).
 
 Rounds alternate between the stacks (ABBA order: plaintext, secured, secured, plaintext, ...) so that the machine's other load
-falls on both. Each round measures, through one client channel (its TLS handshake made before timing):
+falls on both; each round starts its stack afresh and runs it alone. Each round measures, through one client channel (its TLS handshake made before timing):
 
   TTFT        one call at a time (a 32-token prompt, 8 tokens): first response carrying tokens - send;
-  throughput  `--requests` calls of 16-128 prompt and 32-128 output tokens, all at once: tokens / wall time.
+  throughput  `--requests` calls of 16-128 prompt and 32-128 output tokens, `--concurrency` at a time:
+              tokens / wall time (a few seconds per round: shorter rounds swung by 20% on this machine).
 
 Prints p50 TTFT and throughput per stack (medians over rounds), their differences and ratio. The targets:
 TTFT +<= 1 ms at p50, throughput >= 95% of plaintext.
 
-Usage: .venv/bin/python -m bench.security [--rounds 3] [--ttft-calls 100] [--requests 64]
+Usage: .venv/bin/python -m bench.security [--rounds 9] [--ttft-calls 100] [--requests 512] [--concurrency 64]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import os
 import random
 import statistics
 import tempfile
@@ -35,6 +39,7 @@ from pathlib import Path
 
 import grpc
 
+from bench.models import SHAPES, build_serving_model
 from bench.report import cpu_model, load_average, percentile
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from tests.certs import CertificateAuthority
@@ -47,11 +52,18 @@ TOKENS_IN_FILE = 100
 @dataclass
 class Stack:
     name: str
+    secured: bool
+    ttft_p50_ms: list[float] = field(default_factory=list)
+    tokens_per_s: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Endpoint:
+    """A running stack's public address and what a client needs to call it."""
+
     address: str
     credentials: grpc.ChannelCredentials | None
     metadata: tuple[tuple[str, str], ...]
-    ttft_p50_ms: list[float] = field(default_factory=list)
-    tokens_per_s: list[float] = field(default_factory=list)
 
     def channel(self) -> grpc.aio.Channel:
         if self.credentials is None:
@@ -59,54 +71,62 @@ class Stack:
         return grpc.aio.secure_channel(self.address, self.credentials)
 
 
+@dataclass
+class Setup:
+    """What both stacks share: the model, and for the secured one its certificates and tokens file."""
+
+    root: Path
+    model: Path
+    dtype: str
+    ca: CertificateAuthority
+    token: str
+    worker_cpus: set[int] | None = None
+
+    @classmethod
+    def make(cls, root: Path, shape: str | None) -> Setup:
+        if shape is None:
+            model, dtype = build_model("qwen3", root / "model", seed=1), "float32"
+        else:
+            model, dtype = build_serving_model(shape), "auto"
+        tokens = [f"client{i}:{'k' * 8}{i:024d}" for i in range(TOKENS_IN_FILE)]
+        (root / "tokens").write_text("\n".join(tokens) + "\n")
+        return cls(root, model, dtype, CertificateAuthority(root / "ca"), tokens[-1].split(":", 1)[1])
+
+
 @contextmanager
-def stacks(root: Path) -> Iterator[list[Stack]]:
-    """Start both stacks (all SERVING); kill every process on the way out."""
-    model = build_model("qwen3", root / "model", seed=1)
-    ca = CertificateAuthority(root / "ca")
-    worker_cert, router_cert, public = ca.issue("worker"), ca.issue("router"), ca.issue("public")
-    tokens = [f"client{i}:{'k' * 8}{i:024d}" for i in range(TOKENS_IN_FILE)]
-    (root / "tokens").write_text("\n".join(tokens) + "\n")
-    token = tokens[-1].split(":", 1)[1]
-    engine = ["--max-model-len", "1024", "--kv-cache-memory", "256MiB"]
+def running(stack: Stack, setup: Setup) -> Iterator[Endpoint]:
+    """Start `stack`'s worker and router (SERVING), alone on the machine; kill both on the way out. One
+    stack at a time, so that neither holds CPUs (worker/cpu_share.py) or memory while the other is timed."""
+    root, ca = setup.root, setup.ca
+    engine = ["--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--dtype", setup.dtype]
+    worker_flags: list[str] = []
+    router_flags: list[str] = []
+    endpoint = Endpoint("", None, ())
+    if stack.secured:
+        worker_cert, router_cert, public = ca.issue("worker"), ca.issue("router"), ca.issue("public")
+        worker_flags = ["--worker-tls-cert", str(worker_cert.cert), "--worker-tls-key", str(worker_cert.key)]
+        worker_flags += ["--worker-tls-ca", str(ca.ca_path)]
+        router_flags = ["--worker-tls-cert", str(router_cert.cert), "--worker-tls-key", str(router_cert.key)]
+        router_flags += ["--worker-tls-ca", str(ca.ca_path), "--tls-cert", str(public.cert)]
+        router_flags += ["--tls-key", str(public.key), "--auth-tokens-file", str(root / "tokens")]
+        credentials = grpc.ssl_channel_credentials(ca.ca_path.read_bytes())
+        endpoint = Endpoint("", credentials, (("authorization", f"Bearer {setup.token}"),))
     processes: list[ServerProcess] = []
     try:
-        plain_worker = start_worker(model, *engine, log_path=root / "plain-worker.log")
-        processes.append(plain_worker)
-        plain = start_router([plain_worker.address], log_path=root / "plain-router.log")
-        processes.append(plain)
-        mtls = ["--worker-tls-cert", str(worker_cert.cert), "--worker-tls-key", str(worker_cert.key)]
-        secure_worker = start_worker(
-            model, *engine, *mtls, "--worker-tls-ca", str(ca.ca_path), log_path=root / "tls-worker.log"
+        logs = root / stack.name.replace(" ", "")
+        worker = start_worker(
+            setup.model,
+            *engine,
+            *worker_flags,
+            log_path=logs.with_suffix(".worker.log"),
+            cpus=setup.worker_cpus,
         )
-        processes.append(secure_worker)
-        secure = start_router(
-            [secure_worker.address],
-            *("--worker-tls-cert", str(router_cert.cert), "--worker-tls-key", str(router_cert.key)),
-            *(
-                "--worker-tls-ca",
-                str(ca.ca_path),
-                "--tls-cert",
-                str(public.cert),
-                "--tls-key",
-                str(public.key),
-            ),
-            *("--auth-tokens-file", str(root / "tokens")),
-            log_path=root / "tls-router.log",
-        )
-        processes.append(secure)
-        client_credentials = grpc.ssl_channel_credentials(ca.ca_path.read_bytes())
-        wait_serving(plain.address)
-        wait_serving(secure.address, credentials=client_credentials)
-        yield [
-            Stack("plaintext", plain.address, None, ()),
-            Stack(
-                "TLS + mTLS + auth",
-                secure.address,
-                client_credentials,
-                (("authorization", f"Bearer {token}"),),
-            ),
-        ]
+        processes.append(worker)
+        router = start_router([worker.address], *router_flags, log_path=logs.with_suffix(".router.log"))
+        processes.append(router)
+        wait_serving(router.address, credentials=endpoint.credentials)
+        endpoint.address = router.address
+        yield endpoint
     finally:
         for process in reversed(processes):
             process.kill()
@@ -122,10 +142,10 @@ async def _call(stub, request: generate_pb2.GenerateRequest, metadata) -> tuple[
     return first - sent, tokens
 
 
-async def measure(stack: Stack, ttft_calls: int, requests: int) -> None:
-    """One round on one stack: sequential calls for TTFT, then every request at once for throughput."""
+async def measure(stack: Stack, endpoint: Endpoint, ttft_calls: int, requests: int, concurrency: int) -> None:
+    """One round on one stack: sequential calls for TTFT, then `requests` calls for throughput."""
     rng = random.Random(7)
-    async with stack.channel() as channel:
+    async with endpoint.channel() as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         short = generate_pb2.GenerateRequest(
             token_ids=generate_pb2.TokenIds(ids=list(range(3, 35))),
@@ -133,8 +153,8 @@ async def measure(stack: Stack, ttft_calls: int, requests: int) -> None:
             return_token_ids=True,
         )
         for _ in range(5):  # warm-up: the connection (and its handshake), the engine's first steps
-            await _call(stub, short, stack.metadata)
-        ttfts = [(await _call(stub, short, stack.metadata))[0] for _ in range(ttft_calls)]
+            await _call(stub, short, endpoint.metadata)
+        ttfts = [(await _call(stub, short, endpoint.metadata))[0] for _ in range(ttft_calls)]
         stack.ttft_p50_ms.append(percentile(ttfts, 0.5) * 1e3)
         batch = [
             generate_pb2.GenerateRequest(
@@ -148,18 +168,28 @@ async def measure(stack: Stack, ttft_calls: int, requests: int) -> None:
             )
             for _ in range(requests)
         ]
+        slots = asyncio.Semaphore(concurrency)
+
+        async def call(request: generate_pb2.GenerateRequest) -> tuple[float, int]:
+            async with slots:
+                return await _call(stub, request, endpoint.metadata)
+
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(_call(stub, r, stack.metadata) for r in batch))
+        results = await asyncio.gather(*(call(r) for r in batch))
         stack.tokens_per_s.append(sum(tokens for _, tokens in results) / (time.perf_counter() - t0))
 
 
 def report(plain: Stack, secure: Stack, args: argparse.Namespace) -> None:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    print(f"\n### TLS and auth overhead ({now}, {cpu_model()}, load {load_average()})\n")
+    model = args.shape or "the tiny test Qwen3"
+    print(f"\n### TLS and auth overhead ({now}, {cpu_model()}, load {load_average()}, {model})\n")
     print(
         f"{args.rounds} alternating rounds; p50 TTFT over {args.ttft_calls} sequential calls, throughput of"
     )
-    print(f"{args.requests} concurrent calls; medians over rounds (each round's value in brackets).\n")
+    print(
+        f"{args.requests} calls, {args.concurrency} at a time; medians over rounds (each round's value in "
+        "brackets).\n"
+    )
     print("| stack | p50 TTFT | throughput |")
     print("|---|---:|---:|")
     for stack in (plain, secure):
@@ -181,18 +211,29 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--ttft-calls", type=int, default=100)
-    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=512)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="default: the tests' tiny Qwen3")
+    parser.add_argument(
+        "--pin-worker",
+        action="store_true",
+        help="the worker on the first CPU, the router and this client on the others (as if on other machines)",
+    )
     args = parser.parse_args(argv)
-    with (
-        tempfile.TemporaryDirectory(prefix="nanovllm-bench-security-") as tmp,
-        stacks(Path(tmp)) as (plain, secure),
-    ):
+    plain, secure = Stack("plaintext", secured=False), Stack("TLS + mTLS + auth", secured=True)
+    with tempfile.TemporaryDirectory(prefix="nanovllm-bench-security-") as tmp:
+        setup = Setup.make(Path(tmp), args.shape)
+        if args.pin_worker:
+            first, *rest = sorted(os.sched_getaffinity(0))
+            setup.worker_cpus = {first}
+            os.sched_setaffinity(0, rest)  # the routers started from here inherit it
         for round_ in range(args.rounds):
             for stack in (plain, secure) if round_ % 2 == 0 else (secure, plain):
-                asyncio.run(measure(stack, args.ttft_calls, args.requests))
-        report(plain, secure, args)
+                with running(stack, setup) as endpoint:
+                    asyncio.run(measure(stack, endpoint, args.ttft_calls, args.requests, args.concurrency))
+    report(plain, secure, args)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,8 @@ def test_processes_split_the_set_and_a_killed_ones_cpus_come_back(tmp_path: Path
         share = CpuShare(FOUR_CPUS, 4, root=tmp_path)
         assert older_slice == "[0, 1, 2, 3]"  # alone when it joined
         mine = share.slice()
-        assert (mine.cpus, mine.threads, mine.processes) == ([2, 3], 2, 2)  # the younger takes the second half
+        # the younger takes the second half
+        assert (mine.cpus, mine.threads, mine.processes) == ([2, 3], 2, 2)
         older.kill()
         older.wait()
         alone = share.slice()
@@ -89,7 +90,12 @@ def test_refresh_moves_every_thread_and_close_gives_the_cpus_back(tmp_path: Path
     bystander.start()
     share = CpuShare(cpus, len(cpus), root=tmp_path, refresh_interval_s=0.0)
     member = subprocess.Popen(
-        [sys.executable, "-c", MEMBER.replace("{0, 1, 2, 3}), 4", f"{set(cpus)}), {len(cpus)}"), str(tmp_path)],
+        [
+            sys.executable,
+            "-c",
+            MEMBER.replace("{0, 1, 2, 3}), 4", f"{set(cpus)}), {len(cpus)}"),
+            str(tmp_path),
+        ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
