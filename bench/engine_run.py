@@ -100,6 +100,7 @@ def build_llm(model_dir: Path, workload: Workload, args: argparse.Namespace) -> 
         kv_cache_memory=kv_bytes,
         enforce_eager=True,
         dtype=args.dtype,
+        num_threads=args.threads,  # fixed: the run must not split its CPUs with whatever else runs here
     )
 
 

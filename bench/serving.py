@@ -102,7 +102,7 @@ def run_offline(
         *("--max-model-len", str(c.max_model_len), "--max-num-seqs", str(c.max_num_seqs)),
         *("--max-num-batched-tokens", str(c.max_num_batched_tokens)),
         *("--kv-cache-memory", str(c.kv_cache_memory), "--block-size", str(c.kvcache_block_size)),
-        *("--dtype", llm.engine.runner.placement.dtype_name),
+        *("--dtype", llm.engine.runner.placement.dtype_name, "--num-threads", str(c.num_threads)),
     ]
     del llm
     gc.collect()
@@ -292,7 +292,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the worker's torch threads
     model_dir = args.model or build_serving_model(args.shape)
     if args.router is None and not any(
         (model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model")

@@ -16,8 +16,6 @@ import datetime
 import statistics
 import time
 
-import torch
-
 from bench.models import SHAPES, build_random_model
 from nanovllm import LLM, SamplingParams
 
@@ -71,8 +69,13 @@ def main() -> None:
         ("TP=1, 1 thread", 1, 1),
         ("TP=2, 1 thread/rank", 2, 1),
     ]:
-        torch.set_num_threads(threads if tp == 1 else 2)  # TP=2 sets its own per-rank threads
-        llm = LLM(str(model_dir), max_model_len=256, kv_cache_memory="512MiB", tensor_parallel_size=tp)
+        llm = LLM(  # num_threads is split between the ranks: 1 each at TP=2
+            str(model_dir),
+            max_model_len=256,
+            kv_cache_memory="512MiB",
+            tensor_parallel_size=tp,
+            num_threads=threads if tp == 1 else 2,
+        )
         for batch in args.batch:
             step, send = time_decode(llm, batch, args.steps)
             rows.append((label, batch, step, send))
