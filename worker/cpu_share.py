@@ -58,7 +58,7 @@ def _is_locked(path: Path) -> bool:
     """Whether a live process holds `path`'s lock (a file whose owner died is removed)."""
     try:
         fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
+    except (FileNotFoundError, PermissionError):  # gone, or unreadable to us: not a member we can see
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -66,7 +66,8 @@ def _is_locked(path: Path) -> bool:
         return True
     finally:
         os.close(fd)
-    with contextlib.suppress(FileNotFoundError):
+    # Gone already, or another user's in a sticky directory (it stays, but unlocked it does not count).
+    with contextlib.suppress(FileNotFoundError, PermissionError):
         path.unlink()
     return False
 
@@ -104,6 +105,7 @@ class CpuShare:
         name = f"{time.time_ns():020d}-{os.getpid()}"
         staging = self.directory / f"{name}.new"
         self._fd = os.open(staging, os.O_RDONLY | os.O_CREAT, 0o644)
+        os.fchmod(self._fd, 0o644)  # whatever the umask: other users' workers probe it read-only
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         self.path = staging.rename(self.directory / f"{name}.lock")
         self.current: Slice | None = None
