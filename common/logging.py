@@ -18,11 +18,15 @@ class LogConfig:
 
     def apply(self) -> None:
         fmt = self.log_format
-        configure_logging(self.log_level, json=None if fmt == "auto" else fmt == "json")
+        configure_logging(self.log_level, json=None if fmt == "auto" else fmt == "json", stdlib=True)
 
 
-def configure_logging(level: str = "INFO", json: bool | None = None) -> None:
-    """Configure structlog once for a process; library code only calls get_logger()."""
+def configure_logging(level: str = "INFO", json: bool | None = None, stdlib: bool = False) -> None:
+    """Configure structlog once for a process; library code only calls get_logger().
+
+    With `stdlib`, records of the standard logging module (asyncio's "Task exception was never retrieved",
+    grpc's own) are rendered the same way, so a server's stderr stays one JSON object per line. Only the
+    servers ask for it: the offline API leaves its host program's logging alone."""
     if json is None:
         json = not sys.stderr.isatty()
     if json:
@@ -32,17 +36,25 @@ def configure_logging(level: str = "INFO", json: bool | None = None) -> None:
         renderers = [structlog.processors.ExceptionRenderer(exceptions), structlog.processors.JSONRenderer()]
     else:
         renderers = [structlog.dev.ConsoleRenderer()]  # prints exc_info as a traceback itself
+    stamp = [structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso")]
+    level_number = logging.getLevelName(level.upper())
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            *renderers,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
+        processors=[structlog.contextvars.merge_contextvars, *stamp, *renderers],
+        wrapper_class=structlog.make_filtering_bound_logger(level_number),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
+    if stdlib:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(
+            structlog.stdlib.ProcessorFormatter(
+                foreign_pre_chain=[structlog.stdlib.add_logger_name, *stamp],
+                processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *renderers],
+            )
+        )
+        root = logging.getLogger()
+        root.handlers = [handler]
+        root.setLevel(level_number)
 
 
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:

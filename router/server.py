@@ -196,23 +196,27 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     ) -> None:
         """Write one response, cutting off a client that stopped taking them (see RouterConfig)."""
         write = asyncio.ensure_future(context.write(response))
-        waited = 0.0
-        while True:
-            done, _ = await asyncio.wait({write}, timeout=STALL_CHECK_S)
-            if done:
-                return write.result()
-            waited += STALL_CHECK_S
-            limit = self.config.max_buffered_responses
-            if waited >= self.config.stall_timeout_s:
-                reason = f"the client took no response for {waited:.1f} s (stall timeout)"
-            elif backlog.qsize() > limit:
-                reason = (
-                    f"{backlog.qsize()} responses wait behind one the client has not taken (limit {limit})"
-                )
-            else:
-                continue
-            write.cancel()
-            raise StreamStalled(reason)
+        try:
+            waited = 0.0
+            while True:
+                done, _ = await asyncio.wait({write}, timeout=STALL_CHECK_S)
+                if done:
+                    return write.result()
+                waited += STALL_CHECK_S
+                limit = self.config.max_buffered_responses
+                if waited >= self.config.stall_timeout_s:
+                    reason = f"the client took no response for {waited:.1f} s (stall timeout)"
+                elif backlog.qsize() > limit:
+                    reason = f"{backlog.qsize()} responses wait behind one the client has not taken (limit {limit})"
+                else:
+                    continue
+                raise StreamStalled(reason)
+        finally:
+            # Stalled, or the call was cancelled while we waited (a client gone, a keepalive timeout): the
+            # write may still end in an error, which is this call's end, not news for the event loop's log.
+            if not write.done():
+                write.cancel()
+                write.add_done_callback(_retrieve)
 
     async def _generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext, lease: Lease
@@ -391,6 +395,12 @@ def _worker_pool(config: RouterConfig, on_change: Callable[[bool], None]) -> Wor
         config.worker_tls,
         config.worker_tls_server_name,
     )
+
+
+def _retrieve(write: asyncio.Future) -> None:
+    """Mark an abandoned write's outcome as seen."""
+    if not write.cancelled():
+        write.exception()
 
 
 def _retry_reason(event: RequestEvent) -> str | None:

@@ -126,6 +126,11 @@ def finished(events: list[dict]) -> list[dict]:
     return [e for e in events if e.get("event") == "request_finished"]
 
 
+def errors(events: list[dict]) -> list[dict]:
+    """Error-level events: a call cut off by the router is its outcome, not a fault of the router."""
+    return [e for e in events if e.get("level") == "error"]
+
+
 def test_frozen_client_is_dropped_by_keepalive(kernels, tmp_path: Path) -> None:
     """A stopped client process keeps its TCP connection open, but answers no HTTP/2 ping: the router closes
     the connection after the keepalive timeout, which cancels the call and frees its KV blocks."""
@@ -138,6 +143,7 @@ def test_frozen_client_is_dropped_by_keepalive(kernels, tmp_path: Path) -> None:
         done = finished(events())
         assert [e["outcome"] for e in done] == ["client_cancelled"]
         assert done[0]["completion_tokens"] < LONG_CONTEXT - 100  # cut off, not run to the end
+        assert errors(events()) == []
 
 
 # A small receive window that does not grow: unread responses soon hold the router's writes back.
@@ -163,3 +169,4 @@ def test_client_that_stops_reading_is_cut_off(
         assert done[0]["completion_tokens"] < LONG_CONTEXT - 100
         assert [reason in e["reason"] for e in events() if e.get("event") == "client_stalled"] == [True]
         assert client.poll() is None  # the client itself is fine: only its stream was cut
+        assert errors(events()) == []
