@@ -55,6 +55,7 @@ class Stack:
     secured: bool
     ttft_p50_ms: list[float] = field(default_factory=list)
     tokens_per_s: list[float] = field(default_factory=list)
+    tokens_per_response: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -132,14 +133,15 @@ def running(stack: Stack, setup: Setup) -> Iterator[Endpoint]:
             process.kill()
 
 
-async def _call(stub, request: generate_pb2.GenerateRequest, metadata) -> tuple[float, int]:
-    """(TTFT in seconds, tokens) of one call."""
-    sent, first, tokens = time.perf_counter(), None, 0
+async def _call(stub, request: generate_pb2.GenerateRequest, metadata) -> tuple[float, int, int]:
+    """(TTFT in seconds, tokens, responses) of one call."""
+    sent, first, tokens, responses = time.perf_counter(), None, 0, 0
     async for response in stub.Generate(request, metadata=metadata):
         if response.token_ids and first is None:
             first = time.perf_counter()
         tokens += len(response.token_ids)
-    return first - sent, tokens
+        responses += 1
+    return first - sent, tokens, responses
 
 
 async def measure(stack: Stack, endpoint: Endpoint, ttft_calls: int, requests: int, concurrency: int) -> None:
@@ -170,13 +172,16 @@ async def measure(stack: Stack, endpoint: Endpoint, ttft_calls: int, requests: i
         ]
         slots = asyncio.Semaphore(concurrency)
 
-        async def call(request: generate_pb2.GenerateRequest) -> tuple[float, int]:
+        async def call(request: generate_pb2.GenerateRequest) -> tuple[float, int, int]:
             async with slots:
                 return await _call(stub, request, endpoint.metadata)
 
         t0 = time.perf_counter()
         results = await asyncio.gather(*(call(r) for r in batch))
-        stack.tokens_per_s.append(sum(tokens for _, tokens in results) / (time.perf_counter() - t0))
+        elapsed = time.perf_counter() - t0
+        tokens = sum(tokens for _, tokens, _ in results)
+        stack.tokens_per_s.append(tokens / elapsed)
+        stack.tokens_per_response.append(tokens / sum(responses for _, _, responses in results))
 
 
 def report(plain: Stack, secure: Stack, args: argparse.Namespace) -> None:
@@ -190,20 +195,22 @@ def report(plain: Stack, secure: Stack, args: argparse.Namespace) -> None:
         f"{args.requests} calls, {args.concurrency} at a time; medians over rounds (each round's value in "
         "brackets).\n"
     )
-    print("| stack | p50 TTFT | throughput |")
-    print("|---|---:|---:|")
+    print("| stack | p50 TTFT | throughput | tokens per response |")
+    print("|---|---:|---:|---:|")
     for stack in (plain, secure):
         ttft = ", ".join(f"{x:.2f}" for x in stack.ttft_p50_ms)
         tput = ", ".join(f"{x:.0f}" for x in stack.tokens_per_s)
+        per_response = ", ".join(f"{x:.2f}" for x in stack.tokens_per_response)
         print(
             f"| {stack.name} | {statistics.median(stack.ttft_p50_ms):.2f} ms ({ttft}) | "
-            f"{statistics.median(stack.tokens_per_s):.0f} tok/s ({tput}) |"
+            f"{statistics.median(stack.tokens_per_s):.0f} tok/s ({tput}) | "
+            f"{statistics.median(stack.tokens_per_response):.2f} ({per_response}) |"
         )
     ttft_delta = statistics.median(secure.ttft_p50_ms) - statistics.median(plain.ttft_p50_ms)
     ratio = statistics.median(secure.tokens_per_s) / statistics.median(plain.tokens_per_s)
     print(
         f"| secured - plaintext | {ttft_delta:+.2f} ms (target <= +1 ms) | "
-        f"{ratio:.1%} of plaintext (target >= 95%) |"
+        f"{ratio:.1%} of plaintext (target >= 95%) | |"
     )
 
 

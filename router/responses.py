@@ -51,6 +51,19 @@ def build_response(
     return response if text or response.token_ids or response.logprobs else None
 
 
+def merge_responses(
+    first: generate_pb2.GenerateResponse | None, later: generate_pb2.GenerateResponse | None
+) -> generate_pb2.GenerateResponse | None:
+    """One response saying what `first` and then `later` say: text, token ids and logprobs joined; finish
+    and usage are the later one's."""
+    if first is None or later is None:
+        return later if first is None else first
+    text = first.text + later.text
+    first.MergeFrom(later)  # appends repeated fields; set scalars and usage are taken from `later`
+    first.text = text
+    return first
+
+
 def error_response(request_id: str, stream: TextStream, message: str) -> generate_pb2.GenerateResponse:
     """The last response of a stream whose request failed after producing tokens: the text held back so
     far, and the error."""

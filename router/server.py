@@ -21,7 +21,7 @@ from nanovllm.router.auth import Access, AuthInterceptor, TokenTable
 from nanovllm.router.limits import Lease, TokenLimits
 from nanovllm.router.metrics import RouterMetrics
 from nanovllm.router.pool import WorkerPool
-from nanovllm.router.responses import build_response, error_response, finish_name
+from nanovllm.router.responses import build_response, error_response, finish_name, merge_responses
 from nanovllm.router.routing import Decision
 from nanovllm.router.text_stream import TextStream
 from nanovllm.router.tokenizer import ModelTokenizer, auto_tokenizer
@@ -67,6 +67,26 @@ class _Attempt:
     wire_id: str
     events: asyncio.Queue[RequestEvent]
     tried: frozenset[str]  # addresses of every worker this request went to, this one included
+    held: RequestEvent | None = None  # a failure found by waiting_update, for next_event
+
+    async def next_event(self) -> RequestEvent:
+        if self.held is not None:
+            event, self.held = self.held, None
+            return event
+        return await self.events.get()
+
+    def waiting_update(self) -> worker_pb2.RequestUpdate | None:
+        """The next event if it is already here and carries tokens. A failure is kept for next_event."""
+        if self.held is not None or self.events.empty():
+            return None
+        event = self.events.get_nowait()
+        if (
+            isinstance(event, worker_pb2.RequestUpdate)
+            and event.error_code == worker_pb2.ERROR_CODE_UNSPECIFIED
+        ):
+            return event
+        self.held = event
+        return None
 
 
 class GenerationService(generate_pb2_grpc.GenerationServicer):
@@ -234,9 +254,15 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         with_ids = request.return_token_ids or tokenizer is None  # without a tokenizer, ids are all there is
         generated: list[int] = []  # every token the workers produced for this call, in order
         worker_running = True  # until the worker reports the request ended there
+
+        def respond(update: worker_pb2.RequestUpdate) -> generate_pb2.GenerateResponse | None:
+            generated.extend(update.new_token_ids)
+            trace.on_tokens(len(update.new_token_ids), update.num_cached_tokens)
+            return build_response(update, stream, request_id, with_ids, trace.num_tokens, trace.cached_tokens)
+
         try:
             while True:
-                event = await attempt.events.get()
+                event = await attempt.next_event()
                 reason = _retry_reason(event)
                 if reason is not None:
                     moved = await self._move(attempt, valid, request, trace, reason, generated)
@@ -247,11 +273,15 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                     worker_running = False
                     await self._fail(context, event, stream, trace, attempt.events)
                     return
-                generated.extend(event.new_token_ids)
-                trace.on_tokens(len(event.new_token_ids), event.num_cached_tokens)
-                response = build_response(
-                    event, stream, request_id, with_ids, trace.num_tokens, trace.cached_tokens
-                )
+                response = respond(event)
+                # Updates already waiting (the client or this router fell behind the worker) leave as one
+                # response: a lagging stream catches up instead of paying per-message costs (HTTP/2
+                # frames, TLS records, the client's parsing) for every step it missed.
+                while (response is None or not response.finish_reason) and (
+                    waiting := attempt.waiting_update()
+                ):
+                    event = waiting
+                    response = merge_responses(response, respond(event))
                 if response is None:
                     continue
                 if response.finish_reason:

@@ -181,6 +181,30 @@ def test_stop_string_ends_request_and_never_leaks(service, offline) -> None:
     wait_idle(service.worker.address)
 
 
+def test_a_client_that_falls_behind_gets_the_same_stream_in_fewer_responses(service, offline) -> None:
+    """A client that stops reading while the worker generates (its small receive window holds the router's
+    writes back) gets, once it reads again, the tokens that waited merged into few responses: the same
+    token ids, text and logprobs as the offline engine, one logprobs entry per token."""
+    prompt, max_tokens = "Continuous batching", 400
+    expected = offline.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    )
+    request = greedy_request(prompt, max_tokens, ignore_eos=True, logprobs=5)
+    small_window = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+    with grpc.insecure_channel(service.router.address, options=small_window) as channel:
+        call = generate_pb2_grpc.GenerationStub(channel).Generate(request, timeout=CALL_TIMEOUT_S)
+        responses = [next(call)]
+        wait_idle(service.worker.address)  # every token generated; most wait on the router
+        responses += list(call)
+    assert ids_of(responses) == expected[0]["token_ids"]
+    assert text_of(responses) == expected[0]["text"]
+    assert [entry.token_id for r in responses for entry in r.logprobs] == expected[0]["token_ids"]
+    assert all(len(entry.top) == 5 for r in responses for entry in r.logprobs)
+    assert responses[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
+    assert responses[-1].usage.completion_tokens == max_tokens
+    assert len(responses) < max_tokens // 4
+
+
 def test_utf8_prompt_and_chat(service, offline, tokenizer) -> None:
     """Multi-byte prompts tokenize as the model's tokenizer does; chats render with its template; text
     deltas never carry U+FFFD for a character split across tokens (they equal the full decode)."""
