@@ -57,8 +57,9 @@ class GenerationServicer:
     """
 
     def Generate(self, request, context):
-        """Streams one response per engine step that produced text for this request. The last response carries
-        finish_reason and usage. Errors before the first token come back as gRPC status codes:
+        """Streams one response per engine step that produced text for this request; steps whose responses
+        would wait behind one the client has not taken yet leave together, as one response. The last
+        response carries finish_reason and usage. Errors before the first token come back as gRPC status codes:
         INVALID_ARGUMENT (a field is out of range; the message names it), FAILED_PRECONDITION (text, chat or
         stop strings for a model served without a tokenizer: send token_ids), UNAVAILABLE (no worker
         reachable, or the worker died while serving this request), RESOURCE_EXHAUSTED (the worker's queue is
