@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import psutil
 
 from bench.models import SHAPES, build_serving_model
 from bench.report import cpu_model, load_average, percentile
@@ -56,6 +57,8 @@ class Stack:
     ttft_p50_ms: list[float] = field(default_factory=list)
     tokens_per_s: list[float] = field(default_factory=list)
     tokens_per_response: list[float] = field(default_factory=list)
+    router_us_per_token: list[float] = field(default_factory=list)  # the router's CPU time (user + system)
+    client_us_per_token: list[float] = field(default_factory=list)  # this process's
 
 
 @dataclass
@@ -65,6 +68,7 @@ class Endpoint:
     address: str
     credentials: grpc.ChannelCredentials | None
     metadata: tuple[tuple[str, str], ...]
+    router_pid: int = 0
 
     def channel(self) -> grpc.aio.Channel:
         if self.credentials is None:
@@ -126,7 +130,7 @@ def running(stack: Stack, setup: Setup) -> Iterator[Endpoint]:
         router = start_router([worker.address], *router_flags, log_path=logs.with_suffix(".router.log"))
         processes.append(router)
         wait_serving(router.address, credentials=endpoint.credentials)
-        endpoint.address = router.address
+        endpoint.address, endpoint.router_pid = router.address, router.proc.pid
         yield endpoint
     finally:
         for process in reversed(processes):
@@ -176,12 +180,20 @@ async def measure(stack: Stack, endpoint: Endpoint, ttft_calls: int, requests: i
             async with slots:
                 return await _call(stub, request, endpoint.metadata)
 
-        t0 = time.perf_counter()
+        router = psutil.Process(endpoint.router_pid)
+        router_cpu, client_cpu, t0 = _cpu_s(router), time.process_time(), time.perf_counter()
         results = await asyncio.gather(*(call(r) for r in batch))
         elapsed = time.perf_counter() - t0
         tokens = sum(tokens for _, tokens, _ in results)
         stack.tokens_per_s.append(tokens / elapsed)
+        stack.router_us_per_token.append((_cpu_s(router) - router_cpu) / tokens * 1e6)
+        stack.client_us_per_token.append((time.process_time() - client_cpu) / tokens * 1e6)
         stack.tokens_per_response.append(tokens / sum(responses for _, _, responses in results))
+
+
+def _cpu_s(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
 
 
 def report(plain: Stack, secure: Stack, args: argparse.Namespace) -> None:
@@ -195,23 +207,29 @@ def report(plain: Stack, secure: Stack, args: argparse.Namespace) -> None:
         f"{args.requests} calls, {args.concurrency} at a time; medians over rounds (each round's value in "
         "brackets).\n"
     )
-    print("| stack | p50 TTFT | throughput | tokens per response |")
-    print("|---|---:|---:|---:|")
+    print(
+        "| stack | p50 TTFT | throughput | tokens per response | router CPU per token | client CPU per token |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
     for stack in (plain, secure):
-        ttft = ", ".join(f"{x:.2f}" for x in stack.ttft_p50_ms)
-        tput = ", ".join(f"{x:.0f}" for x in stack.tokens_per_s)
-        per_response = ", ".join(f"{x:.2f}" for x in stack.tokens_per_response)
         print(
-            f"| {stack.name} | {statistics.median(stack.ttft_p50_ms):.2f} ms ({ttft}) | "
-            f"{statistics.median(stack.tokens_per_s):.0f} tok/s ({tput}) | "
-            f"{statistics.median(stack.tokens_per_response):.2f} ({per_response}) |"
+            f"| {stack.name} | {_median(stack.ttft_p50_ms, '.2f')} ms | {_median(stack.tokens_per_s, '.0f')} tok/s | "
+            f"{_median(stack.tokens_per_response, '.2f')} | {_median(stack.router_us_per_token, '.1f')} µs | "
+            f"{_median(stack.client_us_per_token, '.1f')} µs |"
         )
     ttft_delta = statistics.median(secure.ttft_p50_ms) - statistics.median(plain.ttft_p50_ms)
     ratio = statistics.median(secure.tokens_per_s) / statistics.median(plain.tokens_per_s)
+    capacity = statistics.median(plain.router_us_per_token) / statistics.median(secure.router_us_per_token)
     print(
-        f"| secured - plaintext | {ttft_delta:+.2f} ms (target <= +1 ms) | "
-        f"{ratio:.1%} of plaintext (target >= 95%) | |"
+        f"\nsecured - plaintext: p50 TTFT {ttft_delta:+.2f} ms (target <= +1 ms); throughput {ratio:.1%} of "
+        f"plaintext (target >= 95%); tokens one router can serve per CPU second {capacity:.1%} of plaintext"
     )
+
+
+def _median(values: list[float], spec: str) -> str:
+    """The median, then each round's value in brackets."""
+    rounds = ", ".join(format(x, spec) for x in values)
+    return f"{format(statistics.median(values), spec)} ({rounds})"
 
 
 def main(argv: list[str] | None = None) -> None:
