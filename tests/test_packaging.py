@@ -4,9 +4,13 @@ would be missing from an installed nanovllm while the tests, run from the checko
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-import tomllib
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the project supports 3.10, where the same parser is the tomli package
+    import tomli as tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 
