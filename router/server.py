@@ -231,12 +231,13 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                 else:
                     continue
                 raise StreamStalled(reason)
-        finally:
+        except BaseException:
             # Stalled, or the call was cancelled while we waited (a client gone, a keepalive timeout): the
-            # write may still end in an error, which is this call's end, not news for the event loop's log.
-            if not write.done():
-                write.cancel()
-                write.add_done_callback(_retrieve)
+            # write may end, or may have just ended, in an error that is this call's end, not news for the
+            # event loop's log.
+            write.cancel()
+            write.add_done_callback(_retrieve)
+            raise
 
     async def _generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext, lease: Lease

@@ -19,7 +19,7 @@ from nanovllm.common.errors import ConfigError
 from nanovllm.kernels.cpu_kernels import load_cpu_kernels
 from nanovllm.worker.gguf import embedded_model_path, prepare_gguf
 from tests.model_factory import build_model
-from tests.services import ServerProcess, start_router, start_worker, wait_serving
+from tests.services import ServerProcess, library_errors, start_router, start_worker, wait_serving
 
 
 @pytest.fixture(scope="session")
@@ -77,3 +77,5 @@ def service(qwen3_dir: Path, kernels, tmp_path_factory: pytest.TempPathFactory) 
     finally:
         router.stop()
         worker.stop()
+    assert library_errors(logs / "router.log") == []
+    assert library_errors(logs / "worker.log") == []

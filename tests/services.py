@@ -7,6 +7,7 @@ free ports. Readiness is the standard health service's Watch stream reaching SER
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections.abc import Callable
@@ -54,6 +55,14 @@ def start_router(workers: list[str], *extra: str, log_path: Path | None = None) 
     for worker in workers:
         args += ["--worker", worker]
     return start([*args, *extra], log_path)
+
+
+def library_errors(log_path: Path) -> list[dict]:
+    """Error-level records that the standard logging module wrote into a server's JSON log (asyncio's
+    "Task exception was never retrieved", grpc's unhandled exceptions): faults of the server itself, never
+    the expected outcome of a call. Read after the process exited, so that every line is complete."""
+    events = [json.loads(line) for line in log_path.read_text().splitlines()]
+    return [e for e in events if "logger" in e and e["level"] == "error"]
 
 
 def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:

@@ -67,9 +67,18 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def __init__(self) -> None:
         self._loop: EngineLoop | None = None
         self._info: worker_pb2.WorkerInfo | None = None
+        self._outboxes: set[asyncio.Queue] = set()  # one per open Connect stream
+        self._closing = False
 
     def attach(self, engine_loop: EngineLoop, info: worker_pb2.WorkerInfo) -> None:
         self._loop, self._info = engine_loop, info
+
+    def close_connections(self) -> None:
+        """End every Connect stream with OK, as the worker stops: a stream still open when the server stops
+        is cancelled, which grpc logs as an error."""
+        self._closing = True
+        for outbox in self._outboxes:
+            outbox.put_nowait(None)
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> EngineLoop:
         if self._loop is None:
@@ -88,11 +97,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         peer = context.peer()
         log.info("router_connected", peer=peer, connection=conn.id)
         reader = asyncio.create_task(self._read(request_iterator, engine_loop, conn, outbox))
+        self._outboxes.add(outbox)
         try:
             while (msg := await outbox.get()) is not None:
                 yield msg
-            await reader  # re-raises what ended the router's side, e.g. the abort of an unparsable message
+            if not self._closing:
+                await (
+                    reader
+                )  # re-raises what ended the router's side, e.g. the abort of an unparsable message
         finally:
+            self._outboxes.discard(outbox)
             reader.cancel()
             engine_loop.close_connection(conn)
             log.info("router_disconnected", peer=peer, connection=conn.id)
@@ -173,7 +187,8 @@ async def serve_worker(
     await asyncio.wait([asyncio.ensure_future(stop.wait()), dead], return_when=asyncio.FIRST_COMPLETED)
     if dead.done() and dead.exception() is not None:
         log.error("worker_failed", address=address, error=str(dead.exception()))
-        await server.stop(config.shutdown_grace_s)  # in-flight requests already got their error
+        service.close_connections()  # in-flight requests already got their error
+        await server.stop(config.shutdown_grace_s)
         return 1
     # Drain: NOT_SERVING at once (routers and probes stop sending), new submits refused, requests in
     # flight finish within the drain timeout; what is left then is aborted.
@@ -185,5 +200,6 @@ async def serve_worker(
         log.warning("worker_drain_timeout", timeout_s=config.drain_timeout_s)
     log.info("worker_stopping", address=address)
     await asyncio.to_thread(engine_loop.stop)
+    service.close_connections()
     await server.stop(config.shutdown_grace_s)
     return 0
