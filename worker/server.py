@@ -102,9 +102,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             while (msg := await outbox.get()) is not None:
                 yield msg
             if not self._closing:
-                await (
-                    reader
-                )  # re-raises what ended the router's side, e.g. the abort of an unparsable message
+                # The router's side ended: re-raise what ended it, e.g. the abort of an unparsable message.
+                await reader
         finally:
             self._outboxes.discard(outbox)
             reader.cancel()
