@@ -7,8 +7,8 @@ characters. The file is read again when it changes (a rotated Secret), at the ne
 
 A client sends `authorization: Bearer TOKEN` metadata. `AuthInterceptor` answers every method except the
 health service (and reflection, unless asked otherwise) with UNAUTHENTICATED when the metadata is missing
-or not a bearer token, and PERMISSION_DENIED when the token is not in the file. Tokens are compared with
-hmac.compare_digest against every known token, and never logged: logs and metrics see the name only.
+or not a bearer token, and PERMISSION_DENIED when the token is not in the file. Tokens are looked up by
+their SHA-256 digest (`TokenTable`), and never logged: logs and metrics see the name only.
 
 `Access` puts the two together for the service: who the caller is, and whether its limits (router/limits.py)
 allow one more stream.
@@ -17,7 +17,6 @@ allow one more stream.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -49,6 +48,10 @@ def token_name(token: str) -> str:
     return "token-" + hashlib.sha256(token.encode()).hexdigest()[:8]
 
 
+def token_digest(token: bytes) -> bytes:
+    return hashlib.sha256(token).digest()
+
+
 def parse_tokens(path: str) -> dict[str, str]:
     """NAME -> TOKEN from a tokens file, or ConfigError naming the file (and the line)."""
     try:
@@ -56,6 +59,7 @@ def parse_tokens(path: str) -> dict[str, str]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"--auth-tokens-file {path}: cannot read the file ({exc})") from exc
     tokens: dict[str, str] = {}
+    digests: set[bytes] = set()
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
         if not line or line.startswith("#"):
@@ -67,8 +71,10 @@ def parse_tokens(path: str) -> dict[str, str]:
             raise ConfigError(f"{where}: a token has at least {MIN_TOKEN_CHARS} characters, got {len(token)}")
         if name in tokens:
             raise ConfigError(f"{where}: the name {name!r} is used twice")
-        if any(hmac.compare_digest(token, other) for other in tokens.values()):
+        digest = token_digest(token.encode())
+        if digest in digests:
             raise ConfigError(f"{where}: the same token appears twice")
+        digests.add(digest)
         tokens[name] = token
     if not tokens:
         raise ConfigError(f"--auth-tokens-file {path}: no token in the file")
@@ -77,12 +83,17 @@ def parse_tokens(path: str) -> dict[str, str]:
 
 class TokenTable:
     """The known tokens, read from the file at start (errors are ConfigError) and again when it changes
-    (errors then keep the tokens in use and are logged)."""
+    (errors then keep the tokens in use and are logged).
+
+    Names are kept by their token's SHA-256 digest, so a call costs one hash and one dict lookup whatever the
+    number of tokens (comparing with each token in turn took 0.35 ms with 10,000 tokens, twice per call).
+    The lookup's timing depends on the digest of what the caller sent, which tells nothing about any valid
+    token: finding a token from it would take a SHA-256 preimage."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._stat = self._file_stat()
-        self._tokens = [(name, token.encode()) for name, token in parse_tokens(path).items()]
+        self._names = _names_by_digest(parse_tokens(path))
 
     def _file_stat(self) -> tuple[int, int, int]:
         try:
@@ -101,8 +112,8 @@ class TokenTable:
             log.warning("auth_tokens_reload_skipped", reason=str(exc))
             return
         self._stat = stat
-        self._tokens = [(name, token.encode()) for name, token in tokens.items()]
-        log.info("auth_tokens_reloaded", path=self.path, tokens=len(self._tokens))
+        self._names = _names_by_digest(tokens)
+        log.info("auth_tokens_reloaded", path=self.path, tokens=len(self._names))
 
     def identify(self, metadata: Any) -> str:
         """The name of the bearer token in the call's metadata, or AuthError."""
@@ -119,14 +130,14 @@ class TokenTable:
                 grpc.StatusCode.UNAUTHENTICATED,
                 "the authorization metadata is not 'Bearer <token>'",
             )
-        candidate = presented.strip().encode()
-        found = None
-        for name, token in self._tokens:  # every comparison runs: no early exit on a match
-            if hmac.compare_digest(candidate, token) and found is None:
-                found = name
+        found = self._names.get(token_digest(presented.strip().encode()))
         if found is None:
             raise AuthError(grpc.StatusCode.PERMISSION_DENIED, "the token is not valid for this router")
         return found
+
+
+def _names_by_digest(tokens: dict[str, str]) -> dict[bytes, str]:
+    return {token_digest(token.encode()): name for name, token in tokens.items()}
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):

@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.tls import ReloadingChannel, TlsFiles
 from nanovllm.processes import ServerProcess
-from nanovllm.router.auth import parse_tokens, token_name
+from nanovllm.router.auth import AuthError, TokenTable, parse_tokens, token_name
 from nanovllm.router.limits import TokenLimits
 from nanovllm.router.workers import CHANNEL_OPTIONS
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
@@ -624,3 +624,21 @@ def test_tokens_file_format(tmp_path: Path) -> None:
         path.write_text(text)
         with pytest.raises(ConfigError, match=message):
             parse_tokens(str(path))
+
+
+def test_a_tokens_file_of_ten_thousand_tokens(tmp_path: Path) -> None:
+    """Each token finds its own name, a token one character off is refused, and a repeat is found however far
+    apart the two lines are."""
+    path = tmp_path / "tokens"
+    tokens = {f"client{i}": f"{i:05d}-{os.urandom(12).hex()}" for i in range(10_000)}
+    path.write_text("".join(f"{name}:{token}\n" for name, token in tokens.items()))
+    table = TokenTable(str(path))
+    for name, token in tokens.items():
+        assert table.identify([("authorization", f"Bearer {token}")]) == name
+    near_miss = tokens["client7"][:-1] + ("0" if tokens["client7"][-1] != "0" else "1")
+    with pytest.raises(AuthError) as refused:
+        table.identify([("authorization", f"Bearer {near_miss}")])
+    assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
+    path.write_text(path.read_text() + f"again:{tokens['client0']}\n")
+    with pytest.raises(ConfigError, match="line 10001: the same token appears twice"):
+        parse_tokens(str(path))
