@@ -9,17 +9,30 @@ compute sets the pace, as a served model's does):
   secured    mutual TLS between router and worker, TLS on the public port, bearer-token auth (a tokens file
              of 100 tokens, the client's the last one), certificates made for the run (tests/certs.py).
 
-Rounds alternate between the stacks (ABBA order: plaintext, secured, secured, plaintext, ...) so that the machine's other load
-falls on both; each round starts its stack afresh and runs it alone. Each round measures, through one client channel (its TLS handshake made before timing):
+Rounds alternate between the stacks (ABBA order: plaintext, secured, secured, plaintext, ...) so that the
+machine's other load falls on both; each round starts its stack afresh and runs it alone. Each round measures,
+through one client channel (its TLS handshake made before timing):
 
   TTFT        one call at a time (a 32-token prompt, 8 tokens): first response carrying tokens - send;
   throughput  `--requests` calls of 16-128 prompt and 32-128 output tokens, `--concurrency` at a time:
               tokens / wall time (a few seconds per round: shorter rounds swung by 20% on this machine).
 
-Prints p50 TTFT and throughput per stack (medians over rounds), their differences and ratio. The targets:
-TTFT +<= 1 ms at p50, throughput >= 95% of plaintext.
+Prints p50 TTFT and throughput per stack (medians over rounds), their differences and ratio, and the median of
+the rounds' own ratios (each round's two stacks ran back to back). The targets: TTFT +<= 1 ms at p50,
+throughput >= 95% of plaintext.
+
+Where the three processes run (`--placement`): on a machine with fewer cores than processes, this decides
+whose CPU TLS takes from.
+
+  router-alone  (default) the router on the last CPU, the worker and this client on the others: as a router
+                pod with its own CPU, its clients and workers elsewhere;
+  shared        all three on every CPU (with the tiny model, the worker's OpenMP threads busy-wait between
+                ops on the cores the router and client need: add --worker-threads 1 to keep it to one core);
+  pin-worker    the worker on the first CPU, the router and this client on the others (this client's TLS
+                then takes the router's CPU).
 
 Usage: .venv/bin/python -m bench.security [--rounds 9] [--ttft-calls 100] [--requests 512] [--concurrency 64]
+                                          [--shape smollm2-135m] [--placement router-alone] [--worker-threads N]
 """
 
 from __future__ import annotations
@@ -32,7 +45,7 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +61,14 @@ from tests.model_factory import build_model
 from tests.services import ServerProcess, start_router, start_worker, wait_serving
 
 TOKENS_IN_FILE = 100
+CpuSets = tuple[set[int] | None, set[int] | None, set[int]]  # the worker's, the router's, this client's
+
+# Where the worker, the router and this client may run, given this process's CPUs (at least two).
+PLACEMENTS: dict[str, Callable[[list[int]], CpuSets]] = {
+    "shared": lambda cpus: (None, None, set(cpus)),
+    "pin-worker": lambda cpus: ({cpus[0]}, set(cpus[1:]), set(cpus[1:])),
+    "router-alone": lambda cpus: (set(cpus[:-1]), {cpus[-1]}, set(cpus[:-1])),
+}
 
 
 @dataclass
@@ -85,7 +106,9 @@ class Setup:
     dtype: str
     ca: CertificateAuthority
     token: str
-    worker_cpus: set[int] | None = None
+    worker_cpus: set[int] | None = None  # None: every CPU this process may use
+    router_cpus: set[int] | None = None
+    worker_threads: int | None = None  # None: the worker's own default
 
     @classmethod
     def make(cls, root: Path, shape: str | None) -> Setup:
@@ -104,6 +127,8 @@ def running(stack: Stack, setup: Setup) -> Iterator[Endpoint]:
     stack at a time, so that neither holds CPUs (worker/cpu_share.py) or memory while the other is timed."""
     root, ca = setup.root, setup.ca
     engine = ["--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--dtype", setup.dtype]
+    if setup.worker_threads is not None:
+        engine += ["--num-threads", str(setup.worker_threads)]
     worker_flags: list[str] = []
     router_flags: list[str] = []
     endpoint = Endpoint("", None, ())
@@ -127,7 +152,9 @@ def running(stack: Stack, setup: Setup) -> Iterator[Endpoint]:
             cpus=setup.worker_cpus,
         )
         processes.append(worker)
-        router = start_router([worker.address], *router_flags, log_path=logs.with_suffix(".router.log"))
+        router = start_router(
+            [worker.address], *router_flags, log_path=logs.with_suffix(".router.log"), cpus=setup.router_cpus
+        )
         processes.append(router)
         wait_serving(router.address, credentials=endpoint.credentials)
         endpoint.address, endpoint.router_pid = router.address, router.proc.pid
@@ -199,7 +226,9 @@ def _cpu_s(process: psutil.Process) -> float:
 def report(plain: Stack, secure: Stack, args: argparse.Namespace) -> None:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     model = args.shape or "the tiny test Qwen3"
+    threads = args.worker_threads or "its default"
     print(f"\n### TLS and auth overhead ({now}, {cpu_model()}, load {load_average()}, {model})\n")
+    print(f"placement {args.placement}, worker threads {threads}; ", end="")
     print(
         f"{args.rounds} alternating rounds; p50 TTFT over {args.ttft_calls} sequential calls, throughput of"
     )
@@ -219,10 +248,12 @@ def report(plain: Stack, secure: Stack, args: argparse.Namespace) -> None:
         )
     ttft_delta = statistics.median(secure.ttft_p50_ms) - statistics.median(plain.ttft_p50_ms)
     ratio = statistics.median(secure.tokens_per_s) / statistics.median(plain.tokens_per_s)
+    paired = statistics.median(s / p for s, p in zip(secure.tokens_per_s, plain.tokens_per_s, strict=True))
     capacity = statistics.median(plain.router_us_per_token) / statistics.median(secure.router_us_per_token)
     print(
         f"\nsecured - plaintext: p50 TTFT {ttft_delta:+.2f} ms (target <= +1 ms); throughput {ratio:.1%} of "
-        f"plaintext (target >= 95%); tokens one router can serve per CPU second {capacity:.1%} of plaintext"
+        f"plaintext (target >= 95%), median of the rounds' ratios {paired:.1%}; tokens one router can serve "
+        f"per CPU second {capacity:.1%} of plaintext"
     )
 
 
@@ -241,19 +272,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=512)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--shape", choices=sorted(SHAPES), help="default: the tests' tiny Qwen3")
-    parser.add_argument(
-        "--pin-worker",
-        action="store_true",
-        help="the worker on the first CPU, the router and this client on the others (as if on other machines)",
-    )
+    parser.add_argument("--placement", choices=sorted(PLACEMENTS), default="router-alone")
+    parser.add_argument("--worker-threads", type=int, help="the worker's --num-threads (default: its own)")
     args = parser.parse_args(argv)
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2 and args.placement != "shared":
+        parser.error(f"--placement {args.placement} needs 2 CPUs at least, this process may use {len(cpus)}")
     plain, secure = Stack("plaintext", secured=False), Stack("TLS + mTLS + auth", secured=True)
     with tempfile.TemporaryDirectory(prefix="nanovllm-bench-security-") as tmp:
         setup = Setup.make(Path(tmp), args.shape)
-        if args.pin_worker:
-            first, *rest = sorted(os.sched_getaffinity(0))
-            setup.worker_cpus = {first}
-            os.sched_setaffinity(0, rest)  # the routers started from here inherit it
+        setup.worker_threads = args.worker_threads
+        setup.worker_cpus, setup.router_cpus, client_cpus = PLACEMENTS[args.placement](cpus)
+        os.sched_setaffinity(0, client_cpus)
         for round_ in range(args.rounds):
             for stack in (plain, secure) if round_ % 2 == 0 else (secure, plain):
                 with running(stack, setup) as endpoint:

@@ -50,11 +50,13 @@ def start_worker(
     return start([*args, *defaults, *extra], log_path, cpus)
 
 
-def start_router(workers: list[str], *extra: str, log_path: Path | None = None) -> ServerProcess:
+def start_router(
+    workers: list[str], *extra: str, log_path: Path | None = None, cpus: set[int] | None = None
+) -> ServerProcess:
     args = ["router", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
     for worker in workers:
         args += ["--worker", worker]
-    return start([*args, *extra], log_path)
+    return start([*args, *extra], log_path, cpus)
 
 
 def library_errors(log_path: Path) -> list[dict]:
