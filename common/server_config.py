@@ -119,6 +119,8 @@ class RouterConfig:
             raise ConfigError(
                 f"--routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing.policy!r}"
             )
+        if self.stall_timeout_s <= 0:
+            raise ConfigError(f"--stall-timeout must be more than 0 seconds, got {self.stall_timeout_s:g}")
 
     max_attempts: int = option(3, help="workers a request may be tried on before its first token")
     resume_streams: bool = option(

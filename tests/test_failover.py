@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from nanovllm.common.errors import ConfigError
+from nanovllm.common.server_config import RouterConfig
 from nanovllm.v1 import generate_pb2
 from tests.model_factory import build_model
 from tests.services import (
@@ -152,7 +154,7 @@ SMALL_WINDOW = '[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 102
 
 @pytest.mark.parametrize(
     "stall_timeout, reason",
-    [("1", "took no response for 1.0 s (stall timeout)"), ("600", "responses wait behind one the client")],
+    [("1", "(stall timeout 1 s)"), ("600", "responses wait behind one the client")],
 )
 def test_client_that_stops_reading_is_cut_off(
     kernels, tmp_path: Path, stall_timeout: str, reason: str
@@ -170,3 +172,11 @@ def test_client_that_stops_reading_is_cut_off(
         assert [reason in e["reason"] for e in events() if e.get("event") == "client_stalled"] == [True]
         assert client.poll() is None  # the client itself is fine: only its stream was cut
         assert errors(events()) == []
+
+
+@pytest.mark.parametrize("stall_timeout", [0.0, -1.0])
+def test_a_stall_timeout_must_be_positive(stall_timeout: float) -> None:
+    with pytest.raises(
+        ConfigError, match=f"--stall-timeout must be more than 0 seconds, got {stall_timeout:g}"
+    ):
+        RouterConfig(workers=["w:1"], stall_timeout_s=stall_timeout)
