@@ -7,6 +7,12 @@ So, as vLLM does, each prompt's two greedy sequences are walked side by side; at
 they differ (same context up to there), each engine's token must be in the other's top-5 there, and the
 comparison of that prompt stops. Up to that position, the logprobs of nanovllm's top-5 must also be
 close to transformers' for the same tokens. float32 is held to exact tokens in tests/test_fidelity.py.
+
+Which near-ties a batch's rounding breaks the other way differs between CPUs (oneDNN picks its bf16
+kernels by the instructions it finds): on an AMD EPYC, 3 of 4 SmolLM2 chats stayed equal to the end in bf16,
+on an Intel Xeon with AVX512-FP16 only 1, each of the other 3 parting where transformers' two logits were
+equal and ours one bf16 step apart. A parting where both engines' top two logits lie within one rounding
+step of each other is a tie, and counts with the prompts that stay equal to the end.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ def _prompts() -> list[list[int]]:
 def _reference(
     model_dir: Path, dtype: str, prompt: tuple[int, ...], max_new: int
 ) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy tokens and the log-softmax (float32) of its raw logits at every step."""
+    """transformers' greedy tokens and its raw 16-bit logits (as float32) at every step."""
     model = hf_model(model_dir, DTYPES[dtype])
     assert next(model.parameters()).dtype == DTYPES[dtype]
     with torch.inference_mode():
@@ -74,7 +80,7 @@ def _reference(
     assert len(tokens) == max_new and logits.shape[0] == max_new
     # transformers hands the logits back upcast to float32: they must still be values of the 16-bit dtype.
     assert torch.equal(logits.to(DTYPES[dtype]).float(), logits), "the reference did not run in 16-bit"
-    return tokens, logits.log_softmax(dim=-1)
+    return tokens, logits
 
 
 @dataclass
@@ -82,6 +88,7 @@ class Outcome:
     """One prompt: where (if anywhere) the two greedy sequences part, and how close the logprobs were."""
 
     divergence: int | None  # first position whose tokens differ; None: equal to the end
+    tie: bool  # at the divergence, each engine's top two logits lie within one rounding step
     logprob_gap: float  # max |ours - transformers| over nanovllm's top-5, positions with equal context
     gap_position: int  # where that max is
     problem: str | None  # the rule broken, with everything needed to look into it; None when kept
@@ -98,11 +105,24 @@ def _generate(
     return outs, llm.engine.runner.kernel_backend
 
 
+def _rounding_step(value: float, dtype: str) -> float:
+    """The distance between `value` and the next larger magnitude representable in the 16-bit dtype."""
+    mantissa_bits = {"bfloat16": 7, "float16": 10}[dtype]
+    exponent = math.frexp(max(abs(value), 1e-30))[1] - 1  # floor(log2 |value|)
+    return 2.0 ** (exponent - mantissa_bits)
+
+
 def _compare(
-    name: str, index: int, prompt: tuple[int, ...], out: dict, ref: tuple[list[int], torch.Tensor]
+    name: str,
+    dtype: str,
+    index: int,
+    prompt: tuple[int, ...],
+    out: dict,
+    ref: tuple[list[int], torch.Tensor],
 ) -> Outcome:
     ours, logprobs = out["token_ids"], out["logprobs"]
-    theirs, ref_logp = ref
+    theirs, ref_logits = ref
+    ref_logp = ref_logits.log_softmax(dim=-1)
     assert len(ours) == len(logprobs) == len(theirs), name
     gap, gap_position = 0.0, 0
     for pos, (a, b, lp) in enumerate(zip(ours, theirs, logprobs)):
@@ -111,10 +131,14 @@ def _compare(
             gap, gap_position = here, pos
         if a == b:
             continue
-        ours_top = [t for t, _ in lp.top]
+        ours_top = dict(lp.top)
         ref_top = ref_logp[pos].topk(TOP).indices.tolist()
         if a in ref_top and b in ours_top:
-            return Outcome(pos, gap, gap_position, None)
+            # A logprob difference is the logits' difference (one float32 log-sum-exp subtracted from both).
+            step = _rounding_step(ref_logits[pos, [a, b]].abs().max().item(), dtype) * 1.001
+            ref_gap = (ref_logits[pos, b] - ref_logits[pos, a]).item()
+            tie = ref_gap <= step and ours_top[a] - ours_top[b] <= step
+            return Outcome(pos, tie, gap, gap_position, None)
         row = ref_logp[pos]
         problem = (
             f"{name} prompt {index} (length {len(prompt)}) position {pos}: nanovllm chose {a}, transformers "
@@ -122,8 +146,8 @@ def _compare(
             f"{list(zip(ref_top, [round(v, 4) for v in row[ref_top].tolist()]))}; transformers prefers its "
             f"token by {row[b].item() - row[a].item():.4f} nats"
         )
-        return Outcome(pos, gap, gap_position, problem)
-    return Outcome(None, gap, gap_position, None)
+        return Outcome(pos, False, gap, gap_position, problem)
+    return Outcome(None, False, gap, gap_position, None)
 
 
 def _check_logprobs(name: str, dtype: str, out: dict) -> None:
@@ -153,14 +177,14 @@ def _run_case(
     outcomes = []
     for i, (prompt, out) in enumerate(zip(key, outs)):
         _check_logprobs(f"{name} prompt {i}", dtype, out)
-        outcomes.append(_compare(name, i, prompt, out, _reference(model_dir, dtype, prompt, max_new)))
+        outcomes.append(_compare(name, dtype, i, prompt, out, _reference(model_dir, dtype, prompt, max_new)))
     return name, outcomes
 
 
 def _assert_close(name: str, dtype: str, outcomes: list[Outcome], min_exact: int) -> None:
     """The top-5 rule for every prompt, logprobs within LOGPROB_TOL, and at least `min_exact` prompts
-    equal to transformers' to the end (the rule alone is weak on the random models' flat distributions:
-    a wrong RMSNorm eps passes it, but leaves almost no prompt equal to the end)."""
+    equal to transformers' to the end or to a tie (the rule alone is weak on the random models' flat
+    distributions: a wrong RMSNorm eps passes it, but leaves almost no prompt equal to the end)."""
     problems = [o.problem for o in outcomes if o.problem]
     assert not problems, "\n".join(problems)
     index, worst = max(enumerate(outcomes), key=lambda item: item[1].logprob_gap)
@@ -168,10 +192,10 @@ def _assert_close(name: str, dtype: str, outcomes: list[Outcome], min_exact: int
         f"{name}: logprobs differ from transformers' by {worst.logprob_gap:.4f} nats (tolerance "
         f"{LOGPROB_TOL[dtype]}) at prompt {index} position {worst.gap_position}"
     )
-    exact = sum(o.divergence is None for o in outcomes)
-    parts = [o.divergence for o in outcomes]
+    exact = sum(o.divergence is None or o.tie for o in outcomes)
+    parts = [o.divergence if not o.tie else f"{o.divergence} (tie)" for o in outcomes]
     assert exact >= min_exact, (
-        f"{name}: {exact} prompts equal to the end, want {min_exact}; diverged at {parts}"
+        f"{name}: {exact} prompts equal to the end or to a tie, want {min_exact}; diverged at {parts}"
     )
 
 
@@ -201,7 +225,8 @@ def test_random_models_within_top5_of_transformers(model_dirs, arch, dtype, back
 def test_smollm2_chat_within_top5_of_transformers(smollm2_dir, dtype, backend) -> None:
     prompts = _chat_prompts(smollm2_dir)
     name, outcomes = _run_case("SmolLM2-135M", smollm2_dir, dtype, backend, prompts, SMOL_NEW, "256MiB")
-    # Seen (torch layers): bf16 3 of 4 prompts to the end, fp16 4 of 4.
+    # Seen (torch layers): bf16 3 of 4 prompts to the end on an AMD EPYC; on an Intel Xeon 1 of 4 and
+    # 3 ties (so 4 of 4 counted); fp16 4 of 4 on both.
     _assert_close(name, dtype, outcomes, min_exact=len(prompts) // 2)
 
 
