@@ -24,15 +24,18 @@ throughput >= 95% of plaintext.
 Where the three processes run (`--placement`): on a machine with fewer cores than processes, this decides
 whose CPU TLS takes from.
 
-  router-alone  (default) the router on the last CPU, the worker and this client on the others: as a router
-                pod with its own CPU, its clients and workers elsewhere;
+  client-alone  (default) this client on the last CPU, the worker and the router on the others: as a
+                client on another machine, whose own TLS and parsing take nothing from the servers' CPUs
+                (in router-alone and pin-worker they do: the secured client's decryption is then timed as
+                the stack's cost);
+  router-alone  the router on the last CPU, the worker and this client on the others: as a router pod
+                with its own CPU;
   shared        all three on every CPU (with the tiny model, the worker's OpenMP threads busy-wait between
                 ops on the cores the router and client need: add --worker-threads 1 to keep it to one core);
-  pin-worker    the worker on the first CPU, the router and this client on the others (this client's TLS
-                then takes the router's CPU).
+  pin-worker    the worker on the first CPU, the router and this client on the others.
 
 Usage: .venv/bin/python -m bench.security [--rounds 9] [--ttft-calls 100] [--requests 512] [--concurrency 64]
-                                          [--shape smollm2-135m] [--placement router-alone] [--worker-threads N]
+                                          [--shape smollm2-135m] [--placement client-alone] [--worker-threads N]
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ PLACEMENTS: dict[str, Callable[[list[int]], CpuSets]] = {
     "shared": lambda cpus: (None, None, set(cpus)),
     "pin-worker": lambda cpus: ({cpus[0]}, set(cpus[1:]), set(cpus[1:])),
     "router-alone": lambda cpus: (set(cpus[:-1]), {cpus[-1]}, set(cpus[:-1])),
+    "client-alone": lambda cpus: (set(cpus[:-1]), set(cpus[:-1]), {cpus[-1]}),
 }
 
 
@@ -272,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=512)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--shape", choices=sorted(SHAPES), help="default: the tests' tiny Qwen3")
-    parser.add_argument("--placement", choices=sorted(PLACEMENTS), default="router-alone")
+    parser.add_argument("--placement", choices=sorted(PLACEMENTS), default="client-alone")
     parser.add_argument("--worker-threads", type=int, help="the worker's --num-threads (default: its own)")
     args = parser.parse_args(argv)
     cpus = sorted(os.sched_getaffinity(0))
