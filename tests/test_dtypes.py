@@ -107,9 +107,8 @@ def _generate(
 
 def _rounding_step(value: float, dtype: str) -> float:
     """The distance between `value` and the next larger magnitude representable in the 16-bit dtype."""
-    mantissa_bits = {"bfloat16": 7, "float16": 10}[dtype]
     exponent = math.frexp(max(abs(value), 1e-30))[1] - 1  # floor(log2 |value|)
-    return 2.0 ** (exponent - mantissa_bits)
+    return torch.finfo(DTYPES[dtype]).eps * 2.0**exponent
 
 
 def _compare(
