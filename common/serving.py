@@ -23,15 +23,27 @@ def keepalive_options(time_s: float, timeout_s: float) -> list[tuple[str, int]]:
     unanswered for `timeout_s`, cancelling its calls, so a frozen or vanished peer (a stopped process still
     has its TCP connection) does not hold requests and KV cache until TCP gives up. Clients may ping every
     5 s. The server keeps pinging while it has no data to send (by default it stops after two pings
-    without data): a frozen client's full flow-control window is exactly such a silence."""
+    without data): a frozen client's full flow-control window is exactly such a silence.
+
+    gRPC core itself waits `grpc.http2.ping_timeout_ms` (one minute by default) for a ping's ack, not
+    `grpc.keepalive_timeout_ms`, which it applies only as the socket's TCP_USER_TIMEOUT: that fires only
+    once sent bytes go unacknowledged, i.e. once the peer's kernel receive buffer is full. A stream of
+    small responses may never fill it (docs/reliability.md), so the ack deadline is set here too."""
     return [
         ("grpc.keepalive_time_ms", int(time_s * 1000)),
         ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+        *ping_ack_deadline(timeout_s),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.http2.max_ping_strikes", 0),
     ]
+
+
+def ping_ack_deadline(timeout_s: float) -> list[tuple[str, int]]:
+    """The channel option that makes an HTTP/2 ping unanswered for `timeout_s` close the connection
+    (see keepalive_options), for servers and clients alike."""
+    return [("grpc.http2.ping_timeout_ms", int(timeout_s * 1000))]
 
 
 class _Unparsed(NamedTuple):

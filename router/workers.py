@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nanovllm.common.logging import get_logger
 from nanovllm.common.sampling_params import SamplingParams
+from nanovllm.common.serving import ping_ack_deadline
 from nanovllm.common.tls import TlsFiles, open_channel
 from nanovllm.common.wire import sampling_to_wire
 from nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -24,13 +25,14 @@ from nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
 log = get_logger(__name__)
 
 # Let the channel retry a dead worker quickly (gRPC's default backoff grows to two minutes), and notice
-# a silently vanished peer through keepalive pings.
+# a silently vanished peer through keepalive pings (answered within 5 s: see keepalive_options).
 CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
+    *ping_ack_deadline(5.0),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),  # tokenizer files in WorkerInfo
 ]

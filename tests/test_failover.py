@@ -79,6 +79,10 @@ def test_killed_worker_fails_no_new_call(two_workers) -> None:
 
 
 LONG_CONTEXT = 16384  # long enough that generating to the end takes many seconds even for a tiny model
+# How long a test waits for a cut-off stream's worker to become idle. Not a measure of speed: a stream
+# that is not cut off runs to its end (about a minute on the slowest CPU here) and then fails its
+# outcome assertion, which says more than a timeout would.
+DRAIN_TIMEOUT_S = 600.0
 
 # A client process streaming one long generation; it prints "streaming" after the first response, then
 # does what `then` says. `options` are its channel's.
@@ -86,7 +90,7 @@ CLIENT = """
 import sys, time, grpc
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 channel = grpc.insecure_channel(sys.argv[1], options={options})
-sampling = generate_pb2.SamplingParams(temperature=0, max_tokens={max_tokens}, ignore_eos=True)
+sampling = generate_pb2.SamplingParams(temperature=0, max_tokens={max_tokens}, ignore_eos=True, {sampling})
 call = generate_pb2_grpc.GenerationStub(channel).Generate(generate_pb2.GenerateRequest(text="c", sampling=sampling))
 next(call)
 print("streaming", flush=True)
@@ -95,16 +99,21 @@ print("streaming", flush=True)
 
 
 @contextmanager
-def long_stream(tmp_path: Path, client_options: str, then: str, *router_flags: str) -> Iterator[tuple]:
+def long_stream(
+    tmp_path: Path, client_options: str, then: str, *router_flags: str, sampling: str = ""
+) -> Iterator[tuple]:
     """A worker that can generate for many seconds, a router with `router_flags`, and a client process
-    already streaming from it. Yields (worker, client, the router's log events as a function)."""
+    already streaming from it (`sampling`: more SamplingParams fields, as keyword arguments). Yields
+    (worker, client, the router's log events as a function)."""
     model = build_model("qwen3", tmp_path / "model", seed=1, max_position=LONG_CONTEXT)
     worker = start_worker(model, "--max-model-len", str(LONG_CONTEXT), log_path=tmp_path / "worker.log")
     router = start_router([worker.address], *router_flags, log_path=tmp_path / "router.log")
     client = None
     try:
         wait_serving(router.address)
-        script = CLIENT.format(options=client_options, max_tokens=LONG_CONTEXT - 100, then=then)
+        script = CLIENT.format(
+            options=client_options, max_tokens=LONG_CONTEXT - 100, sampling=sampling, then=then
+        )
         client = subprocess.Popen(
             [sys.executable, "-c", script, router.address], stdout=subprocess.PIPE, text=True
         )
@@ -133,14 +142,21 @@ def errors(events: list[dict]) -> list[dict]:
     return [e for e in events if e.get("level") == "error"]
 
 
-def test_frozen_client_is_dropped_by_keepalive(kernels, tmp_path: Path) -> None:
+# Responses of a few dozen bytes (text only) can all fit in a frozen client's kernel receive buffer, which
+# some hosts let grow to tens of MiB, so no write ever blocks; with logprobs=20 every response is large.
+@pytest.mark.parametrize("sampling", ["", "logprobs=20"], ids=["small_responses", "large_responses"])
+def test_frozen_client_is_dropped_by_keepalive(kernels, tmp_path: Path, sampling: str) -> None:
     """A stopped client process keeps its TCP connection open, but answers no HTTP/2 ping: the router closes
-    the connection after the keepalive timeout, which cancels the call and frees its KV blocks."""
+    the connection after keepalive time + keepalive timeout, whatever the buffers between them absorb,
+    which cancels the call and frees its KV blocks."""
     keepalive = ("--keepalive-time", "1", "--keepalive-timeout", "1")
-    with long_stream(tmp_path, "[]", "for _ in call: pass", *keepalive) as (worker, client, events):
+    then = "for _ in call: pass"
+    with long_stream(tmp_path, "[]", then, *keepalive, sampling=sampling) as (worker, client, events):
         client.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
         assert worker_load(worker.address).num_running == 1
-        wait_idle(worker.address, timeout=30)
+        wait_idle(worker.address, timeout=DRAIN_TIMEOUT_S)
+        print(f"SIGSTOP to idle worker: {time.monotonic() - stopped:.2f} s")
         assert client.poll() is None  # still there, still stopped
         done = finished(events())
         assert [e["outcome"] for e in done] == ["client_cancelled"]
@@ -165,7 +181,7 @@ def test_client_that_stops_reading_is_cut_off(
     sleeping = "time.sleep(600)  # alive (it answers keepalive pings) but reading nothing"
     stall = ("--stall-timeout", stall_timeout)
     with long_stream(tmp_path, SMALL_WINDOW, sleeping, *stall) as (worker, client, events):
-        wait_idle(worker.address, timeout=30)
+        wait_idle(worker.address, timeout=DRAIN_TIMEOUT_S)
         done = finished(events())
         assert [e["outcome"] for e in done] == ["stalled"]
         assert done[0]["completion_tokens"] < LONG_CONTEXT - 100
