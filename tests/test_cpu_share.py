@@ -125,12 +125,17 @@ def _last_share(log: Path) -> dict:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="splitting CPUs needs at least two")
-def test_two_workers_on_one_host_split_its_cpus(tmp_path: Path, qwen3_dir: Path) -> None:
+def test_two_workers_on_one_host_split_its_cpus(tmp_path: Path, qwen3_dir: Path, kernels) -> None:
     first = start_worker(qwen3_dir, log_path=tmp_path / "first.log")
-    second = start_worker(qwen3_dir, log_path=tmp_path / "second.log")
-    router = start_router([first.address], log_path=tmp_path / "router.log")
+    servers = [first]
     try:
-        for server in (first, second, router):
+        # The second starts once the first holds its share, so it sees the first however slow the start.
+        wait_serving(first.address)
+        second = start_worker(qwen3_dir, log_path=tmp_path / "second.log")
+        servers.append(second)
+        router = start_router([first.address], log_path=tmp_path / "router.log")
+        servers.append(router)
+        for server in (second, router):
             wait_serving(server.address)
         # The older worker held every CPU until its next step: give it one.
         with open_channel(router.address) as channel:
@@ -144,5 +149,5 @@ def test_two_workers_on_one_host_split_its_cpus(tmp_path: Path, qwen3_dir: Path)
         assert set(older["cpus"]).isdisjoint(younger["cpus"]), (older, younger)
         assert 1 <= older["threads"] <= len(older["cpus"]) and 1 <= younger["threads"] <= len(younger["cpus"])
     finally:
-        for server in (router, first, second):
+        for server in reversed(servers):
             server.kill()

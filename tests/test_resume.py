@@ -94,8 +94,9 @@ def _metric(metrics_address: str, name: str) -> float:
 
 @contextmanager
 def _held_streams(model: Path, tmp_path: Path, *router_flags: str) -> Iterator[tuple]:
-    """Workers A and B and a router over both, where B is frozen (SIGSTOP) until `kill_a()` thaws it, waits
-    for the router to connect it and SIGKILLs A: streams started before that all run on A."""
+    """Workers A and B and a router over both, where B is frozen (SIGSTOP) until `kill_a()` freezes A, thaws
+    B, waits for the router to connect it and SIGKILLs A: streams started before that all run on A, and A
+    makes no progress while the router connects B, however long that takes on a loaded host."""
     a, b = (start_worker(model, log_path=tmp_path / f"worker-{n}.log") for n in "ab")
     servers: list[ServerProcess] = [a, b]
     try:
@@ -106,6 +107,7 @@ def _held_streams(model: Path, tmp_path: Path, *router_flags: str) -> Iterator[t
         wait_serving(router.address)
 
         def kill_a() -> None:
+            a.proc.send_signal(signal.SIGSTOP)
             b.proc.send_signal(signal.SIGCONT)
             _wait_for_workers(router.address, 2)
             a.proc.kill()

@@ -442,6 +442,9 @@ def test_the_tokens_file_is_read_again_when_it_changes(secured: Secured, pki: Pk
 # --- per-token limits -------------------------------------------------------------------------------------
 
 
+HELD_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+
+
 def test_concurrent_stream_limit_per_token(secured: Secured, pki: Pki, tmp_path: Path) -> None:
     """--max-streams-per-token 1: alice's second stream gets RESOURCE_EXHAUSTED with a retry-after while
     her first runs; bob's is served; once alice's first ends her next call is served."""
@@ -449,13 +452,20 @@ def test_concurrent_stream_limit_per_token(secured: Secured, pki: Pki, tmp_path:
         [secured.worker.address],
         *worker_tls(pki),
         *("--auth-tokens-file", str(pki.tokens), "--max-streams-per-token", "1"),
+        *("--stall-timeout", "600"),
     )
     try:
         wait_serving(router.address)
-        with grpc.insecure_channel(router.address) as channel:
+        # Alice's first stream stays open until she reads it, however fast the worker generates: its
+        # channel's small, fixed HTTP/2 window holds the router's writes back (and the stall timeout is
+        # long), where a default window would take all 200 tokens and let the stream end.
+        held = grpc.insecure_channel(router.address, options=HELD_WINDOW)
+        with held, grpc.insecure_channel(router.address) as channel:
             stub = generate_pb2_grpc.GenerationStub(channel)
             request = generate_pb2.GenerateRequest(text="hold", sampling=LONG)
-            first = stub.Generate(request, metadata=bearer(ALICE), timeout=CALL_TIMEOUT_S)
+            first = generate_pb2_grpc.GenerationStub(held).Generate(
+                request, metadata=bearer(ALICE), timeout=CALL_TIMEOUT_S
+            )
             next(first)
             short = generate_pb2.GenerateRequest(text="again", sampling=SHORT)
             second = stub.Generate(short, metadata=bearer(ALICE), timeout=30)

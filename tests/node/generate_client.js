@@ -37,7 +37,7 @@ function main(argv) {
 
   const request = {
     text: "The quick brown fox",
-    sampling: { temperature: 0, max_tokens: 16 },
+    sampling: { temperature: 0, max_tokens: 128 },
     return_token_ids: true,
   };
   const call = client.Generate(request, { deadline: Date.now() + DEADLINE_MS });
