@@ -4,7 +4,7 @@ text; nanovllm/cli.py builds the commands from them. Fields declared without `op
 
 from __future__ import annotations
 
-from dataclasses import MISSING, field
+from dataclasses import MISSING, field, fields
 from typing import Any
 
 
@@ -21,3 +21,9 @@ def option(
     enable_prefix_caching). `required`: the command fails without it (flag or environment)."""
     metadata = {"help": help, "flag": flag, "negate": negate, "required": required}
     return field(default=default, default_factory=default_factory, metadata=metadata)
+
+
+def flag_name(cls: type, name: str) -> str:
+    """The command-line flag of `cls`'s option field `name`, e.g. "--worker-tls-cert"."""
+    declared = next(f for f in fields(cls) if f.name == name)
+    return declared.metadata["flag"] or "--" + name.replace("_", "-")

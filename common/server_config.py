@@ -4,12 +4,12 @@ declared with `option` is also a flag of `nanovllm worker` / `nanovllm router` (
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from nanovllm.common.errors import ConfigError
-from nanovllm.common.options import option
+from nanovllm.common.options import flag_name, option
 from nanovllm.common.tls import TlsFiles
 
-WORKER_TLS_FLAGS = ("--worker-tls-cert", "--worker-tls-key", "--worker-tls-ca")
 HEALTH_PORT_HELP = (
     "also serve grpc.health.v1 alone, in plaintext, on this port (0 picks a free one): for Kubernetes gRPC "
     "probes, which cannot speak TLS; unset: no such port"
@@ -39,7 +39,14 @@ class WorkerServerConfig:
     @property
     def tls(self) -> TlsFiles:
         """Mutual TLS on the worker's port: its identity, and the CA every router must be signed by."""
-        return TlsFiles(self.worker_tls_cert, self.worker_tls_key, self.worker_tls_ca, WORKER_TLS_FLAGS)
+        return tls_files(self, "worker_tls_cert", "worker_tls_key", "worker_tls_ca")
+
+
+def tls_files(config: object, cert: str, key: str, ca: str) -> TlsFiles:
+    """The TLS files in `config`'s option fields `cert`, `key` and `ca`, named in errors by their flags."""
+    names = (cert, key, ca)
+    paths = (getattr(config, name) for name in names)
+    return TlsFiles(*paths, tuple(flag_name(type(config), name) for name in names))
 
 
 @dataclass(frozen=True)
@@ -64,12 +71,18 @@ class RequestLimits:
         return self.max_prompt_bytes or self.prompt_bytes_per_token * max_model_len
 
 
-ROUTING_POLICIES = ("cost", "least-loaded", "round-robin")
+class RoutingPolicy(str, Enum):
+    """How the router picks a worker (router/routing.py)."""
+
+    COST = "cost"
+    LEAST_LOADED = "least-loaded"
+    ROUND_ROBIN = "round-robin"
 
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    """How the router picks a worker (router/routing.py): the policy and its cost function's weights."""
+    """How the router picks a worker (router/routing.py): the policy and its cost function's weights.
+    `policy` is given as its name (a flag's string) and kept as the RoutingPolicy it names."""
 
     policy: str = option(
         "cost",
@@ -88,6 +101,13 @@ class RoutingConfig:
     hotspot_slack: int = option(
         4, help="routing: a worker within this many requests of the fleet's mean queue is never a hotspot"
     )
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "policy", RoutingPolicy(self.policy))
+        except ValueError:
+            names = ", ".join(p.value for p in RoutingPolicy)
+            raise ConfigError(f"--routing must be one of {names}, got {self.policy!r}") from None
 
 
 @dataclass
@@ -115,10 +135,6 @@ class RouterConfig:
     routing: RoutingConfig = RoutingConfig()
 
     def __post_init__(self) -> None:
-        if self.routing.policy not in ROUTING_POLICIES:
-            raise ConfigError(
-                f"--routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing.policy!r}"
-            )
         if self.stall_timeout_s <= 0:
             raise ConfigError(f"--stall-timeout must be more than 0 seconds, got {self.stall_timeout_s:g}")
 
@@ -190,10 +206,9 @@ class RouterConfig:
     @property
     def tls(self) -> TlsFiles:
         """TLS on the public port; with tls_client_ca, clients must present a certificate too."""
-        flags = ("--tls-cert", "--tls-key", "--tls-client-ca")
-        return TlsFiles(self.tls_cert, self.tls_key, self.tls_client_ca, flags)
+        return tls_files(self, "tls_cert", "tls_key", "tls_client_ca")
 
     @property
     def worker_tls(self) -> TlsFiles:
         """TLS to the workers: the CA that signed them, and this router's client certificate."""
-        return TlsFiles(self.worker_tls_cert, self.worker_tls_key, self.worker_tls_ca, WORKER_TLS_FLAGS)
+        return tls_files(self, "worker_tls_cert", "worker_tls_key", "worker_tls_ca")

@@ -12,6 +12,12 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
+
+from nanovllm.common.logging import get_logger
+from nanovllm.common.metrics import serve_metrics
+
+log = get_logger(__name__)
 
 # A health service name that is SERVING for as long as the process runs, for liveness probes: "" (and the
 # API's own name) follow readiness, which a router loses whenever every worker is down.
@@ -149,6 +155,38 @@ class GrpcServer:
         await self.set_serving(False)
         await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         return f"{host}:{bound}"
+
+    async def listen(
+        self,
+        host: str,
+        port: int,
+        health_port: int | None,
+        registry: CollectorRegistry,
+        metrics_port: int,
+        on_listening: Callable[[str, str], None],
+    ) -> tuple[str, str]:
+        """Start the API port (NOT_SERVING), the plaintext health port when one is asked for and the
+        /metrics endpoint, then report and return the API's and the metrics' addresses."""
+        address = await self.start(host, port)
+        if health_port is not None:
+            log.info("health_listening", address=await self.start_health(host, health_port))
+        metrics_address = serve_metrics(registry, host, metrics_port)
+        on_listening(address, metrics_address)
+        return address, metrics_address
+
+    async def drain(
+        self, role: str, address: str, idle: Awaitable[object], timeout_s: float, **fields: object
+    ) -> None:
+        """NOT_SERVING at once (routers, clients and probes stop sending), then wait at most `timeout_s`
+        for `idle` (the calls in flight finished); logged as `<role>_draining`, `<role>_drain_timeout`
+        and `<role>_stopping`. The caller stops what is left."""
+        await self.set_serving(False)
+        log.info(f"{role}_draining", address=address, timeout_s=timeout_s, **fields)
+        try:
+            await asyncio.wait_for(idle, timeout_s)
+        except asyncio.TimeoutError:
+            log.warning(f"{role}_drain_timeout", timeout_s=timeout_s)
+        log.info(f"{role}_stopping", address=address)
 
     async def start_health(self, host: str, port: int) -> str:
         """The plaintext health-only port; returns the address it listens on."""

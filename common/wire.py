@@ -1,4 +1,5 @@
-"""Engine sampling options on the router-worker link, in both directions.
+"""Messages filled by walking fields of the same name: engine sampling options on the router-worker link,
+in both directions, and reports built from another record (a worker's load, the public model info).
 
 The link's message (nanovllm.worker.v1.SamplingParams) has one field per SamplingParams field, of the same
 name, so the conversion walks the dataclass's fields: a field added to one side and not the other fails
@@ -41,3 +42,18 @@ def sampling_from_wire(message: Message) -> SamplingParams:
             value = getattr(message, f.name)
             values[f.name] = list(value) if field.is_repeated else value
     return SamplingParams(**values)
+
+
+def fields_to_message(source: object, message_type: type[M], **extra: object) -> M:
+    """A `message_type` whose every field takes the value of `source`'s attribute of the same name (a
+    dataclass or another message), or of `extra` for fields `source` does not have. A field neither gives
+    is an error here, so a field added to the message is never silently left at zero."""
+    values = {}
+    for name in message_type.DESCRIPTOR.fields_by_name:
+        if name in extra:
+            values[name] = extra[name]
+        elif hasattr(source, name):
+            values[name] = getattr(source, name)
+        else:
+            raise TypeError(f"{type(source).__name__} has no {name} for {message_type.__name__}")
+    return message_type(**values)

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.common.config import ATTENTION_BACKENDS
 from nanovllm.common.errors import ConfigError
 from nanovllm.kernels.attention import AttentionBackend, ChunkBatch, DecodeBatch
 from nanovllm.kernels.cpu_kernels import SUPPORTED_DTYPES, load_cpu_kernels
@@ -199,9 +198,8 @@ def _cpu_kernels_unavailable(device: torch.device, dtype: torch.dtype) -> str | 
 def select_attention_backend(
     name: str, device: torch.device, dtype: torch.dtype, block_size: int
 ) -> BackendChoice:
-    """The backend `name` on `device`, or for "auto" the fastest one available, with why."""
-    if name not in ATTENTION_BACKENDS:
-        raise ConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
+    """The backend `name` on `device`, or for "auto" the fastest one available, with why. `name` is one of
+    ATTENTION_BACKENDS: EngineConfig refuses any other."""
 
     def build(candidate: str) -> AttentionBackend:
         if candidate == "cpu_kernel":

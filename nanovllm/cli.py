@@ -42,6 +42,12 @@ SERVE_FLAGS = [
     *LOG_FLAGS,
 ]
 CLIENT_FLAGS = flags_of(ClientOptions)
+COMMANDS = [  # name, flags, what it runs
+    ("serve", SERVE_FLAGS, "run a worker and a router on this machine"),
+    ("worker", WORKER_FLAGS, "run a worker: the engine behind the internal gRPC API"),
+    ("router", ROUTER_FLAGS, "run a router: the public gRPC API in front of workers"),
+    ("client", CLIENT_FLAGS, "stream an answer from a router"),
+]
 
 
 def _announce(what: str) -> Callable[[str, str], None]:
@@ -158,12 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="nanovllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, flags, text in [
-        ("serve", SERVE_FLAGS, "run a worker and a router on this machine"),
-        ("worker", WORKER_FLAGS, "run a worker: the engine behind the internal gRPC API"),
-        ("router", ROUTER_FLAGS, "run a router: the public gRPC API in front of workers"),
-        ("client", CLIENT_FLAGS, "stream an answer from a router"),
-    ]:
+    for name, flags, text in COMMANDS:
         sub = commands.add_parser(name, help=text, description=text)
         for flag in flags:
             flag.add_to(sub)

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from nanovllm.common.options import flag_name
+
 
 @dataclass(frozen=True)
 class Flag:
@@ -90,7 +92,7 @@ def flags_of(cls: type, only: Sequence[str] = (), defaults: dict[str, Any] | Non
             kind, default = "switch", False
         flags.append(
             Flag(
-                name=f.metadata["flag"] or "--" + f.name.replace("_", "-"),
+                name=flag_name(cls, f.name),
                 help=f.metadata["help"],
                 type=parse,
                 default=(defaults or {}).get(f.name, default),

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from nanovllm.common.block_hash import prefix_hashes
-from nanovllm.common.server_config import RoutingConfig
+from nanovllm.common.server_config import RoutingConfig, RoutingPolicy
 
 
 class Candidate(Protocol):
@@ -62,9 +62,9 @@ def choose(
     candidates."""
     if not candidates:
         return None
-    if config.policy == "round-robin":
+    if config.policy == RoutingPolicy.ROUND_ROBIN:
         return Decision(candidates[turn % len(candidates)], 0, 0.0, len(candidates))
-    if config.policy == "least-loaded":
+    if config.policy == RoutingPolicy.LEAST_LOADED:
         worker = min(candidates, key=lambda w: w.queue_estimate)
         return Decision(worker, 0, float(worker.queue_estimate), len(candidates))
     return _cheapest(candidates, token_ids, config)

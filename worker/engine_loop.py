@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from nanovllm.common.config import EngineConfig
 from nanovllm.common.errors import EngineDeadError
 from nanovllm.common.logging import get_logger
-from nanovllm.common.wire import sampling_from_wire
+from nanovllm.common.wire import fields_to_message, sampling_from_wire
 from nanovllm.worker.engine import EngineLoad, LLMEngine, RequestOutput
 from nanovllm.worker.metrics import WorkerMetrics
 from nanovllm.worker.v1 import worker_pb2
@@ -167,16 +167,7 @@ class EngineLoop:
             conn.deliver(worker_pb2.StepOutputs(draining=True))
 
     def load_message(self) -> worker_pb2.WorkerLoad:
-        load = self.load
-        return worker_pb2.WorkerLoad(
-            num_waiting=load.num_waiting,
-            num_running=load.num_running,
-            kv_blocks_used=load.kv_blocks_used,
-            kv_blocks_free=load.kv_blocks_free,
-            prefix_cache_hit_rate=load.prefix_cache_hit_rate,
-            num_preemptions=load.num_preemptions,
-            num_connections=len(self._connections),
-        )
+        return fields_to_message(self.load, worker_pb2.WorkerLoad, num_connections=len(self._connections))
 
     def _push_load(self) -> None:
         """Send every router the load and the prefix cache's changes once they changed; while the engine is

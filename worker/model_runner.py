@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from nanovllm.common.config import DEFAULT_CPU_KV_CACHE, EngineConfig, parse_memory_size
+from nanovllm.common.config import EngineConfig
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
 from nanovllm.common.sampling_params import SamplingParams
@@ -18,6 +18,12 @@ from nanovllm.kernels.attention import AttentionMetadata, ChunkBatch, DecodeBatc
 from nanovllm.kernels.backends import CpuKernelAttention, select_attention_backend
 from nanovllm.worker.cpu_share import CpuShare
 from nanovllm.worker.device import resolve_placement, usable_cpus
+from nanovllm.worker.kv_cache import (
+    check_num_blocks,
+    cpu_kv_cache_bytes,
+    gpu_kv_cache_bytes,
+    kv_bytes_per_block,
+)
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.loader import load_safetensors
 from nanovllm.worker.models.decoder import DecoderForCausalLM
@@ -51,23 +57,6 @@ class ModelRunnerOutput:
     sample_s: float = 0.0
 
 
-def gpu_kv_cache_budget(total: int, utilization: float, weights: int, activation_peak: int) -> int:
-    """Bytes left for the KV cache on a GPU of `total` bytes: this engine may use `utilization` of it, less
-    its own weights and activation peak. Memory other engines or processes hold is not subtracted: sharing
-    a GPU is done by giving each engine its share through `utilization`."""
-    allowed = int(total * utilization)
-    budget = allowed - weights - activation_peak
-    if budget <= 0:
-        gib = 2**30
-        raise ConfigError(
-            f"no GPU memory left for the KV cache: gpu_memory_utilization={utilization} allows "
-            f"{allowed / gib:.2f} of {total / gib:.2f} GiB, and the weights take {weights / gib:.2f} GiB and "
-            f"the activation peak {activation_peak / gib:.2f} GiB; raise gpu_memory_utilization, lower "
-            f"max_num_batched_tokens or max_num_seqs, or use more tensor-parallel ranks"
-        )
-    return budget
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TPContext | None = None) -> None:
         """Rank 0 passes no `tp`: with tensor_parallel_size > 1 it starts ranks 1..N-1 itself. Those ranks
@@ -86,7 +75,7 @@ class ModelRunner:
             )
             tp = TPContext(0, config.tensor_parallel_size)
             if tp.size > 1:
-                self.tp_group = TensorParallelGroup(config)
+                self.tp_group = TensorParallelGroup(config, type(self))
         self.tp = tp
         try:
             self._build()
@@ -141,8 +130,7 @@ class ModelRunner:
     def _check_weights_fit(self) -> None:
         if self.device.type != "cpu":
             return  # on CUDA the allocator's own out-of-memory error already names the sizes
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        needed = self.config.hf_config.num_parameters * element // self.tp.size
+        needed = self.config.hf_config.num_parameters * self._element_size() // self.tp.size
         available = psutil.virtual_memory().available
         if needed > available:
             raise ConfigError(
@@ -162,42 +150,19 @@ class ModelRunner:
         kernels = choice.backend.kernels if isinstance(choice.backend, CpuKernelAttention) else None
         self.model.bind_kernels(choice.backend, kernels)
 
-    def _kv_bytes_per_block(self) -> int:
-        cfg = self.config.hf_config
-        kv_heads = self.tp.kv_heads(cfg.num_key_value_heads)[1]
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * cfg.num_hidden_layers * self.block_size * kv_heads * cfg.head_dim * element
-
     def _cuda_allocated(self) -> int:
         """Bytes this process holds on the GPU through torch (0 on CPU): differences of it are this
         engine's own, whatever other engines or processes hold on the same GPU."""
         return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
 
-    def _kv_cache_budget(self) -> int:
+    def _kv_cache_bytes(self) -> int:
+        """This rank's KV cache budget (worker/kv_cache.py), from the weights and activation peak
+        measured here on a GPU, or from the available RAM."""
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
-            budget = gpu_kv_cache_budget(
-                total, self.config.gpu_memory_utilization, self.weights_bytes, self._activation_peak()
-            )
-            if self.config.kv_cache_memory is None:
-                return budget
-            size = parse_memory_size(self.config.kv_cache_memory, budget)
-            if size > budget:
-                raise ConfigError(
-                    f"kv_cache_memory={self.config.kv_cache_memory} asks for {size / 2**30:.2f} GiB but "
-                    f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves {budget / 2**30:.2f} "
-                    f"GiB for the KV cache on {self.device}"
-                )
-            return size
-        available = psutil.virtual_memory().available
-        requested = self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE
-        budget = parse_memory_size(requested, available)
-        if budget > available:
-            raise ConfigError(
-                f"kv_cache_memory={requested} asks for {budget / 2**30:.2f} GiB but only "
-                f"{available / 2**30:.2f} GiB of RAM is available"
-            )
-        return budget // self.tp.size  # the ranks share this machine's RAM: the budget is for all of them
+            peak = self._activation_peak()
+            return gpu_kv_cache_bytes(self.config, str(self.device), total, self.weights_bytes, peak)
+        return cpu_kv_cache_bytes(self.config, psutil.virtual_memory().available, self.tp.size)
 
     def _activation_peak(self) -> int:
         """GPU bytes the largest step needs beyond the weights, measured by running it before the KV cache
@@ -239,17 +204,11 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> int:
         cfg = self.config.hf_config
-        per_block = self._kv_bytes_per_block()
-        # Every rank must hold the same blocks: the scheduler on rank 0 hands out block ids for all.
-        num_blocks = self.tp.all_reduce_min(self._kv_cache_budget() // per_block)
-        needed = -(-self.config.max_model_len // self.block_size)
-        if num_blocks < needed:
-            raise ConfigError(
-                f"KV cache holds {num_blocks} blocks of {self.block_size} tokens ({per_block} bytes each), "
-                f"fewer than the {needed} blocks one sequence of max_model_len={self.config.max_model_len} "
-                f"needs; raise kv_cache_memory or lower max_model_len"
-            )
         kv_heads = self.tp.kv_heads(cfg.num_key_value_heads)[1]
+        per_block = kv_bytes_per_block(self.config, kv_heads, self._element_size())
+        # Every rank must hold the same blocks: the scheduler on rank 0 hands out block ids for all.
+        num_blocks = self.tp.all_reduce_min(self._kv_cache_bytes() // per_block)
+        check_num_blocks(self.config, num_blocks, per_block)
         shape = (2, cfg.num_hidden_layers, num_blocks, self.block_size, kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
@@ -261,6 +220,9 @@ class ModelRunner:
             gib=round(num_blocks * per_block / 2**30, 3),
         )
         return num_blocks
+
+    def _element_size(self) -> int:
+        return torch.tensor([], dtype=self.dtype).element_size()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, rows: list[SamplingRow]) -> ModelRunnerOutput:

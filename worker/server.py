@@ -10,7 +10,6 @@ import grpc
 
 from nanovllm.common.config import EngineConfig
 from nanovllm.common.logging import get_logger
-from nanovllm.common.metrics import serve_metrics
 from nanovllm.common.server_config import WorkerServerConfig
 from nanovllm.common.serving import GrpcServer
 from nanovllm.common.tls import server_credentials
@@ -161,13 +160,10 @@ async def serve_worker(
         credentials=server_credentials(config.tls, require_client_cert=True),
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server.server)
-    address = await server.start(config.host, config.port)
-    if config.health_port is not None:
-        health_address = await server.start_health(config.host, config.health_port)
-        log.info("health_listening", address=health_address)
     metrics = WorkerMetrics()
-    metrics_address = serve_metrics(metrics.registry, config.host, config.metrics_port)
-    on_listening(address, metrics_address)
+    address, _ = await server.listen(
+        config.host, config.port, config.health_port, metrics.registry, config.metrics_port, on_listening
+    )
     engine_loop = EngineLoop(engine_config, config.max_queued_requests, metrics)
     await asyncio.wrap_future(engine_loop.start())  # the model loads on the engine thread
     num_blocks = engine_loop.engine.block_manager.num_blocks
@@ -189,15 +185,10 @@ async def serve_worker(
         service.close_connections()  # in-flight requests already got their error
         await server.stop(config.shutdown_grace_s)
         return 1
-    # Drain: NOT_SERVING at once (routers and probes stop sending), new submits refused, requests in
-    # flight finish within the drain timeout; what is left then is aborted.
-    await server.set_serving(False)
-    log.info("worker_draining", address=address, timeout_s=config.drain_timeout_s)
-    try:
-        await asyncio.wait_for(asyncio.wrap_future(engine_loop.drain()), config.drain_timeout_s)
-    except asyncio.TimeoutError:
-        log.warning("worker_drain_timeout", timeout_s=config.drain_timeout_s)
-    log.info("worker_stopping", address=address)
+    # Drain: new submits refused, requests in flight finish within the drain timeout; what is left then
+    # is aborted.
+    idle = asyncio.wrap_future(engine_loop.drain())
+    await server.drain("worker", address, idle, config.drain_timeout_s)
     await asyncio.to_thread(engine_loop.stop)
     service.close_connections()
     await server.stop(config.shutdown_grace_s)

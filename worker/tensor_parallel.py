@@ -20,6 +20,7 @@ import os
 import signal
 import time
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -69,10 +70,19 @@ def _cpu_group() -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
 
 
-class TensorParallelGroup:
-    """Rank 0's handle on ranks 1..N-1."""
+class ShardRunner(Protocol):
+    """What a rank 1..N-1 runs: the model runner, built for its TPContext (handed in by rank 0's runner,
+    so this module never imports the runner that imports it)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: TPContext) -> None: ...
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None: ...
+
+
+class TensorParallelGroup:
+    """Rank 0's handle on ranks 1..N-1, each running `runner` (pickled by reference, so a class)."""
+
+    def __init__(self, config: EngineConfig, runner: type[ShardRunner]) -> None:
         size = config.tensor_parallel_size
         check_shardable(config.hf_config, size)  # a clear error before any process starts
         self.size = size
@@ -83,7 +93,7 @@ class TensorParallelGroup:
         self.procs = [
             context.Process(
                 target=run_shard,
-                args=(config, rank, store.port, os.getpid()),
+                args=(config, runner, rank, store.port, os.getpid()),
                 name=f"nanovllm-tp-rank{rank}",
                 daemon=True,
             )
@@ -147,10 +157,10 @@ class TensorParallelGroup:
         log.info("tensor_parallel_stopped", exit_codes=[p.exitcode for p in self.procs])
 
 
-def run_shard(config: EngineConfig, rank: int, port: int, parent_pid: int) -> None:
+def run_shard(
+    config: EngineConfig, runner_type: type[ShardRunner], rank: int, port: int, parent_pid: int
+) -> None:
     """Entry point of ranks 1..N-1: join the group, build this rank's shard, run every step rank 0 sends."""
-    from nanovllm.worker.model_runner import ModelRunner  # imported here: model_runner imports this module
-
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:  # rank 0 died before the line above took effect
         os._exit(1)
@@ -161,7 +171,7 @@ def run_shard(config: EngineConfig, rank: int, port: int, parent_pid: int) -> No
         _backend(config), store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
     )
     cpu_group = _cpu_group()
-    runner = ModelRunner(config, TPContext(rank, size))
+    runner = runner_type(config, TPContext(rank, size))
     header = torch.empty(1, dtype=torch.long)
     while True:
         dist.broadcast(header, src=0, group=cpu_group)
