@@ -1,0 +1,105 @@
+"""The documentation cannot drift from the code: every flag, NANOVLLM_* variable and metric it names
+exists, every relative link resolves, and the flag tables of docs/configuration.md are the ones
+docs/flags.py generates from the config dataclasses (so every flag is documented)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from nanovllm.cli import COMMANDS
+from nanovllm.router.metrics import RouterMetrics
+from nanovllm.worker.metrics import WorkerMetrics
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md")])
+# Flags of the other tools the documentation shows commands of: pip, docker, helm, pyright, argparse's own.
+OTHER_TOOLS_FLAGS = {
+    "--index-url",
+    "--no-deps",
+    "--build-arg",
+    "--create-namespace",
+    "--set",
+    "--pythonpath",
+    "--help",
+}
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+VARIABLE = re.compile(r"NANOVLLM_[A-Z0-9_]+")
+METRIC = re.compile(r"nanovllm:[a-z][a-z0-9_]*")  # not an image tag (nanovllm:0.1.0)
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _flags_doc():
+    spec = importlib.util.spec_from_file_location("docs_flags", REPO / "docs" / "flags.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _text(path: Path) -> str:
+    return path.read_text()
+
+
+def _bench_flags() -> set[str]:
+    """The flags the benchmark scripts define (their argparse declarations)."""
+    declared = re.compile(r"add_argument\(\s*\"(--[a-z0-9-]+)\"")
+    return {flag for path in (REPO / "bench").glob("*.py") for flag in declared.findall(path.read_text())}
+
+
+def _nanovllm_flags() -> set[str]:
+    return {flag.name for _, flags, _ in COMMANDS for flag in flags}
+
+
+def _metric_names() -> set[str]:
+    """Every name the router and the worker export, with the suffixes Prometheus adds."""
+    names = set()
+    router = RouterMetrics()
+    router.watch_workers(list)  # as the router does at start: the per-worker gauges
+    for registry in (router.registry, WorkerMetrics().registry):
+        for family in registry.collect():
+            names.add(family.name)
+            names.update(family.name + s for s in ("_total", "_bucket", "_sum", "_count", "_created"))
+    return names
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_documented_flags_exist(path: Path) -> None:
+    known = _nanovllm_flags() | _bench_flags() | OTHER_TOOLS_FLAGS
+    unknown = sorted(set(FLAG.findall(_text(path))) - known)
+    assert unknown == [], f"{path.name} names flags that no command or benchmark has: {unknown}"
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_documented_variables_exist(path: Path) -> None:
+    """A NANOVLLM_* variable is a flag's; one ending in `_` stands for a family (NANOVLLM_WORKER_TLS_*)."""
+    known = {flag.env for _, flags, _ in COMMANDS for flag in flags}
+    named = set(VARIABLE.findall(_text(path)))
+    unknown = sorted(
+        v for v in named if v not in known and not (v.endswith("_") and any(k.startswith(v) for k in known))
+    )
+    assert unknown == [], f"{path.name} names variables no flag reads: {unknown}"
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_documented_metrics_are_exported(path: Path) -> None:
+    unknown = sorted(set(METRIC.findall(_text(path))) - _metric_names())
+    assert unknown == [], f"{path.name} names metrics neither the router nor the worker exports: {unknown}"
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_relative_links_resolve(path: Path) -> None:
+    targets = [t for t in LINK.findall(_text(path)) if not re.match(r"[a-z]+:|#", t)]
+    broken = [t for t in targets if not (path.parent / t.split("#")[0]).exists()]
+    assert broken == [], f"{path.name} links to files that do not exist: {broken}"
+
+
+def test_every_flag_is_in_the_configuration_doc() -> None:
+    """docs/configuration.md ends with the tables docs/flags.py generates; run it after changing a flag."""
+    flags_doc = _flags_doc()
+    current = flags_doc.DOC.read_text()
+    assert current == flags_doc.rendered(current), "stale flag tables: run `python docs/flags.py`"
+    missing = sorted(name for name in _nanovllm_flags() if f"`{name}`" not in current)
+    assert missing == []
