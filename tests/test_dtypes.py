@@ -46,9 +46,11 @@ QUESTIONS = [
 ]
 # Largest |nanovllm - transformers| logprob (nats) for one of nanovllm's top-5 tokens while both have seen
 # the same context: a few roundings of logits up to ~30 (seen: up to 0.625 in bf16 on SmolLM2 with the
-# PyTorch attention, whose bf16 SDPA rounds its probabilities; 0.063 in fp16). A wrong RMSNorm eps or RoPE
-# base gives 0.3 to 4.6 nats in fp16 on these models.
-LOGPROB_TOL = {"bfloat16": 1.0, "float16": 0.1}
+# PyTorch attention, whose bf16 SDPA rounds its probabilities; in fp16 0.063 on 2 threads and 0.109 on one,
+# with the C++ kernels: the thread count, which the CPU share lowers while other nanovllm processes run,
+# changes the order of the roundings). A wrong RMSNorm eps or RoPE base gives 0.3 to 4.6 nats in fp16 on
+# these models.
+LOGPROB_TOL = {"bfloat16": 1.0, "float16": 0.2}
 
 
 def _prompts() -> list[list[int]]:
