@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 NODE_STAMP := tests/node/node_modules/.installed
 NODE_DEPS := $(if $(shell command -v npm 2>/dev/null),$(NODE_STAMP))
 
-.PHONY: venv test serve lint bench protos node-deps
+.PHONY: venv test test-gpu serve lint bench protos node-deps
 
 venv: $(STAMP)
 
@@ -30,6 +30,11 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP) $(NODE_DEPS)
 	$(BIN)/pytest
+
+# On a CUDA machine with CUDA torch and triton in its python3 and the wheels of `.ci/gpu wheels` in .whl/:
+# the tests that exercise the CUDA path (docs/devices.md#running-on-a-gpu).
+test-gpu:
+	.ci/gpu env install test
 
 $(NODE_STAMP): tests/node/package.json tests/node/package-lock.json
 	npm ci --prefix tests/node --no-audit --no-fund

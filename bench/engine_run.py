@@ -98,7 +98,6 @@ def build_llm(model_dir: Path, workload: Workload, args: argparse.Namespace) -> 
         max_num_seqs=256,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=kv_bytes,
-        enforce_eager=True,
         dtype=args.dtype,
         num_threads=args.threads,  # fixed: the run must not split its CPUs with whatever else runs here
     )

@@ -12,7 +12,8 @@ weights do not change the work; a random model of a shape costs what the real on
   3. vs HF       transformers' static `generate` (left-padded batches, each run to its longest request,
                  only the tokens each request asked for counted) on the first 64 requests, against
                  nanovllm's LLM.generate on the same 64 requests; both in nanovllm's dtype;
-  4. one stream  prompt 128, 256 new tokens, greedy: decode tok/s of both (prefill not timed).
+  4. one stream  prompt 128, 256 new tokens, greedy: decode tok/s of both (prefill not timed);
+  5. sampler     one sampler step at batch 256 over the model's vocabulary, temperature 0.6, in ms.
 
 Prefix caching is off: the workload shares no prefixes (no hits either way), and steps 2-4 repeat its
 prompts, which must not be served from the cache. The KV cache is sized to hold the whole workload, so
@@ -26,7 +27,7 @@ On the GPU machine (CUDA torch in .venv; no network needed):
 CPU smoke test (tiny sizes; GPU busy is reported as n/a):
 
     .venv/bin/python -m bench.gpu --device cpu --tiny --layers 2 --num-seqs 4 --max-input-len 64 \\
-        --max-output-len 16 --profile-steps 4 --single-prompt 16 --single-new-tokens 8
+        --max-output-len 16 --profile-steps 4 --single-prompt 16 --single-new-tokens 8 --sampler-batch 8
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from bench.report import machine_description
 from nanovllm import LLM, SamplingParams
 from nanovllm.common.config import ATTENTION_BACKENDS, ModelConfig
 from nanovllm.worker.device import DTYPES, resolve_placement
+from nanovllm.worker.sampler import Sampler, SamplingRow
 
 DEFAULT_SIZES = (256, 1024, 1024, 100)  # num_seqs, max_input_len, max_output_len, min_len: bench.py's
 DEFAULT_OUTPUT_TOKENS = 133_966  # what bench.py's draws give for those sizes
@@ -247,6 +249,21 @@ def decode_window(llm: LLM, workload: Workload, n: int, device: torch.device) ->
 # transformers
 
 
+def sampler_ms(vocab: int, batch: int, device: torch.device, steps: int) -> float:
+    """Mean milliseconds of one sampler step on [batch, vocab] fp32 logits with bench.py's sampling
+    (temperature 0.6), its copy of the tokens to the host included."""
+    sampler = Sampler(torch.Generator(device).manual_seed(0))
+    logits = torch.randn(batch, vocab, device=device)
+    rows = [SamplingRow(SamplingParams(temperature=0.6, ignore_eos=True), [1], []) for _ in range(batch)]
+    sampler(logits, rows)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        sampler(logits, rows)
+    sync(device)
+    return 1e3 * (time.perf_counter() - start) / steps
+
+
 def hf_generate(
     model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, temperature: float
 ) -> None:
@@ -338,6 +355,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--single-prompt", type=int, default=128)
     p.add_argument("--single-new-tokens", type=int, default=256)
+    p.add_argument("--sampler-batch", type=int, default=256, help="rows of the sampler timing [5]")
+    p.add_argument("--sampler-steps", type=int, default=50)
     return p.parse_args(argv)
 
 
@@ -392,6 +411,7 @@ def main(argv: list[str] | None = None) -> None:
             )
         nano_hf_tps = timed_generate(llm, hf_subset, device)
         nano_single = nanovllm_single_stream(llm, single_prompt, args.single_new_tokens)
+        sample_ms = sampler_ms(cfg.vocab_size, args.sampler_batch, device, args.sampler_steps)
         del llm
         gc.collect()
         if device.type == "cuda":
@@ -420,6 +440,11 @@ def main(argv: list[str] | None = None) -> None:
         f"only, tok/s: nanovllm / transformers: {ratio(nano_single, hf_single)}"
     )
 
+    print(
+        f"[5] sampler at batch {args.sampler_batch}, vocab {cfg.vocab_size}, temperature 0.6: "
+        f"{sample_ms:.2f} ms/step"
+    )
+
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else machine_description()
     try:
         triton = importlib.metadata.version("triton")
@@ -430,12 +455,14 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"| date | device | torch | triton | transformers | attention backend | {args.num_seqs} requests, "
         f"tok/s | decode GPU busy ({window.steps} steps, batch {window.mean_batch:.0f}) "
-        f"| first {n} requests, tok/s: nanovllm / HF | one stream, tok/s: nanovllm / HF |"
+        f"| first {n} requests, tok/s: nanovllm / HF | one stream, tok/s: nanovllm / HF "
+        f"| sampler, ms/step (batch {args.sampler_batch}) |"
     )
-    print("|---|---|---|---|---|---|---:|---:|---:|---:|")
+    print("|---|---|---|---|---|---|---:|---:|---:|---:|---:|")
     print(
         f"| {date} | {device_name} | {torch.__version__} | {triton} | {transformers.__version__} | {backend} "
-        f"| {tps:,.1f} | {window.busy} | {ratio(nano_hf_tps, hf_tps)} | {ratio(nano_single, hf_single)} |"
+        f"| {tps:,.1f} | {window.busy} | {ratio(nano_hf_tps, hf_tps)} | {ratio(nano_single, hf_single)} "
+        f"| {sample_ms:.2f} |"
     )
 
 

@@ -182,7 +182,11 @@ class EngineConfig:
         "auto",
         help="auto (bf16 on CUDA and on CPUs with native bf16, else float32), float32, bfloat16 or float16",
     )
-    enforce_eager: bool = True
+    enforce_eager: bool = option(
+        False,
+        help="run decode steps eagerly too: no CUDA graphs (they are captured on CUDA only, for decode-only "
+        "steps; a CPU always runs eagerly)",
+    )
     tensor_parallel_size: int = option(1, help="ranks to shard the model over")
     enable_prefix_caching: bool = option(
         True, flag="--no-prefix-caching", negate=True, help="turn off reuse of cached prompt prefixes"

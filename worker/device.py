@@ -144,3 +144,12 @@ def usable_cpus(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
     allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     limit = cgroup_cpu_limit(cgroup_root)
     return allowed if limit is None else min(allowed, limit)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on `device` without waiting for the GPU. A plain copy from pageable memory makes the
+    host wait until the GPU has run everything queued before it (the step's forward pass, say); one from
+    pinned memory is queued in stream order and returns at once. torch caches the pinned buffers."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

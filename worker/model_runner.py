@@ -17,7 +17,8 @@ from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.kernels.attention import AttentionMetadata, ChunkBatch, DecodeBatch
 from nanovllm.kernels.backends import CpuKernelAttention, select_attention_backend
 from nanovllm.worker.cpu_share import CpuShare
-from nanovllm.worker.device import resolve_placement, usable_cpus
+from nanovllm.worker.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
+from nanovllm.worker.device import resolve_placement, to_device, usable_cpus
 from nanovllm.worker.kv_cache import (
     check_num_blocks,
     cpu_kv_cache_bytes,
@@ -64,6 +65,7 @@ class ModelRunner:
         self.config = config
         self.tp_group: TensorParallelGroup | None = None
         self.cpu_share: CpuShare | None = None
+        self.decode_graphs: DecodeGraphs | None = None
         # Before any rank starts: a device that cannot run the dtype fails here, with nothing to undo.
         self.placement = resolve_placement(config.device, config.dtype)
         if tp is None:
@@ -113,6 +115,32 @@ class ModelRunner:
         self.sampler = Sampler(generator)
         self.num_blocks = self._allocate_kv_cache()
         self._bind_kernels()
+        if self._wants_cuda_graphs():
+            self.use_decode_graphs(CudaGraphCapture())
+
+    def _wants_cuda_graphs(self) -> bool:
+        """CUDA graphs for decode unless enforce_eager; not yet with tensor parallelism, whose ranks would
+        each have to capture and replay in step with rank 0."""
+        if self.config.enforce_eager or self.device.type != "cuda":
+            return False
+        if self.tp.size > 1:
+            log.info("decode_graphs_off", reason="not yet captured with tensor_parallel_size > 1")
+            return False
+        return True
+
+    def use_decode_graphs(self, capture: GraphCapture) -> None:
+        """Replay decode-only steps through `capture`'s graphs from now on (worker/decode_graphs.py). The
+        runner calls it itself on CUDA; the CPU tests call it with EagerReplay."""
+        with torch.inference_mode():
+            self.decode_graphs = DecodeGraphs(
+                self.model,
+                capture,
+                max_num_seqs=self.config.max_num_seqs,
+                max_blocks_per_seq=-(-self.config.max_model_len // self.block_size),
+                block_size=self.block_size,
+                pad_block=self.pad_block,
+                device=self.device,
+            )
 
     def _set_cpu_threads(self) -> None:
         """A fixed num_threads is split between the ranks. By default every process that runs a model on
@@ -209,7 +237,10 @@ class ModelRunner:
         # Every rank must hold the same blocks: the scheduler on rank 0 hands out block ids for all.
         num_blocks = self.tp.all_reduce_min(self._kv_cache_bytes() // per_block)
         check_num_blocks(self.config, num_blocks, per_block)
-        shape = (2, cfg.num_hidden_layers, num_blocks, self.block_size, kv_heads, cfg.head_dim)
+        # One block more than the scheduler hands out: the pad block, which padded rows of a replayed decode
+        # step write to (worker/decode_graphs.py).
+        self.pad_block = num_blocks
+        shape = (2, cfg.num_hidden_layers, num_blocks + 1, self.block_size, kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
@@ -246,11 +277,19 @@ class ModelRunner:
         try:
             if self.tp_group is not None:
                 self.tp_group.send(inputs)
-            input_ids, positions, meta, logits_index = self._tensors(inputs)
-            hidden = self.model(input_ids, positions, meta)
-            if not inputs.logits_index:
-                return None
-            return self.model.compute_logits(hidden.index_select(0, logits_index)).float()
+            graphs = self.decode_graphs
+            bucket = graphs.bucket(inputs) if graphs is not None else None
+            if graphs is not None and bucket is not None:
+                hidden = graphs.run(inputs, bucket)
+                if inputs.logits_index != list(range(len(inputs.decodes))):
+                    hidden = hidden.index_select(0, self._long(inputs.logits_index))
+            else:
+                input_ids, positions, meta, logits_index = self._tensors(inputs)
+                hidden = self.model(input_ids, positions, meta)
+                if not inputs.logits_index:
+                    return None
+                hidden = hidden.index_select(0, logits_index)
+            return self.model.compute_logits(hidden).float()
         except RuntimeError as exc:  # a collective failed: say which rank went away, if one did
             if self.tp_group is not None:
                 self.tp_group.raise_if_dead(exc)
@@ -319,7 +358,7 @@ class ModelRunner:
         )
 
     def _long(self, values: list[int] | list[list[int]]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        return to_device(torch.tensor(values, dtype=torch.long), self.device)
 
     def _decode_batch(self, chunks: list[SeqChunk]) -> DecodeBatch:
         return DecodeBatch(

@@ -20,6 +20,7 @@ import torch
 import xxhash
 
 from nanovllm.common.sampling_params import SamplingParams
+from nanovllm.worker.device import to_device
 
 __all__ = [
     "Sampler",
@@ -87,7 +88,11 @@ def _take(t: torch.Tensor, idx: list[int], batch: int) -> torch.Tensor:
     """Rows ``idx`` of ``t``; skips the gather (a copy) when every row is wanted."""
     if len(idx) == batch:
         return t
-    return t[torch.tensor(idx, device=t.device)]
+    return t[_index(idx, t.device)]
+
+
+def _index(idx: list[int], device: torch.device) -> torch.Tensor:
+    return to_device(torch.tensor(idx, dtype=torch.long), device)
 
 
 def _padded(seqs: Sequence[Sequence[int]], pad: int, vocab: int, what: str) -> torch.Tensor:
@@ -111,7 +116,7 @@ def _ban_(work: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
             row_ids.append(i)
             tok_ids.append(t)
     if row_ids:
-        index = torch.tensor([row_ids, tok_ids], dtype=torch.long).to(work.device)
+        index = to_device(torch.tensor([row_ids, tok_ids], dtype=torch.long), work.device)
         work[index[0], index[1]] = _NEG_INF
 
 
@@ -127,7 +132,9 @@ def _penalize_(work: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     n = len(idx)
 
     # Counts of each token in the output; padding goes to an extra column that is dropped.
-    out_tok = _padded([rows[i].output_token_ids for i in idx], vocab, vocab, "output_token_ids").to(device)
+    out_tok = to_device(
+        _padded([rows[i].output_token_ids for i in idx], vocab, vocab, "output_token_ids"), device
+    )
     counts = torch.zeros((n, vocab + 1), dtype=sub.dtype, device=device)
     counts.scatter_add_(1, out_tok, torch.ones(out_tok.shape, dtype=sub.dtype, device=device))
     counts = counts[:, :vocab]
@@ -140,14 +147,15 @@ def _penalize_(work: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
             [p.frequency_penalty for p in params],
         ],
         dtype=sub.dtype,
-    ).to(device)
+    )
+    coeffs = to_device(coeffs, device)
 
     result = sub
     if any(p.repetition_penalty != 1.0 for p in params):
         # Repetition penalty looks at the prompt too (HF/vLLM semantics).
         prompt_tok = _padded([rows[i].prompt_token_ids for i in idx], vocab, vocab, "prompt_token_ids")
         seen = torch.zeros((n, vocab + 1), dtype=torch.bool, device=device)
-        seen.scatter_(1, prompt_tok.to(device), True)
+        seen.scatter_(1, to_device(prompt_tok, device), True)
         seen = seen[:, :vocab] | in_output
         rep = coeffs[0].unsqueeze(1)
         # Dividing positive logits and multiplying negative ones both make the token less likely.
@@ -159,7 +167,7 @@ def _penalize_(work: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     if n == batch:
         work.copy_(result)
     else:
-        work[torch.tensor(idx, device=device)] = result
+        work[_index(idx, device)] = result
 
 
 def _prepared(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -185,7 +193,8 @@ def _random_probs(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Te
     # One host->device copy for all per-row parameters (vocab < 2**24, so k is exact in float32).
     spec = torch.tensor(
         [[p.temperature for p in params], ks, ps, [p.min_p for p in params]], dtype=torch.float32
-    ).to(x.device)
+    )
+    spec = to_device(spec, x.device)
     x = x / spec[0].unsqueeze(1)
 
     use_k = any(k < vocab for k in ks)
@@ -240,10 +249,10 @@ def filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     greedy = [i for i, r in enumerate(rows) if r.params.temperature == 0.0]
     random = [i for i, r in enumerate(rows) if r.params.temperature != 0.0]
     if greedy:
-        g = torch.tensor(greedy, device=work.device)
+        g = _index(greedy, work.device)
         probs[g, work[g].argmax(dim=-1)] = 1.0
     if random:
-        r = torch.tensor(random, device=work.device)
+        r = _index(random, work.device)
         probs[r] = _random_probs(_take(work, random, batch), [rows[i].params for i in random])
     return probs
 
@@ -271,8 +280,10 @@ class Sampler:
 
         work = _prepared(logits, rows)
         tokens = self._choose(work, rows)
-        token_ids = tokens.tolist()
-        return SamplerOutput(token_ids=token_ids, logprobs=_logprobs(logits, params, tokens, token_ids))
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not wanted:
+            return SamplerOutput(token_ids=tokens.tolist(), logprobs=[None] * batch)
+        return _with_logprobs(logits, params, tokens, wanted)
 
     def _choose(self, work: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """[batch] long tensor of chosen tokens: argmax for greedy rows, a draw for the others."""
@@ -285,7 +296,7 @@ class Sampler:
         if len(random) == batch:
             return sampled
         tokens = work.argmax(dim=-1)
-        tokens[torch.tensor(random, device=work.device)] = sampled
+        tokens[_index(random, work.device)] = sampled
         return tokens
 
     def _draw(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -300,7 +311,7 @@ class Sampler:
             unseeded = [j for j in range(n) if rows[j].params.seed is None]
             if unseeded:
                 block = torch.empty((len(unseeded), vocab), dtype=probs.dtype, device=probs.device)
-                q[torch.tensor(unseeded, device=probs.device)] = block.exponential_(generator=self.generator)
+                q[_index(unseeded, probs.device)] = block.exponential_(generator=self.generator)
             scratch = torch.Generator(probs.device)
             for j in seeded:
                 scratch.manual_seed(position_seed(rows[j].params.seed, len(rows[j].output_token_ids)))
@@ -309,26 +320,30 @@ class Sampler:
         return (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
 
 
-def _logprobs(
-    logits: torch.Tensor, params: Sequence[SamplingParams], tokens: torch.Tensor, token_ids: list[int]
-) -> list[TokenLogprobs | None]:
-    """Chosen-token logprob and top-N from the raw logits, only for rows that asked."""
+def _with_logprobs(
+    logits: torch.Tensor, params: Sequence[SamplingParams], tokens: torch.Tensor, wanted: list[int]
+) -> SamplerOutput:
+    """The chosen tokens, and for the rows in `wanted` their logprob and top-N from the raw logits: all of
+    it packed into one tensor, so the step waits on the device once (float64 holds token ids exactly)."""
     batch = len(params)
-    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-    out: list[TokenLogprobs | None] = [None] * batch
-    if not wanted:
-        return out
     logp = _take(logits, wanted, batch).float().log_softmax(dim=-1)
-    chosen = logp.gather(1, _take(tokens, wanted, batch).unsqueeze(1)).squeeze(1).tolist()
-    top_n = min(max(params[i].logprobs for i in wanted), logp.shape[1])
-    top_vals: list[list[float]] = [[] for _ in wanted]
-    top_ids: list[list[int]] = [[] for _ in wanted]
-    if top_n > 0:
-        values, indices = logp.topk(top_n, dim=-1)
-        top_vals, top_ids = values.tolist(), indices.tolist()
+    chosen = logp.gather(1, _take(tokens, wanted, batch).unsqueeze(1)).squeeze(1)
+    top_n = min(max(params[i].logprobs or 0 for i in wanted), logp.shape[1])
+    values, indices = logp.topk(top_n, dim=-1)
+    parts = (tokens, chosen, values.flatten(), indices.flatten())
+    host = torch.cat([t.to(torch.float64) for t in parts]).tolist()
+    token_ids = [int(t) for t in host[:batch]]
+    chosen_host = host[batch : batch + len(wanted)]
+    top = host[batch + len(wanted) :]
+    half = len(top) // 2
+    out: list[TokenLogprobs | None] = [None] * batch
     for j, i in enumerate(wanted):
-        n = params[i].logprobs
+        n = params[i].logprobs or 0
+        row_vals = top[j * top_n : j * top_n + n]
+        row_ids = top[half + j * top_n : half + j * top_n + n]
         out[i] = TokenLogprobs(
-            token_id=token_ids[i], logprob=chosen[j], top=list(zip(top_ids[j][:n], top_vals[j][:n]))
+            token_id=token_ids[i],
+            logprob=chosen_host[j],
+            top=[(int(t), v) for t, v in zip(row_ids, row_vals)],
         )
-    return out
+    return SamplerOutput(token_ids=token_ids, logprobs=out)

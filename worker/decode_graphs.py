@@ -1,0 +1,176 @@
+"""Decode steps replayed from captured CUDA graphs.
+
+A decode-only step's shapes depend on one number, its batch size, so its forward pass can be captured once
+per batch-size bucket and replayed: one graph launch instead of a few hundred kernel launches, which at small
+batches cost the GPU more time than the kernels themselves. A step is padded up to its bucket. Padding rows
+decode token 0 at position 0 into the KV cache's pad block, which no sequence owns, so every kernel sees
+well-formed input and no sequence's cache changes. Prefill and mixed steps, and batches above the largest
+bucket, run eagerly: their shapes change every step.
+
+Capturing is behind `GraphCapture`: `CudaGraphCapture` on CUDA, and `EagerReplay`, which runs the same static
+buffers and padding eagerly. The CPU tests use the latter to check everything but the capture itself.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from nanovllm.common.logging import get_logger
+from nanovllm.kernels.attention import AttentionMetadata, DecodeBatch
+from nanovllm.worker.device import to_device
+from nanovllm.worker.step_inputs import StepInputs
+
+log = get_logger(__name__)
+
+Forward = Callable[[], torch.Tensor]
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """The batch sizes captured: 1, 2, 4, 8, then every 16, and max_num_seqs itself."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+    small = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    return [*small, *range(16, max_num_seqs, 16), max_num_seqs]
+
+
+class GraphCapture(Protocol):
+    """Turns a forward pass over static buffers into something that replays it."""
+
+    name: str
+
+    def capture(self, forward: Forward) -> Forward:
+        """Run `forward` once as a warm-up, then return a replay: a call that reruns it on whatever the
+        static buffers hold and returns its (static) output."""
+        ...
+
+
+class EagerReplay:
+    """Replays by calling the forward pass again: the static buffers and padding without a graph."""
+
+    name = "eager"
+
+    def capture(self, forward: Forward) -> Forward:
+        forward()
+        return forward
+
+
+class CudaGraphCapture:
+    """One CUDA graph per bucket, all allocating from one memory pool: captured largest first, each smaller
+    graph's activations fit in memory the larger ones already hold."""
+
+    name = "cuda"
+
+    def __init__(self) -> None:
+        self.pool: tuple[int, int] | None = None
+
+    def capture(self, forward: Forward) -> Forward:
+        forward()  # warm-up outside the graph: compiles Triton kernels, sets up cuBLAS workspaces
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = forward()
+        if self.pool is None:
+            self.pool = graph.pool()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return output
+
+        return replay
+
+
+def _reserved(device: torch.device) -> int:
+    """GPU memory torch's allocator holds (0 on CPU): what capturing the graphs added to it is their cost."""
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+
+
+class DecodeGraphs:
+    """Static input buffers sized for the largest bucket, and one replay per bucket."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        capture: GraphCapture,
+        *,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        pad_block: int,
+        device: torch.device,
+    ) -> None:
+        self.buckets = batch_buckets(max_num_seqs)
+        self.block_size = block_size
+        self.device = device
+        rows = self.buckets[-1]
+        # Every row starts as a padding row; a step overwrites the rows it uses.
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((rows,), pad_block * block_size, dtype=torch.long, device=device)
+        self.context_lens = torch.ones(rows, dtype=torch.long, device=device)
+        self.block_tables = torch.full((rows, max_blocks_per_seq), pad_block, dtype=torch.long, device=device)
+        self.pad = (0, 0, pad_block * block_size, 1, pad_block)  # a padding row's id, position, slot, ...
+
+        started, before = time.perf_counter(), _reserved(device)
+        self.replays: dict[int, Forward] = {}
+        for size in reversed(self.buckets):
+            self.replays[size] = capture.capture(self._forward_of(model, size))
+        log.info(
+            "decode_graphs_captured",
+            capture=capture.name,
+            buckets=len(self.buckets),
+            largest=rows,
+            seconds=round(time.perf_counter() - started, 2),
+            graph_mib=round((_reserved(device) - before) / 2**20, 1),
+        )
+
+    def _forward_of(self, model: nn.Module, size: int) -> Forward:
+        def forward() -> torch.Tensor:
+            # Fresh metadata on every call: its lazily derived tensors (the reference backend's masks) must
+            # be computed inside the capture, not reused from the warm-up.
+            decode = DecodeBatch(self.block_tables[:size], self.context_lens[:size], self.block_size)
+            meta = AttentionMetadata(slot_mapping=self.slot_mapping[:size], decode=decode)
+            return model(self.input_ids[:size], self.positions[:size], meta)
+
+        return forward
+
+    def bucket(self, inputs: StepInputs) -> int | None:
+        """The bucket a step replays in, or None when it must run eagerly."""
+        n = len(inputs.decodes)
+        if inputs.fresh or inputs.cached or n == 0 or n > self.buckets[-1]:
+            return None
+        if max(len(c.block_table) for c in inputs.decodes) > self.block_tables.shape[1]:
+            return None
+        return self.buckets[bisect.bisect_left(self.buckets, n)]
+
+    def run(self, inputs: StepInputs, size: int) -> torch.Tensor:
+        """The hidden states [len(inputs.decodes), hidden] of a decode-only step, replayed in bucket `size`.
+
+        The step's integers go to the GPU in one host-to-device copy; the padding rows are rewritten each
+        time, since a larger step before may have left real sequences' values in them."""
+        n = len(inputs.decodes)
+        width = max(len(c.block_table) for c in inputs.decodes)
+        pad_id, pad_pos, pad_slot, pad_len, pad_block = self.pad
+        extra = size - n
+        values = [*inputs.input_ids, *[pad_id] * extra, *inputs.positions, *[pad_pos] * extra]
+        values += [*inputs.slot_mapping, *[pad_slot] * extra]
+        values += [*(c.start + 1 for c in inputs.decodes), *[pad_len] * extra]
+        for c in inputs.decodes:
+            values += c.block_table
+            values += [pad_block] * (width - len(c.block_table))
+        values += [pad_block] * (width * extra)
+        staged = to_device(torch.tensor(values, dtype=torch.long), self.device)
+        ids, positions, slots, lens, tables = staged.split([size, size, size, size, size * width])
+        self.input_ids[:size].copy_(ids)
+        self.positions[:size].copy_(positions)
+        self.slot_mapping[:size].copy_(slots)
+        self.context_lens[:size].copy_(lens)
+        # Columns past `width` keep older block ids: every id is a real block, and the context length
+        # masks them out.
+        self.block_tables[:size, :width].copy_(tables.view(size, width))
+        return self.replays[size]()[:n]
