@@ -154,6 +154,8 @@ class ModelConfig:
 
 DEFAULT_CPU_KV_CACHE = "2GiB"
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_kernel", "triton", "flash_attn")
+SPECULATIVE_METHODS = ("none", "ngram")
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass
@@ -202,6 +204,15 @@ class EngineConfig:
         "process may use (its affinity mask, capped by its cgroup CPU limit), split with the other "
         "nanovllm processes on the same CPUs (worker/cpu_share.py)",
     )
+    speculative_method: str = option(
+        "none",
+        help="none, or ngram: propose the tokens that followed the sequence's last few tokens where they "
+        "occurred earlier in it, and verify them in one forward pass (the output tokens do not change)",
+    )
+    num_speculative_tokens: int = option(4, help=f"tokens proposed per step, 1 to {MAX_SPECULATIVE_TOKENS}")
+    speculative_max_batch: int = option(
+        8, help="decoding requests above which a step does not speculate (the batch keeps the GPU/CPU busy)"
+    )
     hf_config: ModelConfig | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -226,6 +237,17 @@ class EngineConfig:
             raise ConfigError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
             )
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ConfigError(
+                f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, got "
+                f"{self.speculative_method!r}"
+            )
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens}"
+            )
+        if self.speculative_max_batch < 1:
+            raise ConfigError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
         if self.hf_config is None:
             self.hf_config = ModelConfig.from_pretrained_dir(self.model)
         # Positions beyond the model's trained range are meaningless; clamp (as nano-vllm does) so the

@@ -17,8 +17,9 @@ from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.worker.block_manager import BlockManager
 from nanovllm.worker.model_runner import ModelRunner
 from nanovllm.worker.sampler import SamplerOutput, SamplingRow, TokenLogprobs
-from nanovllm.worker.scheduler import Scheduler, SchedulerOutput
+from nanovllm.worker.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from nanovllm.worker.sequence import FinishReason, Sequence, SequenceStatus
+from nanovllm.worker.speculation import propose_ngram
 
 log = get_logger(__name__)
 
@@ -57,6 +58,8 @@ class StepStats:
 
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    num_spec_proposed: int = 0  # speculative decoding: tokens proposed and verified this step
+    num_spec_accepted: int = 0  # ... and of those, the ones kept
     schedule_s: float = 0.0
     prepare_s: float = 0.0
     forward_s: float = 0.0
@@ -150,18 +153,23 @@ class LLMEngine:
         """Schedule, execute and apply one step: the requests that advanced or finished, and the timings."""
         outputs, self._aborted = self._aborted, []
         t0 = time.perf_counter()
+        self._propose()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         if sched.is_empty:
             return StepResult(outputs, StepStats(schedule_s=t1 - t0))
-        rows = [self._sampling_row(s.seq) for s in sched.scheduled if s.samples]
+        rows = [row for s in sched.scheduled if s.samples for row in self._sampling_rows(s)]
         result = self.runner.execute(sched, rows)
         t2 = time.perf_counter()
-        outputs.extend(self._update(sched, result.sampler_output))
+        new_outputs, accepted = self._update(sched, result.sampler_output)
+        outputs.extend(new_outputs)
         t3 = time.perf_counter()
+        verified = sum(1 + len(s.spec_token_ids) for s in sched.scheduled if s.spec_token_ids)
         stats = StepStats(
-            num_prefill_tokens=sched.num_tokens - sched.num_decodes,
-            num_decode_tokens=sched.num_decodes,
+            num_prefill_tokens=sched.num_tokens - sched.num_decodes - verified,
+            num_decode_tokens=sched.num_decodes + verified,
+            num_spec_proposed=sum(len(s.spec_token_ids) for s in sched.scheduled),
+            num_spec_accepted=accepted,
             schedule_s=t1 - t0,
             prepare_s=result.prepare_s,
             forward_s=result.forward_s,
@@ -170,37 +178,76 @@ class LLMEngine:
         )
         return StepResult(outputs, stats)
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        params = seq.params
-        banned: tuple[int, ...] = ()
-        if seq.num_output_tokens < params.min_tokens:
-            eos = () if params.ignore_eos else tuple(self.eos_token_ids)
-            banned = eos + tuple(params.stop_token_ids)
-        return SamplingRow(
-            params=params,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
-            banned_token_ids=banned,
-        )
+    def _propose(self) -> None:
+        """Speculative decoding: proposals for each sequence about to decode, unless the batch is larger
+        than speculative_max_batch (it then keeps the device busy without them). A proposal never runs
+        past max_tokens or max_model_len, counting the token its verification adds."""
+        config = self.config
+        decoding = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1]
+        speculate = config.speculative_method == "ngram" and len(decoding) <= config.speculative_max_batch
+        for seq in decoding:
+            room = min(
+                config.num_speculative_tokens,
+                seq.params.max_tokens - seq.num_output_tokens - 1,
+                config.max_model_len - seq.num_tokens,
+            )
+            seq.spec_token_ids = propose_ngram(seq.token_ids, room) if speculate and room > 0 else []
 
-    def _update(self, sched: SchedulerOutput, sampler_out: SamplerOutput) -> list[RequestOutput]:
+    def _sampling_rows(self, item: ScheduledSequence) -> list[SamplingRow]:
+        """One row per token the step picks for `item`: with proposals, row j sees the first j proposals as
+        its output so far, as the same request without speculation would have at that position (its
+        penalties, min_tokens bans and the seed of its draw all follow from that)."""
+        seq, spec = item.seq, item.spec_token_ids
+        params = seq.params
+        rows = []
+        for j in range(len(spec) + 1):
+            banned: tuple[int, ...] = ()
+            if seq.num_output_tokens + j < params.min_tokens:
+                eos = () if params.ignore_eos else tuple(self.eos_token_ids)
+                banned = eos + tuple(params.stop_token_ids)
+            output = seq.output_token_ids + spec[:j] if j else seq.output_token_ids
+            rows.append(SamplingRow(params, seq.prompt_token_ids, output, banned))
+        return rows
+
+    def _update(self, sched: SchedulerOutput, sampler_out: SamplerOutput) -> tuple[list[RequestOutput], int]:
+        """Apply the step: new tokens, finished requests, blocks for the prefix cache. Also returns how many
+        proposals were accepted."""
         for item in sched.scheduled:
             item.seq.num_computed_tokens = item.start + item.num_new_tokens
-            self.block_manager.cache_full_blocks(item.seq)
+            if not item.spec_token_ids:
+                self.block_manager.cache_full_blocks(item.seq)
         outputs = []
-        sampled = [item.seq for item in sched.scheduled if item.samples]  # the sampler's rows, in order
-        for seq, token, logprob in zip(sampled, sampler_out.token_ids, sampler_out.logprobs):
-            seq.token_ids.append(token)
-            new_logprobs = []
-            if logprob is not None:
-                seq.logprobs.append(logprob)
-                new_logprobs.append(logprob)
-            status = self._stop_status(seq, token)
+        accepted = 0
+        picks = iter(zip(sampler_out.token_ids, sampler_out.logprobs))  # the sampler's rows, in order
+        for item in sched.scheduled:
+            if not item.samples:
+                continue
+            seq, spec = item.seq, item.spec_token_ids
+            drawn = [next(picks) for _ in range(len(spec) + 1)]
+            new_tokens: list[int] = []
+            new_logprobs: list[TokenLogprobs] = []
+            status = None
+            # Keep each pick while the one before it was the proposal it was computed after: picks past
+            # the first rejected proposal were computed after a token the request does not have.
+            for j, (token, logprob) in enumerate(drawn):
+                seq.token_ids.append(token)
+                new_tokens.append(token)
+                if logprob is not None:
+                    seq.logprobs.append(logprob)
+                    new_logprobs.append(logprob)
+                status = self._stop_status(seq, token)
+                if status is not None or j == len(spec) or token != spec[j]:
+                    break
+                accepted += 1
+            if spec:
+                # The KV of accepted proposals is kept; the cache slots after them are overwritten later.
+                seq.num_computed_tokens = seq.num_tokens - 1
+                self.block_manager.cache_full_blocks(seq)
             if status is not None:
                 self.scheduler.finish(seq, status)
                 del self.requests[seq.request_id]
-            outputs.append(self._output(seq, [token], new_logprobs))
-        return outputs
+            outputs.append(self._output(seq, new_tokens, new_logprobs))
+        return outputs, accepted
 
     def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
         params = seq.params

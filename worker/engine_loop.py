@@ -288,6 +288,8 @@ class EngineLoop:
             "engine_step",
             prefill_tokens=stats.num_prefill_tokens,
             decode_tokens=stats.num_decode_tokens,
+            spec_proposed=stats.num_spec_proposed,
+            spec_accepted=stats.num_spec_accepted,
             forward_ms=round(stats.forward_s * 1e3, 2),
             overhead_ms=round(stats.overhead_s * 1e3, 2),
         )

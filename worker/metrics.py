@@ -25,6 +25,14 @@ class WorkerMetrics:
         self.num_preemptions = Counter("nanovllm:num_preemptions", "Preempted requests", registry=r)
         self.prompt_tokens = Counter("nanovllm:prompt_tokens", "Prompt tokens computed", registry=r)
         self.generation_tokens = Counter("nanovllm:generation_tokens", "Tokens generated", registry=r)
+        self.spec_draft_tokens = Counter(
+            "nanovllm:spec_decode_num_draft_tokens", "Tokens proposed by speculative decoding", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "nanovllm:spec_decode_num_accepted_tokens",
+            "Proposed tokens that verification kept (each saves one forward pass)",
+            registry=r,
+        )
         self.step_time = Histogram(
             "nanovllm:engine_step_seconds", "Time of one engine step", buckets=LATENCY_BUCKETS, registry=r
         )
@@ -33,6 +41,8 @@ class WorkerMetrics:
     def observe_step(self, stats: StepStats, step_s: float, num_generated: int) -> None:
         self.prompt_tokens.inc(stats.num_prefill_tokens)
         self.generation_tokens.inc(num_generated)
+        self.spec_draft_tokens.inc(stats.num_spec_proposed)
+        self.spec_accepted_tokens.inc(stats.num_spec_accepted)
         self.step_time.observe(step_s)
 
     def observe_load(self, load: EngineLoad) -> None:

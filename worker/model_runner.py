@@ -318,14 +318,21 @@ class ModelRunner:
         for item in order:
             seq, start, end = item.seq, item.start, item.start + item.num_new_tokens
             table = seq.block_table
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(seq.token_ids[start : end - len(item.spec_token_ids)])
+            input_ids.extend(item.spec_token_ids)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             last_row[seq.seq_id] = len(input_ids) - 1
         if all_logits:
             logits_index = list(range(len(input_ids)))
         else:
-            logits_index = [last_row[s.seq.seq_id] for s in sched.scheduled if s.samples]
+            # One row per token to pick: a verified chunk's proposals each have theirs.
+            logits_index = [
+                row
+                for s in sched.scheduled
+                if s.samples
+                for row in range(last_row[s.seq.seq_id] - len(s.spec_token_ids), last_row[s.seq.seq_id] + 1)
+            ]
 
         def chunk(item: ScheduledSequence) -> SeqChunk:
             end = item.start + item.num_new_tokens

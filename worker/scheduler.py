@@ -15,7 +15,7 @@ applies the results.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanovllm.worker.block_manager import BlockManager
 from nanovllm.worker.sequence import Sequence, SequenceStatus
@@ -26,16 +26,19 @@ class ScheduledSequence:
     seq: Sequence
     start: int  # first position computed this step (== seq.num_computed_tokens when scheduled)
     num_new_tokens: int
+    # Proposed tokens computed after the sequence's last one (counted in num_new_tokens), to be verified.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens, so its last logits pick a new token."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+        """True when this chunk reaches the end of the known tokens, so its last logits pick a new token
+        (with proposals: the logits at the last known token and at each proposal pick one each)."""
+        return self.start + self.num_new_tokens - len(self.spec_token_ids) == self.seq.num_tokens
 
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledSequence]  # decodes (one token) first, then prefill chunks
+    scheduled: list[ScheduledSequence]  # decodes (one token) first, then chunks (prefill, or verification)
     num_decodes: int
 
     @property
@@ -73,6 +76,14 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
+            # A decode with proposals computes them too, when the budget and free blocks allow: a chunk
+            # continuing the sequence, with the prefill chunks.
+            spec = seq.spec_token_ids[: budget - 1] if num_new == 1 else []
+            if spec and self.block_manager.allocate_slots(seq, 1 + len(spec)):
+                prefills.append(ScheduledSequence(seq, seq.num_computed_tokens, 1 + len(spec), spec))
+                scheduled_ids.add(seq.seq_id)
+                budget -= 1 + len(spec)
+                continue
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = self._pick_victim(scheduled_ids)
                 self._preempt(victim)

@@ -58,6 +58,9 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full, computed blocks
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     admitted: bool = False
+    # Tokens proposed for the next step by speculative decoding (worker/speculation.py): not part of the
+    # sequence until the step verifies them.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

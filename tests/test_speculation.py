@@ -1,0 +1,205 @@
+"""Speculative decoding (worker/speculation.py, LLMEngine._propose/_accept): proposals verified in one
+forward pass never change a request's tokens. Every request of a mixed batch produces exactly the tokens,
+and logprobs within 1e-4, that it produces without speculation, in float32."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import grpc
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.common.errors import ConfigError
+from nanovllm.v1 import generate_pb2, generate_pb2_grpc
+from nanovllm.worker.speculation import propose_ngram
+from tests.services import start_router, start_worker, wait_serving
+
+F32 = {"dtype": "float32", "max_model_len": 256}
+
+
+def test_propose_ngram():
+    # The suffix [1, 2] occurred at 0 and at 4; the latest occurrence wins.
+    assert propose_ngram([1, 2, 3, 9, 1, 2, 4, 5, 1, 2], 2) == [4, 5]
+    assert propose_ngram([1, 2, 3, 9, 1, 2, 4, 5, 1, 2], 9) == [4, 5, 1, 2]
+    # The longest suffix that occurs is used: [7, 1] is nowhere earlier, [1] is.
+    assert propose_ngram([1, 8, 7, 1], 3) == [8, 7, 1]
+    assert propose_ngram([1, 2, 3], 4) == []
+    assert propose_ngram([5], 4) == []
+    assert propose_ngram([4, 4, 4], 2) == [4]
+
+
+def _requests() -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts that repeat themselves (so proposals get accepted) and one that does not; greedy, seeded
+    sampling with every filter and penalty, min_tokens with stop ids, logprobs."""
+    rng = random.Random(0)
+    base = [rng.randrange(2, 60) for _ in range(40)]
+    prompts = [
+        base + base[:10],
+        [5, 6, 7] * 10,
+        [rng.randrange(2, 500) for _ in range(30)],
+        base[5:] + base[:20],
+        [9, 10, 11, 12] * 6,
+    ]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=3),
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, seed=3, max_tokens=33, logprobs=2),
+        SamplingParams(
+            temperature=1.0,
+            repetition_penalty=1.3,
+            presence_penalty=0.4,
+            frequency_penalty=0.2,
+            seed=5,
+            max_tokens=25,
+            min_tokens=20,
+            stop_token_ids=[7, 8],
+        ),
+        SamplingParams(temperature=0.0, max_tokens=50, stop_token_ids=[7]),
+        SamplingParams(temperature=0.5, seed=11, max_tokens=30, ignore_eos=True),
+    ]
+    return prompts, params
+
+
+def _run(llm: LLM, prompts, params) -> tuple[list[dict], int, int]:
+    """Outputs of LLM.generate, and the proposed and accepted tokens of the steps it ran."""
+    proposed = accepted = 0
+    step = llm.engine.step
+
+    def counting_step():
+        result = step()
+        nonlocal proposed, accepted
+        proposed += result.stats.num_spec_proposed
+        accepted += result.stats.num_spec_accepted
+        return result
+
+    llm.engine.step = counting_step
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del llm.engine.step
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    return outs, proposed, accepted
+
+
+def _assert_same(spec_outs: list[dict], plain_outs: list[dict]) -> None:
+    for i, (spec, plain) in enumerate(zip(spec_outs, plain_outs)):
+        assert spec["token_ids"] == plain["token_ids"], i
+        assert spec["finish_reason"] == plain["finish_reason"], i
+        assert len(spec["logprobs"]) == len(plain["logprobs"]), i
+        for a, b in zip(spec["logprobs"], plain["logprobs"]):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a.top, b.top))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
+def test_ngram_changes_no_token(model_dirs, arch):
+    """And again on the same engine, the prompts now hitting the prefix cache."""
+    prompts, params = _requests()
+    kwargs = {**F32, "kv_cache_memory": "8MiB"}
+    plain, _, _ = _run(LLM(str(model_dirs[arch]), **kwargs), prompts, params)
+    spec_llm = LLM(str(model_dirs[arch]), speculative_method="ngram", num_speculative_tokens=4, **kwargs)
+    spec, proposed, accepted = _run(spec_llm, prompts, params)
+    _assert_same(spec, plain)
+    assert proposed > 0 and accepted > 0, (proposed, accepted)
+    again, _, _ = _run(spec_llm, prompts, params)  # the prompts' full blocks now come from the prefix cache
+    _assert_same(again, plain)
+    assert sum(o["num_cached_tokens"] for o in again) > 0
+
+
+def test_ngram_under_chunked_prefill_and_preemption(qwen3_dir):
+    """A step budget of 24 tokens (prompts chunked, proposals cut to the budget) and a KV cache small
+    enough to preempt, the batch run twice on one engine."""
+    prompts, params = _requests()
+    kwargs = {
+        "dtype": "float32", "max_model_len": 128, "max_num_batched_tokens": 24, "kvcache_block_size": 4,
+        "kv_cache_memory": 40 * 2048,
+    }  # fmt: skip
+    plain_llm = LLM(str(qwen3_dir), **kwargs)
+    plain, _, _ = _run(plain_llm, prompts, params)
+    spec_llm = LLM(str(qwen3_dir), speculative_method="ngram", num_speculative_tokens=6, **kwargs)
+    first, proposed, accepted = _run(spec_llm, prompts, params)
+    second, _, _ = _run(spec_llm, prompts, params)
+    _assert_same(first, plain)
+    _assert_same(second, plain)
+    assert accepted > 0, (proposed, accepted)
+    assert spec_llm.engine.scheduler.num_preemptions > 0
+
+
+def test_no_speculation_above_the_batch_limit(qwen3_dir):
+    prompts, params = _requests()
+    llm = LLM(
+        str(qwen3_dir), speculative_method="ngram", speculative_max_batch=2, kv_cache_memory="8MiB", **F32
+    )
+    _, proposed, _ = _run(llm, prompts[:3], params[:3])
+    assert proposed > 0  # once fewer than three are left decoding
+    llm = LLM(
+        str(qwen3_dir), speculative_method="ngram", speculative_max_batch=1, kv_cache_memory="8MiB", **F32
+    )
+    outs, proposed, _ = _run(llm, prompts[:2], [SamplingParams(temperature=0.0, max_tokens=8)] * 2)
+    assert proposed == 0 or all(len(o["token_ids"]) == 8 for o in outs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"speculative_method": "medusa"}, "speculative_method must be one of none, ngram, got 'medusa'"),
+        ({"num_speculative_tokens": 0}, r"num_speculative_tokens must be in \[1, 16\], got 0"),
+        ({"num_speculative_tokens": 17}, r"num_speculative_tokens must be in \[1, 16\], got 17"),
+        ({"speculative_max_batch": 0}, "speculative_max_batch must be >= 1, got 0"),
+    ],
+)
+def test_bad_speculation_settings(qwen3_dir, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        LLM(str(qwen3_dir), **kwargs)
+
+
+def test_served_stream_with_speculation_equals_offline_without(qwen3_dir, kernels, tmp_path):
+    """A worker speculating behind a router: each stream (several tokens per step arrive in one update)
+    equals the offline engine's output without speculation, text and logprobs included."""
+    log_path = tmp_path / "worker.log"
+    worker = start_worker(
+        qwen3_dir, "--speculative-method", "ngram", "--log-level", "debug", log_path=log_path
+    )
+    router = start_router([worker.address], log_path=tmp_path / "router.log")
+    texts = ["w1 w2 w3 w1 w2 w3 w1 w2 w3 w1 w2", "w7 w8 w9 w10 w7 w8 w9", "w40 w41 w42"]
+    params = [
+        generate_pb2.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
+        generate_pb2.SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=30, ignore_eos=True),
+        generate_pb2.SamplingParams(temperature=0, max_tokens=24),
+    ]
+    try:
+        wait_serving(worker.address)
+        wait_serving(router.address)
+        with grpc.insecure_channel(router.address) as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            served = [
+                list(stub.Generate(generate_pb2.GenerateRequest(text=t, sampling=p, return_token_ids=True)))
+                for t, p in zip(texts, params)
+            ]
+    finally:
+        router.stop()
+        worker.stop()
+    offline = LLM(
+        str(qwen3_dir), kv_cache_memory="32MiB", max_model_len=512, dtype="float32"
+    )  # as the worker
+    expected = offline.generate(
+        texts,
+        [
+            SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
+            SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=30, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=24),
+        ],
+        use_tqdm=False,
+    )
+    for responses, reference in zip(served, expected):
+        assert [t for r in responses for t in r.token_ids] == reference["token_ids"]
+        assert "".join(r.text for r in responses) == reference["text"]
+    logprobs = [lp for r in served[0] for lp in r.logprobs]
+    assert [lp.token_id for lp in logprobs] == expected[0]["token_ids"]
+    for got, want in zip(logprobs, expected[0]["logprobs"]):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+    steps = [json.loads(line) for line in log_path.read_text().splitlines() if '"engine_step"' in line]
+    assert sum(s.get("spec_accepted", 0) for s in steps) > 0
+    assert max(len(r.token_ids) for responses in served for r in responses) > 1
