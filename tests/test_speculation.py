@@ -4,7 +4,9 @@ and logprobs within 1e-4, that it produces without speculation, in float32."""
 
 from __future__ import annotations
 
+import collections
 import json
+import math
 import random
 
 import grpc
@@ -139,6 +141,43 @@ def test_no_speculation_above_the_batch_limit(qwen3_dir):
     )
     outs, proposed, _ = _run(llm, prompts[:2], [SamplingParams(temperature=0.0, max_tokens=8)] * 2)
     assert proposed == 0 or all(len(o["token_ids"]) == 8 for o in outs)
+
+
+def _chi_square_critical(df: int, z: float) -> float:
+    """The chi-square distribution's quantile at the normal quantile z (Wilson-Hilferty; within 1% for
+    df >= 30)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_unseeded_sampling_keeps_its_distribution(qwen3_dir):
+    """20,000 unseeded requests of 3 tokens at temperature 1, with and without speculation. The prompt holds
+    each of tokens 2..199 once, so a first token among them gets its successor proposed, and the third
+    token is picked after a verified proposal whenever that proposal was drawn. Its distribution must be the
+    same as without speculation: a two-sample chi-square test at a false-failure rate of 1e-4 (z = 3.719),
+    over the token ids seen at least 10 times in both runs together (the rest pooled). A verification
+    that kept picks computed after a rejected proposal fails it by a wide margin."""
+    prompt = list(range(2, 200))
+    n = 20_000
+    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
+    third: dict[str, collections.Counter] = {}
+    for method in ("none", "ngram"):
+        llm = LLM(
+            str(qwen3_dir), dtype="float32", max_model_len=256, kv_cache_memory="16MiB", seed=1,
+            speculative_method=method, num_speculative_tokens=1, speculative_max_batch=256,
+        )  # fmt: skip
+        outs, proposed, accepted = _run(llm, [prompt] * n, params)
+        third[method] = collections.Counter(o["token_ids"][2] for o in outs)
+        if method == "ngram":
+            assert proposed > n // 5 and accepted > 0, (proposed, accepted)
+    a, b = third["none"], third["ngram"]
+    cells = [(a[t], b[t]) for t in set(a) | set(b)]
+    kept = [(x, y) for x, y in cells if x + y >= 10]
+    pooled = (sum(x for x, y in cells if x + y < 10), sum(y for x, y in cells if x + y < 10))
+    if sum(pooled):
+        kept.append(pooled)
+    statistic = sum((x - y) ** 2 / (x + y) for x, y in kept)
+    critical = _chi_square_critical(len(kept) - 1, 3.719)
+    assert statistic < critical, (statistic, critical, len(kept))
 
 
 @pytest.mark.parametrize(
