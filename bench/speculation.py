@@ -4,7 +4,9 @@ The embedded SmolLM2-135M-Instruct in the default dtype, its chat template, gree
 prompt. Each prompt asks the model to rewrite or annotate a text it is given, so the answer quotes the
 input: where prompt lookup pays. Both engines run in this process, one after the other, after a warm-up;
 the tokens must be equal (speculation never changes them), and the report gives decode tokens/s of each,
-their ratio, and the acceptance rate (accepted / proposed tokens).
+their ratio, and the acceptance rate (accepted / proposed tokens). Then W64 (bench/throughput.py's batch
+workload) with both: above speculative_max_batch decoding requests a step does not speculate, so the batch
+must lose nothing.
 
     .venv/bin/python -m bench.speculation [--max-tokens 256] [--num-speculative-tokens 4] [--prompts 10]
 """
@@ -18,6 +20,7 @@ import time
 from transformers import AutoTokenizer
 
 from bench.report import machine_description
+from bench.workload import greedy, make_workload
 from nanovllm import LLM, SamplingParams
 from nanovllm.worker.gguf import embedded_model_path, prepare_gguf
 
@@ -105,6 +108,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=10, help="how many of the 10 prompts")
+    parser.add_argument("--skip-w64", action="store_true", help="skip the batch (W64) comparison")
     args = parser.parse_args()
 
     model = prepare_gguf(embedded_model_path())
@@ -120,12 +124,17 @@ def main() -> None:
         for p in prompts()[: args.prompts]
     ]
     chats = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
-    results = {}
+    w64 = make_workload(64, tokenizer.vocab_size, (32, 256), (32, 256), seed=0)
+    results, batch = {}, {}
     for name, extra in settings.items():  # one engine at a time: each gets the CPUs to itself
         llm = LLM(str(model), max_model_len=2048, enable_prefix_caching=False, **extra)
         dtype = llm.engine.runner.dtype
         run(llm, chats[:1], 16)  # warm-up
         results[name] = run(llm, chats, args.max_tokens)
+        if not args.skip_w64:
+            start = time.perf_counter()
+            outs = llm.generate(w64.prompts, [greedy(n) for n in w64.output_lens], use_tqdm=False)
+            batch[name] = (sum(len(o["token_ids"]) for o in outs) / (time.perf_counter() - start), outs)
         llm.shutdown()
         del llm
     off, spec = results["off"], results["ngram"]
@@ -147,6 +156,15 @@ def main() -> None:
         f"| ngram | {spec[1]:.1f} | {spec[1] / off[1]:.2f}x | {decoded / spec[4]:.2f} | {spec[2]} | {spec[3]} "
         f"| {rate:.1%} |"
     )
+
+    if batch:
+        (off_tps, off_outs), (spec_tps, spec_outs) = batch["off"], batch["ngram"]
+        if [o["token_ids"] for o in off_outs] != [o["token_ids"] for o in spec_outs]:
+            raise SystemExit("speculation changed the tokens of W64: a bug")
+        print(
+            f"\nW64 (64 random-token requests at once, 32-256 in and out, greedy, ignore_eos), output tok/s: "
+            f"off {off_tps:.1f}, ngram {spec_tps:.1f} ({spec_tps / off_tps:.2f}x; speculative_max_batch 8)"
+        )
 
 
 if __name__ == "__main__":
