@@ -4,6 +4,10 @@ Both sides run in the same process, alternating call by call, so the ratio holds
 is shared; the PyTorch side is the layer's own code (RMSNorm, apply_rotary, the SwiGLU gate of the MLP,
 the reference AttentionBackend's decode) with the kernels unbound. Prints a markdown table of median milliseconds per call.
 
+"projections" is one decode step's matmuls: every q/k/v, o, gate/up and down projection of SmolLM2's 30
+layers and its LM head, F.linear against linear_few_rows (the layers use the kernel up to FEW_ROWS_MAX
+rows): 540 MB of fp32 weights, read from memory as in the model.
+
 Decode attention runs at SmolLM2's 3 kv heads for each group size (query heads per kv head) and head dim
 asked for; a context "100-500" gives each sequence its own length, drawn uniformly from that range (the
 mixed lengths of a serving batch). Its K/V come from memory, as in a model (see attention_case), unless
@@ -16,6 +20,7 @@ Usage:  .venv/bin/python -m bench.cpu_kernels [--dtypes float32 bfloat16] [--row
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import statistics
 import sys
@@ -32,6 +37,7 @@ from nanovllm.worker.layers.rotary import RotaryEmbedding, apply_rotary
 
 # SmolLM2-135M
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, BLOCK, EPS = 576, 9, 3, 64, 1536, 16, 1e-5
+LAYERS, VOCAB = 30, 49152
 COLD_BYTES = 256 << 20  # K/V copies cycled through by the attention cases: well over a last-level cache
 
 Case = tuple[str, Callable[[], object], Callable[[], object], Callable[[], None]]
@@ -78,10 +84,38 @@ def cases(kernels, dtype: torch.dtype, rows: int, args: argparse.Namespace) -> I
     qk = qkv[:, : (HEADS + KV_HEADS) * HEAD_DIM].view(rows, -1, HEAD_DIM)  # strided, as in the model
     yield "rotary", lambda: apply_rotary(qk, cos, sin), lambda: kernels.rotary(qk, cos, sin), lambda: None
 
+    yield projections_case(kernels, dtype, randn, rows)
+
     for head_dim in args.head_dims:
         for group in args.groups:
             for context in args.contexts:
                 yield attention_case(kernels, randn, gen, rows, context, group, head_dim, args.warm)
+
+
+@functools.cache
+def model_weights(dtype: torch.dtype) -> list[torch.Tensor]:
+    """SmolLM2-135M's projection weights, [out, in], layer by layer, then the LM head."""
+    gen = torch.Generator().manual_seed(1)
+    shapes = [((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), (HIDDEN, HEADS * HEAD_DIM)]
+    shapes += [(2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
+    layers = [torch.randn(*shape, generator=gen).to(dtype) for _ in range(LAYERS) for shape in shapes]
+    return layers + [torch.randn(VOCAB, HIDDEN, generator=gen).to(dtype)]
+
+
+def projections_case(kernels, dtype: torch.dtype, randn, rows: int) -> Case:
+    weights = model_weights(dtype)
+    inputs = {HIDDEN: randn(rows, HIDDEN), INTERMEDIATE: randn(rows, INTERMEDIATE)}
+
+    def step(linear) -> None:
+        for w in weights:
+            linear(inputs[w.shape[1]], w, None)
+
+    return (
+        "projections, 30 layers + LM head",
+        lambda: step(F.linear),
+        lambda: step(kernels.linear_few_rows),
+        lambda: None,
+    )
 
 
 def attention_case(

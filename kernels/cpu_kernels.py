@@ -2,7 +2,8 @@
 
 The decode attention lives there (with RMSNorm, RoPE and the SwiGLU gate): on a CPU, gathering paged K/V
 into a padded tensor for SDPA costs as much as the attention itself, and no PyTorch op reads a paged cache
-in place. When no compiler is available the engine keeps the PyTorch implementation, which computes the
+in place. So does the projections' matmul for a few rows (small batches, speculative verification), which
+reads each weight once where PyTorch's GEMM is far from the memory's speed. When no compiler is available the engine keeps the PyTorch implementation, which computes the
 same thing.
 
 Every kernel takes float32, bfloat16 or float16 tensors, all of one call in one dtype (a mix is an
@@ -25,11 +26,16 @@ from nanovllm.common.logging import get_logger
 
 log = get_logger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "linear_cpu.cpp")]
 _NAME = "nanovllm_paged_attention_cpu"
 # Model dtypes the model runner binds the kernels for (PyTorch for any other): those where they beat the
 # PyTorch path (bench/cpu_kernels.py).
 SUPPORTED_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
+# The projections use linear_few_rows for at most this many rows, PyTorch's GEMM above. In float32 on an AVX2
+# AMD EPYC (bench/cpu_kernels.py --only projections, 2026-11-25) the kernel took 0.57x PyTorch's time at 1
+# row, 0.36-0.46x at 2-8, 0.64x at 16 and about the same at 24 (each 8 rows are another pass over the
+# weights); in bfloat16 there, without native bf16, 0.2-0.8x at every size up to 64.
+FEW_ROWS_MAX = 16
 # A build takes well under a minute; a lock this old was left by a process killed mid-build, and torch's
 # builder would wait on it forever.
 _STALE_LOCK_S = 300.0
@@ -54,7 +60,7 @@ def load_cpu_kernels() -> ModuleType | None:
 
         return load(
             name=_NAME,
-            sources=[str(_SOURCE)],
+            sources=[str(source) for source in _SOURCES],
             build_directory=str(_build_directory()),
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],

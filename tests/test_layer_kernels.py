@@ -1,5 +1,6 @@
-"""The C++ CPU layer kernels (RMSNorm, SwiGLU gate, RoPE) against their PyTorch versions, in each dtype the
-kernels take; and the PyTorch versions against transformers' own code in 16-bit (the same roundings)."""
+"""The C++ CPU layer kernels (RMSNorm, SwiGLU gate, RoPE, the few-rows projection) against their PyTorch
+versions, in each dtype the kernels take; and the PyTorch versions against transformers' own code in 16-bit
+(the same roundings)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, rotate_half
 
+from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX
+from nanovllm.worker.layers.linear import RowParallelLinear
 from nanovllm.worker.layers.norm import RMSNorm
+from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.rotary import RotaryEmbedding, apply_rotary
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -126,3 +130,60 @@ def test_rotary_torch_path_rounds_as_transformers(dtype):
     sin = torch.cat([-signed_sin[..., :32], signed_sin[..., 32:]], dim=-1)  # transformers' [sin, sin]
     q = torch.randn(cos.shape[0], 12, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
     assert torch.equal(apply_rotary(q, cos, signed_sin), (q * cos) + (rotate_half(q) * sin))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 13])
+@pytest.mark.parametrize(
+    "in_features, out_features, bias", [(576, 960, False), (37, 13, True), (1536, 577, True)]
+)
+def test_linear_few_rows_matches_fp32_matmul(kernels, dtype, rows, in_features, out_features, bias):
+    """fp32 sums in another order than PyTorch's: close. 16-bit: the exact product summed in fp32 and rounded
+    once, as PyTorch's GEMMs do; so within one rounding of the fp32 result. Shapes with a tail of fewer than
+    8 inputs, an odd number of outputs, and more rows than one tile."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    w = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).to(dtype)
+    b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
+    out = kernels.linear_few_rows(x, w, b)
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert out.dtype == dtype and out.shape == (rows, out_features)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), ref, rtol=torch.finfo(dtype).eps, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_few_rows_row_does_not_depend_on_its_neighbours(kernels, dtype):
+    """Each output is summed in one order whatever the number of rows: a sequence's projections are bit for
+    bit the same alone, in a small batch, or as one row of a speculative verification."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(FEW_ROWS_MAX + 5, 100, generator=gen).to(dtype)
+    w = torch.randn(301, 100, generator=gen).to(dtype)
+    alone = torch.cat([kernels.linear_few_rows(x[i : i + 1], w, None) for i in range(len(x))])
+    for rows in range(2, len(x) + 1):
+        assert torch.equal(kernels.linear_few_rows(x[:rows], w, None), alone[:rows]), rows
+
+
+def test_linear_few_rows_rejects_bad_shapes_and_dtypes(kernels):
+    x, w = torch.randn(2, 64), torch.randn(8, 64)
+    with pytest.raises(RuntimeError, match=r"must share K, got x \[2, 32\] and weight \[8, 64\]"):
+        kernels.linear_few_rows(x[:, :32].contiguous(), w, None)
+    with pytest.raises(RuntimeError, match="bias must be \\[8\\], got \\[7\\]"):
+        kernels.linear_few_rows(x, w, torch.zeros(7))
+    with pytest.raises(RuntimeError, match="got x Float, weight BFloat16"):
+        kernels.linear_few_rows(x, w.bfloat16(), None)
+
+
+def test_projection_layers_use_the_kernel_for_few_rows_only(kernels):
+    """Bound to the kernels, a layer's few-row input goes through linear_few_rows and a larger one through
+    PyTorch's GEMM (each result bit for bit that path's)."""
+    layer = RowParallelLinear(64, 48, bias=True, tp=TPContext())
+    gen = torch.Generator().manual_seed(0)
+    layer.weight.data = torch.randn(48, 64, generator=gen)
+    layer.bias.data = torch.randn(48, generator=gen)
+    layer.cpu_kernels = kernels
+    few, many = torch.randn(FEW_ROWS_MAX, 64, generator=gen), torch.randn(FEW_ROWS_MAX + 1, 64, generator=gen)
+    assert torch.equal(layer(few), kernels.linear_few_rows(few, layer.weight, layer.bias))
+    assert torch.equal(layer(many), F.linear(many, layer.weight, layer.bias))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.worker.layers.linear import linear
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.loader import CheckpointTensor
 
@@ -34,5 +37,9 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to logits; each rank computes its vocabulary slice, then they are gathered."""
 
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPContext) -> None:
+        super().__init__(vocab_size, hidden_size, tp)
+        self.cpu_kernels: ModuleType | None = None  # see DecoderForCausalLM.bind_kernels
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        return self.tp.all_gather_last_dim(linear(hidden, self.weight, None, self.cpu_kernels))

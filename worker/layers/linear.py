@@ -6,18 +6,32 @@ checkpoint tensor into it, so loaders never need to know how a layer is partitio
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.loader import CheckpointTensor
 
 
-class _ParallelLinear(nn.Module):
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cpu_kernels: ModuleType | None
+) -> torch.Tensor:
+    """x @ weight.T + bias; on the C++ CPU kernels when bound and x has few rows (a small decode batch, a
+    speculative verification), where PyTorch's GEMM is far slower than reading the weights once."""
+    if cpu_kernels is not None and x.dim() == 2 and x.shape[0] <= FEW_ROWS_MAX:
+        return cpu_kernels.linear_few_rows(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class ParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext) -> None:
         super().__init__()
         self.tp = tp
+        self.cpu_kernels: ModuleType | None = None  # see DecoderForCausalLM.bind_kernels
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -30,7 +44,7 @@ class _ParallelLinear(nn.Module):
         raise NotImplementedError
 
 
-class ColumnParallelLinear(_ParallelLinear):
+class ColumnParallelLinear(ParallelLinear):
     """Output features split across ranks; no communication in forward."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext) -> None:
@@ -41,7 +55,7 @@ class ColumnParallelLinear(_ParallelLinear):
         param.data.copy_(loaded.narrow(0, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.cpu_kernels)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -58,7 +72,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         param.data.narrow(0, offset, shard).copy_(loaded.narrow(0, self.tp.rank * shard, shard))
 
 
-class QKVParallelLinear(_ParallelLinear):
+class QKVParallelLinear(ParallelLinear):
     """q, k and v projections fused; heads (not features) are what gets split across ranks, and KV heads
     are replicated when there are fewer of them than ranks. Column-parallel: no communication."""
 
@@ -82,10 +96,10 @@ class QKVParallelLinear(_ParallelLinear):
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.cpu_kernels)
 
 
-class RowParallelLinear(_ParallelLinear):
+class RowParallelLinear(ParallelLinear):
     """Input features split across ranks; partial sums are all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext) -> None:
@@ -102,4 +116,4 @@ class RowParallelLinear(_ParallelLinear):
         param.data.copy_(loaded.narrow(1, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight, self.bias))
+        return self.tp.all_reduce(linear(x, self.weight, self.bias, self.cpu_kernels))

@@ -14,7 +14,12 @@ from nanovllm.common.config import ModelConfig
 from nanovllm.kernels.attention import AttentionBackend, AttentionMetadata
 from nanovllm.worker.layers.attention import Attention
 from nanovllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from nanovllm.worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.worker.layers.linear import (
+    MergedColumnParallelLinear,
+    ParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from nanovllm.worker.layers.norm import HeadRMSNorm, RMSNorm
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.rotary import RotaryEmbedding, apply_rotary
@@ -144,10 +149,10 @@ class DecoderForCausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def bind_kernels(self, attention: AttentionBackend, cpu_kernels: ModuleType | None) -> None:
-        """Run every attention layer on `attention`, and RMSNorm, RoPE and the SwiGLU gate on the C++ CPU
-        kernels (kernels/csrc), or on PyTorch when `cpu_kernels` is None."""
+        """Run every attention layer on `attention`, and RMSNorm, RoPE, the SwiGLU gate and the few-rows
+        projections on the C++ CPU kernels (kernels/csrc), or on PyTorch when `cpu_kernels` is None."""
         for attn in self.attention_layers():
             attn.backend = attention
         for module in self.modules():
-            if isinstance(module, (RMSNorm, DecoderAttention, DecoderMLP)):
+            if isinstance(module, (RMSNorm, DecoderAttention, DecoderMLP, ParallelLinear, ParallelLMHead)):
                 module.cpu_kernels = cpu_kernels
