@@ -154,7 +154,7 @@ class ModelConfig:
 
 DEFAULT_CPU_KV_CACHE = "2GiB"
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_kernel", "triton", "flash_attn")
-SPECULATIVE_METHODS = ("none", "ngram")
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -206,14 +206,23 @@ class EngineConfig:
     )
     speculative_method: str = option(
         "none",
-        help="none, or ngram: propose the tokens that followed the sequence's last few tokens where they "
-        "occurred earlier in it, and verify them in one forward pass (the output tokens do not change)",
+        help="none; ngram: propose the tokens that followed the sequence's last few tokens where they "
+        "occurred earlier in it; draft: propose what --speculative-model decodes greedily. Proposals are "
+        "verified in one forward pass; the output tokens do not change",
     )
     num_speculative_tokens: int = option(4, help=f"tokens proposed per step, 1 to {MAX_SPECULATIVE_TOKENS}")
     speculative_max_batch: int = option(
-        8, help="decoding requests above which a step does not speculate (the batch keeps the GPU/CPU busy)"
+        4,
+        help="decoding requests above which a step does not speculate (the batch keeps the GPU/CPU busy); "
+        "the default measured on a CPU (docs/performance.md)",
+    )
+    speculative_model: str | None = option(
+        None,
+        help="the draft model of --speculative-method draft: a Hugging Face directory or .gguf file with "
+        "the model's vocabulary, run by the same worker with its own KV cache",
     )
     hf_config: ModelConfig | None = field(default=None, repr=False)
+    draft_hf_config: ModelConfig | None = field(default=None, repr=False)  # speculative_model's shape
 
     def __post_init__(self) -> None:
         positive = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kvcache_block_size")
@@ -250,6 +259,56 @@ class EngineConfig:
             raise ConfigError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
         if self.hf_config is None:
             self.hf_config = ModelConfig.from_pretrained_dir(self.model)
+        self._check_draft()
         # Positions beyond the model's trained range are meaningless; clamp (as nano-vllm does) so the
         # 4096 default works for small models. `LLM.config.max_model_len` holds the effective value.
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+
+    def _check_draft(self) -> None:
+        """speculative_model goes with speculative_method=draft, on one rank, with the model's vocabulary."""
+        if self.speculative_method != "draft":
+            if self.speculative_model is not None:
+                raise ConfigError(
+                    f"speculative_model is used only with speculative_method=draft, got "
+                    f"speculative_method={self.speculative_method!r}"
+                )
+            return
+        if self.speculative_model is None:
+            raise ConfigError("speculative_method=draft needs speculative_model (a draft model directory)")
+        if self.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"speculative_method=draft runs with tensor_parallel_size=1 only, got {self.tensor_parallel_size}"
+            )
+        if self.draft_hf_config is None:
+            self.draft_hf_config = ModelConfig.from_pretrained_dir(self.speculative_model)
+        check_same_vocabulary(self.model, self.hf_config, self.speculative_model, self.draft_hf_config)
+
+
+def check_same_vocabulary(model: str, config: ModelConfig, draft: str, draft_config: ModelConfig) -> None:
+    """A draft proposes token ids that the model verifies: both must give every id the same token. Compared
+    by size, and token by token where both directories ship a tokenizer.json."""
+    if draft_config.vocab_size != config.vocab_size:
+        raise ConfigError(
+            f"speculative_model {draft} has a vocabulary of {draft_config.vocab_size} tokens and the model "
+            f"{model} one of {config.vocab_size}: a draft model must share the model's vocabulary"
+        )
+    ours, theirs = (_tokenizer_vocabulary(Path(path)) for path in (model, draft))
+    if ours is None or theirs is None or ours == theirs:
+        return
+    token_id = min(i for i in ours.keys() | theirs.keys() if ours.get(i) != theirs.get(i))
+    raise ConfigError(
+        f"speculative_model {draft} and the model {model} have vocabularies of {config.vocab_size} tokens "
+        f"that differ: token id {token_id} is {theirs.get(token_id)!r} in the draft's tokenizer.json and "
+        f"{ours.get(token_id)!r} in the model's; a draft model must share the model's vocabulary"
+    )
+
+
+def _tokenizer_vocabulary(model_dir: Path) -> dict[int, str] | None:
+    """id -> token of the directory's tokenizer.json (added tokens included), or None without one."""
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    vocabulary = {i: token for token, i in (data.get("model", {}).get("vocab") or {}).items()}
+    vocabulary.update({t["id"]: t["content"] for t in data.get("added_tokens", [])})
+    return vocabulary

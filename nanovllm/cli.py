@@ -83,7 +83,13 @@ def run_worker(options: dict[str, Any]) -> int:
     from nanovllm.worker.server import serve_worker
 
     build(LogConfig, options).apply()
-    engine = build(EngineConfig, options, model=resolve_model(options["model"]))
+    draft = options["speculative_model"]
+    engine = build(
+        EngineConfig,
+        options,
+        model=resolve_model(options["model"]),
+        speculative_model=draft and resolve_model(draft),
+    )
     return _run_server("worker", serve_worker, engine, build(WorkerServerConfig, options))
 
 

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
+import pytest
 
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from tests.services import ServerProcess, start_router, start_worker, wait_idle, wait_serving
@@ -93,11 +94,13 @@ def _metric(metrics_address: str, name: str) -> float:
 
 
 @contextmanager
-def _held_streams(model: Path, tmp_path: Path, *router_flags: str) -> Iterator[tuple]:
+def _held_streams(
+    model: Path, tmp_path: Path, *router_flags: str, worker_flags: tuple[str, ...] = ()
+) -> Iterator[tuple]:
     """Workers A and B and a router over both, where B is frozen (SIGSTOP) until `kill_a()` freezes A, thaws
     B, waits for the router to connect it and SIGKILLs A: streams started before that all run on A, and A
     makes no progress while the router connects B, however long that takes on a loaded host."""
-    a, b = (start_worker(model, log_path=tmp_path / f"worker-{n}.log") for n in "ab")
+    a, b = (start_worker(model, *worker_flags, log_path=tmp_path / f"worker-{n}.log") for n in "ab")
     servers: list[ServerProcess] = [a, b]
     try:
         wait_serving(b.address)
@@ -120,12 +123,15 @@ def _held_streams(model: Path, tmp_path: Path, *router_flags: str) -> Iterator[t
                 server.kill()
 
 
+@pytest.mark.parametrize("speculation", [(), ("--speculative-method", "ngram")], ids=["plain", "ngram"])
 def test_streams_resume_token_identical_when_their_worker_is_killed(
-    qwen3_dir: Path, kernels, tmp_path: Path
+    qwen3_dir: Path, kernels, tmp_path: Path, speculation: tuple[str, ...]
 ) -> None:
     """Eight streams run on worker A; A is SIGKILLed mid-stream. Every stream completes on B and equals,
-    token for token and in text, the same request run unbroken on B."""
-    with _held_streams(qwen3_dir, tmp_path) as (_, b, router, kill_a):
+    token for token and in text, the same request run unbroken on B. With speculation on both workers too
+    (a resumed request's proposals and picks are those of the unbroken one)."""
+    flags = (*speculation, "--speculative-max-batch", str(STREAMS)) if speculation else ()
+    with _held_streams(qwen3_dir, tmp_path, worker_flags=flags) as (_, b, router, kill_a):
         results, at_kill = asyncio.run(_run(router.address, kill_when=4, kill=kill_a))
         assert all(4 <= n < MAX_TOKENS for n in at_kill), at_kill  # every stream was cut mid-generation
         assert _metric(router.metrics_address, "nanovllm:request_resumes_total") == STREAMS
@@ -134,6 +140,8 @@ def test_streams_resume_token_identical_when_their_worker_is_killed(
             assert got == want, f"stream {i} differs from its unbroken run"  # ids, text, finish reason
             assert len(got[0]) > at_kill[i] and got[2] != generate_pb2.FINISH_REASON_ERROR
         wait_idle(b.address)
+        if speculation:
+            assert _metric(b.metrics_address, "nanovllm:spec_decode_num_accepted_tokens") > 0
 
 
 def test_without_resume_a_stream_cut_mid_generation_fails(qwen3_dir: Path, kernels, tmp_path: Path) -> None:

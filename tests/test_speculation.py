@@ -1,6 +1,6 @@
-"""Speculative decoding (worker/speculation.py, LLMEngine._propose/_accept): proposals verified in one
-forward pass never change a request's tokens. Every request of a mixed batch produces exactly the tokens,
-and logprobs within 1e-4, that it produces without speculation, in float32."""
+"""Speculative decoding (worker/speculation.py, worker/draft.py, LLMEngine._propose/_update): proposals
+verified in one forward pass never change a request's tokens. Every request of a mixed batch produces exactly
+the tokens, and logprobs within 1e-4, that it produces without speculation, in float32."""
 
 from __future__ import annotations
 
@@ -16,9 +16,25 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.common.errors import ConfigError
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from nanovllm.worker.speculation import propose_ngram
+from tests.model_factory import build_model
 from tests.services import start_router, start_worker, wait_serving
 
 F32 = {"dtype": "float32", "max_model_len": 256}
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A small random draft (1 layer, hidden 32, one kv head) with the test models' vocabulary: it rarely
+    guesses right, so it tests shapes and bookkeeping, not acceptance."""
+    return build_model(
+        "qwen3",
+        tmp_path_factory.mktemp("draft") / "qwen3",
+        seed=7,
+        num_layers=1,
+        hidden=32,
+        heads=2,
+        kv_heads=1,
+    )
 
 
 def test_propose_ngram():
@@ -129,6 +145,46 @@ def test_ngram_under_chunked_prefill_and_preemption(qwen3_dir):
     assert spec_llm.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
+def test_draft_model_changes_no_token(model_dirs, draft_dir, arch):
+    """A draft of another shape and architecture family; the batch again from the prefix cache."""
+    prompts, params = _requests()
+    kwargs = {**F32, "kv_cache_memory": "8MiB"}
+    plain, _, _ = _run(LLM(str(model_dirs[arch]), **kwargs), prompts, params)
+    spec_llm = LLM(
+        str(model_dirs[arch]), speculative_method="draft", speculative_model=str(draft_dir), **kwargs
+    )
+    spec, proposed, _ = _run(spec_llm, prompts, params)
+    _assert_same(spec, plain)
+    assert proposed > 0
+    again, _, _ = _run(spec_llm, prompts, params)
+    _assert_same(again, plain)
+
+
+def test_draft_model_catches_up_exactly(qwen3_dir):
+    """The model as its own draft: its greedy proposals are the verification's picks, so nearly all are
+    accepted, provided the draft's KV cache holds every token it has seen at the right slot, across
+    chunked prefill (a 24-token budget), preemption (which frees the draft's KV with the blocks) and prefix
+    hits. A draft that read stale or misplaced KV would propose other tokens."""
+    prompts = _requests()[0]
+    params = [SamplingParams(temperature=0.0, max_tokens=40 + 5 * i, ignore_eos=True) for i in range(5)]
+    kwargs = {
+        "dtype": "float32", "max_model_len": 128, "max_num_batched_tokens": 24, "kvcache_block_size": 4,
+        "kv_cache_memory": 40 * 2048,
+    }  # fmt: skip
+    plain, _, _ = _run(LLM(str(qwen3_dir), **kwargs), prompts, params)
+    spec_llm = LLM(
+        str(qwen3_dir), speculative_method="draft", speculative_model=str(qwen3_dir), num_speculative_tokens=3,
+        **{**kwargs, "kv_cache_memory": 40 * 4096},  # the same blocks: each holds both models' KV
+    )  # fmt: skip
+    for _ in range(2):
+        spec, proposed, accepted = _run(spec_llm, prompts, params)
+        _assert_same(spec, plain)
+        assert accepted >= 0.9 * proposed > 0, (proposed, accepted)
+    assert spec_llm.engine.scheduler.num_preemptions > 0
+    assert spec_llm.engine.runner.num_blocks == 40
+
+
 def test_no_speculation_above_the_batch_limit(qwen3_dir):
     prompts, params = _requests()
     llm = LLM(
@@ -183,10 +239,26 @@ def test_unseeded_sampling_keeps_its_distribution(qwen3_dir):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"speculative_method": "medusa"}, "speculative_method must be one of none, ngram, got 'medusa'"),
+        (
+            {"speculative_method": "medusa"},
+            "speculative_method must be one of none, ngram, draft, got 'medusa'",
+        ),
         ({"num_speculative_tokens": 0}, r"num_speculative_tokens must be in \[1, 16\], got 0"),
         ({"num_speculative_tokens": 17}, r"num_speculative_tokens must be in \[1, 16\], got 17"),
         ({"speculative_max_batch": 0}, "speculative_max_batch must be >= 1, got 0"),
+        ({"speculative_method": "draft"}, "speculative_method=draft needs speculative_model"),
+        (
+            {"speculative_method": "ngram", "speculative_model": "/m"},
+            "speculative_model is used only with speculative_method=draft, got speculative_method='ngram'",
+        ),
+        (
+            {"speculative_method": "draft", "speculative_model": "/m", "tensor_parallel_size": 2},
+            "speculative_method=draft runs with tensor_parallel_size=1 only, got 2",
+        ),
+        (
+            {"speculative_method": "draft", "speculative_model": "/nonexistent"},
+            "/nonexistent/config.json not found",
+        ),
     ],
 )
 def test_bad_speculation_settings(qwen3_dir, kwargs, message):
@@ -194,12 +266,46 @@ def test_bad_speculation_settings(qwen3_dir, kwargs, message):
         LLM(str(qwen3_dir), **kwargs)
 
 
-def test_served_stream_with_speculation_equals_offline_without(qwen3_dir, kernels, tmp_path):
+def _copy_with(source, target, config: dict | None = None, swap: tuple[int, int] | None = None):
+    """source's config.json (with `config`'s keys changed) and tokenizer.json (with the tokens of two ids
+    swapped) in `target`: enough for the configuration's checks, which run before any weight is read."""
+    target.mkdir()
+    (target / "config.json").write_text(
+        json.dumps({**json.loads((source / "config.json").read_text()), **(config or {})})
+    )
+    tokenizer = json.loads((source / "tokenizer.json").read_text())
+    if swap is not None:
+        vocab = tokenizer["model"]["vocab"]
+        by_id = {i: t for t, i in vocab.items()}
+        vocab[by_id[swap[0]]], vocab[by_id[swap[1]]] = swap[1], swap[0]
+    (target / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return target
+
+
+def test_draft_with_another_vocabulary_is_refused(qwen3_dir, tmp_path):
+    bigger = _copy_with(qwen3_dir, tmp_path / "bigger", config={"vocab_size": 1000})
+    with pytest.raises(
+        ConfigError,
+        match=f"speculative_model {bigger} has a vocabulary of 1000 tokens and the model .* one of 512",
+    ):
+        LLM(str(qwen3_dir), speculative_method="draft", speculative_model=str(bigger))
+    swapped = _copy_with(qwen3_dir, tmp_path / "swapped", swap=(300, 301))
+    with pytest.raises(
+        ConfigError, match="vocabularies of 512 tokens that differ: token id 300 is .* in the draft's"
+    ):
+        LLM(str(qwen3_dir), speculative_method="draft", speculative_model=str(swapped))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_served_stream_with_speculation_equals_offline_without(qwen3_dir, kernels, tmp_path, method):
     """A worker speculating behind a router: each stream (several tokens per step arrive in one update)
     equals the offline engine's output without speculation, text and logprobs included."""
     log_path = tmp_path / "worker.log"
+    draft = (
+        ["--speculative-model", str(qwen3_dir)] if method == "draft" else []
+    )  # the model drafts for itself
     worker = start_worker(
-        qwen3_dir, "--speculative-method", "ngram", "--log-level", "debug", log_path=log_path
+        qwen3_dir, "--speculative-method", method, *draft, "--log-level", "debug", log_path=log_path
     )
     router = start_router([worker.address], log_path=tmp_path / "router.log")
     texts = ["w1 w2 w3 w1 w2 w3 w1 w2 w3 w1 w2", "w7 w8 w9 w10 w7 w8 w9", "w40 w41 w42"]

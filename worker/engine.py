@@ -23,6 +23,8 @@ from nanovllm.worker.speculation import propose_ngram
 
 log = get_logger(__name__)
 
+DRAFT_PLACEHOLDER = 0  # a proposal the draft model has yet to make (LLMEngine._propose)
+
 
 @dataclass
 class RequestOutput:
@@ -61,6 +63,7 @@ class StepStats:
     num_spec_proposed: int = 0  # speculative decoding: tokens proposed and verified this step
     num_spec_accepted: int = 0  # ... and of those, the ones kept
     schedule_s: float = 0.0
+    draft_s: float = 0.0  # the draft model's proposals (speculative_method=draft)
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
@@ -68,7 +71,7 @@ class StepStats:
 
     @property
     def overhead_s(self) -> float:
-        return self.schedule_s + self.prepare_s + self.sample_s + self.update_s
+        return self.schedule_s + self.draft_s + self.prepare_s + self.sample_s + self.update_s
 
 
 @dataclass
@@ -158,6 +161,10 @@ class LLMEngine:
         t1 = time.perf_counter()
         if sched.is_empty:
             return StepResult(outputs, StepStats(schedule_s=t1 - t0))
+        drafting = [s for s in sched.scheduled if s.spec_token_ids]
+        if self.config.speculative_method == "draft" and drafting:
+            self.runner.propose_draft(drafting)
+        t_draft = time.perf_counter()
         rows = [row for s in sched.scheduled if s.samples for row in self._sampling_rows(s)]
         result = self.runner.execute(sched, rows)
         t2 = time.perf_counter()
@@ -171,6 +178,7 @@ class LLMEngine:
             num_spec_proposed=sum(len(s.spec_token_ids) for s in sched.scheduled),
             num_spec_accepted=accepted,
             schedule_s=t1 - t0,
+            draft_s=t_draft - t1,
             prepare_s=result.prepare_s,
             forward_s=result.forward_s,
             sample_s=result.sample_s,
@@ -181,17 +189,25 @@ class LLMEngine:
     def _propose(self) -> None:
         """Speculative decoding: proposals for each sequence about to decode, unless the batch is larger
         than speculative_max_batch (it then keeps the device busy without them). A proposal never runs
-        past max_tokens or max_model_len, counting the token its verification adds."""
+        past max_tokens or max_model_len, counting the token its verification adds. The draft model
+        proposes after scheduling, into the cache slots the scheduler reserves: here it gets placeholders
+        that say how many it may propose."""
         config = self.config
         decoding = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1]
-        speculate = config.speculative_method == "ngram" and len(decoding) <= config.speculative_max_batch
+        method = config.speculative_method
+        speculate = method != "none" and len(decoding) <= config.speculative_max_batch
         for seq in decoding:
             room = min(
                 config.num_speculative_tokens,
                 seq.params.max_tokens - seq.num_output_tokens - 1,
                 config.max_model_len - seq.num_tokens,
             )
-            seq.spec_token_ids = propose_ngram(seq.token_ids, room) if speculate and room > 0 else []
+            if not speculate or room <= 0:
+                seq.spec_token_ids = []
+            elif method == "ngram":
+                seq.spec_token_ids = propose_ngram(seq.token_ids, room)
+            else:
+                seq.spec_token_ids = [DRAFT_PLACEHOLDER] * room
 
     def _sampling_rows(self, item: ScheduledSequence) -> list[SamplingRow]:
         """One row per token the step picks for `item`: with proposals, row j sees the first j proposals as
@@ -242,6 +258,7 @@ class LLMEngine:
             if spec:
                 # The KV of accepted proposals is kept; the cache slots after them are overwritten later.
                 seq.num_computed_tokens = seq.num_tokens - 1
+                seq.num_draft_tokens = min(seq.num_draft_tokens, seq.num_tokens - 1)
                 self.block_manager.cache_full_blocks(seq)
             if status is not None:
                 self.scheduler.finish(seq, status)

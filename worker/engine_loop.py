@@ -291,6 +291,7 @@ class EngineLoop:
             spec_proposed=stats.num_spec_proposed,
             spec_accepted=stats.num_spec_accepted,
             forward_ms=round(stats.forward_s * 1e3, 2),
+            draft_ms=round(stats.draft_s * 1e3, 2),
             overhead_ms=round(stats.overhead_s * 1e3, 2),
         )
         by_conn: dict[Connection, list[worker_pb2.RequestUpdate]] = defaultdict(list)

@@ -3,16 +3,15 @@ of blocks that budget holds. Plain arithmetic on sizes the runner measures; the 
 
 from __future__ import annotations
 
-from nanovllm.common.config import DEFAULT_CPU_KV_CACHE, EngineConfig, parse_memory_size
+from nanovllm.common.config import DEFAULT_CPU_KV_CACHE, EngineConfig, ModelConfig, parse_memory_size
 from nanovllm.common.errors import ConfigError
 
 GIB = 2**30
 
 
-def kv_bytes_per_block(config: EngineConfig, kv_heads: int, element_size: int) -> int:
+def kv_bytes_per_block(model: ModelConfig, block_size: int, kv_heads: int, element_size: int) -> int:
     """Bytes of one block of keys and values across every layer, for a rank holding `kv_heads` heads."""
-    cfg = config.hf_config
-    return 2 * cfg.num_hidden_layers * config.kvcache_block_size * kv_heads * cfg.head_dim * element_size
+    return 2 * model.num_hidden_layers * block_size * kv_heads * model.head_dim * element_size
 
 
 def gpu_kv_cache_budget(total: int, utilization: float, weights: int, activation_peak: int) -> int:

@@ -29,7 +29,7 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
 
 class LLM:
     def __init__(self, model: str, **kwargs: Any) -> None:
-        known = {f.name for f in fields(EngineConfig)} - {"model", "hf_config"}
+        known = {f.name for f in fields(EngineConfig)} - {"model", "hf_config", "draft_hf_config"}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ConfigError(f"unknown LLM arguments {unknown}; accepted: {sorted(known)}")

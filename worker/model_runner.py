@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from nanovllm.common.config import EngineConfig
+from nanovllm.common.config import EngineConfig, ModelConfig
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
 from nanovllm.common.sampling_params import SamplingParams
@@ -19,6 +19,7 @@ from nanovllm.kernels.backends import CpuKernelAttention, select_attention_backe
 from nanovllm.worker.cpu_share import CpuShare
 from nanovllm.worker.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
 from nanovllm.worker.device import resolve_placement, to_device, usable_cpus
+from nanovllm.worker.draft import DraftModel
 from nanovllm.worker.kv_cache import (
     check_num_blocks,
     cpu_kv_cache_bytes,
@@ -106,10 +107,11 @@ class ModelRunner:
         cfg = config.hf_config
         self._check_weights_fit()
         baseline = self._cuda_allocated()
-        with _default_dtype(self.dtype), self.device:
-            self.model = DecoderForCausalLM(cfg, self.tp)
-        load_safetensors(self.model, config.model)
-        self.model.eval()
+        self.model = self._load_model(cfg, config.model)
+        self.draft: DraftModel | None = None
+        if config.draft_hf_config is not None and config.speculative_model is not None:
+            draft = self._load_model(config.draft_hf_config, config.speculative_model)
+            self.draft = DraftModel(draft, config.draft_hf_config, self.block_size)
         self.weights_bytes = self._cuda_allocated() - baseline
         generator = torch.Generator(self.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
@@ -117,6 +119,12 @@ class ModelRunner:
         self._bind_kernels()
         if self._wants_cuda_graphs():
             self.use_decode_graphs(CudaGraphCapture())
+
+    def _load_model(self, cfg: ModelConfig, path: str) -> DecoderForCausalLM:
+        with _default_dtype(self.dtype), self.device:
+            model = DecoderForCausalLM(cfg, self.tp)
+        load_safetensors(model, path)
+        return model.eval()
 
     def _wants_cuda_graphs(self) -> bool:
         """CUDA graphs for decode unless enforce_eager; not yet with tensor parallelism, whose ranks would
@@ -158,7 +166,8 @@ class ModelRunner:
     def _check_weights_fit(self) -> None:
         if self.device.type != "cpu":
             return  # on CUDA the allocator's own out-of-memory error already names the sizes
-        needed = self.config.hf_config.num_parameters * self._element_size() // self.tp.size
+        models = [self.config.hf_config, self.config.draft_hf_config]
+        needed = sum(m.num_parameters for m in models if m is not None) * self._element_size() // self.tp.size
         available = psutil.virtual_memory().available
         if needed > available:
             raise ConfigError(
@@ -177,6 +186,8 @@ class ModelRunner:
             log.info("attention_backend_selected", backend=self.kernel_backend, reason=choice.reason)
         kernels = choice.backend.kernels if isinstance(choice.backend, CpuKernelAttention) else None
         self.model.bind_kernels(choice.backend, kernels)
+        if self.draft is not None:
+            self.draft.model.bind_kernels(choice.backend, kernels)
 
     def _cuda_allocated(self) -> int:
         """Bytes this process holds on the GPU through torch (0 on CPU): differences of it are this
@@ -223,7 +234,7 @@ class ModelRunner:
             cached=[],
             logits_index=list(range(num_rows)),
         )
-        input_ids, positions, meta, logits_index = self._tensors(inputs)
+        input_ids, positions, meta, logits_index = self.tensors(inputs)
         hidden = self.model(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden.index_select(0, logits_index)).float()
         del hidden
@@ -233,7 +244,9 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> int:
         cfg = self.config.hf_config
         kv_heads = self.tp.kv_heads(cfg.num_key_value_heads)[1]
-        per_block = kv_bytes_per_block(self.config, kv_heads, self._element_size())
+        per_block = kv_bytes_per_block(cfg, self.block_size, kv_heads, self._element_size())
+        if self.draft is not None:  # the draft's KV of a block's tokens lives in a block of its own cache
+            per_block += self.draft.bytes_per_block(self._element_size())
         # Every rank must hold the same blocks: the scheduler on rank 0 hands out block ids for all.
         num_blocks = self.tp.all_reduce_min(self._kv_cache_bytes() // per_block)
         check_num_blocks(self.config, num_blocks, per_block)
@@ -244,6 +257,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        if self.draft is not None:
+            self.draft.allocate_cache(num_blocks + 1, self.dtype, self.device)
         log.info(
             "kv_cache_allocated",
             num_blocks=num_blocks,
@@ -284,7 +299,7 @@ class ModelRunner:
                 if inputs.logits_index != list(range(len(inputs.decodes))):
                     hidden = hidden.index_select(0, self._long(inputs.logits_index))
             else:
-                input_ids, positions, meta, logits_index = self._tensors(inputs)
+                input_ids, positions, meta, logits_index = self.tensors(inputs)
                 hidden = self.model(input_ids, positions, meta)
                 if not inputs.logits_index:
                     return None
@@ -294,6 +309,12 @@ class ModelRunner:
             if self.tp_group is not None:
                 self.tp_group.raise_if_dead(exc)
             raise
+
+    def propose_draft(self, items: list[ScheduledSequence]) -> None:
+        """speculative_method=draft: the draft model's proposals for `items` (worker/draft.py)."""
+        if self.draft is None:
+            raise RuntimeError("propose_draft needs speculative_method=draft")
+        self.draft.propose(items, self.tensors)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (joined, never orphaned) and leave the CPU share."""
@@ -348,9 +369,11 @@ class ModelRunner:
             logits_index=logits_index,
         )
 
-    def _tensors(
+    def tensors(
         self, inputs: StepInputs
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """The model's inputs on this runner's device: token ids, positions, attention metadata, and the
+        rows whose logits are wanted."""
         meta = AttentionMetadata(
             slot_mapping=self._long(inputs.slot_mapping),
             decode=self._decode_batch(inputs.decodes) if inputs.decodes else None,

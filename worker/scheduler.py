@@ -131,6 +131,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.num_draft_tokens = 0  # the draft model's KV went with the blocks
         self.running.remove(seq)
         seq.transition(SequenceStatus.WAITING)
         self.num_preemptions += 1

@@ -61,6 +61,7 @@ class Sequence:
     # Tokens proposed for the next step by speculative decoding (worker/speculation.py): not part of the
     # sequence until the step verifies them.
     spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0  # tokens whose KV the draft model holds (worker/draft.py)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
