@@ -6,7 +6,8 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
+
+from nanovllm.worker.layers.linear import linear
 
 
 def bracket(m: int) -> tuple[int, int]:
@@ -17,6 +18,8 @@ def bracket(m: int) -> tuple[int, int]:
 
 class MatmulCeiling:
     """Time of the model's own linear layers (in their dtype) at M tokens, as a lower bound for a step.
+    They run as the engine runs them (`linear`: the C++ few-rows kernel where the model has the CPU
+    kernels bound, PyTorch's GEMM otherwise).
 
     Timings are taken at powers of two and interpolated linearly in between: matmul time is flat in
     M while it is bound by reading the weights, and linear once it is bound by arithmetic. Small M
@@ -38,6 +41,7 @@ class MatmulCeiling:
             for layer in model.model.layers
         ]
         self.lm_head = model.lm_head.weight
+        self.kernels = model.lm_head.cpu_kernels
         self._stack: dict[int, float] = {}
         self._head: dict[int, float] = {}
 
@@ -64,7 +68,7 @@ class MatmulCeiling:
         def run() -> None:
             for weights in layers:
                 for w in weights:
-                    F.linear(inputs[w.shape[1]], w)
+                    linear(inputs[w.shape[1]], w, None, self.kernels)
 
         with torch.inference_mode():
             return self._time(run) * len(self.layer_weights) / len(layers)
@@ -72,7 +76,7 @@ class MatmulCeiling:
     def _measure_head(self, m: int) -> float:
         x = torch.randn(m, self.lm_head.shape[1], dtype=self.lm_head.dtype)
         with torch.inference_mode():
-            return self._time(lambda: F.linear(x, self.lm_head), min_total_s=0.05)
+            return self._time(lambda: linear(x, self.lm_head, None, self.kernels), min_total_s=0.05)
 
     @staticmethod
     def _interpolate(m: int, table: dict[int, float], measure: Callable[[int], float]) -> float:

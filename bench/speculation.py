@@ -6,22 +6,31 @@ input: where prompt lookup pays. Both engines run in this process, one after the
 the tokens must be equal (speculation never changes them), and the report gives decode tokens/s of each,
 their ratio, and the acceptance rate (accepted / proposed tokens). Then W64 (bench/throughput.py's batch
 workload) with both: above speculative_max_batch decoding requests a step does not speculate, so the batch
-must lose nothing.
+must lose nothing. With --llama-cpp-python, llama.cpp decodes the same chats from the same GGUF as it ships
+(bench/llama_cpp_peer.py, under that interpreter) after the engines, in the same run.
 
     .venv/bin/python -m bench.speculation [--max-tokens 256] [--num-speculative-tokens 4] [--prompts 10]
+        [--speculative-max-batch N] [--skip-w64] [--rounds 2] [--llama-cpp-python PATH/TO/python]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import json
+import statistics
+import subprocess
 import time
+from pathlib import Path
 
+import torch
 from transformers import AutoTokenizer
 
 from bench.report import machine_description
-from bench.workload import greedy, make_workload
+from bench.workload import Workload, greedy, make_workload
 from nanovllm import LLM, SamplingParams
+from nanovllm.common.config import EngineConfig
 from nanovllm.worker.gguf import embedded_model_path, prepare_gguf
 
 PARAGRAPHS = [
@@ -101,6 +110,34 @@ def run(llm: LLM, chats: list[list[int]], max_tokens: int) -> tuple[list[list[in
     return outputs, decode_tokens / decode_s, proposed, accepted, steps
 
 
+def run_batch(llm: LLM, workload: Workload) -> tuple[list[list[int]], float, int, int]:
+    """The whole workload at once: output tokens per request, output tok/s, steps, steps that speculated."""
+    engine = llm.engine
+    for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens)):
+        engine.add_request(str(i), prompt, greedy(n))
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(workload.prompts))}
+    steps = speculated = 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        step = engine.step()
+        steps += 1
+        speculated += step.stats.num_spec_proposed > 0
+        for out in step.outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+    elapsed = time.perf_counter() - start
+    return list(tokens.values()), sum(map(len, tokens.values())) / elapsed, steps, speculated
+
+
+def llama_cpp(python: str, gguf: Path, chats: list[list[int]], max_tokens: int) -> dict:
+    """llama.cpp's decode tokens and seconds on `chats`, with as many threads as the engines had."""
+    job = {"model": str(gguf), "chats": chats, "max_tokens": max_tokens, "threads": torch.get_num_threads()}
+    peer = Path(__file__).with_name("llama_cpp_peer.py")
+    done = subprocess.run(
+        [python, str(peer)], input=json.dumps(job), capture_output=True, text=True, check=True
+    )
+    return json.loads(done.stdout)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -108,13 +145,30 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=10, help="how many of the 10 prompts")
+    parser.add_argument(
+        "--speculative-max-batch",
+        type=int,
+        default=next(
+            f.default for f in dataclasses.fields(EngineConfig) if f.name == "speculative_max_batch"
+        ),
+        help="the engine's setting (default: its default)",
+    )
     parser.add_argument("--skip-w64", action="store_true", help="skip the batch (W64) comparison")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of off and ngram")
+    parser.add_argument(
+        "--llama-cpp-python", help="an interpreter with llama-cpp-python: adds llama.cpp's row"
+    )
     args = parser.parse_args()
 
-    model = prepare_gguf(embedded_model_path())
+    gguf = embedded_model_path()
+    model = prepare_gguf(gguf)
     settings = {
         "off": {},
-        "ngram": {"speculative_method": "ngram", "num_speculative_tokens": args.num_speculative_tokens},
+        "ngram": {
+            "speculative_method": "ngram",
+            "num_speculative_tokens": args.num_speculative_tokens,
+            "speculative_max_batch": args.speculative_max_batch,
+        },
     }
     tokenizer = AutoTokenizer.from_pretrained(model)
     texts = [
@@ -125,45 +179,66 @@ def main() -> None:
     ]
     chats = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     w64 = make_workload(64, tokenizer.vocab_size, (32, 256), (32, 256), seed=0)
-    results, batch = {}, {}
-    for name, extra in settings.items():  # one engine at a time: each gets the CPUs to itself
-        llm = LLM(str(model), max_model_len=2048, enable_prefix_caching=False, **extra)
-        dtype = llm.engine.runner.dtype
-        run(llm, chats[:1], 16)  # warm-up
-        results[name] = run(llm, chats, args.max_tokens)
-        if not args.skip_w64:
-            start = time.perf_counter()
-            outs = llm.generate(w64.prompts, [greedy(n) for n in w64.output_lens], use_tqdm=False)
-            batch[name] = (sum(len(o["token_ids"]) for o in outs) / (time.perf_counter() - start), outs)
-        llm.shutdown()
-        del llm
-    off, spec = results["off"], results["ngram"]
-    if off[0] != spec[0]:
-        raise SystemExit("speculation changed the tokens: a bug")
+    results: dict[str, list] = {name: [] for name in settings}
+    batch: dict[str, list] = {name: [] for name in settings}
+    for _ in range(args.rounds):  # alternating rounds: the machine's drift falls on both alike
+        for name, extra in settings.items():  # one engine at a time: each gets the CPUs to itself
+            llm = LLM(str(model), max_model_len=2048, enable_prefix_caching=False, **extra)
+            dtype = llm.engine.runner.dtype
+            run(llm, chats[:1], 16)  # warm-up
+            results[name].append(run(llm, chats, args.max_tokens))
+            if not args.skip_w64:
+                batch[name].append(run_batch(llm, w64))
+            llm.shutdown()
+            del llm
+    for name in settings:  # every round of every engine, against the first round without speculation
+        changed = any(r[0] != results["off"][0][0] for r in results[name])
+        if changed or any(b[0] != batch["off"][0][0] for b in batch[name]):
+            raise SystemExit(f"{name}: the tokens changed between runs or with speculation: a bug")
+    off, spec = results["off"][0], results["ngram"][0]  # the counts are the same in every round
+    off_tps = statistics.median(r[1] for r in results["off"])
+    spec_tps = statistics.median(r[1] for r in results["ngram"])
+    ratio = statistics.median(s[1] / o[1] for o, s in zip(results["off"], results["ngram"]))
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     rate = spec[3] / spec[2] if spec[2] else 0.0
     print(f"{date}; {machine_description()}; SmolLM2-135M-Instruct, {dtype}, greedy")
     print(
-        f"{len(chats)} prompts alone, up to {args.max_tokens} new tokens each, K={args.num_speculative_tokens}\n"
+        f"{len(chats)} prompts alone, up to {args.max_tokens} new tokens each, K={args.num_speculative_tokens}; "
+        f"medians of {args.rounds} alternating rounds\n"
     )
     decoded = sum(len(t) - 1 for t in off[0])
     print(
         "| speculation | decode tok/s | vs off | tokens per decode step | proposed | accepted | acceptance |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|")
-    print(f"| off | {off[1]:.1f} | 1.00x | {decoded / off[4]:.2f} | | | |")
+    print(f"| off | {off_tps:.1f} | 1.00x | {decoded / off[4]:.2f} | | | |")
     print(
-        f"| ngram | {spec[1]:.1f} | {spec[1] / off[1]:.2f}x | {decoded / spec[4]:.2f} | {spec[2]} | {spec[3]} "
+        f"| ngram | {spec_tps:.1f} | {ratio:.2f}x | {decoded / spec[4]:.2f} | {spec[2]} | {spec[3]} "
         f"| {rate:.1%} |"
     )
 
-    if batch:
-        (off_tps, off_outs), (spec_tps, spec_outs) = batch["off"], batch["ngram"]
-        if [o["token_ids"] for o in off_outs] != [o["token_ids"] for o in spec_outs]:
-            raise SystemExit("speculation changed the tokens of W64: a bug")
+    if args.llama_cpp_python:
+        peer = llama_cpp(args.llama_cpp_python, gguf, chats, args.max_tokens)
+        print(
+            f"| llama.cpp (llama-cpp-python {peer['version']}, the GGUF as shipped) | "
+            f"{peer['decode_tokens'] / peer['decode_s']:.1f} | "
+            f"{peer['decode_tokens'] / peer['decode_s'] / off_tps:.2f}x | | | | |"
+        )
+
+    rounds = "; ".join(
+        f"off {o[1]:.1f}, ngram {s[1]:.1f} ({s[1] / o[1]:.2f}x)"
+        for o, s in zip(results["off"], results["ngram"])
+    )
+    print(f"\nrounds, decode tok/s: {rounds}")
+    if batch["off"]:
+        off_batch = statistics.median(b[1] for b in batch["off"])
+        spec_batch = statistics.median(b[1] for b in batch["ngram"])
+        batch_ratio = statistics.median(s[1] / o[1] for o, s in zip(batch["off"], batch["ngram"]))
+        steps, speculated = batch["ngram"][0][2:]
         print(
             f"\nW64 (64 random-token requests at once, 32-256 in and out, greedy, ignore_eos), output tok/s: "
-            f"off {off_tps:.1f}, ngram {spec_tps:.1f} ({spec_tps / off_tps:.2f}x; speculative_max_batch 8)"
+            f"off {off_batch:.1f}, ngram {spec_batch:.1f} ({batch_ratio:.2f}x; speculative_max_batch "
+            f"{args.speculative_max_batch}: {speculated} of {steps} steps speculated)"
         )
 
 

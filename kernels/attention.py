@@ -5,7 +5,8 @@ KV cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim]. A s
 the blocks its block table lists, token i at slot block_table[i // block_size] * block_size + i % block_size.
 
 A step's flat token batch is laid out in three segments, each attended in one batched call:
-  decodes   one new token per sequence, attending to everything cached for it;
+  decodes   one token per row, attending to the cache up to its own position (a decoding sequence's new
+            token, or one token of a speculative verification, whose rows share a block table);
   fresh     whole prompts or first chunks (position 0 onwards): they attend only to their own new K/V,
             so the reference reads no cache, just applies causality;
   cached    chunks that continue a sequence (chunked prefill, prefix-cache hit): they read earlier K/V

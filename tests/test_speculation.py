@@ -126,9 +126,11 @@ def test_ngram_changes_no_token(model_dirs, arch):
     assert sum(o["num_cached_tokens"] for o in again) > 0
 
 
-def test_ngram_under_chunked_prefill_and_preemption(qwen3_dir):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_under_chunked_prefill_and_preemption(qwen3_dir, method):
     """A step budget of 24 tokens (prompts chunked, proposals cut to the budget) and a KV cache small
-    enough to preempt, the batch run twice on one engine."""
+    enough to preempt, the batch run twice on one engine. The draft is the model itself: each block then
+    holds twice the KV, so the cache gets twice the bytes for the same 40 blocks."""
     prompts, params = _requests()
     kwargs = {
         "dtype": "float32", "max_model_len": 128, "max_num_batched_tokens": 24, "kvcache_block_size": 4,
@@ -136,13 +138,16 @@ def test_ngram_under_chunked_prefill_and_preemption(qwen3_dir):
     }  # fmt: skip
     plain_llm = LLM(str(qwen3_dir), **kwargs)
     plain, _, _ = _run(plain_llm, prompts, params)
-    spec_llm = LLM(str(qwen3_dir), speculative_method="ngram", num_speculative_tokens=6, **kwargs)
+    if method == "draft":
+        kwargs = {**kwargs, "speculative_model": str(qwen3_dir), "kv_cache_memory": 40 * 4096}
+    spec_llm = LLM(str(qwen3_dir), speculative_method=method, num_speculative_tokens=6, **kwargs)
     first, proposed, accepted = _run(spec_llm, prompts, params)
     second, _, _ = _run(spec_llm, prompts, params)
     _assert_same(first, plain)
     _assert_same(second, plain)
     assert accepted > 0, (proposed, accepted)
     assert spec_llm.engine.scheduler.num_preemptions > 0
+    assert spec_llm.engine.runner.num_blocks == 40
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])

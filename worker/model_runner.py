@@ -327,11 +327,18 @@ class ModelRunner:
 
     def step_inputs(self, sched: SchedulerOutput, all_logits: bool) -> StepInputs:
         """The step as plain integers. Tokens are laid out decodes, then fresh prompts, then continuing
-        chunks; logits are computed for each sampling sequence's last token (or every token)."""
+        chunks; logits are computed for each sampling sequence's last token (or every token).
+
+        A verification (a decoding sequence's last token and its proposals) runs as decode rows, one per
+        token, each attending to the cache up to its own position: its K/V are stored before any row
+        attends, so this is the causal chunk, computed exactly as the decode steps it replaces would
+        compute each token (and replayable as a decode step on CUDA graphs)."""
         bs = self.block_size
         nd = sched.num_decodes
-        order = [*sched.scheduled[:nd], *(s for s in sched.scheduled[nd:] if s.start == 0)]
-        order += [s for s in sched.scheduled[nd:] if s.start > 0]
+        verifying = [s for s in sched.scheduled[nd:] if s.spec_token_ids]
+        chunks = [s for s in sched.scheduled[nd:] if not s.spec_token_ids]
+        order = [*sched.scheduled[:nd], *verifying, *(s for s in chunks if s.start == 0)]
+        order += [s for s in chunks if s.start > 0]
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -355,17 +362,21 @@ class ModelRunner:
                 for row in range(last_row[s.seq.seq_id] - len(s.spec_token_ids), last_row[s.seq.seq_id] + 1)
             ]
 
-        def chunk(item: ScheduledSequence) -> SeqChunk:
-            end = item.start + item.num_new_tokens
-            return SeqChunk(item.start, item.num_new_tokens, item.seq.block_table[: -(-end // bs)])
+        def chunk(item: ScheduledSequence, start: int, num_new_tokens: int) -> SeqChunk:
+            return SeqChunk(start, num_new_tokens, item.seq.block_table[: -(-(start + num_new_tokens) // bs)])
 
+        decodes = [
+            chunk(s, p, 1)
+            for s in order[: nd + len(verifying)]
+            for p in range(s.start, s.start + s.num_new_tokens)
+        ]
         return StepInputs(
             input_ids=input_ids,
             positions=positions,
             slot_mapping=slots,
-            decodes=[chunk(s) for s in order[:nd]],
-            fresh=[chunk(s) for s in order[nd:] if s.start == 0],
-            cached=[chunk(s) for s in order[nd:] if s.start > 0],
+            decodes=decodes,
+            fresh=[chunk(s, s.start, s.num_new_tokens) for s in chunks if s.start == 0],
+            cached=[chunk(s, s.start, s.num_new_tokens) for s in chunks if s.start > 0],
             logits_index=logits_index,
         )
 
