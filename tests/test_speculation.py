@@ -11,6 +11,8 @@ import random
 
 import grpc
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.common.errors import ConfigError
@@ -188,6 +190,42 @@ def test_draft_model_catches_up_exactly(qwen3_dir):
         assert accepted >= 0.9 * proposed > 0, (proposed, accepted)
     assert spec_llm.engine.scheduler.num_preemptions > 0
     assert spec_llm.engine.runner.num_blocks == 40
+
+
+def test_draft_cache_holds_each_sequences_own_tokens(qwen3_dir, draft_dir):
+    """After steps with rejected proposals (sampled requests), the draft's cache holds, at the slot of each
+    position it counts as seen, the key of the token the sequence has there: equal to transformers' key
+    for the same tokens. A draft that kept the KV of its rejected proposals fails this."""
+    llm = LLM(
+        str(qwen3_dir),
+        speculative_method="draft",
+        speculative_model=str(draft_dir),
+        speculative_max_batch=8,
+        **F32,
+    )
+    engine = llm.engine
+    prompts = _requests()[0]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(
+            str(i), prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=60, ignore_eos=True)
+        )
+    for _ in range(15):
+        engine.step()
+    draft = engine.runner.draft
+    reference = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)
+    block_size = llm.config.kvcache_block_size
+    checked = 0
+    for seq in engine.scheduler.running:
+        seen = seq.num_draft_tokens
+        assert 0 < seen < seq.num_tokens
+        with torch.no_grad():
+            cache = reference(torch.tensor([seq.token_ids[:seen]]), use_cache=True).past_key_values
+        expected = cache.layers[-1].keys[0].transpose(0, 1)  # [seen, kv_heads, head_dim]
+        slots = [seq.block_table[p // block_size] * block_size + p % block_size for p in range(seen)]
+        got = draft.kv_cache[0, -1].flatten(0, 1)[slots]
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        checked += seen - seq.num_prompt_tokens
+    assert checked > 0  # output tokens, some after rejected proposals, were compared
 
 
 def test_no_speculation_above_the_batch_limit(qwen3_dir):
