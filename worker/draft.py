@@ -37,6 +37,7 @@ class DraftModel:
         self.model = model
         self.config = config
         self.block_size = block_size
+        self.kv_cache = torch.empty(0)  # sized by allocate_cache once the target's block count is known
 
     def bytes_per_block(self, element_size: int) -> int:
         return kv_bytes_per_block(self.config, self.block_size, self.config.num_key_value_heads, element_size)
