@@ -161,9 +161,10 @@ class LLMEngine:
         t1 = time.perf_counter()
         if sched.is_empty:
             return StepResult(outputs, StepStats(schedule_s=t1 - t0))
-        drafting = [s for s in sched.scheduled if s.spec_token_ids]
-        if self.config.speculative_method == "draft" and drafting:
-            self.runner.propose_draft(drafting)
+        if self.config.speculative_method == "draft":
+            drafting = [s for s in sched.scheduled if s.spec_token_ids]
+            if drafting:
+                self.runner.propose_draft(drafting)
         t_draft = time.perf_counter()
         rows = [row for s in sched.scheduled if s.samples for row in self._sampling_rows(s)]
         result = self.runner.execute(sched, rows)
