@@ -221,6 +221,11 @@ class EngineConfig:
         help="the draft model of --speculative-method draft: a Hugging Face directory or .gguf file with "
         "the model's vocabulary, run by the same worker with its own KV cache",
     )
+    grammar_compile_timeout_s: float = option(
+        10.0,
+        help="seconds a structured-output constraint may take to compile (on its own thread) before its "
+        "request fails with INVALID_ARGUMENT",
+    )
     hf_config: ModelConfig | None = field(default=None, repr=False)
     draft_hf_config: ModelConfig | None = field(default=None, repr=False)  # speculative_model's shape
 
@@ -255,6 +260,8 @@ class EngineConfig:
             raise ConfigError(
                 f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens}"
             )
+        if not self.grammar_compile_timeout_s > 0:
+            raise ConfigError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         if self.speculative_max_batch < 1:
             raise ConfigError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
         if self.hf_config is None:

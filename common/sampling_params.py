@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+
+# The structured-output constraints, SamplingParams fields of these names (at most one set per request).
+CONSTRAINTS = ("json_schema", "json_object", "regex", "grammar", "choice")
 
 
 @dataclass
@@ -12,7 +16,14 @@ class SamplingParams:
     temperature 0 means greedy. top_k <= 0 and top_p == 1 disable those filters.
     logprobs: None returns none; 0 returns the chosen token's logprob; N > 0 also
     returns the N most likely tokens. Logprobs come from the model's raw
-    distribution (before penalties and temperature), as in vLLM.
+    distribution (before penalties and temperature), as in vLLM; under a constraint,
+    from that distribution restricted to the tokens the constraint allows.
+
+    Structured output: at most one of json_schema (a JSON Schema, as text or a dict),
+    json_object (any JSON object), regex, grammar (a Lark grammar in llguidance's
+    dialect) or choice (one of these strings). The output then matches it; EOS is
+    allowed exactly when it is complete, and a constrained request ends ("stop") as
+    soon as nothing can follow. Reaching max_tokens first ends it with "length".
     """
 
     temperature: float = 1.0
@@ -28,6 +39,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    json_schema: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
 
     MAX_LOGPROBS = 20
     # Logits are divided by these: below MIN_DIVISOR a logit of ~30 overflows float32 to inf (1e-45 made
@@ -37,6 +53,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.json_schema, dict):  # offline convenience; the wire carries text
+            self.json_schema = json.dumps(self.json_schema)
+        if self.choice is not None:
+            self.choice = list(self.choice)
         lo, hi = self.MIN_DIVISOR, self.MAX_DIVISOR
         self._check(
             self.temperature == 0.0 or lo <= self.temperature <= hi,
@@ -80,6 +100,21 @@ class SamplingParams:
             )
         if self.seed is not None:
             self._check(0 <= self.seed < 2**63, "seed", f"must be in [0, 2**63), got {self.seed}")
+        given = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) > 1:
+            raise ValueError(
+                f"SamplingParams.{given[1]} cannot be combined with {given[0]}: one constraint at most"
+            )
+        if self.choice is not None:
+            self._check(
+                bool(self.choice) and all(isinstance(c, str) and c for c in self.choice),
+                "choice",
+                f"must be a non-empty list of non-empty strings, got {self.choice!r}",
+            )
+        for name in ("json_schema", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                self._check(isinstance(value, str) and value.strip() != "", name, "must be non-empty text")
 
     @staticmethod
     def _check(ok: bool, name: str, message: str) -> None:
@@ -89,6 +124,20 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, spec) of the structured-output constraint, or None: kind is a CONSTRAINTS name and spec
+        its text (choice as a JSON list), so the pair identifies the constraint for a cache."""
+        if self.json_object:
+            return "json_object", ""
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice, ensure_ascii=False)
+        for name in ("json_schema", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        return None
 
     @property
     def has_penalties(self) -> bool:

@@ -5,7 +5,8 @@ The link's message (nanovllm.worker.v1.SamplingParams) has one field per Samplin
 name, so the conversion walks the dataclass's fields: a field added to one side and not the other fails
 here (and in tests/test_protos.py), never silently. The router validates a client's options into
 SamplingParams and sends every field; the worker rebuilds SamplingParams from the message, so both ends
-validate with the same code. Fields that may be None (seed, logprobs) are proto3 `optional`.
+validate with the same code. Fields that may be None (seed, logprobs) are proto3 `optional`; the
+structured-output constraints are one `oneof`, its unset members None (or False), `choice` a Choice message.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TypeVar
 
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from nanovllm.common.sampling_params import SamplingParams
@@ -24,7 +26,12 @@ def sampling_to_wire(params: SamplingParams, message_type: type[M]) -> M:
     message = message_type()
     for f in dataclasses.fields(params):
         value = getattr(params, f.name)
-        if isinstance(value, list):
+        field = message.DESCRIPTOR.fields_by_name[f.name]
+        if _in_constraint(field) and (value is None or value is False):
+            continue  # setting a oneof member, even to False, would select it
+        if f.name == "choice":
+            message.choice.choices.extend(value)
+        elif isinstance(value, list):
             getattr(message, f.name).extend(value)
         elif value is not None:  # None leaves an optional field unset
             setattr(message, f.name, value)
@@ -36,12 +43,21 @@ def sampling_from_wire(message: Message) -> SamplingParams:
     values = {}
     for f in dataclasses.fields(SamplingParams):
         field = message.DESCRIPTOR.fields_by_name[f.name]
-        if field.has_presence and not message.HasField(f.name):
+        if _in_constraint(field) and not message.HasField(f.name):
+            values[f.name] = False if field.type == field.TYPE_BOOL else None
+        elif field.has_presence and not message.HasField(f.name):
             values[f.name] = None
+        elif f.name == "choice":
+            values[f.name] = list(message.choice.choices)
         else:
             value = getattr(message, f.name)
             values[f.name] = list(value) if field.is_repeated else value
     return SamplingParams(**values)
+
+
+def _in_constraint(field: FieldDescriptor) -> bool:
+    """A member of the structured-output oneof (proto3 `optional` fields sit in oneofs of their own)."""
+    return field.containing_oneof is not None and field.containing_oneof.name == "constraint"
 
 
 def fields_to_message(source: object, message_type: type[M], **extra: object) -> M:

@@ -3,7 +3,8 @@
 The decode attention lives there (with RMSNorm, RoPE and the SwiGLU gate): on a CPU, gathering paged K/V
 into a padded tensor for SDPA costs as much as the attention itself, and no PyTorch op reads a paged cache
 in place. So does the projections' matmul for a few rows (small batches, speculative verification), which
-reads each weight once where PyTorch's GEMM is far from the memory's speed. When no compiler is available the engine keeps the PyTorch implementation, which computes the
+reads each weight once where PyTorch's GEMM is far from the memory's speed, and structured output's token
+bitmasks applied to the logits without unpacking them into a tensor. When no compiler is available the engine keeps the PyTorch implementation, which computes the
 same thing.
 
 Every kernel takes float32, bfloat16 or float16 tensors, all of one call in one dtype (a mix is an
@@ -26,7 +27,10 @@ from nanovllm.common.logging import get_logger
 
 log = get_logger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "linear_cpu.cpp")]
+_SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in ("paged_attention_cpu.cpp", "linear_cpu.cpp", "token_bitmask_cpu.cpp")
+]
 _NAME = "nanovllm_paged_attention_cpu"
 # Model dtypes the model runner binds the kernels for (PyTorch for any other): those where they beat the
 # PyTorch path (bench/cpu_kernels.py).

@@ -24,6 +24,15 @@ class ClientOptions:
     temperature: float = option(0.0, help="0 is greedy")
     top_p: float = option(1.0, help="nucleus sampling mass")
     stop: list[str] = option(default_factory=list, help="stop string; repeatable")
+    json_schema: str | None = option(
+        None, help="a JSON Schema file: the answer is JSON that validates against it"
+    )
+    json_object: bool = option(False, help="the answer is a JSON object")
+    regex: str | None = option(None, help="the answer matches this regular expression")
+    grammar: str | None = option(
+        None, help="a Lark grammar file (llguidance's dialect): the answer follows it"
+    )
+    choice: list[str] = option(default_factory=list, help="the answer is one of these; repeatable")
     tls_ca: str | None = option(
         None, help="PEM CA bundle that signed the router's certificate; turns on TLS (plaintext without)"
     )
@@ -52,6 +61,28 @@ def open_channel(options: dict[str, Any]) -> Any:
     return grpc.secure_channel(options["router"], channel_credentials(files), options=overrides)
 
 
+def _constrain(sampling: Any, options: dict[str, Any]) -> None:
+    """Set the structured-output constraint the options ask for; OSError for a file that cannot be read,
+    ValueError for more than one constraint (the message's oneof would keep only the last)."""
+    from pathlib import Path
+
+    given = [name for name in ("json_schema", "json_object", "regex", "grammar", "choice") if options[name]]
+    if len(given) > 1:
+        raise ValueError(
+            f"--{given[0].replace('_', '-')} and --{given[1].replace('_', '-')}: one constraint at most"
+        )
+    if options["json_schema"]:
+        sampling.json_schema = Path(options["json_schema"]).read_text()
+    if options["json_object"]:
+        sampling.json_object = True
+    if options["regex"]:
+        sampling.regex = options["regex"]
+    if options["grammar"]:
+        sampling.grammar = Path(options["grammar"]).read_text()
+    if options["choice"]:
+        sampling.choice.choices.extend(options["choice"])
+
+
 def run_client(options: dict[str, Any], prompt: str) -> int:
     import grpc
 
@@ -66,6 +97,11 @@ def run_client(options: dict[str, Any], prompt: str) -> int:
             stop=options["stop"],
         )
     )
+    try:
+        _constrain(request.sampling, options)
+    except (OSError, ValueError) as exc:
+        print(f"nanovllm client: {exc}", file=sys.stderr)
+        return 2
     if not options["completion"]:
         if options["system"]:
             request.chat.messages.add(role="system", content=options["system"])

@@ -141,4 +141,9 @@ def _sampling_params(s: generate_pb2.SamplingParams, room: int) -> SamplingParam
         stop_token_ids=list(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
+        json_schema=s.json_schema if s.HasField("json_schema") else None,
+        json_object=s.json_object,
+        regex=s.regex if s.HasField("regex") else None,
+        grammar=s.grammar if s.HasField("grammar") else None,
+        choice=list(s.choice.choices) if s.HasField("choice") else None,
     )

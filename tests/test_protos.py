@@ -115,4 +115,22 @@ def test_every_sampling_field_crosses_the_worker_link():
     )  # fmt: skip
     assert sampling_from_wire(sampling_to_wire(params, worker_pb2.SamplingParams)) == params
     unset = sampling_from_wire(sampling_to_wire(SamplingParams(), worker_pb2.SamplingParams))
-    assert unset.seed is None and unset.logprobs is None
+    assert unset.seed is None and unset.logprobs is None and unset.constraint is None
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        {"json_schema": '{"type": "object"}'},
+        {"json_object": True},
+        {"regex": "[a-z]+"},
+        {"grammar": 'start: "a" | "b"'},
+        {"choice": ["yes", "no, never"]},
+    ],
+)
+def test_each_constraint_crosses_the_worker_link(constraint):
+    """The oneof carries exactly the one constraint set; the others come back unset."""
+    params = SamplingParams(temperature=0.0, **constraint)
+    message = sampling_to_wire(params, worker_pb2.SamplingParams)
+    assert message.WhichOneof("constraint") == next(iter(constraint))
+    assert sampling_from_wire(message) == params

@@ -5,6 +5,7 @@ happened: greedy and seeded sampling, penalties, min_tokens and stop strings inc
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import time
 import urllib.request
@@ -23,8 +24,13 @@ MAX_TOKENS = 300
 STREAMS = 8
 
 
-def _requests() -> list[generate_pb2.GenerateRequest]:
-    """Half greedy, half seeded sampling with penalties and min_tokens (state a resume must carry)."""
+# Structured output: 200 characters, so no stream can end before the kill (a token is at most a few dozen).
+REGEX = "[a-z ]{200}"
+
+
+def _requests(constrained: bool = False) -> list[generate_pb2.GenerateRequest]:
+    """Half greedy, half seeded sampling with penalties and min_tokens (state a resume must carry); with
+    `constrained`, every request under REGEX (the matcher's state, which a resume rebuilds)."""
     requests = []
     for i in range(STREAMS):
         if i % 2 == 0:
@@ -40,6 +46,8 @@ def _requests() -> list[generate_pb2.GenerateRequest]:
                 min_tokens=MAX_TOKENS // 2,
                 max_tokens=MAX_TOKENS,
             )
+        if constrained:
+            sampling.regex = REGEX
         requests.append(
             generate_pb2.GenerateRequest(
                 token_ids=generate_pb2.TokenIds(ids=[7 + i, 40 + 3 * i, 90, 11 + i]),
@@ -63,14 +71,16 @@ async def _stream(
     return list(seen), "".join(text), finish
 
 
-async def _run(address: str, kill_when: int | None = None, kill=None) -> tuple[list, list[int]]:
+async def _run(
+    address: str, kill_when: int | None = None, kill=None, constrained: bool = False
+) -> tuple[list, list[int]]:
     """Every request at once; with `kill_when`, `kill()` runs once every stream has that many tokens. Returns
     the results and each stream's token count at the kill."""
     at_kill: list[int] = []
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         seen: list[list[int]] = [[] for _ in range(STREAMS)]
-        calls = [asyncio.ensure_future(_stream(stub, r, s)) for r, s in zip(_requests(), seen)]
+        calls = [asyncio.ensure_future(_stream(stub, r, s)) for r, s in zip(_requests(constrained), seen)]
         if kill_when is not None:
             while min(len(s) for s in seen) < kill_when:
                 await asyncio.wait(calls, timeout=0.005, return_when=asyncio.FIRST_COMPLETED)
@@ -123,22 +133,31 @@ def _held_streams(
                 server.kill()
 
 
-@pytest.mark.parametrize("speculation", [(), ("--speculative-method", "ngram")], ids=["plain", "ngram"])
+@pytest.mark.parametrize(
+    ("speculation", "constrained"),
+    [((), False), (("--speculative-method", "ngram"), False), ((), True)],
+    ids=["plain", "ngram", "regex"],
+)
 def test_streams_resume_token_identical_when_their_worker_is_killed(
-    qwen3_dir: Path, kernels, tmp_path: Path, speculation: tuple[str, ...]
+    qwen3_dir: Path, kernels, tmp_path: Path, speculation: tuple[str, ...], constrained: bool
 ) -> None:
     """Eight streams run on worker A; A is SIGKILLed mid-stream. Every stream completes on B and equals,
     token for token and in text, the same request run unbroken on B. With speculation on both workers too
-    (a resumed request's proposals and picks are those of the unbroken one)."""
+    (a resumed request's proposals and picks are those of the unbroken one), and under a regex (B replays
+    the tokens through a fresh matcher; the text still matches)."""
     flags = (*speculation, "--speculative-max-batch", str(STREAMS)) if speculation else ()
     with _held_streams(qwen3_dir, tmp_path, worker_flags=flags) as (_, b, router, kill_a):
-        results, at_kill = asyncio.run(_run(router.address, kill_when=4, kill=kill_a))
+        results, at_kill = asyncio.run(
+            _run(router.address, kill_when=4, kill=kill_a, constrained=constrained)
+        )
         assert all(4 <= n < MAX_TOKENS for n in at_kill), at_kill  # every stream was cut mid-generation
         assert _metric(router.metrics_address, "nanovllm:request_resumes_total") == STREAMS
-        unbroken, _ = asyncio.run(_run(router.address))
+        unbroken, _ = asyncio.run(_run(router.address, constrained=constrained))
         for i, (got, want) in enumerate(zip(results, unbroken)):
             assert got == want, f"stream {i} differs from its unbroken run"  # ids, text, finish reason
             assert len(got[0]) > at_kill[i] and got[2] != generate_pb2.FINISH_REASON_ERROR
+            if constrained:
+                assert re.fullmatch(REGEX, got[1]) and got[2] == generate_pb2.FINISH_REASON_STOP, got[1:]
         wait_idle(b.address)
         if speculation:
             assert _metric(b.metrics_address, "nanovllm:spec_decode_num_accepted_tokens") > 0

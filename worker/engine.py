@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import itertools
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
+
+import torch
 
 from nanovllm.common.config import EngineConfig
 from nanovllm.common.errors import RequestError
@@ -20,10 +23,14 @@ from nanovllm.worker.sampler import SamplerOutput, SamplingRow, TokenLogprobs
 from nanovllm.worker.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from nanovllm.worker.sequence import FinishReason, Sequence, SequenceStatus
 from nanovllm.worker.speculation import propose_ngram
+from nanovllm.worker.structured_output import Grammar, GrammarCompiler, MaskFiller
 
 log = get_logger(__name__)
 
 DRAFT_PLACEHOLDER = 0  # a proposal the draft model has yet to make (LLMEngine._propose)
+# While only constraints are compiling, a step waits this long at most for one to finish, so the thread
+# that drives the engine still takes new commands promptly.
+GRAMMAR_WAIT_S = 0.02
 
 
 @dataclass
@@ -37,10 +44,12 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0  # generated so far, these included
+    # A request refused after it was queued (its constraint did not compile): its only output, terminal.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.finish_reason is not None or self.error is not None
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,7 @@ class StepStats:
     num_spec_accepted: int = 0  # ... and of those, the ones kept
     schedule_s: float = 0.0
     draft_s: float = 0.0  # the draft model's proposals (speculative_method=draft)
+    mask_s: float = 0.0  # structured output: the constrained rows' token masks (0 when none)
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
@@ -71,7 +81,7 @@ class StepStats:
 
     @property
     def overhead_s(self) -> float:
-        return self.schedule_s + self.draft_s + self.prepare_s + self.sample_s + self.update_s
+        return self.schedule_s + self.draft_s + self.mask_s + self.prepare_s + self.sample_s + self.update_s
 
 
 @dataclass
@@ -93,6 +103,12 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self._seq_ids = itertools.count()
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        vocab = self.model_config.vocab_size
+        self.grammars = GrammarCompiler(config.model, vocab, sorted(self.eos_token_ids))
+        self._compiling: dict[
+            str, tuple[Sequence, Future, float]
+        ] = {}  # request id -> (seq, matcher, deadline)
+        self._masks: MaskFiller | None = None  # built with the first constrained request
 
     def add_request(
         self,
@@ -123,19 +139,27 @@ class LLMEngine:
             token_ids=list(prompt_token_ids) + outputs,
         )
         self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        if params.constraint is None:
+            self.scheduler.add(seq)
+            return
+        deadline = time.monotonic() + self.config.grammar_compile_timeout_s
+        self._compiling[request_id] = (seq, self.grammars.compile(params.constraint), deadline)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request in any state; its final output (finish_reason "abort") comes from the next step."""
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
-        self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        if self._compiling.pop(request_id, None) is not None:  # never scheduled: no blocks
+            seq.transition(SequenceStatus.FINISHED_ABORTED)
+        else:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         self._aborted.append(self._output(seq, []))
         return True
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks, if any (joined, never orphaned). No step may follow."""
+        self.grammars.shutdown()
         self.runner.shutdown()
 
     def has_unfinished_requests(self) -> bool:
@@ -144,7 +168,7 @@ class LLMEngine:
     def load(self) -> EngineLoad:
         bm = self.block_manager
         return EngineLoad(
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self._compiling),
             num_running=len(self.scheduler.running),
             kv_blocks_used=bm.num_blocks - bm.num_free_blocks,
             kv_blocks_free=bm.num_free_blocks,
@@ -156,10 +180,13 @@ class LLMEngine:
         """Schedule, execute and apply one step: the requests that advanced or finished, and the timings."""
         outputs, self._aborted = self._aborted, []
         t0 = time.perf_counter()
+        outputs.extend(self._admit_compiled())
         self._propose()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         if sched.is_empty:
+            if self._compiling and not outputs:
+                wait([future for _, future, _ in self._compiling.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
             return StepResult(outputs, StepStats(schedule_s=t1 - t0))
         if self.config.speculative_method == "draft":
             drafting = [s for s in sched.scheduled if s.spec_token_ids]
@@ -167,6 +194,9 @@ class LLMEngine:
                 self.runner.propose_draft(drafting)
         t_draft = time.perf_counter()
         rows = [row for s in sched.scheduled if s.samples for row in self._sampling_rows(s)]
+        t_rows = time.perf_counter()
+        masked = self._constrain(sched, rows)
+        t_mask = time.perf_counter()
         result = self.runner.execute(sched, rows)
         t2 = time.perf_counter()
         new_outputs, accepted = self._update(sched, result.sampler_output)
@@ -180,6 +210,7 @@ class LLMEngine:
             num_spec_accepted=accepted,
             schedule_s=t1 - t0,
             draft_s=t_draft - t1,
+            mask_s=t_mask - t_rows if masked else 0.0,
             prepare_s=result.prepare_s,
             forward_s=result.forward_s,
             sample_s=result.sample_s,
@@ -206,7 +237,10 @@ class LLMEngine:
             if not speculate or room <= 0:
                 seq.spec_token_ids = []
             elif method == "ngram":
-                seq.spec_token_ids = propose_ngram(seq.token_ids, room)
+                proposal = propose_ngram(seq.token_ids, room)
+                if seq.grammar is not None:  # what the constraint rejects could never be accepted
+                    proposal = proposal[: seq.grammar.valid_prefix(proposal)]
+                seq.spec_token_ids = proposal
             else:
                 seq.spec_token_ids = [DRAFT_PLACEHOLDER] * room
 
@@ -220,11 +254,68 @@ class LLMEngine:
         for j in range(len(spec) + 1):
             banned: tuple[int, ...] = ()
             if seq.num_output_tokens + j < params.min_tokens:
-                eos = () if params.ignore_eos else tuple(self.eos_token_ids)
+                # Under a constraint EOS is the constraint's to allow, exactly when it is complete.
+                eos = () if params.ignore_eos or seq.grammar is not None else tuple(self.eos_token_ids)
                 banned = eos + tuple(params.stop_token_ids)
             output = seq.output_token_ids + spec[:j] if j else seq.output_token_ids
             rows.append(SamplingRow(params, seq.prompt_token_ids, output, banned))
         return rows
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedule the requests whose constraint compiled, each with its own matcher (advanced past the
+        tokens a resumed request brought); refuse those whose constraint failed or ran out of time."""
+        refused = []
+        now = time.monotonic()
+        for request_id, (seq, future, deadline) in list(self._compiling.items()):
+            if not future.done() and now < deadline:
+                continue
+            del self._compiling[request_id]
+            error = None
+            if not future.done():
+                error = (
+                    f"SamplingParams.{seq.params.constraint[0]} did not compile within grammar_compile_timeout_s "
+                    f"= {self.config.grammar_compile_timeout_s} s"
+                )
+            elif future.exception() is not None:
+                error = str(future.exception())
+            else:
+                seq.grammar = Grammar(future.result())
+                if not seq.grammar.consume(seq.output_token_ids):
+                    error = f"output_token_ids do not match the request's constraint: {seq.grammar.error}"
+            if error is None:
+                self.scheduler.add(seq)
+                continue
+            del self.requests[request_id]
+            seq.transition(SequenceStatus.FINISHED_ABORTED)
+            log.info("request_refused", request_id=request_id, error=error[:300])
+            refused.append(RequestOutput(request_id, [], None, error=error))
+        return refused
+
+    def _constrain(self, sched: SchedulerOutput, rows: list[SamplingRow]) -> bool:
+        """Give the rows of constrained requests their token bitmasks (False: no row is constrained): row j of a request with proposals
+        is masked as if its first j proposals had been accepted. Rows after a proposal the constraint
+        rejects keep no mask; their picks are never kept, since the pick at that proposal cannot equal it."""
+        entries, offsets, offset = [], [], 0
+        for item in sched.scheduled:
+            if not item.samples:
+                continue
+            grammar = item.seq.grammar
+            if grammar is not None:
+                spec = item.spec_token_ids
+                entries.append((grammar, spec[: grammar.valid_prefix(spec)]))
+                offsets.append(offset)
+            offset += 1 + len(item.spec_token_ids)
+        if not entries:
+            return False
+        if self._masks is None:
+            self._masks = MaskFiller(self.model_config.vocab_size, torch.get_num_threads())
+        bitmask = self._masks.fill(entries)
+        row = 0
+        for (_, accepted), offset in zip(entries, offsets):
+            for j in range(1 + len(accepted)):
+                rows[offset + j].token_bitmask = bitmask[row]
+                row += 1
+        return True
 
     def _update(self, sched: SchedulerOutput, sampler_out: SamplerOutput) -> tuple[list[RequestOutput], int]:
         """Apply the step: new tokens, finished requests, blocks for the prefix cache. Also returns how many
@@ -253,6 +344,8 @@ class LLMEngine:
                     seq.logprobs.append(logprob)
                     new_logprobs.append(logprob)
                 status = self._stop_status(seq, token)
+                if seq.grammar is not None and status is None:
+                    status = self._constraint_status(seq, token)
                 if status is not None or j == len(spec) or token != spec[j]:
                     break
                 accepted += 1
@@ -275,6 +368,17 @@ class LLMEngine:
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
+
+    @staticmethod
+    def _constraint_status(seq: Sequence, token: int) -> SequenceStatus | None:
+        """Advance the request's matcher; it stops once the constraint is complete with nothing to follow."""
+        if not seq.grammar.consume([token]):
+            # The mask allowed only tokens that min_tokens or stop_token_ids banned; nothing can follow.
+            log.warning(
+                "constraint_rejected_token", request_id=seq.request_id, token=token, error=seq.grammar.error
+            )
+            return SequenceStatus.FINISHED_STOPPED
+        return SequenceStatus.FINISHED_STOPPED if seq.grammar.is_stopped else None
 
     @staticmethod
     def _output(

@@ -299,6 +299,12 @@ class EngineLoop:
             request = self._in_flight.get(out.request_id)  # the engine's request id is our engine id
             if request is None:  # its connection closed; nobody is listening
                 continue
+            if out.error is not None:  # refused after it was queued (its constraint did not compile)
+                self._forget(request)
+                self._fail(
+                    request.connection, request.wire_id, worker_pb2.ERROR_CODE_INVALID_ARGUMENT, out.error
+                )
+                continue
             by_conn[request.connection].append(_update(request.wire_id, out))
             if out.finished:
                 self._forget(request)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import time
 import weakref
@@ -12,7 +13,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from nanovllm.common.config import EngineConfig
-from nanovllm.common.errors import ConfigError
+from nanovllm.common.errors import ConfigError, RequestError
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.worker.engine import LLMEngine
 
@@ -63,6 +64,15 @@ class LLM:
             raise ValueError(
                 f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; give one or one each"
             )
+        # Constraints compile before anything is queued, so one that does not compile raises here.
+        timeout = self.config.grammar_compile_timeout_s
+        for constraint in {p.constraint for p in sampling_params if p.constraint is not None}:
+            try:
+                self.engine.grammars.compile(constraint).result(timeout)
+            except concurrent.futures.TimeoutError:
+                raise RequestError(
+                    f"SamplingParams.{constraint[0]} did not compile within grammar_compile_timeout_s = {timeout} s"
+                ) from None
         ids = []
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             request_id = str(next(self._request_ids))
@@ -94,6 +104,8 @@ class LLM:
                 decode_tps = stats.num_decode_tokens / elapsed
             bar.set_postfix(Prefill=f"{prefill_tps:.0f}tok/s", Decode=f"{decode_tps:.0f}tok/s", refresh=False)
             for out in outputs:
+                if out.error is not None:
+                    raise RequestError(out.error)
                 entry = results.setdefault(
                     out.request_id, {"token_ids": [], "logprobs": [], "finish_reason": None}
                 )

@@ -186,6 +186,7 @@ class ModelRunner:
             log.info("attention_backend_selected", backend=self.kernel_backend, reason=choice.reason)
         kernels = choice.backend.kernels if isinstance(choice.backend, CpuKernelAttention) else None
         self.model.bind_kernels(choice.backend, kernels)
+        self.sampler.cpu_kernels = kernels
         if self.draft is not None:
             self.draft.model.bind_kernels(choice.backend, kernels)
 

@@ -1,8 +1,9 @@
 """Turns a batch of next-token logits into chosen tokens (and optional logprobs).
 
-Order of operations, per row: banned ids -> penalties -> greedy argmax, or
-temperature -> top-k -> top-p -> min-p -> sample. Logprobs always describe the
-model's raw distribution, so they are computed from the untouched input logits.
+Order of operations, per row: constraint mask -> banned ids -> penalties -> greedy
+argmax, or temperature -> top-k -> top-p -> min-p -> sample. Logprobs describe the
+model's raw distribution, so they are computed from the input logits, after only the
+constraint mask (a constrained request's logprobs are those of its allowed tokens).
 
 Sampling uses the "exponential race": argmax(p / q) with q ~ Exp(1) i.i.d. picks
 token i with probability p_i. A seeded request draws the q of its n-th output token
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import xxhash
@@ -44,6 +46,9 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     # Logits forced to -inf this step (e.g. EOS/stop ids while below min_tokens).
     banned_token_ids: Sequence[int] = ()
+    # Structured output: int32 [ceil(vocab / 32)], bit t % 32 of word t // 32 set where token t is allowed
+    # (worker/structured_output.py); None: every token is.
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -102,6 +107,28 @@ def _padded(seqs: Sequence[Sequence[int]], pad: int, vocab: int, what: str) -> t
     width = max((len(s) for s in seqs), default=0)
     out = torch.tensor([[*s, *([pad] * (width - len(s)))] for s in seqs], dtype=torch.long)
     return out.reshape(len(seqs), width)
+
+
+def _masked(logits: torch.Tensor, rows: Sequence[SamplingRow], kernels: ModuleType | None) -> torch.Tensor:
+    """`logits`, or a float32 copy with the tokens each row's token_bitmask disallows at -inf (by the C++
+    kernel on a CPU when given: unpacking the bits into a tensor costs as much as the rest of sampling)."""
+    idx = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
+    if not idx:
+        return logits
+    batch, vocab = logits.shape
+    bits = to_device(torch.stack([rows[i].token_bitmask for i in idx]), logits.device)
+    if kernels is not None and logits.device.type == "cpu":
+        work = logits.to(torch.float32, copy=True)
+        kernels.apply_token_bitmask_(work, bits, torch.tensor(idx, dtype=torch.long))
+        return work
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
+    work = logits.to(torch.float32, copy=True)
+    if len(idx) == batch:
+        return work.masked_fill_(~allowed, _NEG_INF)
+    index = _index(idx, logits.device)
+    work[index] = work[index].masked_fill_(~allowed, _NEG_INF)
+    return work
 
 
 def _ban_(work: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -239,11 +266,11 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
 def filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """The [batch, vocab] distribution each row's next token is drawn from.
 
-    Random rows get bans, penalties, temperature and the top-k/top-p/min-p filters;
+    Random rows get the constraint mask, bans, penalties, temperature and the top-k/top-p/min-p filters;
     greedy rows get a one-hot at their argmax. Mainly for tests and debugging.
     """
     _check_batch(logits, rows)
-    work = _prepared(logits, rows)
+    work = _prepared(_masked(logits, rows, None), rows)
     batch = len(rows)
     probs = torch.zeros_like(work)
     greedy = [i for i, r in enumerate(rows) if r.params.temperature == 0.0]
@@ -260,9 +287,10 @@ def filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
 class Sampler:
     """Chooses one token per logits row following each row's SamplingParams."""
 
-    def __init__(self, generator: torch.Generator | None = None):
+    def __init__(self, generator: torch.Generator | None = None, cpu_kernels: ModuleType | None = None):
         # Engine-wide generator for rows without their own seed (None: torch's default RNG).
         self.generator = generator
+        self.cpu_kernels = cpu_kernels  # the C++ kernels (kernels/cpu_kernels.py) for the constraint masks
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         _check_batch(logits, rows)
@@ -270,6 +298,7 @@ class Sampler:
         if batch == 0:
             return SamplerOutput(token_ids=[], logprobs=[])
         params = [r.params for r in rows]
+        logits = _masked(logits, rows, self.cpu_kernels)
 
         # Hot path: plain greedy decoding needs nothing but an argmax.
         if all(
@@ -344,6 +373,7 @@ def _with_logprobs(
         out[i] = TokenLogprobs(
             token_id=token_ids[i],
             logprob=chosen_host[j],
-            top=[(int(t), v) for t, v in zip(row_ids, row_vals)],
+            # Tokens a constraint disallows (logprob -inf) are not among the most likely.
+            top=[(int(t), v) for t, v in zip(row_ids, row_vals) if v != _NEG_INF],
         )
     return SamplerOutput(token_ids=token_ids, logprobs=out)

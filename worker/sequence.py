@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from nanovllm.common.errors import InvalidStateTransition
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.worker.sampler import TokenLogprobs
+from nanovllm.worker.structured_output import Grammar
 
 
 class FinishReason(str, enum.Enum):
@@ -62,6 +63,7 @@ class Sequence:
     # sequence until the step verifies them.
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0  # tokens whose KV the draft model holds (worker/draft.py)
+    grammar: Grammar | None = None  # structured output: where the request is in its constraint
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -1,0 +1,163 @@
+"""Structured output: a request's constraint (SamplingParams.constraint) compiled into a grammar, and a
+matcher per request that says which tokens may come next.
+
+llguidance does the work (why it and not xgrammar: README, "Structured output"): it compiles JSON
+Schema, regex and Lark grammars against the model's tokenizer in about a millisecond and computes a
+step's token masks in parallel outside the GIL. Compilation runs on a thread of its own, cached by the
+constraint, so the engine thread never waits on it; each request advances its own copy of the compiled
+matcher with the tokens it keeps. The masks are bitmasks (one bit per token of the logits' vocabulary)
+that the sampler applies to the logits before anything else (worker/sampler.py).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from nanovllm.common.errors import RequestError
+from nanovllm.common.logging import get_logger
+
+log = get_logger(__name__)
+
+# Compiled constraints kept for reuse (a few KB to a few MB each); the least recently used goes first.
+CACHE_SIZE = 256
+
+
+def grammar_text(kind: str, spec: str) -> str:
+    """The llguidance grammar for a constraint (kind, spec) as SamplingParams.constraint gives it."""
+    from llguidance import LLMatcher
+
+    if kind == "json_schema":
+        return LLMatcher.grammar_from_json_schema(spec)
+    if kind == "json_object":
+        return LLMatcher.grammar_from_json_schema('{"type": "object"}')
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(spec)
+    if kind == "grammar":
+        return LLMatcher.grammar_from_lark(spec)
+    if kind == "choice":  # Lark string literals take JSON's escapes, so any text is one literal
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(spec)))
+    raise ValueError(f"unknown constraint kind {kind!r}")
+
+
+class GrammarCompiler:
+    """Compiles constraints into fresh llguidance matchers off the calling thread, each constraint once.
+
+    The tokenizer is read from the model directory on first use (about a second), so a worker that never
+    sees a constraint never pays for it.
+    """
+
+    def __init__(self, model: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.model = model
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._pool: ThreadPoolExecutor | None = None
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._tokenizer = None
+        self._lock = threading.Lock()  # the cache is touched by the caller and by finished compilations
+
+    def compile(self, constraint: tuple[str, str]) -> Future:
+        """A future of the compiled matcher (never advanced: copy it per request), or of the RequestError
+        that names what is wrong with the constraint."""
+        with self._lock:
+            future = self._cache.get(constraint)
+            if future is not None:
+                self._cache.move_to_end(constraint)
+                return future
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+            future = self._pool.submit(self._compile, *constraint)
+            self._cache[constraint] = future
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+            return future
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, kind: str, spec: str):
+        from llguidance import LLMatcher
+
+        try:
+            grammar = grammar_text(kind, spec)
+        except ValueError as exc:  # llguidance: the schema is not JSON
+            raise RequestError(f"SamplingParams.{kind} does not compile: {exc}") from None
+        matcher = LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise RequestError(f"SamplingParams.{kind} does not compile: {matcher.get_error()}")
+        return matcher
+
+    def _llg_tokenizer(self):
+        if self._tokenizer is None:
+            import llguidance.hf
+            from transformers import AutoTokenizer
+
+            try:
+                hf_tokenizer = AutoTokenizer.from_pretrained(self.model)
+            except (OSError, ValueError) as exc:
+                raise RequestError(
+                    f"structured output needs the model's tokenizer, and {self.model} has none usable: {exc}"
+                ) from None
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+            )
+            log.info("grammar_tokenizer_loaded", model=self.model, vocab_size=self.vocab_size)
+        return self._tokenizer
+
+
+class Grammar:
+    """One request's position in its constraint: advanced by each token the request keeps."""
+
+    def __init__(self, compiled) -> None:
+        self.matcher = compiled.deep_copy()
+
+    def consume(self, token_ids: list[int]) -> bool:
+        """Advance past `token_ids`; False (the matcher then unusable) when the constraint rejects one."""
+        return self.matcher.consume_tokens(token_ids)
+
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of `token_ids`, in order, the constraint accepts from here (nothing is consumed)."""
+        return self.matcher.validate_tokens(token_ids) if token_ids else 0
+
+    @property
+    def is_stopped(self) -> bool:
+        """Complete, and nothing can follow: the request ends here."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error()
+
+
+class MaskFiller:
+    """Fills one step's token bitmasks for every constrained row at once, on llguidance's threads."""
+
+    def __init__(self, vocab_size: int, num_threads: int) -> None:
+        from llguidance import LLExecutor
+
+        self.words = (vocab_size + 31) // 32
+        self._executor = LLExecutor(num_threads)
+
+    def fill(self, entries: list[tuple[Grammar, list[int]]]) -> torch.Tensor:
+        """int32 [sum of (1 + len(tokens)), words]: for each (grammar, tokens), the mask now and after each
+        of `tokens` (which the grammar must accept), in the order given."""
+        rows = sum(1 + len(tokens) for _, tokens in entries)
+        bitmask = torch.empty((rows, self.words), dtype=torch.int32)
+        plain, with_tokens, row = [], [], 0
+        for grammar, tokens in entries:
+            if tokens:
+                with_tokens.append((grammar.matcher, row, list(tokens)))
+            else:
+                plain.append((grammar.matcher, row))
+            row += 1 + len(tokens)
+        pointer, size = bitmask.data_ptr(), self.words * 4
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(plain, pointer, size, rows)
+        if with_tokens:
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(with_tokens, pointer, size, rows)
+        return bitmask
