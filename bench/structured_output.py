@@ -9,8 +9,8 @@ ratio, and the engine's mask time per step (LLMEngine._constrain: llguidance's m
 constrained rows).
 
 **Libraries** (--libraries): llguidance and, when installed, xgrammar on the same schemas: compile time
-per schema, and the time to compute and apply one step's masks at batch 1 and 64 while walking a valid
-answer, on SmolLM2's vocabulary (49,152) and, with --qwen-tiktoken FILE (Qwen's 151,643 BPE ranks, e.g.
+per schema, and the time to compute one step's masks at batch 1 and 64 while walking a valid answer (the
+masks' application to the logits is the engine's own, the same for both), on SmolLM2's vocabulary (49,152) and, with --qwen-tiktoken FILE (Qwen's 151,643 BPE ranks, e.g.
 `dashscope/resources/qwen.tiktoken` from PyPI's dashscope wheel), on Qwen's 151,936-token vocabulary.
 
     .venv/bin/python -m bench.structured_output [--rounds 2] [--libraries] [--qwen-tiktoken FILE]
@@ -169,7 +169,7 @@ def libraries(qwen_tiktoken: Path | None) -> None:
         vocabularies.append(("Qwen", QWEN_VOCAB, lltok, qwen.greedy_ids, xinfo))
     answers = [json.dumps(example) for example in EXAMPLES]
     print(
-        "| vocabulary | library | compile ms (median over schemas) | mask+apply ms per step, batch 1 | batch 64 |"
+        "| vocabulary | library | compile ms (median over schemas) | mask ms per step, batch 1 | batch 64 |"
     )
     print("|---|---|---:|---:|---:|")
     for name, vocab, lltok, encode, xinfo in vocabularies:
@@ -196,46 +196,39 @@ def libraries(qwen_tiktoken: Path | None) -> None:
                   f"{statistics.median(one) * 1e3:.3f} | {statistics.median(many) * 1e3:.2f} |")  # fmt: skip
 
 
-def _apply(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """The engine's own mask application (worker/sampler.py), for both libraries alike."""
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, : logits.shape[1]].bool()
-    logits.masked_fill_(~allowed, float("-inf"))
-
-
 def _walk_llguidance(matchers: list, ids: list[int], vocab: int) -> float:
-    """Seconds per step to fill and apply every matcher's mask, then advance them all by the answer's
-    next token, over the whole answer (llguidance's own parallel executor, as the engine uses it)."""
+    """Seconds per step to fill every matcher's mask (llguidance's parallel executor, as the engine uses
+    it), over the whole answer; the matchers then advance by the answer's next token (not timed)."""
     import llguidance
 
     executor = llguidance.LLExecutor(torch.get_num_threads())
     words = (vocab + 31) // 32
     bitmask = torch.empty((len(matchers), words), dtype=torch.int32)
-    logits = torch.zeros(len(matchers), vocab)
-    start = time.perf_counter()
+    jobs = [(m, i) for i, m in enumerate(matchers)]
+    elapsed = 0.0
     for token in ids:
-        executor.unsafe_compute_mask_ptr(
-            [(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), words * 4, len(matchers)
-        )
-        _apply(logits, bitmask)
+        start = time.perf_counter()
+        executor.unsafe_compute_mask_ptr(jobs, bitmask.data_ptr(), words * 4, len(matchers))
+        elapsed += time.perf_counter() - start
         for m in matchers:
             if not m.consume_token(token):
                 raise SystemExit(f"llguidance rejected token {token}: {m.get_error()}")
-    return (time.perf_counter() - start) / len(ids)
+    return elapsed / len(ids)
 
 
 def _walk_xgrammar(xgrammar, matchers: list, ids: list[int], vocab: int) -> float:
+    """As _walk_llguidance, with xgrammar's matchers (filled one after another, its Python API)."""
     bitmask = xgrammar.allocate_token_bitmask(len(matchers), vocab)
-    logits = torch.zeros(len(matchers), vocab)
-    start = time.perf_counter()
+    elapsed = 0.0
     for token in ids:
+        start = time.perf_counter()
         for i, m in enumerate(matchers):
             m.fill_next_token_bitmask(bitmask, i)
-        _apply(logits, bitmask)
+        elapsed += time.perf_counter() - start
         for m in matchers:
             if not m.accept_token(token):
                 raise SystemExit(f"xgrammar rejected token {token}")
-    return (time.perf_counter() - start) / len(ids)
+    return elapsed / len(ids)
 
 
 # One valid answer per acceptance schema (SCHEMAS' order), walked token by token.
