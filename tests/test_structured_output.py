@@ -218,15 +218,15 @@ def _same(a: list[dict], b: list[dict]) -> None:
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_constrained_batch_unchanged_by_speculation_preemption_and_chunking(model_dirs, kernels, arch):
     """The batch's constrained requests match their constraints, and every request's tokens (and logprobs
-    within 1e-4) are the same with n-gram speculation, under preemption (a KV cache of a few blocks) and
+    within 1e-4) are the same with n-gram and draft-model speculation, under preemption (a KV cache of a few blocks) and
     chunked prefill (16-token chunks), with prefix caching, as in a roomy plain run."""
     model = model_dirs[arch]
     plain = _run(model, enable_prefix_caching=False)
     _check_constraints(plain)
-    bystanders = [_run(model, enable_prefix_caching=False)]  # constraints beside them change nothing
-    assert [o["token_ids"] for o in plain] == [o["token_ids"] for o in bystanders[0]]
     speculative = _run(model, speculative_method="ngram", num_speculative_tokens=4, speculative_max_batch=8)
     _same(speculative, plain)
+    drafted = _run(model, speculative_method="draft", speculative_model=str(model), speculative_max_batch=8)
+    _same(drafted, plain)  # the model drafting for itself
     shape = ModelConfig.from_pretrained_dir(model)
     per_block = kv_bytes_per_block(shape, 4, shape.num_key_value_heads, 4)
     # 24 blocks of 4 tokens: one sequence of max_model_len 96, a fraction of the batch's ~250 tokens.

@@ -105,9 +105,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         vocab = self.model_config.vocab_size
         self.grammars = GrammarCompiler(config.model, vocab, sorted(self.eos_token_ids))
-        self._compiling: dict[
-            str, tuple[Sequence, Future, float]
-        ] = {}  # request id -> (seq, matcher, deadline)
+        # Requests waiting for their constraint: request id -> (sequence, compiled matcher, deadline).
+        self._compiling: dict[str, tuple[Sequence, Future, float]] = {}
         self._masks: MaskFiller | None = None  # built with the first constrained request
 
     def add_request(
@@ -292,9 +291,10 @@ class LLMEngine:
         return refused
 
     def _constrain(self, sched: SchedulerOutput, rows: list[SamplingRow]) -> bool:
-        """Give the rows of constrained requests their token bitmasks (False: no row is constrained): row j of a request with proposals
-        is masked as if its first j proposals had been accepted. Rows after a proposal the constraint
-        rejects keep no mask; their picks are never kept, since the pick at that proposal cannot equal it."""
+        """Give the rows of constrained requests their token bitmasks; False when no row is constrained.
+        Row j of a request with proposals is masked as if its first j proposals had been accepted. Rows
+        after a proposal the constraint rejects keep no mask: their picks are never kept, since the pick at
+        that proposal cannot equal it."""
         entries, offsets, offset = [], [], 0
         for item in sched.scheduled:
             if not item.samples:

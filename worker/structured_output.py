@@ -12,7 +12,6 @@ that the sampler applies to the logits before anything else (worker/sampler.py).
 from __future__ import annotations
 
 import json
-import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -46,6 +45,7 @@ def grammar_text(kind: str, spec: str) -> str:
 
 class GrammarCompiler:
     """Compiles constraints into fresh llguidance matchers off the calling thread, each constraint once.
+    Called from one thread (the engine's); the compilations run one at a time on a thread of their own.
 
     The tokenizer is read from the model directory on first use (about a second), so a worker that never
     sees a constraint never pays for it.
@@ -57,24 +57,22 @@ class GrammarCompiler:
         self.eos_token_ids = list(eos_token_ids)
         self._pool: ThreadPoolExecutor | None = None
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
-        self._tokenizer = None
-        self._lock = threading.Lock()  # the cache is touched by the caller and by finished compilations
+        self._tokenizer = None  # llguidance's, built by the compile thread on first use
 
     def compile(self, constraint: tuple[str, str]) -> Future:
         """A future of the compiled matcher (never advanced: copy it per request), or of the RequestError
         that names what is wrong with the constraint."""
-        with self._lock:
-            future = self._cache.get(constraint)
-            if future is not None:
-                self._cache.move_to_end(constraint)
-                return future
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
-            future = self._pool.submit(self._compile, *constraint)
-            self._cache[constraint] = future
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+        future = self._cache.get(constraint)
+        if future is not None:
+            self._cache.move_to_end(constraint)
             return future
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        future = self._pool.submit(self._compile, *constraint)
+        self._cache[constraint] = future
+        while len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return future
 
     def shutdown(self) -> None:
         if self._pool is not None:
