@@ -117,13 +117,12 @@ def _masked(logits: torch.Tensor, rows: Sequence[SamplingRow], kernels: ModuleTy
         return logits
     batch, vocab = logits.shape
     bits = to_device(torch.stack([rows[i].token_bitmask for i in idx]), logits.device)
+    work = logits.to(torch.float32, copy=True)
     if kernels is not None and logits.device.type == "cpu":
-        work = logits.to(torch.float32, copy=True)
         kernels.apply_token_bitmask_(work, bits, torch.tensor(idx, dtype=torch.long))
         return work
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bits.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
-    work = logits.to(torch.float32, copy=True)
     if len(idx) == batch:
         return work.masked_fill_(~allowed, _NEG_INF)
     index = _index(idx, logits.device)
