@@ -1,17 +1,20 @@
-"""PyTorch's weight-only quantized matmuls against the 16/32-bit ones, at SmolLM2-135M's projection shapes
-and the engine's step sizes (issue 29's first measurement: which kernels the engine could use as shipped).
+"""Weight-only quantized matmuls against the 16/32-bit ones at SmolLM2-135M's projection shapes and the
+engine's step sizes: PyTorch's shipped ops and the engine's own kernel, which the engine runs only where it
+beats them.
 
 For each row count M, one decode step's projections (q/k/v, o, gate/up, down of 30 layers; 540 MB of
 float32 weights, read from memory as in the model) run as:
-  - `F.linear` in the model's dtype (float32, and bfloat16),
-  - the engine's few-rows kernel (kernels/csrc/linear_cpu.cpp) where M <= 16,
-  - `torch._weight_int8pack_mm` (int8, one scale per output channel),
-  - `torch._weight_int4pack_mm_for_cpu` (int4, groups of 32 along K with a scale and a zero point each).
-The calls alternate, so drift falls on all alike; the table gives median milliseconds per step.
+  - `F.linear` in float32 and bfloat16, and the engine's few-rows kernel (kernels/csrc/linear_cpu.cpp) in
+    both where M <= 16 (the engine's float path),
+  - `torch._weight_int8pack_mm` (int8, one scale per output channel) and
+    `torch._weight_int4pack_mm_for_cpu` (int4, groups of 32 along K with a scale and a zero point each),
+    up to 64 rows (on an AVX2 CPU they take about a minute per step at 512),
+  - the engine's `linear_quantized` (kernels/csrc/linear_quantized_cpu.cpp) on the same two formats:
+    int8 per channel, int4 in groups of 32 with a scale and a min (float16) each.
+x is float32 for all but the bfloat16 columns. The calls alternate, so drift falls on all alike; the
+table gives median milliseconds per step.
 
-    .venv/bin/python -m bench.quantized_matmul [--rows 1 8 64] [--repeat 15]
-
-(512 rows is left out by default: on an AVX2 CPU the int8/int4 ops take about a minute per step there.)
+    .venv/bin/python -m bench.quantized_matmul [--rows 1 8 64 512] [--repeat 15]
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.report import machine_description
-from nanovllm.kernels.cpu_kernels import load_cpu_kernels
+from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX, load_cpu_kernels
+from nanovllm.worker.layers.quantization import PackedWeight, QuantScheme
 
 HIDDEN, INTERMEDIATE, QKV, LAYERS, GROUP = 576, 1536, 576 + 2 * 192, 30, 32
 SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]  # (N, K)
@@ -52,7 +56,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 512])
     parser.add_argument("--repeat", type=int, default=15)
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -60,13 +64,21 @@ def main() -> None:
     bf16 = [w.to(torch.bfloat16) for w in weights]
     q8 = [int8_weight(w) for w in weights]
     q4 = [int4_weight(w) for w in weights]
+    schemes = {"int8": QuantScheme("int8", 8, None), "int4": QuantScheme("int4", 4, GROUP)}
+    ours = {
+        name: [PackedWeight(*w.shape, scheme, "bench").quantize_(w) for w in weights]
+        for name, scheme in schemes.items()
+    }
     kernels = load_cpu_kernels()
+    if kernels is None:
+        raise SystemExit("the C++ CPU kernels did not build here (see the cpu_kernels_unavailable warning)")
     print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {machine_description()}")
     print(f"SmolLM2-135M's 30 layers of projections per step, median ms of {args.repeat}\n")
     print(
-        "| rows | float32 F.linear | float32 few-rows kernel | bfloat16 F.linear | int8 | int4 (group 32) |"
+        "| rows | float32 F.linear | float32 few-rows | bfloat16 F.linear | bfloat16 few-rows "
+        "| torch int8 | torch int4 | ours int8 | ours int4 |"
     )
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for rows in args.rows:
         x32 = torch.randn(rows, max(HIDDEN, INTERMEDIATE), generator=gen)
         x16 = x32.to(torch.bfloat16)
@@ -78,14 +90,25 @@ def main() -> None:
 
             return one_step
 
+        def packed(name: str) -> Callable[[torch.Tensor, int], object]:
+            def call(x: torch.Tensor, i: int) -> object:
+                p = ours[name][i]
+                return kernels.linear_quantized(x, p.qweight, p.scales, p.mins, p.bits, p.group_size, None)
+
+            return call
+
+        few, torch_ops = rows <= FEW_ROWS_MAX, rows <= 64
         cases = {
             "f32": step(lambda x, i: F.linear(x, weights[i]), x32),
-            "few": step(lambda x, i: kernels.linear_few_rows(x, weights[i], None), x32)
-            if kernels is not None and rows <= 16
-            else None,
+            "few": step(lambda x, i: kernels.linear_few_rows(x, weights[i], None), x32) if few else None,
             "bf16": step(lambda x, i: F.linear(x, bf16[i]), x16),
-            "int8": step(lambda x, i: torch._weight_int8pack_mm(x, *q8[i]), x32),
-            "int4": step(lambda x, i: torch._weight_int4pack_mm_for_cpu(x, q4[i][0], GROUP, q4[i][1]), x32),
+            "few16": step(lambda x, i: kernels.linear_few_rows(x, bf16[i], None), x16) if few else None,
+            "int8": step(lambda x, i: torch._weight_int8pack_mm(x, *q8[i]), x32) if torch_ops else None,
+            "int4": step(lambda x, i: torch._weight_int4pack_mm_for_cpu(x, q4[i][0], GROUP, q4[i][1]), x32)
+            if torch_ops
+            else None,
+            "ours8": step(packed("int8"), x32),
+            "ours4": step(packed("int4"), x32),
         }
         runs = {name: run for name, run in cases.items() if run is not None}
         times: dict[str, list[float]] = {name: [] for name in runs}
@@ -95,9 +118,8 @@ def main() -> None:
                 run()
                 times[name].append(time.perf_counter() - start)
         cell = {name: f"{statistics.median(t) * 1e3:.1f}" for name, t in times.items()}
-        print(
-            f"| {rows} | {cell['f32']} | {cell.get('few', '')} | {cell['bf16']} | {cell['int8']} | {cell['int4']} |"
-        )
+        columns = ["f32", "few", "bf16", "few16", "int8", "int4", "ours8", "ours4"]
+        print(f"| {rows} | " + " | ".join(cell.get(name, "-") for name in columns) + " |")
 
 
 if __name__ == "__main__":

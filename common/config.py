@@ -155,6 +155,7 @@ class ModelConfig:
 DEFAULT_CPU_KV_CACHE = "2GiB"
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_kernel", "triton", "flash_attn")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -164,7 +165,8 @@ class EngineConfig:
 
     model: str = option(
         help="Hugging Face model directory (config.json + safetensors) or a .gguf file; default: the "
-        "embedded SmolLM2-135M-Instruct (GGUF, converted once into ~/.cache/nanovllm/gguf)"
+        "embedded SmolLM2-135M-Instruct (GGUF; its configuration and tokenizer converted once into "
+        "~/.cache/nanovllm/gguf)"
     )
     max_model_len: int = option(4096, help="longest prompt + output, in tokens")
     max_num_seqs: int = option(256, help="most requests in one batch")
@@ -226,6 +228,16 @@ class EngineConfig:
         help="seconds a structured-output constraint may take to compile (on its own thread) before its "
         "request fails with INVALID_ARGUMENT",
     )
+    quantization: str = option(
+        "auto",
+        help="weights of the linear layers: none (the model's dtype), int8 (per output channel), int4 "
+        "(groups of --quantization-group-size input features with a scale and a min); auto: a GGUF's "
+        "Q8_0/Q4_0/Q4_1 tensors as they ship, none for a Hugging Face directory (docs/quantization.md)",
+    )
+    quantization_group_size: int = option(
+        32, help="input features per int4 scale: a multiple of 32 that divides every layer's input features"
+    )
+    gguf_file: str | None = field(default=None, repr=False)  # the .gguf `model` was converted from, if any
     hf_config: ModelConfig | None = field(default=None, repr=False)
     draft_hf_config: ModelConfig | None = field(default=None, repr=False)  # speculative_model's shape
 
@@ -262,6 +274,14 @@ class EngineConfig:
             )
         if not self.grammar_compile_timeout_s > 0:
             raise ConfigError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
+        if self.quantization_group_size < 32 or self.quantization_group_size % 32:
+            raise ConfigError(
+                f"quantization_group_size must be a positive multiple of 32, got {self.quantization_group_size}"
+            )
         if self.speculative_max_batch < 1:
             raise ConfigError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
         if self.hf_config is None:
@@ -270,6 +290,13 @@ class EngineConfig:
         # Positions beyond the model's trained range are meaningless; clamp (as nano-vllm does) so the
         # 4096 default works for small models. `LLM.config.max_model_len` holds the effective value.
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+
+    @property
+    def weight_format(self) -> str:
+        """What the linear layers hold: none, int8, int4, or gguf (a GGUF file's tensors as they ship)."""
+        if self.quantization != "auto":
+            return self.quantization
+        return "gguf" if self.gguf_file is not None else "none"
 
     def _check_draft(self) -> None:
         """speculative_model goes with speculative_method=draft, on one rank, with the model's vocabulary."""

@@ -15,6 +15,7 @@ where transformers rounds (see the .cpp header). bench/cpu_kernels.py times each
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import subprocess
 import time
@@ -27,9 +28,15 @@ from nanovllm.common.logging import get_logger
 
 log = get_logger(__name__)
 
+_CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [
-    Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention_cpu.cpp", "linear_cpu.cpp", "token_bitmask_cpu.cpp")
+    _CSRC / name
+    for name in (
+        "paged_attention_cpu.cpp",
+        "linear_cpu.cpp",
+        "linear_quantized_cpu.cpp",
+        "token_bitmask_cpu.cpp",
+    )
 ]
 _NAME = "nanovllm_paged_attention_cpu"
 # Model dtypes the model runner binds the kernels for (PyTorch for any other): those where they beat the
@@ -56,6 +63,15 @@ def _build_directory() -> Path:
     return path
 
 
+def _headers_digest() -> str:
+    """A hash of the shared headers: torch's builder rebuilds when a source or a flag changes but does not
+    look at headers, so their digest goes into the flags."""
+    digest = hashlib.sha256()
+    for header in sorted(_CSRC.glob("*.h")):
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 @functools.cache
 def load_cpu_kernels() -> ModuleType | None:
     """The compiled module, or None (with a warning) when it cannot be built on this machine."""
@@ -66,7 +82,7 @@ def load_cpu_kernels() -> ModuleType | None:
             name=_NAME,
             sources=[str(source) for source in _SOURCES],
             build_directory=str(_build_directory()),
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DNANOVLLM_HEADERS={_headers_digest()}"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

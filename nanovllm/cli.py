@@ -57,15 +57,6 @@ def _announce(what: str) -> Callable[[str, str], None]:
     return announce
 
 
-def resolve_model(model: str | None) -> str:
-    """The model directory to load: as given, converted from GGUF (once, cached), or the embedded model."""
-    if model is not None and not model.endswith(".gguf"):
-        return model
-    from nanovllm.worker.gguf import embedded_model_path, prepare_gguf
-
-    return str(prepare_gguf(Path(model) if model else embedded_model_path()))
-
-
 def _run_server(what: str, serve: Callable[..., Coroutine[Any, Any, int | None]], *configs: Any) -> int:
     """Run a server's coroutine until SIGTERM or Ctrl-C; a port that is taken is one line, not a traceback."""
     from nanovllm.common.serving import stop_event_on_signals
@@ -80,15 +71,18 @@ def _run_server(what: str, serve: Callable[..., Coroutine[Any, Any, int | None]]
 
 
 def run_worker(options: dict[str, Any]) -> int:
+    from nanovllm.worker.gguf import resolve_model
     from nanovllm.worker.server import serve_worker
 
     build(LogConfig, options).apply()
     draft = options["speculative_model"]
+    model, gguf_file = resolve_model(options["model"])
     engine = build(
         EngineConfig,
         options,
-        model=resolve_model(options["model"]),
-        speculative_model=draft and resolve_model(draft),
+        model=model,
+        gguf_file=gguf_file,
+        speculative_model=draft and resolve_model(draft)[0],
     )
     return _run_server("worker", serve_worker, engine, build(WorkerServerConfig, options))
 

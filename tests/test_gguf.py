@@ -254,8 +254,9 @@ def test_tokenizer_digits(ours_tokenizer, hf_gguf_tokenizer) -> None:
 
 def test_serve_without_model_answers_paris(gguf_path: Path, kernels, tmp_path: Path) -> None:
     """`nanovllm serve` with no --model serves the embedded model in the machine's default dtype (bf16
-    on a CPU with native bf16), says which and why at startup and in the model info, and `nanovllm
-    client` (a chat by default) streams an answer to "What is the capital of France?" that names Paris."""
+    on a CPU with native bf16) with its GGUF weights as they ship, says which and why at startup and in
+    the model info, and `nanovllm client` (a chat by default) streams an answer to "What is the capital
+    of France?" that names Paris."""
     expected = resolve_placement("auto", "auto")
     log_path = tmp_path / "serve.log"
     with log_path.open("w") as log_file:
@@ -296,6 +297,15 @@ def test_serve_without_model_answers_paris(gguf_path: Path, kernels, tmp_path: P
             json.loads(line) for line in log_path.read_text().splitlines() if "dtype_selected" in line
         ]
         assert [(e["dtype"], e["reason"]) for e in selected] == [(expected.dtype_name, expected.reason)]
+        # quantization=auto serves the GGUF as it ships: 30 layers x 4 Q4_1 projections, the Q8_0 embedding
+        # (the tied LM head); 270 MB in bf16, under 110 MB as held
+        (quantized,) = [
+            json.loads(line) for line in log_path.read_text().splitlines() if "weights_quantized" in line
+        ]
+        assert quantized["types"] == {"Q4_1": 120, "Q8_0": 1} and quantized["weight_bytes"] <= 110e6, (
+            quantized
+        )
+        assert quantized["kernel"] == "linear_quantized (C++)"
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=60) == 0
     finally:

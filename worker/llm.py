@@ -16,6 +16,7 @@ from nanovllm.common.config import EngineConfig
 from nanovllm.common.errors import ConfigError, RequestError
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.worker.engine import LLMEngine
+from nanovllm.worker.gguf import resolve_model
 
 
 def load_tokenizer(model_dir: str | Path) -> Any | None:
@@ -30,15 +31,23 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
 
 class LLM:
     def __init__(self, model: str, **kwargs: Any) -> None:
-        known = {f.name for f in fields(EngineConfig)} - {"model", "hf_config", "draft_hf_config"}
+        known = {f.name for f in fields(EngineConfig)} - {
+            "model",
+            "gguf_file",
+            "hf_config",
+            "draft_hf_config",
+        }
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ConfigError(f"unknown LLM arguments {unknown}; accepted: {sorted(known)}")
-        self.config = EngineConfig(model=model, **kwargs)
+        model_dir, gguf_file = resolve_model(model)
+        if kwargs.get("speculative_model"):
+            kwargs["speculative_model"] = resolve_model(kwargs["speculative_model"])[0]
+        self.config = EngineConfig(model=model_dir, gguf_file=gguf_file, **kwargs)
         self.engine = LLMEngine(self.config)
         # Tensor-parallel ranks stop when this LLM is collected or the interpreter exits, if not before.
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
-        self.tokenizer = load_tokenizer(model)
+        self.tokenizer = load_tokenizer(model_dir)
         self._request_ids = itertools.count()
 
     def shutdown(self) -> None:

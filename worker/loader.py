@@ -1,15 +1,17 @@
-"""Load Hugging Face safetensors checkpoints (single file or sharded) into a nanovllm model.
+"""Load checkpoints into a nanovllm model: Hugging Face safetensors (single file or sharded) here, a GGUF
+file's tensors as they ship through worker/gguf.py, both by `load_tensors`.
 
-Files are memory-mapped; each parameter's `weight_loader` reads only this rank's slice of a tensor
-(CheckpointTensor.narrow), and fuses q/k/v and gate/up projections into the packed parameters the model
-declares.
+Files are memory-mapped; each weight's `weight_loader` reads only this rank's slice of a tensor
+(CheckpointTensor.narrow), and fuses q/k/v and gate/up projections into the fused weights the model
+declares (float parameters or PackedWeights, worker/layers/quantization.py).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -17,8 +19,20 @@ from torch import nn
 
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
+from nanovllm.worker.layers.quantization import PackedWeight, assign
 
 log = get_logger(__name__)
+
+
+class LoadableTensor(Protocol):
+    """What a weight_loader reads: a checkpoint tensor's shape, all of it, or a slice along one dim."""
+
+    name: str
+    shape: torch.Size
+
+    def read(self) -> torch.Tensor | PackedWeight: ...
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor | PackedWeight: ...
 
 
 class CheckpointTensor:
@@ -38,12 +52,12 @@ class CheckpointTensor:
         return self._file.get_slice(self.name)[tuple(index)]
 
 
-def _copy_whole(param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
+def _copy_whole(param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
     if param.shape != loaded.shape:
         raise ConfigError(
             f"checkpoint tensor {loaded.name} of shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}"
         )
-    param.data.copy_(loaded.read())
+    assign(param, loaded.read())
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
@@ -58,29 +72,41 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def load_safetensors(model: nn.Module, model_dir: str | Path) -> None:
-    """Copy every checkpoint tensor into its parameter; every parameter must be covered."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    packed: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
-    loaded: set[str] = set()
+def safetensors_tensors(model_dir: str | Path) -> Iterator[tuple[str, LoadableTensor]]:
+    """Every tensor of a Hugging Face checkpoint directory, read lazily."""
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                if "rotary_emb.inv_freq" in name:
-                    continue
-                target, shard_id = name, None
-                for source, (fused, sid) in packed.items():
-                    if f".{source}." in name:
-                        target, shard_id = name.replace(f".{source}.", f".{fused}."), sid
-                        break
-                param = params.get(target)
-                if param is None:
-                    raise ConfigError(f"checkpoint tensor {name!r} in {path.name} matches no model parameter")
-                loader = getattr(param, "weight_loader", _copy_whole)
-                loader(param, CheckpointTensor(f, name), shard_id)
-                loaded.add(target)
+                if "rotary_emb.inv_freq" not in name:
+                    yield name, CheckpointTensor(f, name)
+
+
+def load_safetensors(model: nn.Module, model_dir: str | Path) -> None:
+    load_tensors(model, safetensors_tensors(model_dir), str(model_dir))
+
+
+def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, LoadableTensor]], source: str) -> None:
+    """Copy every checkpoint tensor into its weight; every weight must be covered."""
+    weights: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False))
+    weights |= {
+        name: m for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, PackedWeight)
+    }
+    packed: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
+    loaded: set[str] = set()
+    for name, tensor in tensors:
+        target, shard_id = name, None
+        for part, (fused, sid) in packed.items():
+            if f".{part}." in name:
+                target, shard_id = name.replace(f".{part}.", f".{fused}."), sid
+                break
+        weight = weights.get(target)
+        if weight is None:
+            raise ConfigError(f"checkpoint tensor {name!r} in {source} matches no model parameter")
+        loader = getattr(weight, "weight_loader", _copy_whole)
+        loader(weight, tensor, shard_id)
+        loaded.add(target)
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    missing = sorted(set(params) - loaded - tied)
+    missing = sorted(set(weights) - loaded - tied)
     if missing:
-        raise ConfigError(f"checkpoint in {model_dir} lacks {len(missing)} parameters, e.g. {missing[:3]}")
-    log.debug("weights_loaded", model_dir=str(model_dir), tensors=len(loaded))
+        raise ConfigError(f"checkpoint in {source} lacks {len(missing)} parameters, e.g. {missing[:3]}")
+    log.debug("weights_loaded", source=source, tensors=len(loaded))

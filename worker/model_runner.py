@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
@@ -20,6 +22,7 @@ from nanovllm.worker.cpu_share import CpuShare
 from nanovllm.worker.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
 from nanovllm.worker.device import resolve_placement, to_device, usable_cpus
 from nanovllm.worker.draft import DraftModel
+from nanovllm.worker.gguf import gguf_quant_plan, gguf_tensors
 from nanovllm.worker.kv_cache import (
     check_num_blocks,
     cpu_kv_cache_bytes,
@@ -27,7 +30,8 @@ from nanovllm.worker.kv_cache import (
     kv_bytes_per_block,
 )
 from nanovllm.worker.layers.parallel import TPContext
-from nanovllm.worker.loader import load_safetensors
+from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, QuantScheme
+from nanovllm.worker.loader import load_safetensors, load_tensors
 from nanovllm.worker.models.decoder import DecoderForCausalLM
 from nanovllm.worker.sampler import Sampler, SamplerOutput, SamplingRow
 from nanovllm.worker.scheduler import ScheduledSequence, SchedulerOutput
@@ -107,24 +111,58 @@ class ModelRunner:
         cfg = config.hf_config
         self._check_weights_fit()
         baseline = self._cuda_allocated()
-        self.model = self._load_model(cfg, config.model)
+        self.model = self._load_model(cfg, config.model, config.weight_format)
         self.draft: DraftModel | None = None
         if config.draft_hf_config is not None and config.speculative_model is not None:
-            draft = self._load_model(config.draft_hf_config, config.speculative_model)
+            draft = self._load_model(config.draft_hf_config, config.speculative_model, "none")
             self.draft = DraftModel(draft, config.draft_hf_config, self.block_size)
         self.weights_bytes = self._cuda_allocated() - baseline
         generator = torch.Generator(self.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
         self.num_blocks = self._allocate_kv_cache()
         self._bind_kernels()
+        if self.tp.rank == 0 and config.weight_format != "none":
+            self._log_quantized_weights()
         if self._wants_cuda_graphs():
             self.use_decode_graphs(CudaGraphCapture())
 
-    def _load_model(self, cfg: ModelConfig, path: str) -> DecoderForCausalLM:
+    def _load_model(self, cfg: ModelConfig, path: str, weight_format: str) -> DecoderForCausalLM:
+        """The model of `path` (a directory, or config.gguf_file for the gguf format) with its linear layers
+        in `weight_format` (EngineConfig.weight_format)."""
+        plan = self._quant_plan(weight_format)
         with _default_dtype(self.dtype), self.device:
-            model = DecoderForCausalLM(cfg, self.tp)
-        load_safetensors(model, path)
+            model = DecoderForCausalLM(cfg, self.tp, plan)
+        if weight_format == "gguf" and self.config.gguf_file is not None:
+            load_tensors(model, gguf_tensors(Path(self.config.gguf_file), cfg), self.config.gguf_file)
+        else:
+            load_safetensors(model, path)
         return model.eval()
+
+    def _quant_plan(self, weight_format: str) -> QuantPlan | None:
+        if weight_format == "gguf" and self.config.gguf_file is not None:
+            return gguf_quant_plan(Path(self.config.gguf_file), DecoderForCausalLM.packed_modules_mapping)
+        if weight_format == "int8":
+            return QuantPlan(every_linear=QuantScheme("int8", 8, None))
+        if weight_format == "int4":
+            return QuantPlan(every_linear=QuantScheme("int4", 4, self.config.quantization_group_size))
+        return None
+
+    def _log_quantized_weights(self) -> None:
+        """What was quantized, the weights' bytes in the model's dtype and as held, and the kernel."""
+        packed = {id(m): m for m in self.model.modules() if isinstance(m, PackedWeight)}.values()
+        float_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        element = self._element_size()
+        log.info(
+            "weights_quantized",
+            format=self.config.weight_format,
+            layers=len(packed),
+            types=dict(Counter(m.scheme.name for m in packed)),
+            weight_bytes_in_dtype=float_bytes + sum(m.shape.numel() * element for m in packed),
+            weight_bytes=float_bytes + sum(m.nbytes for m in packed),
+            kernel="linear_quantized (C++)"
+            if self.sampler.cpu_kernels is not None
+            else "dequantize + F.linear",
+        )
 
     def _wants_cuda_graphs(self) -> bool:
         """CUDA graphs for decode unless enforce_eager; not yet with tensor parallelism, whose ranks would
@@ -166,8 +204,12 @@ class ModelRunner:
     def _check_weights_fit(self) -> None:
         if self.device.type != "cpu":
             return  # on CUDA the allocator's own out-of-memory error already names the sizes
-        models = [self.config.hf_config, self.config.draft_hf_config]
-        needed = sum(m.num_parameters for m in models if m is not None) * self._element_size() // self.tp.size
+        element, model, draft = self._element_size(), self.config.hf_config, self.config.draft_hf_config
+        needed = model.num_parameters * element
+        if self.config.weight_format != "none":  # the projections at a byte a weight at most
+            embeddings = model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)
+            needed = embeddings * element + (model.num_parameters - embeddings)
+        needed = (needed + (draft.num_parameters * element if draft is not None else 0)) // self.tp.size
         available = psutil.virtual_memory().available
         if needed > available:
             raise ConfigError(

@@ -511,12 +511,21 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 // linear_cpu.cpp
 torch::Tensor linear_few_rows(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 
+// linear_quantized_cpu.cpp
+torch::Tensor linear_quantized(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+                               c10::optional<torch::Tensor> mins, int64_t bits, int64_t group_size,
+                               c10::optional<torch::Tensor> bias);
+
 // token_bitmask_cpu.cpp
 void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_few_rows", &linear_few_rows, "x @ weight.T (+ bias) for few rows of x, reading each weight once "
         "(CPU; float32, bfloat16, float16; fp32 accumulation)", py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("linear_quantized", &linear_quantized, "x @ W.T (+ bias) with W as 8- or 4-bit integers in groups with "
+        "float16 scales (and mins at 4 bits) (CPU; x float32, bfloat16, float16; fp32 accumulation)", py::arg("x"),
+        py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("group_size"),
+        py::arg("bias") = py::none());
   m.def("apply_token_bitmask_", &apply_token_bitmask_,
         "logits[rows[j], t] = -inf where bit t of bitmask[j] is clear (CPU; float32; in place)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :n]) * x[:, n:] (CPU; float32, bfloat16, float16)");

@@ -10,35 +10,56 @@ from torch import nn
 
 from nanovllm.worker.layers.linear import linear
 from nanovllm.worker.layers.parallel import TPContext
+from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, assign, make_weight
 from nanovllm.worker.loader import CheckpointTensor
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TPContext) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        tp: TPContext,
+        quant: QuantPlan | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.shard_size = tp.shard(vocab_size, "vocab_size")
         self.vocab_start = tp.rank * self.shard_size
-        self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
+        self.dtype = torch.get_default_dtype()  # built in the runner's dtype context: the model's
+        self.weight = make_weight(self.shard_size, hidden_size, quant, prefix, linear=False)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
-        param.data.copy_(loaded.narrow(0, self.vocab_start, self.shard_size))
+        assign(param, loaded.narrow(0, self.vocab_start, self.shard_size))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, PackedWeight):
+            return self.weight.dequantize(self.dtype, rows=ids.flatten()).view(*ids.shape, -1)
+        return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.vocab_start
         in_shard = (local >= 0) & (local < self.shard_size)
-        out = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * in_shard.unsqueeze(-1)
+        out = self._lookup(local.clamp(0, self.shard_size - 1)) * in_shard.unsqueeze(-1)
         return self.tp.all_reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to logits; each rank computes its vocabulary slice, then they are gathered."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TPContext) -> None:
-        super().__init__(vocab_size, hidden_size, tp)
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        tp: TPContext,
+        quant: QuantPlan | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(vocab_size, hidden_size, tp, quant, prefix)
         self.cpu_kernels: ModuleType | None = None  # see DecoderForCausalLM.bind_kernels
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]

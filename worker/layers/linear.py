@@ -1,7 +1,9 @@
 """Linear layers split across tensor-parallel ranks (Megatron style).
 
-Each parameter carries a `weight_loader(param, loaded, shard_id)` that copies this rank's slice of a
-checkpoint tensor into it, so loaders never need to know how a layer is partitioned.
+Each weight carries a `weight_loader(param, loaded, shard_id)` that copies this rank's slice of a
+checkpoint tensor into it, so loaders never need to know how a layer is partitioned. A weight is a float
+parameter or a PackedWeight (weight-only quantization, worker/layers/quantization.py); `assign` loads
+either from either.
 """
 
 from __future__ import annotations
@@ -14,25 +16,44 @@ from torch import nn
 
 from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX
 from nanovllm.worker.layers.parallel import TPContext
+from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, assign, make_weight
 from nanovllm.worker.loader import CheckpointTensor
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cpu_kernels: ModuleType | None
+    x: torch.Tensor,
+    weight: torch.Tensor | PackedWeight,
+    bias: torch.Tensor | None,
+    cpu_kernels: ModuleType | None,
 ) -> torch.Tensor:
-    """x @ weight.T + bias; on the C++ CPU kernels when bound and x has few rows (a small decode batch, a
-    speculative verification), where PyTorch's GEMM is far slower than reading the weights once."""
+    """x @ weight.T + bias. On the C++ CPU kernels when bound: a float weight when x has few rows (a small
+    decode batch, a speculative verification), where PyTorch's GEMM is far slower than reading the
+    weights once; a packed weight at every size. Without them a packed weight is dequantized per call."""
+    if isinstance(weight, PackedWeight):
+        if cpu_kernels is not None and x.dim() == 2:
+            return cpu_kernels.linear_quantized(
+                x, weight.qweight, weight.scales, weight.mins, weight.bits, weight.group_size, bias
+            )
+        return F.linear(x, weight.dequantize(x.dtype), bias)
     if cpu_kernels is not None and x.dim() == 2 and x.shape[0] <= FEW_ROWS_MAX:
         return cpu_kernels.linear_few_rows(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 class ParallelLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TPContext,
+        quant: QuantPlan | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.cpu_kernels: ModuleType | None = None  # see DecoderForCausalLM.bind_kernels
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight = make_weight(out_features, in_features, quant, prefix, linear=True)
         self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
@@ -47,12 +68,20 @@ class ParallelLinear(nn.Module):
 class ColumnParallelLinear(ParallelLinear):
     """Output features split across ranks; no communication in forward."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext) -> None:
-        super().__init__(in_features, tp.shard(out_features, "output features"), bias, tp)
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TPContext,
+        quant: QuantPlan | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(in_features, tp.shard(out_features, "output features"), bias, tp, quant, prefix)
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
         size = param.shape[0]
-        param.data.copy_(loaded.narrow(0, self.tp.rank * size, size))
+        assign(param, loaded.narrow(0, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.cpu_kernels)
@@ -61,15 +90,23 @@ class ColumnParallelLinear(ParallelLinear):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input fused into one matmul (gate+up)."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPContext) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool,
+        tp: TPContext,
+        quant: QuantPlan | None = None,
+        prefix: str = "",
+    ) -> None:
         self.output_sizes = output_sizes
-        super().__init__(in_features, sum(output_sizes), bias, tp)
+        super().__init__(in_features, sum(output_sizes), bias, tp, quant, prefix)
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
         index = int(shard_id)  # type: ignore[arg-type]
         shard = self.output_sizes[index] // self.tp.size
         offset = sum(self.output_sizes[:index]) // self.tp.size
-        param.data.narrow(0, offset, shard).copy_(loaded.narrow(0, self.tp.rank * shard, shard))
+        assign(param.narrow(0, offset, shard), loaded.narrow(0, self.tp.rank * shard, shard))
 
 
 class QKVParallelLinear(ParallelLinear):
@@ -77,12 +114,21 @@ class QKVParallelLinear(ParallelLinear):
     are replicated when there are fewer of them than ranks. Column-parallel: no communication."""
 
     def __init__(
-        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPContext
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        tp: TPContext,
+        quant: QuantPlan | None = None,
+        prefix: str = "",
     ) -> None:
         self.head_dim = head_dim
         self.num_heads = tp.shard(num_heads, "num_attention_heads")
         self.first_kv_head, self.num_kv_heads = tp.kv_heads(num_kv_heads)
-        super().__init__(hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias, tp)
+        out_features = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        super().__init__(hidden_size, out_features, bias, tp, quant, prefix)
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
         q_size = self.num_heads * self.head_dim
@@ -93,7 +139,7 @@ class QKVParallelLinear(ParallelLinear):
             "k": (q_size, kv_size, kv_start),
             "v": (q_size + kv_size, kv_size, kv_start),
         }[shard_id]  # type: ignore[index]
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+        assign(param.narrow(0, offset, size), loaded.narrow(0, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.cpu_kernels)
@@ -102,18 +148,26 @@ class QKVParallelLinear(ParallelLinear):
 class RowParallelLinear(ParallelLinear):
     """Input features split across ranks; partial sums are all-reduced."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext) -> None:
-        super().__init__(tp.shard(in_features, "input features"), out_features, bias, tp)
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TPContext,
+        quant: QuantPlan | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(tp.shard(in_features, "input features"), out_features, bias, tp, quant, prefix)
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
-        if param.dim() == 1:  # bias is added once, on rank 0
+        if param is self.bias:  # added once, on rank 0
             if self.tp.rank == 0:
                 param.data.copy_(loaded.read())
             else:
                 param.data.zero_()
             return
         size = param.shape[1]
-        param.data.copy_(loaded.narrow(1, self.tp.rank * size, size))
+        assign(param, loaded.narrow(1, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(linear(x, self.weight, self.bias, self.cpu_kernels))

@@ -22,18 +22,28 @@ from nanovllm.worker.layers.linear import (
 )
 from nanovllm.worker.layers.norm import HeadRMSNorm, RMSNorm
 from nanovllm.worker.layers.parallel import TPContext
+from nanovllm.worker.layers.quantization import QuantPlan
 from nanovllm.worker.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext, quant: QuantPlan | None, prefix: str) -> None:
         super().__init__()
         d = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.spec.qkv_bias, tp
+            cfg.hidden_size,
+            d,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.spec.qkv_bias,
+            tp,
+            quant,
+            f"{prefix}.qkv_proj",
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, cfg.spec.o_bias, tp)
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * d, cfg.hidden_size, cfg.spec.o_bias, tp, quant, f"{prefix}.o_proj"
+        )
         self.attn = Attention(self.num_heads, self.num_kv_heads, d)
         self.qk_norm = (
             HeadRMSNorm(self.num_heads, self.num_kv_heads, d, cfg.rms_norm_eps) if cfg.spec.qk_norm else None
@@ -57,11 +67,13 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext, quant: QuantPlan | None, prefix: str) -> None:
         super().__init__()
         size = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], False, tp)
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, tp)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [size, size], False, tp, quant, f"{prefix}.gate_up_proj"
+        )
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, tp, quant, f"{prefix}.down_proj")
         self.cpu_kernels: ModuleType | None = None  # see DecoderForCausalLM.bind_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,10 +85,10 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext, quant: QuantPlan | None, prefix: str) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(cfg, tp)
-        self.mlp = DecoderMLP(cfg, tp)
+        self.self_attn = DecoderAttention(cfg, tp, quant, f"{prefix}.self_attn")
+        self.mlp = DecoderMLP(cfg, tp, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -97,13 +109,17 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext, quant: QuantPlan | None) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.embed_tokens = VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden_size, tp, quant, "model.embed_tokens"
+        )
         # Built inside the runner's default-dtype context: that dtype is the model's.
         dtype = torch.get_default_dtype()
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, tp, quant, f"model.layers.{i}") for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
@@ -129,12 +145,14 @@ class DecoderForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext, quant: QuantPlan | None = None) -> None:
+        """`quant` says which layers hold packed weights (worker/layers/quantization.py); None: all float."""
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, tp)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        self.model = DecoderModel(cfg, tp, quant)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, quant, "lm_head")
         if cfg.tie_word_embeddings:
+            del self.lm_head.weight  # the head is the embedding, float parameter or PackedWeight
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(

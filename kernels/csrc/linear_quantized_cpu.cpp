@@ -1,0 +1,245 @@
+// y = x W^T (+ b) with W stored as 8- or 4-bit integers in groups along the input features, each group
+// with an fp16 scale s (and for 4 bits an fp16 min m): w = s * q (8 bits, q signed) or w = s * q + m
+// (4 bits, q in [0, 15]). The layout is GGUF's (Q8_0, Q4_0, Q4_1 split into planes): 4-bit weights come in
+// blocks of 32, byte j of a block holding weight j in its low nibble and weight 16 + j in its high one.
+//
+// On a CPU one decode stream is bound by reading the weights, and 4 bits read a quarter of what bf16 does.
+// Each weight is widened to fp32 exactly (s * q is exact: an fp16 times an integer of at most 8 bits fits
+// fp32's mantissa, so adding m rounds once, as gguf's own dequantization does), then summed in
+// linear_tile.h's order. So the result equals linear_few_rows on the dequantized float32 weights, bit for
+// bit, whatever the number of rows:
+// - up to kDirectRows rows of x, weights are dequantized into registers as they are read (memory-bound);
+// - above, each thread dequantizes a panel of kPanelRows weight rows into an fp32 scratch that stays in
+//   cache, and runs the float tile over every row of x against it (arithmetic-bound, like a GEMM).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "linear_tile.h"
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;       // weights per 4-bit block (and the smallest group)
+constexpr int64_t kDirectRows = 4;   // rows of x up to which weights are dequantized in registers
+constexpr int64_t kPanelRows = 16;   // weight rows per fp32 panel above that (16 x K floats: L2-sized)
+
+// One output row's quantized weights: `q` its bytes, `s` / `m` its groups' scales and mins (m null for
+// 8 bits).
+struct QRow {
+  const uint8_t* q;
+  const c10::Half* s;
+  const c10::Half* m;
+};
+
+template <int BITS>
+inline QRow qrow(const uint8_t* q, const c10::Half* s, const c10::Half* m, int64_t n, int64_t K, int64_t groups) {
+  return {q + n * (K * BITS / 8), s + n * groups, m == nullptr ? nullptr : m + n * groups};
+}
+
+// Row `row`'s K weights as fp32 into out (the panel path and machines without AVX2).
+template <int BITS>
+void dequantize_row(const QRow& row, int64_t K, int64_t group, float* out) {
+  for (int64_t g = 0; g < K / group; ++g) {
+    const float s = load(row.s[g]), m = row.m == nullptr ? 0.f : load(row.m[g]);
+    float* o = out + g * group;
+    if constexpr (BITS == 8) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(row.q) + g * group;
+#pragma omp simd
+      for (int64_t k = 0; k < group; ++k) o[k] = s * static_cast<float>(q[k]);
+    } else {
+      for (int64_t b = 0; b < group; b += kBlock) {
+        const uint8_t* q = row.q + (g * group + b) / 2;
+#pragma omp simd
+        for (int64_t j = 0; j < kBlock / 2; ++j) {
+          o[b + j] = s * static_cast<float>(q[j] & 0x0F) + m;
+          o[b + kBlock / 2 + j] = s * static_cast<float>(q[j] >> 4) + m;
+        }
+      }
+    }
+  }
+}
+
+#ifdef NANOVLLM_LINEAR_AVX2
+// An fp16 scale or min broadcast to 8 lanes by F16C (cpu_common.h's portable conversion is a dozen scalar
+// instructions, paid per group and weight row here).
+inline __m256 broadcast_half(const c10::Half* p) { return _mm256_set1_ps(_cvtsh_ss(p->x)); }
+
+// Weights [8j, 8j + 8) of a 32-weight block, widened to fp32 (before scaling): for 4 bits `lo` / `hi` are
+// the block's 16 bytes masked to their low / high nibbles.
+template <int BITS>
+inline __m256 block_part(const uint8_t* block, __m128i lo, __m128i hi, int j) {
+  if constexpr (BITS == 8) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8 * j));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  } else {
+    const __m128i half = j < 2 ? lo : hi;
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(j % 2 == 0 ? half : _mm_srli_si128(half, 8)));
+  }
+}
+
+// out[m][r] = x[m] . w[r] over all of K (a multiple of 32), weights dequantized in registers, lanes
+// summed as dot_tile sums them.
+template <int M, int R, int BITS>
+inline void qdot_tile(const float* x, int64_t K, int64_t group, const QRow* rows, float (*out)[R]) {
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  __m256 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < K / group; ++g) {
+    __m256 sv[R], mv[R];
+    for (int r = 0; r < R; ++r) {
+      sv[r] = broadcast_half(rows[r].s + g);
+      mv[r] = rows[r].m == nullptr ? _mm256_setzero_ps() : broadcast_half(rows[r].m + g);
+    }
+    for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += kBlock) {
+      const uint8_t* block[R];
+      __m128i lo[R], hi[R];
+      for (int r = 0; r < R; ++r) {
+        block[r] = rows[r].q + k0 * BITS / 8;
+        _mm_prefetch(reinterpret_cast<const char*>(block[r] + kPrefetchRows * K * BITS / 8), _MM_HINT_T0);
+        if constexpr (BITS == 4) {
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block[r]));
+          lo[r] = _mm_and_si128(bytes, low4);
+          hi[r] = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+        }
+      }
+      for (int j = 0; j < 4; ++j) {
+        __m256 wv[R];
+        for (int r = 0; r < R; ++r) {
+          const __m256 q = block_part<BITS>(block[r], lo[r], hi[r], j);
+          wv[r] = BITS == 8 ? _mm256_mul_ps(sv[r], q) : _mm256_fmadd_ps(sv[r], q, mv[r]);
+        }
+        for (int m = 0; m < M; ++m) {
+          const __m256 xv = _mm256_loadu_ps(x + m * K + k0 + 8 * j);
+          for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) out[m][r] = hsum8(acc[m][r]);
+}
+#endif
+
+// Output columns [n_begin, n_end) for M (<= kDirectRows) rows of x, weights dequantized as they are read.
+template <int M, int BITS, typename T>
+void direct_rows(const float* x, const QRow* first, const T* bias, T* y, int64_t n_begin, int64_t n_end, int64_t N,
+                 int64_t K, int64_t group) {
+#ifdef NANOVLLM_LINEAR_AVX2
+  // Each (row of x, weight row) is one chain of dependent FMAs: with one or two rows of x, four weight
+  // rows at a time keep enough chains in flight to hide the FMA latency (two left it latency-bound).
+  constexpr int R = M <= 2 ? 4 : 2;
+  for (int64_t n = n_begin; n < n_end; n += R) {
+    const int rows = static_cast<int>(std::min<int64_t>(R, n_end - n));
+    QRow w[R];
+    for (int r = 0; r < R; ++r) w[r] = first[n - n_begin + std::min(r, rows - 1)];  // a missing row repeats the last
+    float sums[M][R];
+    qdot_tile<M, R, BITS>(x, K, group, w, sums);
+    for (int r = 0; r < rows; ++r)
+      for (int m = 0; m < M; ++m) {
+        float s = sums[m][r];
+        if (bias != nullptr) s += load(bias[n + r]);
+        y[m * N + n + r] = to<T>(s);
+      }
+  }
+#else
+  (void)x, (void)first, (void)bias, (void)y, (void)n_begin, (void)n_end, (void)N, (void)K, (void)group;
+  TORCH_CHECK(false, "linear_quantized: the register path needs AVX2");
+#endif
+}
+
+template <int BITS, typename T>
+using DirectFn = void (*)(const float*, const QRow*, const T*, T*, int64_t, int64_t, int64_t, int64_t, int64_t);
+
+template <int BITS, typename T>
+DirectFn<BITS, T> direct_fn(int64_t rows) {
+  static const DirectFn<BITS, T> table[kDirectRows] = {direct_rows<1, BITS, T>, direct_rows<2, BITS, T>,
+                                                       direct_rows<3, BITS, T>, direct_rows<4, BITS, T>};
+  return table[rows - 1];
+}
+
+template <int BITS, typename T>
+void linear_quantized_impl(const T* x, const uint8_t* q, const c10::Half* scales, const c10::Half* mins,
+                           const T* bias, T* y, int64_t rows, int64_t N, int64_t K, int64_t group) {
+  const std::vector<float> xf = widen(x, rows * K);
+  const int64_t groups = K / group;
+#ifdef NANOVLLM_LINEAR_AVX2
+  const bool direct = rows <= kDirectRows;
+#else
+  const bool direct = false;
+#endif
+  // Contiguous ranges of weight rows, 64 at least, an even count so that row pairs never straddle.
+  at::parallel_for(0, (N + 1) / 2, 32, [&](int64_t begin, int64_t end) {
+    const int64_t n_begin = begin * 2, n_end = std::min(N, end * 2);
+    if (direct) {
+      std::vector<QRow> w(n_end - n_begin);
+      for (int64_t n = n_begin; n < n_end; ++n) w[n - n_begin] = qrow<BITS>(q, scales, mins, n, K, groups);
+      direct_fn<BITS, T>(rows)(xf.data(), w.data(), bias, y, n_begin, n_end, N, K, group);
+      return;
+    }
+    std::vector<float> panel(kPanelRows * K);
+    for (int64_t p = n_begin; p < n_end; p += kPanelRows) {
+      const int64_t p_end = std::min(n_end, p + kPanelRows);
+      for (int64_t n = p; n < p_end; ++n)
+        dequantize_row<BITS>(qrow<BITS>(q, scales, mins, n, K, groups), K, group, panel.data() + (n - p) * K);
+      for (int64_t m = 0; m < rows; m += kTileRows) {
+        const int64_t tile = std::min(kTileRows, rows - m);
+        tile_fn<float, T>(tile)(xf.data() + m * K, panel.data(), bias, y + m * N, p, p_end, N, K);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x [rows, K] in float32, bfloat16 or float16; qweight [N, K] int8 (bits 8) or [N, K / 2] uint8 (bits 4);
+// scales and mins [N, K / group_size] float16 (mins only, and required, for 4 bits); bias [N] in x's dtype
+// or None. Returns [rows, N] in x's dtype.
+torch::Tensor linear_quantized(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+                               c10::optional<torch::Tensor> mins, int64_t bits, int64_t group_size,
+                               c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(bits == 4 || bits == 8, "linear_quantized: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && scales.dim() == 2, "linear_quantized: x, qweight and scales must "
+              "be 2-d, got ", x.sizes(), ", ", qweight.sizes(), ", ", scales.sizes());
+  const int64_t rows = x.size(0), K = x.size(1), N = qweight.size(0);
+  TORCH_CHECK(group_size > 0 && group_size % kBlock == 0 && K % group_size == 0, "linear_quantized: group_size ",
+              group_size, " must be a multiple of ", kBlock, " that divides the ", K, " input features");
+  TORCH_CHECK(qweight.size(1) * 8 == K * bits, "linear_quantized: qweight must be [", N, ", ", K * bits / 8,
+              "] for ", K, " input features at ", bits, " bits, got ", qweight.sizes());
+  TORCH_CHECK(qweight.scalar_type() == (bits == 8 ? at::kChar : at::kByte), "linear_quantized: qweight must be ",
+              bits == 8 ? "int8" : "uint8", " at ", bits, " bits, got ", qweight.scalar_type());
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.size(0) == N && scales.size(1) == K / group_size,
+              "linear_quantized: scales must be float16 [", N, ", ", K / group_size, "], got ", scales.scalar_type(),
+              " ", scales.sizes());
+  TORCH_CHECK(mins.has_value() == (bits == 4), "linear_quantized: mins are required at 4 bits and absent at 8");
+  if (mins.has_value())
+    TORCH_CHECK(mins->scalar_type() == at::kHalf && mins->sizes() == scales.sizes(),
+                "linear_quantized: mins must be float16 ", scales.sizes(), ", got ", mins->scalar_type(), " ",
+                mins->sizes());
+  if (bias.has_value()) {
+    check_one_dtype("linear_quantized", {{"x", &x}, {"bias", &*bias}});
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "linear_quantized: bias must be [", N, "], got ",
+                bias->sizes());
+  }
+  x = x.contiguous();
+  qweight = qweight.contiguous();
+  scales = scales.contiguous();
+  const torch::Tensor m = mins.has_value() ? mins->contiguous() : torch::Tensor();
+  const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  auto y = torch::empty({rows, N}, x.options());
+  if (rows == 0) return y;
+  const auto* q = static_cast<const uint8_t*>(qweight.data_ptr());
+  const auto* s = scales.data_ptr<c10::Half>();
+  const auto* mn = m.defined() ? m.data_ptr<c10::Half>() : nullptr;
+  dispatch("linear_quantized", x.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    const T* bp = b.defined() ? b.data_ptr<T>() : nullptr;
+    if (bits == 8)
+      linear_quantized_impl<8, T>(x.data_ptr<T>(), q, s, mn, bp, y.data_ptr<T>(), rows, N, K, group_size);
+    else
+      linear_quantized_impl<4, T>(x.data_ptr<T>(), q, s, mn, bp, y.data_ptr<T>(), rows, N, K, group_size);
+  });
+  return y;
+}

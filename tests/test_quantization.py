@@ -1,0 +1,297 @@
+"""Weight-only quantization: the kernel against the float kernel on the dequantized weights, PackedWeight's
+quantize / narrow / load rules, GGUF tensors served as they ship, and the engine's fidelity.
+
+Fidelity is vLLM's top-5 rule, here between the same model quantized and not (both float32): each
+prompt's two greedy sequences are walked side by side, and at the first position where they differ each
+engine's token must be in the other's top-5 there; up to it the quantized top-5 logprobs stay within
+INT8_LOGPROB_TOL of the float ones."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.common.config import EngineConfig
+from nanovllm.common.errors import ConfigError, UnsupportedModelError
+from nanovllm.worker.gguf import embedded_model_path, gguf_quant_plan, gguf_tensors
+from nanovllm.worker.layers.quantization import PackedWeight, QuantScheme, assign
+from nanovllm.worker.models.decoder import DecoderForCausalLM
+from tests.helpers import teacher_forced_logits
+from tests.test_dtypes import _chat_prompts
+
+SCHEMES = {
+    "int8": QuantScheme("int8", 8, None),
+    "Q8_0": QuantScheme("Q8_0", 8, 32),
+    "int4-32": QuantScheme("int4", 4, 32),
+    "int4-64": QuantScheme("int4", 4, 64),
+    "int4-128": QuantScheme("int4", 4, 128),
+}
+# Largest |int8 - float| logprob (nats) over tokens in both engines' top-5 while both saw the same context.
+# int8 with one scale per output channel rounds each weight by up to amax/254: on SmolLM2's projections
+# (a row's largest weight ~5.6x its median) that is ~0.9% relative error per matmul, and the median top-5
+# gap is 0.08 nats. Seen 2026-11-25 (AMD EPYC, AVX2): 0.08-0.30 on the random models, 0.80 on SmolLM2's
+# chats.
+INT8_LOGPROB_TOL = 1.2
+
+
+def _packed(scheme: str, rows: int, features: int, seed: int = 0) -> tuple[PackedWeight, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, features, generator=gen) * 0.05
+    return PackedWeight(rows, features, SCHEMES[scheme], "test").quantize_(weight), weight
+
+
+def _run(kernels, x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return kernels.linear_quantized(
+        x, packed.qweight, packed.scales, packed.mins, packed.bits, packed.group_size, bias
+    )
+
+
+# --------------------------------------------------------------------------- the kernel
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kernel_equals_the_float_kernel_on_dequantized_weights(kernels, scheme, dtype) -> None:
+    """Bit for bit, at every row count (weights dequantized in registers up to 4 rows, in cached panels
+    above): x widened, the exact dequantized weight, the same summation order, one rounding to dtype."""
+    packed, _ = _packed(scheme, 70, 256)
+    dequantized = packed.dequantize(torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    bias = torch.randn(70, generator=gen).to(dtype)
+    for rows in (1, 2, 3, 4, 5, 8, 9, 17, 40):
+        x = torch.randn(rows, 256, generator=gen).to(dtype)
+        expected = kernels.linear_few_rows(x.float(), dequantized, bias.float()).to(dtype)
+        assert torch.equal(_run(kernels, x, packed, bias), expected), (scheme, dtype, rows)
+
+
+def test_a_row_does_not_depend_on_its_neighbours(kernels) -> None:
+    packed, _ = _packed("int4-32", 96, 128)
+    x = torch.randn(20, 128)
+    alone = torch.cat([_run(kernels, x[i : i + 1], packed) for i in range(len(x))])
+    for rows in (2, 4, 5, 20):
+        assert torch.equal(_run(kernels, x[:rows], packed), alone[:rows]), rows
+
+
+def test_torch_fallback_computes_the_same_product(kernels) -> None:
+    """Without the C++ kernels (another device, no compiler) a packed weight is dequantized per call."""
+    packed, _ = _packed("int4-64", 64, 128)
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(F.linear(x, packed.dequantize(torch.float32)), _run(kernels, x, packed))
+
+
+def test_kernel_rejects_inconsistent_planes(kernels) -> None:
+    packed, _ = _packed("int4-32", 8, 64)
+    x = torch.randn(1, 64)
+    with pytest.raises(RuntimeError, match="mins are required at 4 bits"):
+        kernels.linear_quantized(x, packed.qweight, packed.scales, None, 4, 32, None)
+    with pytest.raises(RuntimeError, match="group_size 48 must be a multiple of 32"):
+        kernels.linear_quantized(x, packed.qweight, packed.scales, packed.mins, 4, 48, None)
+    int8, _ = _packed("Q8_0", 8, 64)
+    with pytest.raises(RuntimeError, match="qweight must be int8 at 8 bits"):
+        kernels.linear_quantized(x, int8.qweight.view(torch.uint8), int8.scales, None, 8, 32, None)
+
+
+# --------------------------------------------------------------------------- PackedWeight
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantization_rounds_each_weight_to_its_nearest_level(scheme) -> None:
+    packed, weight = _packed(scheme, 32, 256)
+    error = (packed.dequantize(torch.float32) - weight).abs().view(32, -1, packed.group_size)
+    scale = packed.scales.float().unsqueeze(2)
+    # half a level, plus the float16 rounding of the min (4 bits), which moves every level of its group
+    slack = 0.0 if packed.mins is None else packed.mins.float().abs().unsqueeze(2) * 2**-11
+    assert (error <= scale / 2 * 1.0001 + slack + 1e-9).all()
+
+
+def test_narrowing_splits_rows_freely_and_features_only_along_groups() -> None:
+    packed, _ = _packed("int4-64", 16, 256)
+    full = packed.dequantize(torch.float32)
+    assert torch.equal(packed.narrow(0, 4, 8).dequantize(torch.float32), full[4:12])
+    assert torch.equal(packed.narrow(1, 64, 128).dequantize(torch.float32), full[:, 64:192])
+    with pytest.raises(ConfigError, match=r"input features \[32, 160\) split groups of 64"):
+        packed.narrow(1, 32, 128)
+
+
+def test_assign_quantizes_copies_and_dequantizes() -> None:
+    packed, weight = _packed("Q8_0", 8, 64)
+    fresh = PackedWeight(8, 64, SCHEMES["Q8_0"], "test")
+    assign(fresh, weight)  # float into packed: quantized
+    assert torch.equal(fresh.qweight, packed.qweight) and torch.equal(fresh.scales, packed.scales)
+    other = PackedWeight(8, 64, SCHEMES["Q8_0"], "test")
+    assign(other, fresh)  # packed into packed: copied
+    assert torch.equal(other.dequantize(torch.float32), packed.dequantize(torch.float32))
+    target = torch.empty(8, 64)
+    assign(target, packed)  # packed into float: dequantized
+    assert torch.equal(target, packed.dequantize(torch.float32))
+    with pytest.raises(ConfigError, match="cannot load a Q8_0 weight"):
+        assign(PackedWeight(8, 64, SCHEMES["int4-32"], "test"), packed)
+
+
+# --------------------------------------------------------------------------- GGUF as it ships
+
+
+def _tiny_gguf(path: Path, kinds: dict[str, str]) -> dict[str, np.ndarray]:
+    """A GGUF file holding one [48, 64] tensor per (llama.cpp name: type); returns gguf's own
+    dequantization of each."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    rng = np.random.default_rng(0)
+    expected = {}
+    for name, kind in kinds.items():
+        values = (rng.standard_normal((48, 64)) * 0.05).astype(np.float32)
+        qtype = gguf.GGMLQuantizationType[kind]
+        data = gguf.quants.quantize(values, qtype)
+        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+        expected[name] = gguf.quants.dequantize(data, qtype).reshape(48, 64)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+def test_gguf_blocks_become_planes_that_dequantize_as_gguf_does(tmp_path: Path) -> None:
+    kinds = {"blk.0.ffn_down.weight": "Q4_0", "blk.0.ffn_up.weight": "Q4_1", "blk.0.ffn_gate.weight": "Q8_0"}
+    expected = _tiny_gguf(tmp_path / "tiny.gguf", kinds)
+    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
+    tensors = dict(gguf_tensors(tmp_path / "tiny.gguf", config))
+    for name, kind in kinds.items():
+        hf_name = {"ffn_down": "mlp.down_proj", "ffn_up": "mlp.up_proj", "ffn_gate": "mlp.gate_proj"}
+        key = f"model.layers.0.{hf_name[name.split('.')[2]]}.weight"
+        packed = tensors[key].read()
+        assert isinstance(packed, PackedWeight) and packed.scheme.name == kind
+        assert np.array_equal(packed.dequantize(torch.float32).numpy(), expected[name]), kind
+    plan = gguf_quant_plan(tmp_path / "tiny.gguf", DecoderForCausalLM.packed_modules_mapping)
+    # gate (Q8_0) and up (Q4_1) fuse into one layer of two types: dequantized; down is served as shipped
+    assert plan.by_layer == {"model.layers.0.mlp.down_proj": QuantScheme("Q4_0", 4, 32)}
+
+
+def test_gguf_type_not_served_as_shipped_fails_naming_it(tmp_path: Path) -> None:
+    _tiny_gguf(tmp_path / "q5.gguf", {"blk.3.attn_output.weight": "Q5_0"})
+    with pytest.raises(
+        UnsupportedModelError, match=r"blk.3.attn_output.weight .*stored as Q5_0.*quantization=none"
+    ):
+        gguf_quant_plan(tmp_path / "q5.gguf", DecoderForCausalLM.packed_modules_mapping)
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf(smollm2_dir: Path) -> Path:
+    return embedded_model_path()
+
+
+def test_gguf_q4_1_logits_equal_the_dequantized_model(smollm2_gguf: Path, kernels) -> None:
+    """The same weights through two kernels: decode steps (few rows: linear_quantized's register path
+    against linear_few_rows on the float32 copy) are bit-identical; prefill (PyTorch's GEMM against the
+    panel path, summing in another order) within 1e-3 of logits up to ~20."""
+    kwargs = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory": "64MiB"}
+    shipped = LLM(str(smollm2_gguf), **kwargs)
+    dequantized = LLM(str(smollm2_gguf), quantization="none", **kwargs)
+    packed = [m for m in shipped.engine.runner.model.modules() if isinstance(m, PackedWeight)]
+    assert {m.scheme.name for m in packed} == {"Q4_1", "Q8_0"}
+    prompts = _chat_prompts(Path(shipped.config.model))[:2]
+    for chunk in (1, 1000):
+        ours = teacher_forced_logits(shipped, prompts, chunk)
+        theirs = teacher_forced_logits(dequantized, prompts, chunk)
+        for a, b in zip(ours, theirs):
+            if chunk == 1:
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(a, b, atol=1e-3, rtol=0)
+
+
+def test_gguf_q4_1_holds_under_110_mb_and_names_paris(smollm2_gguf: Path) -> None:
+    llm = LLM(str(smollm2_gguf), max_model_len=256, kv_cache_memory="64MiB")
+    model = llm.engine.runner.model
+    packed = {id(m): m for m in model.modules() if isinstance(m, PackedWeight)}.values()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+        m.nbytes for m in packed
+    )
+    assert weight_bytes <= 110e6, weight_bytes
+    prompt = _chat_prompts(Path(llm.config.model))[0]  # What is the capital of France?
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)[0]
+    assert "Paris" in out["text"]
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+def _top5_rule(name: str, plain: list[dict], quantized: list[dict]) -> float:
+    """Asserts the top-5 rule for every prompt; returns the largest logprob gap seen before a parting."""
+    worst = 0.0
+    for index, (a, b) in enumerate(zip(plain, quantized)):
+        for pos, (ta, tb, la, lb) in enumerate(
+            zip(a["token_ids"], b["token_ids"], a["logprobs"], b["logprobs"])
+        ):
+            top_a, top_b = dict(la.top), dict(lb.top)
+            shared = top_a.keys() & top_b.keys()
+            worst = max([worst, *(abs(top_a[t] - top_b[t]) for t in shared)])
+            if ta != tb:
+                assert ta in top_b and tb in top_a, (
+                    f"{name} prompt {index} position {pos}: {ta} (top-5 {la.top}) against {tb} (top-5 {lb.top})"
+                )
+                break
+    return worst
+
+
+def _greedy_with_logprobs(llm: LLM, prompts: list[list[int]], max_new: int) -> list[dict]:
+    params = SamplingParams(temperature=0.0, logprobs=5, ignore_eos=True, max_tokens=max_new)
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
+def test_int8_keeps_the_top5_rule_on_random_models(model_dirs, arch) -> None:
+    rng = random.Random(29)
+    prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in (1, 7, 30, 90)]
+    kwargs = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory": "32MiB"}
+    plain = _greedy_with_logprobs(LLM(str(model_dirs[arch]), **kwargs), prompts, 24)
+    llm = LLM(str(model_dirs[arch]), quantization="int8", **kwargs)
+    assert sum(isinstance(m, PackedWeight) for m in llm.engine.runner.model.modules()) == 2 * 4
+    quantized = _greedy_with_logprobs(llm, prompts, 24)
+    assert _top5_rule(arch, plain, quantized) <= INT8_LOGPROB_TOL
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_int8_keeps_the_top5_rule_on_smollm2(smollm2_dir: Path) -> None:
+    prompts = _chat_prompts(smollm2_dir)
+    kwargs = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory": "64MiB"}
+    plain = _greedy_with_logprobs(LLM(str(smollm2_dir), **kwargs), prompts, 24)
+    quantized = _greedy_with_logprobs(LLM(str(smollm2_dir), quantization="int8", **kwargs), prompts, 24)
+    assert _top5_rule("SmolLM2", plain, quantized) <= INT8_LOGPROB_TOL
+    assert sum(a["token_ids"] == b["token_ids"] for a, b in zip(plain, quantized)) >= len(prompts) // 2
+
+
+def test_int4_runs_every_architecture_close_to_float(model_dirs) -> None:
+    """int4 in groups of 32 is not held to the top-5 rule on these random Gaussian weights (16 levels for a
+    Gaussian group: several percent of error per projection); its argmax stays in float's top-5 at most
+    positions of a teacher-forced prompt (seen 2026-11-25: 91-95%; SmolLM2, whose weights came from Q4_1,
+    comes back exactly)."""
+    prompt = list(range(3, 100))
+    kwargs = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory": "32MiB"}
+    for arch, path in model_dirs.items():
+        plain = teacher_forced_logits(LLM(str(path), **kwargs), [prompt], 1000)[0]
+        quantized = teacher_forced_logits(LLM(str(path), quantization="int4", **kwargs), [prompt], 1000)[0]
+        in_top5 = (plain.topk(5, dim=-1).indices == quantized.argmax(-1, keepdim=True)).any(-1)
+        assert in_top5.float().mean() >= 0.75, arch
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_unknown_quantization_and_bad_group_sizes_fail_at_start(qwen3_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="quantization must be one of auto, none, int8, int4, got 'int3'"):
+        EngineConfig(model=str(qwen3_dir), quantization="int3")
+    with pytest.raises(
+        ConfigError, match="quantization_group_size must be a positive multiple of 32, got 48"
+    ):
+        EngineConfig(model=str(qwen3_dir), quantization="int4", quantization_group_size=48)
+    # 128 is a valid size, but the random model's projections have 64 input features
+    with pytest.raises(ConfigError, match=r"layer model.layers.0.self_attn.qkv_proj has 64 input features"):
+        LLM(str(qwen3_dir), quantization="int4", quantization_group_size=128, kv_cache_memory="32MiB")

@@ -1,0 +1,215 @@
+"""Weight-only quantization: a linear layer's weights held as 8- or 4-bit integers, activations in the
+model's dtype.
+
+A `PackedWeight` stands where a layer's [out_features, in_features] float weight would. Its input features
+come in groups (of `group_size`, or a whole row for per-channel int8), each group with a float16 scale s,
+and at 4 bits a float16 min m: w = s * q (8 bits, q in [-127, 127]) or w = s * q + m (4 bits, q in [0, 15]).
+This is GGUF's layout for Q8_0, Q4_0 and Q4_1 split into planes (4-bit weights in blocks of 32, byte j of a
+block holding weight j in its low nibble and 16 + j in its high one), so those files load without passing
+through floats, and one C++ kernel (kernels/csrc/linear_quantized_cpu.cpp) runs every kind.
+
+Loading goes through `assign(destination, source)`: a float source is quantized into a packed destination
+(Hugging Face checkpoints with quantization int8/int4), a packed one copied plane by plane (GGUF as it
+ships), or dequantized into a float destination (a fused projection whose GGUF parts differ in type).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nanovllm.common.errors import ConfigError
+
+BLOCK = 32  # weights per 4-bit block; every group is a whole number of blocks
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How one layer's weights are stored."""
+
+    name: str  # int8, int4, or the GGUF type it came from (Q8_0, Q4_0, Q4_1)
+    bits: int  # 8 or 4
+    group_size: int | None  # input features per scale; None: one scale per row (per channel)
+
+    def bytes_per_weight(self, in_features: int) -> float:
+        group = self.group_size or in_features
+        planes = 2 if self.bits == 4 else 1  # scales, and mins at 4 bits
+        return self.bits / 8 + 2 * planes / group
+
+
+class PackedWeight(nn.Module):
+    """A quantized [out_features, in_features] weight: the planes `qweight` (int8 [N, K] at 8 bits, uint8
+    [N, K / 2] at 4), `scales` and, at 4 bits, `mins` (float16 [N, K / group_size])."""
+
+    def __init__(self, out_features: int, in_features: int, scheme: QuantScheme, layer: str) -> None:
+        super().__init__()
+        group = scheme.group_size or in_features
+        if group % BLOCK or in_features % group:
+            raise ConfigError(
+                f"quantization {scheme.name}: layer {layer} has {in_features} input features, which groups "
+                f"of {group} do not divide (a group must be a multiple of {BLOCK} that divides them)"
+            )
+        self.scheme, self.group_size = scheme, group
+        if scheme.bits == 8:
+            qweight = torch.empty(out_features, in_features, dtype=torch.int8)
+        else:
+            qweight = torch.empty(out_features, in_features // 2, dtype=torch.uint8)
+        groups = (out_features, in_features // group)
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", torch.empty(groups, dtype=torch.float16))
+        self.register_buffer("mins", torch.empty(groups, dtype=torch.float16) if scheme.bits == 4 else None)
+
+    @classmethod
+    def of_planes(
+        cls,
+        scheme: QuantScheme,
+        group_size: int,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor | None,
+    ) -> PackedWeight:
+        """A PackedWeight over existing planes (views are kept, not copied)."""
+        packed = cls.__new__(cls)
+        nn.Module.__init__(packed)
+        packed.scheme, packed.group_size = scheme, group_size
+        packed.register_buffer("qweight", qweight)
+        packed.register_buffer("scales", scales)
+        packed.register_buffer("mins", mins)
+        return packed
+
+    @property
+    def bits(self) -> int:
+        return self.scheme.bits
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size([self.qweight.shape[0], self.scales.shape[1] * self.group_size])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            p.numel() * p.element_size() for p in (self.qweight, self.scales, self.mins) if p is not None
+        )
+
+    def narrow(self, dim: int, start: int, length: int) -> PackedWeight:
+        """Rows (dim 0) or input features (dim 1, whole groups only) as views of these planes."""
+        if dim == 0:
+            planes = [p.narrow(0, start, length) if p is not None else None for p in self._planes()]
+            return PackedWeight.of_planes(self.scheme, self.group_size, *planes)
+        if start % self.group_size or length % self.group_size:
+            raise ConfigError(
+                f"quantization {self.scheme.name}: input features [{start}, {start + length}) split groups of "
+                f"{self.group_size}; tensor parallelism must shard quantized weights along whole groups"
+            )
+        per_byte = 8 // self.bits
+        g0, groups = start // self.group_size, length // self.group_size
+        return PackedWeight.of_planes(
+            self.scheme,
+            self.group_size,
+            self.qweight.narrow(1, start // per_byte, length // per_byte),
+            self.scales.narrow(1, g0, groups),
+            None if self.mins is None else self.mins.narrow(1, g0, groups),
+        )
+
+    def copy_(self, source: PackedWeight) -> PackedWeight:
+        if source.bits != self.bits or source.group_size != self.group_size or source.shape != self.shape:
+            raise ConfigError(
+                f"cannot load a {source.scheme.name} weight {tuple(source.shape)} in groups of {source.group_size} "
+                f"into a {self.scheme.name} one {tuple(self.shape)} in groups of {self.group_size}"
+            )
+        for mine, theirs in zip(self._planes(), source._planes()):
+            if mine is not None:
+                mine.copy_(theirs)
+        return self
+
+    def quantize_(self, weight: torch.Tensor) -> PackedWeight:
+        """Fill these planes from a float weight of the same shape, rounding each to the nearest level."""
+        if weight.shape != self.shape:
+            raise ConfigError(f"a float weight {tuple(weight.shape)} does not fit {tuple(self.shape)}")
+        rows, features = weight.shape
+        w = weight.to(self.scales.device, torch.float32).view(rows, -1, self.group_size)
+        if self.bits == 8:
+            scales = (w.abs().amax(dim=2) / 127).half()
+            q = _divide(w, scales).round().clamp(-127, 127).to(torch.int8)
+            self.qweight.copy_(q.view(rows, features))
+        else:
+            low, high = w.amin(dim=2), w.amax(dim=2)
+            scales, mins = ((high - low) / 15).half(), low.half()
+            q = _divide(w - mins.float().unsqueeze(2), scales).round().clamp(0, 15).to(torch.uint8)
+            halves = q.view(rows, -1, 2, BLOCK // 2)  # per block: weights 0-15, then 16-31
+            self.qweight.copy_((halves[:, :, 0] | (halves[:, :, 1] << 4)).view(rows, -1))
+            self.mins.copy_(mins)
+        self.scales.copy_(scales)
+        return self
+
+    def dequantize(self, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The float weight (or just `rows` of it), computed as the kernel computes it: s * q exactly, then
+        + m rounded once, in float32, then rounded to `dtype`."""
+        qweight, scales = self.qweight, self.scales
+        mins = self.mins
+        if rows is not None:
+            qweight, scales = qweight[rows], scales[rows]
+            mins = None if mins is None else mins[rows]
+        n = qweight.shape[0]
+        if self.bits == 8:
+            q = qweight.float()
+        else:
+            blocks = qweight.view(n, -1, BLOCK // 2)
+            q = torch.stack([blocks & 0x0F, blocks >> 4], dim=2).view(n, -1).float()
+        w = q.view(n, -1, self.group_size) * scales.float().unsqueeze(2)
+        if mins is not None:
+            w = w + mins.float().unsqueeze(2)
+        return w.view(n, -1).to(dtype)
+
+    def _planes(self) -> list[torch.Tensor | None]:
+        return [self.qweight, self.scales, self.mins]
+
+    def extra_repr(self) -> str:
+        return f"{self.scheme.name}, shape={tuple(self.shape)}, group_size={self.group_size}"
+
+
+def _divide(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """w / s per group, with an all-zero group (s = 0) giving q = 0."""
+    s = scales.float().unsqueeze(2)
+    return torch.where(s == 0, torch.zeros_like(w), w / torch.where(s == 0, torch.ones_like(s), s))
+
+
+def assign(destination: torch.Tensor | PackedWeight, source: torch.Tensor | PackedWeight) -> None:
+    """Load `source` into `destination` (a parameter or a slice of one), whatever each is stored as."""
+    if isinstance(destination, PackedWeight):
+        if isinstance(source, PackedWeight):
+            destination.copy_(source)
+        else:
+            destination.quantize_(source)
+    elif isinstance(source, PackedWeight):
+        destination.copy_(source.dequantize(destination.dtype))
+    else:
+        destination.copy_(source)
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """Which layers a model builds with packed weights: `by_layer` names them (a GGUF file's quantized
+    tensors, by layer prefix such as "model.layers.0.mlp.down_proj"), or `every_linear` applies to every
+    projection (int8 / int4 of a float checkpoint; the embedding and LM head stay in the model's dtype)."""
+
+    by_layer: dict[str, QuantScheme] | None = None
+    every_linear: QuantScheme | None = None
+
+    def scheme(self, prefix: str, linear: bool) -> QuantScheme | None:
+        if self.by_layer is not None:
+            return self.by_layer.get(prefix)
+        return self.every_linear if linear else None
+
+
+def make_weight(
+    out_features: int, in_features: int, plan: QuantPlan | None, prefix: str, linear: bool
+) -> nn.Parameter | PackedWeight:
+    """The weight a layer named `prefix` holds: packed when the plan says so, else a float parameter in
+    the default dtype."""
+    scheme = plan.scheme(prefix, linear) if plan is not None else None
+    if scheme is not None:
+        return PackedWeight(out_features, in_features, scheme, prefix)
+    return nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
