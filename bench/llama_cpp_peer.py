@@ -2,8 +2,8 @@
 
 Runs under an interpreter that has llama-cpp-python (not a nanovllm dependency: it builds from source in
 minutes, `pip install llama-cpp-python`), so it imports nothing from nanovllm. Reads a JSON job on stdin
-({"model": GGUF path, "chats": [[token ids]], "max_tokens", "threads"}), decodes each chat greedily alone
-from a fresh context, and prints {"decode_tokens", "decode_s", "version"}: tokens after the first over the
+({"model": GGUF path, "chats": [[token ids]], "max_tokens", "threads", optional "ignore_eos"}), decodes
+each chat greedily alone from a fresh context (to max_tokens regardless of EOS with ignore_eos), and prints {"decode_tokens", "decode_s", "version"}: tokens after the first over the
 seconds from the first to the last, as bench/speculation.py times its own engines.
 """
 
@@ -34,7 +34,7 @@ def main() -> None:
                 count += 1
                 if count == 1:
                     first_at = time.perf_counter()  # prefill done
-                if token == eos or count >= job["max_tokens"]:
+                if (token == eos and not job.get("ignore_eos")) or count >= job["max_tokens"]:
                     break
             if not warm_up:
                 decode_tokens += count - 1

@@ -128,9 +128,17 @@ def run_batch(llm: LLM, workload: Workload) -> tuple[list[list[int]], float, int
     return list(tokens.values()), sum(map(len, tokens.values())) / elapsed, steps, speculated
 
 
-def llama_cpp(python: str, gguf: Path, chats: list[list[int]], max_tokens: int) -> dict:
+def llama_cpp(
+    python: str, gguf: Path, chats: list[list[int]], max_tokens: int, ignore_eos: bool = False
+) -> dict:
     """llama.cpp's decode tokens and seconds on `chats`, with as many threads as the engines had."""
-    job = {"model": str(gguf), "chats": chats, "max_tokens": max_tokens, "threads": torch.get_num_threads()}
+    job = {
+        "model": str(gguf),
+        "chats": chats,
+        "max_tokens": max_tokens,
+        "threads": torch.get_num_threads(),
+        "ignore_eos": ignore_eos,
+    }
     peer = Path(__file__).with_name("llama_cpp_peer.py")
     done = subprocess.run(
         [python, str(peer)], input=json.dumps(job), capture_output=True, text=True, check=True

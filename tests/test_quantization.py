@@ -60,7 +60,7 @@ def _run(kernels, x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_kernel_equals_the_float_kernel_on_dequantized_weights(kernels, scheme, dtype) -> None:
-    """Bit for bit, at every row count (weights dequantized in registers up to 4 rows, in cached panels
+    """Bit for bit, at every row count (weights dequantized in registers up to 8 rows, in cached panels
     above): x widened, the exact dequantized weight, the same summation order, one rounding to dtype."""
     packed, _ = _packed(scheme, 70, 256)
     dequantized = packed.dequantize(torch.float32)
@@ -70,6 +70,16 @@ def test_kernel_equals_the_float_kernel_on_dequantized_weights(kernels, scheme, 
         x = torch.randn(rows, 256, generator=gen).to(dtype)
         expected = kernels.linear_few_rows(x.float(), dequantized, bias.float()).to(dtype)
         assert torch.equal(_run(kernels, x, packed, bias), expected), (scheme, dtype, rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_sized_inputs_go_through_the_float_gemm(kernels, dtype) -> None:
+    """Above 64 rows the weight is dequantized once and PyTorch's fp32 GEMM runs: its own summation
+    order, so close to the register and panel paths' result rather than equal."""
+    packed, _ = _packed("int4-32", 48, 256)
+    x = torch.randn(100, 256).to(dtype)
+    expected = F.linear(x.float(), packed.dequantize(torch.float32)).to(dtype)
+    torch.testing.assert_close(_run(kernels, x, packed), expected)
 
 
 def test_a_row_does_not_depend_on_its_neighbours(kernels) -> None:

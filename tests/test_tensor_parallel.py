@@ -41,9 +41,9 @@ def rank_processes(parent: psutil.Process) -> list[psutil.Process]:
     return ranks
 
 
-def compare_tp(model_dir: Path) -> None:
-    single = LLM(str(model_dir), **ENGINE)
-    sharded = LLM(str(model_dir), tensor_parallel_size=2, **ENGINE)
+def compare_tp(model_dir: Path, **options: object) -> None:
+    single = LLM(str(model_dir), **ENGINE, **options)
+    sharded = LLM(str(model_dir), tensor_parallel_size=2, **ENGINE, **options)
     try:
         assert len(rank_processes(psutil.Process())) == 1
         want = single.generate(PROMPTS, greedy(24), use_tqdm=False)
@@ -68,6 +68,18 @@ def test_tp2_equals_tp1(model_dirs: dict[str, Path], arch: str) -> None:
 def test_tp2_replicates_a_single_kv_head(tmp_path: Path) -> None:
     """With fewer KV heads than ranks, each rank keeps a replica of its KV head: outputs unchanged."""
     compare_tp(build_model("qwen3", tmp_path / "mqa", heads=4, kv_heads=1, seed=5))
+
+
+def test_tp2_shards_int4_weights_along_whole_groups(qwen3_dir: Path) -> None:
+    """Each rank holds whole groups of 32 (o_proj's 64 input features split 32 + 32), the same groups
+    one process holds: the same tokens, and logits within 1e-4 (only the all-reduce's order differs)."""
+    compare_tp(qwen3_dir, quantization="int4")
+
+
+def test_tp2_group_that_would_split_is_a_clear_error(qwen3_dir: Path) -> None:
+    with pytest.raises(ConfigError, match=r"layer model.layers.0.self_attn.o_proj has 32 input features"):
+        LLM(str(qwen3_dir), tensor_parallel_size=2, quantization="int4", quantization_group_size=64, **ENGINE)
+    assert rank_processes(psutil.Process()) == []
 
 
 def test_unshardable_model_is_a_clear_error_before_any_process_starts(qwen3_dir: Path) -> None:

@@ -8,9 +8,14 @@
 // fp32's mantissa, so adding m rounds once, as gguf's own dequantization does), then summed in
 // linear_tile.h's order. So the result equals linear_few_rows on the dequantized float32 weights, bit for
 // bit, whatever the number of rows:
-// - up to kDirectRows rows of x, weights are dequantized into registers as they are read (memory-bound);
-// - above, each thread dequantizes a panel of kPanelRows weight rows into an fp32 scratch that stays in
-//   cache, and runs the float tile over every row of x against it (arithmetic-bound, like a GEMM).
+// - up to kDirectRows (8) rows of x, weights are dequantized into registers as they are read (memory-bound);
+// - up to kPanelMaxRows, each thread dequantizes a panel of kPanelRows weight rows into an fp32 scratch
+//   that stays in cache, and runs the float tile over every row of x against it (arithmetic-bound);
+// - above (prefill), the whole weight is dequantized to fp32 and PyTorch's GEMM multiplies it, in fp32
+//   whatever x's dtype, rounded once: on SmolLM2's projections (bench/quantized_matmul.py, AVX2 EPYC) the
+//   panels took 0.6x the float GEMM's time at 24 rows, about 1.0x at 48-96, 1.27x at 128 and 1.57x at
+//   512, where dequantizing first costs about 12% more than the float GEMM alone. The GEMM sums in its
+//   own order, so there the result is close to, not bit-equal with, the panels'.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -22,8 +27,9 @@
 namespace {
 
 constexpr int64_t kBlock = 32;       // weights per 4-bit block (and the smallest group)
-constexpr int64_t kDirectRows = 4;   // rows of x up to which weights are dequantized in registers
+constexpr int64_t kDirectRows = 8;   // rows of x up to which weights are dequantized in registers
 constexpr int64_t kPanelRows = 16;   // weight rows per fp32 panel above that (16 x K floats: L2-sized)
+constexpr int64_t kPanelMaxRows = 64;  // rows of x up to which the panels run, PyTorch's GEMM above
 
 // One output row's quantized weights: `q` its bytes, `s` / `m` its groups' scales and mins (m null for
 // 8 bits).
@@ -64,7 +70,9 @@ void dequantize_row(const QRow& row, int64_t K, int64_t group, float* out) {
 #ifdef NANOVLLM_LINEAR_AVX2
 // An fp16 scale or min broadcast to 8 lanes by F16C (cpu_common.h's portable conversion is a dozen scalar
 // instructions, paid per group and weight row here).
-inline __m256 broadcast_half(const c10::Half* p) { return _mm256_set1_ps(_cvtsh_ss(p->x)); }
+inline __m256 broadcast_half(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(p->x)));
+}
 
 // Weights [8j, 8j + 8) of a 32-weight block, widened to fp32 (before scaling): for 4 bits `lo` / `hi` are
 // the block's 16 bytes masked to their low / high nibbles.
@@ -91,7 +99,7 @@ inline void qdot_tile(const float* x, int64_t K, int64_t group, const QRow* rows
     __m256 sv[R], mv[R];
     for (int r = 0; r < R; ++r) {
       sv[r] = broadcast_half(rows[r].s + g);
-      mv[r] = rows[r].m == nullptr ? _mm256_setzero_ps() : broadcast_half(rows[r].m + g);
+      mv[r] = BITS == 8 ? _mm256_setzero_ps() : broadcast_half(rows[r].m + g);  // 4 bits always have mins
     }
     for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += kBlock) {
       const uint8_t* block[R];
@@ -128,9 +136,9 @@ template <int M, int BITS, typename T>
 void direct_rows(const float* x, const QRow* first, const T* bias, T* y, int64_t n_begin, int64_t n_end, int64_t N,
                  int64_t K, int64_t group) {
 #ifdef NANOVLLM_LINEAR_AVX2
-  // Each (row of x, weight row) is one chain of dependent FMAs: with one or two rows of x, four weight
-  // rows at a time keep enough chains in flight to hide the FMA latency (two left it latency-bound).
-  constexpr int R = M <= 2 ? 4 : 2;
+  // Two weight rows at a time up to 4 rows of x (4 measured no faster at one row), one above, where the
+  // accumulators take the registers.
+  constexpr int R = M <= 4 ? 2 : 1;
   for (int64_t n = n_begin; n < n_end; n += R) {
     const int rows = static_cast<int>(std::min<int64_t>(R, n_end - n));
     QRow w[R];
@@ -155,8 +163,9 @@ using DirectFn = void (*)(const float*, const QRow*, const T*, T*, int64_t, int6
 
 template <int BITS, typename T>
 DirectFn<BITS, T> direct_fn(int64_t rows) {
-  static const DirectFn<BITS, T> table[kDirectRows] = {direct_rows<1, BITS, T>, direct_rows<2, BITS, T>,
-                                                       direct_rows<3, BITS, T>, direct_rows<4, BITS, T>};
+  static const DirectFn<BITS, T> table[kDirectRows] = {
+      direct_rows<1, BITS, T>, direct_rows<2, BITS, T>, direct_rows<3, BITS, T>, direct_rows<4, BITS, T>,
+      direct_rows<5, BITS, T>, direct_rows<6, BITS, T>, direct_rows<7, BITS, T>, direct_rows<8, BITS, T>};
   return table[rows - 1];
 }
 
@@ -190,6 +199,19 @@ void linear_quantized_impl(const T* x, const uint8_t* q, const c10::Half* scales
       }
     }
   });
+}
+
+// The whole weight as fp32 [N, K].
+template <int BITS>
+torch::Tensor dequantize_all(const uint8_t* q, const c10::Half* scales, const c10::Half* mins, int64_t N, int64_t K,
+                             int64_t group) {
+  auto w = torch::empty({N, K}, torch::kFloat);
+  float* out = w.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      dequantize_row<BITS>(qrow<BITS>(q, scales, mins, n, K, K / group), K, group, out + n * K);
+  });
+  return w;
 }
 
 }  // namespace
@@ -228,11 +250,17 @@ torch::Tensor linear_quantized(torch::Tensor x, torch::Tensor qweight, torch::Te
   scales = scales.contiguous();
   const torch::Tensor m = mins.has_value() ? mins->contiguous() : torch::Tensor();
   const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
-  auto y = torch::empty({rows, N}, x.options());
-  if (rows == 0) return y;
   const auto* q = static_cast<const uint8_t*>(qweight.data_ptr());
   const auto* s = scales.data_ptr<c10::Half>();
   const auto* mn = m.defined() ? m.data_ptr<c10::Half>() : nullptr;
+  if (rows > kPanelMaxRows) {
+    const torch::Tensor w = bits == 8 ? dequantize_all<8>(q, s, mn, N, K, group_size)
+                                      : dequantize_all<4>(q, s, mn, N, K, group_size);
+    const torch::Tensor bias32 = b.defined() ? b.to(torch::kFloat) : torch::Tensor();
+    return at::linear(x.to(torch::kFloat), w, bias32).to(x.scalar_type());
+  }
+  auto y = torch::empty({rows, N}, x.options());
+  if (rows == 0) return y;
   dispatch("linear_quantized", x.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
     const T* bp = b.defined() ? b.data_ptr<T>() : nullptr;

@@ -1,0 +1,137 @@
+"""Weight-only quantization benchmark: the embedded SmolLM2-135M-Instruct one stream and W64 with its
+weights in the model's dtype, in bfloat16, int8, int4, and the GGUF's Q4_1 as it ships, and llama.cpp on
+the same GGUF, all in one run.
+
+One stream: each prompt (128 tokens of the model's own text) alone, 256 new tokens, greedy, ignore_eos;
+decode tokens/s from the first token to the last. W64: bench/throughput.py's batch workload (64 random
+requests at once, 32-256 tokens in and out), output tokens/s. Engines run in this process one after the
+other after a warm-up; llama.cpp (llama-cpp-python, bench/llama_cpp_peer.py under --llama-cpp-python)
+decodes the same prompts to the same length after them. Ratios are against the default dtype's engine.
+
+    .venv/bin/python -m bench.quantization [--prompts 3] [--max-tokens 256] [--skip-w64]
+        [--llama-cpp-python PATH/TO/python]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import time
+
+import torch
+
+from bench.report import machine_description
+from bench.speculation import llama_cpp, run_batch
+from bench.workload import make_workload
+from nanovllm import LLM, SamplingParams
+from nanovllm.worker.gguf import embedded_model_path
+from nanovllm.worker.layers.quantization import PackedWeight
+
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based ink and a wooden screw press into a system that could produce books "
+    "faster and more cheaply than any scribe. Within fifty years, presses had spread to more than two "
+    "hundred cities across Europe, and millions of volumes had been printed. The consequences reached far "
+    "beyond the workshop: scholars could compare identical copies of a text, reformers could spread "
+    "pamphlets in weeks rather than years, and ordinary people gained access to almanacs, news sheets and "
+    "grammars. Historians still debate how quickly literacy rose, but few doubt that the press changed how "
+    "knowledge was stored, checked and shared. In the centuries that followed, "
+)
+
+
+def one_stream(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
+    """Decode tokens/s, each prompt alone, timed from its first token."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    decode_s, decode_tokens = 0.0, 0
+    for prompt in prompts:
+        engine = llm.engine
+        engine.add_request("bench", prompt, params)
+        count, first_at = 0, 0.0
+        while engine.has_unfinished_requests():
+            for out in engine.step().outputs:
+                count += len(out.new_token_ids)
+            if count and not first_at:
+                first_at = time.perf_counter()
+        decode_s += time.perf_counter() - first_at
+        decode_tokens += count - 1
+    return decode_tokens / decode_s
+
+
+def weight_bytes(llm: LLM) -> int:
+    model = llm.engine.runner.model
+    packed = {id(m): m for m in model.modules() if isinstance(m, PackedWeight)}.values()
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(m.nbytes for m in packed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--skip-w64", action="store_true")
+    parser.add_argument(
+        "--llama-cpp-python", help="an interpreter with llama-cpp-python: adds llama.cpp's row"
+    )
+    args = parser.parse_args()
+
+    gguf = embedded_model_path()
+    engines = {  # name: (LLM kwargs, runs W64)
+        "default dtype": ({"quantization": "none"}, True),
+        "bfloat16": ({"quantization": "none", "dtype": "bfloat16"}, True),
+        "int8 (per channel)": ({"quantization": "int8"}, True),
+        "int4 (group 32)": ({"quantization": "int4"}, True),
+        "GGUF Q4_1 as shipped": ({"quantization": "auto"}, True),
+    }
+    w64 = make_workload(64, 49152, (32, 256), (32, 256), seed=0)
+    prompts: list[list[int]] = []
+    rows = []
+    for name, (kwargs, batch) in engines.items():
+        llm = LLM(str(gguf), max_model_len=1024, kv_cache_memory="1GiB", **kwargs)
+        if not prompts:
+            ids = llm.tokenizer.encode(TEXT)
+            prompts = [ids[i : i + 128] for i in range(0, args.prompts * 3, 3)]
+            if any(len(p) != 128 for p in prompts):
+                raise SystemExit(f"the text is {len(ids)} tokens: too short for 128-token prompts")
+        one_stream(llm, prompts[:1], 16)  # warm-up
+        stream = one_stream(llm, prompts, args.max_tokens)
+        throughput = None
+        if batch and not args.skip_w64:
+            run_batch(llm, make_workload(8, 49152, (32, 64), (8, 16), seed=1))  # warm-up
+            throughput = run_batch(llm, w64)[1]
+        rows.append(
+            (name, str(llm.engine.runner.dtype).removeprefix("torch."), weight_bytes(llm), stream, throughput)
+        )
+        llm.shutdown()
+        del llm
+    peer = None
+    if args.llama_cpp_python:
+        peer = llama_cpp(args.llama_cpp_python, gguf, prompts, args.max_tokens, ignore_eos=True)
+
+    base_stream, base_batch = rows[0][3], rows[0][4]
+    print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {machine_description()}")
+    print(
+        f"SmolLM2-135M-Instruct; one stream: {len(prompts)} prompts of 128 tokens, {args.max_tokens} new, "
+        f"greedy; W64: 64 random requests, 32-256 in and out; {torch.get_num_threads()} threads\n"
+    )
+    print("| weights | activations | weight MB | one stream tok/s | vs default | W64 tok/s | vs default |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for name, dtype, size, stream, batch in rows:
+        w64_cells = f"{batch:.1f} | {batch / base_batch:.2f}x" if batch and base_batch else "- | -"
+        print(
+            f"| {name} | {dtype} | {size / 1e6:.0f} | {stream:.1f} | {stream / base_stream:.2f}x | {w64_cells} |"
+        )
+    if peer is not None:
+        rate = peer["decode_tokens"] / peer["decode_s"]
+        print(
+            f"| llama.cpp {peer['version']} (the GGUF as shipped) | - | - | {rate:.1f} | "
+            f"{rate / base_stream:.2f}x | - | - |"
+        )
+    else:
+        print(
+            "\nllama.cpp: not measured (pass --llama-cpp-python PATH/TO/python with llama-cpp-python installed)"
+        )
+
+
+if __name__ == "__main__":
+    main()
