@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import subprocess
 import time
 
 import torch
@@ -104,9 +105,12 @@ def main() -> None:
         )
         llm.shutdown()
         del llm
-    peer = None
+    peer, peer_failure = None, "pass --llama-cpp-python PATH/TO/python with llama-cpp-python installed"
     if args.llama_cpp_python:
-        peer = llama_cpp(args.llama_cpp_python, gguf, prompts, args.max_tokens, ignore_eos=True)
+        try:
+            peer = llama_cpp(args.llama_cpp_python, gguf, prompts, args.max_tokens, ignore_eos=True)
+        except subprocess.CalledProcessError as exc:  # the engines' table is still worth printing
+            peer_failure = f"the peer exited with {exc.returncode}: {exc.stderr.strip()[-300:]}"
 
     base_stream, base_batch = rows[0][3], rows[0][4]
     print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {machine_description()}")
@@ -128,9 +132,7 @@ def main() -> None:
             f"{rate / base_stream:.2f}x | - | - |"
         )
     else:
-        print(
-            "\nllama.cpp: not measured (pass --llama-cpp-python PATH/TO/python with llama-cpp-python installed)"
-        )
+        print(f"\nllama.cpp: not measured ({peer_failure})")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ float32 weights, read from memory as in the model) run as:
     up to 64 rows (on an AVX2 CPU they take about a minute per step at 512),
   - the engine's `linear_quantized` (kernels/csrc/linear_quantized_cpu.cpp) on the same two formats:
     int8 per channel, int4 in groups of 32 with a scale and a min (float16) each.
-x is float32 for all but the bfloat16 columns. The calls alternate, so drift falls on all alike; the
+x is float32 but in the bfloat16 columns (the engine's activations where the CPU has native bf16). The calls alternate, so drift falls on all alike; the
 table gives median milliseconds per step.
 
     .venv/bin/python -m bench.quantized_matmul [--rows 1 8 64 512] [--repeat 15]
@@ -76,9 +76,9 @@ def main() -> None:
     print(f"SmolLM2-135M's 30 layers of projections per step, median ms of {args.repeat}\n")
     print(
         "| rows | float32 F.linear | float32 few-rows | bfloat16 F.linear | bfloat16 few-rows "
-        "| torch int8 | torch int4 | ours int8 | ours int4 |"
+        "| torch int8 | torch int4 | ours int8 | ours int4 | ours int8, bf16 x | ours int4, bf16 x |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for rows in args.rows:
         x32 = torch.randn(rows, max(HIDDEN, INTERMEDIATE), generator=gen)
         x16 = x32.to(torch.bfloat16)
@@ -109,6 +109,8 @@ def main() -> None:
             else None,
             "ours8": step(packed("int8"), x32),
             "ours4": step(packed("int4"), x32),
+            "ours8_16": step(packed("int8"), x16),
+            "ours4_16": step(packed("int4"), x16),
         }
         runs = {name: run for name, run in cases.items() if run is not None}
         times: dict[str, list[float]] = {name: [] for name in runs}
@@ -118,7 +120,7 @@ def main() -> None:
                 run()
                 times[name].append(time.perf_counter() - start)
         cell = {name: f"{statistics.median(t) * 1e3:.1f}" for name, t in times.items()}
-        columns = ["f32", "few", "bf16", "few16", "int8", "int4", "ours8", "ours4"]
+        columns = ["f32", "few", "bf16", "few16", "int8", "int4", "ours8", "ours4", "ours8_16", "ours4_16"]
         print(f"| {rows} | " + " | ".join(cell.get(name, "-") for name in columns) + " |")
 
 

@@ -7,15 +7,18 @@
 // Each weight is widened to fp32 exactly (s * q is exact: an fp16 times an integer of at most 8 bits fits
 // fp32's mantissa, so adding m rounds once, as gguf's own dequantization does), then summed in
 // linear_tile.h's order. So the result equals linear_few_rows on the dequantized float32 weights, bit for
-// bit, whatever the number of rows:
+// bit, whatever the number of rows, as long as the rows are dequantized in registers or panels:
 // - up to kDirectRows (8) rows of x, weights are dequantized into registers as they are read (memory-bound);
-// - up to kPanelMaxRows, each thread dequantizes a panel of kPanelRows weight rows into an fp32 scratch
-//   that stays in cache, and runs the float tile over every row of x against it (arithmetic-bound);
-// - above (prefill), the whole weight is dequantized to fp32 and PyTorch's GEMM multiplies it, in fp32
-//   whatever x's dtype, rounded once: on SmolLM2's projections (bench/quantized_matmul.py, AVX2 EPYC) the
-//   panels took 0.6x the float GEMM's time at 24 rows, about 1.0x at 48-96, 1.27x at 128 and 1.57x at
-//   512, where dequantizing first costs about 12% more than the float GEMM alone. The GEMM sums in its
-//   own order, so there the result is close to, not bit-equal with, the panels'.
+// - with x in float32, up to kPanelMaxRows, each thread dequantizes a panel of kPanelRows weight rows into
+//   an fp32 scratch that stays in cache, and runs the float tile over every row of x against it
+//   (arithmetic-bound);
+// - above that (prefill, large decode batches), the whole weight is dequantized to x's dtype and PyTorch's
+//   GEMM multiplies it, summing in its own order (close to the panels, not bit-equal). With float32 x on
+//   SmolLM2's projections (bench/quantized_matmul.py, AVX2 EPYC) the panels took 0.6x the float GEMM's
+//   time at 24 rows, about 1.0x at 48-96, 1.27x at 128 and 1.57x at 512, where dequantizing first costs
+//   about 12% more than the float GEMM alone. With 16-bit x the GEMM starts right after the registers: a
+//   CPU with native bf16 runs it on AMX or AVX512_BF16, 3.1x the panels' speed at 64 rows (Xeon with AMX),
+//   and the float engine runs such batches in PyTorch's 16-bit GEMM too.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -201,15 +204,23 @@ void linear_quantized_impl(const T* x, const uint8_t* q, const c10::Half* scales
   });
 }
 
-// The whole weight as fp32 [N, K].
+// The whole weight [N, K] in `dtype` (each weight rounded from its exact fp32 value).
 template <int BITS>
 torch::Tensor dequantize_all(const uint8_t* q, const c10::Half* scales, const c10::Half* mins, int64_t N, int64_t K,
-                             int64_t group) {
-  auto w = torch::empty({N, K}, torch::kFloat);
-  float* out = w.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      dequantize_row<BITS>(qrow<BITS>(q, scales, mins, n, K, K / group), K, group, out + n * K);
+                             int64_t group, at::ScalarType dtype) {
+  auto w = torch::empty({N, K}, torch::dtype(dtype));
+  dispatch("linear_quantized", dtype, [&](auto zero) {
+    using T = decltype(zero);
+    T* out = w.data_ptr<T>();
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(K);
+      for (int64_t n = begin; n < end; ++n) {
+        dequantize_row<BITS>(qrow<BITS>(q, scales, mins, n, K, K / group), K, group, row.data());
+        T* o = out + n * K;
+#pragma omp simd
+        for (int64_t k = 0; k < K; ++k) o[k] = to<T>(row[k]);
+      }
+    });
   });
   return w;
 }
@@ -253,11 +264,10 @@ torch::Tensor linear_quantized(torch::Tensor x, torch::Tensor qweight, torch::Te
   const auto* q = static_cast<const uint8_t*>(qweight.data_ptr());
   const auto* s = scales.data_ptr<c10::Half>();
   const auto* mn = m.defined() ? m.data_ptr<c10::Half>() : nullptr;
-  if (rows > kPanelMaxRows) {
-    const torch::Tensor w = bits == 8 ? dequantize_all<8>(q, s, mn, N, K, group_size)
-                                      : dequantize_all<4>(q, s, mn, N, K, group_size);
-    const torch::Tensor bias32 = b.defined() ? b.to(torch::kFloat) : torch::Tensor();
-    return at::linear(x.to(torch::kFloat), w, bias32).to(x.scalar_type());
+  if (rows > (x.scalar_type() == at::kFloat ? kPanelMaxRows : kDirectRows)) {
+    const torch::Tensor w = bits == 8 ? dequantize_all<8>(q, s, mn, N, K, group_size, x.scalar_type())
+                                      : dequantize_all<4>(q, s, mn, N, K, group_size, x.scalar_type());
+    return at::linear(x, w, b.defined() ? b : torch::Tensor());
   }
   auto y = torch::empty({rows, N}, x.options());
   if (rows == 0) return y;
