@@ -10,6 +10,9 @@ from nanovllm.common.errors import ConfigError
 from nanovllm.common.options import flag_name, option
 from nanovllm.common.tls import TlsFiles
 
+# --reasoning-parser's values (router/reasoning.py): auto, none, or a model family's marker format.
+REASONING_PARSERS = ("auto", "none", "qwen3")
+
 HEALTH_PORT_HELP = (
     "also serve grpc.health.v1 alone, in plaintext, on this port (0 picks a free one): for Kubernetes gRPC "
     "probes, which cannot speak TLS; unset: no such port"
@@ -134,9 +137,19 @@ class RouterConfig:
     limits: RequestLimits = RequestLimits()
     routing: RoutingConfig = RoutingConfig()
 
+    reasoning_parser: str = option(
+        "auto",
+        help="how responses split a model's reasoning from its answer: auto (from the model: Qwen3's "
+        "<think> markers; none for other families), qwen3, or none (the reasoning stays in text)",
+    )
+
     def __post_init__(self) -> None:
         if self.stall_timeout_s <= 0:
             raise ConfigError(f"--stall-timeout must be more than 0 seconds, got {self.stall_timeout_s:g}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(
+                f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}"
+            )
 
     max_attempts: int = option(3, help="workers a request may be tried on before its first token")
     resume_streams: bool = option(

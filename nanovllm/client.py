@@ -20,6 +20,11 @@ class ClientOptions:
         "with the model's chat template)",
     )
     system: str | None = option(None, help="system message of the chat")
+    no_think: bool = option(
+        False,
+        help="ask a model that reasons before it answers (Qwen3) to answer at once (chat.enable_thinking "
+        "false)",
+    )
     max_tokens: int = option(256, help="most tokens to generate")
     temperature: float = option(0.0, help="0 is greedy")
     top_p: float = option(1.0, help="nucleus sampling mass")
@@ -83,6 +88,14 @@ def _constrain(sampling: Any, options: dict[str, Any]) -> None:
         sampling.choice.choices.extend(options["choice"])
 
 
+def _show_reasoning(text: str) -> None:
+    """The model's reasoning goes to stderr, dimmed on a terminal: stdout carries the answer alone."""
+    if sys.stderr.isatty():
+        text = f"\x1b[2m{text}\x1b[0m"
+    sys.stderr.write(text)
+    sys.stderr.flush()
+
+
 def run_client(options: dict[str, Any], prompt: str) -> int:
     import grpc
 
@@ -106,6 +119,8 @@ def run_client(options: dict[str, Any], prompt: str) -> int:
         if options["system"]:
             request.chat.messages.add(role="system", content=options["system"])
         request.chat.messages.add(role="user", content=prompt)
+        if options["no_think"]:
+            request.chat.enable_thinking = False
     else:
         request.text = prompt
     metadata = [("authorization", f"Bearer {options['token']}")] if options["token"] else None
@@ -118,6 +133,8 @@ def run_client(options: dict[str, Any], prompt: str) -> int:
         stub = generate_pb2_grpc.GenerationStub(channel)
         try:
             for response in stub.Generate(request, metadata=metadata):
+                if response.reasoning_text:
+                    _show_reasoning(response.reasoning_text)
                 sys.stdout.write(response.text)
                 sys.stdout.flush()
                 if response.finish_reason:

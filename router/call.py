@@ -17,6 +17,7 @@ from nanovllm.common.server_config import RouterConfig
 from nanovllm.router.limits import Lease
 from nanovllm.router.metrics import RouterMetrics
 from nanovllm.router.pool import WorkerPool
+from nanovllm.router.reasoning import ReasoningSplit, prompt_opens_reasoning, reasoning_format
 from nanovllm.router.responses import build_response, error_response, finish_name, merge_responses
 from nanovllm.router.routing import Decision
 from nanovllm.router.text_stream import TextStream
@@ -129,6 +130,7 @@ class GenerateCall:
             await reject(self.context, self.metrics, grpc.StatusCode.UNAVAILABLE, message)
         self.attempt = self.submit(decision, frozenset())
         self.stream = TextStream(tokenizer.backend if tokenizer else None, self.valid.stop)
+        self.split = self._reasoning_split(tokenizer)
         # Without a tokenizer, token ids are all there is.
         self.with_ids = request.return_token_ids or tokenizer is None
         try:
@@ -145,6 +147,15 @@ class GenerateCall:
             # Both no-ops when done above.
             self.attempt.worker.release(self.attempt.wire_id, abort=self.worker_running)
             self.trace.close()
+
+    def _reasoning_split(self, tokenizer: ModelTokenizer | None) -> ReasoningSplit | None:
+        """The reasoning split for the model's format (RouterConfig.reasoning_parser), open from the
+        start when the prompt ends inside a reasoning block."""
+        fmt = reasoning_format(self.config.reasoning_parser, self.pool.info.architectures)
+        if fmt is None or tokenizer is None:
+            return None
+        tail = tokenizer.decode_tail(self.valid.prompt_token_ids)
+        return ReasoningSplit(fmt, in_reasoning=prompt_opens_reasoning(tail, fmt))
 
     async def admit(self) -> tuple[ValidRequest, ModelTokenizer | None]:
         """The request checked and tokenized with its tokenizer, or the call ended with the status that
@@ -198,7 +209,13 @@ class GenerateCall:
         trace = self.trace
         trace.on_tokens(len(update.new_token_ids), update.num_cached_tokens)
         return build_response(
-            update, self.stream, self.request_id, self.with_ids, trace.num_tokens, trace.cached_tokens
+            update,
+            self.stream,
+            self.split,
+            self.request_id,
+            self.with_ids,
+            trace.num_tokens,
+            trace.cached_tokens,
         )
 
     def submit(self, decision: Decision, tried: frozenset[str]) -> Attempt:
@@ -272,7 +289,7 @@ class GenerateCall:
             await self.context.abort(grpc.StatusCode.UNAVAILABLE, message)
         if trace.num_tokens and event.error_code == worker_pb2.ERROR_CODE_INTERNAL:
             trace.on_finish("error")
-            await self.send(error_response(trace.request_id, self.stream, event.error_message))
+            await self.send(error_response(trace.request_id, self.stream, self.split, event.error_message))
             return
         code = _ERROR_CODES[event.error_code]
         trace.outcome = code.name.lower()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from nanovllm.router.reasoning import ReasoningSplit
 from nanovllm.router.text_stream import TextStream
 from nanovllm.v1 import generate_pb2
 from nanovllm.worker.v1 import worker_pb2
@@ -21,6 +22,7 @@ def finish_name(reason: int) -> str:
 def build_response(
     update: worker_pb2.RequestUpdate,
     stream: TextStream,
+    split: ReasoningSplit | None,
     request_id: str,
     with_token_ids: bool,
     num_tokens: int,
@@ -35,7 +37,8 @@ def build_response(
         text += stream.finish()
     if stream.stopped:
         finish = generate_pb2.FINISH_REASON_STOP  # a stop string (the worker may still run it)
-    response = generate_pb2.GenerateResponse(request_id=request_id, text=text)
+    reasoning, text = _split(split, text, last=finish is not None)
+    response = generate_pb2.GenerateResponse(request_id=request_id, text=text, reasoning_text=reasoning)
     if with_token_ids:
         response.token_ids.extend(update.new_token_ids)
     for lp in update.logprobs:
@@ -48,7 +51,18 @@ def build_response(
         response.usage.completion_tokens = num_tokens
         response.usage.cached_prompt_tokens = cached_tokens
         return response
-    return response if text or response.token_ids or response.logprobs else None
+    return response if text or reasoning or response.token_ids or response.logprobs else None
+
+
+def _split(split: ReasoningSplit | None, text: str, last: bool) -> tuple[str, str]:
+    """(reasoning, answer) of released text; everything held back too when the stream ends."""
+    if split is None:
+        return "", text
+    reasoning, answer = split.push(text)
+    if last:
+        more_reasoning, more_answer = split.finish()
+        reasoning, answer = reasoning + more_reasoning, answer + more_answer
+    return reasoning, answer
 
 
 def merge_responses(
@@ -58,18 +72,22 @@ def merge_responses(
     and usage are the later one's."""
     if first is None or later is None:
         return later if first is None else first
-    text = first.text + later.text
+    text, reasoning = first.text + later.text, first.reasoning_text + later.reasoning_text
     first.MergeFrom(later)  # appends repeated fields; set scalars and usage are taken from `later`
-    first.text = text
+    first.text, first.reasoning_text = text, reasoning
     return first
 
 
-def error_response(request_id: str, stream: TextStream, message: str) -> generate_pb2.GenerateResponse:
+def error_response(
+    request_id: str, stream: TextStream, split: ReasoningSplit | None, message: str
+) -> generate_pb2.GenerateResponse:
     """The last response of a stream whose request failed after producing tokens: the text held back so
     far, and the error."""
+    reasoning, text = _split(split, stream.finish(), last=True)
     return generate_pb2.GenerateResponse(
         request_id=request_id,
-        text=stream.finish(),
+        text=text,
+        reasoning_text=reasoning,
         finish_reason=generate_pb2.FINISH_REASON_ERROR,
         error=message,
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import tempfile
 import threading
 from pathlib import Path
@@ -33,6 +35,13 @@ def has_tokenizer(info: worker_pb2.WorkerInfo) -> bool:
     return "tokenizer.json" in info.tokenizer_files or "tokenizer.model" in info.tokenizer_files
 
 
+@functools.cache
+def _reserved_template_kwargs(tokenizer_class: type) -> frozenset[str]:
+    """apply_chat_template's own parameters, which a template variable must not shadow."""
+    parameters = inspect.signature(tokenizer_class.apply_chat_template).parameters
+    return frozenset(name for name, p in parameters.items() if p.kind is not p.VAR_KEYWORD) | {"messages"}
+
+
 class ModelTokenizer:
     def __init__(self, info: worker_pb2.WorkerInfo) -> None:
         """The tokenizer a worker sent; see has_tokenizer."""
@@ -49,6 +58,10 @@ class ModelTokenizer:
         """The tokenizers-library tokenizer, for incremental decoding."""
         return self._hf.backend_tokenizer
 
+    def decode_tail(self, token_ids: list[int], count: int = 16) -> str:
+        """The text of the last `count` tokens, special tokens included: where a prompt ends."""
+        return self._hf.decode(token_ids[-count:], skip_special_tokens=False)
+
     @property
     def has_chat_template(self) -> bool:
         return bool(self._hf.chat_template)
@@ -57,13 +70,24 @@ class ModelTokenizer:
         """Token ids of plain text, with the special tokens (e.g. BOS) the tokenizer adds by itself."""
         return list(self._hf.encode(text))
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
         """Render messages with the chat template plus the generation prompt, then tokenize. The template
-        writes its own special tokens, so none are added on top."""
+        writes its own special tokens, so none are added on top. `template_kwargs` become the template's
+        variables (Qwen3's enable_thinking)."""
         if not self.has_chat_template:
             raise ValueError(f"the model {self.model} has no chat template; send text or token_ids instead")
+        reserved = sorted(set(template_kwargs or ()) & _reserved_template_kwargs(type(self._hf)))
+        if reserved:
+            raise ValueError(
+                f"chat.template_kwargs.{reserved[0]} is not a template variable: the router sets it (the "
+                f"messages and generation prompt come from the request)"
+            )
         try:
-            text = self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self._hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+            )
         except TemplateError as exc:  # the template's own raise_exception, e.g. roles out of order
             raise ValueError(f"the model's chat template refused the messages: {exc}") from exc
         return list(self._hf.encode(text, add_special_tokens=False))

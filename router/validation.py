@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from google.protobuf import json_format
+
 from nanovllm.common.request_checks import check_prompt
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.common.server_config import RequestLimits
@@ -34,7 +36,10 @@ def _prompt_bytes(request: generate_pb2.GenerateRequest | generate_pb2.TokenizeR
     if kind == "text":
         return len(request.text.encode())
     if kind == "chat":
-        return sum(len(m.role.encode()) + len(m.content.encode()) for m in request.chat.messages)
+        chat = request.chat
+        return chat.template_kwargs.ByteSize() + sum(
+            len(m.role.encode()) + len(m.content.encode()) for m in chat.messages
+        )
     return 0
 
 
@@ -109,7 +114,11 @@ def prompt_token_ids(
         return tokenizer.encode(request.text)
     if not request.chat.messages:
         raise ValueError("chat.messages is empty; a chat needs at least one message")
-    return tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
+    chat = request.chat
+    kwargs = json_format.MessageToDict(chat.template_kwargs) if chat.HasField("template_kwargs") else {}
+    if chat.HasField("enable_thinking"):
+        kwargs["enable_thinking"] = chat.enable_thinking
+    return tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in chat.messages], kwargs)
 
 
 def validate_generate(

@@ -26,11 +26,14 @@ STREAMS = 8
 
 # Structured output: 200 characters, so no stream can end before the kill (a token is at most a few dozen).
 REGEX = "[a-z ]{200}"
+# The same length of reasoning then answer (Qwen3's markers): the kill falls inside the reasoning, and the
+# router's split must go on where it was.
+REASONING_REGEX = "<think>\n[a-z ]{150}\n</think>\n\n[a-z ]{50}"
 
 
-def _requests(constrained: bool = False) -> list[generate_pb2.GenerateRequest]:
+def _requests(regex: str | None = None) -> list[generate_pb2.GenerateRequest]:
     """Half greedy, half seeded sampling with penalties and min_tokens (state a resume must carry); with
-    `constrained`, every request under REGEX (the matcher's state, which a resume rebuilds)."""
+    `regex`, every request under it (the matcher's state, which a resume rebuilds)."""
     requests = []
     for i in range(STREAMS):
         if i % 2 == 0:
@@ -46,8 +49,8 @@ def _requests(constrained: bool = False) -> list[generate_pb2.GenerateRequest]:
                 min_tokens=MAX_TOKENS // 2,
                 max_tokens=MAX_TOKENS,
             )
-        if constrained:
-            sampling.regex = REGEX
+        if regex:
+            sampling.regex = regex
         requests.append(
             generate_pb2.GenerateRequest(
                 token_ids=generate_pb2.TokenIds(ids=[7 + i, 40 + 3 * i, 90, 11 + i]),
@@ -60,19 +63,20 @@ def _requests(constrained: bool = False) -> list[generate_pb2.GenerateRequest]:
 
 async def _stream(
     stub: generate_pb2_grpc.GenerationStub, request: generate_pb2.GenerateRequest, seen: list[int]
-) -> tuple[list[int], str, int]:
-    """Token ids, text and finish reason of one call; `seen` grows as its tokens arrive."""
-    text = []
+) -> tuple[list[int], str, str, int]:
+    """Token ids, text, reasoning and finish reason of one call; `seen` grows as its tokens arrive."""
+    text, reasoning = [], []
     finish = 0
     async for response in stub.Generate(request, timeout=CALL_TIMEOUT_S):
         seen.extend(response.token_ids)
         text.append(response.text)
+        reasoning.append(response.reasoning_text)
         finish = response.finish_reason or finish
-    return list(seen), "".join(text), finish
+    return list(seen), "".join(text), "".join(reasoning), finish
 
 
 async def _run(
-    address: str, kill_when: int | None = None, kill=None, constrained: bool = False
+    address: str, kill_when: int | None = None, kill=None, regex: str | None = None
 ) -> tuple[list, list[int]]:
     """Every request at once; with `kill_when`, `kill()` runs once every stream has that many tokens. Returns
     the results and each stream's token count at the kill."""
@@ -80,7 +84,7 @@ async def _run(
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         seen: list[list[int]] = [[] for _ in range(STREAMS)]
-        calls = [asyncio.ensure_future(_stream(stub, r, s)) for r, s in zip(_requests(constrained), seen)]
+        calls = [asyncio.ensure_future(_stream(stub, r, s)) for r, s in zip(_requests(regex), seen)]
         if kill_when is not None:
             while min(len(s) for s in seen) < kill_when:
                 await asyncio.wait(calls, timeout=0.005, return_when=asyncio.FIRST_COMPLETED)
@@ -134,30 +138,35 @@ def _held_streams(
 
 
 @pytest.mark.parametrize(
-    ("speculation", "constrained"),
-    [((), False), (("--speculative-method", "ngram"), False), ((), True)],
-    ids=["plain", "ngram", "regex"],
+    ("speculation", "regex"),
+    [((), None), (("--speculative-method", "ngram"), None), ((), REGEX), ((), REASONING_REGEX)],
+    ids=["plain", "ngram", "regex", "reasoning"],
 )
 def test_streams_resume_token_identical_when_their_worker_is_killed(
-    qwen3_dir: Path, kernels, tmp_path: Path, speculation: tuple[str, ...], constrained: bool
+    qwen3_dir: Path, kernels, tmp_path: Path, speculation: tuple[str, ...], regex: str | None
 ) -> None:
     """Eight streams run on worker A; A is SIGKILLed mid-stream. Every stream completes on B and equals,
     token for token and in text, the same request run unbroken on B. With speculation on both workers too
-    (a resumed request's proposals and picks are those of the unbroken one), and under a regex (B replays
-    the tokens through a fresh matcher; the text still matches)."""
+    (a resumed request's proposals and picks are those of the unbroken one), under a regex (B replays
+    the tokens through a fresh matcher; the text still matches), and cut inside a Qwen3 reasoning block
+    (the router's reasoning split goes on where it was)."""
     flags = (*speculation, "--speculative-max-batch", str(STREAMS)) if speculation else ()
     with _held_streams(qwen3_dir, tmp_path, worker_flags=flags) as (_, b, router, kill_a):
-        results, at_kill = asyncio.run(
-            _run(router.address, kill_when=4, kill=kill_a, constrained=constrained)
-        )
+        results, at_kill = asyncio.run(_run(router.address, kill_when=4, kill=kill_a, regex=regex))
         assert all(4 <= n < MAX_TOKENS for n in at_kill), at_kill  # every stream was cut mid-generation
         assert _metric(router.metrics_address, "nanovllm:request_resumes_total") == STREAMS
-        unbroken, _ = asyncio.run(_run(router.address, constrained=constrained))
+        unbroken, _ = asyncio.run(_run(router.address, regex=regex))
         for i, (got, want) in enumerate(zip(results, unbroken)):
-            assert got == want, f"stream {i} differs from its unbroken run"  # ids, text, finish reason
-            assert len(got[0]) > at_kill[i] and got[2] != generate_pb2.FINISH_REASON_ERROR
-            if constrained:
-                assert re.fullmatch(REGEX, got[1]) and got[2] == generate_pb2.FINISH_REASON_STOP, got[1:]
+            assert got == want, f"stream {i} differs from its unbroken run"  # ids, text, reasoning, finish
+            ids, text, reasoning, finish = got
+            assert len(ids) > at_kill[i] and finish != generate_pb2.FINISH_REASON_ERROR
+            if regex == REGEX:
+                assert (
+                    re.fullmatch(REGEX, text) and not reasoning and finish == generate_pb2.FINISH_REASON_STOP
+                )
+            if regex == REASONING_REGEX:  # the markers and their newlines taken out, on both sides
+                assert re.fullmatch("[a-z ]{150}", reasoning) and re.fullmatch("[a-z ]{50}", text), got[1:]
+                assert finish == generate_pb2.FINISH_REASON_STOP
         wait_idle(b.address)
         if speculation:
             assert _metric(b.metrics_address, "nanovllm:spec_decode_num_accepted_tokens") > 0

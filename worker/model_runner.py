@@ -88,8 +88,10 @@ class ModelRunner:
             self._build()
         except BaseException as exc:
             try:
-                if self.tp_group is not None:
-                    self.tp_group.raise_if_dead(exc)  # a rank failed to build its shard: say which
+                # A rank that failed to build its shard is named, unless this rank's own error is a
+                # configuration error: every rank meets that one, and it says what to change.
+                if self.tp_group is not None and not isinstance(exc, ConfigError):
+                    self.tp_group.raise_if_dead(exc)
             finally:
                 self.shutdown()  # never leave the other ranks behind
             raise
