@@ -12,6 +12,8 @@ from nanovllm.common.tls import TlsFiles
 
 # --reasoning-parser's values (router/reasoning.py): auto, none, or a model family's marker format.
 REASONING_PARSERS = ("auto", "none", "qwen3")
+# --tool-call-parser's values (router/tool_calls.py).
+TOOL_CALL_PARSERS = ("auto", "none", "hermes")
 
 HEALTH_PORT_HELP = (
     "also serve grpc.health.v1 alone, in plaintext, on this port (0 picks a free one): for Kubernetes gRPC "
@@ -142,10 +144,19 @@ class RouterConfig:
         help="how responses split a model's reasoning from its answer: auto (from the model: Qwen3's "
         "<think> markers; none for other families), qwen3, or none (the reasoning stays in text)",
     )
+    tool_call_parser: str = option(
+        "auto",
+        help="how tool calls are parsed out of answers: auto (from the model: Hermes-style <tool_call> "
+        "JSON for Qwen2.5 and Qwen3; none for other families), hermes, or none (calls stay in text)",
+    )
 
     def __post_init__(self) -> None:
         if self.stall_timeout_s <= 0:
             raise ConfigError(f"--stall-timeout must be more than 0 seconds, got {self.stall_timeout_s:g}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(
+                f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}"
+            )
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ConfigError(
                 f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}"

@@ -14,6 +14,7 @@ import grpc
 
 from nanovllm.common.logging import get_logger
 from nanovllm.common.server_config import RouterConfig
+from nanovllm.router.completion import CompletionText
 from nanovllm.router.limits import Lease
 from nanovllm.router.metrics import RouterMetrics
 from nanovllm.router.pool import WorkerPool
@@ -22,8 +23,15 @@ from nanovllm.router.responses import build_response, error_response, finish_nam
 from nanovllm.router.routing import Decision
 from nanovllm.router.text_stream import TextStream
 from nanovllm.router.tokenizer import ModelTokenizer
+from nanovllm.router.tool_calls import ToolCallParser, tool_call_format
 from nanovllm.router.trace import RequestTrace, request_content
-from nanovllm.router.validation import NoTokenizerError, ValidRequest, check_request, validate_generate
+from nanovllm.router.validation import (
+    ChatFormats,
+    NoTokenizerError,
+    ValidRequest,
+    check_request,
+    validate_generate,
+)
 from nanovllm.router.workers import RequestEvent, WorkerConnection, WorkerLost
 from nanovllm.v1 import generate_pb2
 from nanovllm.worker.v1 import worker_pb2
@@ -129,8 +137,7 @@ class GenerateCall:
             message = f"no worker is reachable ({self.pool.addresses})"
             await reject(self.context, self.metrics, grpc.StatusCode.UNAVAILABLE, message)
         self.attempt = self.submit(decision, frozenset())
-        self.stream = TextStream(tokenizer.backend if tokenizer else None, self.valid.stop)
-        self.split = self._reasoning_split(tokenizer)
+        self.completion = self._completion_text(tokenizer)
         # Without a tokenizer, token ids are all there is.
         self.with_ids = request.return_token_ids or tokenizer is None
         try:
@@ -148,14 +155,30 @@ class GenerateCall:
             self.attempt.worker.release(self.attempt.wire_id, abort=self.worker_running)
             self.trace.close()
 
-    def _reasoning_split(self, tokenizer: ModelTokenizer | None) -> ReasoningSplit | None:
-        """The reasoning split for the model's format (RouterConfig.reasoning_parser), open from the
-        start when the prompt ends inside a reasoning block."""
-        fmt = reasoning_format(self.config.reasoning_parser, self.pool.info.architectures)
-        if fmt is None or tokenizer is None:
-            return None
-        tail = tokenizer.decode_tail(self.valid.prompt_token_ids)
-        return ReasoningSplit(fmt, in_reasoning=prompt_opens_reasoning(tail, fmt))
+    def _formats(self) -> ChatFormats:
+        """The model's reasoning and tool-call formats, as the router's flags choose them."""
+        architectures = self.pool.info.architectures
+        return ChatFormats(
+            reasoning_format(self.config.reasoning_parser, architectures),
+            tool_call_format(self.config.tool_call_parser, architectures),
+        )
+
+    def _completion_text(self, tokenizer: ModelTokenizer | None) -> CompletionText:
+        """Detokenization with the request's stop strings; for a model that reasons, the reasoning split
+        (open from the start when the prompt ends inside a reasoning block); for a chat with tools, the
+        tool-call parser."""
+        stream = TextStream(tokenizer.backend if tokenizer else None, self.valid.stop)
+        if tokenizer is None:
+            return CompletionText(stream)
+        formats, split, tools = self._formats(), None, None
+        if formats.reasoning is not None:
+            tail = tokenizer.decode_tail(self.valid.prompt_token_ids)
+            split = ReasoningSplit(
+                formats.reasoning, in_reasoning=prompt_opens_reasoning(tail, formats.reasoning)
+            )
+        if formats.tool_calls is not None and self.valid.tools is not None:
+            tools = ToolCallParser(formats.tool_calls, list(self.valid.tools.schemas))
+        return CompletionText(stream, split, tools)
 
     async def admit(self) -> tuple[ValidRequest, ModelTokenizer | None]:
         """The request checked and tokenized with its tokenizer, or the call ended with the status that
@@ -166,7 +189,8 @@ class GenerateCall:
         tokenizer, info = pool.tokenizer, pool.info
         try:
             check_request(self.request, tokenizer, info, self.config.limits)
-            return await self.off_loop(validate_generate, self.request, tokenizer, info), tokenizer
+            valid = await self.off_loop(validate_generate, self.request, tokenizer, info, self._formats())
+            return valid, tokenizer
         except NoTokenizerError as exc:
             code, message = grpc.StatusCode.FAILED_PRECONDITION, str(exc)
         except ValueError as exc:
@@ -210,8 +234,7 @@ class GenerateCall:
         trace.on_tokens(len(update.new_token_ids), update.num_cached_tokens)
         return build_response(
             update,
-            self.stream,
-            self.split,
+            self.completion,
             self.request_id,
             self.with_ids,
             trace.num_tokens,
@@ -289,7 +312,7 @@ class GenerateCall:
             await self.context.abort(grpc.StatusCode.UNAVAILABLE, message)
         if trace.num_tokens and event.error_code == worker_pb2.ERROR_CODE_INTERNAL:
             trace.on_finish("error")
-            await self.send(error_response(trace.request_id, self.stream, self.split, event.error_message))
+            await self.send(error_response(trace.request_id, self.completion, event.error_message))
             return
         code = _ERROR_CODES[event.error_code]
         trace.outcome = code.name.lower()

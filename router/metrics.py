@@ -40,7 +40,7 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "nanovllm:requests",
-            "Generate calls by outcome: stop, length, cancelled, error (finish reasons), or the gRPC status "
+            "Generate calls by outcome: stop, length, cancelled, error, tool_calls (finish reasons), or the gRPC status "
             "of a failed call (invalid_argument, unavailable, resource_exhausted, internal, client_cancelled, stalled)",
             ["status"],
             registry=self.registry,

@@ -18,34 +18,22 @@ Rules, per completion:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from enum import Enum
 
+from nanovllm.router.markers import Markers, choose_markers, marker_prefix_length
 
-@dataclass(frozen=True)
-class ReasoningFormat:
-    """How one model family marks its reasoning."""
-
-    name: str
-    start: str
-    end: str
-
-
-_FORMATS = {"qwen3": ReasoningFormat("qwen3", "<think>", "</think>")}
+_FORMATS = {"qwen3": Markers("qwen3", "<think>", "</think>")}
 # Model families whose chat templates reason in <think> markers, by Hugging Face architecture.
-_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3"}
+_FAMILIES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3"}
 
 
-def reasoning_format(setting: str, architectures: Sequence[str]) -> ReasoningFormat | None:
+def reasoning_format(setting: str, architectures: Sequence[str]) -> Markers | None:
     """The format the router splits with (RouterConfig.reasoning_parser): chosen from the model's
     architecture under "auto", or named ("none" turns the split off)."""
-    if setting == "auto":
-        name = next((_ARCHITECTURES[a] for a in architectures if a in _ARCHITECTURES), None)
-        return None if name is None else _FORMATS[name]
-    return _FORMATS.get(setting)
+    return choose_markers(setting, architectures, _FORMATS, _FAMILIES)
 
 
-def prompt_opens_reasoning(prompt_tail: str, fmt: ReasoningFormat) -> bool:
+def prompt_opens_reasoning(prompt_tail: str, fmt: Markers) -> bool:
     """Whether a prompt ending in `prompt_tail` leaves a reasoning block open for the model to fill."""
     return prompt_tail.rfind(fmt.start) > prompt_tail.rfind(fmt.end)
 
@@ -56,16 +44,8 @@ class _State(Enum):
     ANSWER = "answer"
 
 
-def _held_prefix(text: str, marker: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of marker."""
-    for size in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
-
-
 class ReasoningSplit:
-    def __init__(self, fmt: ReasoningFormat, in_reasoning: bool = False) -> None:
+    def __init__(self, fmt: Markers, in_reasoning: bool = False) -> None:
         """in_reasoning: the prompt left a reasoning block open (see prompt_opens_reasoning)."""
         self._fmt = fmt
         self._state = _State.REASONING if in_reasoning else _State.OPENING
@@ -93,7 +73,7 @@ class ReasoningSplit:
             end = self._held.find(self._fmt.end)
             if end < 0:
                 # Keep back what may be the end marker's start, and the newlines that would go before it.
-                keep = _held_prefix(self._held, self._fmt.end)
+                keep = marker_prefix_length(self._held, self._fmt.end)
                 body = self._held[: len(self._held) - keep]
                 body_kept = body.rstrip("\n")
                 reasoning = body_kept

@@ -1,9 +1,9 @@
-"""Worker updates turned into public responses: text deltas, token ids, logprobs, finish and usage."""
+"""Worker updates turned into public responses: text, reasoning and tool-call deltas, token ids, logprobs,
+finish and usage."""
 
 from __future__ import annotations
 
-from nanovllm.router.reasoning import ReasoningSplit
-from nanovllm.router.text_stream import TextStream
+from nanovllm.router.completion import CompletionText
 from nanovllm.v1 import generate_pb2
 from nanovllm.worker.v1 import worker_pb2
 
@@ -15,30 +15,32 @@ _FINISH_REASONS = {
 
 
 def finish_name(reason: int) -> str:
-    """ "stop", "length", "cancelled" or "error": the outcome a finished call is counted and logged under."""
+    """ "stop", "length", "cancelled", "error" or "tool_calls": the outcome a finished call is counted and logged
+    under."""
     return generate_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
 
 
 def build_response(
     update: worker_pb2.RequestUpdate,
-    stream: TextStream,
-    split: ReasoningSplit | None,
+    completion: CompletionText,
     request_id: str,
     with_token_ids: bool,
     num_tokens: int,
     cached_tokens: int,
 ) -> generate_pb2.GenerateResponse | None:
     """The response for one worker update of a request that has produced `num_tokens` so far (this
-    update's included) and found `cached_tokens` of its prompt in the prefix cache, or None when it carries nothing to send yet. A response with finish_reason set
-    is the call's last: the worker finished the request, or a stop string matched in the text."""
-    text = stream.push(update.new_token_ids)
+    update's included) and found `cached_tokens` of its prompt in the prefix cache, or None when it
+    carries nothing to send yet. A response with finish_reason set is the call's last: the worker finished
+    the request, or a stop string matched in the text."""
     finish = _FINISH_REASONS.get(update.finish_reason)
-    if finish is not None and not stream.stopped:
-        text += stream.finish()
-    if stream.stopped:
+    delta = completion.push(update.new_token_ids, last=finish is not None)
+    if completion.stopped:
         finish = generate_pb2.FINISH_REASON_STOP  # a stop string (the worker may still run it)
-    reasoning, text = _split(split, text, last=finish is not None)
-    response = generate_pb2.GenerateResponse(request_id=request_id, text=text, reasoning_text=reasoning)
+    if finish == generate_pb2.FINISH_REASON_STOP and completion.called_tools:
+        finish = generate_pb2.FINISH_REASON_TOOL_CALLS
+    response = generate_pb2.GenerateResponse(
+        request_id=request_id, text=delta.text, reasoning_text=delta.reasoning, tool_calls=delta.tool_calls
+    )
     if with_token_ids:
         response.token_ids.extend(update.new_token_ids)
     for lp in update.logprobs:
@@ -51,18 +53,7 @@ def build_response(
         response.usage.completion_tokens = num_tokens
         response.usage.cached_prompt_tokens = cached_tokens
         return response
-    return response if text or reasoning or response.token_ids or response.logprobs else None
-
-
-def _split(split: ReasoningSplit | None, text: str, last: bool) -> tuple[str, str]:
-    """(reasoning, answer) of released text; everything held back too when the stream ends."""
-    if split is None:
-        return "", text
-    reasoning, answer = split.push(text)
-    if last:
-        more_reasoning, more_answer = split.finish()
-        reasoning, answer = reasoning + more_reasoning, answer + more_answer
-    return reasoning, answer
+    return response if delta or response.token_ids or response.logprobs else None
 
 
 def merge_responses(
@@ -79,15 +70,15 @@ def merge_responses(
 
 
 def error_response(
-    request_id: str, stream: TextStream, split: ReasoningSplit | None, message: str
+    request_id: str, completion: CompletionText, message: str
 ) -> generate_pb2.GenerateResponse:
     """The last response of a stream whose request failed after producing tokens: the text held back so
     far, and the error."""
-    reasoning, text = _split(split, stream.finish(), last=True)
+    delta = completion.finish()
     return generate_pb2.GenerateResponse(
         request_id=request_id,
-        text=text,
-        reasoning_text=reasoning,
+        text=delta.text,
+        reasoning_text=delta.reasoning,
         finish_reason=generate_pb2.FINISH_REASON_ERROR,
         error=message,
     )

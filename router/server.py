@@ -20,6 +20,7 @@ from nanovllm.router.limits import TokenLimits
 from nanovllm.router.metrics import RouterMetrics
 from nanovllm.router.pool import WorkerPool
 from nanovllm.router.tokenizer import ModelTokenizer, auto_tokenizer
+from nanovllm.router.tool_calls import check_tools
 from nanovllm.router.validation import NoTokenizerError, check_prompt_size, prompt_token_ids
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from nanovllm.worker.v1 import worker_pb2
@@ -85,7 +86,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         tokenizer, info = await self._model(context)
         try:
             check_prompt_size(request, self.config.limits, info.max_model_len)
-            ids = await self._off_loop(prompt_token_ids, request, tokenizer, info.model)
+            tools = check_tools(request.chat) if request.WhichOneof("prompt") == "chat" else None
+            ids = await self._off_loop(prompt_token_ids, request, tokenizer, info.model, tools)
         except NoTokenizerError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:

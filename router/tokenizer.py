@@ -71,11 +71,14 @@ class ModelTokenizer:
         return list(self._hf.encode(text))
 
     def encode_chat(
-        self, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Render messages with the chat template plus the generation prompt, then tokenize. The template
         writes its own special tokens, so none are added on top. `template_kwargs` become the template's
-        variables (Qwen3's enable_thinking)."""
+        variables (Qwen3's enable_thinking); `tools` its tools (chat.tools, in the OpenAI shape)."""
         if not self.has_chat_template:
             raise ValueError(f"the model {self.model} has no chat template; send text or token_ids instead")
         reserved = sorted(set(template_kwargs or ()) & _reserved_template_kwargs(type(self._hf)))
@@ -86,7 +89,7 @@ class ModelTokenizer:
             )
         try:
             text = self._hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+                messages, tools=tools, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
             )
         except TemplateError as exc:  # the template's own raise_exception, e.g. roles out of order
             raise ValueError(f"the model's chat template refused the messages: {exc}") from exc

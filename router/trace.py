@@ -75,7 +75,7 @@ class RequestTrace:
         self.num_tokens += count
 
     def on_finish(self, outcome: str) -> None:
-        """The call completed with a finish reason (stop, length, cancelled, error)."""
+        """The call completed with a finish reason (stop, length, cancelled, error, tool_calls)."""
         self.outcome = outcome
         self.metrics.e2e_request_latency.observe(time.perf_counter() - self.start)
 

@@ -8,6 +8,7 @@ tokenizes (the router runs it on a thread) and checks the prompt against the mod
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from google.protobuf import json_format
@@ -15,7 +16,15 @@ from google.protobuf import json_format
 from nanovllm.common.request_checks import check_prompt
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.common.server_config import RequestLimits
+from nanovllm.router.markers import Markers
+from nanovllm.router.reasoning import prompt_opens_reasoning
 from nanovllm.router.tokenizer import ModelTokenizer
+from nanovllm.router.tool_calls import (
+    ChatTools,
+    check_tools,
+    forced_call_grammar,
+    template_message,
+)
 from nanovllm.v1 import generate_pb2
 from nanovllm.worker.v1 import worker_pb2
 
@@ -29,6 +38,7 @@ class ValidRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     stop: list[str]
+    tools: ChatTools | None = None  # a chat's tools, for the answer's tool-call parser
 
 
 def _prompt_bytes(request: generate_pb2.GenerateRequest | generate_pb2.TokenizeRequest) -> int:
@@ -101,8 +111,10 @@ def prompt_token_ids(
     request: generate_pb2.GenerateRequest | generate_pb2.TokenizeRequest,
     tokenizer: ModelTokenizer | None,
     model: str,
+    tools: ChatTools | None = None,
 ) -> list[int]:
-    """The prompt's token ids; `tokenizer` is None for a model without one (`model` names it)."""
+    """The prompt's token ids; `tokenizer` is None for a model without one (`model` names it). A chat's
+    `tools` (check_tools) are shown to the model through its template."""
     kind = request.WhichOneof("prompt")
     if kind == "token_ids":
         return list(request.token_ids.ids)
@@ -118,19 +130,62 @@ def prompt_token_ids(
     kwargs = json_format.MessageToDict(chat.template_kwargs) if chat.HasField("template_kwargs") else {}
     if chat.HasField("enable_thinking"):
         kwargs["enable_thinking"] = chat.enable_thinking
-    return tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in chat.messages], kwargs)
+    messages = [template_message(m) for m in chat.messages]
+    return tokenizer.encode_chat(messages, kwargs, tools.template_tools if tools else None)
+
+
+@dataclass(frozen=True)
+class ChatFormats:
+    """How this model marks reasoning and tool calls (RouterConfig.reasoning_parser, tool_call_parser)."""
+
+    reasoning: Markers | None = None
+    tool_calls: Markers | None = None
 
 
 def validate_generate(
-    request: generate_pb2.GenerateRequest, tokenizer: ModelTokenizer | None, info: worker_pb2.WorkerInfo
+    request: generate_pb2.GenerateRequest,
+    tokenizer: ModelTokenizer | None,
+    info: worker_pb2.WorkerInfo,
+    formats: ChatFormats = ChatFormats(),
 ) -> ValidRequest:
     """Tokenize (this may take a while: run it off the event loop) and check the prompt against the
-    model. check_request must have passed."""
-    ids = prompt_token_ids(request, tokenizer, info.model)
+    model. check_request must have passed. `formats` are the model's reasoning and tool-call formats."""
+    tools = check_tools(request.chat) if request.WhichOneof("prompt") == "chat" else None
+    ids = prompt_token_ids(request, tokenizer, info.model, tools)
     check_prompt(ids, info.max_model_len, info.vocab_size)
-    return ValidRequest(
-        ids, _sampling_params(request.sampling, info.max_model_len - len(ids)), list(request.sampling.stop)
-    )
+    params = _sampling_params(request.sampling, info.max_model_len - len(ids))
+    if tools is not None and tools.forced is not None:
+        params = _force_tool_calls(
+            params, tools, formats, tokenizer.decode_tail(ids) if tokenizer else "", info
+        )
+    return ValidRequest(ids, params, list(request.sampling.stop), tools)
+
+
+def _force_tool_calls(
+    params: SamplingParams,
+    tools: ChatTools,
+    formats: ChatFormats,
+    prompt_tail: str,
+    info: worker_pb2.WorkerInfo,
+) -> SamplingParams:
+    """params under the grammar of calls to the forced tools, after the reasoning where the model
+    reasons first (the prompt leaves it open, or the model may open it; not after an empty block, which is
+    how a template turns thinking off)."""
+    if formats.tool_calls is None:
+        raise ValueError(
+            f"chat.tool_choice forces a tool call, but model {info.model} has no tool-call format "
+            f"(the router's --tool-call-parser)"
+        )
+    given = params.constraint
+    if given is not None:
+        raise ValueError(f"sampling.{given[0]} and a forced chat.tool_choice: one constraint at most")
+    reasoning, reasoning_open = formats.reasoning, False
+    if reasoning is not None:
+        reasoning_open = prompt_opens_reasoning(prompt_tail, reasoning)
+        if prompt_tail.rstrip().endswith(reasoning.end):
+            reasoning = None
+    grammar = forced_call_grammar(tools, formats.tool_calls, reasoning, reasoning_open)
+    return dataclasses.replace(params, grammar=grammar)
 
 
 def _sampling_params(s: generate_pb2.SamplingParams, room: int) -> SamplingParams:

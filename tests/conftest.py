@@ -17,8 +17,11 @@ import pytest
 
 from nanovllm.common.errors import ConfigError
 from nanovllm.kernels.cpu_kernels import load_cpu_kernels
+from nanovllm.router.tokenizer import ModelTokenizer
 from nanovllm.worker.gguf import embedded_model_path, prepare_gguf
-from tests.model_factory import build_model
+from nanovllm.worker.v1 import worker_pb2
+from tests.chat_templates import QWEN3
+from tests.model_factory import build_model, build_tokenizer
 from tests.services import ServerProcess, library_errors, start_router, start_worker, wait_serving
 
 
@@ -79,3 +82,19 @@ def service(qwen3_dir: Path, kernels, tmp_path_factory: pytest.TempPathFactory) 
         worker.stop()
     assert library_errors(logs / "router.log") == []
     assert library_errors(logs / "worker.log") == []
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(tmp_path_factory) -> ModelTokenizer:
+    """The test tokenizer with Qwen3's markers as added tokens and Qwen3's own chat template, as a worker
+    would send them."""
+    hf = build_tokenizer()
+    hf.add_tokens(["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"])
+    hf.chat_template = QWEN3
+    directory = tmp_path_factory.mktemp("qwen3-tokenizer")
+    hf.save_pretrained(directory)
+    files = {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()}
+    info = worker_pb2.WorkerInfo(
+        model="qwen3-test", architectures=["Qwen3ForCausalLM"], tokenizer_files=files
+    )
+    return ModelTokenizer(info)

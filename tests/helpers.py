@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from functools import lru_cache
 from pathlib import Path
 
@@ -70,3 +71,11 @@ def teacher_forced_logits(llm: LLM, batch: list[list[int]], chunk: int) -> list[
     for seq in seqs:
         engine.block_manager.free(seq)
     return [torch.cat(r) for r in rows]
+
+
+def cuts(text: str, count: int) -> list[list[str]]:
+    """Every way to cut text into count + 1 pieces at distinct positions (empty pieces included)."""
+    return [
+        [text[a:b] for a, b in zip((0, *points), (*points, len(text)))]
+        for points in itertools.combinations_with_replacement(range(len(text) + 1), count)
+    ]

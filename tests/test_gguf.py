@@ -252,7 +252,7 @@ def test_tokenizer_digits(ours_tokenizer, hf_gguf_tokenizer) -> None:
         assert ours_tokenizer.encode(text) == reference.encode(text).ids, text
 
 
-def test_serve_without_model_answers_paris(gguf_path: Path, kernels, tmp_path: Path) -> None:
+def test_serve_without_model_answers_paris(gguf_path: Path, kernels, tmp_path: Path, ours_tokenizer) -> None:
     """`nanovllm serve` with no --model serves the embedded model in the machine's default dtype (bf16
     on a CPU with native bf16) with its GGUF weights as they ship, says which and why at startup and in
     the model info, and `nanovllm client` (a chat by default) streams an answer to "What is the capital
@@ -291,7 +291,20 @@ def test_serve_without_model_answers_paris(gguf_path: Path, kernels, tmp_path: P
         assert "Paris" in client.stdout
         assert "[stop:" in client.stderr
         with grpc.insecure_channel(router) as channel:
-            info = generate_pb2_grpc.GenerationStub(channel).GetModelInfo(generate_pb2.GetModelInfoRequest())
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            info = stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
+            # A Llama-family model has no reasoning or tool-call format: the router's text is the plain
+            # detokenization of the tokens, byte for byte, with or without tools offered.
+            chat = generate_pb2.Chat(
+                messages=[generate_pb2.ChatMessage(role="user", content="What is 2 + 2? Think first.")],
+                tools=[generate_pb2.Tool(name="add", parameters='{"type": "object"}')],
+            )
+            sampling = generate_pb2.SamplingParams(temperature=0, max_tokens=48)
+            request = generate_pb2.GenerateRequest(chat=chat, sampling=sampling, return_token_ids=True)
+            responses = list(stub.Generate(request, timeout=120))
+        ids = [t for r in responses for t in r.token_ids]
+        assert "".join(r.text for r in responses) == ours_tokenizer.decode(ids, skip_special_tokens=True)
+        assert not any(r.reasoning_text or r.tool_calls for r in responses)
         assert info.dtype == expected.dtype_name
         selected = [
             json.loads(line) for line in log_path.read_text().splitlines() if "dtype_selected" in line

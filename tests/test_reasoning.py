@@ -11,6 +11,7 @@ from google.protobuf import struct_pb2
 
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.server_config import RouterConfig
+from nanovllm.router.completion import CompletionText
 from nanovllm.router.reasoning import ReasoningSplit, prompt_opens_reasoning, reasoning_format
 from nanovllm.router.responses import build_response, error_response, merge_responses
 from nanovllm.router.text_stream import TextStream
@@ -18,7 +19,7 @@ from nanovllm.router.tokenizer import ModelTokenizer
 from nanovllm.router.validation import prompt_token_ids
 from nanovllm.v1 import generate_pb2
 from nanovllm.worker.v1 import worker_pb2
-from tests.chat_templates import QWEN3
+from tests.helpers import cuts
 from tests.model_factory import build_tokenizer
 from tests.test_service import collect
 
@@ -31,14 +32,6 @@ def split_all(pieces: list[str], in_reasoning: bool = False) -> tuple[str, str]:
     split = ReasoningSplit(QWEN3_FORMAT, in_reasoning)
     outs = [split.push(piece) for piece in pieces] + [split.finish()]
     return "".join(r for r, _ in outs), "".join(a for _, a in outs)
-
-
-def cuts(text: str, count: int) -> list[list[str]]:
-    """Every way to cut text into count + 1 pieces at distinct positions (empty pieces included)."""
-    return [
-        [text[a:b] for a, b in zip((0, *points), (*points, len(text)))]
-        for points in itertools.combinations_with_replacement(range(len(text) + 1), count)
-    ]
 
 
 # --- the split on text ----------------------------------------------------------------------------------
@@ -113,6 +106,7 @@ def responses_for(backend, ids: list[int], group: list[int], stop=(), finish=Tru
     """The router's responses for `ids` arriving in updates of `group[i]` tokens, merged pairwise as a
     lagging stream merges them; the last update finishes the request unless a stop string did."""
     stream, split = TextStream(backend, stop), ReasoningSplit(QWEN3_FORMAT)
+    completion = CompletionText(stream, split)
     out, start = [], 0
     for i, size in enumerate(group):
         chunk = ids[start : start + size]
@@ -122,7 +116,7 @@ def responses_for(backend, ids: list[int], group: list[int], stop=(), finish=Tru
             new_token_ids=chunk,
             finish_reason=worker_pb2.FINISH_REASON_STOP if last and finish else 0,
         )
-        response = build_response(update, stream, split, "r", True, start, 0)
+        response = build_response(update, completion, "r", True, start, 0)
         if i % 2 and out and response is not None and not out[-1].finish_reason:
             out[-1] = merge_responses(out[-1], response)
         elif response is not None:
@@ -155,30 +149,14 @@ def test_a_stop_string_inside_the_reasoning_ends_it_there(backend) -> None:
 
 def test_an_engine_error_inside_the_reasoning_releases_it_as_reasoning(backend) -> None:
     ids = backend.encode("<think>\nhalf a tho").ids
-    stream, split = TextStream(backend), ReasoningSplit(QWEN3_FORMAT)
-    sent = build_response(worker_pb2.RequestUpdate(new_token_ids=ids), stream, split, "r", False, len(ids), 0)
-    last = error_response("r", stream, split, "boom")
+    completion = CompletionText(TextStream(backend), ReasoningSplit(QWEN3_FORMAT))
+    sent = build_response(worker_pb2.RequestUpdate(new_token_ids=ids), completion, "r", False, len(ids), 0)
+    last = error_response("r", completion, "boom")
     assert (sent.reasoning_text if sent else "") + last.reasoning_text == "half a tho"
     assert last.text == "" and last.finish_reason == generate_pb2.FINISH_REASON_ERROR
 
 
 # --- Qwen3's chat template ------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def qwen3_tokenizer(tmp_path_factory) -> ModelTokenizer:
-    """The test tokenizer with Qwen3's markers as added tokens and Qwen3's own chat template, as a worker
-    would send them."""
-    hf = build_tokenizer()
-    hf.add_tokens(["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"])
-    hf.chat_template = QWEN3
-    directory = tmp_path_factory.mktemp("qwen3-tokenizer")
-    hf.save_pretrained(directory)
-    files = {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()}
-    info = worker_pb2.WorkerInfo(
-        model="qwen3-test", architectures=["Qwen3ForCausalLM"], tokenizer_files=files
-    )
-    return ModelTokenizer(info)
 
 
 def render(tokenizer: ModelTokenizer, chat: generate_pb2.Chat) -> str:
