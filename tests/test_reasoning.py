@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -216,3 +218,19 @@ def test_a_reserved_template_kwarg_is_invalid_argument(service) -> None:
     _, error = collect(service.router.address, forced("x", template_kwargs=kwargs))
     assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "chat.template_kwargs.add_generation_prompt" in error.details()
+
+
+def test_client_prints_the_reasoning_on_stderr_and_the_answer_on_stdout(service) -> None:
+    """`nanovllm client`: stdout carries the answer alone (pipe-friendly), the reasoning goes to stderr
+    (dimmed on a terminal). --no-think is accepted here; this model's template has no thinking switch,
+    and the rendering of enable_thinking=false is tested above with Qwen3's."""
+    client = subprocess.run(
+        [sys.executable, "-m", "nanovllm.cli", "client", "--router", service.router.address, "--no-think"]
+        + ["--regex", "<think>\nplan it\n</think>\n\nyes", "Hi"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert client.stdout == "yes\n"
+    assert client.stderr.startswith("plan it") and "[stop:" in client.stderr

@@ -221,6 +221,34 @@ def test_forced_call_grammars_compile(forced, reasoning) -> None:
     assert LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(grammar)) == ""
 
 
+def _accepts(grammar: str, text: str) -> bool:
+    """Whether the grammar takes `text` (tokenized by the test tokenizer) whole and may end there."""
+    import llguidance.hf
+
+    hf = build_tokenizer()
+    matcher = LLMatcher(llguidance.hf.from_tokenizer(hf), LLMatcher.grammar_from_lark(grammar), log_level=0)
+    ids = hf.encode(text, add_special_tokens=False)
+    return matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids) and matcher.is_accepting()
+
+
+def test_the_forced_call_starts_after_the_reasoning() -> None:
+    """Thinking on: the reasoning (optional, or already open from the prompt) comes first, then the call;
+    after an empty block (thinking off) the call comes at once."""
+    tools = check_tools(tools_chat(tool_choice=generate_pb2.ToolChoice(function="get_time")))
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": 3}}\n</tool_call>'
+    thought = "<think>\nThe user wants the time.\n</think>\n\n"
+    optional = forced_call_grammar(tools, HERMES, QWEN3, reasoning_open=False)
+    assert _accepts(optional, thought + call) and _accepts(optional, call)
+    assert not _accepts(optional, "Sure! " + call)
+    opened = forced_call_grammar(tools, HERMES, QWEN3, reasoning_open=True)
+    assert _accepts(opened, "The user wants the time.\n</think>\n\n" + call)
+    assert not _accepts(opened, call)  # the prompt opened the reasoning: it must be closed first
+    at_once = forced_call_grammar(tools, HERMES, None, reasoning_open=False)
+    assert _accepts(at_once, call) and not _accepts(at_once, thought + call)
+    wrong = '<tool_call>\n{"name": "search", "arguments": {"query": "x", "limit": 2}}\n</tool_call>'
+    assert not _accepts(optional, wrong)  # only the named function
+
+
 # --- Qwen3's template -----------------------------------------------------------------------------------
 
 
