@@ -88,9 +88,8 @@ def service(qwen3_dir: Path, kernels, tmp_path_factory: pytest.TempPathFactory) 
 def qwen3_tokenizer(tmp_path_factory) -> ModelTokenizer:
     """The test tokenizer with Qwen3's markers as added tokens and Qwen3's own chat template, as a worker
     would send them."""
-    hf = build_tokenizer()
+    hf = build_tokenizer(QWEN3)
     hf.add_tokens(["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"])
-    hf.chat_template = QWEN3
     directory = tmp_path_factory.mktemp("qwen3-tokenizer")
     hf.save_pretrained(directory)
     files = {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()}

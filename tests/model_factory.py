@@ -12,6 +12,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
 
+from tests.chat_templates import QWEN3
+
 VOCAB = 512
 EOS_ID = 1
 
@@ -37,7 +39,7 @@ _CONFIGS = {
 }
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
+def build_tokenizer(chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -49,7 +51,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
     tok.train_from_iterator(_CORPUS, trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", chat_template=CHAT_TEMPLATE
+        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", chat_template=chat_template
     )
 
 
@@ -100,5 +102,6 @@ def build_model(
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     if tokenizer:
-        build_tokenizer().save_pretrained(out_dir)
+        # Qwen3 models get Qwen3's own template (thinking switch, tools); the others plain ChatML.
+        build_tokenizer(QWEN3 if arch == "qwen3" else CHAT_TEMPLATE).save_pretrained(out_dir)
     return out_dir

@@ -26,7 +26,8 @@ from nanovllm.router.validation import prompt_token_ids
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from nanovllm.worker.v1 import worker_pb2
 from tests.helpers import cuts
-from tests.model_factory import build_tokenizer
+from tests.model_factory import build_model, build_tokenizer
+from tests.services import library_errors, start_router, start_worker, wait_serving
 from tests.test_service import collect
 
 HERMES = tool_call_format("hermes", [])
@@ -278,6 +279,27 @@ def test_qwen3_template_shows_the_tools_and_renders_calls_and_results(qwen3_toke
 # --- end to end: router and worker ----------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def tools_service(kernels, tmp_path_factory):
+    """A random Qwen3 model (with Qwen3's template) and a router, for prompts that hold tools: the template
+    writes them into the system prompt, about 1,100 tokens with the test tokenizer's small vocabulary, so
+    the model's context is 4096 here (1024 in the shared models, 512 in the shared service)."""
+    logs = tmp_path_factory.mktemp("tools-logs")
+    model = build_model("qwen3", tmp_path_factory.mktemp("tools-model") / "qwen3", seed=1, max_position=4096)
+    flags = ("--max-model-len", "2048", "--kv-cache-memory", "128MiB")
+    worker = start_worker(model, *flags, log_path=logs / "worker.log")
+    router = start_router([worker.address], log_path=logs / "router.log")
+    try:
+        wait_serving(worker.address)
+        wait_serving(router.address)
+        yield router
+    finally:
+        router.stop()
+        worker.stop()
+    assert library_errors(logs / "router.log") == []
+    assert library_errors(logs / "worker.log") == []
+
+
 async def _calls(address: str, requests: list[generate_pb2.GenerateRequest]) -> list[list]:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
@@ -302,12 +324,13 @@ def _assert_valid_calls(responses, names) -> list[generate_pb2.ToolCall]:
     return calls
 
 
-def test_required_returns_calls_that_validate_50_of_50_seeds(service) -> None:
-    """The random Qwen3 model behind the router: tool_choice required with 3 tools, 50 seeds. Every stream
+def test_required_returns_calls_that_validate_50_of_50_seeds(tools_service) -> None:
+    """The random Qwen3 model behind the router, its tools rendered by Qwen3's own chat template:
+    tool_choice required with 3 tools, 50 seeds. Every stream
     holds at least one call, every call validates against its tool's schema, and a stream that ends
     on its own ends with TOOL_CALLS (one cut by max_tokens mid-call returns that part as text)."""
     required = generate_pb2.ToolChoice(mode=generate_pb2.ToolChoice.MODE_REQUIRED)
-    results = asyncio.run(_calls(service.router.address, [_forced_request(required, s) for s in range(50)]))
+    results = asyncio.run(_calls(tools_service.address, [_forced_request(required, s) for s in range(50)]))
     for responses in results:
         _assert_valid_calls(responses, SCHEMAS)
         assert responses[-1].finish_reason in (
@@ -317,25 +340,25 @@ def test_required_returns_calls_that_validate_50_of_50_seeds(service) -> None:
     assert sum(r[-1].finish_reason == generate_pb2.FINISH_REASON_TOOL_CALLS for r in results) > 0
 
 
-def test_a_named_function_is_always_that_function(service) -> None:
+def test_a_named_function_is_always_that_function(tools_service) -> None:
     named = generate_pb2.ToolChoice(function="search")
-    results = asyncio.run(_calls(service.router.address, [_forced_request(named, s) for s in range(10)]))
+    results = asyncio.run(_calls(tools_service.address, [_forced_request(named, s) for s in range(10)]))
     for responses in results:
         assert {c.name for c in _assert_valid_calls(responses, {"search"})} == {"search"}
 
 
-def test_bad_tools_are_invalid_argument_through_the_router(service) -> None:
+def test_bad_tools_are_invalid_argument_through_the_router(tools_service) -> None:
     chat = tools_chat()
     chat.tools[2].parameters = '{"type": "object", "properties": {"q": {"type": 7}}}'
     request = generate_pb2.GenerateRequest(chat=chat, sampling=generate_pb2.SamplingParams(max_tokens=4))
-    _, error = collect(service.router.address, request)
+    _, error = collect(tools_service.address, request)
     assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "chat.tools[2].parameters is not a valid JSON Schema" in error.details()
     forced = tools_chat(tool_choice=generate_pb2.ToolChoice(function="get_time"))
     both = generate_pb2.GenerateRequest(
         chat=forced, sampling=generate_pb2.SamplingParams(max_tokens=4, regex="a+")
     )
-    _, error = collect(service.router.address, both)
+    _, error = collect(tools_service.address, both)
     assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "sampling.regex and a forced chat.tool_choice: one constraint at most" in error.details()
 
