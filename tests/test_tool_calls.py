@@ -347,20 +347,34 @@ def test_a_named_function_is_always_that_function(tools_service) -> None:
         assert {c.name for c in _assert_valid_calls(responses, {"search"})} == {"search"}
 
 
+def _invalid(address: str, chat: generate_pb2.Chat, **sampling) -> str:
+    """The details of the INVALID_ARGUMENT a Generate call with this chat ends in."""
+    request = generate_pb2.GenerateRequest(
+        chat=chat, sampling=generate_pb2.SamplingParams(max_tokens=4, **sampling)
+    )
+    _, error = collect(address, request)
+    assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+    return error.details()
+
+
 def test_bad_tools_are_invalid_argument_through_the_router(tools_service) -> None:
+    address = tools_service.address
     chat = tools_chat()
     chat.tools[2].parameters = '{"type": "object", "properties": {"q": {"type": 7}}}'
-    request = generate_pb2.GenerateRequest(chat=chat, sampling=generate_pb2.SamplingParams(max_tokens=4))
-    _, error = collect(tools_service.address, request)
-    assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "chat.tools[2].parameters is not a valid JSON Schema" in error.details()
-    forced = tools_chat(tool_choice=generate_pb2.ToolChoice(function="get_time"))
-    both = generate_pb2.GenerateRequest(
-        chat=forced, sampling=generate_pb2.SamplingParams(max_tokens=4, regex="a+")
+    assert "chat.tools[2].parameters is not a valid JSON Schema" in _invalid(address, chat)
+    absent = tools_chat(tool_choice=generate_pb2.ToolChoice(function="launch_rockets"))
+    assert "chat.tool_choice.function 'launch_rockets' names no tool" in _invalid(address, absent)
+    orphan = tools_chat(
+        messages=[
+            generate_pb2.ChatMessage(role="user", content="x"),
+            generate_pb2.ChatMessage(role="tool", content="12:00", tool_call_id="call_b"),
+        ]
     )
-    _, error = collect(tools_service.address, both)
-    assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "sampling.regex and a forced chat.tool_choice: one constraint at most" in error.details()
+    assert "chat.messages[1].tool_call_id 'call_b' answers no call" in _invalid(address, orphan)
+    forced = tools_chat(tool_choice=generate_pb2.ToolChoice(function="get_time"))
+    assert "sampling.regex and a forced chat.tool_choice: one constraint at most" in _invalid(
+        address, forced, regex="a+"
+    )
 
 
 def test_calls_are_exact_in_every_cut_of_a_long_stream() -> None:
