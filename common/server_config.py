@@ -139,6 +139,11 @@ class RouterConfig:
     limits: RequestLimits = RequestLimits()
     routing: RoutingConfig = RoutingConfig()
 
+    http_port: int | None = option(
+        None,
+        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
+        "/health) on this port, with --tls-cert and --tls-key when given (0 picks a free one); unset: off",
+    )
     reasoning_parser: str = option(
         "auto",
         help="how responses split a model's reasoning from its answer: auto (from the model: Qwen3's "

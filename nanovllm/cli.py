@@ -37,7 +37,9 @@ SERVE_WORKER_FLAGS = [*ENGINE_FLAGS, *flags_of(WorkerServerConfig, only=["max_qu
 WORKER_FLAGS = [*flags_of(WorkerServerConfig), *ENGINE_FLAGS, *LOG_FLAGS]
 ROUTER_FLAGS = [*flags_of(RouterConfig), *flags_of(RequestLimits), *flags_of(RoutingConfig), *LOG_FLAGS]
 SERVE_FLAGS = [
-    *flags_of(RouterConfig, only=["host", "port"], defaults={"host": "127.0.0.1"}),
+    *flags_of(
+        RouterConfig, only=["host", "port", "http_port"], defaults={"host": "127.0.0.1", "http_port": 8000}
+    ),
     *SERVE_WORKER_FLAGS,
     *LOG_FLAGS,
 ]
@@ -119,6 +121,8 @@ def run_serve(options: dict[str, Any]) -> int:
         procs.append(worker.proc)
         worker_address = worker.address
         router_args = ["router", "--worker", worker_address, "--host", options["host"]]
+        if options["http_port"] is not None:  # 0 picks a free port, as --port 0 does
+            router_args += ["--http-port", str(options["http_port"])]
         router = spawn([*router_args, "--port", str(options["port"]), *log_args])
         procs.append(router.proc)
         router_address = router.address
@@ -131,6 +135,13 @@ def run_serve(options: dict[str, Any]) -> int:
                 f'try: {_command()} client --router {router_address} "What is the capital of France?"',
                 flush=True,
             )
+            if router.http_address:
+                body = '{"messages": [{"role": "user", "content": "What is the capital of France?"}], "stream": true}'
+                print(
+                    f"or:  curl -N http://{router.http_address}/v1/chat/completions "
+                    f"-H 'Content-Type: application/json' -d '{body}'",
+                    flush=True,
+                )
         pid, status = os.wait()  # returns when either child exits: then stop the other
         print(f"nanovllm: process {pid} exited ({status}); stopping", file=sys.stderr)
         return 1

@@ -1,6 +1,7 @@
 """Server processes started from Python: `nanovllm serve` starts its worker and router this way, and so
 do the tests and the benchmarks. A server prints one line to stdout once bound ("nanovllm <what>
-listening on HOST:PORT, metrics on HOST:PORT"), so `--port 0` never races for a free port."""
+listening on HOST:PORT, metrics on HOST:PORT", and ", http on HOST:PORT" for a router's HTTP API), so
+`--port 0` never races for a free port."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class ServerProcess:
     proc: subprocess.Popen
     address: str  # gRPC
     metrics_address: str  # Prometheus /metrics over HTTP
+    http_address: str | None = None  # a router's OpenAI-compatible HTTP API, when on
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM (the server drains), then wait for its exit status."""
@@ -78,4 +80,6 @@ def spawn(args: list[str], log_path: Path | None = None, cpus: set[int] | None =
         proc.wait()
         where = f" (log: {log_path})" if log_path else ""
         raise RuntimeError(f"nanovllm {args[0]} exited with {proc.returncode} before listening{where}")
-    return ServerProcess(proc, match.group(1), line.rsplit(" ", 1)[-1].strip())
+    metrics = re.search(r"metrics on ([^,\s]+)", line)
+    http = re.search(r"http on ([^,\s]+)", line)
+    return ServerProcess(proc, match.group(1), metrics.group(1) if metrics else "", http and http.group(1))

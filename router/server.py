@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -16,6 +16,7 @@ from nanovllm.common.tls import server_credentials
 from nanovllm.common.wire import fields_to_message
 from nanovllm.router.auth import Access, AuthInterceptor, TokenTable
 from nanovllm.router.call import GenerateCall, never_reached, reject
+from nanovllm.router.http_api import HttpApi, start_http
 from nanovllm.router.limits import TokenLimits
 from nanovllm.router.metrics import RouterMetrics
 from nanovllm.router.pool import WorkerPool
@@ -65,6 +66,11 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
+        await self.generate(request, context)
+
+    async def generate(self, request: generate_pb2.GenerateRequest, context: Any) -> None:
+        """One Generate call, for either face: `context` is the gRPC call's, or the HTTP face's stand-in
+        (router/http_api.py CallContext)."""
         if self.draining:
             message = "the router is shutting down; retry"
             await reject(context, self.metrics, grpc.StatusCode.UNAVAILABLE, message)
@@ -154,8 +160,17 @@ async def serve_router(
     metrics.watch_workers(lambda: pool.workers)
     service = GenerationService(pool, metrics, config, access)
     generate_pb2_grpc.add_GenerationServicer_to_server(service, server.server)
+    http = None
+    announce = on_listening
+    if config.http_port is not None:
+        ssl = {"ssl_certfile": config.tls.cert, "ssl_keyfile": config.tls.key}
+        http, http_address = await start_http(HttpApi(service), config.host, config.http_port, ssl)
+
+        def announce(address: str, metrics_address: str) -> None:
+            on_listening(address, f"{metrics_address}, http on {http_address}")
+
     address, metrics_address = await server.listen(
-        config.host, config.port, config.health_port, metrics.registry, config.metrics_port, on_listening
+        config.host, config.port, config.health_port, metrics.registry, config.metrics_port, announce
     )
     preloading = asyncio.create_task(asyncio.to_thread(auto_tokenizer))  # overlaps the workers' start-up
     pool.start()
@@ -172,6 +187,9 @@ async def serve_router(
     service.draining = True
     idle = service.idle.wait()
     await server.drain("router", address, idle, config.drain_timeout_s, in_flight=service.in_flight)
+    if http is not None:
+        http.should_exit = True
+        await http.task
     await server.stop(config.shutdown_grace_s)
     await pool.close()
     service.close()

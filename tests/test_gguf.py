@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -261,7 +262,8 @@ def test_serve_without_model_answers_paris(gguf_path: Path, kernels, tmp_path: P
     log_path = tmp_path / "serve.log"
     with log_path.open("w") as log_file:
         serve = subprocess.Popen(
-            [sys.executable, "-m", "nanovllm.cli", "serve", "--port", "0", "--kv-cache-memory", "256MiB"],
+            [sys.executable, "-m", "nanovllm.cli", "serve", "--port", "0", "--http-port", "0"]
+            + ["--kv-cache-memory", "256MiB"],
             stdout=subprocess.PIPE,
             stderr=log_file,
             text=True,
@@ -273,6 +275,9 @@ def test_serve_without_model_answers_paris(gguf_path: Path, kernels, tmp_path: P
         # "try: ..." is printed only once the router answers: the client runs right after it, no waiting.
         assert serve.stdout.readline().startswith("nanovllm serving")
         assert serve.stdout.readline().startswith("try: ")
+        curl = serve.stdout.readline()
+        assert curl.startswith("or:  curl -N http://"), curl
+        http_address = curl.split("http://")[1].split("/")[0]
         client = subprocess.run(
             [
                 sys.executable,
@@ -289,6 +294,18 @@ def test_serve_without_model_answers_paris(gguf_path: Path, kernels, tmp_path: P
             check=True,
         )
         assert "Paris" in client.stdout
+        # The OpenAI-compatible HTTP face, as the printed curl command calls it: server-sent events.
+        body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "stream": True}
+        request = urllib.request.Request(
+            f"http://{http_address}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            events = [line[6:] for line in response.read().decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        answer = "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1])
+        assert "Paris" in answer, answer
         assert "[stop:" in client.stderr
         with grpc.insecure_channel(router) as channel:
             stub = generate_pb2_grpc.GenerationStub(channel)

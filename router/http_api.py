@@ -1,0 +1,277 @@
+"""The router's OpenAI-compatible HTTP face: /v1/chat/completions, /v1/completions, /v1/models and /health,
+served by Starlette on uvicorn in the router's own event loop.
+
+Each choice of an HTTP request is a Generate request run by the same GenerationService.generate as a gRPC
+call: validation, limits and auth, routing, retries and failover are the gRPC path's. CallContext stands
+in for the gRPC context: the responses it is handed go to the HTTP response, and an abort becomes an
+OpenAI-shaped error with the matching HTTP status. A client that disconnects cancels its calls, which
+aborts their requests on the workers, as a gRPC cancel does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+import grpc
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from nanovllm.common.logging import get_logger
+from nanovllm.router.limits import RETRY_AFTER_KEY
+from nanovllm.router.openai_protocol import (
+    Choice,
+    OpenAIRequest,
+    ProtocolError,
+    chunk_body,
+    completion_body,
+    parse_request,
+    usage_chunk,
+)
+from nanovllm.router.pool import WorkerPool
+from nanovllm.v1 import generate_pb2
+
+
+class Service(Protocol):
+    """What the HTTP face needs of router/server.py's GenerationService."""
+
+    pool: WorkerPool
+    draining: bool
+
+    async def generate(self, request: generate_pb2.GenerateRequest, context: Any) -> None: ...
+
+
+log = get_logger(__name__)
+
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.CANCELLED: 499,
+}
+
+
+class CallAborted(Exception):
+    """A call ended with a status instead of a last response."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.retry_after = code, retry_after
+
+
+class CallContext:
+    """The part of grpc.aio.ServicerContext that a Generate call uses, for choice `index` of an HTTP
+    request: responses go into `queue` as (index, response); abort raises CallAborted."""
+
+    def __init__(self, authorization: str | None, index: int, queue: asyncio.Queue) -> None:
+        self._metadata = (("authorization", authorization),) if authorization else ()
+        self._index, self._queue = index, queue
+        self._retry_after: str | None = None
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._retry_after = dict(metadata).get(RETRY_AFTER_KEY)
+
+    async def write(self, response: generate_pb2.GenerateResponse) -> None:
+        await self._queue.put((self._index, response))
+
+    async def abort(self, code: grpc.StatusCode, message: str) -> None:
+        raise CallAborted(code, message, self._retry_after)
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, headers: dict | None = None
+) -> Response:
+    """OpenAI's error shape."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _aborted(exc: CallAborted) -> Response:
+    status = _HTTP_STATUS.get(exc.code, 500)
+    headers = {"Retry-After": exc.retry_after} if exc.retry_after else None
+    return error_response(status, str(exc), headers=headers)
+
+
+class HttpApi:
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+            ]
+        )
+
+    async def health(self, request: Request) -> Response:
+        serving = bool(self.service.pool.available) and not self.service.draining
+        return JSONResponse(
+            {"status": "serving" if serving else "not serving"}, status_code=200 if serving else 503
+        )
+
+    async def models(self, request: Request) -> Response:
+        info = self.service.pool.info
+        if info is None:
+            return error_response(503, "no worker has been reachable yet")
+        card = {
+            "id": info.model,
+            "object": "model",
+            "owned_by": "nanovllm",
+            "max_model_len": info.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def chat(self, request: Request) -> Response:
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=False)
+
+    async def _complete(self, request: Request, chat: bool) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return error_response(400, f"the request body is not JSON: {exc}", "body")
+        try:
+            parsed = parse_request(body, chat)
+        except ProtocolError as exc:
+            return error_response(400, str(exc), exc.param)
+        queue: asyncio.Queue = asyncio.Queue(maxsize=2 * len(parsed.generate))
+        authorization = request.headers.get("authorization")
+        tasks = [
+            asyncio.create_task(self._run(r, CallContext(authorization, i, queue), i, queue))
+            for i, r in enumerate(parsed.generate)
+        ]
+        events = _events(queue, len(tasks))
+        try:
+            first = await anext(events)
+        except BaseException:
+            await _cancel(tasks)
+            raise
+        if isinstance(first[1], CallAborted):  # refused before any token: a plain HTTP error
+            await _cancel(tasks)
+            return _aborted(first[1])
+        if parsed.stream:
+            return StreamingResponse(self._sse(parsed, first, events, tasks), media_type="text/event-stream")
+        try:
+            return await self._whole(parsed, first, events)
+        finally:
+            await _cancel(tasks)
+
+    async def _run(
+        self, request: generate_pb2.GenerateRequest, context: CallContext, index: int, queue: asyncio.Queue
+    ) -> None:
+        outcome: Any = None
+        try:
+            await self.service.generate(request, context)
+        except CallAborted as exc:
+            outcome = exc
+        finally:
+            with contextlib.suppress(asyncio.CancelledError):
+                await queue.put((index, outcome if outcome is not None else _DONE))
+
+    async def _whole(self, parsed: OpenAIRequest, first, events: AsyncIterator) -> Response:
+        choices = [Choice(i) for i in range(len(parsed.generate))]
+        event = first
+        while event is not None:
+            index, item = event
+            if isinstance(item, CallAborted):
+                return _aborted(item)
+            choices[index].add(item)
+            event = await anext(events, None)
+        return JSONResponse(completion_body(parsed, choices, self._decoder()))
+
+    async def _sse(self, parsed: OpenAIRequest, first, events: AsyncIterator, tasks) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per Generate response, usage last when asked, then [DONE]."""
+        choices = [Choice(i) for i in range(len(parsed.generate))]
+        started: set[int] = set()
+        decode = self._decoder()
+        try:
+            event = first
+            while event is not None:
+                index, item = event
+                if isinstance(item, CallAborted):  # mid-stream: the status can no longer change
+                    status = _HTTP_STATUS.get(item.code, 500)
+                    error = {
+                        "error": {"message": str(item), "type": "server_error", "param": None, "code": status}
+                    }
+                    yield f"data: {json.dumps(error)}\n\n"
+                    break
+                calls_before = len(choices[index].tool_calls)
+                choices[index].add(item)
+                yield f"data: {json.dumps(chunk_body(parsed, index, item, index not in started, calls_before, decode))}\n\n"
+                started.add(index)
+                event = await anext(events, None)
+            if parsed.include_usage:
+                yield f"data: {json.dumps(usage_chunk(parsed, choices))}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            await _cancel(tasks)  # a client gone: its requests are aborted on the workers
+
+    def _decoder(self):
+        tokenizer = self.service.pool.tokenizer
+        if tokenizer is None:
+            return str
+        return lambda token_id: tokenizer.backend.decode([token_id], skip_special_tokens=False)
+
+
+_DONE = object()
+
+
+async def _events(queue: asyncio.Queue, calls: int) -> AsyncIterator[tuple[int, Any]]:
+    """(index, response or CallAborted) until every call ended."""
+    running = calls
+    while running:
+        index, item = await queue.get()
+        if item is _DONE:
+            running -= 1
+            continue
+        yield index, item
+        if isinstance(item, CallAborted):
+            running -= 1
+
+
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: the router's own handle SIGTERM (drain) for both faces."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+async def start_http(api: HttpApi, host: str, port: int, ssl: dict[str, str | None]) -> tuple[_Server, str]:
+    """Serve the API on host:port (0 picks a free one); returns the server and its bound address."""
+    config = uvicorn.Config(
+        api.app, host=host, port=port, log_config=None, access_log=False, lifespan="off", **ssl
+    )
+    server = _Server(config)
+    task = asyncio.create_task(server.serve(), name="http-api")
+    while not server.started:  # uvicorn has no event for it: look every 10 ms while it binds
+        if task.done():
+            task.result()  # the bind failed: raise its error
+            raise OSError(f"the HTTP port {host}:{port} could not be served")
+        await asyncio.sleep(0.01)
+    server.task = task  # type: ignore[attr-defined]
+    bound = server.servers[0].sockets[0].getsockname()
+    return server, f"{host}:{bound[1]}"

@@ -1,0 +1,368 @@
+"""OpenAI's chat and completion requests turned into Generate requests, and Generate responses turned into
+OpenAI's completions and stream chunks. Pure translation: no I/O, each piece testable alone.
+
+Unknown fields are ignored, as OpenAI's server ignores them; a known field of the wrong type is a
+ProtocolError naming it (the HTTP face answers 400). Ranges are checked where gRPC checks them, by the
+same validation, so both faces give the same messages.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from google.protobuf import struct_pb2
+
+from nanovllm.v1 import generate_pb2
+
+MAX_N = 8  # choices per request: each is a Generate call of its own, sharing the prompt's cached blocks
+_FINISH = {
+    generate_pb2.FINISH_REASON_STOP: "stop",
+    generate_pb2.FINISH_REASON_LENGTH: "length",
+    generate_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
+    generate_pb2.FINISH_REASON_CANCELLED: "abort",
+    generate_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+class ProtocolError(ValueError):
+    """A request body OpenAI's API would refuse: the message names the field (`param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _typed(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    # bool is an int in Python; OpenAI's schema keeps them apart.
+    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
+        raise ProtocolError(name, f"{name} must be a number, got a boolean")
+    if not isinstance(value, kinds):
+        expected = " or ".join(k.__name__ for k in (kinds if isinstance(kinds, tuple) else (kinds,)))
+        raise ProtocolError(name, f"{name} must be {expected}, got {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """One HTTP request as the router runs it: a Generate request per choice, and how to answer."""
+
+    generate: list[generate_pb2.GenerateRequest]
+    stream: bool
+    include_usage: bool
+    chat: bool
+    model: str
+    logprobs: int | None = None  # top logprobs per token, when asked
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _sampling(body: dict[str, Any], chat: bool) -> tuple[generate_pb2.SamplingParams, int | None]:
+    sampling = generate_pb2.SamplingParams()
+    # OpenAI's fields, then vLLM's extensions (min_p, repetition_penalty, top_k, min_tokens, ignore_eos).
+    for name in (
+        "temperature",
+        "top_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "min_p",
+        "repetition_penalty",
+    ):
+        value = _typed(body, name, (int, float))
+        if value is not None:
+            setattr(sampling, name, float(value))
+    for name in ("top_k", "min_tokens"):
+        value = _typed(body, name, int)
+        if value is not None:
+            setattr(sampling, name, value)
+    sampling.ignore_eos = _typed(body, "ignore_eos", bool, False)
+    max_tokens = _typed(body, "max_completion_tokens", int) if chat else None
+    max_tokens = max_tokens if max_tokens is not None else _typed(body, "max_tokens", int)
+    if max_tokens is not None:
+        sampling.max_tokens = max_tokens
+    seed = _typed(body, "seed", int)
+    if seed is not None:
+        sampling.seed = seed
+    stop = _typed(body, "stop", (str, list))
+    stops = [stop] if isinstance(stop, str) else (stop or [])
+    if not all(isinstance(s, str) for s in stops):
+        raise ProtocolError("stop", "stop must be a string or a list of strings")
+    sampling.stop.extend(stops)
+    logprobs = None
+    if chat:
+        if _typed(body, "logprobs", bool, False):
+            logprobs = _typed(body, "top_logprobs", int, 0)
+    else:
+        logprobs = _typed(body, "logprobs", int)
+    if logprobs is not None:
+        sampling.logprobs = logprobs
+    _response_format(body, sampling)
+    return sampling, logprobs
+
+
+def _response_format(body: dict[str, Any], sampling: generate_pb2.SamplingParams) -> None:
+    response_format = _typed(body, "response_format", dict)
+    if response_format is None:
+        return
+    kind = response_format.get("type")
+    if kind == "json_object":
+        sampling.json_object = True
+    elif kind == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise ProtocolError("response_format", "response_format.json_schema.schema must be an object")
+        sampling.json_schema = json.dumps(schema)
+    elif kind != "text":
+        raise ProtocolError(
+            "response_format", f"response_format.type {kind!r} is not text, json_object or json_schema"
+        )
+
+
+def _content(message: dict[str, Any], i: int) -> str:
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):  # content parts: the text ones, joined
+        parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if len(parts) == len(content):
+            return "".join(parts)
+    raise ProtocolError(f"messages[{i}].content", f"messages[{i}].content must be a string or text parts")
+
+
+def _chat(body: dict[str, Any]) -> generate_pb2.Chat:
+    messages = _typed(body, "messages", list)
+    if not messages:
+        raise ProtocolError("messages", "messages must be a non-empty list")
+    chat = generate_pb2.Chat()
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ProtocolError(f"messages[{i}]", f"messages[{i}] must be an object with a string role")
+        entry = chat.messages.add(role=message["role"], content=_content(message, i))
+        for j, call in enumerate(message.get("tool_calls") or []):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict):
+                raise ProtocolError(
+                    f"messages[{i}].tool_calls[{j}]", f"messages[{i}].tool_calls[{j}] needs a function"
+                )
+            entry.tool_calls.add(
+                id=str(call.get("id", "")),
+                name=str(function.get("name", "")),
+                arguments=str(function.get("arguments", "{}")),
+            )
+        if isinstance(message.get("tool_call_id"), str):
+            entry.tool_call_id = message["tool_call_id"]
+    for i, tool in enumerate(_typed(body, "tools", list, [])):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ProtocolError(
+                f"tools[{i}]", f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}"
+            )
+        parameters = function.get("parameters")
+        chat.tools.add(
+            name=function["name"],
+            description=str(function.get("description", "")),
+            parameters=json.dumps(parameters) if parameters is not None else "",
+        )
+    choice = body.get("tool_choice")
+    if isinstance(choice, str):
+        modes = {"auto": 1, "none": 2, "required": 3}
+        if choice not in modes:
+            raise ProtocolError("tool_choice", f"tool_choice {choice!r} is not auto, none or required")
+        chat.tool_choice.mode = modes[choice]
+    elif isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        if not isinstance(name, str):
+            raise ProtocolError(
+                "tool_choice", "tool_choice must name a function: {'function': {'name': ...}}"
+            )
+        chat.tool_choice.function = name
+    kwargs = _typed(body, "chat_template_kwargs", dict)  # vLLM's extension: Qwen3's enable_thinking
+    if kwargs:
+        chat.template_kwargs.CopyFrom(_struct(kwargs))
+    return chat
+
+
+def _struct(values: dict[str, Any]) -> struct_pb2.Struct:
+    struct = struct_pb2.Struct()
+    struct.update(values)
+    return struct
+
+
+def parse_request(body: Any, chat: bool) -> OpenAIRequest:
+    """The Generate requests for a /v1/chat/completions (chat) or /v1/completions body."""
+    if not isinstance(body, dict):
+        raise ProtocolError("body", "the request body must be a JSON object")
+    sampling, logprobs = _sampling(body, chat)
+    if chat:
+        prompt = {"chat": _chat(body)}
+    else:
+        text = _typed(body, "prompt", (str, list))
+        if isinstance(text, list):
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in text) and text:
+                prompt = {"token_ids": generate_pb2.TokenIds(ids=text)}
+            elif len(text) == 1 and isinstance(text[0], str):
+                prompt = {"text": text[0]}
+            else:
+                raise ProtocolError("prompt", "prompt must be a string, one string in a list, or token ids")
+        elif text is None:
+            raise ProtocolError("prompt", "prompt is required")
+        else:
+            prompt = {"text": text}
+    n = _typed(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise ProtocolError("n", f"n must be in [1, {MAX_N}], got {n}")
+    requests = []
+    for i in range(n):
+        choice_sampling = generate_pb2.SamplingParams()
+        choice_sampling.CopyFrom(sampling)
+        if n > 1 and sampling.HasField("seed"):
+            choice_sampling.seed = sampling.seed + i  # distinct choices, each reproducible
+        requests.append(generate_pb2.GenerateRequest(sampling=choice_sampling, **prompt))
+    options = _typed(body, "stream_options", dict, {})
+    return OpenAIRequest(
+        generate=requests,
+        stream=_typed(body, "stream", bool, False),
+        include_usage=bool(options.get("include_usage")),
+        chat=chat,
+        model=str(body.get("model") or ""),
+        logprobs=logprobs,
+    )
+
+
+# --- responses ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Choice:
+    """One choice's text and state, gathered from its Generate responses."""
+
+    index: int
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: list[generate_pb2.ToolCall] = field(default_factory=list)
+    logprobs: list[generate_pb2.TokenLogprob] = field(default_factory=list)
+    finish: int = 0
+    usage: generate_pb2.Usage | None = None
+
+    def add(self, response: generate_pb2.GenerateResponse) -> None:
+        self.text += response.text
+        self.reasoning += response.reasoning_text
+        self.tool_calls.extend(response.tool_calls)
+        self.logprobs.extend(response.logprobs)
+        if response.finish_reason:
+            self.finish, self.usage = response.finish_reason, response.usage
+
+
+def _tool_call(call: generate_pb2.ToolCall, index: int | None = None) -> dict[str, Any]:
+    entry = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return entry if index is None else {"index": index, **entry}
+
+
+def _logprobs(entries, decode, chat: bool) -> dict[str, Any]:
+    """OpenAI's logprobs object; `decode(token_id)` gives a token's text."""
+    if chat:
+        content = [
+            {
+                "token": decode(e.token_id),
+                "logprob": e.logprob,
+                "top_logprobs": [{"token": decode(t.token_id), "logprob": t.logprob} for t in e.top],
+            }
+            for e in entries
+        ]
+        return {"content": content}
+    return {
+        "tokens": [decode(e.token_id) for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{decode(t.token_id): t.logprob for t in e.top} for e in entries],
+    }
+
+
+def usage_dict(choices: list[Choice]) -> dict[str, int]:
+    prompt = max((c.usage.prompt_tokens for c in choices if c.usage), default=0)
+    completion = sum(c.usage.completion_tokens for c in choices if c.usage)
+    cached = max((c.usage.cached_prompt_tokens for c in choices if c.usage), default=0)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def completion_body(request: OpenAIRequest, choices: list[Choice], decode) -> dict[str, Any]:
+    """The non-streaming answer."""
+    rendered = []
+    for c in choices:
+        entry: dict[str, Any] = {"index": c.index, "finish_reason": _FINISH.get(c.finish)}
+        if request.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            if c.reasoning:
+                message["reasoning_content"] = c.reasoning
+            if c.tool_calls:
+                message["tool_calls"] = [_tool_call(t) for t in c.tool_calls]
+            entry["message"] = message
+        else:
+            entry["text"] = c.text
+        entry["logprobs"] = (
+            _logprobs(c.logprobs, decode, request.chat) if request.logprobs is not None else None
+        )
+        rendered.append(entry)
+    return {
+        "id": ("chatcmpl-" if request.chat else "cmpl-") + request.id,
+        "object": "chat.completion" if request.chat else "text_completion",
+        "created": request.created,
+        "model": request.model,
+        "choices": rendered,
+        "usage": usage_dict(choices),
+    }
+
+
+def chunk_body(
+    request: OpenAIRequest,
+    index: int,
+    response: generate_pb2.GenerateResponse,
+    first: bool,
+    calls_before: int,
+    decode,
+) -> dict[str, Any]:
+    """One stream chunk for one Generate response of choice `index`; `first`: the choice's first chunk
+    (which carries the role); `calls_before`: tool calls this choice streamed before."""
+    finish = _FINISH.get(response.finish_reason) if response.finish_reason else None
+    if request.chat:
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if response.text:
+            delta["content"] = response.text
+        if response.reasoning_text:
+            delta["reasoning_content"] = response.reasoning_text
+        if response.tool_calls:
+            delta["tool_calls"] = [_tool_call(t, calls_before + i) for i, t in enumerate(response.tool_calls)]
+        choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish}
+    else:
+        choice = {"index": index, "text": response.text, "finish_reason": finish}
+    if request.logprobs is not None:
+        choice["logprobs"] = _logprobs(response.logprobs, decode, request.chat) if response.logprobs else None
+    return {
+        "id": ("chatcmpl-" if request.chat else "cmpl-") + request.id,
+        "object": "chat.completion.chunk" if request.chat else "text_completion",
+        "created": request.created,
+        "model": request.model,
+        "choices": [choice],
+    }
+
+
+def usage_chunk(request: OpenAIRequest, choices: list[Choice]) -> dict[str, Any]:
+    """The last chunk with stream_options.include_usage: no choices, the usage."""
+    return {
+        "id": ("chatcmpl-" if request.chat else "cmpl-") + request.id,
+        "object": "chat.completion.chunk" if request.chat else "text_completion",
+        "created": request.created,
+        "model": request.model,
+        "choices": [],
+        "usage": usage_dict(choices),
+    }
