@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from nanovllm.common.logging import get_logger
+
 # The structured-output constraints, SamplingParams fields of these names (at most one set per request).
 CONSTRAINTS = ("json_schema", "json_object", "regex", "grammar", "choice")
 
@@ -58,10 +60,16 @@ class SamplingParams:
         if self.choice is not None:
             self.choice = list(self.choice)
         lo, hi = self.MIN_DIVISOR, self.MAX_DIVISOR
+        if 0.0 < self.temperature < lo:
+            # OpenAI's API takes any temperature in [0, 2], and clients send 0.001 for "almost greedy": as
+            # vLLM does, such a temperature is raised to the smallest divisor that cannot overflow (a
+            # warning once per process), rather than refused or turned into greedy sampling.
+            _warn_raised_temperature(self.temperature, lo)
+            self.temperature = lo
         self._check(
             self.temperature == 0.0 or lo <= self.temperature <= hi,
             "temperature",
-            f"must be 0 (greedy) or in [{lo}, {hi}], got {self.temperature}",
+            f"must be 0 (greedy) or in (0, {hi}], got {self.temperature}",
         )
         self._check(self.top_k >= -1, "top_k", f"must be -1, 0 (disabled) or positive, got {self.top_k}")
         self._check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -142,3 +150,18 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+_temperature_warning = {"logged": False}
+
+
+def _warn_raised_temperature(asked: float, used: float) -> None:
+    """A warning the first time a temperature is raised in this process, not once per request."""
+    if not _temperature_warning["logged"]:
+        _temperature_warning["logged"] = True
+        get_logger(__name__).warning(
+            "temperature_raised",
+            asked=asked,
+            used=used,
+            detail=f"temperatures in (0, {used}) are raised to {used}: logits divided by less overflow",
+        )

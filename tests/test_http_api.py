@@ -129,6 +129,20 @@ def test_logprobs_and_n(http: Http) -> None:
     assert len({c.message.content for c in several.choices}) > 1  # seeds 3, 4, 5
 
 
+def test_an_almost_greedy_temperature_is_accepted(http: Http) -> None:
+    """0.001, as OpenAI clients send for "almost greedy": run at 0.01 (common/sampling_params.py), so it
+    gives what 0.01 gives with the same seed."""
+    answers = [
+        http.client.chat.completions.create(
+            model="m", messages=MESSAGES, max_tokens=12, temperature=t, seed=11
+        )
+        .choices[0]
+        .message.content
+        for t in (0.001, 0.01)
+    ]
+    assert answers[0] == answers[1]
+
+
 def test_models_and_health(http: Http) -> None:
     models = http.client.models.list()
     assert [m.id for m in models.data] and models.data[0].object == "model"

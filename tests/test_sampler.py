@@ -353,7 +353,6 @@ def test_invalid_batches_raise_value_error():
     ("field", "kwargs"),
     [
         ("temperature", {"temperature": -1.0}),
-        ("temperature", {"temperature": 1e-45}),  # a denormal: logits / it overflow to inf
         ("temperature", {"temperature": math.inf}),
         ("temperature", {"temperature": math.nan}),
         ("repetition_penalty", {"repetition_penalty": 1e-45}),
@@ -373,3 +372,15 @@ def test_invalid_batches_raise_value_error():
 def test_sampling_params_validation(field: str, kwargs: dict):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 0.001, 0.009])
+def test_tiny_temperatures_are_raised_to_the_smallest_safe_divisor(temperature: float):
+    """OpenAI's clients send 0.001 for "almost greedy": accepted as 0.01 (vLLM's rule), which keeps the
+    overflow protection (1e-45, a denormal, made logits / it inf and the sampler pick token 0)."""
+    params = SamplingParams(temperature=temperature, seed=3)
+    assert params.temperature == SamplingParams.MIN_DIVISOR
+    logits = rand_logits(1, scale=30.0)
+    picked = Sampler()(logits, [make_row(params)]).token_ids
+    assert picked == Sampler()(logits, [make_row(SamplingParams(temperature=0.01, seed=3))]).token_ids
+    assert picked == [int(logits.argmax())]  # almost greedy, not the overflow's token 0
