@@ -211,3 +211,34 @@ def test_protocol_errors_name_the_field() -> None:
         with pytest.raises(ProtocolError) as caught:
             parse_request(body, chat=True)
         assert caught.value.param == param, (json.dumps(body), caught.value)
+
+
+def test_tokens_are_checked_as_on_grpc(kernels, tmp_path) -> None:
+    """The router's tokens file guards the HTTP face too: no token 401, an unknown one 403."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice:alice-0123456789abcdef\n")
+    router = start_router(
+        ["127.0.0.1:1"],
+        "--http-port",
+        "0",
+        "--auth-tokens-file",
+        str(tokens),
+        log_path=tmp_path / "router.log",
+    )
+    try:
+        base = f"http://{router.http_address}/v1"
+        for key, error in [
+            ("", openai.AuthenticationError),
+            ("mallory-0123456789abcdef", openai.PermissionDeniedError),
+        ]:
+            client = openai.OpenAI(base_url=base, api_key=key or "unused", max_retries=0)
+            if not key:
+                client = client.with_options(default_headers={"Authorization": ""})
+            with pytest.raises(error):
+                client.chat.completions.create(model="m", messages=MESSAGES)
+        alice = openai.OpenAI(base_url=base, api_key="alice-0123456789abcdef", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as caught:  # let in, and then: no worker
+            alice.chat.completions.create(model="m", messages=MESSAGES)
+        assert caught.value.status_code == 503
+    finally:
+        router.stop()
