@@ -176,14 +176,17 @@ class HttpApi:
     async def _run(
         self, request: generate_pb2.GenerateRequest, context: CallContext, index: int, queue: asyncio.Queue
     ) -> None:
-        outcome: Any = None
+        """Run one choice's call, then say how it ended on the queue. A cancelled one (its client gone, or
+        a sibling refused) says nothing: nobody reads the queue any more, and a full one would block."""
+        outcome: Any = _DONE
         try:
             await self.service.generate(request, context)
         except CallAborted as exc:
             outcome = exc
-        finally:
-            with contextlib.suppress(asyncio.CancelledError):
-                await queue.put((index, outcome if outcome is not None else _DONE))
+        except Exception as exc:  # a bug: the HTTP answer must still end
+            log.exception("http_call_failed", choice=index)
+            outcome = CallAborted(grpc.StatusCode.INTERNAL, f"the router failed this call: {exc}")
+        await queue.put((index, outcome))
 
     async def _whole(self, parsed: OpenAIRequest, first, events: AsyncIterator) -> Response:
         choices = [Choice(i) for i in range(len(parsed.generate))]
