@@ -158,14 +158,14 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.stall_timeout_s <= 0:
             raise ConfigError(f"--stall-timeout must be more than 0 seconds, got {self.stall_timeout_s:g}")
-        if self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ConfigError(
-                f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}"
-            )
-        if self.reasoning_parser not in REASONING_PARSERS:
-            raise ConfigError(
-                f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}"
-            )
+        for name, allowed in (
+            ("reasoning_parser", REASONING_PARSERS),
+            ("tool_call_parser", TOOL_CALL_PARSERS),
+        ):
+            value = getattr(self, name)
+            if value not in allowed:
+                flag = flag_name(RouterConfig, name)
+                raise ConfigError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
 
     max_attempts: int = option(3, help="workers a request may be tried on before its first token")
     resume_streams: bool = option(

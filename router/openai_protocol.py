@@ -283,6 +283,16 @@ def _logprobs(entries, decode, chat: bool) -> dict[str, Any]:
     }
 
 
+def _header(request: OpenAIRequest, chat_object: str) -> dict[str, Any]:
+    """The fields every answer and chunk starts with; completions are "text_completion" objects."""
+    return {
+        "id": ("chatcmpl-" if request.chat else "cmpl-") + request.id,
+        "object": chat_object if request.chat else "text_completion",
+        "created": request.created,
+        "model": request.model,
+    }
+
+
 def usage_dict(choices: list[Choice]) -> dict[str, int]:
     prompt = max((c.usage.prompt_tokens for c in choices if c.usage), default=0)
     completion = sum(c.usage.completion_tokens for c in choices if c.usage)
@@ -313,14 +323,7 @@ def completion_body(request: OpenAIRequest, choices: list[Choice], decode) -> di
             _logprobs(c.logprobs, decode, request.chat) if request.logprobs is not None else None
         )
         rendered.append(entry)
-    return {
-        "id": ("chatcmpl-" if request.chat else "cmpl-") + request.id,
-        "object": "chat.completion" if request.chat else "text_completion",
-        "created": request.created,
-        "model": request.model,
-        "choices": rendered,
-        "usage": usage_dict(choices),
-    }
+    return {**_header(request, "chat.completion"), "choices": rendered, "usage": usage_dict(choices)}
 
 
 def chunk_body(
@@ -347,22 +350,9 @@ def chunk_body(
         choice = {"index": index, "text": response.text, "finish_reason": finish}
     if request.logprobs is not None:
         choice["logprobs"] = _logprobs(response.logprobs, decode, request.chat) if response.logprobs else None
-    return {
-        "id": ("chatcmpl-" if request.chat else "cmpl-") + request.id,
-        "object": "chat.completion.chunk" if request.chat else "text_completion",
-        "created": request.created,
-        "model": request.model,
-        "choices": [choice],
-    }
+    return {**_header(request, "chat.completion.chunk"), "choices": [choice]}
 
 
 def usage_chunk(request: OpenAIRequest, choices: list[Choice]) -> dict[str, Any]:
     """The last chunk with stream_options.include_usage: no choices, the usage."""
-    return {
-        "id": ("chatcmpl-" if request.chat else "cmpl-") + request.id,
-        "object": "chat.completion.chunk" if request.chat else "text_completion",
-        "created": request.created,
-        "model": request.model,
-        "choices": [],
-        "usage": usage_dict(choices),
-    }
+    return {**_header(request, "chat.completion.chunk"), "choices": [], "usage": usage_dict(choices)}
