@@ -58,10 +58,10 @@ class StreamStalled(Exception):
 
 
 async def reject(
-    context: grpc.aio.ServicerContext, metrics: RouterMetrics, code: grpc.StatusCode, message: str
+    context: grpc.aio.ServicerContext, metrics: RouterMetrics, api: str, code: grpc.StatusCode, message: str
 ) -> NoReturn:
-    """End a Generate call that never reached a worker."""
-    metrics.requests.labels(status=code.name.lower()).inc()
+    """End a Generate call that never reached a worker; `api` is the face it came through (grpc, http)."""
+    metrics.requests.labels(status=code.name.lower(), api=api).inc()
     await context.abort(code, message)
 
 
@@ -113,7 +113,9 @@ class GenerateCall:
         metrics: RouterMetrics,
         config: RouterConfig,
         off_loop: OffLoop,
+        api: str,
     ) -> None:
+        """`api`: the face the call came through, grpc or http, for its metrics and log line."""
         self.request = request
         self.context = context
         self.lease = lease
@@ -121,6 +123,7 @@ class GenerateCall:
         self.metrics = metrics
         self.config = config
         self.off_loop = off_loop
+        self.api = api
         self.generated: list[int] = []
         self.worker_running = True  # until the worker reports the request ended there
 
@@ -131,11 +134,11 @@ class GenerateCall:
         prompt_len = len(self.valid.prompt_token_ids)
         self.lease.charge(prompt_len)
         content = request_content(request) if self.config.log_request_content else None
-        self.trace = RequestTrace(self.metrics, self.request_id, prompt_len, self.lease, content)
+        self.trace = RequestTrace(self.metrics, self.request_id, prompt_len, self.lease, self.api, content)
         decision = self.pool.pick(self.valid.prompt_token_ids)
         if decision is None:
             message = f"no worker is reachable ({self.pool.addresses})"
-            await reject(self.context, self.metrics, grpc.StatusCode.UNAVAILABLE, message)
+            await reject(self.context, self.metrics, self.api, grpc.StatusCode.UNAVAILABLE, message)
         self.attempt = self.submit(decision, frozenset())
         self.completion = self._completion_text(tokenizer)
         # Without a tokenizer, token ids are all there is.
@@ -185,7 +188,9 @@ class GenerateCall:
         blames it."""
         pool = self.pool
         if pool.info is None:
-            await reject(self.context, self.metrics, grpc.StatusCode.UNAVAILABLE, never_reached(pool))
+            await reject(
+                self.context, self.metrics, self.api, grpc.StatusCode.UNAVAILABLE, never_reached(pool)
+            )
         tokenizer, info = pool.tokenizer, pool.info
         try:
             check_request(self.request, tokenizer, info, self.config.limits)
@@ -195,7 +200,7 @@ class GenerateCall:
             code, message = grpc.StatusCode.FAILED_PRECONDITION, str(exc)
         except ValueError as exc:
             code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-        await reject(self.context, self.metrics, code, message)
+        await reject(self.context, self.metrics, self.api, code, message)
 
     async def _stream(self) -> None:
         """Relay the worker's updates as responses until the last one, moving to another worker when the

@@ -44,7 +44,7 @@ class Service(Protocol):
     pool: WorkerPool
     draining: bool
 
-    async def generate(self, request: generate_pb2.GenerateRequest, context: Any) -> None: ...
+    async def generate(self, request: generate_pb2.GenerateRequest, context: Any, api: str) -> None: ...
 
 
 log = get_logger(__name__)
@@ -180,7 +180,7 @@ class HttpApi:
         a sibling refused) says nothing: nobody reads the queue any more, and a full one would block."""
         outcome: Any = _DONE
         try:
-            await self.service.generate(request, context)
+            await self.service.generate(request, context, "http")
         except CallAborted as exc:
             outcome = exc
         except Exception as exc:  # a bug: the HTTP answer must still end

@@ -41,8 +41,9 @@ class RouterMetrics:
         self.requests = Counter(
             "nanovllm:requests",
             "Generate calls by outcome: stop, length, cancelled, error, tool_calls (finish reasons), or the gRPC status "
-            "of a failed call (invalid_argument, unavailable, resource_exhausted, internal, client_cancelled, stalled)",
-            ["status"],
+            "of a failed call (invalid_argument, unavailable, resource_exhausted, internal, client_cancelled, stalled); "
+            "api: the face it came through, grpc or http (the OpenAI-compatible API)",
+            ["status", "api"],
             registry=self.registry,
         )
         self.time_to_first_token = Histogram(

@@ -66,19 +66,21 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
-        await self.generate(request, context)
+        await self.generate(request, context, "grpc")
 
-    async def generate(self, request: generate_pb2.GenerateRequest, context: Any) -> None:
+    async def generate(self, request: generate_pb2.GenerateRequest, context: Any, api: str) -> None:
         """One Generate call, for either face: `context` is the gRPC call's, or the HTTP face's stand-in
-        (router/http_api.py CallContext)."""
+        (router/http_api.py CallContext); `api` names the face (grpc, http) in metrics and logs."""
         if self.draining:
             message = "the router is shutting down; retry"
-            await reject(context, self.metrics, grpc.StatusCode.UNAVAILABLE, message)
+            await reject(context, self.metrics, api, grpc.StatusCode.UNAVAILABLE, message)
         lease = await self.access.admit(context)
         self._in_flight += 1
         self.idle.clear()
         try:
-            call = GenerateCall(request, context, lease, self.pool, self.metrics, self.config, self._off_loop)
+            call = GenerateCall(
+                request, context, lease, self.pool, self.metrics, self.config, self._off_loop, api
+            )
             await call.run()
         finally:
             lease.close()

@@ -23,14 +23,16 @@ class RequestTrace:
         request_id: str,
         prompt_tokens: int,
         lease: Lease,
+        api: str,
         content: str | None = None,
     ) -> None:
-        """`lease` is charged every token; `content` (the prompt, only with --log-request-content) goes
+        """`lease` is charged every token; `api` is the face the call came through (grpc, http); `content` (the prompt, only with --log-request-content) goes
         into the final log line."""
         self.metrics = metrics
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         self.lease = lease
+        self.api = api
         self.content = content
         self.start = self._last_token_at = time.perf_counter()
         self.first_token_s: float | None = None
@@ -86,12 +88,13 @@ class RequestTrace:
         self._closed = True
         if self._in_flight is not None:
             self._in_flight.dec()
-        self.metrics.requests.labels(status=self.outcome).inc()
+        self.metrics.requests.labels(status=self.outcome, api=self.api).inc()
         content = {} if self.content is None else {"prompt": self.content}
         log.info(
             "request_finished",
             request_id=self.request_id[:64],
             client=self.lease.name,
+            api=self.api,
             worker=self.worker,
             outcome=self.outcome,
             attempts=self.attempts,

@@ -137,3 +137,15 @@ async def run_calls(
 
         await asyncio.gather(*(one(i) for i in range(count)))
     return results
+
+
+def wait_for_log(path: Path, event: str, timeout: float = 30.0, **fields: object) -> dict:
+    """The first JSON log line of `event` (with these field values) in the file, once it is written."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in path.read_text().splitlines():
+            entry = json.loads(line) if line.startswith("{") else {}
+            if entry.get("event") == event and all(entry.get(k) == v for k, v in fields.items()):
+                return entry
+        time.sleep(0.05)
+    raise AssertionError(f"no {event} {fields} in {path} after {timeout} s")

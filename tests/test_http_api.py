@@ -15,15 +15,15 @@ import pytest
 
 from nanovllm.router.openai_protocol import ProtocolError, parse_request
 from nanovllm.v1 import generate_pb2
-from tests.services import library_errors, start_router, start_worker, wait_idle, wait_serving
+from tests.services import library_errors, start_router, start_worker, wait_for_log, wait_idle, wait_serving
 from tests.test_service import collect
 
 MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
 
 
 class Http:
-    def __init__(self, worker, router) -> None:
-        self.worker, self.router = worker, router
+    def __init__(self, worker, router, router_log: Path) -> None:
+        self.worker, self.router, self.router_log = worker, router, router_log
         self.client = openai.OpenAI(
             base_url=f"http://{router.http_address}/v1", api_key="none", max_retries=0
         )
@@ -37,7 +37,7 @@ def http(qwen3_dir: Path, kernels, tmp_path_factory) -> Iterator[Http]:
     try:
         wait_serving(worker.address)
         wait_serving(router.address)
-        yield Http(worker, router)
+        yield Http(worker, router, logs / "router.log")
     finally:
         router.stop()
         worker.stop()
@@ -86,6 +86,9 @@ def test_chat_equals_grpc_streaming_or_not(http: Http) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert whole.usage.prompt_tokens > 0
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    wait_for_log(
+        http.router_log, "request_finished", api="http", completion_tokens=whole.usage.completion_tokens
+    )
 
 
 def test_completion_with_stop_and_seed(http: Http) -> None:
@@ -170,21 +173,23 @@ def test_a_client_that_leaves_mid_stream_frees_its_kv_blocks(http: Http) -> None
         stream=True,
         extra_body={"ignore_eos": True},
     )
-    before = cancelled(http)
+    before = cancelled(http, "http")
     next(iter(stream))  # 479 tokens still to come (ignore_eos: vLLM's extension, taken here too)
     stream.close()
     wait_idle(http.worker.address)
-    assert cancelled(http) == before + 1
+    assert cancelled(http, "http") == before + 1
 
 
-def cancelled(http: Http) -> float:
-    """Generate calls the router counted as cancelled by their client."""
+def cancelled(http: Http, api: str) -> float:
+    """Generate calls through `api` (grpc, http) that the router counted as cancelled by their client."""
     url = f"http://{http.router.metrics_address}/metrics"
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith("nanovllm:requests_total") and 'status="client_cancelled"' in line
+        if line.startswith("nanovllm:requests_total")
+        and 'status="client_cancelled"' in line
+        and f'api="{api}"' in line
     )
 
 

@@ -54,8 +54,8 @@ def test_metrics_after_traffic(service) -> None:
     def delta(after: dict, before: dict, name: str, **labels: str) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
 
-    assert delta(router, router_before, "nanovllm:requests_total", status="length") == 3
-    assert delta(router, router_before, "nanovllm:requests_total", status="invalid_argument") == 1
+    assert delta(router, router_before, "nanovllm:requests_total", status="length", api="grpc") == 3
+    assert delta(router, router_before, "nanovllm:requests_total", status="invalid_argument", api="grpc") == 1
     assert delta(router, router_before, "nanovllm:time_to_first_token_seconds_count") == 3
     assert delta(router, router_before, "nanovllm:e2e_request_latency_seconds_count") == 3
     assert delta(router, router_before, "nanovllm:inter_token_latency_seconds_count") == 3 * 9

@@ -9,13 +9,11 @@ trusts only "b" shows the new certificate is served. CA "x" signs nothing anyone
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +32,7 @@ from nanovllm.router.workers import CHANNEL_OPTIONS
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.certs import CertificateAuthority, Issued
-from tests.services import start_router, start_worker, wait_idle, wait_serving
+from tests.services import start_router, start_worker, wait_for_log, wait_idle, wait_serving
 
 ALICE = "alice-0123456789abcdef"  # named alice in the tokens file
 BOB = "bob-token-fedcba9876543210"  # unnamed: token-<sha256 prefix>
@@ -153,18 +151,6 @@ def worker_get_load(address: str, credentials: grpc.ChannelCredentials) -> grpc.
         except grpc.RpcError as exc:
             return exc
     return None
-
-
-def wait_for_log(path: Path, event: str, timeout: float = 30.0, **fields: object) -> dict:
-    """The first JSON log line of `event` (with these field values) in the file, once it is written."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for line in path.read_text().splitlines():
-            entry = json.loads(line) if line.startswith("{") else {}
-            if entry.get("event") == event and all(entry.get(k) == v for k, v in fields.items()):
-                return entry
-        time.sleep(0.05)
-    raise AssertionError(f"no {event} {fields} in {path} after {timeout} s")
 
 
 # --- TLS and mutual TLS ---------------------------------------------------------------------------------
