@@ -156,6 +156,46 @@ class ReloadingCertificates:
         )
 
 
+class ReloadingSslContext(ssl.SSLContext):
+    """The server context of an asyncio server (the router's HTTP face), with ReloadingCertificates' rule:
+    as each connection starts (asyncio wraps it with `wrap_bio`), the files are statted and, when they
+    changed and check out, a fresh context built from them serves this and later connections."""
+
+    files: TlsFiles
+    reloads: int
+
+    @classmethod
+    def serving(cls, files: TlsFiles, require_client_cert: bool) -> ReloadingSslContext:
+        context = cls(ssl.PROTOCOL_TLS_SERVER)
+        context.files, context.reloads = files, 0
+        context._require_client_cert = require_client_cert
+        files.check(need_identity=True, need_ca=require_client_cert)
+        context._stat, context._current = files.stat(), context._build()
+        return context
+
+    def _build(self) -> ssl.SSLContext:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(self.files.cert, self.files.key)
+        if self._require_client_cert:
+            context.load_verify_locations(self.files.ca)
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+    def wrap_bio(self, *args: Any, **kwargs: Any) -> ssl.SSLObject:
+        stat = self.files.stat()
+        if stat != self._stat:
+            try:
+                self.files.check(need_identity=True, need_ca=self._require_client_cert)
+                self._current = self._build()
+            except (ConfigError, ssl.SSLError, OSError) as exc:
+                log.warning("tls_reload_skipped", files=self.files.paths(), reason=str(exc))
+            else:
+                self._stat = stat
+                self.reloads += 1
+                log.info("tls_reloaded", files=self.files.paths(), reloads=self.reloads)
+        return self._current.wrap_bio(*args, **kwargs)
+
+
 def server_credentials(files: TlsFiles, require_client_cert: bool) -> grpc.ServerCredentials | None:
     """Reloading TLS credentials for a server port, or None (plaintext) when no file is configured."""
     if not files.enabled:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -258,16 +259,28 @@ async def _cancel(tasks: list[asyncio.Task]) -> None:
 class _Server(uvicorn.Server):
     """uvicorn without its signal handlers: the router's own handle SIGTERM (drain) for both faces."""
 
+    task: asyncio.Task
+
     @contextlib.contextmanager
     def capture_signals(self):
         yield
 
+    async def stop(self) -> None:
+        """Stop once the router drained: the connections left are idle keep-alives (or streams past the
+        drain timeout), closed at once. uvicorn would close them politely, and a TLS close waits for the
+        client's close_notify, which an idle client never sends (30 s, asyncio's timeout)."""
+        for connection in list(self.server_state.connections):
+            connection.transport.abort()
+        self.should_exit = True
+        await self.task
 
-async def start_http(api: HttpApi, host: str, port: int, ssl: dict[str, str | None]) -> tuple[_Server, str]:
-    """Serve the API on host:port (0 picks a free one); returns the server and its bound address."""
-    config = uvicorn.Config(
-        api.app, host=host, port=port, log_config=None, access_log=False, lifespan="off", **ssl
-    )
+
+async def start_http(api: HttpApi, host: str, port: int, tls: ssl.SSLContext | None) -> tuple[_Server, str]:
+    """Serve the API on host:port (0 picks a free one), over TLS with `tls`; returns the server and its
+    bound address."""
+    config = uvicorn.Config(api.app, host=host, port=port, log_config=None, access_log=False, lifespan="off")
+    config.load()
+    config.ssl = tls  # uvicorn builds its context from files once; this one reloads them (common/tls.py)
     server = _Server(config)
     task = asyncio.create_task(server.serve(), name="http-api")
     while not server.started:  # uvicorn has no event for it: look every 10 ms while it binds
@@ -275,6 +288,6 @@ async def start_http(api: HttpApi, host: str, port: int, ssl: dict[str, str | No
             task.result()  # the bind failed: raise its error
             raise OSError(f"the HTTP port {host}:{port} could not be served")
         await asyncio.sleep(0.01)
-    server.task = task  # type: ignore[attr-defined]
+    server.task = task
     bound = server.servers[0].sockets[0].getsockname()
     return server, f"{host}:{bound[1]}"

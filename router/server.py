@@ -12,7 +12,7 @@ import grpc
 from nanovllm.common.logging import get_logger
 from nanovllm.common.server_config import RouterConfig
 from nanovllm.common.serving import GrpcServer
-from nanovllm.common.tls import server_credentials
+from nanovllm.common.tls import ReloadingSslContext, server_credentials
 from nanovllm.common.wire import fields_to_message
 from nanovllm.router.auth import Access, AuthInterceptor, TokenTable
 from nanovllm.router.call import GenerateCall, never_reached, reject
@@ -165,8 +165,12 @@ async def serve_router(
     http = None
     announce = on_listening
     if config.http_port is not None:
-        ssl = {"ssl_certfile": config.tls.cert, "ssl_keyfile": config.tls.key}
-        http, http_address = await start_http(HttpApi(service), config.host, config.http_port, ssl)
+        tls = (
+            ReloadingSslContext.serving(config.tls, require_client_cert=bool(config.tls_client_ca))
+            if config.tls.enabled
+            else None
+        )
+        http, http_address = await start_http(HttpApi(service), config.host, config.http_port, tls)
 
         def announce(address: str, metrics_address: str) -> None:
             on_listening(address, f"{metrics_address}, http on {http_address}")
@@ -190,8 +194,7 @@ async def serve_router(
     idle = service.idle.wait()
     await server.drain("router", address, idle, config.drain_timeout_s, in_flight=service.in_flight)
     if http is not None:
-        http.should_exit = True
-        await http.task
+        await http.stop()
     await server.stop(config.shutdown_grace_s)
     await pool.close()
     service.close()

@@ -12,13 +12,16 @@ import asyncio
 import os
 import re
 import socket
+import ssl
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
@@ -32,7 +35,7 @@ from nanovllm.router.workers import CHANNEL_OPTIONS
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.certs import CertificateAuthority, Issued
-from tests.services import start_router, start_worker, wait_for_log, wait_idle, wait_serving
+from tests.services import library_errors, start_router, start_worker, wait_for_log, wait_idle, wait_serving
 
 ALICE = "alice-0123456789abcdef"  # named alice in the tokens file
 BOB = "bob-token-fedcba9876543210"  # unnamed: token-<sha256 prefix>
@@ -523,6 +526,82 @@ def test_token_window_slides_over_60_seconds() -> None:
     limits.admit("b").close()  # another token has its own window
     now[0] += 30  # the 70 leave the window
     limits.admit("a").close()
+
+
+# --- the HTTP face -----------------------------------------------------------------------------------------
+
+
+def https_client(router: ServerProcess, ca: Path, key: str, issued: Issued | None = None) -> openai.OpenAI:
+    """The openai client on the router's HTTP face over TLS, trusting `ca`, presenting `issued` if given."""
+    verify = ssl.create_default_context(cafile=str(ca))
+    if issued is not None:
+        verify.load_cert_chain(issued.cert, issued.key)
+    return openai.OpenAI(
+        base_url=f"https://{router.http_address}/v1",
+        api_key=key,
+        max_retries=0,
+        http_client=openai.DefaultHttpxClient(verify=verify, timeout=CALL_TIMEOUT_S),
+    )
+
+
+def test_https_face_with_token_limits_and_certificate_rotation(
+    secured: Secured, pki: Pki, tmp_path: Path
+) -> None:
+    """The HTTP face takes the gRPC port's certificate flags and per-token limits: over TLS, alice's call
+    past --tokens-per-minute-per-token is a 429 (openai.RateLimitError) with the numbers and a Retry-After,
+    bob is served, plaintext is refused; after the certificate files are replaced by ones from CA b, new
+    connections get the new certificate."""
+    public = pki.a.issue("rotating-https", cert=tmp_path / "tls.crt", key=tmp_path / "tls.key")
+    router = start_router(
+        [secured.worker.address],
+        *worker_tls(pki),
+        *public_tls(public),
+        *("--http-port", "0", "--auth-tokens-file", str(pki.tokens), "--tokens-per-minute-per-token", "40"),
+        log_path=tmp_path / "router.log",
+    )
+    try:
+        wait_serving(router.address, credentials=creds(pki.a.ca_path))
+        call = {"model": "m", "prompt": [5, 6], "max_tokens": 50, "extra_body": {"ignore_eos": True}}
+        alice = https_client(router, pki.a.ca_path, ALICE)
+        assert alice.completions.create(**call).usage.completion_tokens == 50
+        with pytest.raises(openai.RateLimitError) as limited:
+            alice.completions.create(**call)
+        assert "alice used 52 tokens in the last 60 s (limit 40 per token)" in limited.value.message
+        assert 1 <= int(limited.value.response.headers["retry-after"]) <= 60
+        assert (
+            https_client(router, pki.a.ca_path, BOB).completions.create(**call).usage.completion_tokens == 50
+        )
+        with pytest.raises(OSError):  # the TLS handshake fails on plaintext, and the connection closes
+            urllib.request.urlopen(f"http://{router.http_address}/health", timeout=30)
+
+        pki.b.issue("rotating-https", cert=public.cert, key=public.key)
+        assert https_client(router, pki.b.ca_path, BOB).models.list().data
+        with pytest.raises(openai.APIConnectionError):
+            https_client(router, pki.a.ca_path, BOB).models.list()
+        assert wait_for_log(tmp_path / "router.log", "tls_reloaded")["reloads"] == 1
+    finally:
+        router.stop()
+    assert library_errors(tmp_path / "router.log") == []
+
+
+def test_https_face_asks_for_client_certificates_with_tls_client_ca(secured: Secured, pki: Pki) -> None:
+    """--tls-client-ca holds for the HTTP face as for gRPC: no certificate, or one from another CA, cannot
+    connect; one from that CA is served."""
+    router = start_router(
+        [secured.worker.address],
+        *worker_tls(pki),
+        *public_tls(pki.public),
+        *("--tls-client-ca", str(pki.b.ca_path), "--http-port", "0"),
+    )
+    try:
+        client = pki.b.issue("https-client")
+        wait_serving(router.address, credentials=creds(pki.a.ca_path, client))
+        assert https_client(router, pki.a.ca_path, "none", client).models.list().data
+        for refused in (None, pki.x.issue("https-client-x")):
+            with pytest.raises(openai.APIConnectionError):
+                https_client(router, pki.a.ca_path, "none", refused).models.list()
+    finally:
+        router.stop()
 
 
 # --- bad input at start-up -------------------------------------------------------------------------------
