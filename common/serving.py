@@ -52,6 +52,10 @@ def ping_ack_deadline(timeout_s: float) -> list[tuple[str, int]]:
     return [("grpc.http2.ping_timeout_ms", int(timeout_s * 1000))]
 
 
+# The largest request a public port takes: a gRPC message, or the router's HTTP body.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
 class _Unparsed(NamedTuple):
     """A request message whose bytes did not parse, handed to the handler in place of the message."""
 
@@ -126,7 +130,7 @@ class GrpcServer:
     def __init__(
         self,
         service_names: list[str],
-        max_receive_bytes: int = 4 * 1024 * 1024,
+        max_receive_bytes: int = MAX_MESSAGE_BYTES,
         keepalive_time_s: float = 20.0,
         keepalive_timeout_s: float = 10.0,
         credentials: grpc.ServerCredentials | None = None,

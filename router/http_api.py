@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from nanovllm.common.logging import get_logger
+from nanovllm.common.serving import MAX_MESSAGE_BYTES
 from nanovllm.router.limits import RETRY_AFTER_KEY
 from nanovllm.router.openai_protocol import (
     Choice,
@@ -144,10 +145,15 @@ class HttpApi:
         return await self._complete(request, chat=False)
 
     async def _complete(self, request: Request, chat: bool) -> Response:
+        data = await _read_body(request)
+        if data is None:
+            return error_response(413, f"the request body is over {MAX_MESSAGE_BYTES} bytes", "body")
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            body = json.loads(data)
+        except ValueError as exc:  # not JSON, not UTF-8, or an integer of more than 4,300 digits
             return error_response(400, f"the request body is not JSON: {exc}", "body")
+        except RecursionError:
+            return error_response(400, "the request body nests too deeply", "body")
         try:
             parsed = parse_request(body, chat)
         except ProtocolError as exc:
@@ -235,6 +241,20 @@ class HttpApi:
 
 
 _DONE = object()
+
+
+async def _read_body(request: Request) -> bytes | None:
+    """The body, or None past MAX_MESSAGE_BYTES (gRPC's message limit), read no further than that."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_MESSAGE_BYTES:
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_MESSAGE_BYTES:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _events(queue: asyncio.Queue, calls: int) -> AsyncIterator[tuple[int, Any]]:

@@ -14,11 +14,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from google.protobuf import struct_pb2
-
 from nanovllm.v1 import generate_pb2
 
 MAX_N = 8  # choices per request: each is a Generate call of its own, sharing the prompt's cached blocks
+INT32 = (-(2**31), 2**31 - 1)
+SEEDS = (-(2**63), 2**63 - MAX_N)  # int64, with room for the seed + i of each choice
+TOKEN_IDS = (0, 2**32 - 1)
 _FINISH = {
     generate_pb2.FINISH_REASON_STOP: "stop",
     generate_pb2.FINISH_REASON_LENGTH: "length",
@@ -36,6 +37,16 @@ class ProtocolError(ValueError):
         self.param = param
 
 
+_JSON_NAMES = {
+    dict: "an object",
+    list: "an array",
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "a boolean",
+}
+
+
 def _typed(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any = None) -> Any:
     value = body.get(name, default)
     if value is None:
@@ -44,9 +55,55 @@ def _typed(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], defa
     if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
         raise ProtocolError(name, f"{name} must be a number, got a boolean")
     if not isinstance(value, kinds):
-        expected = " or ".join(k.__name__ for k in (kinds if isinstance(kinds, tuple) else (kinds,)))
-        raise ProtocolError(name, f"{name} must be {expected}, got {type(value).__name__}")
+        expected = " or ".join(_JSON_NAMES[k] for k in (kinds if isinstance(kinds, tuple) else (kinds,)))
+        raise ProtocolError(name, f"{name} must be {expected}, got {_JSON_NAMES.get(type(value), 'null')}")
     return value
+
+
+def _shown(value: Any) -> str:
+    """A value for a message, cut short (an integer may have thousands of digits)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
+
+
+def _integer(
+    body: dict[str, Any], name: str, bounds: tuple[int, int] = INT32, default: int | None = None
+) -> int | None:
+    """An integer field within the range its protobuf field holds (or a tighter one)."""
+    value = _typed(body, name, int, default)
+    if value is not None and not bounds[0] <= value <= bounds[1]:
+        raise ProtocolError(name, f"{name} must be in [{bounds[0]}, {bounds[1]}], got {_shown(value)}")
+    return value
+
+
+def _number(body: dict[str, Any], name: str) -> float | None:
+    value = _typed(body, name, (int, float))
+    try:
+        return None if value is None else float(value)
+    except OverflowError:  # an integer past float's range
+        raise ProtocolError(name, f"{name} must be a finite number, got {_shown(value)}") from None
+
+
+def _check_unicode(body: dict[str, Any]) -> None:
+    """Refuse a string anywhere in the body that holds an unpaired surrogate: JSON's \\u escapes can
+    write one, Python's json reads it, and it is not Unicode (protobuf and the tokenizer cannot take it).
+    Iterative: the body may nest deeply."""
+    pending: list[tuple[str, Any]] = [("body", body)]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, dict):
+            pending.extend((f"{path}.{key}", item) for key, item in value.items())
+            pending.extend((path, key) for key in value)
+        elif isinstance(value, list):
+            pending.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            try:
+                value.encode()
+            except UnicodeEncodeError as exc:
+                param = path.removeprefix("body.") or "body"
+                raise ProtocolError(
+                    param, f"{param} holds an unpaired surrogate at character {exc.start}: not valid Unicode"
+                ) from None
 
 
 @dataclass(frozen=True)
@@ -74,19 +131,19 @@ def _sampling(body: dict[str, Any], chat: bool) -> tuple[generate_pb2.SamplingPa
         "min_p",
         "repetition_penalty",
     ):
-        value = _typed(body, name, (int, float))
+        value = _number(body, name)
         if value is not None:
-            setattr(sampling, name, float(value))
+            setattr(sampling, name, value)
     for name in ("top_k", "min_tokens"):
-        value = _typed(body, name, int)
+        value = _integer(body, name)
         if value is not None:
             setattr(sampling, name, value)
     sampling.ignore_eos = _typed(body, "ignore_eos", bool, False)
-    max_tokens = _typed(body, "max_completion_tokens", int) if chat else None
-    max_tokens = max_tokens if max_tokens is not None else _typed(body, "max_tokens", int)
+    max_tokens = _integer(body, "max_completion_tokens") if chat else None
+    max_tokens = max_tokens if max_tokens is not None else _integer(body, "max_tokens")
     if max_tokens is not None:
         sampling.max_tokens = max_tokens
-    seed = _typed(body, "seed", int)
+    seed = _integer(body, "seed", SEEDS)
     if seed is not None:
         sampling.seed = seed
     stop = _typed(body, "stop", (str, list))
@@ -97,9 +154,9 @@ def _sampling(body: dict[str, Any], chat: bool) -> tuple[generate_pb2.SamplingPa
     logprobs = None
     if chat:
         if _typed(body, "logprobs", bool, False):
-            logprobs = _typed(body, "top_logprobs", int, 0)
+            logprobs = _integer(body, "top_logprobs", default=0)
     else:
-        logprobs = _typed(body, "logprobs", int)
+        logprobs = _integer(body, "logprobs")
     if logprobs is not None:
         sampling.logprobs = logprobs
     _response_format(body, sampling)
@@ -150,10 +207,11 @@ def _chat(body: dict[str, Any]) -> generate_pb2.Chat:
                 raise ProtocolError(
                     f"messages[{i}].tool_calls[{j}]", f"messages[{i}].tool_calls[{j}] needs a function"
                 )
+            arguments = function.get("arguments", "{}")
             entry.tool_calls.add(
                 id=str(call.get("id", "")),
                 name=str(function.get("name", "")),
-                arguments=str(function.get("arguments", "{}")),
+                arguments=arguments if isinstance(arguments, str) else json.dumps(arguments),
             )
         if isinstance(message.get("tool_call_id"), str):
             entry.tool_call_id = message["tool_call_id"]
@@ -176,7 +234,8 @@ def _chat(body: dict[str, Any]) -> generate_pb2.Chat:
             raise ProtocolError("tool_choice", f"tool_choice {choice!r} is not auto, none or required")
         chat.tool_choice.mode = modes[choice]
     elif isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str):
             raise ProtocolError(
                 "tool_choice", "tool_choice must name a function: {'function': {'name': ...}}"
@@ -184,20 +243,20 @@ def _chat(body: dict[str, Any]) -> generate_pb2.Chat:
         chat.tool_choice.function = name
     kwargs = _typed(body, "chat_template_kwargs", dict)  # vLLM's extension: Qwen3's enable_thinking
     if kwargs:
-        chat.template_kwargs.CopyFrom(_struct(kwargs))
+        try:
+            chat.template_kwargs.update(kwargs)
+        except (ValueError, OverflowError) as exc:  # a number past a double's range
+            raise ProtocolError(
+                "chat_template_kwargs", f"chat_template_kwargs cannot be taken: {exc}"
+            ) from None
     return chat
-
-
-def _struct(values: dict[str, Any]) -> struct_pb2.Struct:
-    struct = struct_pb2.Struct()
-    struct.update(values)
-    return struct
 
 
 def parse_request(body: Any, chat: bool) -> OpenAIRequest:
     """The Generate requests for a /v1/chat/completions (chat) or /v1/completions body."""
     if not isinstance(body, dict):
         raise ProtocolError("body", "the request body must be a JSON object")
+    _check_unicode(body)
     sampling, logprobs = _sampling(body, chat)
     if chat:
         prompt = {"chat": _chat(body)}
@@ -205,6 +264,8 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
         text = _typed(body, "prompt", (str, list))
         if isinstance(text, list):
             if all(isinstance(t, int) and not isinstance(t, bool) for t in text) and text:
+                if not all(TOKEN_IDS[0] <= t <= TOKEN_IDS[1] for t in text):
+                    raise ProtocolError("prompt", f"prompt token ids must be in [0, {TOKEN_IDS[1]}]")
                 prompt = {"token_ids": generate_pb2.TokenIds(ids=text)}
             elif len(text) == 1 and isinstance(text[0], str):
                 prompt = {"text": text[0]}
@@ -214,9 +275,7 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
             raise ProtocolError("prompt", "prompt is required")
         else:
             prompt = {"text": text}
-    n = _typed(body, "n", int, 1)
-    if not 1 <= n <= MAX_N:
-        raise ProtocolError("n", f"n must be in [1, {MAX_N}], got {n}")
+    n = _integer(body, "n", (1, MAX_N), 1)
     requests = []
     for i in range(n):
         choice_sampling = generate_pb2.SamplingParams()

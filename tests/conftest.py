@@ -72,7 +72,7 @@ def service(qwen3_dir: Path, kernels, tmp_path_factory: pytest.TempPathFactory) 
     kernels fixture builds the C++ kernels first, so the worker process finds them compiled."""
     logs = tmp_path_factory.mktemp("service-logs")
     worker = start_worker(qwen3_dir, log_path=logs / "worker.log")
-    router = start_router([worker.address], log_path=logs / "router.log")
+    router = start_router([worker.address], "--http-port", "0", log_path=logs / "router.log")
     try:
         wait_serving(worker.address)
         wait_serving(router.address)

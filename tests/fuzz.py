@@ -4,13 +4,20 @@
 huge or empty lists, token ids outside the vocabulary, long ids and stop strings, unpaired surrogates
 stripped by protobuf, missing prompts; `raw_messages()` draws bytes that may not parse at all. Each case
 is one call whose outcome must be a clean one: a finished stream, or a status that blames the request.
-`Bystanders` keep valid greedy streams running meanwhile: no fuzz case may fail or change them.
+`http_bodies()` does the same for the router's OpenAI-compatible HTTP face: JSON bodies whose fields are
+valid or anything JSON can hold (wrong types, nesting, lone surrogates, NaN, integers past 64 bits), huge
+arrays, giant `n`, truncated JSON, invalid UTF-8 and random bytes; each must be answered with a 4xx or a
+clean completion, never a 5xx. `Bystanders` keep valid greedy streams running meanwhile: no fuzz case may
+fail or change them.
 
-tests/test_fuzz.py runs a few hundred cases in CI; bench/robustness.py runs thousands.
+tests/test_fuzz.py runs a few hundred gRPC cases and 1,000 HTTP bodies in CI; bench/robustness.py runs
+thousands.
 """
 
 from __future__ import annotations
 
+import http.client
+import json
 import threading
 from dataclasses import dataclass, field
 
@@ -151,6 +158,197 @@ def check(outcome: Outcome) -> None:
         raise AssertionError(f"{outcome.code.name}: {outcome.details}")
     if generate_pb2.FINISH_REASON_ERROR in outcome.finish_reasons:
         raise AssertionError(f"a stream ended in FINISH_REASON_ERROR: {outcome}")
+
+
+# --- the HTTP face ---------------------------------------------------------------------------------------
+
+LONE_SURROGATES = st.sampled_from(["\ud800", "a\udfff", "\udc00\ud800"])
+# Past each wire type's range (int32, int64, uint64, double), and JSON's odd corners.
+EDGES = st.sampled_from(
+    [-1, 2**31, -(2**31) - 1, 2**63, -(2**63) - 1, 2**64 + 1, 10**400, 1e308, -0.0, "", [], {}]
+)
+JSON_LEAVES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(),  # NaN and infinities too: Python's json writes and reads them
+    EDGES,
+    TEXT,
+    LONE_SURROGATES,
+)
+JSON_VALUES = st.recursive(
+    JSON_LEAVES,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(TEXT, inner, max_size=4)),
+    max_leaves=12,
+)
+HOSTILE = st.one_of(EDGES, LONE_SURROGATES, JSON_VALUES)
+MAX_HTTP_TOKENS = 6  # a valid body generates at most this many tokens per choice
+
+
+def _huge(item: object) -> st.SearchStrategy[list]:
+    return st.integers(1_000, 20_000).map(lambda k: [item] * k)
+
+
+def _valid_or_hostile(valid: st.SearchStrategy) -> st.SearchStrategy:
+    return st.one_of(valid, HOSTILE)
+
+
+def _small_length(value: object) -> bool:
+    """Not a length that would make a valid body generate for long (a hostile value must be refused)."""
+    return not (isinstance(value, int) and not isinstance(value, bool) and MAX_HTTP_TOKENS < value < 2**31)
+
+
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool"]), "content": TEXT}
+)
+TOOL = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": st.sampled_from(["f", "get_weather"]), "parameters": st.just({"type": "object"})}
+        ),
+    }
+)
+HTTP_FIELDS: dict[str, st.SearchStrategy] = {
+    "model": TEXT,
+    "temperature": st.sampled_from([0, 0.001, 0.5, 1, 2.0]),
+    "top_p": st.floats(0.01, 1.0),
+    "seed": st.integers(0, 2**31),
+    "stop": st.one_of(TEXT, st.lists(TEXT, max_size=4), _huge("x")),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "logprobs": st.one_of(st.booleans(), st.integers(0, 5)),
+    "top_logprobs": st.integers(0, 5),
+    "n": st.one_of(st.integers(1, 3), st.sampled_from([10**6, 2**63, 2**64 + 1])),
+    "user": TEXT,
+    "response_format": st.sampled_from(
+        [
+            {"type": "text"},
+            {"type": "json_object"},
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+            {"type": "json_schema", "json_schema": []},
+            {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}},
+        ]
+    ),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "tools": st.one_of(st.lists(TOOL, max_size=2), _huge({"type": "function", "function": {"name": "f"}})),
+    "tool_choice": st.sampled_from(
+        ["auto", "none", "required", {"type": "function", "function": {"name": "f"}}, {"function": "f"}]
+    ),
+    "top_k": st.integers(-1, 50),
+    "min_p": st.floats(0, 1),
+    "repetition_penalty": st.floats(0.5, 2),
+    "min_tokens": st.integers(0, 3),
+    "ignore_eos": st.booleans(),
+    "chat_template_kwargs": st.one_of(
+        st.fixed_dictionaries({"enable_thinking": st.booleans()}), st.just({"messages": []})
+    ),
+    "unknown_field": JSON_VALUES,
+}
+
+
+@st.composite
+def http_json(draw: st.DrawFn) -> tuple[str, object]:
+    """A path and a JSON value for it: mostly an object with a prompt and some fields, each valid or
+    hostile; the length fields are always set and never valid and long."""
+    chat = draw(st.booleans())
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    if draw(st.integers(0, 19)) == 0:
+        return path, draw(JSON_VALUES)  # not an object at all, most of the time
+    lengths = _valid_or_hostile(st.integers(1, MAX_HTTP_TOKENS)).filter(_small_length)
+    body: dict[str, object] = {"max_tokens": draw(lengths)}
+    if chat:
+        body["messages"] = draw(
+            st.one_of(
+                st.lists(MESSAGE, min_size=1, max_size=3),
+                JSON_VALUES,
+                _huge({"role": "user", "content": "hi"}),
+                st.lists(st.fixed_dictionaries({"role": JSON_VALUES, "content": JSON_VALUES}), max_size=2),
+            )
+        )
+        if draw(st.booleans()):
+            body["max_completion_tokens"] = draw(lengths)
+    else:
+        body["prompt"] = draw(
+            st.one_of(TEXT, st.lists(SMALL_IDS, min_size=1, max_size=20), JSON_VALUES, _huge(7), _huge("x"))
+        )
+    # Valid fields, then at most two hostile ones: a body whose first field is wrong never reaches the
+    # code that reads the others.
+    for name in draw(st.lists(st.sampled_from(sorted(HTTP_FIELDS)), max_size=6, unique=True)):
+        body[name] = draw(HTTP_FIELDS[name])
+    for name in draw(st.lists(st.sampled_from(sorted(HTTP_FIELDS)), max_size=2, unique=True)):
+        body[name] = draw(HOSTILE)
+    return path, body
+
+
+@st.composite
+def http_bodies(draw: st.DrawFn) -> tuple[str, bytes]:
+    """A path and the bytes POSTed to it: JSON as above (with NaN where a float is one), cut short,
+    broken by invalid UTF-8, or random bytes."""
+    path, value = draw(http_json())
+    text = json.dumps(value).encode()
+    kind = draw(st.sampled_from(["json", "json", "json", "truncated", "bad_utf8", "bytes", "deep", "huge"]))
+    if kind == "truncated":
+        text = text[: draw(st.integers(0, max(0, len(text) - 1)))]
+    elif kind == "bad_utf8":
+        at = draw(st.integers(0, len(text)))
+        text = text[:at] + draw(st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\x80"])) + text[at:]
+    elif kind == "bytes":
+        text = draw(st.binary(max_size=200))
+    elif kind == "deep":  # past Python's recursion limit
+        text = b'{"messages": ' + b"[" * draw(st.integers(1_000, 100_000))
+    elif kind == "huge":  # past the body limit (4 MiB)
+        text = b'{"prompt": "' + b"x" * draw(st.integers(4 * 2**20, 5 * 2**20)) + b'"}'
+
+    return path, text
+
+
+@dataclass
+class HttpOutcome:
+    status: int
+    detail: str  # the error message, or what was wrong with a 200
+
+
+def run_http(address: str, path: str, body: bytes) -> HttpOutcome:
+    """POST `body`; read a streamed answer up to MAX_RESPONSES events, then hang up (which cancels it)."""
+    host, port = address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=CALL_TIMEOUT_S)
+    try:
+        connection.request("POST", path, body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        if response.status != 200:
+            return HttpOutcome(response.status, response.read().decode(errors="replace")[:500])
+        if response.getheader("content-type", "").startswith("text/event-stream"):
+            return HttpOutcome(200, _read_events(response))
+        answer = json.loads(response.read())
+        return HttpOutcome(200, "" if answer.get("choices") else f"no choices in {answer}")
+    finally:
+        connection.close()
+
+
+def _read_events(response: http.client.HTTPResponse) -> str:
+    """'' for a clean stream (or one this reader left), else what was wrong."""
+    events = 0
+    for line in response:
+        if not line.startswith(b"data: "):
+            continue
+        data = line[len(b"data: ") :].strip()
+        if data == b"[DONE]":
+            return ""
+        chunk = json.loads(data)
+        if "error" in chunk:
+            return f"error event: {chunk}"
+        events += 1
+        if events >= MAX_RESPONSES:
+            return ""
+    return "the stream ended without [DONE]"
+
+
+def check_http(outcome: HttpOutcome) -> None:
+    """A 4xx that blames the body, or a clean answer; never a 5xx."""
+    if not (outcome.status == 200 and outcome.detail == "" or 400 <= outcome.status < 500):
+        raise AssertionError(f"HTTP {outcome.status}: {outcome.detail}")
 
 
 BYSTANDER_PROMPTS = [[5, 6, 7, 8], list(range(40, 70)), [100, 3, 100, 3]]

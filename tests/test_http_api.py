@@ -212,6 +212,12 @@ def test_protocol_errors_name_the_field() -> None:
         ({"messages": MESSAGES, "temperature": True}, "temperature"),
         ({"messages": MESSAGES, "tool_choice": "always"}, "tool_choice"),
         ({"messages": MESSAGES, "response_format": {"type": "yaml"}}, "response_format"),
+        ({"messages": MESSAGES, "top_k": 2**31}, "top_k"),  # past int32, the wire type
+        ({"messages": MESSAGES, "seed": 2**63}, "seed"),
+        ({"messages": MESSAGES, "temperature": 10**400}, "temperature"),  # past a double
+        ({"messages": [{"role": "user", "content": "a\ud800"}]}, "messages[0].content"),
+        ({"messages": MESSAGES, "tool_choice": {"function": "f"}}, "tool_choice"),
+        ({"messages": MESSAGES, "chat_template_kwargs": {"x": 10**400}}, "chat_template_kwargs"),
     ]:
         with pytest.raises(ProtocolError) as caught:
             parse_request(body, chat=True)
