@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +196,17 @@ class Access:
         self.table = table
         self.limits = limits
         self._on_reject = on_reject
+
+    def identify(self, metadata: Sequence[tuple[str, str]]) -> str:
+        """The caller's token name from its metadata, or AuthError (counted) for no token or an unknown
+        one; for the HTTP face, whose calls pass no interceptor."""
+        if self.table is None:
+            return ANONYMOUS
+        try:
+            return self.table.identify(metadata)
+        except AuthError as exc:
+            self._on_reject(exc.code.name.lower())
+            raise
 
     def name(self, context: grpc.aio.ServicerContext) -> str:
         """The caller's token name (the interceptor already refused calls without a valid token)."""

@@ -26,6 +26,7 @@ from starlette.routing import Route
 
 from nanovllm.common.logging import get_logger
 from nanovllm.common.serving import MAX_MESSAGE_BYTES
+from nanovllm.router.auth import Access, AuthError
 from nanovllm.router.limits import RETRY_AFTER_KEY
 from nanovllm.router.openai_protocol import (
     Choice,
@@ -44,6 +45,7 @@ class Service(Protocol):
     """What the HTTP face needs of router/server.py's GenerationService."""
 
     pool: WorkerPool
+    access: Access
     draining: bool
 
     async def generate(self, request: generate_pb2.GenerateRequest, context: Any, api: str) -> None: ...
@@ -76,7 +78,7 @@ class CallContext:
     request: responses go into `queue` as (index, response); abort raises CallAborted."""
 
     def __init__(self, authorization: str | None, index: int, queue: asyncio.Queue) -> None:
-        self._metadata = (("authorization", authorization),) if authorization else ()
+        self._metadata = _metadata(authorization)
         self._index, self._queue = index, queue
         self._retry_after: str | None = None
 
@@ -91,6 +93,11 @@ class CallContext:
 
     async def abort(self, code: grpc.StatusCode, message: str) -> None:
         raise CallAborted(code, message, self._retry_after)
+
+
+def _metadata(authorization: str | None) -> tuple[tuple[str, str], ...]:
+    """An HTTP Authorization header as the gRPC metadata the router's auth reads."""
+    return (("authorization", authorization),) if authorization else ()
 
 
 def error_response(
@@ -127,6 +134,10 @@ class HttpApi:
         )
 
     async def models(self, request: Request) -> Response:
+        try:  # a token, as gRPC's GetModelInfo needs one (health stays open for probes)
+            self.service.access.identify(_metadata(request.headers.get("authorization")))
+        except AuthError as exc:
+            return error_response(_HTTP_STATUS[exc.code], str(exc))
         info = self.service.pool.info
         if info is None:
             return error_response(503, "no worker has been reachable yet")

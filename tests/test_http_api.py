@@ -225,7 +225,8 @@ def test_protocol_errors_name_the_field() -> None:
 
 
 def test_tokens_are_checked_as_on_grpc(kernels, tmp_path) -> None:
-    """The router's tokens file guards the HTTP face too: no token 401, an unknown one 403."""
+    """The router's tokens file guards the HTTP face too (completions and /v1/models): no token 401, an
+    unknown one 403."""
     tokens = tmp_path / "tokens"
     tokens.write_text("alice:alice-0123456789abcdef\n")
     router = start_router(
@@ -247,6 +248,8 @@ def test_tokens_are_checked_as_on_grpc(kernels, tmp_path) -> None:
                 client = client.with_options(default_headers={"Authorization": ""})
             with pytest.raises(error):
                 client.chat.completions.create(model="m", messages=MESSAGES)
+            with pytest.raises(error):
+                client.models.list()
         alice = openai.OpenAI(base_url=base, api_key="alice-0123456789abcdef", max_retries=0)
         with pytest.raises(openai.InternalServerError) as caught:  # let in, and then: no worker
             alice.chat.completions.create(model="m", messages=MESSAGES)
