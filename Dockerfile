@@ -87,6 +87,6 @@ RUN if [ "${PRECOMPILE_CPU_KERNELS}" = "1" ]; then \
  && python -c "from nanovllm.worker.gguf import embedded_model_path, prepare_gguf; print(prepare_gguf(embedded_model_path()))"
 
 # 50051: router gRPC, 50061: worker gRPC, 9090 / 9091: router / worker Prometheus metrics.
-EXPOSE 50051 50061 9090 9091
+EXPOSE 50051 50061 8000 9090 9091
 ENTRYPOINT ["nanovllm"]
 CMD ["worker"]

