@@ -136,7 +136,7 @@ def run_serve(options: dict[str, Any]) -> int:
                 flush=True,
             )
             if router.http_address:
-                body = '{"messages": [{"role": "user", "content": "What is the capital of France?"}], "stream": true}'
+                body = '{"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0, "stream": true}'
                 print(
                     f"or:  curl -N http://{router.http_address}/v1/chat/completions "
                     f"-H 'Content-Type: application/json' -d '{body}'",

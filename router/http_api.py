@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import ssl
 from collections.abc import AsyncIterator
@@ -169,6 +170,8 @@ class HttpApi:
             parsed = parse_request(body, chat)
         except ProtocolError as exc:
             return error_response(400, str(exc), exc.param)
+        if not parsed.model and self.service.pool.info is not None:  # answers name the model served
+            parsed = dataclasses.replace(parsed, model=self.service.pool.info.model)
         queue: asyncio.Queue = asyncio.Queue(maxsize=2 * len(parsed.generate))
         authorization = request.headers.get("authorization")
         tasks = [

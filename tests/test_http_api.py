@@ -150,6 +150,10 @@ def test_models_and_health(http: Http) -> None:
     models = http.client.models.list()
     assert [m.id for m in models.data] and models.data[0].object == "model"
     assert raw(http, "/health") == (200, {"status": "serving"})
+    # An answer names the model it was asked for, or the one served when the body names none.
+    body = {"prompt": "hi", "max_tokens": 1}
+    assert raw(http, "/v1/completions", json.dumps(body).encode())[1]["model"] == models.data[0].id
+    assert raw(http, "/v1/completions", json.dumps({**body, "model": "x"}).encode())[1]["model"] == "x"
 
 
 def test_bad_requests_are_400_in_openais_shape(http: Http) -> None:
