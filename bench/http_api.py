@@ -99,16 +99,19 @@ async def ttft_p50(face: str, router, workload: list[list[int]]) -> float:
     return statistics.median(firsts)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def parse_arguments(doc: str) -> argparse.Namespace:
+    """The workload's flags, shared with bench/tracing.py."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a model directory or GGUF (default: the embedded SmolLM2)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--ttft-calls", type=int, default=50)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_arguments(__doc__)
     model = args.model or str(embedded_model_path())
     worker = spawn(["worker", "--model", model, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"])
     router = spawn(

@@ -21,6 +21,26 @@ HEALTH_PORT_HELP = (
 )
 
 
+@dataclass(frozen=True)
+class TracingConfig:
+    """OpenTelemetry traces (common/tracing.py): off unless an OTLP endpoint is set here or in the standard
+    OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT variables."""
+
+    otlp_traces_endpoint: str | None = option(
+        None,
+        help="send OpenTelemetry traces to this OTLP/gRPC collector, e.g. http://otel-collector:4317 (https:// "
+        "for TLS); unset: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing",
+    )
+    trace_sample_ratio: float = option(
+        1.0,
+        help="share of new traces recorded, in [0, 1]; a caller's traceparent decides for its own trace",
+    )
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.trace_sample_ratio <= 1.0:  # NaN fails too
+            raise ConfigError(f"--trace-sample-ratio must be in [0, 1], got {self.trace_sample_ratio}")
+
+
 @dataclass
 class WorkerServerConfig:
     host: str = option("0.0.0.0", help="address to listen on")
@@ -40,6 +60,7 @@ class WorkerServerConfig:
         None, help="PEM CA bundle: routers must present a certificate it signed (required with TLS)"
     )
     health_port: int | None = option(None, help=HEALTH_PORT_HELP)
+    tracing: TracingConfig = TracingConfig()
 
     @property
     def tls(self) -> TlsFiles:
@@ -138,6 +159,7 @@ class RouterConfig:
     shutdown_grace_s: float = 1.0
     limits: RequestLimits = RequestLimits()
     routing: RoutingConfig = RoutingConfig()
+    tracing: TracingConfig = TracingConfig()
 
     http_port: int | None = option(
         None,

@@ -16,7 +16,13 @@ from nanovllm.cli import COMMANDS
 from nanovllm.client import ClientOptions
 from nanovllm.common.config import EngineConfig
 from nanovllm.common.logging import LogConfig
-from nanovllm.common.server_config import RequestLimits, RouterConfig, RoutingConfig, WorkerServerConfig
+from nanovllm.common.server_config import (
+    RequestLimits,
+    RouterConfig,
+    RoutingConfig,
+    TracingConfig,
+    WorkerServerConfig,
+)
 from nanovllm.flags import Flag, flags_of
 
 DOC = Path(__file__).with_name("configuration.md")
@@ -27,6 +33,7 @@ SECTIONS = [  # title, the dataclass whose option fields are the flags
     ("Router (`RouterConfig`)", RouterConfig),
     ("Request limits (`RequestLimits`)", RequestLimits),
     ("Routing (`RoutingConfig`)", RoutingConfig),
+    ("Tracing (`TracingConfig`)", TracingConfig),
     ("Logging (`LogConfig`)", LogConfig),
     ("Client (`ClientOptions`)", ClientOptions),
 ]

@@ -26,7 +26,13 @@ from nanovllm.client import ClientOptions, run_client
 from nanovllm.common.config import EngineConfig
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import LogConfig
-from nanovllm.common.server_config import RequestLimits, RouterConfig, RoutingConfig, WorkerServerConfig
+from nanovllm.common.server_config import (
+    RequestLimits,
+    RouterConfig,
+    RoutingConfig,
+    TracingConfig,
+    WorkerServerConfig,
+)
 from nanovllm.flags import build, flags_of, resolve_all
 from nanovllm.processes import LISTENING, spawn, wait_until_serving
 
@@ -34,8 +40,14 @@ LOG_FLAGS = flags_of(LogConfig)
 ENGINE_FLAGS = flags_of(EngineConfig)
 # What `serve` forwards to its worker: the engine and its queue (the worker listens on a free local port).
 SERVE_WORKER_FLAGS = [*ENGINE_FLAGS, *flags_of(WorkerServerConfig, only=["max_queued_requests"])]
-WORKER_FLAGS = [*flags_of(WorkerServerConfig), *ENGINE_FLAGS, *LOG_FLAGS]
-ROUTER_FLAGS = [*flags_of(RouterConfig), *flags_of(RequestLimits), *flags_of(RoutingConfig), *LOG_FLAGS]
+WORKER_FLAGS = [*flags_of(WorkerServerConfig), *flags_of(TracingConfig), *ENGINE_FLAGS, *LOG_FLAGS]
+ROUTER_FLAGS = [
+    *flags_of(RouterConfig),
+    *flags_of(RequestLimits),
+    *flags_of(RoutingConfig),
+    *flags_of(TracingConfig),
+    *LOG_FLAGS,
+]
 SERVE_FLAGS = [
     *flags_of(
         RouterConfig, only=["host", "port", "http_port"], defaults={"host": "127.0.0.1", "http_port": 8000}
@@ -86,7 +98,8 @@ def run_worker(options: dict[str, Any]) -> int:
         gguf_file=gguf_file,
         speculative_model=draft and resolve_model(draft)[0],
     )
-    return _run_server("worker", serve_worker, engine, build(WorkerServerConfig, options))
+    server = build(WorkerServerConfig, options, tracing=build(TracingConfig, options))
+    return _run_server("worker", serve_worker, engine, server)
 
 
 def run_router(options: dict[str, Any]) -> int:
@@ -94,7 +107,11 @@ def run_router(options: dict[str, Any]) -> int:
 
     build(LogConfig, options).apply()
     config = build(
-        RouterConfig, options, limits=build(RequestLimits, options), routing=build(RoutingConfig, options)
+        RouterConfig,
+        options,
+        limits=build(RequestLimits, options),
+        routing=build(RoutingConfig, options),
+        tracing=build(TracingConfig, options),
     )
     return _run_server("router", serve_router, config)
 
@@ -186,13 +203,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "worker":
-        return run_worker(resolve_all(WORKER_FLAGS, args))
-    if args.command == "router":
-        return run_router(resolve_all(ROUTER_FLAGS, args))
-    if args.command == "serve":
-        return run_serve(resolve_all(SERVE_FLAGS, args))
-    return run_client(resolve_all(CLIENT_FLAGS, args), args.prompt)
+    try:
+        if args.command == "worker":
+            return run_worker(resolve_all(WORKER_FLAGS, args))
+        if args.command == "router":
+            return run_router(resolve_all(ROUTER_FLAGS, args))
+        if args.command == "serve":
+            return run_serve(resolve_all(SERVE_FLAGS, args))
+        return run_client(resolve_all(CLIENT_FLAGS, args), args.prompt)
+    except ConfigError as exc:  # a setting out of range: one line naming it, not a traceback
+        raise SystemExit(f"nanovllm {args.command}: {exc}") from exc
 
 
 if __name__ == "__main__":

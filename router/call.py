@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 import grpc
+from opentelemetry.trace import Tracer
 
 from nanovllm.common.logging import get_logger
 from nanovllm.common.server_config import RouterConfig
+from nanovllm.router.call_spans import call_spans
 from nanovllm.router.completion import CompletionText
 from nanovllm.router.limits import Lease
 from nanovllm.router.metrics import RouterMetrics
@@ -114,8 +116,10 @@ class GenerateCall:
         config: RouterConfig,
         off_loop: OffLoop,
         api: str,
+        tracer: Tracer | None,
     ) -> None:
-        """`api`: the face the call came through, grpc or http, for its metrics and log line."""
+        """`api`: the face the call came through, grpc or http, for its metrics, log line and span;
+        `tracer`: None when tracing is off."""
         self.request = request
         self.context = context
         self.lease = lease
@@ -124,10 +128,41 @@ class GenerateCall:
         self.config = config
         self.off_loop = off_loop
         self.api = api
+        self.spans = call_spans(tracer, context.invocation_metadata(), api)
+        self.refusal = "client_cancelled"  # the outcome if the call ends before its trace starts
+        self.trace: RequestTrace | None = None
         self.generated: list[int] = []
         self.worker_running = True  # until the worker reports the request ended there
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            self._end_spans()
+
+    def _end_spans(self) -> None:
+        trace = self.trace
+        if trace is None:
+            self.spans.end(self.refusal, {})
+            return
+        attributes = {
+            "nanovllm.request_id": self.request_id[:64],
+            "nanovllm.prompt_tokens": trace.prompt_tokens,
+            "nanovllm.completion_tokens": trace.num_tokens,
+            "nanovllm.cached_tokens": trace.cached_tokens,
+            "nanovllm.attempts": trace.attempts,
+            "nanovllm.resumes": trace.resumes,
+            "nanovllm.worker": trace.worker,
+        }
+        if trace.first_token_s is not None:
+            attributes["nanovllm.ttft_s"] = round(trace.first_token_s, 6)
+        self.spans.end(trace.outcome, attributes)
+
+    async def _refuse(self, code: grpc.StatusCode, message: str) -> NoReturn:
+        self.refusal = code.name.lower()
+        await reject(self.context, self.metrics, self.api, code, message)
+
+    async def _run(self) -> None:
         self.valid, tokenizer = await self.admit()
         request = self.request
         self.request_id = request.request_id or uuid.uuid4().hex
@@ -137,9 +172,8 @@ class GenerateCall:
         self.trace = RequestTrace(self.metrics, self.request_id, prompt_len, self.lease, self.api, content)
         decision = self.pool.pick(self.valid.prompt_token_ids)
         if decision is None:
-            message = f"no worker is reachable ({self.pool.addresses})"
-            await reject(self.context, self.metrics, self.api, grpc.StatusCode.UNAVAILABLE, message)
-        self.attempt = self.submit(decision, frozenset())
+            await self._refuse(grpc.StatusCode.UNAVAILABLE, f"no worker is reachable ({self.pool.addresses})")
+        self.attempt = self.submit(decision, frozenset(), "first")
         self.completion = self._completion_text(tokenizer)
         # Without a tokenizer, token ids are all there is.
         self.with_ids = request.return_token_ids or tokenizer is None
@@ -188,19 +222,21 @@ class GenerateCall:
         blames it."""
         pool = self.pool
         if pool.info is None:
-            await reject(
-                self.context, self.metrics, self.api, grpc.StatusCode.UNAVAILABLE, never_reached(pool)
-            )
+            await self._refuse(grpc.StatusCode.UNAVAILABLE, never_reached(pool))
         tokenizer, info = pool.tokenizer, pool.info
+        span = self.spans.child("nanovllm.router.validate")
         try:
             check_request(self.request, tokenizer, info, self.config.limits)
             valid = await self.off_loop(validate_generate, self.request, tokenizer, info, self._formats())
+            span.set_attribute("nanovllm.prompt_tokens", len(valid.prompt_token_ids))
             return valid, tokenizer
         except NoTokenizerError as exc:
             code, message = grpc.StatusCode.FAILED_PRECONDITION, str(exc)
         except ValueError as exc:
             code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-        await reject(self.context, self.metrics, self.api, code, message)
+        finally:
+            span.end()
+        await self._refuse(code, message)
 
     async def _stream(self) -> None:
         """Relay the worker's updates as responses until the last one, moving to another worker when the
@@ -246,9 +282,11 @@ class GenerateCall:
             trace.cached_tokens,
         )
 
-    def submit(self, decision: Decision, tried: frozenset[str]) -> Attempt:
-        """Send the request, with the tokens generated so far, to the worker `decision` chose."""
+    def submit(self, decision: Decision, tried: frozenset[str], kind: str) -> Attempt:
+        """Send the request, with the tokens generated so far, to the worker `decision` chose; `kind`:
+        first, retry or resume (its span's attribute)."""
         worker = decision.worker
+        carrier = self.spans.routed(worker.address, decision.expected_hit_tokens, decision.candidates, kind)
         self.trace.on_worker(worker.address, decision.expected_hit_tokens)
         log.debug(
             "request_routed",
@@ -268,6 +306,7 @@ class GenerateCall:
             self.request_id,
             self.generated,
             decision.block_hashes,
+            carrier,
         )
         return Attempt(worker, wire_id, events, tried | {worker.address})
 
@@ -349,7 +388,8 @@ class GenerateCall:
         if decision is None:
             return False
         failed.worker.release(failed.wire_id, abort=False)  # it ended there already
-        self.attempt = self.submit(decision, failed.tried)
+        self.spans.moved(reason, resume=bool(generated), tokens_so_far=len(generated))
+        self.attempt = self.submit(decision, failed.tried, "resume" if generated else "retry")
         trace.resumes += bool(generated)
         counter.labels(reason=reason).inc()
         log.info(

@@ -27,6 +27,7 @@ from starlette.routing import Route
 
 from nanovllm.common.logging import get_logger
 from nanovllm.common.serving import MAX_MESSAGE_BYTES
+from nanovllm.common.tracing import CARRIER_KEYS
 from nanovllm.router.auth import Access, AuthError
 from nanovllm.router.limits import RETRY_AFTER_KEY
 from nanovllm.router.openai_protocol import (
@@ -78,8 +79,8 @@ class CallContext:
     """The part of grpc.aio.ServicerContext that a Generate call uses, for choice `index` of an HTTP
     request: responses go into `queue` as (index, response); abort raises CallAborted."""
 
-    def __init__(self, authorization: str | None, index: int, queue: asyncio.Queue) -> None:
-        self._metadata = _metadata(authorization)
+    def __init__(self, metadata: tuple[tuple[str, str], ...], index: int, queue: asyncio.Queue) -> None:
+        self._metadata = metadata
         self._index, self._queue = index, queue
         self._retry_after: str | None = None
 
@@ -96,9 +97,12 @@ class CallContext:
         raise CallAborted(code, message, self._retry_after)
 
 
-def _metadata(authorization: str | None) -> tuple[tuple[str, str], ...]:
-    """An HTTP Authorization header as the gRPC metadata the router's auth reads."""
-    return (("authorization", authorization),) if authorization else ()
+_FORWARDED_HEADERS = ("authorization", *CARRIER_KEYS)  # auth, and a caller's W3C trace context
+
+
+def _metadata(request: Request) -> tuple[tuple[str, str], ...]:
+    """The request's headers that a gRPC call would carry as metadata: its token and trace context."""
+    return tuple((name, request.headers[name]) for name in _FORWARDED_HEADERS if name in request.headers)
 
 
 def error_response(
@@ -136,7 +140,7 @@ class HttpApi:
 
     async def models(self, request: Request) -> Response:
         try:  # a token, as gRPC's GetModelInfo needs one (health stays open for probes)
-            self.service.access.identify(_metadata(request.headers.get("authorization")))
+            self.service.access.identify(_metadata(request))
         except AuthError as exc:
             return error_response(_HTTP_STATUS[exc.code], str(exc))
         info = self.service.pool.info
@@ -173,9 +177,9 @@ class HttpApi:
         if not parsed.model and self.service.pool.info is not None:  # answers name the model served
             parsed = dataclasses.replace(parsed, model=self.service.pool.info.model)
         queue: asyncio.Queue = asyncio.Queue(maxsize=2 * len(parsed.generate))
-        authorization = request.headers.get("authorization")
+        metadata = _metadata(request)
         tasks = [
-            asyncio.create_task(self._run(r, CallContext(authorization, i, queue), i, queue))
+            asyncio.create_task(self._run(r, CallContext(metadata, i, queue), i, queue))
             for i, r in enumerate(parsed.generate)
         ]
         events = _events(queue, len(tasks))

@@ -8,11 +8,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
+from opentelemetry.trace import Tracer
 
 from nanovllm.common.logging import get_logger
 from nanovllm.common.server_config import RouterConfig
 from nanovllm.common.serving import GrpcServer
 from nanovllm.common.tls import ReloadingSslContext, server_credentials
+from nanovllm.common.tracing import start_tracing
 from nanovllm.common.wire import fields_to_message
 from nanovllm.router.auth import Access, AuthInterceptor, TokenTable
 from nanovllm.router.call import GenerateCall, never_reached, reject
@@ -32,9 +34,16 @@ T = TypeVar("T")
 
 class GenerationService(generate_pb2_grpc.GenerationServicer):
     def __init__(
-        self, pool: WorkerPool, metrics: RouterMetrics, config: RouterConfig, access: Access
+        self,
+        pool: WorkerPool,
+        metrics: RouterMetrics,
+        config: RouterConfig,
+        access: Access,
+        tracer: Tracer | None = None,
     ) -> None:
+        """`tracer`: the calls' spans go there (None: tracing is off)."""
         self.pool = pool
+        self.tracer = tracer
         self.metrics = metrics
         self.config = config
         self.access = access  # who calls (auth) and whether their limits allow another stream
@@ -79,7 +88,15 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         self.idle.clear()
         try:
             call = GenerateCall(
-                request, context, lease, self.pool, self.metrics, self.config, self._off_loop, api
+                request,
+                context,
+                lease,
+                self.pool,
+                self.metrics,
+                self.config,
+                self._off_loop,
+                api,
+                self.tracer,
             )
             await call.run()
         finally:
@@ -160,7 +177,8 @@ async def serve_router(
 
     pool = _worker_pool(config, on_change)
     metrics.watch_workers(lambda: pool.workers)
-    service = GenerationService(pool, metrics, config, access)
+    tracing = start_tracing(config.tracing, "nanovllm-router")
+    service = GenerationService(pool, metrics, config, access, tracing and tracing.tracer)
     generate_pb2_grpc.add_GenerationServicer_to_server(service, server.server)
     http = None
     announce = on_listening
@@ -198,4 +216,6 @@ async def serve_router(
     await server.stop(config.shutdown_grace_s)
     await pool.close()
     service.close()
+    if tracing is not None:
+        await asyncio.to_thread(tracing.shutdown)  # sends the spans not yet sent
     await preloading

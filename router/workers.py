@@ -139,10 +139,12 @@ class WorkerConnection:
         client_request_id: str = "",
         output_token_ids: list[int] | None = None,
         block_hashes: Sequence[int] = (),
+        trace_context: dict[str, str] | None = None,
     ) -> asyncio.Queue[RequestEvent]:
         """Send a request; its updates (and a WorkerLost if the worker goes away) arrive on the queue.
         `output_token_ids` resumes a stream with the tokens another worker generated for it;
-        `block_hashes` are its prompt's blocks (common/block_hash.py), counted as cached there meanwhile."""
+        `block_hashes` are its prompt's blocks (common/block_hash.py), counted as cached there meanwhile;
+        `trace_context` is the W3C carrier the worker's span continues (common/tracing.py)."""
         events: asyncio.Queue[RequestEvent] = asyncio.Queue()
         if not self.connected:
             events.put_nowait(WorkerLost(self.address, "the worker is not connected"))
@@ -158,6 +160,7 @@ class WorkerConnection:
             priority=priority,
             client_request_id=client_request_id,
             output_token_ids=output_token_ids or (),
+            trace_context=trace_context or {},
         )
         self._outbound.put_nowait(worker_pb2.RouterMessage(submit=submit))
         return events

@@ -290,6 +290,9 @@ def test_the_longest_release_name_gives_valid_names(chart: helm_python.Chart) ->
             "router": {"config": {"NANOVLLM_WORKER": "elsewhere:1"}}
         },  # the chart sets it (the worker Service's name)
         {"worker": {"cache": {"sizeLimit": "lots"}}},
+        {"tracing": {"sampleRatio": 1.5}},
+        {"tracing": {"otlpEndpoint": "otel:4317"}},  # no scheme: the exporter needs http:// or https://
+        {"router": {"config": {"NANOVLLM_TRACE_SAMPLE_RATIO": "0.5"}}},  # set by the chart from tracing
     ],
 )
 def test_the_schema_rejects_bad_values(chart: helm_python.Chart, bad: dict[str, Any]) -> None:
@@ -595,6 +598,18 @@ def test_the_http_port_is_served_exposed_and_can_be_turned_off(chart: helm_pytho
     assert "NANOVLLM_HTTP_PORT" not in config(off, "router")
     assert "http" not in {p["name"] for p in container(off, "router")["ports"]}
     assert "http" not in {p["name"] for p in one(off, "Service", "router")["spec"]["ports"]}
+
+
+def test_tracing_reaches_routers_and_workers_when_given_an_endpoint(chart: helm_python.Chart) -> None:
+    assert not any(
+        "NANOVLLM_OTLP_TRACES_ENDPOINT" in config(rendered("cpu-default"), c) for c in ("router", "worker")
+    )
+    values = {"tracing": {"otlpEndpoint": "http://otel-collector.observability:4317", "sampleRatio": 0.25}}
+    objects = render(chart, values)
+    for component in ("router", "worker"):
+        data = config(objects, component)
+        assert data["NANOVLLM_OTLP_TRACES_ENDPOINT"] == "http://otel-collector.observability:4317"
+        assert data["NANOVLLM_TRACE_SAMPLE_RATIO"] == "0.25"
 
 
 def test_service_monitors_scrape_both_metrics_ports() -> None:

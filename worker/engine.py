@@ -21,7 +21,7 @@ from nanovllm.worker.block_manager import BlockManager
 from nanovllm.worker.model_runner import ModelRunner
 from nanovllm.worker.sampler import SamplerOutput, SamplingRow, TokenLogprobs
 from nanovllm.worker.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
-from nanovllm.worker.sequence import FinishReason, Sequence, SequenceStatus
+from nanovllm.worker.sequence import FinishReason, RequestTimeline, Sequence, SequenceStatus
 from nanovllm.worker.speculation import propose_ngram
 from nanovllm.worker.structured_output import Grammar, GrammarCompiler, MaskFiller
 
@@ -46,6 +46,7 @@ class RequestOutput:
     num_output_tokens: int = 0  # generated so far, these included
     # A request refused after it was queued (its constraint did not compile): its only output, terminal.
     error: str | None = None
+    timeline: RequestTimeline | None = None  # on a finished request's last output
 
     @property
     def finished(self) -> bool:
@@ -297,6 +298,7 @@ class LLMEngine:
         that proposal cannot equal it."""
         entries, offsets, offset = [], [], 0
         for item in sched.scheduled:
+            item.seq.timeline.on_step(sampled=item.samples)
             if not item.samples:
                 continue
             grammar = item.seq.grammar
@@ -392,4 +394,5 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=seq.num_output_tokens,
+            timeline=seq.timeline if seq.finish_reason is not None else None,
         )

@@ -22,12 +22,15 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from opentelemetry.trace import Tracer
+
 from nanovllm.common.config import EngineConfig
 from nanovllm.common.errors import EngineDeadError
 from nanovllm.common.logging import get_logger
 from nanovllm.common.wire import fields_to_message, sampling_from_wire
 from nanovllm.worker.engine import EngineLoad, LLMEngine, RequestOutput
 from nanovllm.worker.metrics import WorkerMetrics
+from nanovllm.worker.request_span import record_request_span
 from nanovllm.worker.v1 import worker_pb2
 
 log = get_logger(__name__)
@@ -53,6 +56,8 @@ class InFlight:
     connection: Connection
     wire_id: str  # the router's id for it on this connection
     client_id: str  # the id its client chose (or its router assigned), for the logs
+    trace_context: dict[str, str] = field(default_factory=dict)  # the router's span (W3C carrier)
+    resumed_tokens: int = 0  # tokens it brought from a worker that failed mid-stream
 
     @property
     def engine_id(self) -> str:
@@ -61,8 +66,16 @@ class InFlight:
 
 
 class EngineLoop:
-    def __init__(self, config: EngineConfig, max_queued_requests: int, metrics: WorkerMetrics) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        max_queued_requests: int,
+        metrics: WorkerMetrics,
+        tracer: Tracer | None = None,
+    ) -> None:
+        """`tracer`: where the spans of requests that came with a trace context go (None: tracing off)."""
         self.config = config
+        self.tracer = tracer
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics
         self._draining = False
@@ -226,7 +239,13 @@ class EngineLoop:
                 f"{self.max_queued_requests}",
             )
             return
-        request = InFlight(conn, submit.request_id, submit.client_request_id)
+        request = InFlight(
+            conn,
+            submit.request_id,
+            submit.client_request_id,
+            dict(submit.trace_context),
+            len(submit.output_token_ids),
+        )
         try:
             params = sampling_from_wire(submit.sampling)
             self.engine.add_request(
@@ -299,6 +318,8 @@ class EngineLoop:
             request = self._in_flight.get(out.request_id)  # the engine's request id is our engine id
             if request is None:  # its connection closed; nobody is listening
                 continue
+            if out.finished:
+                self._record_span(request, out)
             if out.error is not None:  # refused after it was queued (its constraint did not compile)
                 self._forget(request)
                 self._fail(
@@ -318,6 +339,12 @@ class EngineLoop:
                 )
         for conn, updates in by_conn.items():
             conn.deliver(worker_pb2.StepOutputs(updates=updates))
+
+    def _record_span(self, request: InFlight, out: RequestOutput) -> None:
+        if self.tracer is not None and request.trace_context:
+            record_request_span(
+                self.tracer, request.trace_context, request.client_id, request.resumed_tokens, out
+            )
 
     def _fail(self, conn: Connection, wire_id: str, code: int, message: str) -> None:
         update = worker_pb2.RequestUpdate(request_id=wire_id, error_code=code, error_message=message)

@@ -15,6 +15,7 @@ applies the results.
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from nanovllm.worker.block_manager import BlockManager
@@ -116,6 +117,7 @@ class Scheduler:
             if not seq.admitted:
                 seq.num_cached_tokens = num_cached
                 seq.admitted = True
+                seq.timeline.scheduled_ns = time.time_ns()
             seq.transition(SequenceStatus.RUNNING)
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
             (decodes if num_new == 1 else prefills).append(ScheduledSequence(seq, num_cached, num_new))
@@ -135,6 +137,7 @@ class Scheduler:
         self.running.remove(seq)
         seq.transition(SequenceStatus.WAITING)
         self.num_preemptions += 1
+        seq.timeline.preemptions += 1
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from nanovllm.common.errors import InvalidStateTransition
@@ -41,6 +42,30 @@ _ALLOWED = {
 }
 
 
+@dataclass
+class RequestTimeline:
+    """What a request went through in this engine, for its trace span (worker/request_span.py). Times are
+    time.time_ns() (0: not yet). A step that computed some of its tokens without sampling is a prefill
+    chunk (or a recomputation after a preemption); one that sampled is a decode step, except the first,
+    which ends the prefill and counts as its last chunk."""
+
+    arrival_ns: int = field(default_factory=time.time_ns)
+    scheduled_ns: int = 0  # first admitted to the running batch
+    first_token_ns: int = 0
+    prefill_chunks: int = 0
+    decode_steps: int = 0
+    preemptions: int = 0
+
+    def on_step(self, sampled: bool) -> None:
+        if not sampled:
+            self.prefill_chunks += 1
+        elif self.first_token_ns:
+            self.decode_steps += 1
+        else:
+            self.first_token_ns = time.time_ns()
+            self.prefill_chunks += 1
+
+
 @dataclass(eq=False)
 class Sequence:
     """One request. `num_computed_tokens` counts tokens whose KV is in the cache (so a prefix-cache hit
@@ -64,6 +89,7 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0  # tokens whose KV the draft model holds (worker/draft.py)
     grammar: Grammar | None = None  # structured output: where the request is in its constraint
+    timeline: RequestTimeline = field(default_factory=RequestTimeline)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

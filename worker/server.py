@@ -13,6 +13,7 @@ from nanovllm.common.logging import get_logger
 from nanovllm.common.server_config import WorkerServerConfig
 from nanovllm.common.serving import GrpcServer
 from nanovllm.common.tls import server_credentials
+from nanovllm.common.tracing import start_tracing
 from nanovllm.worker.device import Placement
 from nanovllm.worker.engine_loop import EngineLoop
 from nanovllm.worker.metrics import WorkerMetrics
@@ -164,7 +165,8 @@ async def serve_worker(
     address, _ = await server.listen(
         config.host, config.port, config.health_port, metrics.registry, config.metrics_port, on_listening
     )
-    engine_loop = EngineLoop(engine_config, config.max_queued_requests, metrics)
+    tracing = start_tracing(config.tracing, "nanovllm-worker")
+    engine_loop = EngineLoop(engine_config, config.max_queued_requests, metrics, tracing and tracing.tracer)
     await asyncio.wrap_future(engine_loop.start())  # the model loads on the engine thread
     num_blocks = engine_loop.engine.block_manager.num_blocks
     placement = engine_loop.engine.runner.placement
@@ -192,4 +194,6 @@ async def serve_worker(
     await asyncio.to_thread(engine_loop.stop)
     service.close_connections()
     await server.stop(config.shutdown_grace_s)
+    if tracing is not None:
+        await asyncio.to_thread(tracing.shutdown)  # sends the spans not yet sent
     return 0

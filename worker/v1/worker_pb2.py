@@ -24,49 +24,53 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fnanovllm/worker/v1/worker.proto\x12\x12nanovllm.worker.v1\"\xc5\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x02\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x0e \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x0f \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x10 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x11 \x01(\tH\x00\x12,\n\x06\x63hoice\x18\x12 \x01(\x0b\x32\x1a.nanovllm.worker.v1.ChoiceH\x00\x42\x0c\n\nconstraintB\x07\n\x05_seedB\x0b\n\t_logprobs\"\x19\n\x06\x43hoice\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xb3\x01\n\x06Submit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x34\n\x08sampling\x18\x03 \x01(\x0b\x32\".nanovllm.worker.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x19\n\x11\x63lient_request_id\x18\x05 \x01(\t\x12\x18\n\x10output_token_ids\x18\x06 \x03(\r\"\x1c\n\x05\x41\x62ort\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"!\n\tSubscribe\x12\x14\n\x0cprefix_cache\x18\x01 \x01(\x08\"\xa5\x01\n\rRouterMessage\x12,\n\x06submit\x18\x01 \x01(\x0b\x32\x1a.nanovllm.worker.v1.SubmitH\x00\x12*\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x19.nanovllm.worker.v1.AbortH\x00\x12\x32\n\tsubscribe\x18\x03 \x01(\x0b\x32\x1d.nanovllm.worker.v1.SubscribeH\x00\x42\x06\n\x04kind\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xa8\x02\n\rRequestUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x33\n\x08logprobs\x18\x03 \x03(\x0b\x32!.nanovllm.worker.v1.TokenLogprobs\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .nanovllm.worker.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x31\n\nerror_code\x18\x07 \x01(\x0e\x32\x1d.nanovllm.worker.v1.ErrorCode\x12\x15\n\rerror_message\x18\x08 \x01(\t\"C\n\x11PrefixCacheEvents\x12\r\n\x05reset\x18\x01 \x01(\x08\x12\x0e\n\x06stored\x18\x02 \x03(\x04\x12\x0f\n\x07\x65victed\x18\x03 \x03(\x04\"\xbe\x01\n\x0bStepOutputs\x12\x32\n\x07updates\x18\x01 \x03(\x0b\x32!.nanovllm.worker.v1.RequestUpdate\x12\x10\n\x08\x64raining\x18\x02 \x01(\x08\x12,\n\x04load\x18\x03 \x01(\x0b\x32\x1e.nanovllm.worker.v1.WorkerLoad\x12;\n\x0cprefix_cache\x18\x04 \x01(\x0b\x32%.nanovllm.worker.v1.PrefixCacheEvents\"\x10\n\x0eGetInfoRequest\"\xf7\x02\n\nWorkerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rarchitectures\x18\x02 \x03(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x1a\n\x12kvcache_block_size\x18\x06 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\x12K\n\x0ftokenizer_files\x18\t \x03(\x0b\x32\x32.nanovllm.worker.v1.WorkerInfo.TokenizerFilesEntry\x12\x15\n\rchat_template\x18\n \x01(\t\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x1a\x35\n\x13TokenizerFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"\x10\n\x0eGetLoadRequest\"\xb7\x01\n\nWorkerLoad\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x02\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\x17\n\x0fnum_connections\x18\x07 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\xa0\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x01\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x02\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x03\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x04\x32\xf9\x01\n\x06Worker\x12Q\n\x07\x43onnect\x12!.nanovllm.worker.v1.RouterMessage\x1a\x1f.nanovllm.worker.v1.StepOutputs(\x01\x30\x01\x12M\n\x07GetInfo\x12\".nanovllm.worker.v1.GetInfoRequest\x1a\x1e.nanovllm.worker.v1.WorkerInfo\x12M\n\x07GetLoad\x12\".nanovllm.worker.v1.GetLoadRequest\x1a\x1e.nanovllm.worker.v1.WorkerLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fnanovllm/worker/v1/worker.proto\x12\x12nanovllm.worker.v1\"\xc5\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x02\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x0e \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x0f \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x10 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x11 \x01(\tH\x00\x12,\n\x06\x63hoice\x18\x12 \x01(\x0b\x32\x1a.nanovllm.worker.v1.ChoiceH\x00\x42\x0c\n\nconstraintB\x07\n\x05_seedB\x0b\n\t_logprobs\"\x19\n\x06\x43hoice\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xad\x02\n\x06Submit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x34\n\x08sampling\x18\x03 \x01(\x0b\x32\".nanovllm.worker.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x19\n\x11\x63lient_request_id\x18\x05 \x01(\t\x12\x18\n\x10output_token_ids\x18\x06 \x03(\r\x12\x43\n\rtrace_context\x18\x07 \x03(\x0b\x32,.nanovllm.worker.v1.Submit.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1c\n\x05\x41\x62ort\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"!\n\tSubscribe\x12\x14\n\x0cprefix_cache\x18\x01 \x01(\x08\"\xa5\x01\n\rRouterMessage\x12,\n\x06submit\x18\x01 \x01(\x0b\x32\x1a.nanovllm.worker.v1.SubmitH\x00\x12*\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x19.nanovllm.worker.v1.AbortH\x00\x12\x32\n\tsubscribe\x18\x03 \x01(\x0b\x32\x1d.nanovllm.worker.v1.SubscribeH\x00\x42\x06\n\x04kind\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xa8\x02\n\rRequestUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x33\n\x08logprobs\x18\x03 \x03(\x0b\x32!.nanovllm.worker.v1.TokenLogprobs\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .nanovllm.worker.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x31\n\nerror_code\x18\x07 \x01(\x0e\x32\x1d.nanovllm.worker.v1.ErrorCode\x12\x15\n\rerror_message\x18\x08 \x01(\t\"C\n\x11PrefixCacheEvents\x12\r\n\x05reset\x18\x01 \x01(\x08\x12\x0e\n\x06stored\x18\x02 \x03(\x04\x12\x0f\n\x07\x65victed\x18\x03 \x03(\x04\"\xbe\x01\n\x0bStepOutputs\x12\x32\n\x07updates\x18\x01 \x03(\x0b\x32!.nanovllm.worker.v1.RequestUpdate\x12\x10\n\x08\x64raining\x18\x02 \x01(\x08\x12,\n\x04load\x18\x03 \x01(\x0b\x32\x1e.nanovllm.worker.v1.WorkerLoad\x12;\n\x0cprefix_cache\x18\x04 \x01(\x0b\x32%.nanovllm.worker.v1.PrefixCacheEvents\"\x10\n\x0eGetInfoRequest\"\xf7\x02\n\nWorkerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rarchitectures\x18\x02 \x03(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x1a\n\x12kvcache_block_size\x18\x06 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\x12K\n\x0ftokenizer_files\x18\t \x03(\x0b\x32\x32.nanovllm.worker.v1.WorkerInfo.TokenizerFilesEntry\x12\x15\n\rchat_template\x18\n \x01(\t\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x1a\x35\n\x13TokenizerFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"\x10\n\x0eGetLoadRequest\"\xb7\x01\n\nWorkerLoad\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x02\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\x17\n\x0fnum_connections\x18\x07 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\xa0\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x01\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x02\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x03\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x04\x32\xf9\x01\n\x06Worker\x12Q\n\x07\x43onnect\x12!.nanovllm.worker.v1.RouterMessage\x1a\x1f.nanovllm.worker.v1.StepOutputs(\x01\x30\x01\x12M\n\x07GetInfo\x12\".nanovllm.worker.v1.GetInfoRequest\x1a\x1e.nanovllm.worker.v1.WorkerInfo\x12M\n\x07GetLoad\x12\".nanovllm.worker.v1.GetLoadRequest\x1a\x1e.nanovllm.worker.v1.WorkerLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'nanovllm.worker.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SUBMIT_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_SUBMIT_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_WORKERINFO_TOKENIZERFILESENTRY']._loaded_options = None
   _globals['_WORKERINFO_TOKENIZERFILESENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2211
-  _globals['_FINISHREASON']._serialized_end=2331
-  _globals['_ERRORCODE']._serialized_start=2334
-  _globals['_ERRORCODE']._serialized_end=2494
+  _globals['_FINISHREASON']._serialized_start=2333
+  _globals['_FINISHREASON']._serialized_end=2453
+  _globals['_ERRORCODE']._serialized_start=2456
+  _globals['_ERRORCODE']._serialized_end=2616
   _globals['_SAMPLINGPARAMS']._serialized_start=56
   _globals['_SAMPLINGPARAMS']._serialized_end=509
   _globals['_CHOICE']._serialized_start=511
   _globals['_CHOICE']._serialized_end=536
   _globals['_SUBMIT']._serialized_start=539
-  _globals['_SUBMIT']._serialized_end=718
-  _globals['_ABORT']._serialized_start=720
-  _globals['_ABORT']._serialized_end=748
-  _globals['_SUBSCRIBE']._serialized_start=750
-  _globals['_SUBSCRIBE']._serialized_end=783
-  _globals['_ROUTERMESSAGE']._serialized_start=786
-  _globals['_ROUTERMESSAGE']._serialized_end=951
-  _globals['_TOKENLOGPROBS']._serialized_start=953
-  _globals['_TOKENLOGPROBS']._serialized_end=1048
-  _globals['_REQUESTUPDATE']._serialized_start=1051
-  _globals['_REQUESTUPDATE']._serialized_end=1347
-  _globals['_PREFIXCACHEEVENTS']._serialized_start=1349
-  _globals['_PREFIXCACHEEVENTS']._serialized_end=1416
-  _globals['_STEPOUTPUTS']._serialized_start=1419
-  _globals['_STEPOUTPUTS']._serialized_end=1609
-  _globals['_GETINFOREQUEST']._serialized_start=1611
-  _globals['_GETINFOREQUEST']._serialized_end=1627
-  _globals['_WORKERINFO']._serialized_start=1630
-  _globals['_WORKERINFO']._serialized_end=2005
-  _globals['_WORKERINFO_TOKENIZERFILESENTRY']._serialized_start=1952
-  _globals['_WORKERINFO_TOKENIZERFILESENTRY']._serialized_end=2005
-  _globals['_GETLOADREQUEST']._serialized_start=2007
-  _globals['_GETLOADREQUEST']._serialized_end=2023
-  _globals['_WORKERLOAD']._serialized_start=2026
-  _globals['_WORKERLOAD']._serialized_end=2209
-  _globals['_WORKER']._serialized_start=2497
-  _globals['_WORKER']._serialized_end=2746
+  _globals['_SUBMIT']._serialized_end=840
+  _globals['_SUBMIT_TRACECONTEXTENTRY']._serialized_start=789
+  _globals['_SUBMIT_TRACECONTEXTENTRY']._serialized_end=840
+  _globals['_ABORT']._serialized_start=842
+  _globals['_ABORT']._serialized_end=870
+  _globals['_SUBSCRIBE']._serialized_start=872
+  _globals['_SUBSCRIBE']._serialized_end=905
+  _globals['_ROUTERMESSAGE']._serialized_start=908
+  _globals['_ROUTERMESSAGE']._serialized_end=1073
+  _globals['_TOKENLOGPROBS']._serialized_start=1075
+  _globals['_TOKENLOGPROBS']._serialized_end=1170
+  _globals['_REQUESTUPDATE']._serialized_start=1173
+  _globals['_REQUESTUPDATE']._serialized_end=1469
+  _globals['_PREFIXCACHEEVENTS']._serialized_start=1471
+  _globals['_PREFIXCACHEEVENTS']._serialized_end=1538
+  _globals['_STEPOUTPUTS']._serialized_start=1541
+  _globals['_STEPOUTPUTS']._serialized_end=1731
+  _globals['_GETINFOREQUEST']._serialized_start=1733
+  _globals['_GETINFOREQUEST']._serialized_end=1749
+  _globals['_WORKERINFO']._serialized_start=1752
+  _globals['_WORKERINFO']._serialized_end=2127
+  _globals['_WORKERINFO_TOKENIZERFILESENTRY']._serialized_start=2074
+  _globals['_WORKERINFO_TOKENIZERFILESENTRY']._serialized_end=2127
+  _globals['_GETLOADREQUEST']._serialized_start=2129
+  _globals['_GETLOADREQUEST']._serialized_end=2145
+  _globals['_WORKERLOAD']._serialized_start=2148
+  _globals['_WORKERLOAD']._serialized_end=2331
+  _globals['_WORKER']._serialized_start=2619
+  _globals['_WORKER']._serialized_end=2868
 # @@protoc_insertion_point(module_scope)
