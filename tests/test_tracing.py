@@ -47,6 +47,7 @@ def fast_batches() -> Iterator[None]:
 @dataclass
 class Traced:
     collector: Collector
+    endpoint: str
     router: object
     worker: object
     logs: Path
@@ -63,7 +64,7 @@ def traced(collector, qwen3_dir: Path, kernels, tmp_path_factory) -> Iterator[Tr
     try:
         wait_serving(worker.address)
         wait_serving(router.address)
-        yield Traced(spans, router, worker, logs)
+        yield Traced(spans, endpoint, router, worker, logs)
     finally:
         router.stop()
         worker.stop()
@@ -256,3 +257,34 @@ def test_a_bad_sample_ratio_fails_the_start_naming_it() -> None:
         assert (
             done.returncode != 0 and f"--trace-sample-ratio must be in [0, 1], got {ratio}" in done.stderr
         ), done
+
+
+def test_standard_variables_and_a_zero_ratio(
+    traced: Traced, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """OTEL_EXPORTER_OTLP_ENDPOINT and OTEL_SERVICE_NAME configure a router without flags; with
+    --trace-sample-ratio 0 it starts no trace of its own, yet follows a caller's sampled traceparent."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", traced.endpoint)
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "edge-router")
+    router = start_router(
+        [traced.worker.address], "--trace-sample-ratio", "0", log_path=tmp_path / "router.log"
+    )
+    try:
+        wait_serving(router.address)
+        before = {
+            n: len(named(traced.collector.spans, n))
+            for n in ("nanovllm.router.generate", "nanovllm.worker.request")
+        }
+        generate(router.address, text="not sampled")
+        trace_id = "33333333333333333333333333333333"
+        generate(router.address, (("traceparent", f"00-{trace_id}-{CALLER_SPAN_ID}-01"),), text="sampled")
+        spans = traced.collector.trace(trace_id)
+    finally:
+        router.stop()
+    (call,) = named(spans, "nanovllm.router.generate")
+    assert call.service == "edge-router"
+    assert len(named(spans, "nanovllm.worker.request")) == 1  # the worker follows the caller's decision too
+    # The unsampled call made no span on either side: only the sampled one's were added (the router
+    # flushed at its stop, and the worker sent the sampled call's span after the unsampled one ended).
+    after = {n: len(named(traced.collector.spans, n)) for n in before}
+    assert after == {n: count + 1 for n, count in before.items()}
