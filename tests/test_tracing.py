@@ -1,7 +1,8 @@
 """OpenTelemetry traces (common/tracing.py) from real router and worker processes into an OTLP collector
 run by the test (a gRPC TraceService that keeps what it receives): one trace per request, the caller's
-trace continued, the router's attempt span the parent of the worker's request span, retry and resume
-recorded when a worker dies mid-stream, and bad configuration handled."""
+trace continued, the router's attempt span the parent of the worker's request span, a retry (a worker
+refusing) and a resume (a worker dying mid-stream) recorded, sampling and the standard OTEL_* variables,
+and bad configuration handled."""
 
 from __future__ import annotations
 
@@ -288,3 +289,42 @@ def test_standard_variables_and_a_zero_ratio(
     # flushed at its stop, and the worker sent the sampled call's span after the unsampled one ended).
     after = {n: len(named(traced.collector.spans, n)) for n in before}
     assert after == {n: count + 1 for n, count in before.items()}
+
+
+def test_a_retry_before_the_first_token_shows_both_attempts(
+    collector, qwen3_dir: Path, kernels, tmp_path: Path
+) -> None:
+    """Worker A refuses every request (its queue holds none), so the router retries on B: the trace holds
+    A's attempt as an error, a retry event naming worker_full, and B's attempt with B's request span."""
+    spans, endpoint = collector
+    flags = ("--otlp-traces-endpoint", endpoint)
+    a = start_worker(qwen3_dir, *flags, "--max-queued-requests", "0", log_path=tmp_path / "a.log")
+    b = start_worker(qwen3_dir, *flags, log_path=tmp_path / "b.log")
+    router = start_router(
+        [a.address, b.address], *flags, "--routing", "round-robin", log_path=tmp_path / "r.log"
+    )
+    try:
+        wait_serving(a.address)
+        wait_serving(b.address)
+        wait_serving(router.address)
+        trace_ids = [f"{i:032x}" for i in (0x44, 0x45)]  # round-robin: one of the two goes to A first
+        for trace_id in trace_ids:
+            assert generate(router.address, (("traceparent", f"00-{trace_id}-{CALLER_SPAN_ID}-01"),))
+        traces = [spans.trace(trace_id) for trace_id in trace_ids]
+    finally:
+        router.stop()
+        a.stop()
+        b.stop()
+    (retried,) = [t for t in traces if len(named(t, "nanovllm.router.attempt")) == 2]
+    attempts = sorted(named(retried, "nanovllm.router.attempt"), key=lambda s: s.span.start_time_unix_nano)
+    assert [(s.attributes["nanovllm.attempt"], s.attributes["nanovllm.worker"]) for s in attempts] == [
+        ("first", a.address),
+        ("retry", b.address),
+    ]
+    assert attempts[0].span.status.code == trace_pb2.Status.STATUS_CODE_ERROR
+    (call,) = named(retried, "nanovllm.router.generate")
+    (event,) = [e for e in call.span.events if e.name == "retry"]
+    assert {kv.key: kv.value.string_value for kv in event.attributes}["nanovllm.reason"] == "worker_full"
+    assert call.attributes["nanovllm.attempts"] == 2 and call.attributes["nanovllm.outcome"] == "length"
+    (request,) = named(retried, "nanovllm.worker.request")  # A refused at the door: no span of its own
+    assert request.parent_id == attempts[1].span_id
