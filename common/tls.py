@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import os
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import grpc
 
@@ -25,6 +26,7 @@ from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
 
 log = get_logger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -118,82 +120,81 @@ def _check_ca(path: str, flag: str) -> None:
         raise ConfigError(f"{flag} {path}: no usable CA certificate ({exc.reason or exc})") from exc
 
 
-class ReloadingCertificates:
-    """The certificate fetcher of `grpc.dynamic_ssl_server_credentials`: gRPC calls it before each new
-    handshake (on one of its own threads). It stats the files and, when they changed, re-reads and checks
-    them and returns the new configuration; a half-written or mismatched set (one file rewritten, the
-    other not yet) keeps the current one and is looked at again at the next handshake."""
+class RotatingFiles(Generic[T]):
+    """What every TLS user here builds from its files (credentials, a channel's credentials, an SSL
+    context), rebuilt when the files are replaced (cert-manager, a kubelet swapping a Secret). `refresh` is
+    called as each connection starts: it stats the files and, when they changed, builds anew; a
+    half-written or mismatched set (one file rewritten, the other not yet) keeps what was built before and
+    is looked at again next time. The first build's errors are the caller's (a bad file fails the start)."""
 
-    def __init__(self, files: TlsFiles, require_client_cert: bool) -> None:
-        self.files = files
-        self.require_client_cert = require_client_cert
-        pem = files.check(need_identity=True, need_ca=require_client_cert)
+    def __init__(self, files: TlsFiles, build: Callable[[], T]) -> None:
+        self.files, self._build = files, build
         self._stat = files.stat()
-        self.initial = self._config(pem)
+        self.current = build()
         self.reloads = 0
 
-    @staticmethod
-    def _config(pem: PemFiles) -> Any:
-        return grpc.ssl_server_certificate_configuration([(pem.key, pem.cert)], root_certificates=pem.ca)
-
-    def __call__(self) -> Any:
+    def refresh(self, **log_fields: str) -> bool:
+        """True when the files changed and `current` was rebuilt from them."""
         stat = self.files.stat()
         if stat == self._stat:
-            return None
+            return False
         try:
-            pem = self.files.check(need_identity=True, need_ca=self.require_client_cert)
-        except ConfigError as exc:
-            log.warning("tls_reload_skipped", files=self.files.paths(), reason=str(exc))
-            return None
+            self.current = self._build()
+        except (ConfigError, ssl.SSLError, OSError) as exc:
+            log.warning("tls_reload_skipped", files=self.files.paths(), reason=str(exc), **log_fields)
+            return False
         self._stat = stat
         self.reloads += 1
-        log.info("tls_reloaded", files=self.files.paths(), reloads=self.reloads)
-        return self._config(pem)
+        log.info("tls_reloaded", files=self.files.paths(), reloads=self.reloads, **log_fields)
+        return True
+
+
+class ReloadingCertificates:
+    """The certificate fetcher of `grpc.dynamic_ssl_server_credentials`: gRPC calls it before each new
+    handshake (on one of its own threads); it returns a new configuration after the files changed."""
+
+    def __init__(self, files: TlsFiles, require_client_cert: bool) -> None:
+        self.require_client_cert = require_client_cert
+
+        def build() -> Any:
+            pem = files.check(need_identity=True, need_ca=require_client_cert)
+            return grpc.ssl_server_certificate_configuration([(pem.key, pem.cert)], root_certificates=pem.ca)
+
+        self.watch = RotatingFiles(files, build)
+
+    def __call__(self) -> Any:
+        return self.watch.current if self.watch.refresh() else None
 
     def credentials(self) -> grpc.ServerCredentials:
         return grpc.dynamic_ssl_server_credentials(
-            self.initial, self, require_client_authentication=self.require_client_cert
+            self.watch.current, self, require_client_authentication=self.require_client_cert
         )
 
 
 class ReloadingSslContext(ssl.SSLContext):
-    """The server context of an asyncio server (the router's HTTP face), with ReloadingCertificates' rule:
-    as each connection starts (asyncio wraps it with `wrap_bio`), the files are statted and, when they
-    changed and check out, a fresh context built from them serves this and later connections."""
+    """The server context of an asyncio server (the router's HTTP face): asyncio wraps each connection
+    with `wrap_bio`, which hands it to the context built from the files as they are then."""
 
-    files: TlsFiles
-    reloads: int
+    watch: RotatingFiles[ssl.SSLContext]
 
     @classmethod
     def serving(cls, files: TlsFiles, require_client_cert: bool) -> ReloadingSslContext:
-        context = cls(ssl.PROTOCOL_TLS_SERVER)
-        context.files, context.reloads = files, 0
-        context._require_client_cert = require_client_cert
-        files.check(need_identity=True, need_ca=require_client_cert)
-        context._stat, context._current = files.stat(), context._build()
-        return context
+        def build() -> ssl.SSLContext:
+            files.check(need_identity=True, need_ca=require_client_cert)
+            built = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            built.load_cert_chain(files.cert, files.key)
+            if require_client_cert:
+                built.load_verify_locations(files.ca)
+                built.verify_mode = ssl.CERT_REQUIRED
+            return built
 
-    def _build(self) -> ssl.SSLContext:
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.load_cert_chain(self.files.cert, self.files.key)
-        if self._require_client_cert:
-            context.load_verify_locations(self.files.ca)
-            context.verify_mode = ssl.CERT_REQUIRED
+        context = cls(ssl.PROTOCOL_TLS_SERVER)
+        context.watch = RotatingFiles(files, build)
         return context
 
     def wrap_bio(self, *args: Any, **kwargs: Any) -> ssl.SSLObject:
-        stat = self.files.stat()
-        if stat != self._stat:
-            try:
-                self.files.check(need_identity=True, need_ca=self._require_client_cert)
-                self._current = self._build()
-            except (ConfigError, ssl.SSLError, OSError) as exc:
-                log.warning("tls_reload_skipped", files=self.files.paths(), reason=str(exc))
-            else:
-                self._stat = stat
-                self.reloads += 1
-                log.info("tls_reloaded", files=self.files.paths(), reloads=self.reloads)
-        return self._current.wrap_bio(*args, **kwargs)
+        self.watch.refresh()
+        return self.watch.current.wrap_bio(*args, **kwargs)
 
 
 def server_credentials(files: TlsFiles, require_client_cert: bool) -> grpc.ServerCredentials | None:
@@ -236,24 +237,19 @@ class ReloadingChannel:
         self, address: str, files: TlsFiles, options: list[tuple[str, Any]], server_name: str | None = None
     ) -> None:
         self.address = address
-        self.files = files
         self.options = [*options, *([("grpc.ssl_target_name_override", server_name)] if server_name else [])]
-        self._stat = files.stat()
-        self._channels = [grpc.aio.secure_channel(address, channel_credentials(files), options=self.options)]
-        self.reloads = 0
+        self.watch = RotatingFiles(files, lambda: channel_credentials(files))
+        self._channels = [grpc.aio.secure_channel(address, self.watch.current, options=self.options)]
+
+    @property
+    def reloads(self) -> int:
+        return self.watch.reloads
 
     def current(self) -> grpc.aio.Channel:
-        stat = self.files.stat()
-        if stat != self._stat:
-            try:
-                credentials = channel_credentials(self.files)
-            except ConfigError as exc:  # half-rotated: keep the current channel, look again next call
-                log.warning("tls_reload_skipped", files=self.files.paths(), reason=str(exc))
-                return self._channels[-1]
-            self._stat = stat
-            self.reloads += 1
-            self._channels.append(grpc.aio.secure_channel(self.address, credentials, options=self.options))
-            log.info("tls_reloaded", files=self.files.paths(), peer=self.address, reloads=self.reloads)
+        if self.watch.refresh(peer=self.address):
+            self._channels.append(
+                grpc.aio.secure_channel(self.address, self.watch.current, options=self.options)
+            )
         return self._channels[-1]
 
     def unary_unary(self, *args: Any, **kwargs: Any) -> _Method:
