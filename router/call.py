@@ -145,17 +145,9 @@ class GenerateCall:
         if trace is None:
             self.spans.end(self.refusal, {})
             return
-        attributes = {
-            "nanovllm.request_id": self.request_id[:64],
-            "nanovllm.prompt_tokens": trace.prompt_tokens,
-            "nanovllm.completion_tokens": trace.num_tokens,
-            "nanovllm.cached_tokens": trace.cached_tokens,
-            "nanovllm.attempts": trace.attempts,
-            "nanovllm.resumes": trace.resumes,
-            "nanovllm.worker": trace.worker,
-        }
-        if trace.first_token_s is not None:
-            attributes["nanovllm.ttft_s"] = round(trace.first_token_s, 6)
+        summary = trace.summary()
+        summary.pop("api")  # the span has it from its start
+        attributes = {f"nanovllm.{key}": value for key, value in summary.items() if value is not None}
         self.spans.end(trace.outcome, attributes)
 
     async def _refuse(self, code: grpc.StatusCode, message: str) -> NoReturn:

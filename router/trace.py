@@ -92,21 +92,27 @@ class RequestTrace:
         content = {} if self.content is None else {"prompt": self.content}
         log.info(
             "request_finished",
-            request_id=self.request_id[:64],
             client=self.lease.name,
-            api=self.api,
-            worker=self.worker,
             outcome=self.outcome,
-            attempts=self.attempts,
-            resumes=self.resumes,
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.num_tokens,
-            cached_tokens=self.cached_tokens,
-            expected_hit_tokens=self.expected_hit_tokens,
-            ttft_s=None if self.first_token_s is None else round(self.first_token_s, 4),
+            **self.summary(),
             total_s=round(time.perf_counter() - self.start, 4),
             **content,
         )
+
+    def summary(self) -> dict[str, str | int | float | None]:
+        """What the call did, for its log line and its span."""
+        return {
+            "request_id": self.request_id[:64],
+            "api": self.api,
+            "worker": self.worker,
+            "attempts": self.attempts,
+            "resumes": self.resumes,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.num_tokens,
+            "cached_tokens": self.cached_tokens,
+            "expected_hit_tokens": self.expected_hit_tokens,
+            "ttft_s": None if self.first_token_s is None else round(self.first_token_s, 4),
+        }
 
 
 def request_content(request: generate_pb2.GenerateRequest) -> str:
