@@ -128,7 +128,7 @@ class GenerateCall:
         self.config = config
         self.off_loop = off_loop
         self.api = api
-        self.spans = call_spans(tracer, context.invocation_metadata(), api)
+        self.spans = call_spans(tracer, context, api)
         self.refusal = "client_cancelled"  # the outcome if the call ends before its trace starts
         self.trace: RequestTrace | None = None
         self.generated: list[int] = []

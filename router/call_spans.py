@@ -9,6 +9,7 @@ call that does nothing."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
@@ -94,5 +95,7 @@ class _NoSpans:
 NO_SPANS = _NoSpans()
 
 
-def call_spans(tracer: Tracer | None, metadata: Sequence[tuple[str, str]], api: str) -> CallSpans | _NoSpans:
-    return NO_SPANS if tracer is None else CallSpans(tracer, metadata, api)
+def call_spans(tracer: Tracer | None, context: Any, api: str) -> CallSpans | _NoSpans:
+    """The spans of a call whose (gRPC or HTTP stand-in) context is `context`; NO_SPANS when tracing is off,
+    without reading the call's metadata."""
+    return NO_SPANS if tracer is None else CallSpans(tracer, context.invocation_metadata(), api)
