@@ -22,9 +22,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "linear_int8_dots.h"
 #include "linear_tile.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -33,14 +35,6 @@ constexpr int64_t kBlock = 32;       // weights per 4-bit block (and the smalles
 constexpr int64_t kDirectRows = 8;   // rows of x up to which weights are dequantized in registers
 constexpr int64_t kPanelRows = 16;   // weight rows per fp32 panel above that (16 x K floats: L2-sized)
 constexpr int64_t kPanelMaxRows = 64;  // rows of x up to which the panels run, PyTorch's GEMM above
-
-// One output row's quantized weights: `q` its bytes, `s` / `m` its groups' scales and mins (m null for
-// 8 bits).
-struct QRow {
-  const uint8_t* q;
-  const c10::Half* s;
-  const c10::Half* m;
-};
 
 template <int BITS>
 inline QRow qrow(const uint8_t* q, const c10::Half* s, const c10::Half* m, int64_t n, int64_t K, int64_t groups) {
@@ -172,11 +166,61 @@ DirectFn<BITS, T> direct_fn(int64_t rows) {
   return table[rows - 1];
 }
 
+#ifdef NANOVLLM_INT8_DOTS
+// Output columns [n_begin, n_end) for M (<= kDirectRows) rows of x quantized to int8 (linear_int8_dots.h).
+template <int M, int BITS, typename T>
+void int8_dot_rows(const QuantizedRow* x, const std::vector<ChunkGroups>& chunks, const QRow* first, const T* bias,
+                   T* y, int64_t n_begin, int64_t n_end, int64_t N, int64_t K, int64_t group) {
+  // Four weight rows at a time for one or two rows of x, fewer above, where the accumulators take the
+  // registers.
+  constexpr int R = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
+  for (int64_t n = n_begin; n < n_end; n += R) {
+    const int rows = static_cast<int>(std::min<int64_t>(R, n_end - n));
+    QRow w[R];
+    for (int r = 0; r < R; ++r) w[r] = first[n - n_begin + std::min(r, rows - 1)];  // a missing row repeats the last
+    float sums[M][R];
+    int8_dot_tile<M, R, BITS>(x, chunks, w, K, group, sums);
+    for (int r = 0; r < rows; ++r)
+      for (int m = 0; m < M; ++m) {
+        float s = sums[m][r];
+        if (bias != nullptr) s += load(bias[n + r]);
+        y[m * N + n + r] = to<T>(s);
+      }
+  }
+}
+
+template <int BITS, typename T>
+using Int8DotFn = void (*)(const QuantizedRow*, const std::vector<ChunkGroups>&, const QRow*, const T*, T*, int64_t,
+                           int64_t, int64_t, int64_t, int64_t);
+
+template <int BITS, typename T>
+Int8DotFn<BITS, T> int8_dot_fn(int64_t rows) {
+  static const Int8DotFn<BITS, T> table[kDirectRows] = {
+      int8_dot_rows<1, BITS, T>, int8_dot_rows<2, BITS, T>, int8_dot_rows<3, BITS, T>, int8_dot_rows<4, BITS, T>,
+      int8_dot_rows<5, BITS, T>, int8_dot_rows<6, BITS, T>, int8_dot_rows<7, BITS, T>, int8_dot_rows<8, BITS, T>};
+  return table[rows - 1];
+}
+#endif
+
 template <int BITS, typename T>
 void linear_quantized_impl(const T* x, const uint8_t* q, const c10::Half* scales, const c10::Half* mins,
                            const T* bias, T* y, int64_t rows, int64_t N, int64_t K, int64_t group) {
   const std::vector<float> xf = widen(x, rows * K);
   const int64_t groups = K / group;
+#ifdef NANOVLLM_INT8_DOTS
+  if (!std::is_same_v<T, float> && rows <= kDirectRows) {
+    std::vector<QuantizedRow> xq;
+    for (int64_t m = 0; m < rows; ++m) xq.push_back(quantize_row<BITS>(xf.data() + m * K, K, group));
+    const std::vector<ChunkGroups> chunks = chunk_groups<BITS>(K, group);
+    at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
+      const int64_t n_begin = begin * 4, n_end = std::min(N, end * 4);
+      std::vector<QRow> w(n_end - n_begin);
+      for (int64_t n = n_begin; n < n_end; ++n) w[n - n_begin] = qrow<BITS>(q, scales, mins, n, K, groups);
+      int8_dot_fn<BITS, T>(rows)(xq.data(), chunks, w.data(), bias, y, n_begin, n_end, N, K, group);
+    });
+    return;
+  }
+#endif
 #ifdef NANOVLLM_LINEAR_AVX2
   const bool direct = rows <= kDirectRows;
 #else
@@ -280,4 +324,12 @@ torch::Tensor linear_quantized(torch::Tensor x, torch::Tensor qweight, torch::Te
       linear_quantized_impl<4, T>(x.data_ptr<T>(), q, s, mn, bp, y.data_ptr<T>(), rows, N, K, group_size);
   });
   return y;
+}
+
+bool linear_quantized_int8_dots() {
+#ifdef NANOVLLM_INT8_DOTS
+  return true;
+#else
+  return false;
+#endif
 }

@@ -515,6 +515,7 @@ torch::Tensor linear_few_rows(torch::Tensor x, torch::Tensor weight, c10::option
 torch::Tensor linear_quantized(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                                c10::optional<torch::Tensor> mins, int64_t bits, int64_t group_size,
                                c10::optional<torch::Tensor> bias);
+bool linear_quantized_int8_dots();
 
 // token_bitmask_cpu.cpp
 void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
@@ -526,6 +527,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "float16 scales (and mins at 4 bits) (CPU; x float32, bfloat16, float16; fp32 accumulation)", py::arg("x"),
         py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("group_size"),
         py::arg("bias") = py::none());
+  m.def("linear_quantized_int8_dots", &linear_quantized_int8_dots, "whether linear_quantized quantizes 16-bit x "
+        "of up to 8 rows to int8 for integer dot products (built for a CPU with AVX512-VNNI)");
   m.def("apply_token_bitmask_", &apply_token_bitmask_,
         "logits[rows[j], t] = -inf where bit t of bitmask[j] is clear (CPU; float32; in place)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :n]) * x[:, n:] (CPU; float32, bfloat16, float16)");
