@@ -36,6 +36,7 @@ _SOURCES = [
         "linear_cpu.cpp",
         "linear_quantized_cpu.cpp",
         "token_bitmask_cpu.cpp",
+        "decode_layers_cpu.cpp",
     )
 ]
 _NAME = "nanovllm_paged_attention_cpu"

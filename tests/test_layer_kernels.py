@@ -1,14 +1,17 @@
 """The C++ CPU layer kernels (RMSNorm, SwiGLU gate, RoPE, the few-rows projection) against their PyTorch
-versions, in each dtype the kernels take; and the PyTorch versions against transformers' own code in 16-bit
-(the same roundings)."""
+versions, in each dtype the kernels take; the PyTorch versions against transformers' own code in 16-bit
+(the same roundings); and a decode step's layers as one C++ call against the modules."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, rotate_half
 
+from nanovllm import LLM, SamplingParams
 from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX
 from nanovllm.worker.layers.linear import RowParallelLinear
 from nanovllm.worker.layers.norm import RMSNorm
@@ -187,3 +190,32 @@ def test_projection_layers_use_the_kernel_for_few_rows_only(kernels):
     few, many = torch.randn(FEW_ROWS_MAX, 64, generator=gen), torch.randn(FEW_ROWS_MAX + 1, 64, generator=gen)
     assert torch.equal(layer(few), kernels.linear_few_rows(few, layer.weight, layer.bias))
     assert torch.equal(layer(many), F.linear(many, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
+@pytest.mark.parametrize(
+    "dtype, quantization", [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int4")]
+)
+def test_decode_layers_equal_the_module_path(model_dirs, arch, dtype, quantization):
+    """A decode-only step's layers as one C++ call (kernels/csrc/decode_layers_cpu.cpp) run the modules'
+    kernels in their order: tokens and logprobs equal bit for bit, with one sequence and with several (a
+    decode batch over different context lengths), with Qwen3's q/k norm, Qwen2's qkv bias and Llama's tied
+    head, float and packed weights."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(2, 500) for _ in range(n)] for n in (5, 23, 61)]
+    kwargs = {"dtype": dtype, "quantization": quantization, "max_model_len": 256, "kv_cache_memory": "32MiB"}
+    params = SamplingParams(temperature=0.0, logprobs=5, ignore_eos=True, max_tokens=12)
+    runs = []
+    for fused in (True, False):
+        llm = LLM(str(model_dirs[arch]), **kwargs)
+        model = llm.engine.runner.model.model
+        assert model.decode_layers is not None
+        if not fused:
+            model.decode_layers = None
+        outs = [
+            llm.generate([prompts[0]], params, use_tqdm=False)[0],
+            *llm.generate(prompts, params, use_tqdm=False),
+        ]
+        runs.append([(out["token_ids"], [dict(lp.top) for lp in out["logprobs"]]) for out in outs])
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    assert runs[0] == runs[1]

@@ -100,11 +100,13 @@ def test_int8_dots_stay_within_the_activation_rounding_bound(kernels, scheme, dt
         weight = packed.dequantize(torch.float64)
         bias = torch.randn(37, generator=gen).to(dtype)
         for rows in range(1, 9):
-            x = (torch.randn(rows, features, generator=gen) * torch.rand(rows, features, generator=gen)).to(dtype)
+            x = (torch.randn(rows, features, generator=gen) * torch.rand(rows, features, generator=gen)).to(
+                dtype
+            )
             exact = x.double() @ weight.T + bias.double()
             step = x.double().view(rows, -1, 32).abs().amax(-1) / 127  # [rows, blocks]
             weight_mass = weight.abs().view(37, -1, 32).sum(-1)  # [37, blocks]
-            bound = (step / 2) @ weight_mass.T * 1.0001 + exact.abs() * 2.0 ** -8 + 1e-6
+            bound = (step / 2) @ weight_mass.T * 1.0001 + exact.abs() * 2.0**-8 + 1e-6
             error = (_run(kernels, x, packed, bias).double() - exact).abs()
             assert (error <= bound).all(), (scheme, dtype, features, rows, (error / bound).max().item())
             # and the quantization is there: the result is not the exact product rounded

@@ -517,10 +517,14 @@ torch::Tensor linear_quantized(torch::Tensor x, torch::Tensor qweight, torch::Te
                                c10::optional<torch::Tensor> bias);
 bool linear_quantized_int8_dots();
 
+// decode_layers_cpu.cpp
+void register_decode_layers(pybind11::module& m);
+
 // token_bitmask_cpu.cpp
 void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_decode_layers(m);
   m.def("linear_few_rows", &linear_few_rows, "x @ weight.T (+ bias) for few rows of x, reading each weight once "
         "(CPU; float32, bfloat16, float16; fp32 accumulation)", py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("linear_quantized", &linear_quantized, "x @ W.T (+ bias) with W as 8- or 4-bit integers in groups with "

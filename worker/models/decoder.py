@@ -24,6 +24,7 @@ from nanovllm.worker.layers.norm import HeadRMSNorm, RMSNorm
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.quantization import QuantPlan
 from nanovllm.worker.layers.rotary import RotaryEmbedding, apply_rotary
+from nanovllm.worker.models.decode_layers import build_decode_layers
 
 
 class DecoderAttention(nn.Module):
@@ -121,14 +122,28 @@ class DecoderModel(nn.Module):
             DecoderLayer(cfg, tp, quant, f"model.layers.{i}") for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # The layers as one C++ call for decode-only steps (worker/models/decode_layers.py), set by
+        # DecoderForCausalLM.bind_kernels on the CPU kernels.
+        self.decode_layers: object | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.lookup(positions)  # once per step, shared by every layer
-        for layer in self.layers:
-            x, residual = layer(rope, x, residual, meta)
+        decode = meta.decode
+        if (
+            self.decode_layers is not None
+            and decode is not None
+            and meta.fresh is None
+            and meta.cached is None
+        ):
+            x, residual = self.decode_layers.forward(
+                x, *rope, meta.slot_mapping, decode.block_tables, decode.context_lens
+            )
+        else:
+            for layer in self.layers:
+                x, residual = layer(rope, x, residual, meta)
         x, _ = self.norm.add_and_norm(x, residual)
         return x
 
@@ -149,6 +164,7 @@ class DecoderForCausalLM(nn.Module):
         """`quant` says which layers hold packed weights (worker/layers/quantization.py); None: all float."""
         super().__init__()
         self.config = cfg
+        self.tp = tp
         self.model = DecoderModel(cfg, tp, quant)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, quant, "lm_head")
         if cfg.tie_word_embeddings:
@@ -174,3 +190,7 @@ class DecoderForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, DecoderAttention, DecoderMLP, ParallelLinear, ParallelLMHead)):
                 module.cpu_kernels = cpu_kernels
+        # Decode steps as one C++ call: the module path's kernels in its order; not across tensor-parallel
+        # ranks, whose all-reduces sit between the kernels.
+        use_decode_layers = cpu_kernels is not None and self.tp.size == 1
+        self.model.decode_layers = build_decode_layers(self.model, cpu_kernels) if use_decode_layers else None

@@ -1,0 +1,125 @@
+// A decode step's decoder layers (Llama, Qwen2, Qwen3) in one call from Python, on the CPU kernels.
+//
+// At one sequence on a CPU the layers' arithmetic is small enough that the Python around it counts: each
+// layer is about a dozen kernel calls and as many module calls, views and splits, and on SmolLM2-135M (30
+// layers, the GGUF's Q4_1 weights, AMD EPYC with 2 cores) that Python took 3.0 ms of a 9.9 ms step. This
+// runs the same kernels, in the same order, on the same tensors, as worker/models/decoder.py does for a
+// decode-only step, so the result is bit for bit the module path's (tests/test_layer_kernels.py checks).
+// The model keeps its modules for everything else (prefill, chunks, tensor parallelism, other backends).
+#include <torch/extension.h>
+
+#include <vector>
+
+// paged_attention_cpu.cpp
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+// linear_cpu.cpp
+torch::Tensor linear_few_rows(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+// linear_quantized_cpu.cpp
+torch::Tensor linear_quantized(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+                               c10::optional<torch::Tensor> mins, int64_t bits, int64_t group_size,
+                               c10::optional<torch::Tensor> bias);
+
+namespace {
+
+// One projection's weights, float or packed, as worker/layers/linear.py's `linear` dispatches them.
+struct Projection {
+  c10::optional<torch::Tensor> weight;  // float [N, K]; absent when packed
+  c10::optional<torch::Tensor> qweight, scales, mins;
+  int64_t bits = 0, group_size = 0;
+  c10::optional<torch::Tensor> bias;
+  int64_t few_rows_max = 0;  // float weights: linear_few_rows up to this many rows, PyTorch's GEMM above
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (!weight.has_value())
+      return linear_quantized(x, *qweight, *scales, mins, bits, group_size, bias);
+    if (x.size(0) <= few_rows_max) return linear_few_rows(x, *weight, bias);
+    return at::linear(x, *weight, bias);
+  }
+};
+
+struct Layer {
+  torch::Tensor input_norm, post_attention_norm;
+  c10::optional<torch::Tensor> qk_norm;  // Qwen3's per-head norm, [heads + kv_heads, head_dim]
+  Projection qkv, o, gate_up, down;
+  torch::Tensor k_cache, v_cache;  // [num_blocks, block_size, kv_heads, head_dim]
+};
+
+class DecodeLayers {
+ public:
+  DecodeLayers(std::vector<Layer> layers, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+               double scale)
+      : layers_(std::move(layers)),
+        heads_(num_heads),
+        kv_heads_(num_kv_heads),
+        dim_(head_dim),
+        eps_(eps),
+        scale_(scale) {}
+
+  // x: the embedded tokens [T, hidden]; returns (the last layer's output, the residual), as the module
+  // path leaves them for the final norm.
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                                                   torch::Tensor slot_mapping, torch::Tensor block_tables,
+                                                   torch::Tensor context_lens) const {
+    torch::Tensor residual;
+    const int64_t tokens = x.size(0), qk_size = (heads_ + kv_heads_) * dim_;
+    for (const Layer& layer : layers_) {
+      if (!residual.defined()) {
+        residual = x;
+        x = rms_norm(x, layer.input_norm, eps_);
+      } else {
+        add_rms_norm_(x, residual, layer.input_norm, eps_);
+      }
+      const torch::Tensor qkv = layer.qkv(x);
+      torch::Tensor qk = qkv.slice(1, 0, qk_size).view({tokens, -1, dim_});
+      if (layer.qk_norm.has_value()) qk = at::rms_norm(qk, {dim_}, c10::nullopt, eps_).mul_(*layer.qk_norm);
+      const auto rotated = rotary(qk, cos, sin).split({heads_, kv_heads_}, 1);
+      const torch::Tensor v = qkv.slice(1, qk_size).view({tokens, kv_heads_, dim_});
+      layer.k_cache.view({-1, kv_heads_, dim_}).index_copy_(0, slot_mapping, rotated[1]);
+      layer.v_cache.view({-1, kv_heads_, dim_}).index_copy_(0, slot_mapping, v);
+      const torch::Tensor attended =
+          paged_decode_attention(rotated[0], layer.k_cache, layer.v_cache, block_tables, context_lens, scale_);
+      x = layer.o(attended.flatten(1));
+      add_rms_norm_(x, residual, layer.post_attention_norm, eps_);
+      x = layer.down(silu_and_mul(layer.gate_up(x)));
+    }
+    return {x, residual};
+  }
+
+ private:
+  std::vector<Layer> layers_;
+  int64_t heads_, kv_heads_, dim_;
+  double eps_, scale_;
+};
+
+}  // namespace
+
+void register_decode_layers(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<Projection>(m, "Projection", "One projection's weights for DecodeLayers: float or packed")
+      .def(py::init([](c10::optional<torch::Tensor> weight, c10::optional<torch::Tensor> qweight,
+                       c10::optional<torch::Tensor> scales, c10::optional<torch::Tensor> mins, int64_t bits,
+                       int64_t group_size, c10::optional<torch::Tensor> bias, int64_t few_rows_max) {
+             TORCH_CHECK(weight.has_value() != qweight.has_value(), "Projection: a float weight or a packed one");
+             return Projection{weight, qweight, scales, mins, bits, group_size, bias, few_rows_max};
+           }),
+           py::arg("weight"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
+           py::arg("group_size"), py::arg("bias"), py::arg("few_rows_max"));
+  py::class_<Layer>(m, "DecoderLayerWeights", "One decoder layer's weights and KV cache for DecodeLayers")
+      .def(py::init([](torch::Tensor input_norm, torch::Tensor post_attention_norm,
+                       c10::optional<torch::Tensor> qk_norm, Projection qkv, Projection o, Projection gate_up,
+                       Projection down, torch::Tensor k_cache, torch::Tensor v_cache) {
+             return Layer{input_norm, post_attention_norm, qk_norm, qkv, o, gate_up, down, k_cache, v_cache};
+           }),
+           py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("qk_norm"), py::arg("qkv"), py::arg("o"),
+           py::arg("gate_up"), py::arg("down"), py::arg("k_cache"), py::arg("v_cache"));
+  py::class_<DecodeLayers>(m, "DecodeLayers", "A decode step's decoder layers in one call (CPU kernels)")
+      .def(py::init<std::vector<Layer>, int64_t, int64_t, int64_t, double, double>(), py::arg("layers"),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
+      .def("forward", &DecodeLayers::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"),
+           py::arg("block_tables"), py::arg("context_lens"));
+}
