@@ -11,9 +11,10 @@
 #   TORCH_VERSION    the torch release to install (pyproject.toml accepts >=2.4,<=2.14.1).
 #   TORCH_INDEX_URL  overrides the wheel index (default: .../whl/cpu, or .../whl/cu128 for cuda).
 #   PRECOMPILE_CPU_KERNELS  1 (default) compiles the C++ CPU kernels into the image. They are compiled with
-#                    -march=native, i.e. for the build machine's CPU: build on the CPU family the workers run
-#                    on, or pass 0 so that each worker compiles them at start-up on its own node (about a
-#                    minute, into the writable cache the Helm chart mounts).
+#                    -march=native, i.e. for the build machine's CPU, into a directory keyed by that CPU's
+#                    model and flags: a worker on a node whose CPU differs compiles its own at start-up
+#                    (about a minute, into the writable cache the Helm chart mounts). Build on the CPU
+#                    family the workers run on to skip that, or pass 0 to always compile on the node.
 #
 # g++ stays in the final image: torch's extension loader runs the compiler's --version check even when the
 # kernels are already built, and without a compiler the engine falls back to its slower PyTorch attention.

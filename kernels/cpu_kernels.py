@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import platform
 import subprocess
 import time
 from pathlib import Path
@@ -53,9 +54,23 @@ FEW_ROWS_MAX = 16
 _STALE_LOCK_S = 300.0
 
 
+def cpu_digest(cpuinfo: str) -> str:
+    """A hash of the CPU's model and instruction-set flags, given /proc/cpuinfo's text. The kernels are
+    built with -march=native, so a build from another CPU (a shared home directory, an image built
+    elsewhere, a VM moved to other hardware) can hold instructions this one lacks, and torch's builder would
+    load it all the same: each CPU gets a build directory of its own."""
+    fields = [line for line in cpuinfo.splitlines() if line.startswith(("model name", "flags", "Features"))]
+    identity = "\n".join(dict.fromkeys(fields)) or f"{platform.machine()} {platform.processor()}"
+    return hashlib.sha256(identity.encode()).hexdigest()[:12]
+
+
 def _build_directory() -> Path:
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
-    path = Path(root) / _NAME
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux
+        cpuinfo = ""
+    path = Path(root) / f"{_NAME}-{cpu_digest(cpuinfo)}"
     path.mkdir(parents=True, exist_ok=True)
     lock = path / "lock"
     if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, rotate_half
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX
+from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX, cpu_digest
 from nanovllm.worker.layers.linear import RowParallelLinear
 from nanovllm.worker.layers.norm import RMSNorm
 from nanovllm.worker.layers.parallel import TPContext
@@ -219,3 +219,14 @@ def test_decode_layers_equal_the_module_path(model_dirs, arch, dtype, quantizati
         runs.append([(out["token_ids"], [dict(lp.top) for lp in out["logprobs"]]) for out in outs])
         assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     assert runs[0] == runs[1]
+
+
+def test_each_cpu_gets_its_own_build():
+    """The kernels are compiled with -march=native: a build made on a CPU with other flags must not be
+    loaded (its AVX-512 instructions would crash an AVX2 machine), so the build directory is keyed by the
+    CPU's model and flags, the same for every core of one CPU."""
+    core = "processor\t: {n}\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 {extra}\n\n"
+    two_cores = core.format(n=0, extra="") + core.format(n=1, extra="")
+    assert cpu_digest(two_cores) == cpu_digest(core.format(n=0, extra=""))
+    assert cpu_digest(two_cores) != cpu_digest(core.format(n=0, extra="avx512f avx512_vnni"))
+    assert cpu_digest(two_cores) != cpu_digest(two_cores.replace("AMD EPYC", "Intel Xeon"))
