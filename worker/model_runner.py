@@ -161,10 +161,16 @@ class ModelRunner:
             types=dict(Counter(m.scheme.name for m in packed)),
             weight_bytes_in_dtype=float_bytes + sum(m.shape.numel() * element for m in packed),
             weight_bytes=float_bytes + sum(m.nbytes for m in packed),
-            kernel="linear_quantized (C++)"
-            if self.sampler.cpu_kernels is not None
-            else "dequantize + F.linear",
+            kernel=self._quantized_kernel(),
         )
+
+    def _quantized_kernel(self) -> str:
+        kernels = self.sampler.cpu_kernels
+        if kernels is None:
+            return "dequantize + F.linear"
+        if self.dtype != torch.float32 and kernels.linear_quantized_int8_dots():
+            return "linear_quantized (C++, int8 dots up to 8 rows)"
+        return "linear_quantized (C++)"
 
     def _wants_cuda_graphs(self) -> bool:
         """CUDA graphs for decode unless enforce_eager; not yet with tensor parallelism, whose ranks would

@@ -7,8 +7,11 @@
 // Each weight is widened to fp32 exactly (s * q is exact: an fp16 times an integer of at most 8 bits fits
 // fp32's mantissa, so adding m rounds once, as gguf's own dequantization does), then summed in
 // linear_tile.h's order. So the result equals linear_few_rows on the dequantized float32 weights, bit for
-// bit, whatever the number of rows, as long as the rows are dequantized in registers or panels:
-// - up to kDirectRows (8) rows of x, weights are dequantized into registers as they are read (memory-bound);
+// bit, whatever the number of rows, as long as the rows are dequantized in registers or panels (and x is
+// not taking the integer dots):
+// - up to kDirectRows (8) rows of x, weights are dequantized into registers as they are read; with 16-bit x
+//   on a CPU with AVX512-VNNI, x is quantized to int8 instead and meets the weights in integer dot products
+//   (linear_int8_dots.h: within a stated bound of the exact product, not bit-equal);
 // - with x in float32, up to kPanelMaxRows, each thread dequantizes a panel of kPanelRows weight rows into
 //   an fp32 scratch that stays in cache, and runs the float tile over every row of x against it
 //   (arithmetic-bound);
@@ -208,17 +211,20 @@ void linear_quantized_impl(const T* x, const uint8_t* q, const c10::Half* scales
   const std::vector<float> xf = widen(x, rows * K);
   const int64_t groups = K / group;
 #ifdef NANOVLLM_INT8_DOTS
-  if (!std::is_same_v<T, float> && rows <= kDirectRows) {
-    std::vector<QuantizedRow> xq;
-    for (int64_t m = 0; m < rows; ++m) xq.push_back(quantize_row<BITS>(xf.data() + m * K, K, group));
-    const std::vector<ChunkGroups> chunks = chunk_groups<BITS>(K, group);
-    at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
-      const int64_t n_begin = begin * 4, n_end = std::min(N, end * 4);
-      std::vector<QRow> w(n_end - n_begin);
-      for (int64_t n = n_begin; n < n_end; ++n) w[n - n_begin] = qrow<BITS>(q, scales, mins, n, K, groups);
-      int8_dot_fn<BITS, T>(rows)(xq.data(), chunks, w.data(), bias, y, n_begin, n_end, N, K, group);
-    });
-    return;
+  if constexpr (!std::is_same_v<T, float>) {  // 16-bit x only: float32 x keeps the exact path
+    if (rows <= kDirectRows) {
+      std::vector<QuantizedRow> xq;
+      for (int64_t m = 0; m < rows; ++m) xq.push_back(quantize_row<BITS>(xf.data() + m * K, K, group));
+      const std::vector<ChunkGroups> chunks = chunk_groups<BITS>(K, group);
+      // Ranges of whole 4-row tiles, 64 rows at least.
+      at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
+        const int64_t n_begin = begin * 4, n_end = std::min(N, end * 4);
+        std::vector<QRow> w(n_end - n_begin);
+        for (int64_t n = n_begin; n < n_end; ++n) w[n - n_begin] = qrow<BITS>(q, scales, mins, n, K, groups);
+        int8_dot_fn<BITS, T>(rows)(xq.data(), chunks, w.data(), bias, y, n_begin, n_end, N, K, group);
+      });
+      return;
+    }
   }
 #endif
 #ifdef NANOVLLM_LINEAR_AVX2

@@ -5,14 +5,12 @@ order as the modules', so the step's result is the same bit for bit; only Python
 from __future__ import annotations
 
 from types import ModuleType
-from typing import TYPE_CHECKING
+
+from torch import nn
 
 from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX
 from nanovllm.worker.layers.linear import ParallelLinear
 from nanovllm.worker.layers.quantization import PackedWeight
-
-if TYPE_CHECKING:
-    from nanovllm.worker.models.decoder import DecoderModel
 
 
 def _projection(kernels: ModuleType, layer: ParallelLinear) -> object:
@@ -31,8 +29,9 @@ def _projection(kernels: ModuleType, layer: ParallelLinear) -> object:
     return kernels.Projection(weight, None, None, None, 0, 0, bias, FEW_ROWS_MAX)
 
 
-def build_decode_layers(model: DecoderModel, kernels: ModuleType) -> object | None:
-    """kernels.DecodeLayers over `model`'s layers, or None while the KV caches are not allocated."""
+def build_decode_layers(model: nn.Module, kernels: ModuleType) -> object | None:
+    """kernels.DecodeLayers over the layers of `model` (a DecoderModel: decoder.py imports this module), or
+    None while the KV caches are not allocated."""
     if any(layer.self_attn.attn.k_cache.numel() == 0 for layer in model.layers):
         return None
     layers = []
