@@ -254,6 +254,45 @@ void linear_quantized_impl(const T* x, const uint8_t* q, const c10::Half* scales
   });
 }
 
+#ifdef __AVX512F__
+// 16 fp32 lanes rounded to nearest even in T, as to<T> rounds them (the tests compare bit for bit).
+inline void store16(c10::BFloat16* out, __m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+inline void store16(c10::Half* out, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// Row `row`'s K weights in 16-bit T, 16 lanes at a time, for the GEMM path: GCC's vectorisation of
+// dequantize_row and the rounding loop took ~13 ms of a 64-row step's 66 ms on SmolLM2's int4
+// projections (AMD EPYC with AVX-512), where bfloat16 weights take 53 ms in all.
+template <int BITS, typename T>
+void dequantize_row_16(const QRow& row, int64_t K, int64_t group, T* out) {
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < K / group; ++g) {
+    const __m512 s = _mm512_set1_ps(load(row.s[g])), m = _mm512_set1_ps(row.m == nullptr ? 0.f : load(row.m[g]));
+    for (int64_t b = g * group; b < (g + 1) * group; b += kBlock) {
+      __m512 first, second;  // weights b .. b + 15 and b + 16 .. b + 31
+      if constexpr (BITS == 8) {
+        const auto* q = reinterpret_cast<const __m128i*>(row.q + b);
+        first = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
+        second = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
+      } else {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row.q + b / 2));
+        const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+        first = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), m);  // s * q exact: one rounding
+        second = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), m);
+      }
+      store16(out + b, first);
+      store16(out + b + 16, second);
+    }
+  }
+}
+#endif
+
 // The whole weight [N, K] in `dtype` (each weight rounded from its exact fp32 value).
 template <int BITS>
 torch::Tensor dequantize_all(const uint8_t* q, const c10::Half* scales, const c10::Half* mins, int64_t N, int64_t K,
@@ -263,6 +302,13 @@ torch::Tensor dequantize_all(const uint8_t* q, const c10::Half* scales, const c1
     using T = decltype(zero);
     T* out = w.data_ptr<T>();
     at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+#ifdef __AVX512F__
+      if constexpr (!std::is_same_v<T, float>) {
+        for (int64_t n = begin; n < end; ++n)
+          dequantize_row_16<BITS, T>(qrow<BITS>(q, scales, mins, n, K, K / group), K, group, out + n * K);
+        return;
+      }
+#endif
       std::vector<float> row(K);
       for (int64_t n = begin; n < end; ++n) {
         dequantize_row<BITS>(qrow<BITS>(q, scales, mins, n, K, K / group), K, group, row.data());
