@@ -131,6 +131,25 @@ inline void qdot_tile(const float* x, int64_t K, int64_t group, const QRow* rows
 }
 #endif
 
+// Output columns [n_begin, n_end) for M rows of x, R weight rows at a time: tile(w, sums) fills sums[m][r]
+// with x[m] . w[r]; the bias is added and each output rounded to T once.
+template <int M, int R, typename T, typename Tile>
+void for_each_tile(const QRow* first, const T* bias, T* y, int64_t n_begin, int64_t n_end, int64_t N, Tile&& tile) {
+  for (int64_t n = n_begin; n < n_end; n += R) {
+    const int rows = static_cast<int>(std::min<int64_t>(R, n_end - n));
+    QRow w[R];
+    for (int r = 0; r < R; ++r) w[r] = first[n - n_begin + std::min(r, rows - 1)];  // a missing row repeats the last
+    float sums[M][R];
+    tile(w, sums);
+    for (int r = 0; r < rows; ++r)
+      for (int m = 0; m < M; ++m) {
+        float s = sums[m][r];
+        if (bias != nullptr) s += load(bias[n + r]);
+        y[m * N + n + r] = to<T>(s);
+      }
+  }
+}
+
 // Output columns [n_begin, n_end) for M (<= kDirectRows) rows of x, weights dequantized as they are read.
 template <int M, int BITS, typename T>
 void direct_rows(const float* x, const QRow* first, const T* bias, T* y, int64_t n_begin, int64_t n_end, int64_t N,
@@ -139,19 +158,8 @@ void direct_rows(const float* x, const QRow* first, const T* bias, T* y, int64_t
   // Two weight rows at a time up to 4 rows of x (4 measured no faster at one row), one above, where the
   // accumulators take the registers.
   constexpr int R = M <= 4 ? 2 : 1;
-  for (int64_t n = n_begin; n < n_end; n += R) {
-    const int rows = static_cast<int>(std::min<int64_t>(R, n_end - n));
-    QRow w[R];
-    for (int r = 0; r < R; ++r) w[r] = first[n - n_begin + std::min(r, rows - 1)];  // a missing row repeats the last
-    float sums[M][R];
-    qdot_tile<M, R, BITS>(x, K, group, w, sums);
-    for (int r = 0; r < rows; ++r)
-      for (int m = 0; m < M; ++m) {
-        float s = sums[m][r];
-        if (bias != nullptr) s += load(bias[n + r]);
-        y[m * N + n + r] = to<T>(s);
-      }
-  }
+  for_each_tile<M, R>(first, bias, y, n_begin, n_end, N,
+                      [&](const QRow* w, float (*sums)[R]) { qdot_tile<M, R, BITS>(x, K, group, w, sums); });
 #else
   (void)x, (void)first, (void)bias, (void)y, (void)n_begin, (void)n_end, (void)N, (void)K, (void)group;
   TORCH_CHECK(false, "linear_quantized: the register path needs AVX2");
@@ -177,19 +185,8 @@ void int8_dot_rows(const QuantizedRow* x, const std::vector<ChunkGroups>& chunks
   // Four weight rows at a time for one or two rows of x, fewer above, where the accumulators take the
   // registers.
   constexpr int R = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
-  for (int64_t n = n_begin; n < n_end; n += R) {
-    const int rows = static_cast<int>(std::min<int64_t>(R, n_end - n));
-    QRow w[R];
-    for (int r = 0; r < R; ++r) w[r] = first[n - n_begin + std::min(r, rows - 1)];  // a missing row repeats the last
-    float sums[M][R];
-    int8_dot_tile<M, R, BITS>(x, chunks, w, K, group, sums);
-    for (int r = 0; r < rows; ++r)
-      for (int m = 0; m < M; ++m) {
-        float s = sums[m][r];
-        if (bias != nullptr) s += load(bias[n + r]);
-        y[m * N + n + r] = to<T>(s);
-      }
-  }
+  for_each_tile<M, R>(first, bias, y, n_begin, n_end, N,
+                      [&](const QRow* w, float (*sums)[R]) { int8_dot_tile<M, R, BITS>(x, chunks, w, K, group, sums); });
 }
 
 template <int BITS, typename T>
