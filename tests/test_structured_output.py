@@ -356,7 +356,9 @@ def _chat(question: str, sampling: generate_pb2.SamplingParams) -> generate_pb2.
 def test_every_constrained_answer_is_valid_through_router_and_worker(smol_service: str):
     """100 JSON-schema requests over 10 schemas, 100 regex and 100 choice requests, half greedy and half at
     temperature 0.8, all at once: every JSON answer parses and validates, every regex answer fullmatches,
-    every choice answer is one of the choices, and each ends with "stop"."""
+    every choice answer is one of the choices, and each ends with "stop". Except: a sampled answer may
+    ramble inside its grammar up to its token limit (a JSON number's digits are unbounded, and a 135M model
+    at temperature 0.8 once wrote 200 tokens of one), which a few of the 150 sampled ones may do."""
     requests, checks = [], []
     for i in range(100):
         what, schema = SCHEMAS[i % len(SCHEMAS)]
@@ -382,9 +384,15 @@ def test_every_constrained_answer_is_valid_through_router_and_worker(smol_servic
             lambda text, options=options: text in options or pytest.fail(f"{text!r} not in {options}")
         )
     results = asyncio.run(_calls(smol_service, requests))
-    for (text, finish, _), check in zip(results, checks):
+    at_limit = 0
+    for request, (text, finish, ids), check in zip(requests, results, checks):
+        if finish == generate_pb2.FINISH_REASON_LENGTH and request.sampling.temperature > 0:
+            assert len(ids) == request.sampling.max_tokens, (text, len(ids))
+            at_limit += 1
+            continue
         assert finish == generate_pb2.FINISH_REASON_STOP, (text, finish)
         check(text)
+    assert at_limit <= 5, at_limit
 
 
 @pytest.mark.parametrize(
