@@ -200,7 +200,8 @@ class AttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Causal attention for a step's queries; this step's K/V are already in the cache."""
+        """Causal attention for a step's queries; this step's K/V are already in the cache. key and value
+        may be None where the backend's fresh() reads them from the cache too (TritonAttention)."""
         spans = meta.segments()
         out = None if len(spans) == 1 else torch.empty_like(query)
         for kind, begin, end in spans:
@@ -208,7 +209,8 @@ class AttentionBackend:
             if kind == "decode":
                 o = self.decode(q, k_cache, v_cache, meta.decode, scale)
             elif kind == "fresh":
-                o = self.fresh(q, key[begin:end], value[begin:end], k_cache, v_cache, meta.fresh, scale)
+                k, v = (None, None) if key is None else (key[begin:end], value[begin:end])
+                o = self.fresh(q, k, v, k_cache, v_cache, meta.fresh, scale)
             else:
                 o = self.cached(q, k_cache, v_cache, meta.cached, scale)
             if out is None:

@@ -104,7 +104,10 @@ def _online_softmax_step(s, v, acc, l_i, m_i, DOT: tl.constexpr, PRECISION: tl.c
     return acc, l_i * alpha + tl.sum(p, 1), m_new
 
 
-@triton.jit
+# A step's block-table width changes from step to step; specialised on it (Triton compiles a variant for
+# integers divisible by 16), a kernel would meet new variants inside a timed run (seen on an H200: a
+# second of compiling in nano-vllm's bench.py workload).
+@triton.jit(do_not_specialize=["stride_table", "tokens_per_split"])
 def _decode_kernel(
     query, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_b, stride_t, stride_h, stride_table,
@@ -221,7 +224,7 @@ def paged_decode_attention(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table"])
 def _prefill_kernel(
     query, k_cache, v_cache, block_tables, query_start_loc, start_positions, out, scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_b, stride_t, stride_h, stride_table,

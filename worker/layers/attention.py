@@ -29,3 +29,8 @@ class Attention(nn.Module):
             self.backend.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return out.flatten(1)
+
+    def attend_cached(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention for a step whose K/V a fused kernel already stored (kernels/triton_layers.py); only for
+        a backend that reads every segment's K/V from the cache. Returns [T, heads * D]."""
+        return self.backend.forward(q, None, None, self.k_cache, self.v_cache, meta, self.scale).flatten(1)

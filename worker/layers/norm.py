@@ -16,10 +16,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        # The C++ CPU kernels (kernels/csrc) when in use: see DecoderForCausalLM.bind_kernels.
+        # The C++ CPU kernels (kernels/csrc) or the fused Triton kernels (kernels/triton_layers.py) when in
+        # use: see DecoderForCausalLM.bind_kernels. Both have rms_norm and add_rms_norm_.
         self.cpu_kernels: ModuleType | None = None
+        self.triton_kernels: ModuleType | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.triton_kernels is not None:
+            return self.triton_kernels.rms_norm(x, self.weight, self.eps)
         if self.cpu_kernels is not None:
             return self.cpu_kernels.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
@@ -30,8 +34,9 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual), reusing both buffers: the caller owns them."""
-        if self.cpu_kernels is not None:
-            self.cpu_kernels.add_rms_norm_(x, residual, self.weight, self.eps)
+        kernels = self.triton_kernels or self.cpu_kernels
+        if kernels is not None:
+            kernels.add_rms_norm_(x, residual, self.weight, self.eps)
             return x, residual
         residual = x.add_(residual)
         return self.forward(residual), residual

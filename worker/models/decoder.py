@@ -51,12 +51,24 @@ class DecoderAttention(nn.Module):
         )
         self.head_dim = d
         self.qk_size = (self.num_heads + self.num_kv_heads) * d
+        self.eps = cfg.rms_norm_eps
         self.cpu_kernels: ModuleType | None = None  # see DecoderForCausalLM.bind_kernels
+        self.triton_kernels: ModuleType | None = None
 
     def forward(
         self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        attn = self.attn
+        if self.triton_kernels is not None and attn.k_cache.numel():
+            # q/k norm, RoPE and the K/V store in one kernel; the attention reads this step's K/V from
+            # the cache like the rest.
+            q = self.triton_kernels.qk_norm_rope_store(
+                qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                self.qk_norm.weight if self.qk_norm is not None else None, self.eps, *rope,
+                attn.k_cache, attn.v_cache, meta.slot_mapping,
+            )  # fmt: skip
+            return self.o_proj(attn.attend_cached(q, meta))
         tokens, d = qkv.shape[0], self.head_dim
         qk = qkv[:, : self.qk_size].view(tokens, -1, d)
         if self.qk_norm is not None:
@@ -76,11 +88,13 @@ class DecoderMLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, tp, quant, f"{prefix}.down_proj")
         self.cpu_kernels: ModuleType | None = None  # see DecoderForCausalLM.bind_kernels
+        self.triton_kernels: ModuleType | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.cpu_kernels is not None:
-            return self.down_proj(self.cpu_kernels.silu_and_mul(gate_up))
+        kernels = self.triton_kernels or self.cpu_kernels
+        if kernels is not None:
+            return self.down_proj(kernels.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
@@ -182,14 +196,23 @@ class DecoderForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
-    def bind_kernels(self, attention: AttentionBackend, cpu_kernels: ModuleType | None) -> None:
+    def bind_kernels(
+        self,
+        attention: AttentionBackend,
+        cpu_kernels: ModuleType | None,
+        triton_kernels: ModuleType | None = None,
+    ) -> None:
         """Run every attention layer on `attention`, and RMSNorm, RoPE, the SwiGLU gate and the few-rows
-        projections on the C++ CPU kernels (kernels/csrc), or on PyTorch when `cpu_kernels` is None."""
+        projections on the C++ CPU kernels (kernels/csrc), or on PyTorch when `cpu_kernels` is None. With
+        `triton_kernels` (kernels/triton_layers.py, for an attention backend that reads a step's K/V from
+        the cache), RMSNorm, SwiGLU and q/k norm + RoPE + KV store run as fused Triton kernels."""
         for attn in self.attention_layers():
             attn.backend = attention
         for module in self.modules():
             if isinstance(module, (RMSNorm, DecoderAttention, DecoderMLP, ParallelLinear, ParallelLMHead)):
                 module.cpu_kernels = cpu_kernels
+            if isinstance(module, (RMSNorm, DecoderAttention, DecoderMLP)):
+                module.triton_kernels = triton_kernels
         # Decode steps as one C++ call: the module path's kernels in its order; not across tensor-parallel
         # ranks, whose all-reduces sit between the kernels.
         use_decode_layers = cpu_kernels is not None and self.tp.size == 1

@@ -1,0 +1,211 @@
+"""Triton kernels that fuse a decoder layer's small ops, bound with the Triton attention backend.
+
+A decode step at batch 1 on an H200 spent more time launching ~21 kernels per layer than computing them:
+RMSNorm was a residual add, a norm and a weight multiply; q/k norm, RoPE and the KV store seven kernels;
+SiLU-and-mul two. Here each is one kernel, so a layer issues its four projections, attention and four of
+these.
+
+Each kernel rounds where the PyTorch modules it replaces round (worker/layers/norm.py, rotary.py): in
+16-bit the normalised value rounds to the dtype before the weight multiplies it, each RoPE product rounds
+before the sum, as transformers computes them; arithmetic in between is fp32. On a CPU they run only in
+Triton's interpreter (the tests); the attention kernels' module decides that (kernels/triton_attention.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Importing the attention kernels first defines every kernel under the same interpreter setting.
+from nanovllm.kernels import triton_attention
+
+_INTERPRETED = tl.constexpr(triton_attention.interpreted())
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr):
+    """fp32 `x` rounded to `dtype`, to nearest, ties to even.
+
+    On a GPU the rounding mode is explicit and the cast is the value's last step: on an H200, rounding
+    an fp32 value to bf16, back to fp32 and then casting it to bf16 to store it gave other bits than the
+    one rounding in 23% of RoPE's sums (the cast pair is folded into a cast of another rounding).
+    Triton's interpreter truncates to bf16 (fp16 it rounds right), so there bf16 is rounded by hand, bit
+    for bit as a GPU rounds, and the cast that follows is exact."""
+    if _INTERPRETED and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        y = bits.to(tl.float32, bitcast=True).to(dtype)
+    elif _INTERPRETED:
+        y = x.to(dtype)
+    else:
+        y = x.to(dtype, fp_downcast_rounding="rtne")
+    return y
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """fp32 `x` rounded to `dtype` and back to fp32, for arithmetic that goes on in fp32 (a GPU matched
+    PyTorch bit for bit on these; only a final cast after one went wrong, see _cast)."""
+    return _cast(x, dtype).to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x, residual, weight, out, stride_x, stride_r, stride_o, n, eps,
+    BLOCK: tl.constexpr, ADD: tl.constexpr, ROUND: tl.constexpr,
+):  # fmt: skip
+    """One row: out = norm(x [+ residual]) * weight; with ADD the sum is written back to `residual`."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    dtype = out.dtype.element_ty
+    v = tl.load(x + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if ADD:
+        v = v + tl.load(residual + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        if ROUND:
+            rounded = _cast(v, dtype)
+            tl.store(residual + row * stride_r + offs, rounded, mask=mask)
+            v = rounded.to(tl.float32)
+        else:
+            tl.store(residual + row * stride_r + offs, v, mask=mask)
+    y = v / tl.sqrt(tl.sum(v * v, axis=0) / n + eps)
+    w = tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
+    if ROUND:
+        tl.store(out + row * stride_o + offs, _cast(_round(y, dtype) * w, dtype), mask=mask)
+    else:
+        tl.store(out + row * stride_o + offs, y * w, mask=mask)
+
+
+def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, out) -> None:
+    rows, n = x.shape
+    if rows == 0:
+        return
+    _rms_norm_kernel[(rows,)](
+        x, residual if residual is not None else x, weight, out,
+        x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), n, eps,
+        BLOCK=triton.next_power_of_2(n), ADD=residual is not None, ROUND=x.dtype != torch.float32,
+    )  # fmt: skip
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the rows of x [T, n] (last dim contiguous) into a new tensor."""
+    out = torch.empty_like(x)
+    _rms_norm(x, None, weight, eps, out)
+    return out
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: residual = x + residual, then x = RMSNorm(residual)."""
+    _rms_norm(x, residual, weight, eps, x)
+
+
+@triton.jit
+def _silu_and_mul_kernel(gate_up, out, stride_in, stride_out, n, BLOCK: tl.constexpr, ROUND: tl.constexpr):
+    row, part = tl.program_id(0), tl.program_id(1)
+    cols = part * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    dtype = out.dtype.element_ty
+    gate = tl.load(gate_up + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up + row * stride_in + n + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = gate / (1.0 + tl.exp(-gate))
+    if ROUND:
+        tl.store(out + row * stride_out + cols, _cast(_round(silu, dtype) * up, dtype), mask=mask)
+    else:
+        tl.store(out + row * stride_out + cols, silu * up, mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of gate_up [T, 2n] = [gate | up], as [T, n]."""
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        block = min(1024, triton.next_power_of_2(n))
+        _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](
+            gate_up,
+            out,
+            gate_up.stride(0),
+            out.stride(0),
+            n,
+            BLOCK=block,
+            ROUND=gate_up.dtype != torch.float32,
+        )
+    return out
+
+
+@triton.jit
+def _qk_rope_store_kernel(
+    qkv, norm_weight, cos, sin, q_out, k_cache, v_cache, slot_mapping,
+    stride_qkv, stride_cos, stride_q, eps,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+    NORM: tl.constexpr, ROUND: tl.constexpr,
+):  # fmt: skip
+    """One token: its q and k heads normalised per head (NORM) and rotated, q written to q_out, k and v
+    to the token's cache slot (a negative slot stores nothing)."""
+    t = tl.program_id(0)
+    dtype = q_out.dtype.element_ty
+    head = tl.arange(0, HEADS_PAD)[:, None]
+    dim = tl.arange(0, DIM_PAD)[None, :]
+    partner = (dim + HEAD_DIM // 2) % HEAD_DIM  # rotate-half pairs dim d with d +- HEAD_DIM / 2
+    mask = (head < NUM_HEADS + NUM_KV_HEADS) & (dim < HEAD_DIM)
+    row = qkv + t * stride_qkv + head * HEAD_DIM
+    x = tl.load(row + dim, mask=mask, other=0.0).to(tl.float32)
+    swapped = tl.load(row + partner, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)
+        x, swapped = x * scale[:, None], swapped * scale[:, None]
+        if ROUND:
+            x, swapped = _round(x, dtype), _round(swapped, dtype)
+        x = x * tl.load(norm_weight + head * HEAD_DIM + dim, mask=mask, other=0.0).to(tl.float32)
+        swapped = swapped * tl.load(norm_weight + head * HEAD_DIM + partner, mask=mask, other=0.0).to(
+            tl.float32
+        )
+        if ROUND:
+            x, swapped = _round(x, dtype), _round(swapped, dtype)
+    c = tl.load(cos + t * stride_cos + dim, mask=dim < HEAD_DIM, other=0.0).to(tl.float32)
+    s = tl.load(sin + t * stride_cos + dim, mask=dim < HEAD_DIM, other=0.0).to(tl.float32)
+    if ROUND:
+        rotated = _cast(_round(x * c, dtype) + _round(swapped * s, dtype), dtype)
+    else:
+        rotated = x * c + swapped * s
+    tl.store(q_out + t * stride_q + head * HEAD_DIM + dim, rotated, mask=mask & (head < NUM_HEADS))
+    slot = tl.load(slot_mapping + t)
+    if slot >= 0:
+        width = NUM_KV_HEADS * HEAD_DIM
+        k_mask = mask & (head >= NUM_HEADS)
+        tl.store(k_cache + slot * width + (head - NUM_HEADS) * HEAD_DIM + dim, rotated, mask=k_mask)
+        kv_head = tl.arange(0, KV_PAD)[:, None]
+        v_mask = (kv_head < NUM_KV_HEADS) & (dim < HEAD_DIM)
+        v = tl.load(qkv + t * stride_qkv + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + dim, mask=v_mask)
+        tl.store(v_cache + slot * width + kv_head * HEAD_DIM + dim, v, mask=v_mask)
+
+
+def qk_norm_rope_store(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """From the QKV projection's output [T, (heads + 2 kv_heads) * head_dim]: q [T, heads, head_dim]
+    normalised per head (Qwen3's q/k norm, with `norm_weight` [heads + kv_heads, head_dim]; None: no norm)
+    and rotated (cos and signed sin [T, 1, head_dim], RotaryEmbedding.lookup); k, likewise, and v stored in
+    the KV cache at `slot_mapping`."""
+    tokens = qkv.shape[0]
+    q = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if tokens:
+        _qk_rope_store_kernel[(tokens,)](
+            qkv, norm_weight if norm_weight is not None else qkv, cos, sin, q, k_cache, v_cache, slot_mapping,
+            qkv.stride(0), cos.stride(0), q.stride(0), eps,
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+            HEADS_PAD=triton.next_power_of_2(num_heads + num_kv_heads), KV_PAD=triton.next_power_of_2(num_kv_heads),
+            DIM_PAD=triton.next_power_of_2(head_dim), NORM=norm_weight is not None, ROUND=qkv.dtype != torch.float32,
+        )  # fmt: skip
+    return q
