@@ -191,6 +191,12 @@ class EngineConfig:
         help="run decode steps eagerly too: no CUDA graphs (they are captured on CUDA only, for decode-only "
         "steps; a CPU always runs eagerly)",
     )
+    async_scheduling: str = option(
+        "auto",
+        help="on: schedule and prepare step N+1 while the device runs step N, feeding N's picks to N+1 on "
+        "the device (the outputs are the synchronous engine's); off: one step at a time; auto: on on CUDA "
+        "with one rank and no speculation, off on a CPU, where the host computes the step itself",
+    )
     tensor_parallel_size: int = option(1, help="ranks to shard the model over")
     enable_prefix_caching: bool = option(
         True, flag="--no-prefix-caching", negate=True, help="turn off reuse of cached prompt prefixes"
@@ -258,6 +264,16 @@ class EngineConfig:
             raise ConfigError(
                 f"dtype {self.dtype!r} is not supported on device {self.device!r}: "
                 f"use auto, float32, bfloat16 or float16"
+            )
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ConfigError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
+        if self.async_scheduling == "on" and (
+            self.tensor_parallel_size > 1 or self.speculative_method != "none"
+        ):
+            raise ConfigError(
+                f"async_scheduling=on needs tensor_parallel_size=1 and speculative_method=none, got "
+                f"{self.tensor_parallel_size} and {self.speculative_method!r}: proposals and other ranks need "
+                "each step's tokens on the host before the next step"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(

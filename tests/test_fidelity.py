@@ -45,7 +45,7 @@ def test_teacher_forced_logits_match(arch_llm, chunk):
     for prompt, logits in zip(prompts, ours):
         ref = hf_logits(path, prompt)
         assert logits.shape == ref.shape
-        torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
+        torch.testing.assert_close(logits.cpu(), ref, atol=1e-4, rtol=0)  # ours may be on a GPU
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 

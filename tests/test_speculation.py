@@ -222,7 +222,7 @@ def test_draft_cache_holds_each_sequences_own_tokens(qwen3_dir, draft_dir):
             cache = reference(torch.tensor([seq.token_ids[:seen]]), use_cache=True).past_key_values
         expected = cache.layers[-1].keys[0].transpose(0, 1)  # [seen, kv_heads, head_dim]
         slots = [seq.block_table[p // block_size] * block_size + p % block_size for p in range(seen)]
-        got = draft.kv_cache[0, -1].flatten(0, 1)[slots]
+        got = draft.kv_cache[0, -1].flatten(0, 1)[slots].cpu()  # the draft's cache may be on a GPU
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         checked += seen - seq.num_prompt_tokens
     assert checked > 0  # output tokens, some after rejected proposals, were compared

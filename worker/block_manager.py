@@ -105,6 +105,8 @@ class BlockManager:
         needed = (
             self.blocks_needed(num_computed + num_new_tokens) - len(seq.block_table) - len(computed_blocks)
         )
+        if needed <= 0 and not computed_blocks:  # a decode within its last block: the common case
+            return True
         revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
         if needed > self.num_free_blocks - revived:
             return False

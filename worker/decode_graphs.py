@@ -23,7 +23,6 @@ from torch import nn
 
 from nanovllm.common.logging import get_logger
 from nanovllm.kernels.attention import AttentionMetadata, DecodeBatch
-from nanovllm.worker.device import to_device
 from nanovllm.worker.step_inputs import StepInputs
 
 log = get_logger(__name__)
@@ -148,29 +147,25 @@ class DecodeGraphs:
             return None
         return self.buckets[bisect.bisect_left(self.buckets, n)]
 
-    def run(self, inputs: StepInputs, size: int) -> torch.Tensor:
-        """The hidden states [len(inputs.decodes), hidden] of a decode-only step, replayed in bucket `size`.
-
-        The step's integers go to the GPU in one host-to-device copy; the padding rows are rewritten each
-        time, since a larger step before may have left real sequences' values in them."""
-        n = len(inputs.decodes)
-        width = max(len(c.block_table) for c in inputs.decodes)
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, size: int
+    ) -> torch.Tensor:
+        """The hidden states [n, hidden] of a decode-only step of n rows (its inputs on the device),
+        replayed in bucket `size`. The padding rows are rewritten each time, since a larger step before
+        may have left real sequences' values in them."""
+        # The tables may carry a padding column past the static buffer's width (BlockTableRows).
+        n, width = input_ids.shape[0], min(meta.decode.block_tables.shape[1], self.block_tables.shape[1])
         pad_id, pad_pos, pad_slot, pad_len, pad_block = self.pad
-        extra = size - n
-        values = [*inputs.input_ids, *[pad_id] * extra, *inputs.positions, *[pad_pos] * extra]
-        values += [*inputs.slot_mapping, *[pad_slot] * extra]
-        values += [*(c.start + 1 for c in inputs.decodes), *[pad_len] * extra]
-        for c in inputs.decodes:
-            values += c.block_table
-            values += [pad_block] * (width - len(c.block_table))
-        values += [pad_block] * (width * extra)
-        staged = to_device(torch.tensor(values, dtype=torch.long), self.device)
-        ids, positions, slots, lens, tables = staged.split([size, size, size, size, size * width])
-        self.input_ids[:size].copy_(ids)
-        self.positions[:size].copy_(positions)
-        self.slot_mapping[:size].copy_(slots)
-        self.context_lens[:size].copy_(lens)
+        for static, real, pad in (
+            (self.input_ids, input_ids, pad_id),
+            (self.positions, positions, pad_pos),
+            (self.slot_mapping, meta.slot_mapping, pad_slot),
+            (self.context_lens, meta.decode.context_lens, pad_len),
+        ):
+            static[:n].copy_(real)
+            static[n:size].fill_(pad)
         # Columns past `width` keep older block ids: every id is a real block, and the context length
         # masks them out.
-        self.block_tables[:size, :width].copy_(tables.view(size, width))
+        self.block_tables[:n, :width].copy_(meta.decode.block_tables[:, :width])
+        self.block_tables[n:size, :width].fill_(pad_block)
         return self.replays[size]()[:n]

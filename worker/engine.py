@@ -5,6 +5,9 @@ This is the API the worker service drives; `LLM` wraps it for offline use.
 
 from __future__ import annotations
 
+import atexit
+import functools
+import gc
 import itertools
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -18,10 +21,10 @@ from nanovllm.common.logging import get_logger
 from nanovllm.common.request_checks import check_prompt, check_resumed_outputs, check_stop_token_ids
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.worker.block_manager import BlockManager
-from nanovllm.worker.model_runner import ModelRunner
+from nanovllm.worker.model_runner import LaunchedStep, ModelRunner
 from nanovllm.worker.sampler import SamplerOutput, SamplingRow, TokenLogprobs
 from nanovllm.worker.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
-from nanovllm.worker.sequence import FinishReason, RequestTimeline, Sequence, SequenceStatus
+from nanovllm.worker.sequence import FinishReason, RequestTimeline, Sequence, SequenceStatus, TokenSlice
 from nanovllm.worker.speculation import propose_ngram
 from nanovllm.worker.structured_output import Grammar, GrammarCompiler, MaskFiller
 
@@ -31,6 +34,21 @@ DRAFT_PLACEHOLDER = 0  # a proposal the draft model has yet to make (LLMEngine._
 # While only constraints are compiling, a step waits this long at most for one to finish, so the thread
 # that drives the engine still takes new commands promptly.
 GRAMMAR_WAIT_S = 0.02
+
+
+def _freeze_what_lasts() -> None:
+    """Move every object that exists now (the model's modules, the tokenizer's tables, the caches'
+    bookkeeping: they live as long as the engine) out of the garbage collector's sight: each full
+    collection walked them all, which at batch 256 made some steps several ms longer
+    (bench/host_overhead.py). They are handed back at exit, so the interpreter's last collection still
+    frees them (extensions such as Triton's report objects left alive then)."""
+    gc.freeze()
+    _unfreeze_at_exit()
+
+
+@functools.cache
+def _unfreeze_at_exit() -> None:
+    atexit.register(gc.unfreeze)
 
 
 @dataclass
@@ -72,23 +90,45 @@ class StepStats:
     num_decode_tokens: int = 0
     num_spec_proposed: int = 0  # speculative decoding: tokens proposed and verified this step
     num_spec_accepted: int = 0  # ... and of those, the ones kept
+    overlapped: bool = False  # a step was launched before the picks of the one before it were applied
     schedule_s: float = 0.0
     draft_s: float = 0.0  # the draft model's proposals (speculative_method=draft)
+    rows_s: float = 0.0  # each sampling sequence's rows for the sampler
     mask_s: float = 0.0  # structured output: the constrained rows' token masks (0 when none)
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
+    wait_s: float = 0.0  # the host waiting for the device's results (on a CPU: nothing, it computed them)
     update_s: float = 0.0
 
     @property
     def overhead_s(self) -> float:
-        return self.schedule_s + self.draft_s + self.mask_s + self.prepare_s + self.sample_s + self.update_s
+        return (
+            self.schedule_s
+            + self.draft_s
+            + self.rows_s
+            + self.mask_s
+            + self.prepare_s
+            + self.sample_s
+            + self.update_s
+        )
 
 
 @dataclass
 class StepResult:
     outputs: list[RequestOutput]  # one per request that advanced or finished this step
     stats: StepStats
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose picks the engine has yet to apply."""
+
+    sched: SchedulerOutput
+    launched: LaunchedStep
+    # The next step may be scheduled and launched before this one's picks are applied: none of its
+    # sequences needs its new token on the host to build the next step (penalties, constraints, proposals).
+    overlappable: bool
 
 
 class LLMEngine:
@@ -109,6 +149,14 @@ class LLMEngine:
         # Requests waiting for their constraint: request id -> (sequence, compiled matcher, deadline).
         self._compiling: dict[str, tuple[Sequence, Future, float]] = {}
         self._masks: MaskFiller | None = None  # built with the first constrained request
+        self.async_scheduling = config.async_scheduling == "on" or (
+            config.async_scheduling == "auto"
+            and self.runner.device.type == "cuda"
+            and config.tensor_parallel_size == 1
+            and config.speculative_method == "none"
+        )
+        self._inflight: _InFlight | None = None
+        _freeze_what_lasts()
 
     def add_request(
         self,
@@ -137,6 +185,7 @@ class LLMEngine:
             params=params,
             priority=priority,
             token_ids=list(prompt_token_ids) + outputs,
+            max_num_tokens=min(len(prompt_token_ids) + params.max_tokens, self.config.max_model_len),
         )
         self.requests[request_id] = seq
         if params.constraint is None:
@@ -153,6 +202,7 @@ class LLMEngine:
         if self._compiling.pop(request_id, None) is not None:  # never scheduled: no blocks
             seq.transition(SequenceStatus.FINISHED_ABORTED)
         else:
+            seq.drop_pending_tokens()
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         self._aborted.append(self._output(seq, []))
         return True
@@ -177,17 +227,29 @@ class LLMEngine:
         )
 
     def step(self) -> StepResult:
-        """Schedule, execute and apply one step: the requests that advanced or finished, and the timings."""
+        """Schedule and launch one step, and apply the results of the step launched before it: the
+        requests that advanced or finished, and the timings.
+
+        Synchronously, a step is applied in the call that launched it. With async scheduling the engine
+        schedules and launches step N+1 before it waits for step N's picks: N+1 takes them on the device,
+        and a request that N finished has its row in N+1 discarded. Each sequence holds the place of its
+        pick in flight (Sequence.num_pending_tokens), so the scheduler sees what it would see after N."""
         outputs, self._aborted = self._aborted, []
+        stats = StepStats()
         t0 = time.perf_counter()
         outputs.extend(self._admit_compiled())
+        if self._inflight is not None and not self._inflight.overlappable:
+            outputs.extend(self._apply_inflight(stats))
         self._propose()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
+        stats.schedule_s = t1 - t0 - stats.update_s - stats.wait_s
         if sched.is_empty:
-            if self._compiling and not outputs:
+            if self._inflight is not None:
+                outputs.extend(self._apply_inflight(stats))
+            elif self._compiling and not outputs:
                 wait([future for _, future, _ in self._compiling.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
-            return StepResult(outputs, StepStats(schedule_s=t1 - t0))
+            return StepResult(outputs, stats)
         if self.config.speculative_method == "draft":
             drafting = [s for s in sched.scheduled if s.spec_token_ids]
             if drafting:
@@ -197,26 +259,50 @@ class LLMEngine:
         t_rows = time.perf_counter()
         masked = self._constrain(sched, rows)
         t_mask = time.perf_counter()
-        result = self.runner.execute(sched, rows)
-        t2 = time.perf_counter()
-        new_outputs, accepted = self._update(sched, result.sampler_output)
-        outputs.extend(new_outputs)
-        t3 = time.perf_counter()
+        launched = self.runner.launch(sched, rows)
+        for item in sched.scheduled:
+            item.seq.num_computed_tokens = item.start + item.num_new_tokens
+            if item.samples and not item.spec_token_ids:
+                item.seq.add_pending_token()
         verified = sum(1 + len(s.spec_token_ids) for s in sched.scheduled if s.spec_token_ids)
-        stats = StepStats(
-            num_prefill_tokens=sched.num_tokens - sched.num_decodes - verified,
-            num_decode_tokens=sched.num_decodes + verified,
-            num_spec_proposed=sum(len(s.spec_token_ids) for s in sched.scheduled),
-            num_spec_accepted=accepted,
-            schedule_s=t1 - t0,
-            draft_s=t_draft - t1,
-            mask_s=t_mask - t_rows if masked else 0.0,
-            prepare_s=result.prepare_s,
-            forward_s=result.forward_s,
-            sample_s=result.sample_s,
-            update_s=t3 - t2,
-        )
+        stats.num_prefill_tokens = sched.num_tokens - sched.num_decodes - verified
+        stats.num_decode_tokens = sched.num_decodes + verified
+        stats.num_spec_proposed = sum(len(s.spec_token_ids) for s in sched.scheduled)
+        stats.draft_s = t_draft - t1
+        stats.rows_s = t_rows - t_draft
+        stats.mask_s = t_mask - t_rows if masked else 0.0
+        stats.prepare_s, stats.forward_s = launched.prepare_s, launched.forward_s
+        stats.sample_s = launched.sample_s
+        previous = self._inflight
+        self._inflight = _InFlight(sched, launched, self.async_scheduling and self._overlappable(sched))
+        if previous is not None:
+            stats.overlapped = True
+            outputs.extend(self._apply(previous, stats))
+        if not self._inflight.overlappable:
+            outputs.extend(self._apply_inflight(stats))
         return StepResult(outputs, stats)
+
+    @staticmethod
+    def _overlappable(sched: SchedulerOutput) -> bool:
+        return not any(
+            s.spec_token_ids or s.seq.grammar is not None or s.seq.params.has_penalties
+            for s in sched.scheduled
+            if s.samples
+        )
+
+    def _apply_inflight(self, stats: StepStats) -> list[RequestOutput]:
+        inflight, self._inflight = self._inflight, None
+        return self._apply(inflight, stats)
+
+    def _apply(self, inflight: _InFlight, stats: StepStats) -> list[RequestOutput]:
+        """Wait for a launched step's picks and apply them."""
+        result = inflight.launched.result()
+        started = time.perf_counter()
+        outputs, accepted = self._update(inflight.sched, result.sampler_output)
+        stats.wait_s += result.wait_s
+        stats.num_spec_accepted += accepted
+        stats.update_s += time.perf_counter() - started
+        return outputs
 
     def _propose(self) -> None:
         """Speculative decoding: proposals for each sequence about to decode, unless the batch is larger
@@ -257,7 +343,9 @@ class LLMEngine:
                 # Under a constraint EOS is the constraint's to allow, exactly when it is complete.
                 eos = () if params.ignore_eos or seq.grammar is not None else tuple(self.eos_token_ids)
                 banned = eos + tuple(params.stop_token_ids)
-            output = seq.output_token_ids + spec[:j] if j else seq.output_token_ids
+            output = (
+                seq.output_token_ids + spec[:j] if j else TokenSlice(seq.token_ids, seq.num_prompt_tokens)
+            )
             rows.append(SamplingRow(params, seq.prompt_token_ids, output, banned))
         return rows
 
@@ -320,32 +408,36 @@ class LLMEngine:
         return True
 
     def _update(self, sched: SchedulerOutput, sampler_out: SamplerOutput) -> tuple[list[RequestOutput], int]:
-        """Apply the step: new tokens, finished requests, blocks for the prefix cache. Also returns how many
-        proposals were accepted."""
-        for item in sched.scheduled:
-            item.seq.num_computed_tokens = item.start + item.num_new_tokens
-            if not item.spec_token_ids:
-                self.block_manager.cache_full_blocks(item.seq)
+        """Apply a step: new tokens in the places their sequences held, finished requests, blocks for the
+        prefix cache. Also returns how many proposals were accepted. A sequence that ended while the step
+        ran (its previous step finished it, or it was aborted) has its picks discarded."""
         outputs = []
         accepted = 0
         picks = iter(zip(sampler_out.token_ids, sampler_out.logprobs))  # the sampler's rows, in order
         for item in sched.scheduled:
-            if not item.samples:
-                continue
             seq, spec = item.seq, item.spec_token_ids
+            if not item.samples:
+                if seq.status is SequenceStatus.RUNNING:
+                    self.block_manager.cache_full_blocks(seq)
+                continue
             drawn = [next(picks) for _ in range(len(spec) + 1)]
+            if seq.status.finished:
+                continue
             new_tokens: list[int] = []
             new_logprobs: list[TokenLogprobs] = []
             status = None
             # Keep each pick while the one before it was the proposal it was computed after: picks past
             # the first rejected proposal were computed after a token the request does not have.
             for j, (token, logprob) in enumerate(drawn):
-                seq.token_ids.append(token)
+                if spec:
+                    seq.token_ids.append(token)
+                else:
+                    seq.resolve_pending_token(token)
                 new_tokens.append(token)
                 if logprob is not None:
                     seq.logprobs.append(logprob)
                     new_logprobs.append(logprob)
-                status = self._stop_status(seq, token)
+                status = self._stop_status(seq, token, seq.num_tokens - seq.num_pending_tokens)
                 if seq.grammar is not None and status is None:
                     status = self._constraint_status(seq, token)
                 if status is not None or j == len(spec) or token != spec[j]:
@@ -355,19 +447,22 @@ class LLMEngine:
                 # The KV of accepted proposals is kept; the cache slots after them are overwritten later.
                 seq.num_computed_tokens = seq.num_tokens - 1
                 seq.num_draft_tokens = min(seq.num_draft_tokens, seq.num_tokens - 1)
+            if seq.status is SequenceStatus.RUNNING:
                 self.block_manager.cache_full_blocks(seq)
             if status is not None:
+                seq.drop_pending_tokens()
                 self.scheduler.finish(seq, status)
                 del self.requests[seq.request_id]
             outputs.append(self._output(seq, new_tokens, new_logprobs))
         return outputs, accepted
 
-    def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
+    def _stop_status(self, seq: Sequence, token: int, num_tokens: int) -> SequenceStatus | None:
+        """Whether `token`, the sequence's token number `num_tokens`, ends it."""
         params = seq.params
         is_stop = (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
-        if is_stop and seq.num_output_tokens >= params.min_tokens:
+        if is_stop and num_tokens - seq.num_prompt_tokens >= params.min_tokens:
             return SequenceStatus.FINISHED_STOPPED
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if num_tokens >= seq.max_num_tokens:
             return SequenceStatus.FINISHED_LENGTH
         return None
 
@@ -393,6 +488,6 @@ class LLMEngine:
             new_logprobs=logprobs or [],
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
-            num_output_tokens=seq.num_output_tokens,
+            num_output_tokens=seq.num_output_tokens - seq.num_pending_tokens,
             timeline=seq.timeline if seq.finish_reason is not None else None,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import time
 from collections import Counter
@@ -17,7 +18,8 @@ from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.kernels.attention import AttentionMetadata, ChunkBatch, DecodeBatch
-from nanovllm.kernels.backends import CpuKernelAttention, select_attention_backend
+from nanovllm.kernels.backends import CpuKernelAttention, TritonAttention, select_attention_backend
+from nanovllm.worker.block_table_rows import BlockTableRows
 from nanovllm.worker.cpu_share import CpuShare
 from nanovllm.worker.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
 from nanovllm.worker.device import resolve_placement, to_device, usable_cpus
@@ -33,7 +35,7 @@ from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, QuantScheme
 from nanovllm.worker.loader import load_safetensors, load_tensors
 from nanovllm.worker.models.decoder import DecoderForCausalLM
-from nanovllm.worker.sampler import Sampler, SamplerOutput, SamplingRow
+from nanovllm.worker.sampler import SampledBatch, Sampler, SamplerOutput, SamplingRow
 from nanovllm.worker.scheduler import ScheduledSequence, SchedulerOutput
 from nanovllm.worker.step_inputs import SeqChunk, StepInputs
 from nanovllm.worker.tensor_parallel import TensorParallelGroup
@@ -55,12 +57,30 @@ def _default_dtype(dtype: torch.dtype):
 class ModelRunnerOutput:
     """One new token for each scheduled sequence whose chunk `samples`, in their order in the
     SchedulerOutput, and where the step's time went (input preparation and sampling are the runner's
-    overhead)."""
+    overhead; `wait_s` is the host waiting for the device's results)."""
 
     sampler_output: SamplerOutput
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
+    wait_s: float = 0.0
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device, its picks on their way to the host: `result()` waits for them. On a
+    CPU everything has run by the time `launch` returns."""
+
+    sampled: SampledBatch | None  # None: no row picks a token (prompt chunks short of their end)
+    prepare_s: float
+    forward_s: float
+    sample_s: float
+
+    def result(self) -> ModelRunnerOutput:
+        started = time.perf_counter()
+        output = self.sampled.result() if self.sampled is not None else SamplerOutput([], [])
+        wait_s = time.perf_counter() - started
+        return ModelRunnerOutput(output, self.prepare_s, self.forward_s, self.sample_s, wait_s)
 
 
 class ModelRunner:
@@ -69,6 +89,8 @@ class ModelRunner:
         (worker/tensor_parallel.py) pass their own TPContext."""
         self.config = config
         self.tp_group: TensorParallelGroup | None = None
+        # The last launched step's picks on the device, and each sampling sequence's row in them.
+        self._picks: tuple[torch.Tensor, dict[int, int]] | None = None
         self.cpu_share: CpuShare | None = None
         self.decode_graphs: DecodeGraphs | None = None
         # Before any rank starts: a device that cannot run the dtype fails here, with nothing to undo.
@@ -121,6 +143,7 @@ class ModelRunner:
         self.weights_bytes = self._cuda_allocated() - baseline
         generator = torch.Generator(self.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
+        self.block_rows = BlockTableRows(self._max_blocks_per_seq(), 2 * config.max_num_seqs)
         self.num_blocks = self._allocate_kv_cache()
         self._bind_kernels()
         if self.tp.rank == 0 and config.weight_format != "none":
@@ -190,11 +213,14 @@ class ModelRunner:
                 self.model,
                 capture,
                 max_num_seqs=self.config.max_num_seqs,
-                max_blocks_per_seq=-(-self.config.max_model_len // self.block_size),
+                max_blocks_per_seq=self._max_blocks_per_seq(),
                 block_size=self.block_size,
                 pad_block=self.pad_block,
                 device=self.device,
             )
+
+    def _max_blocks_per_seq(self) -> int:
+        return -(-self.config.max_model_len // self.block_size)
 
     def _set_cpu_threads(self) -> None:
         """A fixed num_threads is split between the ranks. By default every process that runs a model on
@@ -235,10 +261,13 @@ class ModelRunner:
         if self.tp.rank == 0:
             log.info("attention_backend_selected", backend=self.kernel_backend, reason=choice.reason)
         kernels = choice.backend.kernels if isinstance(choice.backend, CpuKernelAttention) else None
-        self.model.bind_kernels(choice.backend, kernels)
+        fused = None
+        if isinstance(choice.backend, TritonAttention):
+            from nanovllm.kernels import triton_layers as fused  # Triton is imported only where it runs
+        self.model.bind_kernels(choice.backend, kernels, fused)
         self.sampler.cpu_kernels = kernels
         if self.draft is not None:
-            self.draft.model.bind_kernels(choice.backend, kernels)
+            self.draft.model.bind_kernels(choice.backend, kernels, fused)
 
     def _cuda_allocated(self) -> int:
         """Bytes this process holds on the GPU through torch (0 on CPU): differences of it are this
@@ -321,18 +350,33 @@ class ModelRunner:
     def _element_size(self) -> int:
         return torch.tensor([], dtype=self.dtype).element_size()
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, rows: list[SamplingRow]) -> ModelRunnerOutput:
-        """Run one step. `rows` gives sampling state for the sequences whose chunk `samples`, in order."""
+        """Run one step and wait for its picks. `rows` gives sampling state for the sequences whose chunk
+        `samples`, in order."""
+        return self.launch(sched, rows).result()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, rows: list[SamplingRow]) -> LaunchedStep:
+        """Queue one step on the device without waiting for it. A sequence's pending token (the pick of
+        the step launched before this one, Sequence.num_pending_tokens) is taken from that step's picks on
+        the device."""
         t0 = time.perf_counter()
         inputs = self.step_inputs(sched, all_logits=False)
         t1 = time.perf_counter()
         logits = self.forward(inputs)
-        if logits is None:
-            return ModelRunnerOutput(SamplerOutput([], []), t1 - t0, time.perf_counter() - t1)
         t2 = time.perf_counter()
-        output = self.sampler(logits, rows)
-        return ModelRunnerOutput(output, t1 - t0, t2 - t1, time.perf_counter() - t2)
+        if logits is None:
+            self._picks = None
+            return LaunchedStep(None, t1 - t0, t2 - t1, 0.0)
+        sampled = self.sampler.sample(logits, rows)
+        # Each sampling sequence's last row is its pick (the one after any accepted proposals).
+        last_rows, row = {}, -1
+        for item in sched.scheduled:
+            if item.samples:
+                row += 1 + len(item.spec_token_ids)
+                last_rows[item.seq.seq_id] = row
+        self._picks = (sampled.token_ids, last_rows)
+        return LaunchedStep(sampled, t1 - t0, t2 - t1, time.perf_counter() - t2)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -343,23 +387,34 @@ class ModelRunner:
         try:
             if self.tp_group is not None:
                 self.tp_group.send(inputs)
+            input_ids, positions, meta, logits_index = self.tensors(inputs)
+            self._take_pending(input_ids, inputs)
             graphs = self.decode_graphs
             bucket = graphs.bucket(inputs) if graphs is not None else None
             if graphs is not None and bucket is not None:
-                hidden = graphs.run(inputs, bucket)
-                if inputs.logits_index != list(range(len(inputs.decodes))):
-                    hidden = hidden.index_select(0, self._long(inputs.logits_index))
+                hidden = graphs.run(input_ids, positions, meta, bucket)
             else:
-                input_ids, positions, meta, logits_index = self.tensors(inputs)
                 hidden = self.model(input_ids, positions, meta)
-                if not inputs.logits_index:
-                    return None
+            if not inputs.logits_index:
+                return None
+            if inputs.logits_index != list(range(len(inputs.input_ids))):
                 hidden = hidden.index_select(0, logits_index)
             return self.model.compute_logits(hidden).float()
         except RuntimeError as exc:  # a collective failed: say which rank went away, if one did
             if self.tp_group is not None:
                 self.tp_group.raise_if_dead(exc)
             raise
+
+    def _take_pending(self, input_ids: torch.Tensor, inputs: StepInputs) -> None:
+        """Write the previous step's picks into `input_ids` (on the device) where `inputs` defers them."""
+        if not inputs.deferred:
+            return
+        if self._picks is None:
+            raise RuntimeError("a step defers tokens to the picks of a step that picked none")
+        picks, _ = self._picks
+        index = self._long([i for i, _ in inputs.deferred] + [r for _, r in inputs.deferred])
+        flat, rows = index.chunk(2)
+        input_ids.index_copy_(0, flat, picks.index_select(0, rows))
 
     def propose_draft(self, items: list[ScheduledSequence]) -> None:
         """speculative_method=draft: the draft model's proposals for `items` (worker/draft.py)."""
@@ -394,6 +449,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         last_row: dict[int, int] = {}
+        deferred: list[tuple[int, int]] = []
         for item in order:
             seq, start, end = item.seq, item.start, item.start + item.num_new_tokens
             table = seq.block_table
@@ -402,6 +458,8 @@ class ModelRunner:
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             last_row[seq.seq_id] = len(input_ids) - 1
+            if seq.num_pending_tokens:
+                deferred.append((len(input_ids) - 1, self._pending_row(item)))
         if all_logits:
             logits_index = list(range(len(input_ids)))
         else:
@@ -414,7 +472,9 @@ class ModelRunner:
             ]
 
         def chunk(item: ScheduledSequence, start: int, num_new_tokens: int) -> SeqChunk:
-            return SeqChunk(start, num_new_tokens, item.seq.block_table[: -(-(start + num_new_tokens) // bs)])
+            # The sequence's own list where it is the whole table (BlockTableRows keeps its row).
+            table, needed = item.seq.block_table, -(-(start + num_new_tokens) // bs)
+            return SeqChunk(start, num_new_tokens, table if len(table) == needed else table[:needed])
 
         decodes = [
             chunk(s, p, 1)
@@ -429,48 +489,77 @@ class ModelRunner:
             fresh=[chunk(s, s.start, s.num_new_tokens) for s in chunks if s.start == 0],
             cached=[chunk(s, s.start, s.num_new_tokens) for s in chunks if s.start > 0],
             logits_index=logits_index,
+            deferred=deferred,
         )
+
+    def _pending_row(self, item: ScheduledSequence) -> int:
+        """The row of the previous step's picks that holds `item`'s last input token."""
+        seq = item.seq
+        picked = self._picks[1] if self._picks is not None else {}
+        if seq.num_pending_tokens != 1 or item.start + item.num_new_tokens != seq.num_tokens:
+            raise RuntimeError(
+                f"request {seq.request_id!r}: only a decode of its one pending token can be scheduled "
+                f"({seq.num_pending_tokens} pending, positions {item.start}..{item.start + item.num_new_tokens})"
+            )
+        if seq.seq_id not in picked:
+            raise RuntimeError(f"request {seq.request_id!r} waits on a pick the last step did not make")
+        return picked[seq.seq_id]
 
     def tensors(
         self, inputs: StepInputs
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """The model's inputs on this runner's device: token ids, positions, attention metadata, and the
-        rows whose logits are wanted."""
+        rows whose logits are wanted. Two host-to-device copies: the step's integers, and its block tables
+        (one array for the three groups of chunks, each group taking its rows)."""
+        groups = (inputs.decodes, inputs.fresh, inputs.cached)
+        # Each array starts 16-byte aligned in the one staged tensor: Triton compiles a kernel once per
+        # alignment of its pointers, and a step must not meet a new one (a compile costs seconds).
+        segments = [inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_index]
+        segments.append([c.start + 1 for c in inputs.decodes])  # context lengths
+        for chunks in groups[1:]:
+            if chunks:
+                query_start_loc = [0]
+                for c in chunks:
+                    query_start_loc.append(query_start_loc[-1] + c.num_new_tokens)
+                segments += [query_start_loc, [c.start for c in chunks]]
+        values: list[int] = []
+        offsets = []
+        for segment in segments:
+            offsets.append(len(values))
+            values += segment
+            values += [0] * (len(values) % 2)
+        packed = self._long(values)
+        staged = [packed.narrow(0, offset, len(segment)) for offset, segment in zip(offsets, segments)]
+        input_ids, positions, slot_mapping, logits_index, context_lens = staged[:5]
+        chunks = [c for group in groups for c in group]
+        tables = (
+            to_device(self.block_rows.gather([c.block_table for c in chunks]), self.device)
+            if chunks
+            else None
+        )
+        starts = itertools.accumulate(len(group) for group in groups)
+        decode_tables, fresh_tables, cached_tables = (
+            tables[a - len(group) : a] if group else None for a, group in zip(starts, groups)
+        )
+        chunk_tensors = iter(staged[5:])
+
+        def chunk_batch(chunks: list[SeqChunk], block_tables: torch.Tensor) -> ChunkBatch:
+            return ChunkBatch(
+                query_start_loc=next(chunk_tensors),
+                start_positions=next(chunk_tensors),
+                block_tables=block_tables,
+                max_query_len=max(c.num_new_tokens for c in chunks),
+                num_tokens=sum(c.num_new_tokens for c in chunks),
+                block_size=self.block_size,
+            )
+
         meta = AttentionMetadata(
-            slot_mapping=self._long(inputs.slot_mapping),
-            decode=self._decode_batch(inputs.decodes) if inputs.decodes else None,
-            fresh=self._chunk_batch(inputs.fresh) if inputs.fresh else None,
-            cached=self._chunk_batch(inputs.cached) if inputs.cached else None,
+            slot_mapping=slot_mapping,
+            decode=DecodeBatch(decode_tables, context_lens, self.block_size) if inputs.decodes else None,
+            fresh=chunk_batch(inputs.fresh, fresh_tables) if inputs.fresh else None,
+            cached=chunk_batch(inputs.cached, cached_tables) if inputs.cached else None,
         )
-        return (
-            self._long(inputs.input_ids),
-            self._long(inputs.positions),
-            meta,
-            self._long(inputs.logits_index),
-        )
+        return input_ids, positions, meta, logits_index
 
-    def _long(self, values: list[int] | list[list[int]]) -> torch.Tensor:
+    def _long(self, values: list[int]) -> torch.Tensor:
         return to_device(torch.tensor(values, dtype=torch.long), self.device)
-
-    def _decode_batch(self, chunks: list[SeqChunk]) -> DecodeBatch:
-        return DecodeBatch(
-            self._block_tables(chunks), self._long([c.start + 1 for c in chunks]), self.block_size
-        )
-
-    def _chunk_batch(self, chunks: list[SeqChunk]) -> ChunkBatch:
-        query_start_loc = [0]
-        for c in chunks:
-            query_start_loc.append(query_start_loc[-1] + c.num_new_tokens)
-        return ChunkBatch(
-            query_start_loc=self._long(query_start_loc),
-            start_positions=self._long([c.start for c in chunks]),
-            block_tables=self._block_tables(chunks),
-            max_query_len=max(c.num_new_tokens for c in chunks),
-            num_tokens=query_start_loc[-1],
-            block_size=self.block_size,
-        )
-
-    def _block_tables(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """Block tables padded with block 0 to the longest."""
-        width = max(len(c.block_table) for c in chunks)
-        return self._long([c.block_table + [0] * (width - len(c.block_table)) for c in chunks])

@@ -14,7 +14,7 @@ after a failover with its first n tokens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -25,6 +25,7 @@ from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.worker.device import to_device
 
 __all__ = [
+    "SampledBatch",
     "Sampler",
     "SamplerOutput",
     "SamplingRow",
@@ -64,6 +65,32 @@ class TokenLogprobs:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]  # None for rows whose params.logprobs is None
+
+
+class SampledBatch:
+    """A step's picks as the device holds them, their copy to the host already queued.
+
+    `token_ids` stays on the device, where the next step's inputs can take a pick before the host has seen
+    it (overlapped scheduling); `result()` waits for the one copy of everything the host needs."""
+
+    def __init__(
+        self, token_ids: torch.Tensor, packed: torch.Tensor, unpack: Callable[[list], SamplerOutput]
+    ):
+        self.token_ids = token_ids
+        self._unpack = unpack
+        self._ready: torch.cuda.Event | None = None
+        if packed.device.type == "cuda":
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = packed
+
+    def result(self) -> SamplerOutput:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._unpack(self._host.tolist())
 
 
 # --------------------------------------------------------------------------- helpers
@@ -131,19 +158,17 @@ def _masked(logits: torch.Tensor, rows: Sequence[SamplingRow], kernels: ModuleTy
 
 
 def _ban_(work: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """In place: set every banned (row, token) logit to -inf with a single index_put."""
+    """In place: set every banned (row, token) logit to -inf with one index_fill_ over the flat logits
+    (an index_put with a scalar makes the host wait for the device; index_fill_ does not)."""
     vocab = work.shape[1]
-    row_ids: list[int] = []
-    tok_ids: list[int] = []
+    flat: list[int] = []
     for i, row in enumerate(rows):
         for t in row.banned_token_ids:
             if not 0 <= t < vocab:
                 raise ValueError(f"banned token id {t} (row {i}) is outside [0, {vocab})")
-            row_ids.append(i)
-            tok_ids.append(t)
-    if row_ids:
-        index = to_device(torch.tensor([row_ids, tok_ids], dtype=torch.long), work.device)
-        work[index[0], index[1]] = _NEG_INF
+            flat.append(i * vocab + t)
+    if flat:
+        work.view(-1).index_fill_(0, _index(flat, work.device), _NEG_INF)
 
 
 def _penalize_(work: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -292,10 +317,15 @@ class Sampler:
         self.cpu_kernels = cpu_kernels  # the C++ kernels (kernels/cpu_kernels.py) for the constraint masks
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        return self.sample(logits, rows).result()
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampledBatch:
+        """The picks of every row, queued on the logits' device without waiting for it."""
         _check_batch(logits, rows)
         batch = len(rows)
         if batch == 0:
-            return SamplerOutput(token_ids=[], logprobs=[])
+            empty = torch.empty(0, dtype=torch.long, device=logits.device)
+            return SampledBatch(empty, empty, lambda ids: SamplerOutput([], []))
         params = [r.params for r in rows]
         logits = _masked(logits, rows, self.cpu_kernels)
 
@@ -304,13 +334,12 @@ class Sampler:
             p.temperature == 0.0 and p.logprobs is None and not p.has_penalties and not r.banned_token_ids
             for p, r in zip(params, rows)
         ):
-            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * batch)
-
-        work = _prepared(logits, rows)
-        tokens = self._choose(work, rows)
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._choose(_prepared(logits, rows), rows)
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not wanted:
-            return SamplerOutput(token_ids=tokens.tolist(), logprobs=[None] * batch)
+            return SampledBatch(tokens, tokens, lambda ids: SamplerOutput(ids, [None] * batch))
         return _with_logprobs(logits, params, tokens, wanted)
 
     def _choose(self, work: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -350,7 +379,7 @@ class Sampler:
 
 def _with_logprobs(
     logits: torch.Tensor, params: Sequence[SamplingParams], tokens: torch.Tensor, wanted: list[int]
-) -> SamplerOutput:
+) -> SampledBatch:
     """The chosen tokens, and for the rows in `wanted` their logprob and top-N from the raw logits: all of
     it packed into one tensor, so the step waits on the device once (float64 holds token ids exactly)."""
     batch = len(params)
@@ -359,20 +388,24 @@ def _with_logprobs(
     top_n = min(max(params[i].logprobs or 0 for i in wanted), logp.shape[1])
     values, indices = logp.topk(top_n, dim=-1)
     parts = (tokens, chosen, values.flatten(), indices.flatten())
-    host = torch.cat([t.to(torch.float64) for t in parts]).tolist()
-    token_ids = [int(t) for t in host[:batch]]
-    chosen_host = host[batch : batch + len(wanted)]
-    top = host[batch + len(wanted) :]
-    half = len(top) // 2
-    out: list[TokenLogprobs | None] = [None] * batch
-    for j, i in enumerate(wanted):
-        n = params[i].logprobs or 0
-        row_vals = top[j * top_n : j * top_n + n]
-        row_ids = top[half + j * top_n : half + j * top_n + n]
-        out[i] = TokenLogprobs(
-            token_id=token_ids[i],
-            logprob=chosen_host[j],
-            # Tokens a constraint disallows (logprob -inf) are not among the most likely.
-            top=[(int(t), v) for t, v in zip(row_ids, row_vals) if v != _NEG_INF],
-        )
-    return SamplerOutput(token_ids=token_ids, logprobs=out)
+    packed = torch.cat([t.to(torch.float64) for t in parts])
+
+    def unpack(host: list[float]) -> SamplerOutput:
+        token_ids = [int(t) for t in host[:batch]]
+        chosen_host = host[batch : batch + len(wanted)]
+        top = host[batch + len(wanted) :]
+        half = len(top) // 2
+        out: list[TokenLogprobs | None] = [None] * batch
+        for j, i in enumerate(wanted):
+            n = params[i].logprobs or 0
+            row_vals = top[j * top_n : j * top_n + n]
+            row_ids = top[half + j * top_n : half + j * top_n + n]
+            out[i] = TokenLogprobs(
+                token_id=token_ids[i],
+                logprob=chosen_host[j],
+                # Tokens a constraint disallows (logprob -inf) are not among the most likely.
+                top=[(int(t), v) for t, v in zip(row_ids, row_vals) if v != _NEG_INF],
+            )
+        return SamplerOutput(token_ids=token_ids, logprobs=out)
+
+    return SampledBatch(tokens, packed, unpack)

@@ -29,12 +29,13 @@ class ScheduledSequence:
     num_new_tokens: int
     # Proposed tokens computed after the sequence's last one (counted in num_new_tokens), to be verified.
     spec_token_ids: list[int] = field(default_factory=list)
+    # True when this chunk reaches the end of the sequence's tokens as scheduled, so its last logits pick a
+    # new token (with proposals: the logits at the last token and at each proposal pick one each). Fixed
+    # here: the step appends its pick's place to the sequence when it is launched.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens, so its last logits pick a new token
-        (with proposals: the logits at the last known token and at each proposal pick one each)."""
-        return self.start + self.num_new_tokens - len(self.spec_token_ids) == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_new_tokens - len(self.spec_token_ids) == self.seq.num_tokens
 
 
 @dataclass
@@ -70,12 +71,17 @@ class Scheduler:
         preempted: list[Sequence] = []
         scheduled_ids: set[int] = set()
 
-        order = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.sort_key))
+        # Decodes first, then chunks; each part in the running list's (priority) order.
+        order = [s for s in self.running if s.num_uncomputed_tokens <= 1]
+        if len(order) < len(self.running):
+            order += [s for s in self.running if s.num_uncomputed_tokens > 1]
         for seq in order:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if seq.num_pending_tokens and seq.num_tokens >= seq.max_num_tokens:
+                continue  # the pick of the step in flight is its last: nothing follows it
             num_new = min(seq.num_uncomputed_tokens, budget)
             # A decode with proposals computes them too, when the budget and free blocks allow: a chunk
             # continuing the sequence, with the prefill chunks.

@@ -4,12 +4,32 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
 from nanovllm.common.errors import InvalidStateTransition
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.worker.sampler import TokenLogprobs
 from nanovllm.worker.structured_output import Grammar
+
+
+class TokenSlice(SequenceABC):
+    """tokens[start:] of a list that grows, without copying it: a sequence's outputs as a sampling row
+    sees them, built every step for every row (a copy would cost the sequence's length each time)."""
+
+    __slots__ = ("_start", "_stop", "_tokens")
+
+    def __init__(self, tokens: list[int], start: int) -> None:
+        self._tokens, self._start, self._stop = tokens, start, len(tokens)
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def __getitem__(self, index):
+        return self._tokens[self._start : self._stop][index]
+
+
+PENDING_TOKEN = -1  # the place of a token a step in flight is picking (Sequence.num_pending_tokens)
 
 
 class FinishReason(str, enum.Enum):
@@ -30,7 +50,8 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISHED
+        # Identity, not `in _FINISHED`: hashing an enum member runs Python code, and this is per row.
+        return self is not SequenceStatus.RUNNING and self is not SequenceStatus.WAITING
 
 
 _FINISHED = {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED}
@@ -90,11 +111,19 @@ class Sequence:
     num_draft_tokens: int = 0  # tokens whose KV the draft model holds (worker/draft.py)
     grammar: Grammar | None = None  # structured output: where the request is in its constraint
     timeline: RequestTimeline = field(default_factory=RequestTimeline)
+    # The last tokens of `token_ids` that a step in flight is picking: their places are held (by
+    # PENDING_TOKEN) so the next step can be scheduled before the host knows them (LLMEngine.step).
+    num_pending_tokens: int = 0
+    # The most tokens it can reach: the prompt and max_tokens outputs, within max_model_len (the engine
+    # sets it; 0 here means the prompt and max_tokens alone).
+    max_num_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        if not self.max_num_tokens:
+            self.max_num_tokens = self.num_prompt_tokens + self.params.max_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -107,6 +136,21 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    def add_pending_token(self) -> None:
+        self.token_ids.append(PENDING_TOKEN)
+        self.num_pending_tokens += 1
+
+    def resolve_pending_token(self, token: int) -> None:
+        """The first pending token is now known."""
+        self.token_ids[len(self.token_ids) - self.num_pending_tokens] = token
+        self.num_pending_tokens -= 1
+
+    def drop_pending_tokens(self) -> None:
+        """Forget the places of picks still in flight: the request ended before them."""
+        if self.num_pending_tokens:
+            del self.token_ids[-self.num_pending_tokens :]
+            self.num_pending_tokens = 0
 
     @property
     def num_uncomputed_tokens(self) -> int:

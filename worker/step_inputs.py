@@ -3,7 +3,7 @@ what rank 0 sends to the other tensor-parallel ranks each step (one int64 tensor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,9 +27,14 @@ class StepInputs:
     fresh: list[SeqChunk]
     cached: list[SeqChunk]
     logits_index: list[int]  # rows of the flat arrays whose logits are computed (sampled or inspected)
+    # (row of input_ids, row of the previous step's picks): tokens still on the device, written there
+    # before the forward pass (overlapped scheduling); input_ids holds a placeholder at those rows.
+    deferred: list[tuple[int, int]] = field(default_factory=list)
 
     def pack(self) -> torch.Tensor:
         """[counts..., input_ids, positions, slot_mapping, (start, n, len, *table) per chunk, logits_index]"""
+        if self.deferred:
+            raise RuntimeError("a step whose tokens are still on rank 0's device cannot go to other ranks")
         groups = (self.decodes, self.fresh, self.cached)
         values = [len(self.input_ids), *(len(g) for g in groups), len(self.logits_index)]
         values += self.input_ids + self.positions + self.slot_mapping
