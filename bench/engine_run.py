@@ -13,6 +13,7 @@ from pathlib import Path
 from bench.workload import Workload, greedy, make_workload
 from nanovllm import LLM
 from nanovllm.common.config import ModelConfig
+from nanovllm.worker.device import resolve_placement
 from nanovllm.worker.engine import StepResult
 
 
@@ -90,7 +91,8 @@ def build_llm(model_dir: Path, workload: Workload, args: argparse.Namespace) -> 
     max_model_len = max(1024, longest + 1)
     block = 16  # EngineConfig.kvcache_block_size default
     blocks = sum(math.ceil((len(p) + n) / block) + 1 for p, n in zip(workload.prompts, workload.output_lens))
-    bytes_per_block = 2 * cfg.num_hidden_layers * block * cfg.num_key_value_heads * cfg.head_dim * 4  # fp32
+    element = resolve_placement(getattr(args, "device", "auto"), args.dtype).dtype.itemsize
+    bytes_per_block = 2 * cfg.num_hidden_layers * block * cfg.num_key_value_heads * cfg.head_dim * element
     kv_bytes = max(2 * 2**30, int(blocks * bytes_per_block * 1.1))
     return LLM(
         str(model_dir),

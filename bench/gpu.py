@@ -50,7 +50,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from bench.baselines import load_hf
-from bench.engine_run import nanovllm_single_stream
+from bench.engine_run import nanovllm_single_stream, record_steps
 from bench.models import SHAPES
 from bench.report import machine_description
 from nanovllm import LLM, SamplingParams
@@ -102,9 +102,9 @@ def make_workload(num_seqs: int, max_input_len: int, max_output_len: int, min_le
     return Workload(prompts, params)
 
 
-def build_model(out_dir: Path, layers: int | None, tiny: bool) -> Path:
-    """Qwen3-0.6B's shape (bench/models.py) with seeded random weights, saved by transformers in bf16."""
-    config_cls, shape = SHAPES["qwen3-0.6b"]
+def build_model(out_dir: Path, layers: int | None, tiny: bool, shape_name: str = "qwen3-0.6b") -> Path:
+    """A Qwen3 shape (bench/models.py) with seeded random weights, saved by transformers in bf16."""
+    config_cls, shape = SHAPES[shape_name]
     shape = {**shape, **(TINY if tiny else {}), **({"num_hidden_layers": layers} if layers else {})}
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config_cls(**shape), dtype=torch.bfloat16).save_pretrained(out_dir)
@@ -126,6 +126,32 @@ def kv_cache_bytes(cfg: ModelConfig, workload: Workload, dtype: torch.dtype, blo
         * cfg.head_dim
         * dtype.itemsize
     )
+
+
+def decode_bytes_per_token(cfg: ModelConfig, context: int, element: int) -> int:
+    """Bytes one decode step of one sequence must read: every weight once (of the embedding only the
+    token's row; the LM head whole, tied or not) and the KV cache of `context` tokens."""
+    hidden, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    qkv_o = hidden * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    layer = qkv_o + 3 * hidden * inter
+    weights = cfg.num_hidden_layers * layer + cfg.vocab_size * hidden
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * d * context
+    return (weights + kv) * element
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2**31) -> float:
+    """Bytes per second a device-to-device copy moves (read + write), the best of 5: the memory-bound
+    limit one stream's decode is held against."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = math.inf
+    for _ in range(5):
+        sync(device)
+        started = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - started)
+    return 2 * nbytes / best
 
 
 def sync(device: torch.device) -> None:
@@ -150,25 +176,42 @@ def build_llm(args: argparse.Namespace, model_dir: Path, workload: Workload, dty
         dtype=args.dtype,
         enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
+        async_scheduling=args.async_scheduling,
     )
-    # Prefill lengths 16..816, sampled decode at batch 8 down to 1, one greedy request.
+    # Prefill lengths 16..816, sampled decode at batch 8 down to 1, one greedy request; then the workload's
+    # own prompts, two tokens each: its prefill steps' shapes, so that no Triton kernel is compiled inside
+    # the timed run (on a fresh H200 one was: a second in the first run, none once cached).
     rng = random.Random(1234)
     warm = [[rng.randint(0, 10000) for _ in range(16 + 100 * i)] for i in range(9)]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=8 * (i + 1)) for i in range(8)]
     params.append(SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8))
     llm.generate(warm, params, use_tqdm=False)
+    two = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=2)
+    llm.generate(workload.prompts, [two] * len(workload.prompts), use_tqdm=False)
     return llm
 
 
-def timed_generate(llm: LLM, workload: Workload, device: torch.device) -> float:
-    """Output tok/s of one LLM.generate over the workload; checks every request got its max_tokens."""
+def timed_generate(llm: LLM, workload: Workload, device: torch.device, breakdown: bool = False) -> float:
+    """Output tok/s of one LLM.generate over the workload; checks every request got its max_tokens. With
+    `breakdown`, prints where the wall time went: steps with prompt tokens, decode-only steps by batch."""
     sync(device)
-    t0 = time.perf_counter()
-    outputs = llm.generate(workload.prompts, workload.params, use_tqdm=False)
-    sync(device)
-    wall = time.perf_counter() - t0
+    with record_steps(llm) as steps:
+        t0 = time.perf_counter()
+        outputs = llm.generate(workload.prompts, workload.params, use_tqdm=False)
+        sync(device)
+        wall = time.perf_counter() - t0
     if [len(o["token_ids"]) for o in outputs] != [p.max_tokens for p in workload.params]:
         raise RuntimeError("nanovllm generated a different number of tokens than requested")
+    if breakdown:
+        prefill = [s for s in steps if s.prefill_tokens]
+        parts = [f"{len(steps)} steps in {sum(s.wall_s for s in steps):.2f} of {wall:.2f} s"]
+        parts.append(f"{len(prefill)} with prompt tokens: {sum(s.wall_s for s in prefill):.2f} s")
+        for lo, hi in ((1, 16), (17, 64), (65, 128), (129, 256), (257, 512)):
+            part = [s for s in steps if not s.prefill_tokens and lo <= s.decode_tokens <= hi]
+            if part:
+                ms = 1e3 * sum(s.wall_s for s in part) / len(part)
+                parts.append(f"decode batch {lo}-{hi}: {len(part)} steps, {ms:.2f} ms/step")
+        print("    " + "; ".join(parts))
     return workload.output_tokens / wall
 
 
@@ -325,7 +368,13 @@ def hf_single_stream(model: torch.nn.Module, prompt: list[int], new_tokens: int)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, help="a Hugging Face model dir (default: random Qwen3-0.6B shape)")
+    p.add_argument("--model", type=Path, help="a Hugging Face model dir (default: a random --shape)")
+    p.add_argument(
+        "--shape",
+        default="qwen3-0.6b",
+        choices=[name for name in SHAPES if name.startswith("qwen3")],
+        help="the random model's shape",
+    )
     p.add_argument("--layers", type=int, help="layer count of the random model (default 28)")
     p.add_argument(
         "--tiny", action="store_true", help="random model with hidden 128, vocab 10240 (CPU smoke)"
@@ -339,6 +388,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="default: off on CUDA (as bench.py), on on CPU",
     )
+    p.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--num-seqs", type=int, default=DEFAULT_SIZES[0])
     p.add_argument("--max-input-len", type=int, default=DEFAULT_SIZES[1])
     p.add_argument("--max-output-len", type=int, default=DEFAULT_SIZES[2])
@@ -381,9 +431,9 @@ def main(argv: list[str] | None = None) -> None:
     single_prompt = [rng.randint(0, 10000) for _ in range(args.single_prompt)]
 
     with tempfile.TemporaryDirectory(prefix="nanovllm-gpu-bench-") as tmp:
-        model_dir = args.model or build_model(Path(tmp), args.layers, args.tiny)
+        model_dir = args.model or build_model(Path(tmp), args.layers, args.tiny, args.shape)
         cfg = ModelConfig.from_pretrained_dir(model_dir)
-        model_desc = f"{args.model or 'random Qwen3-0.6B shape' + (' (tiny)' if args.tiny else '')}: " + (
+        model_desc = f"{args.model or f'random {args.shape} shape' + (' (tiny)' if args.tiny else '')}: " + (
             f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}"
         )
         print(f"model: {model_desc}")
@@ -392,9 +442,9 @@ def main(argv: list[str] | None = None) -> None:
         backend = llm.engine.runner.kernel_backend
         print(
             f"nanovllm: {placement.dtype_name} on {device}, attention backend {backend}, "
-            f"enforce_eager {args.enforce_eager}"
+            f"enforce_eager {args.enforce_eager}, async scheduling {llm.engine.async_scheduling}"
         )
-        tps = timed_generate(llm, workload, device)
+        tps = timed_generate(llm, workload, device, breakdown=True)
         print(f"[1] nanovllm LLM.generate: {workload.output_tokens:,} output tokens, {tps:,.1f} tok/s")
         window = decode_window(llm, workload, args.profile_steps, device)
         ms_per_step = 1e3 * window.wall_s / max(window.steps, 1)
@@ -439,6 +489,16 @@ def main(argv: list[str] | None = None) -> None:
         f"[4] one stream, prompt {args.single_prompt}, {args.single_new_tokens} new tokens, greedy, decode "
         f"only, tok/s: nanovllm / transformers: {ratio(nano_single, hf_single)}"
     )
+    if device.type == "cuda":
+        context = args.single_prompt + args.single_new_tokens // 2
+        per_token = decode_bytes_per_token(cfg, context, dtype.itemsize)
+        bandwidth = copy_bandwidth(device)
+        limit = bandwidth / per_token
+        print(
+            f"    one stream reads {per_token / 1e9:.3f} GB a token; at the copy bandwidth measured here, "
+            f"{bandwidth / 1e12:.2f} TB/s, the limit is {limit:,.0f} tok/s: nanovllm runs at "
+            f"{nano_single / limit:.1%} of it"
+        )
 
     print(
         f"[5] sampler at batch {args.sampler_batch}, vocab {cfg.vocab_size}, temperature 0.6: "

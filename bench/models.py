@@ -62,6 +62,24 @@ SHAPES: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
         },
     ),
 }
+# The larger Qwen3 dense models differ from 0.6B in these fields only.
+for _name, _sizes in {
+    "qwen3-1.7b": {"hidden_size": 2048, "intermediate_size": 6144},
+    "qwen3-4b": {
+        "hidden_size": 2560,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "intermediate_size": 9728,
+    },
+    "qwen3-8b": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "intermediate_size": 12288,
+        "tie_word_embeddings": False,
+    },
+}.items():
+    SHAPES[_name] = (Qwen3Config, {**SHAPES["qwen3-0.6b"][1], **_sizes})
 
 
 def build_config(shape: str) -> PretrainedConfig:

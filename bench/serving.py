@@ -106,6 +106,8 @@ def run_offline(
     ]
     del llm
     gc.collect()
+    if torch.cuda.is_available():  # the worker started next needs the GPU memory this engine held
+        torch.cuda.empty_cache()
     token_ids = [o["token_ids"] for o in outputs]
     total = sum(len(t) for t in token_ids)
     return Result("offline", len(workload), len(workload), total, wall), token_ids, engine_flags
