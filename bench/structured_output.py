@@ -13,7 +13,10 @@ per schema, and the time to compute one step's masks at batch 1 and 64 while wal
 masks' application to the logits is the engine's own, the same for both), on SmolLM2's vocabulary (49,152) and, with --qwen-tiktoken FILE (Qwen's 151,643 BPE ranks, e.g.
 `dashscope/resources/qwen.tiktoken` from PyPI's dashscope wheel), on Qwen's 151,936-token vocabulary.
 
-    .venv/bin/python -m bench.structured_output [--rounds 2] [--libraries] [--qwen-tiktoken FILE]
+**Whitespace** (--whitespace): 300 sampled JSON answers (the test's schemas at temperatures 0.7, 1.0 and
+1.3), compact JSON against any whitespace between tokens: how many run to max_tokens.
+
+    .venv/bin/python -m bench.structured_output [--rounds 2] [--libraries] [--qwen-tiktoken FILE] [--whitespace]
 """
 
 from __future__ import annotations
@@ -140,6 +143,48 @@ class RankedVocabulary:
         return ids
 
 
+def whitespace_study() -> None:
+    """300 sampled JSON-schema requests (the test's 10 schemas at temperatures 0.7, 1.0 and 1.3, ten seeds
+    each, max_tokens 256), compact JSON (the default) against any whitespace between tokens: how many end
+    at max_tokens, and how many answers do not validate."""
+    import jsonschema
+
+    model = prepare_gguf(embedded_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    llm = LLM(str(model), max_model_len=1024)
+    for free in (False, True):
+        prompts, params = [], []
+        for i in range(300):
+            what, schema = SCHEMAS[i % len(SCHEMAS)]
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": f"Give me {what} as JSON (example {i})."}],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+            prompts.append(tokenizer.encode(text, add_special_tokens=False))
+            temperature = (0.7, 1.0, 1.3)[i // 100]
+            params.append(
+                SamplingParams(
+                    temperature=temperature,
+                    seed=i,
+                    max_tokens=256,
+                    json_schema=schema,
+                    json_free_whitespace=free,
+                )
+            )
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        at_limit = sum(o["finish_reason"] == "length" for o in outputs)
+        invalid = 0
+        for o, i in zip(outputs, range(300)):
+            try:
+                jsonschema.validate(json.loads(o["text"]), SCHEMAS[i % len(SCHEMAS)][1])
+            except (ValueError, jsonschema.ValidationError):
+                invalid += 1
+        tokens = sum(len(o["token_ids"]) for o in outputs)
+        label = "any whitespace" if free else "compact (default)"
+        print(f"| {label} | {at_limit} | {invalid} | {tokens / 300:.1f} |", flush=True)
+
+
 def median_time(f: Callable[[], object], repeat: int = 5) -> float:
     times = []
     for _ in range(repeat):
@@ -259,9 +304,19 @@ def main() -> None:
     parser.add_argument("--libraries", action="store_true", help="also compare llguidance and xgrammar")
     parser.add_argument("--qwen-tiktoken", type=Path, help="Qwen's tiktoken ranks: adds the 152k vocabulary")
     parser.add_argument("--skip-batch", action="store_true", help="only the library comparison")
+    parser.add_argument(
+        "--whitespace",
+        action="store_true",
+        help="also 300 sampled JSON answers, compact against free whitespace",
+    )
     args = parser.parse_args()
     if not args.skip_batch:
         engine_comparison(args.rounds)
+    if args.whitespace:
+        print(f"\n{datetime.datetime.now().isoformat(timespec='seconds')}, {machine_description()}")
+        print("| JSON whitespace | of 300 at max_tokens | do not validate | tokens per answer |")
+        print("|---|---:|---:|---:|")
+        whitespace_study()
     if args.libraries:
         print()
         libraries(args.qwen_tiktoken)

@@ -26,6 +26,10 @@ class SamplingParams:
     dialect) or choice (one of these strings). The output then matches it; EOS is
     allowed exactly when it is complete, and a constrained request ends ("stop") as
     soon as nothing can follow. Reaching max_tokens first ends it with "length".
+    JSON (json_schema, json_object) is compact by default: ", " and ": " between its
+    tokens and no other whitespace, so a sampled answer cannot wander into blank space
+    until max_tokens; json_free_whitespace allows any whitespace between tokens
+    (pretty-printed output). A schema's own "x-guidance" options (llguidance's) win.
     """
 
     temperature: float = 1.0
@@ -46,6 +50,7 @@ class SamplingParams:
     regex: str | None = None
     grammar: str | None = None
     choice: list[str] | None = None
+    json_free_whitespace: bool = False
 
     MAX_LOGPROBS = 20
     # Logits are divided by these: below MIN_DIVISOR a logit of ~30 overflows float32 to inf (1e-45 made
@@ -123,6 +128,11 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 self._check(isinstance(value, str) and value.strip() != "", name, "must be non-empty text")
+        self._check(
+            not self.json_free_whitespace or self.json_schema is not None or self.json_object,
+            "json_free_whitespace",
+            "applies to json_schema and json_object only",
+        )
 
     @staticmethod
     def _check(ok: bool, name: str, message: str) -> None:
@@ -134,17 +144,19 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
-    def constraint(self) -> tuple[str, str] | None:
-        """(kind, spec) of the structured-output constraint, or None: kind is a CONSTRAINTS name and spec
-        its text (choice as a JSON list), so the pair identifies the constraint for a cache."""
+    def constraint(self) -> tuple[str, str, bool] | None:
+        """(kind, spec, free whitespace) of the structured-output constraint, or None: kind is a
+        CONSTRAINTS name and spec its text (choice as a JSON list), so the triple identifies the
+        constraint for a cache."""
+        free = self.json_free_whitespace
         if self.json_object:
-            return "json_object", ""
+            return "json_object", "", free
         if self.choice is not None:
-            return "choice", json.dumps(self.choice, ensure_ascii=False)
+            return "choice", json.dumps(self.choice, ensure_ascii=False), False
         for name in ("json_schema", "regex", "grammar"):
             value = getattr(self, name)
             if value is not None:
-                return name, value
+                return name, value, free
         return None
 
     @property

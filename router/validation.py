@@ -210,4 +210,5 @@ def _sampling_params(s: generate_pb2.SamplingParams, room: int) -> SamplingParam
         regex=s.regex if s.HasField("regex") else None,
         grammar=s.grammar if s.HasField("grammar") else None,
         choice=list(s.choice.choices) if s.HasField("choice") else None,
+        json_free_whitespace=s.json_free_whitespace,
     )

@@ -26,14 +26,24 @@ log = get_logger(__name__)
 CACHE_SIZE = 256
 
 
-def grammar_text(kind: str, spec: str) -> str:
-    """The llguidance grammar for a constraint (kind, spec) as SamplingParams.constraint gives it."""
+# JSON as json.dumps writes it, on one line. llguidance's default lets any whitespace stand between two
+# JSON tokens, and a small model sampling at temperature 0.7-1.3 wandered into it until max_tokens (1 of
+# 29 answers of the embedded SmolLM2): with only these separators every answer reaches its end. A single
+# space after "," and ":" keeps the text as readable as Python's default output.
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+FREE_WHITESPACE_JSON = {"whitespace_flexible": True}
+
+
+def grammar_text(kind: str, spec: str, free_whitespace: bool = False) -> str:
+    """The llguidance grammar for a constraint (kind, spec, free_whitespace) as
+    SamplingParams.constraint gives it."""
     from llguidance import LLMatcher
 
-    if kind == "json_schema":
-        return LLMatcher.grammar_from_json_schema(spec)
-    if kind == "json_object":
-        return LLMatcher.grammar_from_json_schema('{"type": "object"}')
+    if kind in ("json_schema", "json_object"):
+        # A schema's own "x-guidance" options come after these defaults, so they win.
+        schema = spec if kind == "json_schema" else '{"type": "object"}'
+        defaults = FREE_WHITESPACE_JSON if free_whitespace else COMPACT_JSON
+        return LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
     if kind == "regex":
         return LLMatcher.grammar_from_regex(spec)
     if kind == "grammar":
@@ -56,10 +66,10 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._pool: ThreadPoolExecutor | None = None
-        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._tokenizer = None  # llguidance's, built by the compile thread on first use
 
-    def compile(self, constraint: tuple[str, str]) -> Future:
+    def compile(self, constraint: tuple[str, str] | tuple[str, str, bool]) -> Future:
         """A future of the compiled matcher (never advanced: copy it per request), or of the RequestError
         that names what is wrong with the constraint."""
         future = self._cache.get(constraint)
@@ -78,11 +88,11 @@ class GrammarCompiler:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _compile(self, kind: str, spec: str):
+    def _compile(self, kind: str, spec: str, free_whitespace: bool = False):
         from llguidance import LLMatcher
 
         try:
-            grammar = grammar_text(kind, spec)
+            grammar = grammar_text(kind, spec, free_whitespace)
         except ValueError as exc:  # llguidance: the schema is not JSON
             raise RequestError(f"SamplingParams.{kind} does not compile: {exc}") from None
         matcher = LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
