@@ -3,33 +3,17 @@
 from __future__ import annotations
 
 import signal
-import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
+from tests.metrics import scrape, value
 from tests.services import library_errors, start_router, start_worker, wait_serving
 
 CALL_TIMEOUT_S = 120.0
-
-
-def scrape(address: str) -> dict[tuple[str, tuple], float]:
-    """Every sample of a /metrics endpoint, keyed by (name, sorted labels)."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def value(samples: dict, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def request(text: str, max_tokens: int) -> generate_pb2.GenerateRequest:

@@ -8,7 +8,6 @@ import asyncio
 import re
 import signal
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +16,7 @@ import grpc
 import pytest
 
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
+from tests.metrics import scrape, total, value
 from tests.services import ServerProcess, start_router, start_worker, wait_idle, wait_serving
 
 CALL_TIMEOUT_S = 120.0
@@ -102,11 +102,6 @@ def _wait_for_workers(router: str, count: int, timeout: float = 60.0) -> None:
             time.sleep(0.02)
 
 
-def _metric(metrics_address: str, name: str) -> float:
-    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
-
-
 @contextmanager
 def _held_streams(
     model: Path, tmp_path: Path, *router_flags: str, worker_flags: tuple[str, ...] = ()
@@ -154,7 +149,7 @@ def test_streams_resume_token_identical_when_their_worker_is_killed(
     with _held_streams(qwen3_dir, tmp_path, worker_flags=flags) as (_, b, router, kill_a):
         results, at_kill = asyncio.run(_run(router.address, kill_when=4, kill=kill_a, regex=regex))
         assert all(4 <= n < MAX_TOKENS for n in at_kill), at_kill  # every stream was cut mid-generation
-        assert _metric(router.metrics_address, "nanovllm:request_resumes_total") == STREAMS
+        assert total(scrape(router.metrics_address), "nanovllm:request_resumes_total") == STREAMS
         unbroken, _ = asyncio.run(_run(router.address, regex=regex))
         for i, (got, want) in enumerate(zip(results, unbroken)):
             assert got == want, f"stream {i} differs from its unbroken run"  # ids, text, reasoning, finish
@@ -169,7 +164,8 @@ def test_streams_resume_token_identical_when_their_worker_is_killed(
                 assert finish == generate_pb2.FINISH_REASON_STOP
         wait_idle(b.address)
         if speculation:
-            assert _metric(b.metrics_address, "nanovllm:spec_decode_num_accepted_tokens") > 0
+            accepted = value(scrape(b.metrics_address), "nanovllm:spec_decode_num_accepted_tokens_total")
+            assert accepted > 0
 
 
 def test_without_resume_a_stream_cut_mid_generation_fails(qwen3_dir: Path, kernels, tmp_path: Path) -> None:
