@@ -389,7 +389,8 @@ def test_every_constrained_answer_is_valid_through_router_and_worker(smol_servic
     requests (half greedy, half sampled at 0.8, seeded): every JSON answer parses and validates, every
     regex answer fullmatches, every choice answer is one of the choices, and each ends with "stop". With
     any whitespace allowed between JSON tokens, a 135M model sampling at these temperatures wandered
-    into blank space until max_tokens (docs/architecture.md#structured-output); compact, it cannot."""
+    into blank space until max_tokens (docs/architecture.md#structured-output); compact, it cannot. A
+    JSON answer may still run to max_tokens inside a number (fraction digits are unbounded), only there."""
     requests, checks = [], []
     json_requests, schemas = _json_requests(free_whitespace=False)
     requests += json_requests
@@ -414,7 +415,12 @@ def test_every_constrained_answer_is_valid_through_router_and_worker(smol_servic
             lambda text, options=options: text in options or pytest.fail(f"{text!r} not in {options}")
         )
     results = asyncio.run(_calls(smol_service, requests))
-    for (text, finish, _), check in zip(results, checks):
+    for i, ((text, finish, ids), check) in enumerate(zip(results, checks)):
+        if finish == generate_pb2.FINISH_REASON_LENGTH and i < len(json_requests):
+            # The one way left to run out: a JSON number's digits, which no JSON Schema keyword bounds (one
+            # of 300 did in one run: `"wind_kmh": 5.8322179115...` to the limit). Never in whitespace.
+            assert len(ids) == 256 and re.search(r"[0-9][-+.eE0-9]{63,}$", text), text
+            continue
         assert finish == generate_pb2.FINISH_REASON_STOP, (text, finish)
         check(text)
 
