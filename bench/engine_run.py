@@ -12,9 +12,9 @@ from pathlib import Path
 
 from bench.workload import Workload, greedy, make_workload
 from nanovllm import LLM
-from nanovllm.common.config import ModelConfig
+from nanovllm.worker.config import ModelConfig
 from nanovllm.worker.device import resolve_placement
-from nanovllm.worker.engine import StepResult
+from nanovllm.worker.step import StepResult
 
 
 @dataclass(frozen=True)

@@ -54,9 +54,10 @@ from bench.engine_run import nanovllm_single_stream, record_steps
 from bench.models import SHAPES
 from bench.report import machine_description
 from nanovllm import LLM, SamplingParams
-from nanovllm.common.config import ATTENTION_BACKENDS, ModelConfig
+from nanovllm.worker.config import ATTENTION_BACKENDS, ModelConfig
 from nanovllm.worker.device import DTYPES, resolve_placement
-from nanovllm.worker.sampler import Sampler, SamplingRow
+from nanovllm.worker.sample.sampler import Sampler
+from nanovllm.worker.step import SamplingRow
 
 DEFAULT_SIZES = (256, 1024, 1024, 100)  # num_seqs, max_input_len, max_output_len, min_len: bench.py's
 DEFAULT_OUTPUT_TOKENS = 133_966  # what bench.py's draws give for those sizes

@@ -12,7 +12,7 @@ Scenarios (all by default; --only picks some):
             250 ms (refused before tokenizing), and while prompts at the byte limit arrive (tokenized on the
             router's pool, then refused as too many tokens).
   threads   the same workload through one worker, then through two workers on this host: with the
-            default thread setting (they split the CPUs: worker/cpu_share.py), with every CPU each
+            default thread setting (they split the CPUs: worker/runner/cpu_share.py), with every CPU each
             (--num-threads), and pinned to a CPU each. The pair's throughput as a share of the one
             worker's. A random model of SmolLM2-135M's shape in the worker's default dtype, so that the
             model's compute, not the router, sets the pace.

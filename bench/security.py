@@ -128,7 +128,7 @@ class Setup:
 @contextmanager
 def running(stack: Stack, setup: Setup) -> Iterator[Endpoint]:
     """Start `stack`'s worker and router (SERVING), alone on the machine; kill both on the way out. One
-    stack at a time, so that neither holds CPUs (worker/cpu_share.py) or memory while the other is timed."""
+    stack at a time, so that neither holds CPUs (worker/runner/cpu_share.py) or memory while the other is timed."""
     root, ca = setup.root, setup.ca
     engine = ["--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--dtype", setup.dtype]
     if setup.worker_threads is not None:

@@ -41,8 +41,8 @@ from bench.engine_run import build_llm, warm_up_nanovllm
 from bench.models import SHAPES, build_serving_model
 from bench.report import cpu_model, load_average, percentile
 from bench.workload import Workload, greedy, make_workload
-from nanovllm.common.config import ModelConfig
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
+from nanovllm.worker.config import ModelConfig
 from tests.services import ServerProcess, start, wait_serving
 
 ITL_NOTE = "ITL: one sample per token-bearing response after the first, gap / tokens in it"

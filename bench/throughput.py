@@ -41,7 +41,7 @@ from bench.engine_run import (
 from bench.models import SHAPES, build_random_model
 from bench.report import load_average, machine_description, print_summary, report_steps
 from bench.workload import make_workload
-from nanovllm.common.config import ModelConfig
+from nanovllm.worker.config import ModelConfig
 from nanovllm.worker.device import DTYPES
 
 

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from nanovllm.client import ClientOptions, run_client
-from nanovllm.common.config import EngineConfig
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import LogConfig
 from nanovllm.common.server_config import (
@@ -35,6 +34,7 @@ from nanovllm.common.server_config import (
 )
 from nanovllm.flags import build, flags_of, resolve_all
 from nanovllm.processes import LISTENING, spawn, wait_until_serving
+from nanovllm.worker.config import EngineConfig
 
 LOG_FLAGS = flags_of(LogConfig)
 ENGINE_FLAGS = flags_of(EngineConfig)
@@ -85,8 +85,8 @@ def _run_server(what: str, serve: Callable[..., Coroutine[Any, Any, int | None]]
 
 
 def run_worker(options: dict[str, Any]) -> int:
-    from nanovllm.worker.gguf import resolve_model
-    from nanovllm.worker.server import serve_worker
+    from nanovllm.worker.models.gguf import resolve_model
+    from nanovllm.worker.service.server import serve_worker
 
     build(LogConfig, options).apply()
     draft = options["speculative_model"]

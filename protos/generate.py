@@ -1,7 +1,8 @@
 """Generate the Python gRPC stubs from protos/ (`make protos`); `--check` fails when they are stale.
 
-Each proto's package maps to the Python package of the same name, which setuptools' package-dir puts in
-this repository's layout: nanovllm.v1 -> nanovllm/v1/, nanovllm.worker.v1 -> worker/v1/.
+Each proto's directory names the Python package of its stubs, which setuptools' package-dir puts in this
+repository's layout: nanovllm/v1/ -> nanovllm/v1/, nanovllm/common/v1/ -> common/v1/ (the router-worker
+link, imported by both sides; its proto package stays nanovllm.worker.v1, the link's name on the wire).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ PROTO_ROOT = REPO / "protos"
 # proto directory (relative to protos/) -> where its generated modules live in the repository
 OUTPUT_DIRS = {
     Path("nanovllm/v1"): REPO / "nanovllm" / "v1",
-    Path("nanovllm/worker/v1"): REPO / "worker" / "v1",
+    Path("nanovllm/common/v1"): REPO / "common" / "v1",
 }
 
 

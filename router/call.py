@@ -15,6 +15,7 @@ from opentelemetry.trace import Tracer
 
 from nanovllm.common.logging import get_logger
 from nanovllm.common.server_config import RouterConfig
+from nanovllm.common.v1 import worker_pb2
 from nanovllm.router.call_spans import call_spans
 from nanovllm.router.completion import CompletionText
 from nanovllm.router.limits import Lease
@@ -36,7 +37,6 @@ from nanovllm.router.validation import (
 )
 from nanovllm.router.workers import RequestEvent, WorkerConnection, WorkerLost
 from nanovllm.v1 import generate_pb2
-from nanovllm.worker.v1 import worker_pb2
 
 log = get_logger(__name__)
 

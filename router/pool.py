@@ -14,11 +14,11 @@ from collections.abc import Callable, Sequence
 from nanovllm.common.logging import get_logger
 from nanovllm.common.server_config import RoutingConfig
 from nanovllm.common.tls import TlsFiles
+from nanovllm.common.v1 import worker_pb2
 from nanovllm.router.discovery import RESOLVE_ERRORS, WorkerTarget, resolve
 from nanovllm.router.routing import Decision, choose
 from nanovllm.router.tokenizer import ModelTokenizer, has_tokenizer
 from nanovllm.router.workers import WorkerConnection
-from nanovllm.worker.v1 import worker_pb2
 
 log = get_logger(__name__)
 

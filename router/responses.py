@@ -3,9 +3,9 @@ finish and usage."""
 
 from __future__ import annotations
 
+from nanovllm.common.v1 import worker_pb2
 from nanovllm.router.completion import CompletionText
 from nanovllm.v1 import generate_pb2
-from nanovllm.worker.v1 import worker_pb2
 
 _FINISH_REASONS = {
     worker_pb2.FINISH_REASON_STOP: generate_pb2.FINISH_REASON_STOP,

@@ -15,6 +15,7 @@ from nanovllm.common.server_config import RouterConfig
 from nanovllm.common.serving import GrpcServer
 from nanovllm.common.tls import ReloadingSslContext, server_credentials
 from nanovllm.common.tracing import start_tracing
+from nanovllm.common.v1 import worker_pb2
 from nanovllm.common.wire import fields_to_message
 from nanovllm.router.auth import Access, AuthInterceptor, TokenTable
 from nanovllm.router.call import GenerateCall, never_reached, reject
@@ -26,7 +27,6 @@ from nanovllm.router.tokenizer import ModelTokenizer, auto_tokenizer
 from nanovllm.router.tool_calls import check_tools
 from nanovllm.router.validation import NoTokenizerError, check_prompt_size, prompt_token_ids
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
-from nanovllm.worker.v1 import worker_pb2
 
 log = get_logger(__name__)
 T = TypeVar("T")

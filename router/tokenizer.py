@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from jinja2 import TemplateError
 from tokenizers import Tokenizer
 
-from nanovllm.worker.v1 import worker_pb2
+from nanovllm.common.v1 import worker_pb2
 
 if TYPE_CHECKING:
     from transformers import AutoTokenizer

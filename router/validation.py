@@ -16,6 +16,7 @@ from google.protobuf import json_format
 from nanovllm.common.request_checks import check_prompt
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.common.server_config import RequestLimits
+from nanovllm.common.v1 import worker_pb2
 from nanovllm.router.markers import Markers
 from nanovllm.router.reasoning import prompt_opens_reasoning
 from nanovllm.router.tokenizer import ModelTokenizer
@@ -26,7 +27,6 @@ from nanovllm.router.tool_calls import (
     template_message,
 )
 from nanovllm.v1 import generate_pb2
-from nanovllm.worker.v1 import worker_pb2
 
 
 class NoTokenizerError(Exception):

@@ -19,8 +19,8 @@ from nanovllm.common.logging import get_logger
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.common.serving import ping_ack_deadline
 from nanovllm.common.tls import TlsFiles, open_channel
+from nanovllm.common.v1 import worker_pb2, worker_pb2_grpc
 from nanovllm.common.wire import sampling_to_wire
-from nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
 
 log = get_logger(__name__)
 

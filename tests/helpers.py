@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.worker.scheduler import ScheduledSequence, SchedulerOutput
 from nanovllm.worker.sequence import Sequence
+from nanovllm.worker.step import ScheduledSequence, SchedulerOutput
 
 
 @lru_cache(maxsize=16)

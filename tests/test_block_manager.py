@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanovllm.common.sampling_params import SamplingParams
-from nanovllm.worker.block_manager import BlockManager
+from nanovllm.worker.core.block_manager import BlockManager
 from nanovllm.worker.sequence import Sequence
 
 BLOCK = 4

@@ -16,10 +16,10 @@ from nanovllm.cli import (
     WORKER_FLAGS,
     build_parser,
 )
-from nanovllm.common.config import EngineConfig
 from nanovllm.common.server_config import RequestLimits, RouterConfig
 from nanovllm.flags import Flag, build, resolve_all
 from nanovllm.processes import LISTENING_RE
+from nanovllm.worker.config import EngineConfig
 
 COMMANDS = {"serve": SERVE_FLAGS, "worker": WORKER_FLAGS, "router": ROUTER_FLAGS, "client": CLIENT_FLAGS}
 ALL_FLAGS = [flag for flags in COMMANDS.values() for flag in flags]

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from nanovllm.common.config import ModelConfig, parse_memory_size
 from nanovllm.common.errors import ConfigError, InvalidStateTransition, UnsupportedModelError
 from nanovllm.common.sampling_params import SamplingParams
+from nanovllm.worker.config import ModelConfig, parse_memory_size
 from nanovllm.worker.sequence import Sequence, SequenceStatus
 
 GiB = 2**30

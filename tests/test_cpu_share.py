@@ -1,4 +1,4 @@
-"""Processes that run models on the same CPUs split them (worker/cpu_share.py): real processes holding
+"""Processes that run models on the same CPUs split them (worker/runner/cpu_share.py): real processes holding
 real lock files, and two real workers."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
-from nanovllm.worker.cpu_share import CpuShare, cpu_slice
+from nanovllm.worker.runner.cpu_share import CpuShare, cpu_slice
 from tests.services import open_channel, start_router, start_worker, wait_serving
 
 FOUR_CPUS = frozenset({0, 1, 2, 3})

@@ -1,4 +1,4 @@
-"""Decode steps replayed from static buffers (worker/decode_graphs.py): which steps replay in which bucket,
+"""Decode steps replayed from static buffers (worker/runner/decode_graphs.py): which steps replay in which bucket,
 and that padding a step to its bucket changes no token and no sequence's KV cache.
 
 Here the replay is EagerReplay, the same buffers and padding without a graph, on the CPU whatever the
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.worker.decode_graphs import EagerReplay, Forward, batch_buckets
-from nanovllm.worker.step_inputs import SeqChunk, StepInputs
+from nanovllm.worker.runner.decode_graphs import EagerReplay, Forward, batch_buckets
+from nanovllm.worker.step import SeqChunk, StepInputs
 
 MAX_NUM_SEQS = 8
 # Triton runs on CPU tensors only in its interpreter, which conftest turns on only where there is no GPU.

@@ -17,7 +17,7 @@ from nanovllm.worker.device import (
     resolve_placement,
     usable_cpus,
 )
-from nanovllm.worker.kv_cache import gpu_kv_cache_budget
+from nanovllm.worker.runner.kv_cache import gpu_kv_cache_budget
 
 EPYC_FLAGS = "fpu vme avx2 avx512f avx512bw avx512_bf16 avx512_vnni"
 AVX2_FLAGS = "fpu vme sse4_2 avx avx2 fma"

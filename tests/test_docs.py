@@ -12,7 +12,7 @@ import pytest
 
 from nanovllm.cli import COMMANDS
 from nanovllm.router.metrics import RouterMetrics
-from nanovllm.worker.metrics import WorkerMetrics
+from nanovllm.worker.service.metrics import WorkerMetrics
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md")])

@@ -19,18 +19,18 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer, pre_tokenizers
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.common.config import ModelConfig
 from nanovllm.common.errors import ConfigError
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
+from nanovllm.worker.config import ModelConfig
 from nanovllm.worker.device import resolve_placement
-from nanovllm.worker.gguf import (
+from nanovllm.worker.llm import load_tokenizer
+from nanovllm.worker.models.gguf import (
     STALE_STAGING_S,
     cache_key,
     embedded_model_path,
     prepare_gguf,
     transformers_tokenizer,
 )
-from nanovllm.worker.llm import load_tokenizer
 
 MAX_NEW = 24
 QUESTIONS = [

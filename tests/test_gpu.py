@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.worker.sampler import Sampler, SamplingRow
+from nanovllm.worker.sample.sampler import Sampler
+from nanovllm.worker.step import SamplingRow
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from nanovllm.common.sampling_params import SamplingParams
+from nanovllm.common.v1 import worker_pb2
 from nanovllm.common.wire import sampling_from_wire, sampling_to_wire
-from nanovllm.worker.v1 import worker_pb2
 
 REPO = Path(__file__).resolve().parent.parent
 GENERATE = REPO / "protos" / "generate.py"
@@ -29,7 +29,7 @@ def gen():
 
 
 def committed_stubs() -> set[Path]:
-    return {p for d in (REPO / "nanovllm" / "v1", REPO / "worker" / "v1") for p in d.glob("*_pb2*.py*")}
+    return {p for d in (REPO / "nanovllm" / "v1", REPO / "common" / "v1") for p in d.glob("*_pb2*.py*")}
 
 
 def test_committed_stubs_are_up_to_date():
@@ -77,11 +77,11 @@ def test_check_passes_on_a_pristine_copy(gen, fake_repo, monkeypatch, capsys):
 
 def test_check_flags_an_edited_stub(gen, fake_repo, monkeypatch, capsys):
     """A stub that differs from protoc's output makes --check exit 1 and name that file."""
-    stub = fake_repo / "worker" / "v1" / "worker_pb2.py"
+    stub = fake_repo / "common" / "v1" / "worker_pb2.py"
     stub.write_text(stub.read_text() + "\n# hand edit\n")
     assert run_main(gen, monkeypatch, "--check") == 1
     err = capsys.readouterr().err
-    assert "stale: worker/v1/worker_pb2.py" in err
+    assert "stale: common/v1/worker_pb2.py" in err
     assert err.count("stale:") == 1
 
 
@@ -96,7 +96,7 @@ def test_regenerating_repairs_stale_stubs(gen, fake_repo, monkeypatch, capsys):
     """Without --check, the script rewrites stale stubs, after which --check passes again."""
     stub = fake_repo / "nanovllm" / "v1" / "generate_pb2.pyi"
     stub.write_text("stale\n")
-    (fake_repo / "worker" / "v1" / "worker_pb2_grpc.py").unlink()
+    (fake_repo / "common" / "v1" / "worker_pb2_grpc.py").unlink()
     assert run_main(gen, monkeypatch) == 0
     assert stub.read_bytes() == (REPO / "nanovllm" / "v1" / "generate_pb2.pyi").read_bytes()
     assert run_main(gen, monkeypatch, "--check") == 0

@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.common.config import EngineConfig
 from nanovllm.common.errors import ConfigError, UnsupportedModelError
-from nanovllm.worker.gguf import embedded_model_path, gguf_quant_plan, gguf_tensors
+from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.layers.quantization import PackedWeight, QuantScheme, assign
 from nanovllm.worker.models.decoder import DecoderForCausalLM
+from nanovllm.worker.models.gguf import embedded_model_path, gguf_quant_plan, gguf_tensors
 from tests.helpers import teacher_forced_logits
 from tests.test_dtypes import _chat_prompts
 

@@ -13,6 +13,7 @@ from google.protobuf import struct_pb2
 
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.server_config import RouterConfig
+from nanovllm.common.v1 import worker_pb2
 from nanovllm.router.completion import CompletionText
 from nanovllm.router.reasoning import ReasoningSplit, prompt_opens_reasoning, reasoning_format
 from nanovllm.router.responses import build_response, error_response, merge_responses
@@ -20,7 +21,6 @@ from nanovllm.router.text_stream import TextStream
 from nanovllm.router.tokenizer import ModelTokenizer
 from nanovllm.router.validation import prompt_token_ids
 from nanovllm.v1 import generate_pb2
-from nanovllm.worker.v1 import worker_pb2
 from tests.helpers import cuts
 from tests.model_factory import build_tokenizer
 from tests.test_service import collect

@@ -9,13 +9,8 @@ import pytest
 import torch
 
 from nanovllm.common.sampling_params import SamplingParams
-from nanovllm.worker.sampler import (
-    Sampler,
-    SamplingRow,
-    apply_penalties,
-    filtered_probs,
-    position_seed,
-)
+from nanovllm.worker.sample.sampler import Sampler, apply_penalties, filtered_probs, position_seed
+from nanovllm.worker.step import SamplingRow
 
 VOCAB = 64
 

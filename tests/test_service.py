@@ -25,8 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.common.v1 import worker_pb2
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
-from nanovllm.worker.v1 import worker_pb2
 from tests.model_factory import build_model, build_tokenizer
 from tests.services import (
     START_TIMEOUT_S,

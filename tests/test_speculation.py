@@ -1,4 +1,4 @@
-"""Speculative decoding (worker/speculation.py, worker/draft.py, LLMEngine._propose/_update): proposals
+"""Speculative decoding (worker/sample/speculation.py, worker/sample/draft.py, LLMEngine._propose/_update): proposals
 verified in one forward pass never change a request's tokens. Every request of a mixed batch produces exactly
 the tokens, and logprobs within 1e-4, that it produces without speculation, in float32."""
 
@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from nanovllm import LLM, SamplingParams
 from nanovllm.common.errors import ConfigError
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
-from nanovllm.worker.speculation import propose_ngram
+from nanovllm.worker.sample.speculation import propose_ngram
 from tests.model_factory import build_model
 from tests.services import start_router, start_worker, wait_serving
 

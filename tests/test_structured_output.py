@@ -1,4 +1,4 @@
-"""Structured output (worker/structured_output.py, the sampler's mask, LLMEngine's matchers): a constrained
+"""Structured output (worker/sample/structured_output.py, the sampler's mask, LLMEngine's matchers): a constrained
 request produces only text its constraint accepts, through the offline API and through router + worker with
 the embedded SmolLM2; a constraint that does not compile fails its request alone; speculation, preemption,
 chunked prefill and a resumed request's replay leave the tokens unchanged."""
@@ -19,13 +19,14 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.common.config import ModelConfig
 from nanovllm.common.errors import RequestError
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
-from nanovllm.worker.engine import LLMEngine
-from nanovllm.worker.kv_cache import kv_bytes_per_block
-from nanovllm.worker.sampler import Sampler, SamplingRow
-from nanovllm.worker.structured_output import Grammar, GrammarCompiler, MaskFiller
+from nanovllm.worker.config import ModelConfig
+from nanovllm.worker.core.engine import LLMEngine
+from nanovllm.worker.runner.kv_cache import kv_bytes_per_block
+from nanovllm.worker.sample.sampler import Sampler
+from nanovllm.worker.sample.structured_output import Grammar, GrammarCompiler, MaskFiller
+from nanovllm.worker.step import SamplingRow
 from tests.services import library_errors, start_router, start_worker, wait_idle, wait_serving
 
 F32 = {"dtype": "float32", "max_model_len": 256}

@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 from llguidance import LLMatcher
 
+from nanovllm.common.v1 import worker_pb2
 from nanovllm.router.completion import CompletionText
 from nanovllm.router.reasoning import ReasoningSplit, reasoning_format
 from nanovllm.router.responses import build_response
@@ -24,7 +25,6 @@ from nanovllm.router.tool_calls import (
 )
 from nanovllm.router.validation import prompt_token_ids
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
-from nanovllm.worker.v1 import worker_pb2
 from tests.helpers import cuts
 from tests.model_factory import build_model, build_tokenizer
 from tests.services import library_errors, start_router, start_worker, wait_serving

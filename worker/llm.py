@@ -12,11 +12,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from nanovllm.common.config import EngineConfig
 from nanovllm.common.errors import ConfigError, RequestError
 from nanovllm.common.sampling_params import SamplingParams
-from nanovllm.worker.engine import LLMEngine
-from nanovllm.worker.gguf import resolve_model
+from nanovllm.worker.config import EngineConfig
+from nanovllm.worker.core.engine import LLMEngine
+from nanovllm.worker.models.gguf import resolve_model
 
 
 def load_tokenizer(model_dir: str | Path) -> Any | None:

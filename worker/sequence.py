@@ -6,11 +6,33 @@ import enum
 import time
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from nanovllm.common.errors import InvalidStateTransition
 from nanovllm.common.sampling_params import SamplingParams
-from nanovllm.worker.sampler import TokenLogprobs
-from nanovllm.worker.structured_output import Grammar
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of the chosen token plus, when asked for, the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token_id, logprob), most likely first; empty when logprobs == 0
+
+
+class GrammarState(Protocol):
+    """Where a constrained request is in its constraint (sample/structured_output.py's Grammar)."""
+
+    def consume(self, token_ids: list[int]) -> bool: ...
+
+    def valid_prefix(self, token_ids: list[int]) -> int: ...
+
+    @property
+    def is_stopped(self) -> bool: ...
+
+    @property
+    def error(self) -> str: ...
 
 
 class TokenSlice(SequenceABC):
@@ -65,7 +87,7 @@ _ALLOWED = {
 
 @dataclass
 class RequestTimeline:
-    """What a request went through in this engine, for its trace span (worker/request_span.py). Times are
+    """What a request went through in this engine, for its trace span (worker/service/request_span.py). Times are
     time.time_ns() (0: not yet). A step that computed some of its tokens without sampling is a prefill
     chunk (or a recomputation after a preemption); one that sampled is a decode step, except the first,
     which ends the prefill and counts as its last chunk."""
@@ -105,11 +127,11 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full, computed blocks
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     admitted: bool = False
-    # Tokens proposed for the next step by speculative decoding (worker/speculation.py): not part of the
+    # Tokens proposed for the next step by speculative decoding (worker/sample/speculation.py): not part of the
     # sequence until the step verifies them.
     spec_token_ids: list[int] = field(default_factory=list)
-    num_draft_tokens: int = 0  # tokens whose KV the draft model holds (worker/draft.py)
-    grammar: Grammar | None = None  # structured output: where the request is in its constraint
+    num_draft_tokens: int = 0  # tokens whose KV the draft model holds (worker/sample/draft.py)
+    grammar: GrammarState | None = None  # structured output: where the request is in its constraint
     timeline: RequestTimeline = field(default_factory=RequestTimeline)
     # The last tokens of `token_ids` that a step in flight is picking: their places are held (by
     # PENDING_TOKEN) so the next step can be scheduled before the host knows them (LLMEngine.step).

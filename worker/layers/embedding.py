@@ -11,7 +11,7 @@ from torch import nn
 from nanovllm.worker.layers.linear import linear
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, assign, make_weight
-from nanovllm.worker.loader import CheckpointTensor
+from nanovllm.worker.models.loader import CheckpointTensor
 
 
 class VocabParallelEmbedding(nn.Module):

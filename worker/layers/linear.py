@@ -17,7 +17,7 @@ from torch import nn
 from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, assign, make_weight
-from nanovllm.worker.loader import CheckpointTensor
+from nanovllm.worker.models.loader import CheckpointTensor
 
 
 def linear(

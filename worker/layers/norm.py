@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.worker.loader import CheckpointTensor
+from nanovllm.worker.models.loader import CheckpointTensor
 
 
 class RMSNorm(nn.Module):

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.common.config import ModelConfig
 from nanovllm.kernels.attention import AttentionBackend, AttentionMetadata
+from nanovllm.worker.config import ModelConfig
 from nanovllm.worker.layers.attention import Attention
 from nanovllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.worker.layers.linear import (

@@ -1,5 +1,5 @@
 """Load checkpoints into a nanovllm model: Hugging Face safetensors (single file or sharded) here, a GGUF
-file's tensors as they ship through worker/gguf.py, both by `load_tensors`.
+file's tensors as they ship through worker/models/gguf/, both by `load_tensors`.
 
 Files are memory-mapped; each weight's `weight_loader` reads only this rank's slice of a tensor
 (CheckpointTensor.narrow), and fuses q/k/v and gate/up projections into the fused weights the model

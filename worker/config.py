@@ -210,7 +210,7 @@ class EngineConfig:
         None,
         help="CPU threads of the model's ops, shared by the tensor-parallel ranks; default: the CPUs this "
         "process may use (its affinity mask, capped by its cgroup CPU limit), split with the other "
-        "nanovllm processes on the same CPUs (worker/cpu_share.py)",
+        "nanovllm processes on the same CPUs (worker/runner/cpu_share.py)",
     )
     speculative_method: str = option(
         "none",

@@ -15,7 +15,6 @@ after a failover with its first n tokens.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -23,48 +22,18 @@ import xxhash
 
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.worker.device import to_device
+from nanovllm.worker.sequence import TokenLogprobs
+from nanovllm.worker.step import SamplerOutput, SamplingRow
 
 __all__ = [
     "SampledBatch",
     "Sampler",
-    "SamplerOutput",
-    "SamplingRow",
-    "TokenLogprobs",
     "apply_penalties",
     "filtered_probs",
     "position_seed",
 ]
 
 _NEG_INF = float("-inf")
-
-
-@dataclass
-class SamplingRow:
-    """One row of the logits batch: everything the sampler needs to know about its request."""
-
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
-    # Logits forced to -inf this step (e.g. EOS/stop ids while below min_tokens).
-    banned_token_ids: Sequence[int] = ()
-    # Structured output: int32 [ceil(vocab / 32)], bit t % 32 of word t // 32 set where token t is allowed
-    # (worker/structured_output.py); None: every token is.
-    token_bitmask: torch.Tensor | None = None
-
-
-@dataclass
-class TokenLogprobs:
-    """Logprob of the chosen token plus, when asked for, the most likely alternatives."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # (token_id, logprob), most likely first; empty when logprobs == 0
-
-
-@dataclass
-class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]  # None for rows whose params.logprobs is None
 
 
 class SampledBatch:

@@ -8,16 +8,16 @@ from pathlib import Path
 
 import grpc
 
-from nanovllm.common.config import EngineConfig
 from nanovllm.common.logging import get_logger
 from nanovllm.common.server_config import WorkerServerConfig
 from nanovllm.common.serving import GrpcServer
 from nanovllm.common.tls import server_credentials
 from nanovllm.common.tracing import start_tracing
+from nanovllm.common.v1 import worker_pb2, worker_pb2_grpc
+from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.device import Placement
-from nanovllm.worker.engine_loop import EngineLoop
-from nanovllm.worker.metrics import WorkerMetrics
-from nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
+from nanovllm.worker.service.engine_loop import EngineLoop
+from nanovllm.worker.service.metrics import WorkerMetrics
 
 log = get_logger(__name__)
 

@@ -16,40 +16,10 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass, field
 
-from nanovllm.worker.block_manager import BlockManager
+from nanovllm.worker.core.block_manager import BlockManager
 from nanovllm.worker.sequence import Sequence, SequenceStatus
-
-
-@dataclass
-class ScheduledSequence:
-    seq: Sequence
-    start: int  # first position computed this step (== seq.num_computed_tokens when scheduled)
-    num_new_tokens: int
-    # Proposed tokens computed after the sequence's last one (counted in num_new_tokens), to be verified.
-    spec_token_ids: list[int] = field(default_factory=list)
-    # True when this chunk reaches the end of the sequence's tokens as scheduled, so its last logits pick a
-    # new token (with proposals: the logits at the last token and at each proposal pick one each). Fixed
-    # here: the step appends its pick's place to the sequence when it is launched.
-    samples: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.samples = self.start + self.num_new_tokens - len(self.spec_token_ids) == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSequence]  # decodes (one token) first, then chunks (prefill, or verification)
-    num_decodes: int
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from nanovllm.worker.step import ScheduledSequence, SchedulerOutput
 
 
 class Scheduler:

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from nanovllm.worker.v1 import worker_pb2 as nanovllm_dot_worker_dot_v1_dot_worker__pb2
+from nanovllm.common.v1 import worker_pb2 as nanovllm_dot_common_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in nanovllm/worker/v1/worker_pb2_grpc.py depends on'
+        + ' but the generated code in nanovllm/common/v1/worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class WorkerStub:
         """
         self.Connect = channel.stream_stream(
                 '/nanovllm.worker.v1.Worker/Connect',
-                request_serializer=nanovllm_dot_worker_dot_v1_dot_worker__pb2.RouterMessage.SerializeToString,
-                response_deserializer=nanovllm_dot_worker_dot_v1_dot_worker__pb2.StepOutputs.FromString,
+                request_serializer=nanovllm_dot_common_dot_v1_dot_worker__pb2.RouterMessage.SerializeToString,
+                response_deserializer=nanovllm_dot_common_dot_v1_dot_worker__pb2.StepOutputs.FromString,
                 _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/nanovllm.worker.v1.Worker/GetInfo',
-                request_serializer=nanovllm_dot_worker_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
-                response_deserializer=nanovllm_dot_worker_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+                request_serializer=nanovllm_dot_common_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
+                response_deserializer=nanovllm_dot_common_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/nanovllm.worker.v1.Worker/GetLoad',
-                request_serializer=nanovllm_dot_worker_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
-                response_deserializer=nanovllm_dot_worker_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
+                request_serializer=nanovllm_dot_common_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=nanovllm_dot_common_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
                 _registered_method=True)
 
 
@@ -83,18 +83,18 @@ def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Connect': grpc.stream_stream_rpc_method_handler(
                     servicer.Connect,
-                    request_deserializer=nanovllm_dot_worker_dot_v1_dot_worker__pb2.RouterMessage.FromString,
-                    response_serializer=nanovllm_dot_worker_dot_v1_dot_worker__pb2.StepOutputs.SerializeToString,
+                    request_deserializer=nanovllm_dot_common_dot_v1_dot_worker__pb2.RouterMessage.FromString,
+                    response_serializer=nanovllm_dot_common_dot_v1_dot_worker__pb2.StepOutputs.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
-                    request_deserializer=nanovllm_dot_worker_dot_v1_dot_worker__pb2.GetInfoRequest.FromString,
-                    response_serializer=nanovllm_dot_worker_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+                    request_deserializer=nanovllm_dot_common_dot_v1_dot_worker__pb2.GetInfoRequest.FromString,
+                    response_serializer=nanovllm_dot_common_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
-                    request_deserializer=nanovllm_dot_worker_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
-                    response_serializer=nanovllm_dot_worker_dot_v1_dot_worker__pb2.WorkerLoad.SerializeToString,
+                    request_deserializer=nanovllm_dot_common_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
+                    response_serializer=nanovllm_dot_common_dot_v1_dot_worker__pb2.WorkerLoad.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -122,8 +122,8 @@ class Worker:
             request_iterator,
             target,
             '/nanovllm.worker.v1.Worker/Connect',
-            nanovllm_dot_worker_dot_v1_dot_worker__pb2.RouterMessage.SerializeToString,
-            nanovllm_dot_worker_dot_v1_dot_worker__pb2.StepOutputs.FromString,
+            nanovllm_dot_common_dot_v1_dot_worker__pb2.RouterMessage.SerializeToString,
+            nanovllm_dot_common_dot_v1_dot_worker__pb2.StepOutputs.FromString,
             options,
             channel_credentials,
             insecure,
@@ -149,8 +149,8 @@ class Worker:
             request,
             target,
             '/nanovllm.worker.v1.Worker/GetInfo',
-            nanovllm_dot_worker_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
-            nanovllm_dot_worker_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+            nanovllm_dot_common_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
+            nanovllm_dot_common_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -176,8 +176,8 @@ class Worker:
             request,
             target,
             '/nanovllm.worker.v1.Worker/GetLoad',
-            nanovllm_dot_worker_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
-            nanovllm_dot_worker_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
+            nanovllm_dot_common_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
+            nanovllm_dot_common_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from nanovllm.common.metrics import LATENCY_BUCKETS
-from nanovllm.worker.engine import EngineLoad, StepStats
+from nanovllm.worker.step import EngineLoad, StepStats
 
 
 class WorkerMetrics:

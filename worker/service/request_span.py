@@ -9,7 +9,7 @@ import time
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 
 from nanovllm.common.tracing import context_from
-from nanovllm.worker.engine import RequestOutput
+from nanovllm.worker.step import RequestOutput
 
 
 def record_request_span(

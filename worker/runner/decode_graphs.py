@@ -23,7 +23,7 @@ from torch import nn
 
 from nanovllm.common.logging import get_logger
 from nanovllm.kernels.attention import AttentionMetadata, DecodeBatch
-from nanovllm.worker.step_inputs import StepInputs
+from nanovllm.worker.step import StepInputs
 
 log = get_logger(__name__)
 

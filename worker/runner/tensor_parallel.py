@@ -25,11 +25,11 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from nanovllm.common.config import EngineConfig, ModelConfig
 from nanovllm.common.errors import EngineDeadError
 from nanovllm.common.logging import get_logger
+from nanovllm.worker.config import EngineConfig, ModelConfig
 from nanovllm.worker.layers.parallel import TPContext
-from nanovllm.worker.step_inputs import StepInputs
+from nanovllm.worker.step import StepInputs
 
 log = get_logger(__name__)
 

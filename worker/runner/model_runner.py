@@ -13,32 +13,39 @@ from pathlib import Path
 import psutil
 import torch
 
-from nanovllm.common.config import EngineConfig, ModelConfig
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.kernels.attention import AttentionMetadata, ChunkBatch, DecodeBatch
 from nanovllm.kernels.backends import CpuKernelAttention, TritonAttention, select_attention_backend
-from nanovllm.worker.block_table_rows import BlockTableRows
-from nanovllm.worker.cpu_share import CpuShare
-from nanovllm.worker.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
+from nanovllm.worker.config import EngineConfig, ModelConfig
 from nanovllm.worker.device import resolve_placement, to_device, usable_cpus
-from nanovllm.worker.draft import DraftModel
-from nanovllm.worker.gguf import gguf_quant_plan, gguf_tensors
-from nanovllm.worker.kv_cache import (
+from nanovllm.worker.layers.parallel import TPContext
+from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, QuantScheme
+from nanovllm.worker.models.decoder import DecoderForCausalLM
+from nanovllm.worker.models.gguf import gguf_quant_plan, gguf_tensors
+from nanovllm.worker.models.loader import load_safetensors, load_tensors
+from nanovllm.worker.runner.block_table_rows import BlockTableRows
+from nanovllm.worker.runner.cpu_share import CpuShare
+from nanovllm.worker.runner.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
+from nanovllm.worker.runner.kv_cache import (
     check_num_blocks,
     cpu_kv_cache_bytes,
     gpu_kv_cache_bytes,
     kv_bytes_per_block,
 )
-from nanovllm.worker.layers.parallel import TPContext
-from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, QuantScheme
-from nanovllm.worker.loader import load_safetensors, load_tensors
-from nanovllm.worker.models.decoder import DecoderForCausalLM
-from nanovllm.worker.sampler import SampledBatch, Sampler, SamplerOutput, SamplingRow
-from nanovllm.worker.scheduler import ScheduledSequence, SchedulerOutput
-from nanovllm.worker.step_inputs import SeqChunk, StepInputs
-from nanovllm.worker.tensor_parallel import TensorParallelGroup
+from nanovllm.worker.runner.tensor_parallel import TensorParallelGroup
+from nanovllm.worker.sample.draft import DraftModel
+from nanovllm.worker.sample.sampler import SampledBatch, Sampler
+from nanovllm.worker.step import (
+    ModelRunnerOutput,
+    SamplerOutput,
+    SamplingRow,
+    ScheduledSequence,
+    SchedulerOutput,
+    SeqChunk,
+    StepInputs,
+)
 
 log = get_logger(__name__)
 
@@ -51,19 +58,6 @@ def _default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(previous)
-
-
-@dataclass
-class ModelRunnerOutput:
-    """One new token for each scheduled sequence whose chunk `samples`, in their order in the
-    SchedulerOutput, and where the step's time went (input preparation and sampling are the runner's
-    overhead; `wait_s` is the host waiting for the device's results)."""
-
-    sampler_output: SamplerOutput
-    prepare_s: float = 0.0
-    forward_s: float = 0.0
-    sample_s: float = 0.0
-    wait_s: float = 0.0
 
 
 @dataclass
@@ -86,7 +80,7 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TPContext | None = None) -> None:
         """Rank 0 passes no `tp`: with tensor_parallel_size > 1 it starts ranks 1..N-1 itself. Those ranks
-        (worker/tensor_parallel.py) pass their own TPContext."""
+        (worker/runner/tensor_parallel.py) pass their own TPContext."""
         self.config = config
         self.tp_group: TensorParallelGroup | None = None
         # The last launched step's picks on the device, and each sampling sequence's row in them.
@@ -206,7 +200,7 @@ class ModelRunner:
         return True
 
     def use_decode_graphs(self, capture: GraphCapture) -> None:
-        """Replay decode-only steps through `capture`'s graphs from now on (worker/decode_graphs.py). The
+        """Replay decode-only steps through `capture`'s graphs from now on (worker/runner/decode_graphs.py). The
         runner calls it itself on CUDA; the CPU tests call it with EagerReplay."""
         with torch.inference_mode():
             self.decode_graphs = DecodeGraphs(
@@ -224,7 +218,7 @@ class ModelRunner:
 
     def _set_cpu_threads(self) -> None:
         """A fixed num_threads is split between the ranks. By default every process that runs a model on
-        these CPUs (each rank, each co-located worker) takes its share of them (worker/cpu_share.py):
+        these CPUs (each rank, each co-located worker) takes its share of them (worker/runner/cpu_share.py):
         more OpenMP threads than CPUs makes every op wait on the slowest thread."""
         if self.config.num_threads is None:
             self.cpu_share = CpuShare(frozenset(os.sched_getaffinity(0)), usable_cpus())
@@ -275,7 +269,7 @@ class ModelRunner:
         return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
 
     def _kv_cache_bytes(self) -> int:
-        """This rank's KV cache budget (worker/kv_cache.py), from the weights and activation peak
+        """This rank's KV cache budget (worker/runner/kv_cache.py), from the weights and activation peak
         measured here on a GPU, or from the available RAM."""
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
@@ -331,7 +325,7 @@ class ModelRunner:
         num_blocks = self.tp.all_reduce_min(self._kv_cache_bytes() // per_block)
         check_num_blocks(self.config, num_blocks, per_block)
         # One block more than the scheduler hands out: the pad block, which padded rows of a replayed decode
-        # step write to (worker/decode_graphs.py).
+        # step write to (worker/runner/decode_graphs.py).
         self.pad_block = num_blocks
         shape = (2, cfg.num_hidden_layers, num_blocks + 1, self.block_size, kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -417,7 +411,7 @@ class ModelRunner:
         input_ids.index_copy_(0, flat, picks.index_select(0, rows))
 
     def propose_draft(self, items: list[ScheduledSequence]) -> None:
-        """speculative_method=draft: the draft model's proposals for `items` (worker/draft.py)."""
+        """speculative_method=draft: the draft model's proposals for `items` (worker/sample/draft.py)."""
         if self.draft is None:
             raise RuntimeError("propose_draft needs speculative_method=draft")
         self.draft.propose(items, self.tensors)

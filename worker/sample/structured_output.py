@@ -6,7 +6,7 @@ Schema, regex and Lark grammars against the model's tokenizer in about a millise
 step's token masks in parallel outside the GIL. Compilation runs on a thread of its own, cached by the
 constraint, so the engine thread never waits on it; each request advances its own copy of the compiled
 matcher with the tokens it keeps. The masks are bitmasks (one bit per token of the logits' vocabulary)
-that the sampler applies to the logits before anything else (worker/sampler.py).
+that the sampler applies to the logits before anything else (worker/sample/sampler.py).
 """
 
 from __future__ import annotations

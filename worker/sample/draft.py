@@ -21,13 +21,12 @@ from collections.abc import Callable
 
 import torch
 
-from nanovllm.common.config import ModelConfig
 from nanovllm.kernels.attention import AttentionMetadata
-from nanovllm.worker.kv_cache import kv_bytes_per_block
+from nanovllm.worker.config import ModelConfig
 from nanovllm.worker.models.decoder import DecoderForCausalLM
-from nanovllm.worker.scheduler import ScheduledSequence
+from nanovllm.worker.runner.kv_cache import kv_bytes_per_block
 from nanovllm.worker.sequence import Sequence
-from nanovllm.worker.step_inputs import SeqChunk, StepInputs
+from nanovllm.worker.step import ScheduledSequence, SeqChunk, StepInputs
 
 Tensors = Callable[[StepInputs], tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]]
 

@@ -11,22 +11,36 @@ import gc
 import itertools
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from nanovllm.common.config import EngineConfig
 from nanovllm.common.errors import RequestError
 from nanovllm.common.logging import get_logger
 from nanovllm.common.request_checks import check_prompt, check_resumed_outputs, check_stop_token_ids
 from nanovllm.common.sampling_params import SamplingParams
-from nanovllm.worker.block_manager import BlockManager
-from nanovllm.worker.model_runner import LaunchedStep, ModelRunner
-from nanovllm.worker.sampler import SamplerOutput, SamplingRow, TokenLogprobs
-from nanovllm.worker.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
-from nanovllm.worker.sequence import FinishReason, RequestTimeline, Sequence, SequenceStatus, TokenSlice
-from nanovllm.worker.speculation import propose_ngram
-from nanovllm.worker.structured_output import Grammar, GrammarCompiler, MaskFiller
+from nanovllm.worker.config import EngineConfig
+from nanovllm.worker.core.block_manager import BlockManager
+from nanovllm.worker.core.scheduler import Scheduler
+from nanovllm.worker.runner.model_runner import LaunchedStep, ModelRunner
+from nanovllm.worker.sample.speculation import propose_ngram
+from nanovllm.worker.sample.structured_output import Grammar, GrammarCompiler, MaskFiller
+from nanovllm.worker.sequence import (
+    Sequence,
+    SequenceStatus,
+    TokenLogprobs,
+    TokenSlice,
+)
+from nanovllm.worker.step import (
+    EngineLoad,
+    RequestOutput,
+    SamplerOutput,
+    SamplingRow,
+    ScheduledSequence,
+    SchedulerOutput,
+    StepResult,
+    StepStats,
+)
 
 log = get_logger(__name__)
 
@@ -49,75 +63,6 @@ def _freeze_what_lasts() -> None:
 @functools.cache
 def _unfreeze_at_exit() -> None:
     atexit.register(gc.unfreeze)
-
-
-@dataclass
-class RequestOutput:
-    """What one step did for one request: tokens added and, on its last step, why it finished."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: FinishReason | None  # None while running
-    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0  # generated so far, these included
-    # A request refused after it was queued (its constraint did not compile): its only output, terminal.
-    error: str | None = None
-    timeline: RequestTimeline | None = None  # on a finished request's last output
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    num_waiting: int
-    num_running: int
-    kv_blocks_used: int
-    kv_blocks_free: int
-    prefix_cache_hit_rate: float
-    num_preemptions: int
-
-
-@dataclass
-class StepStats:
-    """Timing of the last step, split so the benchmark can report the Python overhead (scheduling, input
-    preparation, sampling, applying results) apart from the model's forward pass (LM head included)."""
-
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    num_spec_proposed: int = 0  # speculative decoding: tokens proposed and verified this step
-    num_spec_accepted: int = 0  # ... and of those, the ones kept
-    overlapped: bool = False  # a step was launched before the picks of the one before it were applied
-    schedule_s: float = 0.0
-    draft_s: float = 0.0  # the draft model's proposals (speculative_method=draft)
-    rows_s: float = 0.0  # each sampling sequence's rows for the sampler
-    mask_s: float = 0.0  # structured output: the constrained rows' token masks (0 when none)
-    prepare_s: float = 0.0
-    forward_s: float = 0.0
-    sample_s: float = 0.0
-    wait_s: float = 0.0  # the host waiting for the device's results (on a CPU: nothing, it computed them)
-    update_s: float = 0.0
-
-    @property
-    def overhead_s(self) -> float:
-        return (
-            self.schedule_s
-            + self.draft_s
-            + self.rows_s
-            + self.mask_s
-            + self.prepare_s
-            + self.sample_s
-            + self.update_s
-        )
-
-
-@dataclass
-class StepResult:
-    outputs: list[RequestOutput]  # one per request that advanced or finished this step
-    stats: StepStats
 
 
 @dataclass

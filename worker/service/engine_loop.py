@@ -24,14 +24,15 @@ from dataclasses import dataclass, field
 
 from opentelemetry.trace import Tracer
 
-from nanovllm.common.config import EngineConfig
 from nanovllm.common.errors import EngineDeadError
 from nanovllm.common.logging import get_logger
+from nanovllm.common.v1 import worker_pb2
 from nanovllm.common.wire import fields_to_message, sampling_from_wire
-from nanovllm.worker.engine import EngineLoad, LLMEngine, RequestOutput
-from nanovllm.worker.metrics import WorkerMetrics
-from nanovllm.worker.request_span import record_request_span
-from nanovllm.worker.v1 import worker_pb2
+from nanovllm.worker.config import EngineConfig
+from nanovllm.worker.core.engine import LLMEngine
+from nanovllm.worker.service.metrics import WorkerMetrics
+from nanovllm.worker.service.request_span import record_request_span
+from nanovllm.worker.step import EngineLoad, RequestOutput
 
 log = get_logger(__name__)
 

@@ -1,0 +1,207 @@
+"""The step's contract: the plain data that crosses the worker's rooms in one step.
+
+The scheduler (core/) hands the runner a SchedulerOutput; the runner (runner/) turns it into StepInputs,
+runs the model and gives the sampler (sample/) one SamplingRow per token to pick; the picks come back as a
+SamplerOutput in a ModelRunnerOutput, and the scheduler applies them into RequestOutputs, with the step's
+StepStats beside them. Nothing here has behaviour beyond packing itself for the tensor-parallel ranks, so
+every room can import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from nanovllm.common.sampling_params import SamplingParams
+from nanovllm.worker.sequence import FinishReason, RequestTimeline, Sequence, TokenLogprobs
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    start: int  # first position computed this step (== seq.num_computed_tokens when scheduled)
+    num_new_tokens: int
+    # Proposed tokens computed after the sequence's last one (counted in num_new_tokens), to be verified.
+    spec_token_ids: list[int] = field(default_factory=list)
+    # True when this chunk reaches the end of the sequence's tokens as scheduled, so its last logits pick a
+    # new token (with proposals: the logits at the last token and at each proposal pick one each). Fixed
+    # here: the step appends its pick's place to the sequence when it is launched.
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_new_tokens - len(self.spec_token_ids) == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence]  # decodes (one token) first, then chunks (prefill, or verification)
+    num_decodes: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SeqChunk:
+    """The tokens [start, start + num_new_tokens) of one sequence, and the cache blocks they attend to."""
+
+    start: int
+    num_new_tokens: int
+    block_table: list[int]  # the blocks up to this chunk's end
+
+
+@dataclass
+class StepInputs:
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    # Laid out in this order in the flat token arrays: decodes, then fresh prompts, then continuing chunks.
+    decodes: list[SeqChunk]
+    fresh: list[SeqChunk]
+    cached: list[SeqChunk]
+    logits_index: list[int]  # rows of the flat arrays whose logits are computed (sampled or inspected)
+    # (row of input_ids, row of the previous step's picks): tokens still on the device, written there
+    # before the forward pass (overlapped scheduling); input_ids holds a placeholder at those rows.
+    deferred: list[tuple[int, int]] = field(default_factory=list)
+
+    def pack(self) -> torch.Tensor:
+        """[counts..., input_ids, positions, slot_mapping, (start, n, len, *table) per chunk, logits_index]"""
+        if self.deferred:
+            raise RuntimeError("a step whose tokens are still on rank 0's device cannot go to other ranks")
+        groups = (self.decodes, self.fresh, self.cached)
+        values = [len(self.input_ids), *(len(g) for g in groups), len(self.logits_index)]
+        values += self.input_ids + self.positions + self.slot_mapping
+        for group in groups:
+            for chunk in group:
+                values += [chunk.start, chunk.num_new_tokens, len(chunk.block_table), *chunk.block_table]
+        values += self.logits_index
+        return torch.tensor(values, dtype=torch.long)
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor) -> StepInputs:
+        values = packed.tolist()
+        n, nd, nf, nc, nl = values[:5]
+        pos = 5
+
+        def take(count: int) -> list[int]:
+            nonlocal pos
+            pos += count
+            return values[pos - count : pos]
+
+        input_ids, positions, slot_mapping = take(n), take(n), take(n)
+        groups = []
+        for count in (nd, nf, nc):
+            chunks = []
+            for _ in range(count):
+                start, num_new, table_len = take(3)
+                chunks.append(SeqChunk(start, num_new, take(table_len)))
+            groups.append(chunks)
+        return cls(input_ids, positions, slot_mapping, *groups, logits_index=take(nl))
+
+
+@dataclass
+class SamplingRow:
+    """One row of the logits batch: everything the sampler needs to know about its request."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    # Logits forced to -inf this step (e.g. EOS/stop ids while below min_tokens).
+    banned_token_ids: Sequence[int] = ()
+    # Structured output: int32 [ceil(vocab / 32)], bit t % 32 of word t // 32 set where token t is allowed
+    # (worker/sample/structured_output.py); None: every token is.
+    token_bitmask: torch.Tensor | None = None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # None for rows whose params.logprobs is None
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One new token for each scheduled sequence whose chunk `samples`, in their order in the
+    SchedulerOutput, and where the step's time went (input preparation and sampling are the runner's
+    overhead; `wait_s` is the host waiting for the device's results)."""
+
+    sampler_output: SamplerOutput
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    wait_s: float = 0.0
+
+
+@dataclass
+class RequestOutput:
+    """What one step did for one request: tokens added and, on its last step, why it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None  # None while running
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0  # generated so far, these included
+    # A request refused after it was queued (its constraint did not compile): its only output, terminal.
+    error: str | None = None
+    timeline: RequestTimeline | None = None  # on a finished request's last output
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    num_waiting: int
+    num_running: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+
+
+@dataclass
+class StepStats:
+    """Timing of the last step, split so the benchmark can report the Python overhead (scheduling, input
+    preparation, sampling, applying results) apart from the model's forward pass (LM head included)."""
+
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_spec_proposed: int = 0  # speculative decoding: tokens proposed and verified this step
+    num_spec_accepted: int = 0  # ... and of those, the ones kept
+    overlapped: bool = False  # a step was launched before the picks of the one before it were applied
+    schedule_s: float = 0.0
+    draft_s: float = 0.0  # the draft model's proposals (speculative_method=draft)
+    rows_s: float = 0.0  # each sampling sequence's rows for the sampler
+    mask_s: float = 0.0  # structured output: the constrained rows' token masks (0 when none)
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    wait_s: float = 0.0  # the host waiting for the device's results (on a CPU: nothing, it computed them)
+    update_s: float = 0.0
+
+    @property
+    def overhead_s(self) -> float:
+        return (
+            self.schedule_s
+            + self.draft_s
+            + self.rows_s
+            + self.mask_s
+            + self.prepare_s
+            + self.sample_s
+            + self.update_s
+        )
+
+
+@dataclass
+class StepResult:
+    outputs: list[RequestOutput]  # one per request that advanced or finished this step
+    stats: StepStats
