@@ -5,7 +5,7 @@ the acceptance schemas of tests/test_structured_output.py (greedy), the other ha
 then runs with no constraint, each request's max_tokens set to the tokens it produced constrained and
 ignore_eos on, so both runs decode the same number of tokens per request and the batch shrinks the same
 way: the only difference is the masks. Rounds alternate; the report gives output tokens/s of each, the
-ratio, and the engine's mask time per step (LLMEngine._constrain: llguidance's masks for the 32
+ratio, and the engine's mask time per step (ConstraintQueue.fill_masks: llguidance's masks for the 32
 constrained rows).
 
 **Libraries** (--libraries): llguidance and, when installed, xgrammar on the same schemas: compile time

@@ -77,3 +77,73 @@ def test_static_analysers_see_the_folders_as_nanovllm_subpackages() -> None:
     for folder in FOLDERS.keys() - {"nanovllm"}:
         link = REPO / "nanovllm" / folder
         assert link.is_symlink() and link.resolve() == (REPO / folder).resolve(), link
+
+
+# The worker's rooms, top to bottom (docs/architecture.md#layout): a module imports from its own room and
+# the rooms below it, never from one above. `step` (the step's contract) and the request, configuration
+# and device types that it and every room use are at the bottom.
+WORKER_ROOMS = (
+    {"service", "llm"},
+    {"core"},
+    {"runner"},
+    {"sample"},
+    {"models"},
+    {"layers"},
+    {"step", "sequence", "config", "device"},
+)
+# Outside the worker: the router never imports it, and what both sides share imports neither side.
+FORBIDDEN = {
+    "nanovllm.router": ("nanovllm.worker",),
+    "nanovllm.common": ("nanovllm.worker", "nanovllm.router"),
+    "nanovllm.kernels": ("nanovllm.worker", "nanovllm.router"),
+}
+
+
+def _room(module: str) -> int | None:
+    """The index in WORKER_ROOMS of a worker module's room (0 is the top), None outside the worker."""
+    parts = module.split(".")
+    if parts[:2] != ["nanovllm", "worker"] or len(parts) < 3:
+        return None
+    for level, rooms in enumerate(WORKER_ROOMS):
+        if parts[2] in rooms:
+            return level
+    raise AssertionError(f"{module} is in no room of WORKER_ROOMS")
+
+
+def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that goes up a room, or across a boundary FORBIDDEN names."""
+    wrong = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            here, there = _room(module), _room(target)
+            if here is not None and there is not None and there < here:
+                wrong.append(f"{module} imports {target}, a room above it")
+            for side, banned in FORBIDDEN.items():
+                if module.startswith(side + ".") and target.startswith(banned):
+                    wrong.append(f"{module} imports {target}")
+    return wrong
+
+
+def test_rooms_import_only_downwards() -> None:
+    modules = _modules()
+    graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
+    assert sum(_room(m) is not None for m in graph) > 30  # the walk found the worker's modules
+    assert _upward_imports(graph) == []
+
+
+def test_an_upward_import_is_noticed() -> None:
+    """The check itself: a sampler importing the scheduler, a layer importing a model, the router importing
+    the worker and common importing the router are each reported; imports downwards are not."""
+    graph = {
+        "nanovllm.worker.sample.sampler": {"nanovllm.worker.core.scheduler", "nanovllm.worker.step"},
+        "nanovllm.worker.layers.linear": {"nanovllm.worker.models.loader"},
+        "nanovllm.worker.core.engine": {"nanovllm.worker.runner.model_runner", "nanovllm.worker.sequence"},
+        "nanovllm.router.call": {"nanovllm.worker.step", "nanovllm.common.v1.worker_pb2"},
+        "nanovllm.common.wire": {"nanovllm.router.validation"},
+    }
+    assert _upward_imports(graph) == [
+        "nanovllm.common.wire imports nanovllm.router.validation",
+        "nanovllm.router.call imports nanovllm.worker.step",
+        "nanovllm.worker.layers.linear imports nanovllm.worker.models.loader, a room above it",
+        "nanovllm.worker.sample.sampler imports nanovllm.worker.core.scheduler, a room above it",
+    ]

@@ -1,4 +1,4 @@
-"""Speculative decoding (worker/sample/speculation.py, worker/sample/draft.py, LLMEngine._propose/_update): proposals
+"""Speculative decoding (worker/sample/speculation.py and draft.py, Scheduler.update_from_output): proposals
 verified in one forward pass never change a request's tokens. Every request of a mixed batch produces exactly
 the tokens, and logprobs within 1e-4, that it produces without speculation, in float32."""
 

@@ -77,7 +77,7 @@ class LLM:
         timeout = self.config.grammar_compile_timeout_s
         for constraint in {p.constraint for p in sampling_params if p.constraint is not None}:
             try:
-                self.engine.grammars.compile(constraint).result(timeout)
+                self.engine.constraints.compiler.compile(constraint).result(timeout)
             except concurrent.futures.TimeoutError:
                 raise RequestError(
                     f"SamplingParams.{constraint[0]} did not compile within grammar_compile_timeout_s = {timeout} s"

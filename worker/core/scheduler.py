@@ -8,23 +8,34 @@ Policy, in order:
 2. Waiting requests in priority order (lower value first, then arrival), with prefix-cache lookup, while
    the token budget, `max_num_seqs` and free blocks allow. A prompt longer than the remaining budget is
    chunked, so a long prompt never holds running decodes back for more than one step's budget.
-The scheduler only decides; the model runner executes its SchedulerOutput, and the engine (`LLMEngine._update`)
-applies the results.
+The scheduler decides; the model runner executes its SchedulerOutput; the scheduler then applies the
+step's picks (`update_from_output`): new tokens, stop checks, finished requests, blocks for the prefix cache.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Collection
 
+from nanovllm.common.logging import get_logger
 from nanovllm.worker.core.block_manager import BlockManager
-from nanovllm.worker.sequence import Sequence, SequenceStatus
-from nanovllm.worker.step import ScheduledSequence, SchedulerOutput
+from nanovllm.worker.sequence import Sequence, SequenceStatus, TokenLogprobs
+from nanovllm.worker.step import RequestOutput, SamplerOutput, ScheduledSequence, SchedulerOutput
+
+log = get_logger(__name__)
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        eos_token_ids: Collection[int] = frozenset(),
+    ) -> None:
         self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Sequence] = []  # kept sorted by Sequence.sort_key
@@ -124,3 +135,99 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.transition(status)
         self.block_manager.free(seq)
+
+    @staticmethod
+    def on_launch(sched: SchedulerOutput) -> None:
+        """The step is on its way: each sequence's scheduled tokens count as computed, and each one that
+        samples holds the place of its pick until the step's picks are applied."""
+        for item in sched.scheduled:
+            item.seq.num_computed_tokens = item.start + item.num_new_tokens
+            if item.samples and not item.spec_token_ids:
+                item.seq.add_pending_token()
+
+    def update_from_output(
+        self, sched: SchedulerOutput, sampler_out: SamplerOutput
+    ) -> tuple[list[RequestOutput], int]:
+        """Apply a step: new tokens in the places their sequences held, finished requests, blocks for the
+        prefix cache. Also returns how many proposals were accepted. A sequence that ended while the step
+        ran (its previous step finished it, or it was aborted) has its picks discarded."""
+        outputs = []
+        accepted = 0
+        picks = iter(zip(sampler_out.token_ids, sampler_out.logprobs))  # the sampler's rows, in order
+        for item in sched.scheduled:
+            seq, spec = item.seq, item.spec_token_ids
+            if not item.samples:
+                if seq.status is SequenceStatus.RUNNING:
+                    self.block_manager.cache_full_blocks(seq)
+                continue
+            drawn = [next(picks) for _ in range(len(spec) + 1)]
+            if seq.status.finished:
+                continue
+            new_tokens: list[int] = []
+            new_logprobs: list[TokenLogprobs] = []
+            status = None
+            # Keep each pick while the one before it was the proposal it was computed after: picks past
+            # the first rejected proposal were computed after a token the request does not have.
+            for j, (token, logprob) in enumerate(drawn):
+                if spec:
+                    seq.token_ids.append(token)
+                else:
+                    seq.resolve_pending_token(token)
+                new_tokens.append(token)
+                if logprob is not None:
+                    seq.logprobs.append(logprob)
+                    new_logprobs.append(logprob)
+                status = self._stop_status(seq, token, seq.num_tokens - seq.num_pending_tokens)
+                if seq.grammar is not None and status is None:
+                    status = self._constraint_status(seq, token)
+                if status is not None or j == len(spec) or token != spec[j]:
+                    break
+                accepted += 1
+            if spec:
+                # The KV of accepted proposals is kept; the cache slots after them are overwritten later.
+                seq.num_computed_tokens = seq.num_tokens - 1
+                seq.num_draft_tokens = min(seq.num_draft_tokens, seq.num_tokens - 1)
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.cache_full_blocks(seq)
+            if status is not None:
+                seq.drop_pending_tokens()
+                self.finish(seq, status)
+            outputs.append(request_output(seq, new_tokens, new_logprobs))
+        return outputs, accepted
+
+    def _stop_status(self, seq: Sequence, token: int, num_tokens: int) -> SequenceStatus | None:
+        """Whether `token`, the sequence's token number `num_tokens`, ends it."""
+        params = seq.params
+        is_stop = (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
+        if is_stop and num_tokens - seq.num_prompt_tokens >= params.min_tokens:
+            return SequenceStatus.FINISHED_STOPPED
+        if num_tokens >= seq.max_num_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    @staticmethod
+    def _constraint_status(seq: Sequence, token: int) -> SequenceStatus | None:
+        """Advance the request's matcher; it stops once the constraint is complete with nothing to follow."""
+        if not seq.grammar.consume([token]):
+            # The mask allowed only tokens that min_tokens or stop_token_ids banned; nothing can follow.
+            log.warning(
+                "constraint_rejected_token", request_id=seq.request_id, token=token, error=seq.grammar.error
+            )
+            return SequenceStatus.FINISHED_STOPPED
+        return SequenceStatus.FINISHED_STOPPED if seq.grammar.is_stopped else None
+
+
+def request_output(
+    seq: Sequence, tokens: list[int], logprobs: list[TokenLogprobs] | None = None
+) -> RequestOutput:
+    """What a step did for `seq`: `tokens` added and, once it has finished, why."""
+    return RequestOutput(
+        request_id=seq.request_id,
+        new_token_ids=tokens,
+        finish_reason=seq.finish_reason,
+        new_logprobs=logprobs or [],
+        num_prompt_tokens=seq.num_prompt_tokens,
+        num_cached_tokens=seq.num_cached_tokens,
+        num_output_tokens=seq.num_output_tokens - seq.num_pending_tokens,
+        timeline=seq.timeline if seq.finish_reason is not None else None,
+    )

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.worker.layers.linear import linear
+from nanovllm.worker.layers.loadable import LoadableTensor
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, assign, make_weight
-from nanovllm.worker.models.loader import CheckpointTensor
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -31,7 +31,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = make_weight(self.shard_size, hidden_size, quant, prefix, linear=False)
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
         assign(param, loaded.narrow(0, self.vocab_start, self.shard_size))
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX
+from nanovllm.worker.layers.loadable import LoadableTensor
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, assign, make_weight
-from nanovllm.worker.models.loader import CheckpointTensor
 
 
 def linear(
@@ -61,7 +61,7 @@ class ParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
         raise NotImplementedError
 
 
@@ -79,7 +79,7 @@ class ColumnParallelLinear(ParallelLinear):
     ) -> None:
         super().__init__(in_features, tp.shard(out_features, "output features"), bias, tp, quant, prefix)
 
-    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
         size = param.shape[0]
         assign(param, loaded.narrow(0, self.tp.rank * size, size))
 
@@ -102,7 +102,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias, tp, quant, prefix)
 
-    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
         index = int(shard_id)  # type: ignore[arg-type]
         shard = self.output_sizes[index] // self.tp.size
         offset = sum(self.output_sizes[:index]) // self.tp.size
@@ -130,7 +130,7 @@ class QKVParallelLinear(ParallelLinear):
         out_features = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         super().__init__(hidden_size, out_features, bias, tp, quant, prefix)
 
-    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         kv_start = self.first_kv_head * self.head_dim
@@ -159,7 +159,7 @@ class RowParallelLinear(ParallelLinear):
     ) -> None:
         super().__init__(tp.shard(in_features, "input features"), out_features, bias, tp, quant, prefix)
 
-    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
         if param is self.bias:  # added once, on rank 0
             if self.tp.rank == 0:
                 param.data.copy_(loaded.read())

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.worker.models.loader import CheckpointTensor
+from nanovllm.worker.layers.loadable import LoadableTensor
 
 
 class RMSNorm(nn.Module):
@@ -53,7 +53,7 @@ class HeadRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(num_heads + num_kv_heads, head_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
         rows = slice(0, self.num_heads) if shard_id == "q" else slice(self.num_heads, None)
         param.data[rows] = loaded.read()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -19,20 +19,10 @@ from torch import nn
 
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
+from nanovllm.worker.layers.loadable import LoadableTensor
 from nanovllm.worker.layers.quantization import PackedWeight, assign
 
 log = get_logger(__name__)
-
-
-class LoadableTensor(Protocol):
-    """What a weight_loader reads: a checkpoint tensor's shape, all of it, or a slice along one dim."""
-
-    name: str
-    shape: torch.Size
-
-    def read(self) -> torch.Tensor | PackedWeight: ...
-
-    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor | PackedWeight: ...
 
 
 class CheckpointTensor:

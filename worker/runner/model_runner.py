@@ -2,62 +2,26 @@
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-import os
 import time
-from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
-import psutil
 import torch
 
-from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
-from nanovllm.common.sampling_params import SamplingParams
-from nanovllm.kernels.attention import AttentionMetadata, ChunkBatch, DecodeBatch
-from nanovllm.kernels.backends import CpuKernelAttention, TritonAttention, select_attention_backend
-from nanovllm.worker.config import EngineConfig, ModelConfig
-from nanovllm.worker.device import resolve_placement, to_device, usable_cpus
+from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.layers.parallel import TPContext
-from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, QuantScheme
-from nanovllm.worker.models.decoder import DecoderForCausalLM
-from nanovllm.worker.models.gguf import gguf_quant_plan, gguf_tensors
-from nanovllm.worker.models.loader import load_safetensors, load_tensors
-from nanovllm.worker.runner.block_table_rows import BlockTableRows
-from nanovllm.worker.runner.cpu_share import CpuShare
-from nanovllm.worker.runner.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
-from nanovllm.worker.runner.kv_cache import (
-    check_num_blocks,
-    cpu_kv_cache_bytes,
-    gpu_kv_cache_bytes,
-    kv_bytes_per_block,
-)
-from nanovllm.worker.runner.tensor_parallel import TensorParallelGroup
-from nanovllm.worker.sample.draft import DraftModel
-from nanovllm.worker.sample.sampler import SampledBatch, Sampler
+from nanovllm.worker.runner.build import ModelRunnerBase
+from nanovllm.worker.sample.sampler import SampledBatch
 from nanovllm.worker.step import (
     ModelRunnerOutput,
     SamplerOutput,
     SamplingRow,
     ScheduledSequence,
     SchedulerOutput,
-    SeqChunk,
     StepInputs,
 )
 
 log = get_logger(__name__)
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 @dataclass
@@ -77,272 +41,14 @@ class LaunchedStep:
         return ModelRunnerOutput(output, self.prepare_s, self.forward_s, self.sample_s, wait_s)
 
 
-class ModelRunner:
+class ModelRunner(ModelRunnerBase):
+    """Runs one step at a time: lays the scheduled step out as the model's inputs, runs the model on
+    every tensor-parallel rank, and queues the sampler's picks (worker/runner/build.py builds the rest)."""
+
     def __init__(self, config: EngineConfig, tp: TPContext | None = None) -> None:
-        """Rank 0 passes no `tp`: with tensor_parallel_size > 1 it starts ranks 1..N-1 itself. Those ranks
-        (worker/runner/tensor_parallel.py) pass their own TPContext."""
-        self.config = config
-        self.tp_group: TensorParallelGroup | None = None
         # The last launched step's picks on the device, and each sampling sequence's row in them.
         self._picks: tuple[torch.Tensor, dict[int, int]] | None = None
-        self.cpu_share: CpuShare | None = None
-        self.decode_graphs: DecodeGraphs | None = None
-        # Before any rank starts: a device that cannot run the dtype fails here, with nothing to undo.
-        self.placement = resolve_placement(config.device, config.dtype)
-        if tp is None:
-            log.info(
-                "dtype_selected",
-                dtype=self.placement.dtype_name,
-                device=str(self.placement.device),
-                reason=self.placement.reason,
-            )
-            tp = TPContext(0, config.tensor_parallel_size)
-            if tp.size > 1:
-                self.tp_group = TensorParallelGroup(config, type(self))
-        self.tp = tp
-        try:
-            self._build()
-        except BaseException as exc:
-            try:
-                # A rank that failed to build its shard is named, unless this rank's own error is a
-                # configuration error: every rank meets that one, and it says what to change.
-                if self.tp_group is not None and not isinstance(exc, ConfigError):
-                    self.tp_group.raise_if_dead(exc)
-            finally:
-                self.shutdown()  # never leave the other ranks behind
-            raise
-
-    def _build(self) -> None:
-        config = self.config
-        self.device = self.placement.device
-        if self.device.type == "cuda":
-            if self.tp.size > 1:  # one GPU per rank
-                index = self.tp.rank
-            else:
-                index = torch.cuda.current_device() if self.device.index is None else self.device.index
-            self.device = torch.device("cuda", index)
-            torch.cuda.set_device(self.device)
-        else:
-            self._set_cpu_threads()
-        self.dtype = self.placement.dtype
-        self.block_size = config.kvcache_block_size
-        cfg = config.hf_config
-        self._check_weights_fit()
-        baseline = self._cuda_allocated()
-        self.model = self._load_model(cfg, config.model, config.weight_format)
-        self.draft: DraftModel | None = None
-        if config.draft_hf_config is not None and config.speculative_model is not None:
-            draft = self._load_model(config.draft_hf_config, config.speculative_model, "none")
-            self.draft = DraftModel(draft, config.draft_hf_config, self.block_size)
-        self.weights_bytes = self._cuda_allocated() - baseline
-        generator = torch.Generator(self.device).manual_seed(config.seed)
-        self.sampler = Sampler(generator)
-        self.block_rows = BlockTableRows(self._max_blocks_per_seq(), 2 * config.max_num_seqs)
-        self.num_blocks = self._allocate_kv_cache()
-        self._bind_kernels()
-        if self.tp.rank == 0 and config.weight_format != "none":
-            self._log_quantized_weights()
-        if self._wants_cuda_graphs():
-            self.use_decode_graphs(CudaGraphCapture())
-
-    def _load_model(self, cfg: ModelConfig, path: str, weight_format: str) -> DecoderForCausalLM:
-        """The model of `path` (a directory, or config.gguf_file for the gguf format) with its linear layers
-        in `weight_format` (EngineConfig.weight_format)."""
-        plan = self._quant_plan(weight_format)
-        with _default_dtype(self.dtype), self.device:
-            model = DecoderForCausalLM(cfg, self.tp, plan)
-        if weight_format == "gguf" and self.config.gguf_file is not None:
-            load_tensors(model, gguf_tensors(Path(self.config.gguf_file), cfg), self.config.gguf_file)
-        else:
-            load_safetensors(model, path)
-        return model.eval()
-
-    def _quant_plan(self, weight_format: str) -> QuantPlan | None:
-        if weight_format == "gguf" and self.config.gguf_file is not None:
-            return gguf_quant_plan(Path(self.config.gguf_file), DecoderForCausalLM.packed_modules_mapping)
-        if weight_format == "int8":
-            return QuantPlan(every_linear=QuantScheme("int8", 8, None))
-        if weight_format == "int4":
-            return QuantPlan(every_linear=QuantScheme("int4", 4, self.config.quantization_group_size))
-        return None
-
-    def _log_quantized_weights(self) -> None:
-        """What was quantized, the weights' bytes in the model's dtype and as held, and the kernel."""
-        packed = {id(m): m for m in self.model.modules() if isinstance(m, PackedWeight)}.values()
-        float_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        element = self._element_size()
-        log.info(
-            "weights_quantized",
-            format=self.config.weight_format,
-            layers=len(packed),
-            types=dict(Counter(m.scheme.name for m in packed)),
-            weight_bytes_in_dtype=float_bytes + sum(m.shape.numel() * element for m in packed),
-            weight_bytes=float_bytes + sum(m.nbytes for m in packed),
-            kernel=self._quantized_kernel(),
-        )
-
-    def _quantized_kernel(self) -> str:
-        kernels = self.sampler.cpu_kernels
-        if kernels is None:
-            return "dequantize + F.linear"
-        if self.dtype != torch.float32 and kernels.linear_quantized_int8_dots():
-            return "linear_quantized (C++, int8 dots up to 8 rows)"
-        return "linear_quantized (C++)"
-
-    def _wants_cuda_graphs(self) -> bool:
-        """CUDA graphs for decode unless enforce_eager; not yet with tensor parallelism, whose ranks would
-        each have to capture and replay in step with rank 0."""
-        if self.config.enforce_eager or self.device.type != "cuda":
-            return False
-        if self.tp.size > 1:
-            log.info("decode_graphs_off", reason="not yet captured with tensor_parallel_size > 1")
-            return False
-        return True
-
-    def use_decode_graphs(self, capture: GraphCapture) -> None:
-        """Replay decode-only steps through `capture`'s graphs from now on (worker/runner/decode_graphs.py). The
-        runner calls it itself on CUDA; the CPU tests call it with EagerReplay."""
-        with torch.inference_mode():
-            self.decode_graphs = DecodeGraphs(
-                self.model,
-                capture,
-                max_num_seqs=self.config.max_num_seqs,
-                max_blocks_per_seq=self._max_blocks_per_seq(),
-                block_size=self.block_size,
-                pad_block=self.pad_block,
-                device=self.device,
-            )
-
-    def _max_blocks_per_seq(self) -> int:
-        return -(-self.config.max_model_len // self.block_size)
-
-    def _set_cpu_threads(self) -> None:
-        """A fixed num_threads is split between the ranks. By default every process that runs a model on
-        these CPUs (each rank, each co-located worker) takes its share of them (worker/runner/cpu_share.py):
-        more OpenMP threads than CPUs makes every op wait on the slowest thread."""
-        if self.config.num_threads is None:
-            self.cpu_share = CpuShare(frozenset(os.sched_getaffinity(0)), usable_cpus())
-            self.cpu_share.refresh()
-            return
-        threads = max(1, self.config.num_threads // self.tp.size)
-        torch.set_num_threads(threads)
-        if self.tp.rank == 0:
-            log.info("cpu_threads", threads_per_rank=threads, ranks=self.tp.size)
-
-    def _check_weights_fit(self) -> None:
-        if self.device.type != "cpu":
-            return  # on CUDA the allocator's own out-of-memory error already names the sizes
-        element, model, draft = self._element_size(), self.config.hf_config, self.config.draft_hf_config
-        needed = model.num_parameters * element
-        if self.config.weight_format != "none":  # the projections at a byte a weight at most
-            embeddings = model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)
-            needed = embeddings * element + (model.num_parameters - embeddings)
-        needed = (needed + (draft.num_parameters * element if draft is not None else 0)) // self.tp.size
-        available = psutil.virtual_memory().available
-        if needed > available:
-            raise ConfigError(
-                f"the model's weights need {needed / 2**30:.2f} GiB in {self.dtype} but only "
-                f"{available / 2**30:.2f} GiB of RAM is available"
-            )
-
-    def _bind_kernels(self) -> None:
-        """Point every attention layer at the configured backend; with the C++ attention, the other
-        layers that have a C++ variant (RMSNorm, RoPE, SwiGLU) use the C++ kernels too."""
-        choice = select_attention_backend(
-            self.config.attention_backend, self.device, self.dtype, self.block_size
-        )
-        self.kernel_backend = choice.backend.name  # reported by the bench and logs
-        if self.tp.rank == 0:
-            log.info("attention_backend_selected", backend=self.kernel_backend, reason=choice.reason)
-        kernels = choice.backend.kernels if isinstance(choice.backend, CpuKernelAttention) else None
-        fused = None
-        if isinstance(choice.backend, TritonAttention):
-            from nanovllm.kernels import triton_layers as fused  # Triton is imported only where it runs
-        self.model.bind_kernels(choice.backend, kernels, fused)
-        self.sampler.cpu_kernels = kernels
-        if self.draft is not None:
-            self.draft.model.bind_kernels(choice.backend, kernels, fused)
-
-    def _cuda_allocated(self) -> int:
-        """Bytes this process holds on the GPU through torch (0 on CPU): differences of it are this
-        engine's own, whatever other engines or processes hold on the same GPU."""
-        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-
-    def _kv_cache_bytes(self) -> int:
-        """This rank's KV cache budget (worker/runner/kv_cache.py), from the weights and activation peak
-        measured here on a GPU, or from the available RAM."""
-        if self.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            peak = self._activation_peak()
-            return gpu_kv_cache_bytes(self.config, str(self.device), total, self.weights_bytes, peak)
-        return cpu_kv_cache_bytes(self.config, psutil.virtual_memory().available, self.tp.size)
-
-    def _activation_peak(self) -> int:
-        """GPU bytes the largest step needs beyond the weights, measured by running it before the KV cache
-        exists. Every tensor-parallel rank runs it at once (the forward's collectives pair up)."""
-        torch.cuda.synchronize(self.device)
-        before = self._cuda_allocated()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._run_largest_step()
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        torch.cuda.empty_cache()
-        return peak
-
-    @torch.inference_mode()
-    def _run_largest_step(self) -> None:
-        """The step that needs the most activation memory, on dummy tokens: a prompt batch of
-        max_num_batched_tokens, logits for max_num_seqs rows and the sampler's heaviest path (top-k/top-p
-        sorts and logprobs). Only valid while the attention layers have no KV cache (nothing is stored)."""
-        config = self.config
-        num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
-        lengths = [config.max_model_len] * (num_tokens // config.max_model_len)
-        lengths += [num_tokens % config.max_model_len] if num_tokens % config.max_model_len else []
-        num_rows = min(config.max_num_seqs, num_tokens)
-        inputs = StepInputs(
-            input_ids=[0] * num_tokens,
-            positions=[p for n in lengths for p in range(n)],
-            slot_mapping=[],
-            decodes=[],
-            fresh=[SeqChunk(0, n, []) for n in lengths],
-            cached=[],
-            logits_index=list(range(num_rows)),
-        )
-        input_ids, positions, meta, logits_index = self.tensors(inputs)
-        hidden = self.model(input_ids, positions, meta)
-        logits = self.model.compute_logits(hidden.index_select(0, logits_index)).float()
-        del hidden
-        heaviest = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=SamplingParams.MAX_LOGPROBS)
-        self.sampler(logits, [SamplingRow(heaviest, [0], [], None)] * num_rows)
-
-    def _allocate_kv_cache(self) -> int:
-        cfg = self.config.hf_config
-        kv_heads = self.tp.kv_heads(cfg.num_key_value_heads)[1]
-        per_block = kv_bytes_per_block(cfg, self.block_size, kv_heads, self._element_size())
-        if self.draft is not None:  # the draft's KV of a block's tokens lives in a block of its own cache
-            per_block += self.draft.bytes_per_block(self._element_size())
-        # Every rank must hold the same blocks: the scheduler on rank 0 hands out block ids for all.
-        num_blocks = self.tp.all_reduce_min(self._kv_cache_bytes() // per_block)
-        check_num_blocks(self.config, num_blocks, per_block)
-        # One block more than the scheduler hands out: the pad block, which padded rows of a replayed decode
-        # step write to (worker/runner/decode_graphs.py).
-        self.pad_block = num_blocks
-        shape = (2, cfg.num_hidden_layers, num_blocks + 1, self.block_size, kv_heads, cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        for i, attn in enumerate(self.model.attention_layers()):
-            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-        if self.draft is not None:
-            self.draft.allocate_cache(num_blocks + 1, self.dtype, self.device)
-        log.info(
-            "kv_cache_allocated",
-            num_blocks=num_blocks,
-            block_size=self.block_size,
-            gib=round(num_blocks * per_block / 2**30, 3),
-        )
-        return num_blocks
-
-    def _element_size(self) -> int:
-        return torch.tensor([], dtype=self.dtype).element_size()
+        super().__init__(config, tp)
 
     def execute(self, sched: SchedulerOutput, rows: list[SamplingRow]) -> ModelRunnerOutput:
         """Run one step and wait for its picks. `rows` gives sampling state for the sequences whose chunk
@@ -381,7 +87,7 @@ class ModelRunner:
         try:
             if self.tp_group is not None:
                 self.tp_group.send(inputs)
-            input_ids, positions, meta, logits_index = self.tensors(inputs)
+            input_ids, positions, meta, logits_index = self.inputs.tensors(inputs)
             self._take_pending(input_ids, inputs)
             graphs = self.decode_graphs
             bucket = graphs.bucket(inputs) if graphs is not None else None
@@ -406,7 +112,7 @@ class ModelRunner:
         if self._picks is None:
             raise RuntimeError("a step defers tokens to the picks of a step that picked none")
         picks, _ = self._picks
-        index = self._long([i for i, _ in inputs.deferred] + [r for _, r in inputs.deferred])
+        index = self.inputs.long([i for i, _ in inputs.deferred] + [r for _, r in inputs.deferred])
         flat, rows = index.chunk(2)
         input_ids.index_copy_(0, flat, picks.index_select(0, rows))
 
@@ -414,146 +120,8 @@ class ModelRunner:
         """speculative_method=draft: the draft model's proposals for `items` (worker/sample/draft.py)."""
         if self.draft is None:
             raise RuntimeError("propose_draft needs speculative_method=draft")
-        self.draft.propose(items, self.tensors)
-
-    def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks (joined, never orphaned) and leave the CPU share."""
-        if self.tp_group is not None:
-            self.tp_group.shutdown()
-            self.tp_group = None
-        if self.cpu_share is not None:
-            self.cpu_share.close()
-            self.cpu_share = None
+        self.draft.propose(items, self.inputs.tensors)
 
     def step_inputs(self, sched: SchedulerOutput, all_logits: bool) -> StepInputs:
-        """The step as plain integers. Tokens are laid out decodes, then fresh prompts, then continuing
-        chunks; logits are computed for each sampling sequence's last token (or every token).
-
-        A verification (a decoding sequence's last token and its proposals) runs as decode rows, one per
-        token, each attending to the cache up to its own position: its K/V are stored before any row
-        attends, so this is the causal chunk, computed exactly as the decode steps it replaces would
-        compute each token (and replayable as a decode step on CUDA graphs)."""
-        bs = self.block_size
-        nd = sched.num_decodes
-        verifying = [s for s in sched.scheduled[nd:] if s.spec_token_ids]
-        chunks = [s for s in sched.scheduled[nd:] if not s.spec_token_ids]
-        order = [*sched.scheduled[:nd], *verifying, *(s for s in chunks if s.start == 0)]
-        order += [s for s in chunks if s.start > 0]
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        last_row: dict[int, int] = {}
-        deferred: list[tuple[int, int]] = []
-        for item in order:
-            seq, start, end = item.seq, item.start, item.start + item.num_new_tokens
-            table = seq.block_table
-            input_ids.extend(seq.token_ids[start : end - len(item.spec_token_ids)])
-            input_ids.extend(item.spec_token_ids)
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            last_row[seq.seq_id] = len(input_ids) - 1
-            if seq.num_pending_tokens:
-                deferred.append((len(input_ids) - 1, self._pending_row(item)))
-        if all_logits:
-            logits_index = list(range(len(input_ids)))
-        else:
-            # One row per token to pick: a verified chunk's proposals each have theirs.
-            logits_index = [
-                row
-                for s in sched.scheduled
-                if s.samples
-                for row in range(last_row[s.seq.seq_id] - len(s.spec_token_ids), last_row[s.seq.seq_id] + 1)
-            ]
-
-        def chunk(item: ScheduledSequence, start: int, num_new_tokens: int) -> SeqChunk:
-            # The sequence's own list where it is the whole table (BlockTableRows keeps its row).
-            table, needed = item.seq.block_table, -(-(start + num_new_tokens) // bs)
-            return SeqChunk(start, num_new_tokens, table if len(table) == needed else table[:needed])
-
-        decodes = [
-            chunk(s, p, 1)
-            for s in order[: nd + len(verifying)]
-            for p in range(s.start, s.start + s.num_new_tokens)
-        ]
-        return StepInputs(
-            input_ids=input_ids,
-            positions=positions,
-            slot_mapping=slots,
-            decodes=decodes,
-            fresh=[chunk(s, s.start, s.num_new_tokens) for s in chunks if s.start == 0],
-            cached=[chunk(s, s.start, s.num_new_tokens) for s in chunks if s.start > 0],
-            logits_index=logits_index,
-            deferred=deferred,
-        )
-
-    def _pending_row(self, item: ScheduledSequence) -> int:
-        """The row of the previous step's picks that holds `item`'s last input token."""
-        seq = item.seq
-        picked = self._picks[1] if self._picks is not None else {}
-        if seq.num_pending_tokens != 1 or item.start + item.num_new_tokens != seq.num_tokens:
-            raise RuntimeError(
-                f"request {seq.request_id!r}: only a decode of its one pending token can be scheduled "
-                f"({seq.num_pending_tokens} pending, positions {item.start}..{item.start + item.num_new_tokens})"
-            )
-        if seq.seq_id not in picked:
-            raise RuntimeError(f"request {seq.request_id!r} waits on a pick the last step did not make")
-        return picked[seq.seq_id]
-
-    def tensors(
-        self, inputs: StepInputs
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """The model's inputs on this runner's device: token ids, positions, attention metadata, and the
-        rows whose logits are wanted. Two host-to-device copies: the step's integers, and its block tables
-        (one array for the three groups of chunks, each group taking its rows)."""
-        groups = (inputs.decodes, inputs.fresh, inputs.cached)
-        # Each array starts 16-byte aligned in the one staged tensor: Triton compiles a kernel once per
-        # alignment of its pointers, and a step must not meet a new one (a compile costs seconds).
-        segments = [inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_index]
-        segments.append([c.start + 1 for c in inputs.decodes])  # context lengths
-        for chunks in groups[1:]:
-            if chunks:
-                query_start_loc = [0]
-                for c in chunks:
-                    query_start_loc.append(query_start_loc[-1] + c.num_new_tokens)
-                segments += [query_start_loc, [c.start for c in chunks]]
-        values: list[int] = []
-        offsets = []
-        for segment in segments:
-            offsets.append(len(values))
-            values += segment
-            values += [0] * (len(values) % 2)
-        packed = self._long(values)
-        staged = [packed.narrow(0, offset, len(segment)) for offset, segment in zip(offsets, segments)]
-        input_ids, positions, slot_mapping, logits_index, context_lens = staged[:5]
-        chunks = [c for group in groups for c in group]
-        tables = (
-            to_device(self.block_rows.gather([c.block_table for c in chunks]), self.device)
-            if chunks
-            else None
-        )
-        starts = itertools.accumulate(len(group) for group in groups)
-        decode_tables, fresh_tables, cached_tables = (
-            tables[a - len(group) : a] if group else None for a, group in zip(starts, groups)
-        )
-        chunk_tensors = iter(staged[5:])
-
-        def chunk_batch(chunks: list[SeqChunk], block_tables: torch.Tensor) -> ChunkBatch:
-            return ChunkBatch(
-                query_start_loc=next(chunk_tensors),
-                start_positions=next(chunk_tensors),
-                block_tables=block_tables,
-                max_query_len=max(c.num_new_tokens for c in chunks),
-                num_tokens=sum(c.num_new_tokens for c in chunks),
-                block_size=self.block_size,
-            )
-
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            decode=DecodeBatch(decode_tables, context_lens, self.block_size) if inputs.decodes else None,
-            fresh=chunk_batch(inputs.fresh, fresh_tables) if inputs.fresh else None,
-            cached=chunk_batch(inputs.cached, cached_tables) if inputs.cached else None,
-        )
-        return input_ids, positions, meta, logits_index
-
-    def _long(self, values: list[int]) -> torch.Tensor:
-        return to_device(torch.tensor(values, dtype=torch.long), self.device)
+        """The step as plain integers (worker/runner/inputs.py), pending tokens taken from the last picks."""
+        return self.inputs.step_inputs(sched, all_logits, self._picks[1] if self._picks is not None else None)

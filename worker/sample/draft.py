@@ -10,7 +10,7 @@ steps without speculation), one chunk per sequence, which also gives the first p
 decodes the other proposals one position at a time. It runs after scheduling, into the cache slots the
 scheduler reserved for the proposals, which the verification then overwrites with the target's KV.
 
-Proposals decide only how many tokens a step keeps, never which (LLMEngine._update): a draft that proposes
+Proposals decide only how many tokens a step keeps, never which (Scheduler.update_from_output): a draft that proposes
 badly, or reads stale KV, costs speed, not correctness.
 """
 
@@ -24,7 +24,6 @@ import torch
 from nanovllm.kernels.attention import AttentionMetadata
 from nanovllm.worker.config import ModelConfig
 from nanovllm.worker.models.decoder import DecoderForCausalLM
-from nanovllm.worker.runner.kv_cache import kv_bytes_per_block
 from nanovllm.worker.sequence import Sequence
 from nanovllm.worker.step import ScheduledSequence, SeqChunk, StepInputs
 
@@ -37,9 +36,6 @@ class DraftModel:
         self.config = config
         self.block_size = block_size
         self.kv_cache = torch.empty(0)  # sized by allocate_cache once the target's block count is known
-
-    def bytes_per_block(self, element_size: int) -> int:
-        return kv_bytes_per_block(self.config, self.block_size, self.config.num_key_value_heads, element_size)
 
     def allocate_cache(self, num_blocks: int, dtype: torch.dtype, device: torch.device) -> None:
         """A cache of `num_blocks` blocks, numbered as the target's (its pad block included)."""
@@ -87,7 +83,7 @@ class DraftModel:
                 proposals[i].append(token)
         for item, proposal in zip(items, proposals):
             item.spec_token_ids = proposal
-            # KV written up to the last proposal but one; LLMEngine._update keeps what was accepted.
+            # KV written up to the last proposal but one; Scheduler.update_from_output keeps what was accepted.
             item.seq.num_draft_tokens = item.seq.num_tokens + len(proposal) - 1
 
     def _chunk(self, seq: Sequence, start: int, num_new_tokens: int) -> SeqChunk:

@@ -12,18 +12,24 @@ that the sampler applies to the logits before anything else (worker/sample/sampl
 from __future__ import annotations
 
 import json
+import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
 from nanovllm.common.errors import RequestError
 from nanovllm.common.logging import get_logger
+from nanovllm.worker.sequence import Sequence
+from nanovllm.worker.step import SamplingRow, SchedulerOutput
 
 log = get_logger(__name__)
 
 # Compiled constraints kept for reuse (a few KB to a few MB each); the least recently used goes first.
 CACHE_SIZE = 256
+# While only constraints are compiling, a step waits this long at most for one to finish, so the thread
+# that drives the engine still takes new commands promptly.
+GRAMMAR_WAIT_S = 0.02
 
 
 # JSON as json.dumps writes it, on one line. llguidance's default lets any whitespace stand between two
@@ -169,3 +175,89 @@ class MaskFiller:
         if with_tokens:
             self._executor.unsafe_compute_mask_ptr_with_draft_token(with_tokens, pointer, size, rows)
         return bitmask
+
+
+class ConstraintQueue:
+    """The engine's side of structured output: constrained requests wait here while their constraint
+    compiles (never blocking the engine thread), and each step's constrained rows get their masks here."""
+
+    def __init__(self, compiler: GrammarCompiler, vocab_size: int, timeout_s: float) -> None:
+        self.compiler = compiler
+        self.vocab_size = vocab_size
+        self.timeout_s = timeout_s
+        # request id -> (sequence, its compiled matcher to come, deadline)
+        self._compiling: dict[str, tuple[Sequence, Future, float]] = {}
+        self._masks: MaskFiller | None = None  # built with the first constrained step
+
+    def __len__(self) -> int:
+        """Requests still compiling."""
+        return len(self._compiling)
+
+    def add(self, seq: Sequence) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        self._compiling[seq.request_id] = (seq, self.compiler.compile(seq.params.constraint), deadline)
+
+    def remove(self, request_id: str) -> bool:
+        """Forget a request still compiling (aborted); False when it is not here."""
+        return self._compiling.pop(request_id, None) is not None
+
+    def admit(self) -> tuple[list[Sequence], list[tuple[Sequence, str]]]:
+        """The requests whose constraint compiled, each given its own matcher (advanced past the tokens a
+        resumed request brought), and those refused with why: their constraint failed or ran out of time."""
+        ready, refused = [], []
+        now = time.monotonic()
+        for request_id, (seq, future, deadline) in list(self._compiling.items()):
+            if not future.done() and now < deadline:
+                continue
+            del self._compiling[request_id]
+            error = None
+            if not future.done():
+                error = (
+                    f"SamplingParams.{seq.params.constraint[0]} did not compile within grammar_compile_timeout_s "
+                    f"= {self.timeout_s} s"
+                )
+            elif future.exception() is not None:
+                error = str(future.exception())
+            else:
+                seq.grammar = Grammar(future.result())
+                if not seq.grammar.consume(seq.output_token_ids):
+                    error = f"output_token_ids do not match the request's constraint: {seq.grammar.error}"
+            if error is None:
+                ready.append(seq)
+            else:
+                refused.append((seq, error))
+        return ready, refused
+
+    def wait(self) -> None:
+        """Wait until a constraint finishes compiling, or GRAMMAR_WAIT_S has passed."""
+        wait([future for _, future, _ in self._compiling.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
+
+    def fill_masks(self, sched: SchedulerOutput, rows: list[SamplingRow]) -> bool:
+        """Give the rows of constrained requests their token bitmasks; False when no row is constrained.
+        Row j of a request with proposals is masked as if its first j proposals had been accepted. Rows
+        after a proposal the constraint rejects keep no mask: their picks are never kept, since the pick at
+        that proposal cannot equal it."""
+        entries, offsets, offset = [], [], 0
+        for item in sched.scheduled:
+            if not item.samples:
+                continue
+            grammar = item.seq.grammar
+            if grammar is not None:
+                spec = item.spec_token_ids
+                entries.append((grammar, spec[: grammar.valid_prefix(spec)]))
+                offsets.append(offset)
+            offset += 1 + len(item.spec_token_ids)
+        if not entries:
+            return False
+        if self._masks is None:
+            self._masks = MaskFiller(self.vocab_size, torch.get_num_threads())
+        bitmask = self._masks.fill(entries)
+        row = 0
+        for (_, accepted), offset in zip(entries, offsets):
+            for j in range(1 + len(accepted)):
+                rows[offset + j].token_bitmask = bitmask[row]
+                row += 1
+        return True
+
+    def shutdown(self) -> None:
+        self.compiler.shutdown()

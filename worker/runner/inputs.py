@@ -1,0 +1,158 @@
+"""A scheduled step laid out as the model's inputs: the plain integers of StepInputs (what rank 0 also
+sends to the other tensor-parallel ranks), then those integers on the device in two copies."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+
+import torch
+
+from nanovllm.kernels.attention import AttentionMetadata, ChunkBatch, DecodeBatch
+from nanovllm.worker.device import to_device
+from nanovllm.worker.runner.block_table_rows import BlockTableRows
+from nanovllm.worker.step import ScheduledSequence, SchedulerOutput, SeqChunk, StepInputs
+
+
+class InputBuilder:
+    def __init__(self, block_size: int, device: torch.device, block_rows: BlockTableRows) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.block_rows = block_rows
+
+    def step_inputs(
+        self, sched: SchedulerOutput, all_logits: bool, picked: Mapping[int, int] | None = None
+    ) -> StepInputs:
+        """The step as plain integers. Tokens are laid out decodes, then fresh prompts, then continuing
+        chunks; logits are computed for each sampling sequence's last token (or every token). `picked`: the
+        row of each sequence's pick (by seq_id) in the picks of the step launched before this one, which a
+        sequence still waiting for that pick (Sequence.num_pending_tokens) takes its last input token from.
+
+        A verification (a decoding sequence's last token and its proposals) runs as decode rows, one per
+        token, each attending to the cache up to its own position: its K/V are stored before any row
+        attends, so this is the causal chunk, computed exactly as the decode steps it replaces would
+        compute each token (and replayable as a decode step on CUDA graphs)."""
+        bs = self.block_size
+        nd = sched.num_decodes
+        verifying = [s for s in sched.scheduled[nd:] if s.spec_token_ids]
+        chunks = [s for s in sched.scheduled[nd:] if not s.spec_token_ids]
+        order = [*sched.scheduled[:nd], *verifying, *(s for s in chunks if s.start == 0)]
+        order += [s for s in chunks if s.start > 0]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_row: dict[int, int] = {}
+        deferred: list[tuple[int, int]] = []
+        for item in order:
+            seq, start, end = item.seq, item.start, item.start + item.num_new_tokens
+            table = seq.block_table
+            input_ids.extend(seq.token_ids[start : end - len(item.spec_token_ids)])
+            input_ids.extend(item.spec_token_ids)
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            last_row[seq.seq_id] = len(input_ids) - 1
+            if seq.num_pending_tokens:
+                deferred.append((len(input_ids) - 1, self._pending_row(item, picked or {})))
+        if all_logits:
+            logits_index = list(range(len(input_ids)))
+        else:
+            # One row per token to pick: a verified chunk's proposals each have theirs.
+            logits_index = [
+                row
+                for s in sched.scheduled
+                if s.samples
+                for row in range(last_row[s.seq.seq_id] - len(s.spec_token_ids), last_row[s.seq.seq_id] + 1)
+            ]
+
+        def chunk(item: ScheduledSequence, start: int, num_new_tokens: int) -> SeqChunk:
+            # The sequence's own list where it is the whole table (BlockTableRows keeps its row).
+            table, needed = item.seq.block_table, -(-(start + num_new_tokens) // bs)
+            return SeqChunk(start, num_new_tokens, table if len(table) == needed else table[:needed])
+
+        decodes = [
+            chunk(s, p, 1)
+            for s in order[: nd + len(verifying)]
+            for p in range(s.start, s.start + s.num_new_tokens)
+        ]
+        return StepInputs(
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slots,
+            decodes=decodes,
+            fresh=[chunk(s, s.start, s.num_new_tokens) for s in chunks if s.start == 0],
+            cached=[chunk(s, s.start, s.num_new_tokens) for s in chunks if s.start > 0],
+            logits_index=logits_index,
+            deferred=deferred,
+        )
+
+    @staticmethod
+    def _pending_row(item: ScheduledSequence, picked: Mapping[int, int]) -> int:
+        """The row of the previous step's picks that holds `item`'s last input token."""
+        seq = item.seq
+        if seq.num_pending_tokens != 1 or item.start + item.num_new_tokens != seq.num_tokens:
+            raise RuntimeError(
+                f"request {seq.request_id!r}: only a decode of its one pending token can be scheduled "
+                f"({seq.num_pending_tokens} pending, positions {item.start}..{item.start + item.num_new_tokens})"
+            )
+        if seq.seq_id not in picked:
+            raise RuntimeError(f"request {seq.request_id!r} waits on a pick the last step did not make")
+        return picked[seq.seq_id]
+
+    def tensors(
+        self, inputs: StepInputs
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """The model's inputs on this runner's device: token ids, positions, attention metadata, and the
+        rows whose logits are wanted. Two host-to-device copies: the step's integers, and its block tables
+        (one array for the three groups of chunks, each group taking its rows)."""
+        groups = (inputs.decodes, inputs.fresh, inputs.cached)
+        # Each array starts 16-byte aligned in the one staged tensor: Triton compiles a kernel once per
+        # alignment of its pointers, and a step must not meet a new one (a compile costs seconds).
+        segments = [inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_index]
+        segments.append([c.start + 1 for c in inputs.decodes])  # context lengths
+        for chunks in groups[1:]:
+            if chunks:
+                query_start_loc = [0]
+                for c in chunks:
+                    query_start_loc.append(query_start_loc[-1] + c.num_new_tokens)
+                segments += [query_start_loc, [c.start for c in chunks]]
+        values: list[int] = []
+        offsets = []
+        for segment in segments:
+            offsets.append(len(values))
+            values += segment
+            values += [0] * (len(values) % 2)
+        packed = self.long(values)
+        staged = [packed.narrow(0, offset, len(segment)) for offset, segment in zip(offsets, segments)]
+        input_ids, positions, slot_mapping, logits_index, context_lens = staged[:5]
+        chunks = [c for group in groups for c in group]
+        tables = (
+            to_device(self.block_rows.gather([c.block_table for c in chunks]), self.device)
+            if chunks
+            else None
+        )
+        starts = itertools.accumulate(len(group) for group in groups)
+        decode_tables, fresh_tables, cached_tables = (
+            tables[a - len(group) : a] if group else None for a, group in zip(starts, groups)
+        )
+        chunk_tensors = iter(staged[5:])
+
+        def chunk_batch(chunks: list[SeqChunk], block_tables: torch.Tensor) -> ChunkBatch:
+            return ChunkBatch(
+                query_start_loc=next(chunk_tensors),
+                start_positions=next(chunk_tensors),
+                block_tables=block_tables,
+                max_query_len=max(c.num_new_tokens for c in chunks),
+                num_tokens=sum(c.num_new_tokens for c in chunks),
+                block_size=self.block_size,
+            )
+
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            decode=DecodeBatch(decode_tables, context_lens, self.block_size) if inputs.decodes else None,
+            fresh=chunk_batch(inputs.fresh, fresh_tables) if inputs.fresh else None,
+            cached=chunk_batch(inputs.cached, cached_tables) if inputs.cached else None,
+        )
+        return input_ids, positions, meta, logits_index
+
+    def long(self, values: list[int]) -> torch.Tensor:
+        return to_device(torch.tensor(values, dtype=torch.long), self.device)
