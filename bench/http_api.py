@@ -27,7 +27,7 @@ import openai
 from bench.report import machine_description
 from nanovllm.processes import spawn, wait_until_serving
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
-from nanovllm.worker.models.gguf import embedded_model_path
+from nanovllm.worker.models.gguf.cache import embedded_model_path
 
 
 def prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -26,7 +26,7 @@ from bench.speculation import llama_cpp, run_batch
 from bench.workload import make_workload
 from nanovllm import LLM, SamplingParams
 from nanovllm.worker.layers.quantization import PackedWeight
-from nanovllm.worker.models.gguf import embedded_model_path
+from nanovllm.worker.models.gguf.cache import embedded_model_path
 
 TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "

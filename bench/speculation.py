@@ -31,7 +31,7 @@ from bench.report import machine_description
 from bench.workload import Workload, greedy, make_workload
 from nanovllm import LLM, SamplingParams
 from nanovllm.worker.config import EngineConfig
-from nanovllm.worker.models.gguf import embedded_model_path, prepare_gguf
+from nanovllm.worker.models.gguf.cache import embedded_model_path, prepare_gguf
 
 PARAGRAPHS = [
     (

@@ -35,7 +35,7 @@ from transformers import AutoTokenizer
 
 from bench.report import machine_description
 from nanovllm import LLM, SamplingParams
-from nanovllm.worker.models.gguf import embedded_model_path, prepare_gguf
+from nanovllm.worker.models.gguf.cache import embedded_model_path, prepare_gguf
 from tests.test_structured_output import SCHEMAS
 
 BATCH = 64

@@ -85,7 +85,7 @@ def _run_server(what: str, serve: Callable[..., Coroutine[Any, Any, int | None]]
 
 
 def run_worker(options: dict[str, Any]) -> int:
-    from nanovllm.worker.models.gguf import resolve_model
+    from nanovllm.worker.models.gguf.cache import resolve_model
     from nanovllm.worker.service.server import serve_worker
 
     build(LogConfig, options).apply()

@@ -19,7 +19,7 @@ from nanovllm.common.errors import ConfigError
 from nanovllm.common.v1 import worker_pb2
 from nanovllm.kernels.cpu_kernels import load_cpu_kernels
 from nanovllm.router.tokenizer import ModelTokenizer
-from nanovllm.worker.models.gguf import embedded_model_path, prepare_gguf
+from nanovllm.worker.models.gguf.cache import embedded_model_path, prepare_gguf
 from tests.chat_templates import QWEN3
 from tests.model_factory import build_model, build_tokenizer
 from tests.services import ServerProcess, library_errors, start_router, start_worker, wait_serving

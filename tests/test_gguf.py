@@ -24,13 +24,8 @@ from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from nanovllm.worker.config import ModelConfig
 from nanovllm.worker.device import resolve_placement
 from nanovllm.worker.llm import load_tokenizer
-from nanovllm.worker.models.gguf import (
-    STALE_STAGING_S,
-    cache_key,
-    embedded_model_path,
-    prepare_gguf,
-    transformers_tokenizer,
-)
+from nanovllm.worker.models.gguf.cache import STALE_STAGING_S, cache_key, embedded_model_path, prepare_gguf
+from nanovllm.worker.models.gguf.tokenizer import transformers_tokenizer
 
 MAX_NEW = 24
 QUESTIONS = [

@@ -23,7 +23,8 @@ from nanovllm.common.errors import ConfigError, UnsupportedModelError
 from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.layers.quantization import PackedWeight, QuantScheme, assign
 from nanovllm.worker.models.decoder import DecoderForCausalLM
-from nanovllm.worker.models.gguf import embedded_model_path, gguf_quant_plan, gguf_tensors
+from nanovllm.worker.models.gguf.cache import embedded_model_path
+from nanovllm.worker.models.gguf.tensors import gguf_quant_plan, gguf_tensors
 from tests.helpers import teacher_forced_logits
 from tests.test_dtypes import _chat_prompts
 

@@ -16,7 +16,7 @@ from nanovllm.common.errors import ConfigError, RequestError
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.core.engine import LLMEngine
-from nanovllm.worker.models.gguf import resolve_model
+from nanovllm.worker.models.gguf.cache import resolve_model
 
 
 def load_tokenizer(model_dir: str | Path) -> Any | None:

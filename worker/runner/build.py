@@ -22,7 +22,7 @@ from nanovllm.worker.device import resolve_placement, usable_cpus
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, QuantScheme
 from nanovllm.worker.models.decoder import DecoderForCausalLM
-from nanovllm.worker.models.gguf import gguf_quant_plan, gguf_tensors
+from nanovllm.worker.models.gguf.tensors import gguf_quant_plan, gguf_tensors
 from nanovllm.worker.models.loader import load_safetensors, load_tensors
 from nanovllm.worker.runner.block_table_rows import BlockTableRows
 from nanovllm.worker.runner.cpu_share import CpuShare
