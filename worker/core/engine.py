@@ -56,6 +56,15 @@ class _InFlight:
 
 
 class LLMEngine:
+    """Requests in, one step at a time, token deltas out. Each step admits the requests whose constraint
+    compiled, proposes speculative tokens, schedules, launches the model and sampler, and applies the picks
+    of the step launched before it: the requests that advanced or finished, and the timings.
+
+    Synchronously, a step is applied in the call that launched it. With async scheduling the engine
+    schedules and launches step N+1 before it waits for step N's picks: N+1 takes them on the device, and a
+    request that N finished has its row in N+1 discarded. Each sequence holds the place of its pick in
+    flight (Sequence.num_pending_tokens), so the scheduler sees what it would see after N."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config = config.hf_config
@@ -151,13 +160,7 @@ class LLMEngine:
         )
 
     def step(self) -> StepResult:
-        """Schedule and launch one step, and apply the results of the step launched before it: the
-        requests that advanced or finished, and the timings.
-
-        Synchronously, a step is applied in the call that launched it. With async scheduling the engine
-        schedules and launches step N+1 before it waits for step N's picks: N+1 takes them on the device,
-        and a request that N finished has its row in N+1 discarded. Each sequence holds the place of its
-        pick in flight (Sequence.num_pending_tokens), so the scheduler sees what it would see after N."""
+        """Admit, propose, schedule and launch one step; apply the step before it (see the class docstring)."""
         outputs, self._aborted = self._aborted, []
         stats = StepStats()
         t0 = time.perf_counter()

@@ -1,1 +1,1 @@
-"""worker/layers"""
+"""The layers models are built from: attention, linear (float and quantized), norms, rotary, embeddings."""

@@ -1,1 +1,1 @@
-"""worker/models"""
+"""Model definitions (the decoder, its one-call decode layers) and checkpoint loading (safetensors, GGUF)."""
