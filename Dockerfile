@@ -85,7 +85,7 @@ WORKDIR /home/nanovllm
 RUN if [ "${PRECOMPILE_CPU_KERNELS}" = "1" ]; then \
       python -c "import sys; from nanovllm.kernels.cpu_kernels import load_cpu_kernels; sys.exit(load_cpu_kernels() is None)"; \
     fi \
- && python -c "from nanovllm.worker.gguf import embedded_model_path, prepare_gguf; print(prepare_gguf(embedded_model_path()))"
+ && python -c "from nanovllm.worker.models.gguf.cache import embedded_model_path, prepare_gguf; print(prepare_gguf(embedded_model_path()))"
 
 # 50051: router gRPC, 50061: worker gRPC, 9090 / 9091: router / worker Prometheus metrics.
 EXPOSE 50051 50061 8000 9090 9091

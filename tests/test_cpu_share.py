@@ -23,7 +23,7 @@ FOUR_CPUS = frozenset({0, 1, 2, 3})
 MEMBER = """
 import sys
 from pathlib import Path
-from nanovllm.worker.cpu_share import CpuShare
+from nanovllm.worker.runner.cpu_share import CpuShare
 share = CpuShare(frozenset({0, 1, 2, 3}), 4, root=Path(sys.argv[1]))
 print(share.slice().cpus, flush=True)
 sys.stdin.read()
