@@ -15,6 +15,7 @@ import json
 import time
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
 
 import torch
 
@@ -39,6 +40,54 @@ GRAMMAR_WAIT_S = 0.02
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 FREE_WHITESPACE_JSON = {"whitespace_flexible": True}
 
+# A JSON number's digits are the other place a sampled answer can run to max_tokens (one of 300 did:
+# `"wind_kmh": 5.8322179115...`), so a number the schema leaves unbounded gets the bounds RFC 8259 section 6
+# gives for interoperable numbers (IEEE 754 binary64): an integer within +-(2**53 - 1), any other number
+# within +-1e15 in steps of 1e-9 (15 digits before the point and 9 after, beyond binary64's 15-17
+# significant digits). A schema's own minimum, maximum or multipleOf wins over each.
+MAX_SAFE_INTEGER = 2**53 - 1
+NUMBER_LIMIT = 1e15
+NUMBER_STEP = 1e-9
+# Keywords whose values are data, not subschemas: a {"type": "number"} inside them is left alone.
+_DATA_KEYWORDS = frozenset({"const", "enum", "examples", "default", "required", "x-guidance"})
+# json_object: an object whose values are any JSON, its numbers bounded as above.
+ANY_JSON_OBJECT = {
+    "$defs": {
+        "value": {
+            "anyOf": [
+                {"type": "object", "additionalProperties": {"$ref": "#/$defs/value"}},
+                {"type": "array", "items": {"$ref": "#/$defs/value"}},
+                {"type": "string"},
+                {"type": "number"},
+                {"type": "boolean"},
+                {"type": "null"},
+            ]
+        }
+    },
+    "type": "object",
+    "additionalProperties": {"$ref": "#/$defs/value"},
+}
+
+
+def bounded_numbers(schema: Any) -> Any:
+    """`schema` with bounds on every integer and number it leaves unbounded (see MAX_SAFE_INTEGER)."""
+    if isinstance(schema, list):
+        return [bounded_numbers(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    bounded = {k: v if k in _DATA_KEYWORDS else bounded_numbers(v) for k, v in schema.items()}
+    kind = schema.get("type")
+    kinds = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
+    if kinds & {"integer", "number"}:
+        limit = NUMBER_LIMIT if "number" in kinds else MAX_SAFE_INTEGER
+        if not schema.keys() & {"minimum", "exclusiveMinimum"}:
+            bounded["minimum"] = -limit
+        if not schema.keys() & {"maximum", "exclusiveMaximum"}:
+            bounded["maximum"] = limit
+        if "number" in kinds and "multipleOf" not in schema:
+            bounded["multipleOf"] = NUMBER_STEP
+    return bounded
+
 
 def grammar_text(kind: str, spec: str, free_whitespace: bool = False) -> str:
     """The llguidance grammar for a constraint (kind, spec, free_whitespace) as
@@ -47,9 +96,9 @@ def grammar_text(kind: str, spec: str, free_whitespace: bool = False) -> str:
 
     if kind in ("json_schema", "json_object"):
         # A schema's own "x-guidance" options come after these defaults, so they win.
-        schema = spec if kind == "json_schema" else '{"type": "object"}'
+        schema = bounded_numbers(json.loads(spec) if kind == "json_schema" else ANY_JSON_OBJECT)
         defaults = FREE_WHITESPACE_JSON if free_whitespace else COMPACT_JSON
-        return LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
+        return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=defaults)
     if kind == "regex":
         return LLMatcher.grammar_from_regex(spec)
     if kind == "grammar":
