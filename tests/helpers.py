@@ -10,8 +10,26 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.worker.llm import load_tokenizer
 from nanovllm.worker.sequence import Sequence
 from nanovllm.worker.step import ScheduledSequence, SchedulerOutput
+
+# The chats the real-model tests ask (SmolLM2-135M-Instruct): short questions of different kinds.
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Give me three tips for staying healthy.",
+    "Explain what a neural network is in one sentence.",
+]
+
+
+@lru_cache(maxsize=4)
+def chat_prompts(model_dir: Path) -> list[list[int]]:
+    """QUESTIONS as the model's chat template renders them, tokenized."""
+    tokenizer = load_tokenizer(model_dir)
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+    return [tokenizer.encode(t) for t in texts]
 
 
 @lru_cache(maxsize=16)
@@ -79,3 +97,24 @@ def cuts(text: str, count: int) -> list[list[str]]:
         [text[a:b] for a, b in zip((0, *points), (*points, len(text)))]
         for points in itertools.combinations_with_replacement(range(len(text) + 1), count)
     ]
+
+
+def top5_rule(name: str, ours: list[dict], theirs: list[dict]) -> float:
+    """vLLM's rule for 16-bit (or quantized) outputs against a reference run of the same prompts, both
+    greedy with logprobs=5: each prompt's two token sequences are walked side by side, and at the first
+    position where they part (same context up to there) each token must be in the other's top-5; the walk
+    of that prompt stops there. Returns the largest |logprob difference| of a token in both top-5s, up to
+    and at the parting, for the caller to hold to its dtype's bound."""
+    worst = 0.0
+    for index, (a, b) in enumerate(zip(ours, theirs)):
+        for pos, (ta, tb, la, lb) in enumerate(
+            zip(a["token_ids"], b["token_ids"], a["logprobs"], b["logprobs"])
+        ):
+            top_a, top_b = dict(la.top), dict(lb.top)
+            worst = max([worst, *(abs(top_a[t] - top_b[t]) for t in top_a.keys() & top_b.keys())])
+            if ta != tb:
+                assert ta in top_b and tb in top_a, (
+                    f"{name} prompt {index} position {pos}: {ta} (top-5 {la.top}) against {tb} (top-5 {lb.top})"
+                )
+                break
+    return worst

@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -107,7 +109,33 @@ def wait_idle(
 
 
 SHORT_CALL = generate_pb2.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+# A bound on one call, not a measure of speed: a hang shows up as DEADLINE_EXCEEDED, not a stuck suite.
 CALL_TIMEOUT_S = 120.0
+
+
+def collect(
+    address: str, request: generate_pb2.GenerateRequest, timeout: float = CALL_TIMEOUT_S
+) -> tuple[list, grpc.RpcError | None]:
+    """All responses of one Generate call, and the error that ended it (None when it finished)."""
+    responses = []
+    with grpc.insecure_channel(address) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        try:
+            for response in stub.Generate(request, timeout=timeout):
+                responses.append(response)  # noqa: PERF402 - keep what came before an error
+        except grpc.RpcError as exc:
+            return responses, exc
+    return responses, None
+
+
+def wait_for_workers(router: str, count: int, timeout: float = 60.0) -> None:
+    """Until the router has `count` workers connected (its health is SERVING from the first)."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(router) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        while stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10).num_workers < count:
+            assert time.monotonic() < deadline, f"the router did not connect {count} workers in {timeout} s"
+            time.sleep(0.02)
 
 
 async def run_calls(
@@ -149,3 +177,33 @@ def wait_for_log(path: Path, event: str, timeout: float = 30.0, **fields: object
                 return entry
         time.sleep(0.05)
     raise AssertionError(f"no {event} {fields} in {path} after {timeout} s")
+
+
+@contextmanager
+def held_streams(
+    model: Path, tmp_path: Path, *router_flags: str, worker_flags: tuple[str, ...] = ()
+) -> Iterator[tuple]:
+    """Workers A and B and a router over both, where B is frozen (SIGSTOP) until `kill_a()` freezes A, thaws
+    B, waits for the router to connect it and SIGKILLs A: streams started before that all run on A, and A
+    makes no progress while the router connects B, however long that takes on a loaded host."""
+    a, b = (start_worker(model, *worker_flags, log_path=tmp_path / f"worker-{n}.log") for n in "ab")
+    servers: list[ServerProcess] = [a, b]
+    try:
+        wait_serving(b.address)
+        b.proc.send_signal(signal.SIGSTOP)
+        router = start_router([a.address, b.address], *router_flags, log_path=tmp_path / "router.log")
+        servers.append(router)
+        wait_serving(router.address)
+
+        def kill_a() -> None:
+            a.proc.send_signal(signal.SIGSTOP)
+            b.proc.send_signal(signal.SIGCONT)
+            wait_for_workers(router.address, 2)
+            a.proc.kill()
+
+        yield a, b, router, kill_a
+    finally:
+        for server in servers:
+            if server.proc.poll() is None:
+                server.proc.send_signal(signal.SIGCONT)
+                server.kill()

@@ -19,6 +19,7 @@ def test_gpu_bench_runs_on_a_cpu():
         cwd=ROOT,
         capture_output=True,
         text=True,
+        timeout=900,  # a bound on a hang; the run takes seconds
     )
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout

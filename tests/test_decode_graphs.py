@@ -72,6 +72,7 @@ def test_buckets():
         batch_buckets(0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "cpu_kernel", TRITON_ON_CPU])
 def test_greedy_tokens_equal_eager_as_the_batch_shrinks(qwen3_dir, kernels, backend):
     """Five sequences that end one after another: the decode batch passes through buckets 8, 4, 2 and 1,

@@ -113,7 +113,17 @@ def test_largest_step_runs_without_a_kv_cache(qwen3_dir: Path) -> None:
     runner = llm.engine.runner
     for attn in runner.model.attention_layers():
         attn.k_cache = attn.v_cache = torch.empty(0)
+    seen = {}
+
+    def record(name: str, value: object) -> None:  # a hook that returns None leaves the output alone
+        seen.setdefault(name, value)
+
+    runner.model.register_forward_hook(lambda _m, args, _out: record("tokens", args[0].numel()))
+    runner.model.lm_head.register_forward_hook(lambda _m, _args, out: record("logits", tuple(out.shape)))
     runner._run_largest_step()
+    # 100 prompt tokens as prompts of 48, 48 and 4; logits for 7 rows over the whole vocabulary.
+    assert seen == {"tokens": 100, "logits": (7, llm.engine.model_config.vocab_size)}
+    assert all(attn.k_cache.numel() == 0 for attn in runner.model.attention_layers())  # nothing stored
 
 
 @pytest.mark.parametrize(

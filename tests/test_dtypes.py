@@ -27,8 +27,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.worker.llm import load_tokenizer
-from tests.helpers import greedy, hf_model, teacher_forced_logits
+from tests.helpers import chat_prompts, greedy, hf_model, teacher_forced_logits
 
 ARCHS = ["qwen3", "llama", "qwen2"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,12 +37,6 @@ BACKENDS = ["torch", "auto"]
 TOP = 5
 MAX_NEW = 32
 SMOL_NEW = 24
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Give me three tips for staying healthy.",
-    "Explain what a neural network is in one sentence.",
-]
 # Largest |nanovllm - transformers| logprob (nats) for one of nanovllm's top-5 tokens while both have seen
 # the same context: a few roundings of logits up to ~30 (seen: up to 0.625 in bf16 on SmolLM2 with the
 # PyTorch attention, whose bf16 SDPA rounds its probabilities; in fp16 0.063 on 2 threads and 0.109 on one,
@@ -200,14 +193,6 @@ def _assert_close(name: str, dtype: str, outcomes: list[Outcome], min_exact: int
     )
 
 
-@cache
-def _chat_prompts(model_dir: Path) -> list[list[int]]:
-    tokenizer = load_tokenizer(model_dir)
-    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
-    texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
-    return [tokenizer.encode(t) for t in texts]
-
-
 # --------------------------------------------------------------------------- tests
 
 
@@ -221,10 +206,11 @@ def test_random_models_within_top5_of_transformers(model_dirs, arch, dtype, back
     _assert_close(name, dtype, outcomes, min_exact=1 if dtype == "bfloat16" else len(prompts) // 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", HALF)
 def test_smollm2_chat_within_top5_of_transformers(smollm2_dir, dtype, backend) -> None:
-    prompts = _chat_prompts(smollm2_dir)
+    prompts = chat_prompts(smollm2_dir)
     name, outcomes = _run_case("SmolLM2-135M", smollm2_dir, dtype, backend, prompts, SMOL_NEW, "256MiB")
     # Seen (torch layers): bf16 3 of 4 prompts to the end on an AMD EPYC; on an Intel Xeon 1 of 4 and
     # 3 ties (so 4 of 4 counted); fp16 4 of 4 on both.

@@ -79,7 +79,7 @@ def test_abort_in_any_state_frees_everything(qwen3_dir, when):
     assert _all_free(llm)
 
 
-def test_stop_token_ids_min_tokens_and_eos(llm):
+def test_stop_token_ids_and_min_tokens(llm):
     prompt = [9, 8, 7, 6]
     free_run = llm.generate([prompt], greedy(12), use_tqdm=False)[0]["token_ids"]
     stop_at = free_run[3]
@@ -115,6 +115,10 @@ def test_eos_stops_unless_ignored(qwen3_dir, tmp_path):
     assert stopped["token_ids"] == free_run[: first + 1] and stopped["finish_reason"] == "stop"
     ignored = llm.generate([prompt], greedy(12), use_tqdm=False)[0]
     assert ignored["token_ids"] == free_run and ignored["finish_reason"] == "length"
+    # min_tokens bans EOS until that many tokens exist: the run goes past the first EOS.
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=first + 2)
+    banned = llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"]
+    assert free_run[3] not in banned[: first + 2] and len(banned) >= first + 2
 
 
 def test_max_model_len_caps_generation(llm):

@@ -29,8 +29,6 @@ from tests.services import (
     worker_load,
 )
 
-CALL_TIMEOUT_S = 120.0
-
 
 @pytest.fixture
 def two_workers(
@@ -144,6 +142,7 @@ def errors(events: list[dict]) -> list[dict]:
 
 # Responses of a few dozen bytes (text only) can all fit in a frozen client's kernel receive buffer, which
 # some hosts let grow to tens of MiB, so no write ever blocks; with logprobs=20 every response is large.
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", ["", "logprobs=20"], ids=["small_responses", "large_responses"])
 def test_frozen_client_is_dropped_by_keepalive(kernels, tmp_path: Path, sampling: str) -> None:
     """A stopped client process keeps its TCP connection open, but answers no HTTP/2 ping: the router closes
@@ -168,6 +167,7 @@ def test_frozen_client_is_dropped_by_keepalive(kernels, tmp_path: Path, sampling
 SMALL_WINDOW = '[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]'
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "stall_timeout, reason",
     [("1", "took no response for 1.0 s (stall timeout)"), ("600", "responses wait behind one the client")],

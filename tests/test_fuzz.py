@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 import grpc
+import pytest
 from hypothesis import HealthCheck, given, settings
 
 from tests.fuzz import (
@@ -35,6 +36,7 @@ FUZZ_SETTINGS = settings(
 )
 
 
+@pytest.mark.slow
 def test_fuzzed_requests_fail_alone_and_cleanly(service) -> None:
     with (
         grpc.insecure_channel(service.router.address) as channel,
@@ -67,6 +69,7 @@ def test_fuzzed_bytes_get_invalid_argument_or_a_clean_stream(service) -> None:
 HTTP_CASES = 1_000
 
 
+@pytest.mark.slow
 def test_fuzzed_http_bodies_are_4xx_or_clean_answers(service) -> None:
     """1,000 hostile bodies on the OpenAI-compatible face: each a 4xx or a clean answer, never a 5xx; most
     of them are refused (the bodies are hostile), and the bystanders' streams are unchanged."""

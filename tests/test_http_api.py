@@ -15,8 +15,16 @@ import pytest
 
 from nanovllm.router.openai_protocol import ProtocolError, parse_request
 from nanovllm.v1 import generate_pb2
-from tests.services import library_errors, start_router, start_worker, wait_for_log, wait_idle, wait_serving
-from tests.test_service import collect
+from tests.metrics import scrape, total
+from tests.services import (
+    collect,
+    library_errors,
+    start_router,
+    start_worker,
+    wait_for_log,
+    wait_idle,
+    wait_serving,
+)
 
 MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
 
@@ -186,15 +194,8 @@ def test_a_client_that_leaves_mid_stream_frees_its_kv_blocks(http: Http) -> None
 
 def cancelled(http: Http, api: str) -> float:
     """Generate calls through `api` (grpc, http) that the router counted as cancelled by their client."""
-    url = f"http://{http.router.metrics_address}/metrics"
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("nanovllm:requests_total")
-        and 'status="client_cancelled"' in line
-        and f'api="{api}"' in line
-    )
+    samples = scrape(http.router.metrics_address)
+    return total(samples, "nanovllm:requests_total", status="client_cancelled", api=api)
 
 
 def test_no_worker_is_503(kernels, tmp_path) -> None:

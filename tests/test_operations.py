@@ -11,14 +11,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from tests.metrics import scrape, value
-from tests.services import library_errors, start_router, start_worker, wait_serving
-
-CALL_TIMEOUT_S = 120.0
+from tests.services import CALL_TIMEOUT_S, library_errors, start_router, start_worker, wait_serving
 
 
 def request(text: str, max_tokens: int) -> generate_pb2.GenerateRequest:
     sampling = generate_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return generate_pb2.GenerateRequest(text=text, sampling=sampling)
+    return generate_pb2.GenerateRequest(text=text, sampling=sampling, return_token_ids=True)
 
 
 def test_metrics_after_traffic(service) -> None:
@@ -76,12 +74,14 @@ def health(address: str) -> int:
 @pytest.mark.parametrize("target", ["worker", "router"])
 def test_sigterm_drains_in_flight_streams(pair, target: str, tmp_path: Path) -> None:
     """SIGTERM mid-stream: health goes NOT_SERVING, new requests get UNAVAILABLE, the stream in flight
-    still completes with all its tokens, and the process exits 0 without an error in its log (a worker
-    ends its routers' Connect streams itself rather than have the server cancel them)."""
+    still completes with all its tokens (those of the same request run before, undisturbed), and the
+    process exits 0 without an error in its log (a worker ends its routers' Connect streams itself rather
+    than have the server cancel them)."""
     worker, router = pair
     draining = worker if target == "worker" else router
     with grpc.insecure_channel(router.address) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
+        undisturbed = list(stub.Generate(request("drain me", 150), timeout=CALL_TIMEOUT_S))
         call = stub.Generate(request("drain me", 150), timeout=CALL_TIMEOUT_S)
         first = next(call)
         draining.proc.send_signal(signal.SIGTERM)
@@ -97,7 +97,8 @@ def test_sigterm_drains_in_flight_streams(pair, target: str, tmp_path: Path) -> 
         rest = list(call)
     assert rest[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
     assert rest[-1].usage.completion_tokens == 150
-    assert first.text + "".join(r.text for r in rest)
+    assert [t for r in (first, *rest) for t in r.token_ids] == [t for r in undisturbed for t in r.token_ids]
+    assert first.text + "".join(r.text for r in rest) == "".join(r.text for r in undisturbed)
     assert draining.proc.wait(timeout=60) == 0
     assert library_errors(tmp_path / f"{target}.log") == []
 

@@ -25,8 +25,7 @@ from nanovllm.worker.layers.quantization import PackedWeight, QuantScheme, assig
 from nanovllm.worker.models.decoder import DecoderForCausalLM
 from nanovllm.worker.models.gguf.cache import embedded_model_path
 from nanovllm.worker.models.gguf.tensors import gguf_quant_plan, gguf_tensors
-from tests.helpers import teacher_forced_logits
-from tests.test_dtypes import _chat_prompts
+from tests.helpers import chat_prompts, teacher_forced_logits, top5_rule
 
 SCHEMES = {
     "int8": QuantScheme("int8", 8, None),
@@ -242,6 +241,7 @@ def smollm2_gguf(smollm2_dir: Path) -> Path:
     return embedded_model_path()
 
 
+@pytest.mark.slow
 def test_gguf_q4_1_logits_equal_the_dequantized_model(smollm2_gguf: Path, kernels) -> None:
     """The same weights through two kernels: decode steps (few rows: linear_quantized's register path
     against linear_few_rows on the float32 copy) are bit-identical; prefill (PyTorch's GEMM against the
@@ -251,7 +251,7 @@ def test_gguf_q4_1_logits_equal_the_dequantized_model(smollm2_gguf: Path, kernel
     dequantized = LLM(str(smollm2_gguf), quantization="none", **kwargs)
     packed = [m for m in shipped.engine.runner.model.modules() if isinstance(m, PackedWeight)]
     assert {m.scheme.name for m in packed} == {"Q4_1", "Q8_0"}
-    prompts = _chat_prompts(Path(shipped.config.model))[:2]
+    prompts = chat_prompts(Path(shipped.config.model))[:2]
     for chunk in (1, 1000):
         ours = teacher_forced_logits(shipped, prompts, chunk)
         theirs = teacher_forced_logits(dequantized, prompts, chunk)
@@ -262,16 +262,17 @@ def test_gguf_q4_1_logits_equal_the_dequantized_model(smollm2_gguf: Path, kernel
                 torch.testing.assert_close(a, b, atol=1e-3, rtol=0)
 
 
+@pytest.mark.slow
 def test_gguf_q4_1_in_bfloat16_keeps_the_top5_rule_against_the_dequantized_model(
     smollm2_gguf: Path, smollm2_dir: Path
 ) -> None:
     """A 16-bit engine's decode steps take the integer dots where the CPU has AVX512-VNNI (x quantized to
     int8 in blocks of 32): no longer bit-equal to the dequantized model, held to the top-5 rule instead."""
     kwargs = {"dtype": "bfloat16", "max_model_len": 256, "kv_cache_memory": "64MiB"}
-    prompts = _chat_prompts(smollm2_dir)
+    prompts = chat_prompts(smollm2_dir)
     shipped = _greedy_with_logprobs(LLM(str(smollm2_gguf), **kwargs), prompts, 24)
     plain = _greedy_with_logprobs(LLM(str(smollm2_gguf), quantization="none", **kwargs), prompts, 24)
-    assert _top5_rule("Q4_1 bfloat16", plain, shipped) <= LOGPROB_TOL["bfloat16"]
+    assert top5_rule("Q4_1 bfloat16", plain, shipped) <= LOGPROB_TOL["bfloat16"]
     assert sum(a["token_ids"] == b["token_ids"] for a, b in zip(plain, shipped)) >= len(prompts) // 2
 
 
@@ -283,30 +284,12 @@ def test_gguf_q4_1_holds_under_110_mb_and_names_paris(smollm2_gguf: Path) -> Non
         m.nbytes for m in packed
     )
     assert weight_bytes <= 110e6, weight_bytes
-    prompt = _chat_prompts(Path(llm.config.model))[0]  # What is the capital of France?
+    prompt = chat_prompts(Path(llm.config.model))[0]  # What is the capital of France?
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)[0]
     assert "Paris" in out["text"]
 
 
 # --------------------------------------------------------------------------- the engine
-
-
-def _top5_rule(name: str, plain: list[dict], quantized: list[dict]) -> float:
-    """Asserts the top-5 rule for every prompt; returns the largest logprob gap seen before a parting."""
-    worst = 0.0
-    for index, (a, b) in enumerate(zip(plain, quantized)):
-        for pos, (ta, tb, la, lb) in enumerate(
-            zip(a["token_ids"], b["token_ids"], a["logprobs"], b["logprobs"])
-        ):
-            top_a, top_b = dict(la.top), dict(lb.top)
-            shared = top_a.keys() & top_b.keys()
-            worst = max([worst, *(abs(top_a[t] - top_b[t]) for t in shared)])
-            if ta != tb:
-                assert ta in top_b and tb in top_a, (
-                    f"{name} prompt {index} position {pos}: {ta} (top-5 {la.top}) against {tb} (top-5 {lb.top})"
-                )
-                break
-    return worst
 
 
 def _greedy_with_logprobs(llm: LLM, prompts: list[list[int]], max_new: int) -> list[dict]:
@@ -323,19 +306,20 @@ def test_int8_keeps_the_top5_rule_on_random_models(model_dirs, arch) -> None:
     llm = LLM(str(model_dirs[arch]), quantization="int8", **kwargs)
     assert sum(isinstance(m, PackedWeight) for m in llm.engine.runner.model.modules()) == 2 * 4
     quantized = _greedy_with_logprobs(llm, prompts, 24)
-    assert _top5_rule(arch, plain, quantized) <= LOGPROB_TOL["float32"]
+    assert top5_rule(arch, plain, quantized) <= LOGPROB_TOL["float32"]
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_int8_keeps_the_top5_rule_on_smollm2(smollm2_dir: Path, dtype: str) -> None:
     """In bfloat16 both engines round activations to 16 bits, and the int8 one (where the CPU has
     AVX512-VNNI) also quantizes each decode row of x to int8 for the integer dots."""
-    prompts = _chat_prompts(smollm2_dir)
+    prompts = chat_prompts(smollm2_dir)
     kwargs = {"dtype": dtype, "max_model_len": 256, "kv_cache_memory": "64MiB"}
     plain = _greedy_with_logprobs(LLM(str(smollm2_dir), **kwargs), prompts, 24)
     quantized = _greedy_with_logprobs(LLM(str(smollm2_dir), quantization="int8", **kwargs), prompts, 24)
-    assert _top5_rule("SmolLM2", plain, quantized) <= LOGPROB_TOL[dtype]
+    assert top5_rule("SmolLM2", plain, quantized) <= LOGPROB_TOL[dtype]
     if dtype == "float32":  # in bfloat16 (seen: 0 of 4 chats the same for 24 tokens) near-ties part sooner
         assert sum(a["token_ids"] == b["token_ids"] for a, b in zip(plain, quantized)) >= len(prompts) // 2
 

@@ -23,7 +23,7 @@ from nanovllm.router.validation import prompt_token_ids
 from nanovllm.v1 import generate_pb2
 from tests.helpers import cuts
 from tests.model_factory import build_tokenizer
-from tests.test_service import collect
+from tests.services import collect
 
 QWEN3_FORMAT = reasoning_format("qwen3", [])
 THOUGHT = "<think>\nThe user greets me.\nI greet back.\n</think>\n\nHello there!"

@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import signal
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -17,9 +13,12 @@ import pytest
 
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from tests.metrics import scrape, total, value
-from tests.services import ServerProcess, start_router, start_worker, wait_idle, wait_serving
+from tests.services import (
+    CALL_TIMEOUT_S,
+    held_streams,
+    wait_idle,
+)
 
-CALL_TIMEOUT_S = 120.0
 MAX_TOKENS = 300
 STREAMS = 8
 
@@ -93,45 +92,7 @@ async def _run(
         return await asyncio.gather(*calls), at_kill
 
 
-def _wait_for_workers(router: str, count: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(router) as channel:
-        stub = generate_pb2_grpc.GenerationStub(channel)
-        while stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10).num_workers < count:
-            assert time.monotonic() < deadline, f"the router did not see {count} workers in {timeout} s"
-            time.sleep(0.02)
-
-
-@contextmanager
-def _held_streams(
-    model: Path, tmp_path: Path, *router_flags: str, worker_flags: tuple[str, ...] = ()
-) -> Iterator[tuple]:
-    """Workers A and B and a router over both, where B is frozen (SIGSTOP) until `kill_a()` freezes A, thaws
-    B, waits for the router to connect it and SIGKILLs A: streams started before that all run on A, and A
-    makes no progress while the router connects B, however long that takes on a loaded host."""
-    a, b = (start_worker(model, *worker_flags, log_path=tmp_path / f"worker-{n}.log") for n in "ab")
-    servers: list[ServerProcess] = [a, b]
-    try:
-        wait_serving(b.address)
-        b.proc.send_signal(signal.SIGSTOP)
-        router = start_router([a.address, b.address], *router_flags, log_path=tmp_path / "router.log")
-        servers.append(router)
-        wait_serving(router.address)
-
-        def kill_a() -> None:
-            a.proc.send_signal(signal.SIGSTOP)
-            b.proc.send_signal(signal.SIGCONT)
-            _wait_for_workers(router.address, 2)
-            a.proc.kill()
-
-        yield a, b, router, kill_a
-    finally:
-        for server in servers:
-            if server.proc.poll() is None:
-                server.proc.send_signal(signal.SIGCONT)
-                server.kill()
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("speculation", "regex"),
     [((), None), (("--speculative-method", "ngram"), None), ((), REGEX), ((), REASONING_REGEX)],
@@ -146,7 +107,7 @@ def test_streams_resume_token_identical_when_their_worker_is_killed(
     the tokens through a fresh matcher; the text still matches), and cut inside a Qwen3 reasoning block
     (the router's reasoning split goes on where it was)."""
     flags = (*speculation, "--speculative-max-batch", str(STREAMS)) if speculation else ()
-    with _held_streams(qwen3_dir, tmp_path, worker_flags=flags) as (_, b, router, kill_a):
+    with held_streams(qwen3_dir, tmp_path, worker_flags=flags) as (_, b, router, kill_a):
         results, at_kill = asyncio.run(_run(router.address, kill_when=4, kill=kill_a, regex=regex))
         assert all(4 <= n < MAX_TOKENS for n in at_kill), at_kill  # every stream was cut mid-generation
         assert total(scrape(router.metrics_address), "nanovllm:request_resumes_total") == STREAMS
@@ -170,7 +131,7 @@ def test_streams_resume_token_identical_when_their_worker_is_killed(
 
 def test_without_resume_a_stream_cut_mid_generation_fails(qwen3_dir: Path, kernels, tmp_path: Path) -> None:
     """--no-resume-streams: the streams of a killed worker end UNAVAILABLE, naming the worker."""
-    with _held_streams(qwen3_dir, tmp_path, "--no-resume-streams") as (a, b, router, kill_a):
+    with held_streams(qwen3_dir, tmp_path, "--no-resume-streams") as (a, b, router, kill_a):
         try:
             asyncio.run(_run(router.address, kill_when=4, kill=kill_a))
         except grpc.aio.AioRpcError as exc:

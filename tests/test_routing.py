@@ -4,28 +4,30 @@ places a request by the whole fleet's load, its peers' requests included, not by
 from __future__ import annotations
 
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
+import pytest
 
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
+from tests.metrics import by_label, scrape, total
 from tests.model_factory import build_model
-from tests.services import start_router, start_worker, wait_idle, wait_serving, worker_load
+from tests.services import (
+    CALL_TIMEOUT_S,
+    start_router,
+    start_worker,
+    wait_for_workers,
+    wait_idle,
+    wait_serving,
+    worker_load,
+)
 
 LONG_CONTEXT = 16384  # streams that run for seconds even on a tiny model
-CALL_TIMEOUT_S = 120.0
 
 
 def _queue_seen_by(router_metrics: str) -> dict[str, float]:
     """The router's nanovllm:worker_queue gauge, by worker address."""
-    text = urllib.request.urlopen(f"http://{router_metrics}/metrics", timeout=10).read().decode()
-    seen = {}
-    for line in text.splitlines():
-        if line.startswith("nanovllm:worker_queue{"):
-            address = line.split('worker="', 1)[1].split('"', 1)[0]
-            seen[address] = float(line.rsplit(" ", 1)[1])
-    return seen
+    return by_label(scrape(router_metrics), "nanovllm:worker_queue", "worker")
 
 
 def _wait_for_running(addresses: list[str], expected: list[int], timeout: float = 30.0) -> None:
@@ -36,14 +38,6 @@ def _wait_for_running(addresses: list[str], expected: list[int], timeout: float 
         time.sleep(0.02)
 
 
-def _wait_for_workers(stub: generate_pb2_grpc.GenerationStub, count: int, timeout: float = 30.0) -> None:
-    """Until the router has `count` workers connected (it is SERVING from the first)."""
-    deadline = time.monotonic() + timeout
-    while stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10).num_workers < count:
-        assert time.monotonic() < deadline, f"the router did not connect {count} workers"
-        time.sleep(0.02)
-
-
 def _wait_for_view(router_metrics: str, expected: dict[str, float], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while (seen := _queue_seen_by(router_metrics)) != expected:
@@ -51,6 +45,7 @@ def _wait_for_view(router_metrics: str, expected: dict[str, float], timeout: flo
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_second_router_routes_around_the_first_routers_load(kernels, tmp_path: Path) -> None:
     """Router A puts two long streams on one worker and one on the other. Router B, which has sent nothing
     yet, must see that (from the workers' reports) and put its stream on the less busy worker; counting
@@ -69,8 +64,8 @@ def test_second_router_routes_around_the_first_routers_load(kernels, tmp_path: P
             wait_serving(server.address)
         sampling = generate_pb2.SamplingParams(temperature=0, max_tokens=LONG_CONTEXT - 100, ignore_eos=True)
         a, b = (generate_pb2_grpc.GenerationStub(c) for c in channels)
-        for stub in (a, b):
-            _wait_for_workers(stub, 2)
+        for router in routers:
+            wait_for_workers(router.address, 2)
         for i in range(3):  # A alternates between the workers as their queues grow
             calls.append(
                 a.Generate(
@@ -100,19 +95,10 @@ def test_second_router_routes_around_the_first_routers_load(kernels, tmp_path: P
 
 
 def _cached_blocks_seen_by(router_metrics: str) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://{router_metrics}/metrics", timeout=10).read().decode()
-    return {
-        line.split('worker="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("nanovllm:worker_cached_blocks{")
-    }
+    return by_label(scrape(router_metrics), "nanovllm:worker_cached_blocks", "worker")
 
 
-def _counter(router_metrics: str, name: str) -> float:
-    text = urllib.request.urlopen(f"http://{router_metrics}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
-
-
+@pytest.mark.slow
 def test_a_cached_prefix_draws_its_requests_to_the_worker_that_holds_it(kernels, tmp_path: Path) -> None:
     """Worker 0 caches a 480-token prefix (reported block by block to the router) and is made busier by
     one long stream that shares it: another request sharing the prefix still goes there (its hit is worth
@@ -138,7 +124,7 @@ def test_a_cached_prefix_draws_its_requests_to_the_worker_that_holds_it(kernels,
     try:
         for server in (*workers, router):
             wait_serving(server.address)
-        _wait_for_workers(stub, 2)
+        wait_for_workers(router.address, 2)
         assert ask(prefix + [1]).usage.cached_prompt_tokens == 0  # both idle: worker 0, the first
         deadline = time.monotonic() + 30
         while _cached_blocks_seen_by(router.metrics_address) != {addresses[0]: 30.0, addresses[1]: 0.0}:
@@ -160,8 +146,8 @@ def test_a_cached_prefix_draws_its_requests_to_the_worker_that_holds_it(kernels,
             assert time.monotonic() < deadline + 30, _cached_blocks_seen_by(router.metrics_address)
             time.sleep(0.02)
         metrics = router.metrics_address
-        assert _counter(metrics, "nanovllm:routing_expected_hit_tokens_total") == 2 * 480  # both sharers
-        assert _counter(metrics, "nanovllm:cached_prompt_tokens_total") == 2 * 480
+        assert total(scrape(metrics), "nanovllm:routing_expected_hit_tokens_total") == 2 * 480  # both sharers
+        assert total(scrape(metrics), "nanovllm:cached_prompt_tokens_total") == 2 * 480
     finally:
         if long_call is not None:
             long_call.cancel()

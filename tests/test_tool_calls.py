@@ -27,8 +27,7 @@ from nanovllm.router.validation import prompt_token_ids
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from tests.helpers import cuts
 from tests.model_factory import build_model, build_tokenizer
-from tests.services import library_errors, start_router, start_worker, wait_serving
-from tests.test_service import collect
+from tests.services import collect, library_errors, start_router, start_worker, wait_serving
 
 HERMES = tool_call_format("hermes", [])
 QWEN3 = reasoning_format("qwen3", [])

@@ -22,8 +22,14 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from tests.otlp_collector import WAIT_S, Collector, Span, running_collector
-from tests.services import library_errors, start_router, start_worker, wait_for_log, wait_serving
-from tests.test_resume import _held_streams
+from tests.services import (
+    held_streams,
+    library_errors,
+    start_router,
+    start_worker,
+    wait_for_log,
+    wait_serving,
+)
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN_ID = "00f067aa0ba902b7"
@@ -177,13 +183,14 @@ def test_a_refused_call_is_an_error_span(traced: Traced) -> None:
     assert not [s for s in spans if s.trace_id == trace_id and s.name.startswith("nanovllm.worker")]
 
 
+@pytest.mark.slow
 def test_a_stream_resumed_after_its_worker_died_shows_both_attempts(
     collector, qwen3_dir: Path, kernels, tmp_path: Path
 ) -> None:
     spans, endpoint = collector
     trace_id = "22222222222222222222222222222222"
     flags = ("--otlp-traces-endpoint", endpoint)
-    with _held_streams(qwen3_dir, tmp_path, *flags, worker_flags=flags) as (a, b, router, kill_a):
+    with held_streams(qwen3_dir, tmp_path, *flags, worker_flags=flags) as (a, b, router, kill_a):
 
         async def run() -> list[generate_pb2.GenerateResponse]:
             sampling = generate_pb2.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
@@ -216,6 +223,7 @@ def test_a_stream_resumed_after_its_worker_died_shows_both_attempts(
     assert request.attributes["nanovllm.resumed_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_an_unreachable_collector_is_one_warning_and_serving_goes_on(
     qwen3_dir: Path, kernels, tmp_path: Path
 ) -> None:
@@ -291,6 +299,7 @@ def test_standard_variables_and_a_zero_ratio(
     assert after == {n: count + 1 for n, count in before.items()}
 
 
+@pytest.mark.slow
 def test_a_retry_before_the_first_token_shows_both_attempts(
     collector, qwen3_dir: Path, kernels, tmp_path: Path
 ) -> None:

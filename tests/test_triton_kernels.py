@@ -103,6 +103,7 @@ def _chunk_batch(chunks, block_size, width, tables):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", CASES)
 def test_triton_prefill_over_paged_cache_matches_reference(dtype, heads, kv_heads, head_dim, block_size):
@@ -158,6 +159,7 @@ def _generate(model_dir, backend: str, prompts, **kwargs) -> list[list[int]]:
     return [o["token_ids"] for o in outs]
 
 
+@pytest.mark.slow
 def test_triton_engine_greedy_equals_torch_backend(qwen3_dir):
     """Prompts of several lengths in one batch, a shared prefix (cache hits continue from the cache) and
     prompts longer than a step's token budget (chunked prefill), decoded together."""
