@@ -38,11 +38,17 @@ TOP = 5
 MAX_NEW = 32
 SMOL_NEW = 24
 # Largest |nanovllm - transformers| logprob (nats) for one of nanovllm's top-5 tokens while both have seen
-# the same context: a few roundings of logits up to ~30 (seen: up to 0.625 in bf16 on SmolLM2 with the
-# PyTorch attention, whose bf16 SDPA rounds its probabilities; in fp16 0.063 on 2 threads and 0.109 on one,
-# with the C++ kernels: the thread count, which the CPU share lowers while other nanovllm processes run,
-# changes the order of the roundings). A wrong RMSNorm eps or RoPE base gives 0.3 to 4.6 nats in fp16 on
-# these models.
+# the same context. Both engines round the same logits in the same dtype, in another order: the bound is
+# a count of the dtype's rounding steps at the logits' magnitude (up to ~30 here: a step of 0.125 in bf16,
+# 0.0156 in fp16). Seen at most: bf16 0.625 (5 steps; SmolLM2, PyTorch attention, whose bf16 SDPA rounds
+# its probabilities), fp16 0.109 (7 steps; C++ kernels on one thread: the thread count, which the CPU
+# share lowers while other nanovllm processes run, changes the order of the roundings). The bounds allow
+# 8 steps in bf16 and 13 in fp16. What they catch, measured 2026-11-26 on the AVX2 EPYC by planting the bug
+# in nanovllm's ModelConfig only: RoPE base x2 gives 0.75-7.3 nats in bf16 and 0.86-7.5 in fp16, top-5
+# failures on Qwen3 and Qwen2 and 0-1 of 6 prompts equal (so every random-model case fails, by one rule or
+# another); RMSNorm eps x10 stays within rounding in 16-bit (0.26 nats in bf16, 0.10 in fp16: the hidden
+# states' mean square dwarfs 1e-5) and is caught in float32 (tests/test_fidelity.py: logits 2.7e-3 apart,
+# 1e-4 allowed).
 LOGPROB_TOL = {"bfloat16": 1.0, "float16": 0.2}
 
 
@@ -202,8 +208,13 @@ def _assert_close(name: str, dtype: str, outcomes: list[Outcome], min_exact: int
 def test_random_models_within_top5_of_transformers(model_dirs, arch, dtype, backend) -> None:
     prompts = _prompts()
     name, outcomes = _run_case(arch, model_dirs[arch], dtype, backend, prompts, MAX_NEW, "32MiB")
-    # Seen (torch layers): bf16 2-3 of 6 prompts to the end, fp16 5-6 of 6.
-    _assert_close(name, dtype, outcomes, min_exact=1 if dtype == "bfloat16" else len(prompts) // 2)
+    # A correct engine parts from transformers only where two logits lie within rounding (a tie, counted as
+    # equal): seen 5-6 of 6 prompts equal or tied in bf16 and fp16 (2026-11-26, AVX2 EPYC, both backends;
+    # earlier, on other CPUs, 2-3 of 6 to the end in bf16 before ties counted). A wrong RoPE base leaves
+    # 0-1 of 6: bf16 asks for 2, fp16 (5-6 of 6 on every CPU seen) for half.
+    _assert_close(
+        name, dtype, outcomes, min_exact=len(prompts) // 3 if dtype == "bfloat16" else len(prompts) // 2
+    )
 
 
 @pytest.mark.slow
