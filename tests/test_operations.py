@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import signal
 from pathlib import Path
 
@@ -9,6 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from nanovllm.common.serving import GrpcServer
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from tests.metrics import scrape, value
 from tests.services import CALL_TIMEOUT_S, library_errors, start_router, start_worker, wait_serving
@@ -103,20 +106,53 @@ def test_sigterm_drains_in_flight_streams(pair, target: str, tmp_path: Path) -> 
     assert library_errors(tmp_path / f"{target}.log") == []
 
 
-def test_health_is_not_serving_until_the_model_is_loaded(qwen3_dir: Path, kernels, tmp_path: Path) -> None:
-    """The worker listens before loading (so probes get an answer) but reports NOT_SERVING until the model
-    and KV cache are ready. A 2 GiB KV cache takes long enough to zero for the watch to see both states."""
-    worker = start_worker(qwen3_dir, "--kv-cache-memory", "2GiB", log_path=tmp_path / "worker.log")
+def test_a_server_is_not_serving_until_it_says_so() -> None:
+    """The servers' plumbing (common/serving.py's GrpcServer, which router and worker both start before
+    they load anything) answers health from the moment it listens: NOT_SERVING, until set_serving(True).
+    Observed on one Watch stream, each status an event: no timing."""
+
+    async def scenario() -> list[int]:
+        server = GrpcServer([])
+        address = await server.start("127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=30)
+                seen = [(await watch.read()).status]
+                await server.set_serving(True)
+                seen.append((await watch.read()).status)
+                watch.cancel()
+                return seen
+        finally:
+            await server.stop(0)
+
+    status = health_pb2.HealthCheckResponse
+    assert asyncio.run(scenario()) == [status.NOT_SERVING, status.SERVING]
+
+
+def test_worker_listens_before_it_loads_and_serves_once_loaded(
+    qwen3_dir: Path, kernels, tmp_path: Path
+) -> None:
+    """A worker process answers health as soon as it listens (start_worker returns then) and its watch
+    reaches SERVING once the model and KV cache are ready; the log shows the cache allocated before
+    `worker_serving`. Whether a watch catches NOT_SERVING first depends on how fast the model loads, so
+    that state is the test above's, on the server itself."""
+    worker = start_worker(qwen3_dir, log_path=tmp_path / "worker.log")
     try:
-        seen = []
         with grpc.insecure_channel(worker.address) as channel:
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=120)
+            seen = []
             for status in watch:
                 seen.append(status.status)
                 if status.status == health_pb2.HealthCheckResponse.SERVING:
                     watch.cancel()
                     break
-        assert seen[0] == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert set(seen) <= {
+            health_pb2.HealthCheckResponse.NOT_SERVING,
+            health_pb2.HealthCheckResponse.SERVING,
+        }
         assert seen[-1] == health_pb2.HealthCheckResponse.SERVING
+        lines = (tmp_path / "worker.log").read_text().splitlines()
+        events = [json.loads(line).get("event") for line in lines if line.startswith("{")]
+        assert events.index("kv_cache_allocated") < events.index("worker_serving")
     finally:
         assert worker.stop() == 0
