@@ -161,4 +161,6 @@ def test_engine_outputs_within_top5_across_backends_in_bfloat16(kernels, qwen3_d
     outs = {
         backend: _generate(qwen3_dir, "bfloat16", backend, PROMPTS) for backend in ("torch", "cpu_kernel")
     }
+    # 0.5 nats: 4 bf16 rounding steps of logits in [16, 32) (0.125 each); seen 0.12 (one step) on the AVX2
+    # EPYC, 2026-11-26, the first partings at positions 4 and 16 of 3 prompts.
     assert top5_rule("bfloat16 torch against cpu_kernel", outs["torch"], outs["cpu_kernel"]) <= 0.5
