@@ -22,7 +22,10 @@ from nanovllm.router.tokenizer import ModelTokenizer
 from nanovllm.worker.models.gguf.cache import embedded_model_path, prepare_gguf
 from tests.chat_templates import QWEN3
 from tests.model_factory import build_model, build_tokenizer
-from tests.services import ServerProcess, library_errors, start_router, start_worker, wait_serving
+from tests.services import (
+    ServerProcess,
+    router_and_worker,
+)
 
 
 @pytest.fixture(scope="session")
@@ -71,17 +74,8 @@ def service(qwen3_dir: Path, kernels, tmp_path_factory: pytest.TempPathFactory) 
     """One worker (random Qwen3) behind one router, shared by the tests that leave them healthy. The
     kernels fixture builds the C++ kernels first, so the worker process finds them compiled."""
     logs = tmp_path_factory.mktemp("service-logs")
-    worker = start_worker(qwen3_dir, log_path=logs / "worker.log")
-    router = start_router([worker.address], "--http-port", "0", log_path=logs / "router.log")
-    try:
-        wait_serving(worker.address)
-        wait_serving(router.address)
+    with router_and_worker(qwen3_dir, logs, router_flags=("--http-port", "0")) as (worker, router):
         yield Service(worker, router, logs)
-    finally:
-        router.stop()
-        worker.stop()
-    assert library_errors(logs / "router.log") == []
-    assert library_errors(logs / "worker.log") == []
 
 
 @pytest.fixture(scope="session")

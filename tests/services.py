@@ -207,3 +207,22 @@ def held_streams(
             if server.proc.poll() is None:
                 server.proc.send_signal(signal.SIGCONT)
                 server.kill()
+
+
+@contextmanager
+def router_and_worker(
+    model: Path, logs: Path, worker_flags: tuple[str, ...] = (), router_flags: tuple[str, ...] = ()
+) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """One worker serving `model` behind one router, both SERVING, logging into `logs`; stopped (drained) at
+    the end, when neither log may hold an error from a library."""
+    worker = start_worker(model, *worker_flags, log_path=logs / "worker.log")
+    router = start_router([worker.address], *router_flags, log_path=logs / "router.log")
+    try:
+        wait_serving(worker.address)
+        wait_serving(router.address)
+        yield worker, router
+    finally:
+        router.stop()
+        worker.stop()
+    assert library_errors(logs / "router.log") == []
+    assert library_errors(logs / "worker.log") == []

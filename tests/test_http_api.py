@@ -18,12 +18,10 @@ from nanovllm.v1 import generate_pb2
 from tests.metrics import scrape, total
 from tests.services import (
     collect,
-    library_errors,
+    router_and_worker,
     start_router,
-    start_worker,
     wait_for_log,
     wait_idle,
-    wait_serving,
 )
 
 MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
@@ -40,17 +38,8 @@ class Http:
 @pytest.fixture(scope="module")
 def http(qwen3_dir: Path, kernels, tmp_path_factory) -> Iterator[Http]:
     logs = tmp_path_factory.mktemp("http-logs")
-    worker = start_worker(qwen3_dir, log_path=logs / "worker.log")
-    router = start_router([worker.address], "--http-port", "0", log_path=logs / "router.log")
-    try:
-        wait_serving(worker.address)
-        wait_serving(router.address)
+    with router_and_worker(qwen3_dir, logs, router_flags=("--http-port", "0")) as (worker, router):
         yield Http(worker, router, logs / "router.log")
-    finally:
-        router.stop()
-        worker.stop()
-    assert library_errors(logs / "router.log") == []
-    assert library_errors(logs / "worker.log") == []
 
 
 def raw(http: Http, path: str, body: bytes | None = None) -> tuple[int, dict]:

@@ -27,7 +27,10 @@ from nanovllm.worker.runner.kv_cache import kv_bytes_per_block
 from nanovllm.worker.sample.sampler import Sampler
 from nanovllm.worker.sample.structured_output import Grammar, GrammarCompiler, MaskFiller
 from nanovllm.worker.step import SamplingRow
-from tests.services import library_errors, start_router, start_worker, wait_idle, wait_serving
+from tests.services import (
+    router_and_worker,
+    wait_idle,
+)
 
 F32 = {"dtype": "float32", "max_model_len": 256}
 CALL_TIMEOUT_S = 600.0
@@ -363,18 +366,10 @@ def test_a_compile_past_the_time_limit_refuses_its_request(qwen3_dir: Path, kern
 def smol_service(smollm2_dir: Path, kernels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The embedded SmolLM2 behind a router; yields the router's address."""
     logs = tmp_path_factory.mktemp("structured-logs")
-    flags = ["--kv-cache-memory", "192MiB", "--max-model-len", "1024", "--max-num-seqs", "64"]
-    worker = start_worker(smollm2_dir, *flags, log_path=logs / "worker.log")
-    router = start_router([worker.address], log_path=logs / "router.log")
-    try:
-        wait_serving(worker.address)
-        wait_serving(router.address)
+    flags = ("--kv-cache-memory", "192MiB", "--max-model-len", "1024", "--max-num-seqs", "64")
+    with router_and_worker(smollm2_dir, logs, worker_flags=flags) as (worker, router):
         yield router.address
         wait_idle(worker.address)  # every request ended and every KV block came back
-    finally:
-        router.stop()
-        worker.stop()
-    assert library_errors(logs / "router.log") == [] and library_errors(logs / "worker.log") == []
 
 
 async def _call(stub, request: generate_pb2.GenerateRequest) -> tuple[str, object, list[int]]:
