@@ -50,11 +50,6 @@ class ModelRunner(ModelRunnerBase):
         self._picks: tuple[torch.Tensor, dict[int, int]] | None = None
         super().__init__(config, tp)
 
-    def execute(self, sched: SchedulerOutput, rows: list[SamplingRow]) -> ModelRunnerOutput:
-        """Run one step and wait for its picks. `rows` gives sampling state for the sequences whose chunk
-        `samples`, in order."""
-        return self.launch(sched, rows).result()
-
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, rows: list[SamplingRow]) -> LaunchedStep:
         """Queue one step on the device without waiting for it. A sequence's pending token (the pick of
