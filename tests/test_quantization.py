@@ -329,8 +329,10 @@ def test_int8_keeps_the_top5_rule_on_smollm2(smollm2_dir: Path, dtype: str) -> N
 def test_int4_runs_every_architecture_close_to_float(model_dirs) -> None:
     """int4 in groups of 32 is not held to the top-5 rule on these random Gaussian weights (16 levels for a
     Gaussian group: several percent of error per projection); its argmax stays in float's top-5 at most
-    positions of a teacher-forced prompt (seen 2026-11-25: 91-95%; SmolLM2, whose weights came from Q4_1,
-    comes back exactly)."""
+    positions of a teacher-forced prompt. The bound sits between chance and a correct engine: chance is 5 of
+    the 512-token vocabulary (1%), where a layout bug lands (nibbles swapped: 1-3%, measured 2026-11-26 on
+    the AVX2 EPYC), and a correct engine keeps 91-95%. A bug of one rounding step (every group's min one
+    level high: 84-94%) is within int4's own error here; the per-weight rounding tests above catch it."""
     prompt = list(range(3, 100))
     kwargs = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory": "32MiB"}
     for arch, path in model_dirs.items():
