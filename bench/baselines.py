@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from bench.workload import Workload
+from bench.workload import GREEDY, Sampling, Workload
 
 
 @dataclass
@@ -29,26 +29,30 @@ def load_hf(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
     return model.eval()
 
 
-def hf_static_batch(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> None:
+def hf_static_batch(
+    model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, sampling: Sampling = GREEDY
+) -> None:
     """One left-padded `generate` call that runs exactly `new_tokens` steps for every row."""
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     config = GenerationConfig(
-        max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+        max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0, **sampling.hf_generation()
     )
     with torch.inference_mode():
         model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
 
 
-def run_hf_static(model: torch.nn.Module, workload: Workload, batch_size: int) -> HFResult:
+def run_hf_static(
+    model: torch.nn.Module, workload: Workload, batch_size: int, sampling: Sampling = GREEDY
+) -> HFResult:
     """Static batching: each batch runs to its longest request; only requested tokens count."""
     dtype = str(model.dtype).removeprefix("torch.")
-    hf_static_batch(model, workload.prompts[:2], 4)  # warm-up
+    hf_static_batch(model, workload.prompts[:2], 4, sampling)  # warm-up
     t0 = time.perf_counter()
     for start in range(0, len(workload), batch_size):
         end = start + batch_size
-        hf_static_batch(model, workload.prompts[start:end], max(workload.output_lens[start:end]))
+        hf_static_batch(model, workload.prompts[start:end], max(workload.output_lens[start:end]), sampling)
     wall = time.perf_counter() - t0
     steps = sum(
         max(workload.output_lens[s : s + batch_size]) * len(workload.output_lens[s : s + batch_size])

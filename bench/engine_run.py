@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.workload import Workload, greedy, make_workload
+from bench.workload import GREEDY, Sampling, Workload, greedy, make_workload
 from nanovllm import LLM
 from nanovllm.worker.config import ModelConfig
 from nanovllm.worker.device import resolve_placement
@@ -102,6 +102,8 @@ def build_llm(model_dir: Path, workload: Workload, args: argparse.Namespace) -> 
         kv_cache_memory=kv_bytes,
         dtype=args.dtype,
         num_threads=args.threads,  # fixed: the run must not split its CPUs with whatever else runs here
+        # Random prompts share no prefix; off, so that a workload run twice does the same work twice.
+        enable_prefix_caching=False,
     )
 
 
@@ -111,8 +113,8 @@ def warm_up_nanovllm(llm: LLM, vocab: int) -> None:
     llm.generate(warm.prompts, [greedy(n) for n in warm.output_lens], use_tqdm=False)
 
 
-def run_nanovllm(llm: LLM, workload: Workload) -> NanoResult:
-    params = [greedy(n) for n in workload.output_lens]
+def run_nanovllm(llm: LLM, workload: Workload, sampling: Sampling = GREEDY) -> NanoResult:
+    params = [sampling.params(n) for n in workload.output_lens]
     preempted_before = llm.engine.load().num_preemptions
     with record_steps(llm) as steps:
         t0 = time.perf_counter()

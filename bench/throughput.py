@@ -14,7 +14,12 @@ from the same process and the same random-weight checkpoint, so the ratios are w
                   token counts the engine actually ran in each step: no attention, norms, sampling
                   or Python.
 
+With --sampled the workload also runs sampled (at --temperature, 0.6 as nano-vllm's bench.py, and with
+--top-p as well) on nanovllm and on transformers' static batches in its faster dtype, and each is reported
+against its own greedy run: what sampling costs each engine. --rounds alternates nanovllm's runs.
+
 Usage:  .venv/bin/python -m bench.throughput [--num-seqs 64] [--single-stream] [--skip-hf]
+            [--embedded] [--sampled [--temperature 0.6] [--top-p 0.9] [--rounds 1]]
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import gc
 import logging
 import os
 import platform
+import statistics
 from pathlib import Path
 
 import torch
@@ -40,9 +46,11 @@ from bench.engine_run import (
 )
 from bench.models import SHAPES, build_random_model
 from bench.report import load_average, machine_description, print_summary, report_steps
-from bench.workload import make_workload
+from bench.workload import GREEDY, Sampling, Workload, make_workload
+from nanovllm import LLM
 from nanovllm.worker.config import ModelConfig
 from nanovllm.worker.device import DTYPES
+from nanovllm.worker.models.gguf.cache import embedded_model_path, prepare_gguf
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,6 +58,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", type=Path, default=None, help="HF model dir (default: a random --shape)")
+    parser.add_argument(
+        "--embedded",
+        action="store_true",
+        help="the embedded SmolLM2-135M-Instruct instead of a random --shape",
+    )
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
     parser.add_argument("--num-seqs", type=int, default=64)
     parser.add_argument("--min-input", type=int, default=32)
@@ -69,12 +82,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     single.add_argument("--single-stream", action="store_true", help="also measure one-request decode speed")
     single.add_argument("--single-prompt", type=int, default=128)
     single.add_argument("--single-new-tokens", type=int, default=256)
+    sampled = parser.add_argument_group("sampled workloads")
+    sampled.add_argument("--sampled", action="store_true", help="also run the workload sampled (see above)")
+    sampled.add_argument("--temperature", type=float, default=0.6)
+    sampled.add_argument("--top-p", type=float, default=0.9)
+    sampled.add_argument("--rounds", type=int, default=1, help="nanovllm runs of each sampling, alternating")
     args = parser.parse_args(argv)
     if args.hf_batch_size is None:
         args.hf_batch_size = args.num_seqs
     if not (1 <= args.min_input <= args.max_input and 1 <= args.min_output <= args.max_output):
         parser.error("need 1 <= --min-input <= --max-input and 1 <= --min-output <= --max-output")
+    if args.model is not None and args.embedded:
+        parser.error("--model and --embedded name two models; give one")
+    if args.sampled and not (args.temperature > 0 and 0 < args.top_p < 1 and args.rounds >= 1):
+        parser.error("--sampled needs --temperature > 0, 0 < --top-p < 1 and --rounds >= 1")
     return args
+
+
+def sampled_runs(
+    llm: LLM, workload: Workload, greedy_tps: float, args: argparse.Namespace
+) -> dict[str, float]:
+    """nanovllm's output tok/s for greedy and the sampled workloads: the median of --rounds runs of each,
+    alternating (the first greedy run is the one measured already)."""
+    samplings = [GREEDY, Sampling(args.temperature), Sampling(args.temperature, args.top_p)]
+    runs: dict[str, list[float]] = {GREEDY.label: [greedy_tps]}
+    for round_ in range(args.rounds):
+        for sampling in samplings[1:] if round_ == 0 else samplings:
+            tps = run_nanovllm(llm, workload, sampling).tokens_per_s
+            runs.setdefault(sampling.label, []).append(tps)
+            print(f"  {sampling.label}: {tps:,.1f} output tok/s")
+    return {label: statistics.median(values) for label, values in runs.items()}
+
+
+def print_sampling_summary(nano: dict[str, float], hf: dict[str, float], hf_label: str) -> None:
+    print("\n== what sampling costs: output tok/s, each engine against its own greedy run ==")
+    print(
+        f"{'sampling':<30} {'nanovllm':>10} {'x greedy':>9} {hf_label:>28} {'x greedy':>9} {'nano / HF':>10}"
+    )
+    for label, tps in nano.items():
+        theirs = hf.get(label)
+        hf_cells = (
+            f"{theirs:>28,.1f} {theirs / hf[GREEDY.label]:>8.2f}x {tps / theirs:>9.2f}x"
+            if theirs and hf.get(GREEDY.label)
+            else f"{'-':>28} {'-':>9} {'-':>10}"
+        )
+        print(f"{label:<30} {tps:>10,.1f} {tps / nano[GREEDY.label]:>8.2f}x {hf_cells}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -85,9 +137,15 @@ def main(argv: list[str] | None = None) -> None:
     # transformers' continuous batching logs through its own logger; its warnings (e.g. "EOS disabled",
     # which is what this benchmark wants) are noise here, its errors are not.
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
-    model_dir = args.model or build_random_model(args.shape)
+    if args.embedded:
+        model_dir = prepare_gguf(embedded_model_path())
+    else:
+        model_dir = args.model or build_random_model(args.shape)
     cfg = ModelConfig.from_pretrained_dir(model_dir)
-    shape = args.shape if args.model is None else f"{model_dir} ({cfg.architecture})"
+    if args.embedded:
+        shape = f"embedded SmolLM2-135M-Instruct ({cfg.architecture})"
+    else:
+        shape = args.shape if args.model is None else f"{model_dir} ({cfg.architecture})"
 
     print(f"date: {datetime.datetime.now().isoformat(timespec='seconds')}")
     print(f"machine: {machine_description()}")
@@ -123,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     nano = run_nanovllm(llm, workload)
     print(f"  {nano.output_tokens:,} tokens in {nano.wall_s:.2f} s = {nano.tokens_per_s:,.1f} output tok/s")
     report_steps(nano)
+    nano_sampled = sampled_runs(llm, workload, nano.tokens_per_s, args) if args.sampled else {}
     nano_single = None
     if args.single_stream:
         nano_single = nanovllm_single_stream(llm, single_prompt, args.single_new_tokens)
@@ -143,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
 
     hf_rows: list[HFResult] = []
     hf_single: dict[str, float] = {}
+    hf_sampled: dict[str, float] = {}
     if not args.skip_hf:
         for dtype_name in args.hf_dtypes:
             print(f"\n[transformers] generate, static batches of {args.hf_batch_size}, {dtype_name}")
@@ -156,9 +216,17 @@ def main(argv: list[str] | None = None) -> None:
             del model
             gc.collect()
 
-        fastest_dtype = args.hf_dtypes[max(range(len(hf_rows)), key=lambda i: hf_rows[i].tokens_per_s or 0)]
-        print(f"\n[transformers] continuous batching (generate_batch), {fastest_dtype} (faster static dtype)")
+        fastest = max(range(len(hf_rows)), key=lambda i: hf_rows[i].tokens_per_s or 0)
+        fastest_dtype = args.hf_dtypes[fastest]
         model = load_hf(model_dir, DTYPES[fastest_dtype])
+        if args.sampled:
+            print(f"\n[transformers] static batches sampled, {fastest_dtype} (faster static dtype)")
+            hf_sampled[GREEDY.label] = hf_rows[fastest].tokens_per_s or 0.0
+            for sampling in (Sampling(args.temperature), Sampling(args.temperature, args.top_p)):
+                tps = run_hf_static(model, workload, args.hf_batch_size, sampling).tokens_per_s or 0.0
+                hf_sampled[sampling.label] = tps
+                print(f"  {sampling.label}: {tps:,.1f} useful output tok/s")
+        print(f"\n[transformers] continuous batching (generate_batch), {fastest_dtype} (faster static dtype)")
         cb = run_hf_continuous(model, workload, args.max_num_batched_tokens)
         print(f"  {cb.tokens_per_s:,.1f} output tok/s" if cb.tokens_per_s else f"  generate_batch: {cb.note}")
         hf_rows.append(cb)
@@ -184,6 +252,10 @@ def main(argv: list[str] | None = None) -> None:
             single_rows.append((f"HF generate ({dtype_name})", tps, f"{n} / (t({n + 1}) - t(1))"))
         single_rows.append(("matmul ceiling", ceiling_single, f"M=1 {nano_dtype} linears + LM head"))
         print_summary(single_rows, nano_single or 0.0, "single stream decode")
+    if args.sampled:
+        print_sampling_summary(
+            nano_sampled, hf_sampled, f"HF static ({fastest_dtype})" if hf_sampled else "HF"
+        )
 
 
 if __name__ == "__main__":

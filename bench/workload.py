@@ -45,6 +45,35 @@ def make_workload(
     return Workload(prompts, output_lens)
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How every request of a workload picks its tokens: greedy at temperature 0."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    @property
+    def label(self) -> str:
+        if self.temperature == 0.0:
+            return "greedy"
+        return f"temperature {self.temperature:g}" + (f", top_p {self.top_p:g}" if self.top_p < 1.0 else "")
+
+    def params(self, max_tokens: int) -> SamplingParams:
+        """Exactly `max_tokens` tokens: ignore_eos keeps the workload independent of the weights."""
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, max_tokens=max_tokens, ignore_eos=True
+        )
+
+    def hf_generation(self) -> dict[str, object]:
+        """The same choice in transformers' GenerationConfig terms (its default top_k of 50 turned off)."""
+        if self.temperature == 0.0:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
+
+
+GREEDY = Sampling()
+
+
 def greedy(max_tokens: int) -> SamplingParams:
-    """Exactly `max_tokens` greedy tokens: ignore_eos keeps the workload independent of the weights."""
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    """Exactly `max_tokens` greedy tokens."""
+    return GREEDY.params(max_tokens)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -9,7 +10,13 @@ import pytest
 import torch
 
 from nanovllm.common.sampling_params import SamplingParams
-from nanovllm.worker.sample.sampler import Sampler, apply_penalties, filtered_probs, position_seed
+from nanovllm.worker.sample.sampler import (
+    Sampler,
+    apply_penalties,
+    filtered_probs,
+    position_seed,
+    position_uniform,
+)
 from nanovllm.worker.step import SamplingRow
 
 VOCAB = 64
@@ -206,48 +213,131 @@ def test_filtered_probs_greedy_row_is_one_hot():
     assert int((got[1] > 0).sum()) == 3
 
 
-@pytest.mark.parametrize(
-    "params",
-    [
-        SamplingParams(temperature=1.0),
-        SamplingParams(temperature=0.7, top_k=5),
-        SamplingParams(temperature=1.0, top_p=0.7),
-        SamplingParams(temperature=1.2, min_p=0.2),
-    ],
-    ids=["plain", "top_k", "top_p", "min_p"],
-)
-def test_sampling_frequencies_match_distribution(params: SamplingParams):
-    vocab, n = 12, 4000
-    row_logits = rand_logits(1, vocab=vocab, seed=4, scale=1.0)[0]
-    want = ref_filtered(row_logits.numpy(), params)
-    sampler = Sampler(torch.Generator().manual_seed(123))
-    rows = [make_row(params) for _ in range(n)]
-    drawn = sampler(row_logits.expand(n, vocab).contiguous(), rows).token_ids
-    freq = np.bincount(drawn, minlength=vocab) / n
-    # Outside the filtered support: never drawn.
-    assert np.all(freq[want == 0] == 0)
-    # Inside: within 5 standard deviations of the binomial estimate.
-    sigma = np.sqrt(want * (1 - want) / n)
-    assert np.all(np.abs(freq - want) <= 5 * sigma + 1e-9), (freq, want)
+def chi_square_p_value(statistic: float, df: int) -> float:
+    """P(X >= statistic) for X ~ chi-square(df): 1 - P(df/2, statistic/2), the lower regularized gamma
+    function by its power series (converges for every argument; df and statistic are small here)."""
+    a, x = df / 2, statistic / 2
+    if x <= 0:
+        return 1.0
+    term = total = 1.0 / a
+    n = 0
+    while term > total * 1e-17:
+        n += 1
+        term *= x / (a + n)
+        total += term
+    lower = math.exp(a * math.log(x) - x - math.lgamma(a)) * total
+    return max(0.0, 1.0 - lower)
 
 
-def test_seeded_draws_depend_on_the_seed_and_position_alone():
-    """A seeded row's n-th draw is an exponential race run with position_seed(seed, n), whatever came
+def test_chi_square_p_value_matches_known_quantiles():
+    # Tabulated upper quantiles of the chi-square distribution.
+    assert chi_square_p_value(3.841, 1) == pytest.approx(0.05, abs=1e-4)
+    assert chi_square_p_value(11.070, 5) == pytest.approx(0.05, abs=1e-4)
+    assert chi_square_p_value(23.209, 10) == pytest.approx(0.01, abs=1e-4)
+
+
+# A vocabulary past the C++ kernel's 512-entry blocks, its mass on tokens at and around block edges (the
+# draw walks block sums, then one block) and the rest of it 12 nats down, where it still counts.
+WIDE_VOCAB = 1300
+WIDE_TOKENS = [0, 3, 200, 510, 511, 512, 513, 700, 1023, 1024, 1100, 1299]
+
+DISTRIBUTION_CASES = {
+    "temperature": SamplingParams(temperature=0.7),
+    "hot": SamplingParams(temperature=1.6),
+    "top_k": SamplingParams(temperature=1.0, top_k=5),
+    "top_p": SamplingParams(temperature=0.9, top_p=0.8),
+    "min_p": SamplingParams(temperature=1.1, min_p=0.12),
+    "all": SamplingParams(temperature=0.8, top_k=9, top_p=0.9, min_p=0.05),
+}
+
+
+def _distribution_logits(wide: bool) -> torch.Tensor:
+    if not wide:
+        return rand_logits(1, vocab=16, seed=4, scale=1.5)[0]
+    logits = torch.full((WIDE_VOCAB,), -12.0)
+    logits[WIDE_TOKENS] = rand_logits(1, vocab=len(WIDE_TOKENS), seed=9, scale=1.5)[0]
+    return logits
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["vocab16", "vocab1300"])
+@pytest.mark.parametrize("seeded", [False, True], ids=["generator", "seeded"])
+@pytest.mark.parametrize("path", ["torch", "cpu_kernel"])
+@pytest.mark.parametrize("case", list(DISTRIBUTION_CASES))
+def test_draws_follow_the_filtered_distribution(case: str, path: str, seeded: bool, wide: bool, request):
+    """20,000 draws of one row against the reference distribution (the softmax of the processed logits), by
+    Pearson's chi-square test. The draws are a fixed function of the seeds, so the test is deterministic; a
+    correct sampler fails it for a one-in-a-million choice of seeds (p < 1e-6), while moving one percent of
+    the probability to a neighbouring token adds about 20,000 * 0.01 = 200 to the statistic (p ~ 1e-35)."""
+    params = DISTRIBUTION_CASES[case]
+    n = 20_000
+    logits = _distribution_logits(wide)
+    vocab = logits.shape[0]
+    want = ref_filtered(logits.numpy(), params)
+    if seeded:  # each row its own request: u = position_uniform(seed, 0)
+        rows = [make_row(dataclasses.replace(params, seed=1000 + i)) for i in range(n)]
+    else:
+        rows = [make_row(params) for _ in range(n)]
+    kernels = request.getfixturevalue("kernels") if path == "cpu_kernel" else None
+    sampler = Sampler(torch.Generator().manual_seed(123), kernels)
+    drawn = np.bincount(sampler(logits.expand(n, vocab).contiguous(), rows).token_ids, minlength=vocab)
+    support = want > 0
+    assert drawn[~support].sum() == 0, f"drew tokens outside the support: {np.nonzero(drawn * ~support)[0]}"
+    # Cells with an expected count below 5 (the chi-square approximation's rule) are pooled into one.
+    expected = n * want
+    big = support & (expected >= 5)
+    observed_cells = [*drawn[big], drawn[support & ~big].sum()]
+    expected_cells = [*expected[big], expected[support & ~big].sum()]
+    if expected_cells[-1] < 5:
+        observed_cells[-2] += observed_cells.pop()
+        expected_cells[-2] += expected_cells.pop()
+    statistic = sum((o - e) ** 2 / e for o, e in zip(observed_cells, expected_cells))
+    df = len(expected_cells) - 1
+    if df == 0:  # one token carries everything: the support check above is the whole test
+        return
+    assert chi_square_p_value(statistic, df) > 1e-6, (statistic, df, observed_cells, expected_cells)
+
+
+def test_the_cpu_kernel_and_the_torch_path_draw_the_same_tokens(kernels):
+    """Both paths invert the same filtered distribution with the same uniform numbers (seeded rows), so
+    they pick the same token unless a uniform falls within rounding (~1e-6 of the row's mass, the float32
+    probabilities of the torch path) of a boundary between two tokens: about 1 row in 1,000 here."""
+    batch, vocab = 2048, 1000
+    logits = rand_logits(batch, vocab=vocab, seed=11, scale=3.0)
+    settings = [
+        {"temperature": 0.7},
+        {"temperature": 1.0, "top_k": 40},
+        {"temperature": 0.8, "top_p": 0.9},
+        {"temperature": 1.2, "min_p": 0.05},
+        {"temperature": 0.6, "top_k": 200, "top_p": 0.95, "min_p": 0.01},
+    ]
+    rows = [make_row(SamplingParams(**settings[i % len(settings)], seed=i)) for i in range(batch)]
+    ours = Sampler(cpu_kernels=kernels)(logits, rows).token_ids
+    theirs = Sampler()(logits, rows).token_ids
+    support = filtered_probs(logits, rows) > 0
+    assert all(support[i, t] for i, t in enumerate(ours)), "the kernel drew a token outside the support"
+    differ = sum(a != b for a, b in zip(ours, theirs))
+    assert differ <= batch // 100, f"{differ} of {batch} rows differ"
+
+
+@pytest.mark.parametrize("path", ["torch", "cpu_kernel"])
+def test_seeded_draws_depend_on_the_seed_and_position_alone(path: str, request):
+    """A seeded row's n-th token inverts its distribution at position_uniform(seed, n), whatever came
     before: a fresh sampler given the first n tokens (a request resumed on another worker) draws the same."""
+    kernels = request.getfixturevalue("kernels") if path == "cpu_kernel" else None
     logits = rand_logits(1, seed=5)
     params = SamplingParams(temperature=0.9, seed=7)
-    probs = filtered_probs(logits, [make_row(params)])[0]
-    sampler, out = Sampler(), []
+    cdf = np.cumsum(filtered_probs(logits, [make_row(params)])[0].double().numpy())
+    sampler, out = Sampler(cpu_kernels=kernels), []
     for n in range(12):
-        q = torch.empty(VOCAB).exponential_(generator=torch.Generator().manual_seed(position_seed(7, n)))
-        want = int((probs / q).argmax())
+        want = int(np.searchsorted(cdf, position_uniform(7, n) * cdf[-1], side="right"))
         assert sampler(logits, [make_row(params, output=out)]).token_ids[0] == want
         out.append(want)
     assert len(set(out)) > 3, "the test distribution should not be degenerate"
     for n in (0, 5, 11):
-        resumed = Sampler(torch.Generator().manual_seed(n + 100))(logits, [make_row(params, output=out[:n])])
-        assert resumed.token_ids == [out[n]]
+        resumed = Sampler(torch.Generator().manual_seed(n + 100), kernels)
+        assert resumed(logits, [make_row(params, output=out[:n])]).token_ids == [out[n]]
     assert position_seed(7, 0) != position_seed(7, 1) != position_seed(8, 1)
+    assert all(0.0 <= position_uniform(seed, n) < 1.0 for seed in range(50) for n in range(50))
 
 
 # --------------------------------------------------------------------------- reproducibility

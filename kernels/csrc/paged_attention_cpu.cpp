@@ -523,6 +523,9 @@ void register_decode_layers(pybind11::module& m);
 // token_bitmask_cpu.cpp
 void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
 
+// sampling_cpu.cpp
+torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor spec);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode_layers(m);
   m.def("linear_few_rows", &linear_few_rows, "x @ weight.T (+ bias) for few rows of x, reading each weight once "
@@ -535,6 +538,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "of up to 8 rows to int8 for integer dot products (built for a CPU with AVX512-VNNI)");
   m.def("apply_token_bitmask_", &apply_token_bitmask_,
         "logits[rows[j], t] = -inf where bit t of bitmask[j] is clear (CPU; float32; in place)");
+  m.def("sample_rows", &sample_rows, "one token per row of float32 logits, drawn by inversion with spec's "
+        "[temperature, top_k, top_p, min_p, uniform] rows (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :n]) * x[:, n:] (CPU; float32, bfloat16, float16)");
   m.def("rotary", &rotary, "rotate-half RoPE with precomputed cos / signed sin rows (CPU; float32, bfloat16, float16)");
   m.def("paged_decode_attention", &paged_decode_attention,

@@ -5,11 +5,14 @@ argmax, or temperature -> top-k -> top-p -> min-p -> sample. Logprobs describe t
 model's raw distribution, so they are computed from the input logits, after only the
 constraint mask (a constrained request's logprobs are those of its allowed tokens).
 
-Sampling uses the "exponential race": argmax(p / q) with q ~ Exp(1) i.i.d. picks
-token i with probability p_i. A seeded request draws the q of its n-th output token
-from a generator seeded with a hash of (seed, n) alone, so it gets the same tokens
-whatever shares the batch, wherever its row is, and on whichever worker it resumes
-after a failover with its first n tokens.
+Sampling is by inversion: with u ~ U[0, 1), a row's token is the first, in vocabulary
+order, at which the running sum of its filtered distribution passes u times its total.
+One number per row, where a race of exponentials needed one per vocabulary entry (on a
+CPU that draw cost 20x greedy's argmax). A seeded request's u for its n-th output token
+is a hash of (seed, n) alone, so it gets the same tokens whatever shares the batch,
+wherever its row is, and on whichever worker it resumes after a failover with its first
+n tokens. On a CPU the C++ kernel (kernels/csrc/sampling_cpu.cpp) filters and draws
+without sorting the vocabulary; elsewhere the torch path below computes the same.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ __all__ = [
     "apply_penalties",
     "filtered_probs",
     "position_seed",
+    "position_uniform",
 ]
 
 _NEG_INF = float("-inf")
@@ -69,6 +73,12 @@ def position_seed(seed: int, position: int) -> int:
     """The seed of a request's draw for its output token number `position` (0-based): a hash of the two,
     so draws of neighbouring positions or seeds are unrelated."""
     return xxhash.xxh64_intdigest(seed.to_bytes(8, "little", signed=True) + position.to_bytes(8, "little"))
+
+
+def position_uniform(seed: int, position: int) -> float:
+    """The uniform number in [0, 1) that a seeded request's output token number `position` is drawn with:
+    the top 53 bits of position_seed, so every double of the form k / 2^53 is equally likely."""
+    return (position_seed(seed, position) >> 11) * 2.0**-53
 
 
 def _check_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -317,33 +327,41 @@ class Sampler:
         random = [i for i, r in enumerate(rows) if r.params.temperature != 0.0]
         if not random:
             return work.argmax(dim=-1)
-        probs = _random_probs(_take(work, random, batch), [rows[i].params for i in random])
-        sampled = self._draw(probs, [rows[i] for i in random])
+        sampled = self._draw(_take(work, random, batch), [rows[i] for i in random])
         if len(random) == batch:
             return sampled
         tokens = work.argmax(dim=-1)
         tokens[_index(random, work.device)] = sampled
         return tokens
 
-    def _draw(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """Exponential race: argmax(p / q), q ~ Exp(1). Unseeded rows share the engine's generator; each
-        seeded row reseeds a scratch generator for its position (see position_seed)."""
-        n, vocab = probs.shape
-        q = torch.empty_like(probs)
+    def _draw(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """One token per row of `x` (all rows at temperature > 0), by inversion of its filtered distribution."""
+        uniform = self._uniforms(rows, x.device)
+        if self.cpu_kernels is not None and x.device.type == "cpu":
+            spec = torch.tensor(
+                [[p.temperature, p.top_k, p.top_p, p.min_p] for p in (r.params for r in rows)],
+                dtype=torch.float64,
+            )
+            return self.cpu_kernels.sample_rows(
+                x.contiguous(), torch.cat([spec.T, uniform[None]]).contiguous()
+            )
+        probs = _random_probs(x, [r.params for r in rows])
+        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+        total = cdf[:, -1:]
+        # The first token whose running sum passes u * total; keeping the target below the total keeps a
+        # token of zero probability (past the last positive one, where the sum stops growing) out of reach.
+        target = torch.minimum(uniform.unsqueeze(1) * total, total.nextafter(torch.zeros_like(total)))
+        return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+    def _uniforms(self, rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
+        """float64 [len(rows)] on `device`: the engine's generator for rows without a seed, and
+        position_uniform for seeded rows (their position: the output tokens before this one)."""
+        uniform = torch.rand(len(rows), dtype=torch.float64, device=device, generator=self.generator)
         seeded = [j for j, row in enumerate(rows) if row.params.seed is not None]
-        if not seeded:
-            q.exponential_(generator=self.generator)
-        else:
-            unseeded = [j for j in range(n) if rows[j].params.seed is None]
-            if unseeded:
-                block = torch.empty((len(unseeded), vocab), dtype=probs.dtype, device=probs.device)
-                q[_index(unseeded, probs.device)] = block.exponential_(generator=self.generator)
-            scratch = torch.Generator(probs.device)
-            for j in seeded:
-                scratch.manual_seed(position_seed(rows[j].params.seed, len(rows[j].output_token_ids)))
-                q[j].exponential_(generator=scratch)
-        # A zero q would turn 0/0 into NaN for filtered-out tokens; the clamp keeps them at 0.
-        return (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+        if seeded:
+            values = [position_uniform(rows[j].params.seed, len(rows[j].output_token_ids)) for j in seeded]
+            uniform[_index(seeded, device)] = to_device(torch.tensor(values, dtype=torch.float64), device)
+        return uniform
 
 
 def _with_logprobs(
