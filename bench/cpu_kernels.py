@@ -8,6 +8,11 @@ the reference AttentionBackend's decode) with the kernels unbound. Prints a mark
 layers and its LM head, F.linear against linear_few_rows (the layers use the kernel up to FEW_ROWS_MAX
 rows): 540 MB of fp32 weights, read from memory as in the model.
 
+"sample ..." is one sampler call over rows of SmolLM2's 49,152 logits (random, scale 3: flatter than a
+model's, so top-p's nucleus is wide) at temperature 0.7 with each filter: the Sampler's torch path (the
+same inversion in torch ops, with a sort or a top-k for the filters) against its C++ kernel, sample_rows;
+"greedy" is the argmax both take for temperature 0, for scale.
+
 Decode attention runs at SmolLM2's 3 kv heads for each group size (query heads per kv head) and head dim
 asked for; a context "100-500" gives each sequence its own length, drawn uniformly from that range (the
 mixed lengths of a serving batch). Its K/V come from memory, as in a model (see attention_case), unless
@@ -30,10 +35,13 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from nanovllm import SamplingParams
 from nanovllm.kernels.attention import AttentionBackend, DecodeBatch
 from nanovllm.kernels.cpu_kernels import load_cpu_kernels
 from nanovllm.worker.layers.norm import RMSNorm
 from nanovllm.worker.layers.rotary import RotaryEmbedding, apply_rotary
+from nanovllm.worker.sample.sampler import Sampler
+from nanovllm.worker.step import SamplingRow
 
 # SmolLM2-135M
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, BLOCK, EPS = 576, 9, 3, 64, 1536, 16, 1e-5
@@ -85,11 +93,33 @@ def cases(kernels, dtype: torch.dtype, rows: int, args: argparse.Namespace) -> I
     yield "rotary", lambda: apply_rotary(qk, cos, sin), lambda: kernels.rotary(qk, cos, sin), lambda: None
 
     yield projections_case(kernels, dtype, randn, rows)
+    yield from sampler_cases(kernels, randn(rows, VOCAB) * 3, rows)
 
     for head_dim in args.head_dims:
         for group in args.groups:
             for context in args.contexts:
                 yield attention_case(kernels, randn, gen, rows, context, group, head_dim, args.warm)
+
+
+SAMPLINGS = {
+    "greedy": SamplingParams(temperature=0.0),
+    "sample t0.7": SamplingParams(temperature=0.7),
+    "sample t0.7 top_p 0.9": SamplingParams(temperature=0.7, top_p=0.9),
+    "sample t0.7 top_k 50": SamplingParams(temperature=0.7, top_k=50),
+    "sample t0.7 min_p 0.05": SamplingParams(temperature=0.7, min_p=0.05),
+}
+
+
+def sampler_cases(kernels, logits: torch.Tensor, rows: int) -> Iterator[Case]:
+    torch_sampler, kernel_sampler = Sampler(), Sampler(cpu_kernels=kernels)
+    for label, params in SAMPLINGS.items():
+        batch = [SamplingRow(params, [], []) for _ in range(rows)]
+        yield (
+            label,
+            lambda b=batch: torch_sampler(logits, b),
+            lambda b=batch: kernel_sampler(logits, b),
+            lambda: None,
+        )
 
 
 @functools.cache
