@@ -8,7 +8,7 @@ constraint mask (a constrained request's logprobs are those of its allowed token
 Sampling is by inversion: with u ~ U[0, 1), a row's token is the first, in vocabulary
 order, at which the running sum of its filtered distribution passes u times its total.
 One number per row, where a race of exponentials needed one per vocabulary entry (on a
-CPU that draw cost 20x greedy's argmax). A seeded request's u for its n-th output token
+CPU that draw cost 30x greedy's argmax). A seeded request's u for its n-th output token
 is a hash of (seed, n) alone, so it gets the same tokens whatever shares the batch,
 wherever its row is, and on whichever worker it resumes after a failover with its first
 n tokens. On a CPU the C++ kernel (kernels/csrc/sampling_cpu.cpp) filters and draws
