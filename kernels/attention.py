@@ -37,6 +37,19 @@ class DecodeBatch:
         positions = torch.arange(width, device=self.context_lens.device)
         return (positions < self.context_lens[:, None])[:, None, None, :]
 
+    @functools.cached_property
+    def one_token_chunks(self) -> ChunkBatch:
+        """The same queries as chunks of one token each (how batch-invariant Triton attention runs them)."""
+        num_seqs = self.context_lens.shape[0]
+        return ChunkBatch(
+            query_start_loc=torch.arange(num_seqs + 1, device=self.context_lens.device),
+            start_positions=self.context_lens - 1,
+            block_tables=self.block_tables,
+            max_query_len=1,
+            num_tokens=num_seqs,
+            block_size=self.block_size,
+        )
+
 
 @dataclass
 class ChunkBatch:
@@ -57,6 +70,19 @@ class ChunkBatch:
     @functools.cached_property
     def query_lens(self) -> torch.Tensor:
         return self.query_start_loc[1:] - self.query_start_loc[:-1]
+
+    @functools.cached_property
+    def per_token(self) -> DecodeBatch:
+        """Every token as a decode query of its own over its sequence's cache up to itself (how
+        batch-invariant CPU attention runs chunks)."""
+        lens = self.query_lens
+        seq = torch.repeat_interleave(torch.arange(self.num_seqs, device=lens.device), lens)
+        offset = torch.arange(self.num_tokens, device=lens.device) - self.query_start_loc[:-1][seq]
+        return DecodeBatch(
+            block_tables=self.block_tables.index_select(0, seq),
+            context_lens=self.start_positions[seq] + offset + 1,
+            block_size=self.block_size,
+        )
 
     @functools.cached_property
     def token_index(self) -> torch.Tensor:

@@ -8,6 +8,13 @@
 
 "auto" picks the fastest the device can run: on CUDA flash_attn, else triton, else torch; on a CPU
 cpu_kernel, else torch. A backend asked for by name that cannot run is a ConfigError naming why.
+
+Batch-invariant (EngineConfig.deterministic): every query, of a prompt, a chunk or a decode step, runs
+through one kernel with one reduction order over its keys, so its result depends only on its own sequence.
+On a CPU that is the C++ decode kernel, one row per prompt token (tasks are (token, kv head) and each
+reduces its whole context in one pass); on CUDA the Triton prefill kernel, a decode step's queries as
+one-token chunks (its tiles of keys start at position 0 in fixed sizes, and a tile masked out for a query
+leaves its sums unchanged). Only cpu_kernel and triton have such a mode.
 """
 
 from __future__ import annotations
@@ -28,8 +35,9 @@ FLASH_ATTN_BLOCK_MULTIPLE = 256
 class CpuKernelAttention(AttentionBackend):
     name = "cpu_kernel"
 
-    def __init__(self, kernels) -> None:
+    def __init__(self, kernels, batch_invariant: bool = False) -> None:
         self.kernels = kernels
+        self.batch_invariant = batch_invariant
 
     def decode(
         self,
@@ -43,15 +51,26 @@ class CpuKernelAttention(AttentionBackend):
             query, k_cache, v_cache, batch.block_tables, batch.context_lens, scale
         )
 
+    def fresh(self, query, key, value, k_cache, v_cache, batch: ChunkBatch, scale: float) -> torch.Tensor:
+        if self.batch_invariant:  # the prompt's K/V is in the cache already
+            return self.decode(query, k_cache, v_cache, batch.per_token, scale)
+        return super().fresh(query, key, value, k_cache, v_cache, batch, scale)
+
+    def cached(self, query, k_cache, v_cache, batch: ChunkBatch, scale: float) -> torch.Tensor:
+        if self.batch_invariant:
+            return self.decode(query, k_cache, v_cache, batch.per_token, scale)
+        return super().cached(query, k_cache, v_cache, batch, scale)
+
 
 class TritonAttention(AttentionBackend):
     name = "triton"
 
-    def __init__(self, num_sms: int) -> None:
+    def __init__(self, num_sms: int, batch_invariant: bool = False) -> None:
         from nanovllm.kernels import triton_attention
 
         self.ops = triton_attention
         self.num_sms = num_sms
+        self.batch_invariant = batch_invariant
 
     def store(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         self.ops.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
@@ -64,6 +83,8 @@ class TritonAttention(AttentionBackend):
         batch: DecodeBatch,
         scale: float,
     ) -> torch.Tensor:
+        if self.batch_invariant:
+            return self.cached(query, k_cache, v_cache, batch.one_token_chunks, scale)
         splits = self.ops.decode_num_splits(
             query.shape[0], k_cache.shape[2], batch.block_tables.shape[1] * batch.block_size, self.num_sms
         )
@@ -196,19 +217,20 @@ def _cpu_kernels_unavailable(device: torch.device, dtype: torch.dtype) -> str | 
 
 
 def select_attention_backend(
-    name: str, device: torch.device, dtype: torch.dtype, block_size: int
+    name: str, device: torch.device, dtype: torch.dtype, block_size: int, batch_invariant: bool = False
 ) -> BackendChoice:
     """The backend `name` on `device`, or for "auto" the fastest one available, with why. `name` is one of
-    ATTENTION_BACKENDS: EngineConfig refuses any other."""
+    ATTENTION_BACKENDS: EngineConfig refuses any other (and, batch-invariant, any but auto, cpu_kernel and
+    triton). Batch-invariant with none of those able to run is a ConfigError naming why."""
 
     def build(candidate: str) -> AttentionBackend:
         if candidate == "cpu_kernel":
-            return CpuKernelAttention(load_cpu_kernels())
+            return CpuKernelAttention(load_cpu_kernels(), batch_invariant)
         if candidate == "triton":
             sms = (
                 torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
             )
-            return TritonAttention(sms)
+            return TritonAttention(sms, batch_invariant)
         if candidate == "flash_attn":
             return FlashAttention()
         return AttentionBackend()
@@ -224,11 +246,18 @@ def select_attention_backend(
         if why_not is not None:
             raise ConfigError(f"attention_backend={name!r} cannot run on {device}: {why_not}")
         return BackendChoice(build(name), "asked for")
-    order = ("flash_attn", "triton") if device.type == "cuda" else ("cpu_kernel",)
+    if batch_invariant:
+        order = ("triton",) if device.type == "cuda" else ("cpu_kernel",)
+    else:
+        order = ("flash_attn", "triton") if device.type == "cuda" else ("cpu_kernel",)
     skipped = []
     for candidate in order:
         why_not = checks[candidate]()
         if why_not is None:
             return BackendChoice(build(candidate), "auto: the fastest available on " + device.type)
         skipped.append(f"not {candidate}: {why_not}")
+    if batch_invariant:
+        raise ConfigError(
+            f"deterministic needs batch-invariant attention kernels on {device}: {'; '.join(skipped)}"
+        )
     return BackendChoice(AttentionBackend(), "auto: " + "; ".join(skipped))

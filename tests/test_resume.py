@@ -92,21 +92,25 @@ async def _run(
         return await asyncio.gather(*calls), at_kill
 
 
+NGRAM = ("--speculative-method", "ngram", "--speculative-max-batch", str(STREAMS))
+# bf16 resumes exactly only with batch-invariant kernels: the resumed streams run on B in other batches.
+BF16 = ("--dtype", "bfloat16", "--deterministic")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("speculation", "regex"),
-    [((), None), (("--speculative-method", "ngram"), None), ((), REGEX), ((), REASONING_REGEX)],
-    ids=["plain", "ngram", "regex", "reasoning"],
+    ("flags", "regex"),
+    [((), None), (NGRAM, None), ((), REGEX), ((), REASONING_REGEX), (BF16, None)],
+    ids=["plain", "ngram", "regex", "reasoning", "bf16-deterministic"],
 )
 def test_streams_resume_token_identical_when_their_worker_is_killed(
-    qwen3_dir: Path, kernels, tmp_path: Path, speculation: tuple[str, ...], regex: str | None
+    qwen3_dir: Path, kernels, tmp_path: Path, flags: tuple[str, ...], regex: str | None
 ) -> None:
     """Eight streams run on worker A; A is SIGKILLed mid-stream. Every stream completes on B and equals,
     token for token and in text, the same request run unbroken on B. With speculation on both workers too
     (a resumed request's proposals and picks are those of the unbroken one), under a regex (B replays
-    the tokens through a fresh matcher; the text still matches), and cut inside a Qwen3 reasoning block
-    (the router's reasoning split goes on where it was)."""
-    flags = (*speculation, "--speculative-max-batch", str(STREAMS)) if speculation else ()
+    the tokens through a fresh matcher; the text still matches), cut inside a Qwen3 reasoning block
+    (the router's reasoning split goes on where it was), and in bfloat16 with --deterministic."""
     with held_streams(qwen3_dir, tmp_path, worker_flags=flags) as (_, b, router, kill_a):
         results, at_kill = asyncio.run(_run(router.address, kill_when=4, kill=kill_a, regex=regex))
         assert all(4 <= n < MAX_TOKENS for n in at_kill), at_kill  # every stream was cut mid-generation
@@ -124,7 +128,7 @@ def test_streams_resume_token_identical_when_their_worker_is_killed(
                 assert re.fullmatch("[a-z ]{150}", reasoning) and re.fullmatch("[a-z ]{50}", text), got[1:]
                 assert finish == generate_pb2.FINISH_REASON_STOP
         wait_idle(b.address)
-        if speculation:
+        if flags is NGRAM:
             accepted = value(scrape(b.metrics_address), "nanovllm:spec_decode_num_accepted_tokens_total")
             assert accepted > 0
 

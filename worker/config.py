@@ -154,6 +154,7 @@ class ModelConfig:
 
 DEFAULT_CPU_KV_CACHE = "2GiB"
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_kernel", "triton", "flash_attn")
+DETERMINISTIC_BACKENDS = ("auto", "cpu_kernel", "triton")  # those with batch-invariant kernels
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 MAX_SPECULATIVE_TOKENS = 16
@@ -206,6 +207,13 @@ class EngineConfig:
         help="auto (the fastest the device runs), torch, cpu_kernel, triton (CUDA) or flash_attn (CUDA)",
     )
     seed: int = option(0, help="seed for requests that set none")
+    deterministic: bool = option(
+        False,
+        help="batch-invariant kernels in every dtype: a request's tokens and logprobs are bit-identical "
+        "whatever else is in its batch, however its prompt is chunked, whether its prefix came from the "
+        "cache, and when it is speculated, preempted or resumed on another worker (needs the C++ kernels "
+        "on a CPU, Triton on CUDA; docs/architecture.md#deterministic-inference)",
+    )
     num_threads: int | None = option(
         None,
         help="CPU threads of the model's ops, shared by the tensor-parallel ranks; default: the CPUs this "
@@ -278,6 +286,12 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
+            )
+        if self.deterministic and self.attention_backend not in DETERMINISTIC_BACKENDS:
+            raise ConfigError(
+                f"deterministic needs attention_backend {', '.join(DETERMINISTIC_BACKENDS)}, got "
+                f"{self.attention_backend!r}: its kernels sum a position's attention in an order that depends "
+                "on the batch"
             )
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise ConfigError(

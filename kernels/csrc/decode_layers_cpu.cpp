@@ -23,7 +23,7 @@ torch::Tensor linear_few_rows(torch::Tensor x, torch::Tensor weight, c10::option
 // linear_quantized_cpu.cpp
 torch::Tensor linear_quantized(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                                c10::optional<torch::Tensor> mins, int64_t bits, int64_t group_size,
-                               c10::optional<torch::Tensor> bias);
+                               c10::optional<torch::Tensor> bias, bool batch_invariant);
 
 namespace {
 
@@ -34,11 +34,12 @@ struct Projection {
   int64_t bits = 0, group_size = 0;
   c10::optional<torch::Tensor> bias;
   int64_t few_rows_max = 0;  // float weights: linear_few_rows up to this many rows, PyTorch's GEMM above
+  bool batch_invariant = false;  // every row count on the kernels' fixed summation order
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (!weight.has_value())
-      return linear_quantized(x, *qweight, *scales, mins, bits, group_size, bias);
-    if (x.size(0) <= few_rows_max) return linear_few_rows(x, *weight, bias);
+      return linear_quantized(x, *qweight, *scales, mins, bits, group_size, bias, batch_invariant);
+    if (batch_invariant || x.size(0) <= few_rows_max) return linear_few_rows(x, *weight, bias);
     return at::linear(x, *weight, bias);
   }
 };
@@ -104,12 +105,13 @@ void register_decode_layers(pybind11::module& m) {
   py::class_<Projection>(m, "Projection", "One projection's weights for DecodeLayers: float or packed")
       .def(py::init([](c10::optional<torch::Tensor> weight, c10::optional<torch::Tensor> qweight,
                        c10::optional<torch::Tensor> scales, c10::optional<torch::Tensor> mins, int64_t bits,
-                       int64_t group_size, c10::optional<torch::Tensor> bias, int64_t few_rows_max) {
+                       int64_t group_size, c10::optional<torch::Tensor> bias, int64_t few_rows_max,
+                       bool batch_invariant) {
              TORCH_CHECK(weight.has_value() != qweight.has_value(), "Projection: a float weight or a packed one");
-             return Projection{weight, qweight, scales, mins, bits, group_size, bias, few_rows_max};
+             return Projection{weight, qweight, scales, mins, bits, group_size, bias, few_rows_max, batch_invariant};
            }),
            py::arg("weight"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
-           py::arg("group_size"), py::arg("bias"), py::arg("few_rows_max"));
+           py::arg("group_size"), py::arg("bias"), py::arg("few_rows_max"), py::arg("batch_invariant"));
   py::class_<Layer>(m, "DecoderLayerWeights", "One decoder layer's weights and KV cache for DecodeLayers")
       .def(py::init([](torch::Tensor input_norm, torch::Tensor post_attention_norm,
                        c10::optional<torch::Tensor> qk_norm, Projection qkv, Projection o, Projection gate_up,

@@ -22,6 +22,8 @@
 //   about 12% more than the float GEMM alone. With 16-bit x the GEMM starts right after the registers: a
 //   CPU with native bf16 runs it on AMX or AVX512_BF16, 3.1x the panels' speed at 64 rows (Xeon with AMX),
 //   and the float engine runs such batches in PyTorch's 16-bit GEMM too.
+// With batch_invariant (the engine's --deterministic) neither the GEMM nor the integer dots run: every row
+// count takes the registers or the panels, so each row's result is the same whatever rows are beside it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -204,12 +206,13 @@ Int8DotFn<BITS, T> int8_dot_fn(int64_t rows) {
 
 template <int BITS, typename T>
 void linear_quantized_impl(const T* x, const uint8_t* q, const c10::Half* scales, const c10::Half* mins,
-                           const T* bias, T* y, int64_t rows, int64_t N, int64_t K, int64_t group) {
+                           const T* bias, T* y, int64_t rows, int64_t N, int64_t K, int64_t group,
+                           bool batch_invariant) {
   const std::vector<float> xf = widen(x, rows * K);
   const int64_t groups = K / group;
 #ifdef NANOVLLM_INT8_DOTS
   if constexpr (!std::is_same_v<T, float>) {  // 16-bit x only: float32 x keeps the exact path
-    if (rows <= kDirectRows) {
+    if (rows <= kDirectRows && !batch_invariant) {
       std::vector<QuantizedRow> xq;
       for (int64_t m = 0; m < rows; ++m) xq.push_back(quantize_row<BITS>(xf.data() + m * K, K, group));
       const std::vector<ChunkGroups> chunks = chunk_groups<BITS>(K, group);
@@ -322,10 +325,10 @@ torch::Tensor dequantize_all(const uint8_t* q, const c10::Half* scales, const c1
 
 // x [rows, K] in float32, bfloat16 or float16; qweight [N, K] int8 (bits 8) or [N, K / 2] uint8 (bits 4);
 // scales and mins [N, K / group_size] float16 (mins only, and required, for 4 bits); bias [N] in x's dtype
-// or None. Returns [rows, N] in x's dtype.
+// or None. Returns [rows, N] in x's dtype. batch_invariant: each row summed in one order at every row count.
 torch::Tensor linear_quantized(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                                c10::optional<torch::Tensor> mins, int64_t bits, int64_t group_size,
-                               c10::optional<torch::Tensor> bias) {
+                               c10::optional<torch::Tensor> bias, bool batch_invariant) {
   TORCH_CHECK(bits == 4 || bits == 8, "linear_quantized: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && scales.dim() == 2, "linear_quantized: x, qweight and scales must "
               "be 2-d, got ", x.sizes(), ", ", qweight.sizes(), ", ", scales.sizes());
@@ -357,7 +360,7 @@ torch::Tensor linear_quantized(torch::Tensor x, torch::Tensor qweight, torch::Te
   const auto* q = static_cast<const uint8_t*>(qweight.data_ptr());
   const auto* s = scales.data_ptr<c10::Half>();
   const auto* mn = m.defined() ? m.data_ptr<c10::Half>() : nullptr;
-  if (rows > (x.scalar_type() == at::kFloat ? kPanelMaxRows : kDirectRows)) {
+  if (!batch_invariant && rows > (x.scalar_type() == at::kFloat ? kPanelMaxRows : kDirectRows)) {
     const torch::Tensor w = bits == 8 ? dequantize_all<8>(q, s, mn, N, K, group_size, x.scalar_type())
                                       : dequantize_all<4>(q, s, mn, N, K, group_size, x.scalar_type());
     return at::linear(x, w, b.defined() ? b : torch::Tensor());
@@ -368,9 +371,11 @@ torch::Tensor linear_quantized(torch::Tensor x, torch::Tensor qweight, torch::Te
     using T = decltype(zero);
     const T* bp = b.defined() ? b.data_ptr<T>() : nullptr;
     if (bits == 8)
-      linear_quantized_impl<8, T>(x.data_ptr<T>(), q, s, mn, bp, y.data_ptr<T>(), rows, N, K, group_size);
+      linear_quantized_impl<8, T>(x.data_ptr<T>(), q, s, mn, bp, y.data_ptr<T>(), rows, N, K, group_size,
+                                  batch_invariant);
     else
-      linear_quantized_impl<4, T>(x.data_ptr<T>(), q, s, mn, bp, y.data_ptr<T>(), rows, N, K, group_size);
+      linear_quantized_impl<4, T>(x.data_ptr<T>(), q, s, mn, bp, y.data_ptr<T>(), rows, N, K, group_size,
+                                  batch_invariant);
   });
   return y;
 }

@@ -514,7 +514,7 @@ torch::Tensor linear_few_rows(torch::Tensor x, torch::Tensor weight, c10::option
 // linear_quantized_cpu.cpp
 torch::Tensor linear_quantized(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                                c10::optional<torch::Tensor> mins, int64_t bits, int64_t group_size,
-                               c10::optional<torch::Tensor> bias);
+                               c10::optional<torch::Tensor> bias, bool batch_invariant);
 bool linear_quantized_int8_dots();
 
 // decode_layers_cpu.cpp
@@ -533,7 +533,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_quantized", &linear_quantized, "x @ W.T (+ bias) with W as 8- or 4-bit integers in groups with "
         "float16 scales (and mins at 4 bits) (CPU; x float32, bfloat16, float16; fp32 accumulation)", py::arg("x"),
         py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("group_size"),
-        py::arg("bias") = py::none());
+        py::arg("bias") = py::none(), py::arg("batch_invariant") = false);
   m.def("linear_quantized_int8_dots", &linear_quantized_int8_dots, "whether linear_quantized quantizes 16-bit x "
         "of up to 8 rows to int8 for integer dot products (built for a CPU with AVX512-VNNI)");
   m.def("apply_token_bitmask_", &apply_token_bitmask_,

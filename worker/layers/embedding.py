@@ -61,6 +61,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     ) -> None:
         super().__init__(vocab_size, hidden_size, tp, quant, prefix)
         self.cpu_kernels: ModuleType | None = None  # see DecoderForCausalLM.bind_kernels
+        self.batch_invariant = False
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return self.tp.all_gather_last_dim(linear(hidden, self.weight, None, self.cpu_kernels))
+        logits = linear(hidden, self.weight, None, self.cpu_kernels, self.batch_invariant)
+        return self.tp.all_gather_last_dim(logits)

@@ -13,7 +13,7 @@ from nanovllm.worker.layers.linear import ParallelLinear
 from nanovllm.worker.layers.quantization import PackedWeight
 
 
-def _projection(kernels: ModuleType, layer: ParallelLinear) -> object:
+def _projection(kernels: ModuleType, layer: ParallelLinear, batch_invariant: bool) -> object:
     weight, bias = layer.weight, layer.bias
     if isinstance(weight, PackedWeight):
         return kernels.Projection(
@@ -25,13 +25,14 @@ def _projection(kernels: ModuleType, layer: ParallelLinear) -> object:
             weight.group_size,
             bias,
             FEW_ROWS_MAX,
+            batch_invariant,
         )
-    return kernels.Projection(weight, None, None, None, 0, 0, bias, FEW_ROWS_MAX)
+    return kernels.Projection(weight, None, None, None, 0, 0, bias, FEW_ROWS_MAX, batch_invariant)
 
 
-def build_decode_layers(model: nn.Module, kernels: ModuleType) -> object | None:
+def build_decode_layers(model: nn.Module, kernels: ModuleType, batch_invariant: bool) -> object | None:
     """kernels.DecodeLayers over the layers of `model` (a DecoderModel: decoder.py imports this module), or
-    None while the KV caches are not allocated."""
+    None while the KV caches are not allocated. batch_invariant: as worker/layers/linear.py's `linear`."""
     if any(layer.self_attn.attn.k_cache.numel() == 0 for layer in model.layers):
         return None
     layers = []
@@ -42,10 +43,10 @@ def build_decode_layers(model: nn.Module, kernels: ModuleType) -> object | None:
                 layer.input_layernorm.weight,
                 layer.post_attention_layernorm.weight,
                 None if attn.qk_norm is None else attn.qk_norm.weight,
-                _projection(kernels, attn.qkv_proj),
-                _projection(kernels, attn.o_proj),
-                _projection(kernels, mlp.gate_up_proj),
-                _projection(kernels, mlp.down_proj),
+                _projection(kernels, attn.qkv_proj, batch_invariant),
+                _projection(kernels, attn.o_proj, batch_invariant),
+                _projection(kernels, mlp.gate_up_proj, batch_invariant),
+                _projection(kernels, mlp.down_proj, batch_invariant),
                 attn.attn.k_cache,
                 attn.attn.v_cache,
             )

@@ -201,19 +201,26 @@ class DecoderForCausalLM(nn.Module):
         attention: AttentionBackend,
         cpu_kernels: ModuleType | None,
         triton_kernels: ModuleType | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         """Run every attention layer on `attention`, and RMSNorm, RoPE, the SwiGLU gate and the few-rows
         projections on the C++ CPU kernels (kernels/csrc), or on PyTorch when `cpu_kernels` is None. With
         `triton_kernels` (kernels/triton_layers.py, for an attention backend that reads a step's K/V from
-        the cache), RMSNorm, SwiGLU and q/k norm + RoPE + KV store run as fused Triton kernels."""
+        the cache), RMSNorm, SwiGLU and q/k norm + RoPE + KV store run as fused Triton kernels.
+        `batch_invariant` (with a batch-invariant `attention`): the projections on kernels whose sums
+        do not depend on the number of rows (worker/layers/linear.py); the other layers work row by row."""
         for attn in self.attention_layers():
             attn.backend = attention
         for module in self.modules():
             if isinstance(module, (RMSNorm, DecoderAttention, DecoderMLP, ParallelLinear, ParallelLMHead)):
                 module.cpu_kernels = cpu_kernels
+            if isinstance(module, (ParallelLinear, ParallelLMHead)):
+                module.batch_invariant = batch_invariant
             if isinstance(module, (RMSNorm, DecoderAttention, DecoderMLP)):
                 module.triton_kernels = triton_kernels
         # Decode steps as one C++ call: the module path's kernels in its order; not across tensor-parallel
         # ranks, whose all-reduces sit between the kernels.
         use_decode_layers = cpu_kernels is not None and self.tp.size == 1
-        self.model.decode_layers = build_decode_layers(self.model, cpu_kernels) if use_decode_layers else None
+        self.model.decode_layers = (
+            build_decode_layers(self.model, cpu_kernels, batch_invariant) if use_decode_layers else None
+        )

@@ -222,8 +222,9 @@ class ModelRunnerBase:
     def _bind_kernels(self) -> None:
         """Point every attention layer at the configured backend; with the C++ attention, the other
         layers that have a C++ variant (RMSNorm, RoPE, SwiGLU) use the C++ kernels too."""
+        invariant = self.config.deterministic
         choice = select_attention_backend(
-            self.config.attention_backend, self.device, self.dtype, self.block_size
+            self.config.attention_backend, self.device, self.dtype, self.block_size, invariant
         )
         self.kernel_backend = choice.backend.name  # reported by the bench and logs
         if self.tp.rank == 0:
@@ -232,10 +233,10 @@ class ModelRunnerBase:
         fused = None
         if isinstance(choice.backend, TritonAttention):
             from nanovllm.kernels import triton_layers as fused  # Triton is imported only where it runs
-        self.model.bind_kernels(choice.backend, kernels, fused)
+        self.model.bind_kernels(choice.backend, kernels, fused, invariant)
         self.sampler.cpu_kernels = kernels
         if self.draft is not None:
-            self.draft.model.bind_kernels(choice.backend, kernels, fused)
+            self.draft.model.bind_kernels(choice.backend, kernels, fused, invariant)
 
     def _cuda_allocated(self) -> int:
         """Bytes this process holds on the GPU through torch (0 on CPU): differences of it are this
