@@ -84,8 +84,9 @@ def record_steps(llm: LLM) -> Iterator[list[StepRecord]]:
         del engine.step  # back to the class's method
 
 
-def build_llm(model_dir: Path, workload: Workload, args: argparse.Namespace) -> LLM:
-    """An engine whose KV cache holds the whole workload at once, so nothing is preempted."""
+def build_llm(model_dir: Path, workload: Workload, args: argparse.Namespace, **options: object) -> LLM:
+    """An engine whose KV cache holds the whole workload at once, so nothing is preempted; `options` are
+    more EngineConfig fields."""
     cfg = ModelConfig.from_pretrained_dir(model_dir)
     longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens))
     max_model_len = max(1024, longest + 1)
@@ -104,6 +105,7 @@ def build_llm(model_dir: Path, workload: Workload, args: argparse.Namespace) -> 
         num_threads=args.threads,  # fixed: the run must not split its CPUs with whatever else runs here
         # Random prompts share no prefix; off, so that a workload run twice does the same work twice.
         enable_prefix_caching=False,
+        **options,
     )
 
 

@@ -178,6 +178,7 @@ def build_llm(args: argparse.Namespace, model_dir: Path, workload: Workload, dty
         enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
         async_scheduling=args.async_scheduling,
+        deterministic=args.deterministic,
     )
     # Prefill lengths 16..816, sampled decode at batch 8 down to 1, one greedy request; then the workload's
     # own prompts, two tokens each: its prefill steps' shapes, so that no Triton kernel is compiled inside
@@ -390,6 +391,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="default: off on CUDA (as bench.py), on on CPU",
     )
     p.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--deterministic", action="store_true", help="batch-invariant kernels (EngineConfig)")
     p.add_argument("--num-seqs", type=int, default=DEFAULT_SIZES[0])
     p.add_argument("--max-input-len", type=int, default=DEFAULT_SIZES[1])
     p.add_argument("--max-output-len", type=int, default=DEFAULT_SIZES[2])
@@ -443,7 +445,8 @@ def main(argv: list[str] | None = None) -> None:
         backend = llm.engine.runner.kernel_backend
         print(
             f"nanovllm: {placement.dtype_name} on {device}, attention backend {backend}, "
-            f"enforce_eager {args.enforce_eager}, async scheduling {llm.engine.async_scheduling}"
+            f"enforce_eager {args.enforce_eager}, async scheduling {llm.engine.async_scheduling}, "
+            f"deterministic {args.deterministic}"
         )
         tps = timed_generate(llm, workload, device, breakdown=True)
         print(f"[1] nanovllm LLM.generate: {workload.output_tokens:,} output tokens, {tps:,.1f} tok/s")

@@ -5,6 +5,11 @@ RMSNorm was a residual add, a norm and a weight multiply; q/k norm, RoPE and the
 SiLU-and-mul two. Here each is one kernel, so a layer issues its four projections, attention and four of
 these.
 
+`linear` is the projections' matmul for --deterministic (worker/layers/linear.py): cuBLAS picks its kernel,
+and with it the order of each output's sum (split-K included), by the shape, so a row's result depends on
+how many rows came with it. Here the tile is fixed whatever the number of rows and K is walked in one
+sequence of tiles, so every output is summed in one order.
+
 Each kernel rounds where the PyTorch modules it replaces round (worker/layers/norm.py, rotary.py): in
 16-bit the normalised value rounds to the dtype before the weight multiplies it, each RoPE product rounds
 before the sum, as transformers computes them; arithmetic in between is fp32. On a CPU they run only in
@@ -209,3 +214,48 @@ def qk_norm_rope_store(
             DIM_PAD=triton.next_power_of_2(head_dim), NORM=norm_weight is not None, ROUND=qkv.dtype != torch.float32,
         )  # fmt: skip
     return q
+
+
+# The batch-invariant matmul's tile: never chosen by the number of rows (no autotuning, no split-K).
+_LINEAR_BLOCK_M, _LINEAR_BLOCK_N, _LINEAR_BLOCK_K = 64, 64, 64
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _linear_kernel(
+    x, weight, bias, out, rows, n, k, stride_x, stride_w, stride_o,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One [BLOCK_M, BLOCK_N] tile of out = x @ weight.T (+ bias), K in BLOCK_K steps from 0, fp32 sums."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        kk = k0 + ks
+        a = tl.load(
+            x + m[:, None] * stride_x + kk[None, :], mask=(m[:, None] < rows) & (kk[None, :] < k), other=0.0
+        )
+        b = tl.load(weight + cols[None, :] * stride_w + kk[:, None], mask=(cols[None, :] < n) & (kk[:, None] < k),
+                    other=0.0)  # fmt: skip
+        acc = triton_attention.dot(a.to(DOT), b.to(DOT), acc, PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
+    tl.store(out + m[:, None] * stride_o + cols[None, :], _cast(acc, out.dtype.element_ty),
+             mask=(m[:, None] < rows) & (cols[None, :] < n))  # fmt: skip
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] @ weight [N, K].T (+ bias [N]) in x's dtype (both with a contiguous last dim), each output
+    summed over K in one order whatever T."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows:
+        grid = (triton.cdiv(rows, _LINEAR_BLOCK_M), triton.cdiv(n, _LINEAR_BLOCK_N))
+        _linear_kernel[grid](
+            x, weight, bias if bias is not None else x, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=_LINEAR_BLOCK_M, BLOCK_N=_LINEAR_BLOCK_N, BLOCK_K=_LINEAR_BLOCK_K,
+            DOT=triton_attention._dot_dtype(x.dtype), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        )  # fmt: skip
+    return out

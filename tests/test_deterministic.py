@@ -191,3 +191,102 @@ def test_a_json_schema_constraint_holds_and_the_request_does_not_change(case: Ca
     outs = _generate(llm, [*prompts[:4], TARGET, *prompts[4:]], [*params[:4], CONSTRAINED, *params[4:]])
     _assert_identical(outs[4], case.alone[2])
     assert outs[4]["text"].startswith("{")
+
+
+# --- the Triton kernels, in the interpreter on a CPU (compiled on a GPU) ---------------------------------
+
+TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_linear_gives_each_row_what_it_gives_the_row_alone(dtype):
+    """37 rows (a partial 64-row tile) against a K of 200 (a partial 64-wide step): every row of the batch
+    equals the row alone and the row in a batch of 3, bit for bit. Against PyTorch's float32 product of the
+    same inputs, each output is within what two orders of summing K terms can differ by, 2 K u sum|x w|
+    (u = 2^-24, the products' roundings included), plus one rounding of the output to `dtype`."""
+    from nanovllm.kernels import triton_layers
+
+    gen = torch.Generator().manual_seed(0)
+    k = 200
+    x = torch.randn(37, k, generator=gen).to(TRITON_DEVICE, dtype)
+    weight = (torch.randn(80, k, generator=gen) / k**0.5).to(TRITON_DEVICE, dtype)
+    bias = torch.randn(80, generator=gen).to(TRITON_DEVICE, dtype)
+    batch = triton_layers.linear(x, weight, bias)
+    for i in (0, 5, 34):
+        assert torch.equal(triton_layers.linear(x[i : i + 1], weight, bias)[0], batch[i])
+        assert torch.equal(triton_layers.linear(x[i : i + 3], weight, bias)[0], batch[i])
+    xf, wf, bf = x.float(), weight.float(), bias.float()
+    reference = torch.nn.functional.linear(xf, wf, bf)
+    bound = 2 * k * 2**-24 * (xf.abs() @ wf.abs().T + bf.abs()) + torch.finfo(dtype).eps * reference.abs()
+    assert ((batch.float() - reference).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_attention_gives_each_query_what_it_gives_the_query_alone(dtype):
+    """A step of three decodes and three chunks (one past a 64-query tile) on the batch-invariant Triton
+    backend: each query's output equals that query run alone (a decode of one row over the cache up to
+    its position), bit for bit."""
+    from nanovllm.kernels.attention import AttentionMetadata, ChunkBatch, DecodeBatch
+    from nanovllm.kernels.backends import TritonAttention
+
+    backend = TritonAttention(num_sms=1, batch_invariant=True)
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim, block = 4, 2, 32, 16
+    k_cache, v_cache = (
+        torch.randn(40, block, kv_heads, dim, generator=gen).to(TRITON_DEVICE, dtype) for _ in "kv"
+    )
+    tables = torch.randperm(40, generator=gen)[:36].view(6, 6).to(TRITON_DEVICE)
+    decode_lens = [1, 17, 90]
+    chunks = [(0, 70), (30, 5), (64, 1)]  # (start position, tokens) of sequences 3, 4, 5
+    decode = DecodeBatch(tables[:3], torch.tensor(decode_lens, device=TRITON_DEVICE), block)
+    loc = [0]
+    for _, n in chunks:
+        loc.append(loc[-1] + n)
+    cached = ChunkBatch(
+        query_start_loc=torch.tensor(loc, device=TRITON_DEVICE),
+        start_positions=torch.tensor([s for s, _ in chunks], device=TRITON_DEVICE),
+        block_tables=tables[3:],
+        max_query_len=70,
+        num_tokens=loc[-1],
+        block_size=block,
+    )
+    meta = AttentionMetadata(slot_mapping=torch.empty(0), decode=decode, cached=cached)
+    query = torch.randn(3 + loc[-1], heads, dim, generator=gen).to(TRITON_DEVICE, dtype)
+    out = backend.forward(query, None, None, k_cache, v_cache, meta, dim**-0.5)
+    alone_rows = [(tables[i], n) for i, n in enumerate(decode_lens)]
+    alone_rows += [(tables[3 + s], start + j + 1) for s, (start, n) in enumerate(chunks) for j in range(n)]
+    for t in (0, 1, 2, 3, 40, 72, 73, 77, 78):
+        table, context = alone_rows[t]
+        one = DecodeBatch(table[None], torch.tensor([context], device=TRITON_DEVICE), block)
+        assert torch.equal(backend.decode(query[t : t + 1], k_cache, v_cache, one, dim**-0.5)[0], out[t]), t
+
+
+@pytest.mark.slow
+def test_triton_engine_gives_the_request_what_it_gives_it_alone(model_dirs):
+    """The engine on the Triton kernels (attention, fused layers, projections) in bfloat16, in the
+    interpreter: 40 tokens of the target alone, then beside two others with its prompt in 16-token chunks."""
+    options = {"attention_backend": "triton", "enforce_eager": True, "device": TRITON_DEVICE.type}
+    case = Case(model_dirs["qwen3"], "bfloat16", [])
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
+    prompt = TARGET[:40]
+    alone = _generate(case.llm(enable_prefix_caching=False, **options), [prompt], [params])[0]
+    llm = case.llm(max_num_batched_tokens=16, enable_prefix_caching=False, **options)
+    assert llm.engine.runner.kernel_backend == "triton"
+    outs = _generate(llm, [[7, 8, 9] * 4, prompt, [300, 301] * 5], [params, params, params])
+    _assert_identical(outs[1], alone)
+
+
+@pytest.mark.slow
+def test_four_tensor_parallel_ranks_give_the_request_what_they_give_it_alone(model_dirs):
+    """Four ranks (two of them per kv head) in bfloat16 sum their partial projections in rank order: a
+    ring all-reduce adds an element's parts in an order set by where it falls in the ring's chunks, which
+    moves with the batch's size. The target alone, then in a batch of 8, on one engine."""
+    case = Case(model_dirs["qwen3"], "bfloat16", [])
+    llm = case.llm(tensor_parallel_size=4, device="cpu", enable_prefix_caching=False)
+    try:
+        alone = _generate(llm, [TARGET], [GREEDY])[0]
+        prompts, params = _others(7)
+        outs = _generate(llm, [*prompts[:3], TARGET, *prompts[3:]], [*params[:3], GREEDY, *params[3:]])
+        _assert_identical(outs[3], alone)
+    finally:
+        llm.shutdown()

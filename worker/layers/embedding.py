@@ -60,9 +60,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         prefix: str = "",
     ) -> None:
         super().__init__(vocab_size, hidden_size, tp, quant, prefix)
-        self.cpu_kernels: ModuleType | None = None  # see DecoderForCausalLM.bind_kernels
+        # See DecoderForCausalLM.bind_kernels.
+        self.cpu_kernels: ModuleType | None = None
+        self.triton_kernels: ModuleType | None = None
         self.batch_invariant = False
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = linear(hidden, self.weight, None, self.cpu_kernels, self.batch_invariant)
+        logits = linear(
+            hidden, self.weight, None, self.cpu_kernels, self.triton_kernels, self.batch_invariant
+        )
         return self.tp.all_gather_last_dim(logits)

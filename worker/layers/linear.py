@@ -25,14 +25,15 @@ def linear(
     weight: torch.Tensor | PackedWeight,
     bias: torch.Tensor | None,
     cpu_kernels: ModuleType | None,
+    triton_kernels: ModuleType | None = None,
     batch_invariant: bool = False,
 ) -> torch.Tensor:
     """x @ weight.T + bias. On the C++ CPU kernels when bound: a float weight when x has few rows (a small
     decode batch, a speculative verification), where PyTorch's GEMM is far slower than reading the
     weights once; a packed weight at every size. Without them a packed weight is dequantized per call.
     batch_invariant: every row's sums in one order whatever the number of rows (the C++ kernels at every
-    size), so a row's result never depends on the rows beside it; PyTorch's GEMM picks its blocking, and so
-    its order, by the number of rows."""
+    size, or the Triton matmul of kernels/triton_layers.py), so a row's result never depends on the rows
+    beside it; PyTorch's GEMM picks its blocking, and so its order, by the number of rows."""
     if isinstance(weight, PackedWeight):
         if cpu_kernels is not None and x.dim() == 2:
             return cpu_kernels.linear_quantized(
@@ -45,7 +46,9 @@ def linear(
                 bias,
                 batch_invariant,
             )
-        return F.linear(x, weight.dequantize(x.dtype), bias)
+        weight = weight.dequantize(x.dtype)
+    if batch_invariant and triton_kernels is not None:
+        return triton_kernels.linear(x, weight, bias)
     if cpu_kernels is not None and x.dim() == 2 and (batch_invariant or x.shape[0] <= FEW_ROWS_MAX):
         return cpu_kernels.linear_few_rows(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -63,7 +66,9 @@ class ParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
-        self.cpu_kernels: ModuleType | None = None  # see DecoderForCausalLM.bind_kernels
+        # See DecoderForCausalLM.bind_kernels.
+        self.cpu_kernels: ModuleType | None = None
+        self.triton_kernels: ModuleType | None = None
         self.batch_invariant = False
         self.weight = make_weight(out_features, in_features, quant, prefix, linear=True)
         self.weight.weight_loader = self.weight_loader
@@ -75,6 +80,9 @@ class ParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
         raise NotImplementedError
+
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.cpu_kernels, self.triton_kernels, self.batch_invariant)
 
 
 class ColumnParallelLinear(ParallelLinear):
@@ -96,7 +104,7 @@ class ColumnParallelLinear(ParallelLinear):
         assign(param, loaded.narrow(0, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.cpu_kernels, self.batch_invariant)
+        return self._project(x)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -154,7 +162,7 @@ class QKVParallelLinear(ParallelLinear):
         assign(param.narrow(0, offset, size), loaded.narrow(0, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.cpu_kernels, self.batch_invariant)
+        return self._project(x)
 
 
 class RowParallelLinear(ParallelLinear):
@@ -182,4 +190,4 @@ class RowParallelLinear(ParallelLinear):
         assign(param, loaded.narrow(1, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(linear(x, self.weight, self.bias, self.cpu_kernels, self.batch_invariant))
+        return self.tp.all_reduce(self._project(x))

@@ -14,6 +14,10 @@ from nanovllm.common.errors import ConfigError
 class TPContext:
     rank: int = 0
     size: int = 1
+    # EngineConfig.deterministic: all-reduces sum the ranks' parts in rank order. A ring all-reduce adds
+    # them in an order that depends on where an element falls in the ring's chunks, so on the tensor's
+    # size, the batch; with two ranks a + b == b + a, so only more ranks need it.
+    ordered_sum: bool = False
 
     def shard(self, total: int, what: str) -> int:
         """Size of this rank's slice of `total`, or a clear error when it does not divide."""
@@ -34,6 +38,12 @@ class TPContext:
         return self.rank // (self.size // total), 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 2 and self.ordered_sum:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x.contiguous())
+            for part in parts[1:]:
+                parts[0] += part
+            return x.copy_(parts[0])
         if self.size > 1:
             dist.all_reduce(x)
         return x

@@ -208,7 +208,8 @@ class DecoderForCausalLM(nn.Module):
         `triton_kernels` (kernels/triton_layers.py, for an attention backend that reads a step's K/V from
         the cache), RMSNorm, SwiGLU and q/k norm + RoPE + KV store run as fused Triton kernels.
         `batch_invariant` (with a batch-invariant `attention`): the projections on kernels whose sums
-        do not depend on the number of rows (worker/layers/linear.py); the other layers work row by row."""
+        do not depend on the number of rows (worker/layers/linear.py: the C++ matmul, or Triton's with
+        `triton_kernels`); the other layers work row by row."""
         for attn in self.attention_layers():
             attn.backend = attention
         for module in self.modules():
@@ -216,7 +217,7 @@ class DecoderForCausalLM(nn.Module):
                 module.cpu_kernels = cpu_kernels
             if isinstance(module, (ParallelLinear, ParallelLMHead)):
                 module.batch_invariant = batch_invariant
-            if isinstance(module, (RMSNorm, DecoderAttention, DecoderMLP)):
+            if isinstance(module, (RMSNorm, DecoderAttention, DecoderMLP, ParallelLinear, ParallelLMHead)):
                 module.triton_kernels = triton_kernels
         # Decode steps as one C++ call: the module path's kernels in its order; not across tensor-parallel
         # ranks, whose all-reduces sit between the kernels.

@@ -69,7 +69,7 @@ class ModelRunnerBase:
                 device=str(self.placement.device),
                 reason=self.placement.reason,
             )
-            tp = TPContext(0, config.tensor_parallel_size)
+            tp = TPContext(0, config.tensor_parallel_size, config.deterministic)
             if tp.size > 1:
                 self.tp_group = TensorParallelGroup(config, type(self))
         self.tp = tp
