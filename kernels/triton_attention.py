@@ -68,15 +68,15 @@ _INTERPRETED = tl.constexpr(interpreted())
 
 
 @triton.jit
-def dot(a, b, acc, PRECISION: tl.constexpr):
-    """acc + a @ b, each row of the result summed in an order that does not depend on the row's place in
+def dot(a, b, PRECISION: tl.constexpr):
+    """a @ b in fp32, each row of the result summed in an order that does not depend on the row's place in
     the tile, as a GPU's MMA sums every row of a tile alike (batch-invariant kernels rely on it). In the
     interpreter tl.dot is numpy's matmul, whose BLAS kernels do not: with OpenBLAS on an AVX2 CPU, rows 6-11
     of every 12 came out an fp32 ulp away from the same row placed first. There the products are summed
     along k in order instead."""
     if _INTERPRETED:
-        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-    return tl.dot(a, b, acc, input_precision=PRECISION)
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    return tl.dot(a, b, input_precision=PRECISION)
 
 
 def store_kvcache(
@@ -115,7 +115,7 @@ def _online_softmax_step(s, v, acc, l_i, m_i, DOT: tl.constexpr, PRECISION: tl.c
     m_new = tl.maximum(m_i, tl.max(s, 1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    acc = dot(p.to(DOT), v, acc * alpha[:, None], PRECISION)
+    acc = acc * alpha[:, None] + dot(p.to(DOT), v, PRECISION)
     return acc, l_i * alpha + tl.sum(p, 1), m_new
 
 
@@ -151,7 +151,7 @@ def _decode_kernel(
         valid = pos < hi
         k = _load_kv_tile(k_cache, table_row, pos, valid, kv_head, dims, d_mask,
                           stride_b, stride_t, stride_h, BLOCK_SIZE, DOT)  # fmt: skip
-        s = dot(q, tl.trans(k), tl.zeros([BLOCK_G, BLOCK_N], tl.float32), PRECISION) * scale_log2
+        s = dot(q, tl.trans(k), PRECISION) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         v = _load_kv_tile(v_cache, table_row, pos, valid, kv_head, dims, d_mask,
                           stride_b, stride_t, stride_h, BLOCK_SIZE, DOT)  # fmt: skip
@@ -271,7 +271,7 @@ def _prefill_kernel(
         valid = pos < end
         k = _load_kv_tile(k_cache, table_row, pos, valid, kv_head, dims, d_mask,
                           stride_b, stride_t, stride_h, BLOCK_SIZE, DOT)  # fmt: skip
-        s = dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), PRECISION) * scale_log2
+        s = dot(q, tl.trans(k), PRECISION) * scale_log2
         # Causal: the row max stays finite, since key 0 precedes every query.
         s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         v = _load_kv_tile(v_cache, table_row, pos, valid, kv_head, dims, d_mask,

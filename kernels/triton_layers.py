@@ -238,7 +238,7 @@ def _linear_kernel(
         )
         b = tl.load(weight + cols[None, :] * stride_w + kk[:, None], mask=(cols[None, :] < n) & (kk[:, None] < k),
                     other=0.0)  # fmt: skip
-        acc = triton_attention.dot(a.to(DOT), b.to(DOT), acc, PRECISION)
+        acc += triton_attention.dot(a.to(DOT), b.to(DOT), PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
     tl.store(out + m[:, None] * stride_o + cols[None, :], _cast(acc, out.dtype.element_ty),

@@ -1,7 +1,8 @@
 """A prompt's greedy output does not depend on what else the engine is doing, in float32.
 
 In 16-bit dtypes it can: how a prompt is chunked or batched changes the order in which bf16 partial
-results are rounded, as in every engine; tests/test_dtypes.py holds 16-bit to transformers instead."""
+results are rounded, as in every engine, unless --deterministic puts every kernel in one order
+(tests/test_deterministic.py); tests/test_dtypes.py holds 16-bit to transformers."""
 
 from __future__ import annotations
 

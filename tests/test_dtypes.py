@@ -33,7 +33,8 @@ ARCHS = ["qwen3", "llama", "qwen2"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HALF = ["bfloat16", "float16"]
 # "torch" pins the PyTorch layers; "auto" takes the C++ CPU kernels wherever they declare the dtype.
-BACKENDS = ["torch", "auto"]
+# "deterministic": auto with EngineConfig.deterministic (batch-invariant kernels, docs/architecture.md)
+BACKENDS = ["torch", "auto", "deterministic"]
 TOP = 5
 MAX_NEW = 32
 SMOL_NEW = 24
@@ -100,7 +101,15 @@ def _generate(
     model_dir: Path, dtype: str, backend: str, prompts: tuple[tuple[int, ...], ...], max_new: int, kv: str
 ):
     """nanovllm's greedy outputs (with top-5 logprobs) for the whole batch, and the kernels it ran on."""
-    llm = LLM(str(model_dir), dtype=dtype, attention_backend=backend, max_model_len=512, kv_cache_memory=kv)
+    deterministic = backend == "deterministic"
+    llm = LLM(
+        str(model_dir),
+        dtype=dtype,
+        attention_backend="auto" if deterministic else backend,
+        deterministic=deterministic,
+        max_model_len=512,
+        kv_cache_memory=kv,
+    )
     params = SamplingParams(temperature=0.0, logprobs=TOP, ignore_eos=True, max_tokens=max_new)
     outs = llm.generate([list(p) for p in prompts], params, use_tqdm=False)
     return outs, llm.engine.runner.kernel_backend
