@@ -193,6 +193,19 @@ def test_a_json_schema_constraint_holds_and_the_request_does_not_change(case: Ca
     assert outs[4]["text"].startswith("{")
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_projections_give_the_request_what_they_give_it_alone(model_dirs, quantization: str):
+    """Weight-only int8 and int4 in bfloat16: the quantized matmul never leaves its fixed order (no dequantized
+    GEMM for many rows, no int8 dot products for few). The target alone, then in a batch of 8 with its
+    prompt in 7-token chunks."""
+    case = Case(model_dirs["qwen3"], "bfloat16", [])
+    alone = _generate(case.llm(quantization=quantization, enable_prefix_caching=False), [TARGET], [GREEDY])[0]
+    llm = case.llm(quantization=quantization, max_num_batched_tokens=7, enable_prefix_caching=False)
+    prompts, params = _others(7)
+    outs = _generate(llm, [*prompts[:3], TARGET, *prompts[3:]], [*params[:3], GREEDY, *params[3:]])
+    _assert_identical(outs[3], alone)
+
+
 # --- the Triton kernels, in the interpreter on a CPU (compiled on a GPU) ---------------------------------
 
 TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
