@@ -68,9 +68,11 @@ def build_model(
     max_position: int = 1024,
     max_shard_size: str | None = None,
     tokenizer: bool = True,
+    rope: dict | None = None,
 ) -> Path:
     """Save a random `arch` model ("qwen3", "llama", "qwen2") into out_dir, with a tokenizer unless
-    tokenizer=False (as a converted or custom model may come: it takes prompt token ids only)."""
+    tokenizer=False (as a converted or custom model may come: it takes prompt token ids only); `rope`:
+    transformers' rope_parameters (a RoPE scaling)."""
     config_cls, extra = _CONFIGS[arch]
     config = config_cls(
         vocab_size=VOCAB,
@@ -85,6 +87,7 @@ def build_model(
         pad_token_id=0,
         bos_token_id=None,
         rms_norm_eps=1e-6,
+        **({"rope_parameters": rope} if rope else {}),
         **extra,
     )
     torch.manual_seed(seed)

@@ -63,6 +63,66 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
 }
 
 
+# RoPE scaling types and the rope_parameters fields each reads (besides rope_type and rope_theta).
+ROPE_SCALING_FIELDS = {
+    "linear": {"factor"},
+    "yarn": {
+        "factor",
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    },
+}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How a checkpoint stretches RoPE past its training length (transformers' rope_parameters): "linear"
+    divides every frequency by `factor`; "yarn" (arXiv 2309.00071) blends interpolated and original
+    frequencies per dimension and scales cos and sin by an attention factor. Unset fields take
+    transformers' defaults (worker/layers/rotary.py)."""
+
+    rope_type: str
+    factor: float
+    original_max_position_embeddings: int | None = None
+    attention_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    @classmethod
+    def from_hf_dict(cls, rope: dict[str, Any], max_position_embeddings: int) -> RopeScaling | None:
+        """None for plain RoPE; an UnsupportedModelError naming an unknown type or field."""
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type in ("default", None):
+            return None
+        if rope_type not in ROPE_SCALING_FIELDS:
+            raise UnsupportedModelError(
+                f"rope type {rope_type!r} is not supported (supported: default, {', '.join(ROPE_SCALING_FIELDS)})"
+            )
+        known = ROPE_SCALING_FIELDS[rope_type] | {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+        unknown = sorted(set(rope) - known)
+        if unknown or rope.get("partial_rotary_factor", 1.0) != 1.0:
+            what = unknown or [f"partial_rotary_factor={rope['partial_rotary_factor']}"]
+            raise UnsupportedModelError(f"rope type {rope_type!r} with {', '.join(what)} is not supported")
+        original = rope.get("original_max_position_embeddings")
+        if rope_type == "yarn" and original is None:
+            raise UnsupportedModelError("rope type 'yarn' needs original_max_position_embeddings")
+        factor = rope.get("factor")
+        if factor is None and rope_type == "yarn":  # as transformers: the stretch the config asks for
+            factor = max_position_embeddings / original
+        if factor is None or factor <= 0:
+            raise UnsupportedModelError(f"rope type {rope_type!r} needs a positive factor, got {factor!r}")
+        optional = {name: rope.get(name) for name in ROPE_SCALING_FIELDS[rope_type] - {"factor", "truncate"}}
+        return cls(rope_type, float(factor), truncate=bool(rope.get("truncate", True)), **optional)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The shape of a decoder-only transformer, independent of the file format it came from."""
@@ -81,6 +141,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     spec: ArchitectureSpec
+    rope_scaling: RopeScaling | None = None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -101,9 +162,8 @@ class ModelConfig:
                 f"other than silu (hidden_act={cfg.get('hidden_act')!r}) are not supported"
             )
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise UnsupportedModelError(f"rope type {rope_type!r} is not supported yet (only 'default')")
+        max_position = int(cfg.get("max_position_embeddings", 32768))
+        rope_scaling = RopeScaling.from_hf_dict(rope, max_position)
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
@@ -119,10 +179,11 @@ class ModelConfig:
             vocab_size=cfg["vocab_size"],
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+            max_position_embeddings=max_position,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             eos_token_ids=eos_ids,
             spec=spec,
+            rope_scaling=rope_scaling,
         )
 
     @property

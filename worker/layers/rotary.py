@@ -1,23 +1,82 @@
-"""Rotary position embedding (RoPE), rotate-half convention as in Llama/Qwen checkpoints.
+"""Rotary position embedding (RoPE), rotate-half convention as in Llama/Qwen checkpoints, with the linear
+and YaRN scalings of long-context checkpoints.
 
 The cos/sin rows for a step's positions are looked up once per forward and shared by all layers; q and k
-heads are rotated together in one pass.
+heads are rotated together in one pass. A scaling changes only the table (its frequencies, and for YaRN
+a factor on cos and sin), so every kernel that rotates from the table takes it unchanged.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
+from nanovllm.worker.config import RopeScaling
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_frequencies(head_dim: int, base: float, scaling: RopeScaling) -> tuple[torch.Tensor, float]:
+    """YaRN: dimensions that turn fewer than beta_slow times over the original context are interpolated
+    (their frequency divided by the factor), those that turn more than beta_fast times keep theirs, with a
+    linear ramp between; cos and sin are scaled by the attention factor. The arithmetic is transformers'
+    (`_compute_yarn_parameters`), op for op in fp32, so the table is the same bit for bit."""
+    factor = scaling.factor
+    original = scaling.original_max_position_embeddings  # always set for yarn (RopeScaling.from_hf_dict)
+
+    def dimension_of(turns: float) -> float:  # the dimension whose wavelength fits `turns` times
+        return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension_of(scaling.beta_fast or 32), dimension_of(scaling.beta_slow or 1)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of each dimension's own frequency
+    wavelengths = base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    inv_freq = (1.0 / (factor * wavelengths)) * (1 - keep) + (1.0 / wavelengths) * keep
+    attention = scaling.attention_factor
+    if attention is None:
+        if scaling.mscale and scaling.mscale_all_dim:
+            attention = _yarn_mscale(factor, scaling.mscale) / _yarn_mscale(factor, scaling.mscale_all_dim)
+        else:
+            attention = _yarn_mscale(factor)
+    return inv_freq, float(attention)
+
+
+def rope_frequencies(head_dim: int, base: float, scaling: RopeScaling | None) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies [head_dim / 2] (fp32) and the factor on cos and sin."""
+    if scaling is not None and scaling.rope_type == "yarn":
+        return _yarn_frequencies(head_dim, base, scaling)
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling is not None:  # linear: positions divided by the factor, folded into the frequencies
+        inv_freq /= scaling.factor
+    return inv_freq, 1.0
+
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, base: float, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        dtype: torch.dtype,
+        scaling: RopeScaling | None = None,
+    ) -> None:
         """The table is computed in fp32 and stored in the model's `dtype`, as transformers rounds cos and
         sin to the activations' dtype before rotating: q and k then stay in that dtype."""
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        inv_freq, attention = rope_frequencies(head_dim, base, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         cos, sin = freqs.cos(), freqs.sin()
+        if attention != 1.0:
+            cos, sin = cos * attention, sin * attention
         # rotate_half(x) * sin == swap_halves(x) * [-sin, sin]: fold the sign into the table.
         table = torch.cat([cos, cos, -sin, sin], dim=-1).to(dtype)
         self.register_buffer("table", table, persistent=False)

@@ -131,7 +131,9 @@ class DecoderModel(nn.Module):
         )
         # Built inside the runner's default-dtype context: that dtype is the model's.
         dtype = torch.get_default_dtype()
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dtype)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dtype, cfg.rope_scaling
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, tp, quant, f"model.layers.{i}") for i in range(cfg.num_hidden_layers)
         )
