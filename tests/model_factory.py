@@ -10,7 +10,14 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from tests.chat_templates import QWEN3
 
@@ -34,6 +41,11 @@ CHAT_TEMPLATE = (
 
 _CONFIGS = {
     "qwen3": (Qwen3Config, {"head_dim": 16}),
+    # 8 experts of 32 intermediate features, 2 per token, in every layer (overrides change any of it)
+    "qwen3_moe": (
+        Qwen3MoeConfig,
+        {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    ),
     "llama": (LlamaConfig, {"head_dim": 16}),
     "qwen2": (Qwen2Config, {}),
 }
@@ -69,11 +81,13 @@ def build_model(
     max_shard_size: str | None = None,
     tokenizer: bool = True,
     rope: dict | None = None,
+    overrides: dict | None = None,
 ) -> Path:
-    """Save a random `arch` model ("qwen3", "llama", "qwen2") into out_dir, with a tokenizer unless
+    """Save a random `arch` model ("qwen3", "qwen3_moe", "llama", "qwen2") into out_dir, with a tokenizer unless
     tokenizer=False (as a converted or custom model may come: it takes prompt token ids only); `rope`:
-    transformers' rope_parameters (a RoPE scaling)."""
+    transformers' rope_parameters (a RoPE scaling); `overrides`: more config fields."""
     config_cls, extra = _CONFIGS[arch]
+    extra = {**extra, **(overrides or {})}
     config = config_cls(
         vocab_size=VOCAB,
         hidden_size=hidden,

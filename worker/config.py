@@ -60,7 +60,46 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "Qwen3ForCausalLM": ArchitectureSpec(qk_norm=True, qkv_bias=False),
     "Qwen2ForCausalLM": ArchitectureSpec(qk_norm=False, qkv_bias=True),
     "LlamaForCausalLM": ArchitectureSpec(qk_norm=False, qkv_bias=False),
+    "Qwen3MoeForCausalLM": ArchitectureSpec(qk_norm=True, qkv_bias=False),
 }
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """A mixture-of-experts MLP (transformers' Qwen3MoeForCausalLM): in each layer of `sparse_layers` a
+    router picks `top_k` of `num_experts` SwiGLU experts per token (its softmax in float32, the top-k
+    weights renormalised to sum to 1 when `norm_topk_prob`); the other layers keep a dense MLP."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool
+    sparse_layers: frozenset[int]
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> MoeSpec:
+        for name in ("shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace"):
+            if cfg.get(name):
+                raise UnsupportedModelError(f"mixture-of-experts with {name}={cfg[name]} is not supported")
+        experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+        top_k, step = cfg.get("num_experts_per_tok"), cfg.get("decoder_sparse_step", 1)
+        if not isinstance(experts, int) or experts < 1:
+            raise UnsupportedModelError(
+                f"a mixture-of-experts config needs num_experts >= 1, got {experts!r}"
+            )
+        if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+            raise UnsupportedModelError(
+                f"num_experts_per_tok must be in [1, num_experts={experts}], got {top_k!r}"
+            )
+        if not isinstance(step, int) or step < 1:
+            raise UnsupportedModelError(f"decoder_sparse_step must be >= 1, got {step!r}")
+        dense = set(cfg.get("mlp_only_layers") or [])
+        layers = frozenset(
+            i for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0
+        )
+        return cls(
+            experts, top_k, int(cfg["moe_intermediate_size"]), bool(cfg.get("norm_topk_prob", False)), layers
+        )
 
 
 # RoPE scaling types and the rope_parameters fields each reads (besides rope_type and rope_theta).
@@ -142,6 +181,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     spec: ArchitectureSpec
     rope_scaling: RopeScaling | None = None
+    moe: MoeSpec | None = None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -184,6 +224,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             spec=spec,
             rope_scaling=rope_scaling,
+            moe=MoeSpec.from_hf_dict(cfg) if arch == "Qwen3MoeForCausalLM" else None,
         )
 
     @property
@@ -194,7 +235,11 @@ class ModelConfig:
         )
         mlp = 3 * self.hidden_size * self.intermediate_size
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * (attention + mlp) + embeddings
+        total = self.num_hidden_layers * (attention + mlp) + embeddings
+        if self.moe is not None:  # sparse layers: the router and every expert instead of the dense MLP
+            experts = self.moe.num_experts * (3 * self.moe.intermediate_size + 1) * self.hidden_size
+            total += len(self.moe.sparse_layers) * (experts - mlp)
+        return total
 
     @classmethod
     def from_pretrained_dir(cls, path: str | Path) -> ModelConfig:

@@ -20,6 +20,7 @@ from nanovllm.worker.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from nanovllm.worker.layers.moe import SparseMoeBlock
 from nanovllm.worker.layers.norm import HeadRMSNorm, RMSNorm
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.quantization import QuantPlan
@@ -100,10 +101,16 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext, quant: QuantPlan | None, prefix: str) -> None:
+    def __init__(
+        self, cfg: ModelConfig, tp: TPContext, quant: QuantPlan | None, prefix: str, index: int
+    ) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(cfg, tp, quant, f"{prefix}.self_attn")
-        self.mlp = DecoderMLP(cfg, tp, quant, f"{prefix}.mlp")
+        self.mlp: DecoderMLP | SparseMoeBlock
+        if cfg.moe is not None and index in cfg.moe.sparse_layers:
+            self.mlp = SparseMoeBlock(cfg, tp)
+        else:
+            self.mlp = DecoderMLP(cfg, tp, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -135,7 +142,7 @@ class DecoderModel(nn.Module):
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dtype, cfg.rope_scaling
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, tp, quant, f"model.layers.{i}") for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, tp, quant, f"model.layers.{i}", i) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # The layers as one C++ call for decode-only steps (worker/models/decode_layers.py), set by
@@ -214,16 +221,16 @@ class DecoderForCausalLM(nn.Module):
         `triton_kernels`); the other layers work row by row."""
         for attn in self.attention_layers():
             attn.backend = attention
+        kernel_users = (RMSNorm, DecoderAttention, DecoderMLP, SparseMoeBlock, ParallelLinear, ParallelLMHead)
         for module in self.modules():
-            if isinstance(module, (RMSNorm, DecoderAttention, DecoderMLP, ParallelLinear, ParallelLMHead)):
+            if isinstance(module, kernel_users):
                 module.cpu_kernels = cpu_kernels
-            if isinstance(module, (ParallelLinear, ParallelLMHead)):
-                module.batch_invariant = batch_invariant
-            if isinstance(module, (RMSNorm, DecoderAttention, DecoderMLP, ParallelLinear, ParallelLMHead)):
                 module.triton_kernels = triton_kernels
+            if isinstance(module, (ParallelLinear, ParallelLMHead, SparseMoeBlock)):
+                module.batch_invariant = batch_invariant
         # Decode steps as one C++ call: the module path's kernels in its order; not across tensor-parallel
-        # ranks, whose all-reduces sit between the kernels.
-        use_decode_layers = cpu_kernels is not None and self.tp.size == 1
+        # ranks, whose all-reduces sit between the kernels, nor through mixture-of-experts layers.
+        use_decode_layers = cpu_kernels is not None and self.tp.size == 1 and self.config.moe is None
         self.model.decode_layers = (
             build_decode_layers(self.model, cpu_kernels, batch_invariant) if use_decode_layers else None
         )

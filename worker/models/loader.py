@@ -9,6 +9,7 @@ declares (float parameters or PackedWeights, worker/layers/quantization.py).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,23 @@ def load_safetensors(model: nn.Module, model_dir: str | Path) -> None:
     load_tensors(model, safetensors_tensors(model_dir), str(model_dir))
 
 
+# An expert's projection in a mixture-of-experts checkpoint (...mlp.experts.<e>.<projection>.weight): it goes
+# into the layer's stacked w13 (gate, up) or w2 (down), worker/layers/moe.py.
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _target(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:
+    """The model weight a checkpoint tensor goes into, and the part of it (shard id) it fills."""
+    expert = _EXPERT.search(name)
+    if expert is not None:
+        stacked = "w2" if expert.group(2) == "down_proj" else "w13"
+        return f"{name[: expert.start()]}.experts.{stacked}", (int(expert.group(1)), expert.group(2))
+    for part, (fused, sid) in packed.items():
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{fused}."), sid
+    return name, None
+
+
 def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, LoadableTensor]], source: str) -> None:
     """Copy every checkpoint tensor into its weight; every weight must be covered."""
     weights: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False))
@@ -84,11 +102,7 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, LoadableTensor]]
     packed: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
     loaded: set[str] = set()
     for name, tensor in tensors:
-        target, shard_id = name, None
-        for part, (fused, sid) in packed.items():
-            if f".{part}." in name:
-                target, shard_id = name.replace(f".{part}.", f".{fused}."), sid
-                break
+        target, shard_id = _target(name, packed)
         weight = weights.get(target)
         if weight is None:
             raise ConfigError(f"checkpoint tensor {name!r} in {source} matches no model parameter")
