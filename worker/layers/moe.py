@@ -5,6 +5,9 @@ probabilities (float32, renormalised over the k when the checkpoint asks). Token
 expert and each chosen expert runs its SwiGLU MLP once over its group, as vLLM's fused MoE does, so an
 expert no token chose is never read: one decode stream reads its k experts' weights, not all of them.
 
+Each expert's two weights (w13: gate and up stacked, w2: down) are float parameters or, with int8/int4
+quantization, PackedWeights, and go through the same `linear` as every projection.
+
 Rounding follows transformers' Qwen3MoeSparseMoeBlock: the router's logits in the model's dtype, the
 weights rounded to it after the softmax, each expert's output times its weight in the dtype, and the
 outputs added into the token's sum in ascending expert order. Tensor parallelism splits every expert's
@@ -23,7 +26,7 @@ from nanovllm.worker.config import ModelConfig, MoeSpec
 from nanovllm.worker.layers.linear import linear
 from nanovllm.worker.layers.loadable import LoadableTensor
 from nanovllm.worker.layers.parallel import TPContext
-from nanovllm.worker.layers.quantization import assign
+from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, assign, make_weight
 
 # Checkpoint projections of expert e, and where each goes: gate and up are w13's two halves, down is w2.
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -35,33 +38,46 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
 
 
-class Experts(nn.Module):
-    """Every expert's weights stacked: w13 [E, 2 I, H] (gate rows, then up rows), w2 [E, H, I], I being
-    this rank's share of the expert's intermediate features."""
+def _per_expert(weights: list[nn.Parameter | PackedWeight]) -> nn.ParameterList | nn.ModuleList:
+    if isinstance(weights[0], PackedWeight):
+        return nn.ModuleList(weights)
+    return nn.ParameterList(weights)
 
-    def __init__(self, spec: MoeSpec, hidden_size: int, tp: TPContext) -> None:
+
+class Experts(nn.Module):
+    """Each expert's weights: w13[e] [2 I, H] (gate rows, then up rows) and w2[e] [H, I], I being this
+    rank's share of the expert's intermediate features."""
+
+    def __init__(
+        self, spec: MoeSpec, hidden_size: int, tp: TPContext, quant: QuantPlan | None, prefix: str
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.intermediate = tp.shard(spec.intermediate_size, "moe_intermediate_size")
-        experts = spec.num_experts
-        self.w13 = nn.Parameter(torch.empty(experts, 2 * self.intermediate, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(experts, hidden_size, self.intermediate), requires_grad=False)
-        self.w13.weight_loader = self.weight_loader
-        self.w2.weight_loader = self.weight_loader
+        size, experts = self.intermediate, range(spec.num_experts)
+        self.w13 = _per_expert(
+            [make_weight(2 * size, hidden_size, quant, f"{prefix}.{e}.w13", True) for e in experts]
+        )
+        self.w2 = _per_expert(
+            [make_weight(hidden_size, size, quant, f"{prefix}.{e}.w2", True) for e in experts]
+        )
+        for weight in (*self.w13, *self.w2):
+            weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
-        """shard_id: (expert, one of EXPERT_PROJECTIONS)."""
-        expert, projection = shard_id  # type: ignore[misc]
+    def weight_loader(
+        self, weight: nn.Parameter | PackedWeight, loaded: LoadableTensor, shard_id: object = None
+    ) -> None:
+        """One expert's w13 or w2; shard_id: the checkpoint projection (one of EXPERT_PROJECTIONS)."""
         size, start = self.intermediate, self.tp.rank * self.intermediate
-        if projection == "down_proj":
-            assign(param[expert], loaded.narrow(1, start, size))
+        if shard_id == "down_proj":
+            assign(weight, loaded.narrow(1, start, size))
         else:
-            half = EXPERT_PROJECTIONS.index(projection)
-            assign(param[expert].narrow(0, half * size, size), loaded.narrow(0, start, size))
+            half = EXPERT_PROJECTIONS.index(shard_id)  # type: ignore[arg-type]
+            assign(weight.narrow(0, half * size, size), loaded.narrow(0, start, size))
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext, quant: QuantPlan | None, prefix: str) -> None:
         super().__init__()
         spec = cfg.moe
         if spec is None:
@@ -69,7 +85,7 @@ class SparseMoeBlock(nn.Module):
         self.spec = spec
         self.tp = tp
         self.gate = Router(spec.num_experts, cfg.hidden_size)
-        self.experts = Experts(spec, cfg.hidden_size, tp)
+        self.experts = Experts(spec, cfg.hidden_size, tp, quant, f"{prefix}.experts")
         # See DecoderForCausalLM.bind_kernels.
         self.cpu_kernels: ModuleType | None = None
         self.triton_kernels: ModuleType | None = None

@@ -108,7 +108,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = DecoderAttention(cfg, tp, quant, f"{prefix}.self_attn")
         self.mlp: DecoderMLP | SparseMoeBlock
         if cfg.moe is not None and index in cfg.moe.sparse_layers:
-            self.mlp = SparseMoeBlock(cfg, tp)
+            self.mlp = SparseMoeBlock(cfg, tp, quant, f"{prefix}.mlp")
         else:
             self.mlp = DecoderMLP(cfg, tp, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

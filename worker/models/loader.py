@@ -77,7 +77,7 @@ def load_safetensors(model: nn.Module, model_dir: str | Path) -> None:
 
 
 # An expert's projection in a mixture-of-experts checkpoint (...mlp.experts.<e>.<projection>.weight): it goes
-# into the layer's stacked w13 (gate, up) or w2 (down), worker/layers/moe.py.
+# into that expert's w13 (gate, up) or w2 (down), worker/layers/moe.py.
 _EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -86,7 +86,7 @@ def _target(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, obje
     expert = _EXPERT.search(name)
     if expert is not None:
         stacked = "w2" if expert.group(2) == "down_proj" else "w13"
-        return f"{name[: expert.start()]}.experts.{stacked}", (int(expert.group(1)), expert.group(2))
+        return f"{name[: expert.start()]}.experts.{stacked}.{expert.group(1)}", expert.group(2)
     for part, (fused, sid) in packed.items():
         if f".{part}." in name:
             return name.replace(f".{part}.", f".{fused}."), sid
