@@ -257,6 +257,7 @@ class GenerateCall:
                 # A stop string ends the call while the worker still runs the request.
                 self.worker_running = event.finish_reason == worker_pb2.FINISH_REASON_UNSPECIFIED
                 self.trace.on_finish(finish_name(response.finish_reason))
+                response.timings.CopyFrom(self.trace.timings())
             await self.send(response)
             if response.finish_reason:
                 return
@@ -265,6 +266,8 @@ class GenerateCall:
         self.generated.extend(update.new_token_ids)
         trace = self.trace
         trace.on_tokens(len(update.new_token_ids), update.num_cached_tokens)
+        if update.HasField("timings"):
+            trace.on_worker_timings(update.timings)
         return build_response(
             update,
             self.completion,
@@ -348,7 +351,9 @@ class GenerateCall:
             await self.context.abort(grpc.StatusCode.UNAVAILABLE, message)
         if trace.num_tokens and event.error_code == worker_pb2.ERROR_CODE_INTERNAL:
             trace.on_finish("error")
-            await self.send(error_response(trace.request_id, self.completion, event.error_message))
+            response = error_response(trace.request_id, self.completion, event.error_message)
+            response.timings.CopyFrom(trace.timings())
+            await self.send(response)
             return
         code = _ERROR_CODES[event.error_code]
         trace.outcome = code.name.lower()

@@ -308,6 +308,7 @@ class Choice:
     logprobs: list[generate_pb2.TokenLogprob] = field(default_factory=list)
     finish: int = 0
     usage: generate_pb2.Usage | None = None
+    timings: generate_pb2.Timings | None = None
 
     def add(self, response: generate_pb2.GenerateResponse) -> None:
         self.text += response.text
@@ -316,6 +317,13 @@ class Choice:
         self.logprobs.extend(response.logprobs)
         if response.finish_reason:
             self.finish, self.usage = response.finish_reason, response.usage
+            self.timings = response.timings if response.HasField("timings") else None
+
+
+def timings_dict(timings: generate_pb2.Timings) -> dict[str, float]:
+    """A choice's `timings` (an extension of OpenAI's objects, as llama.cpp's server adds one): the
+    Generate response's Timings fields, in seconds."""
+    return {f.name: round(getattr(timings, f.name), 6) for f in generate_pb2.Timings.DESCRIPTOR.fields}
 
 
 def _tool_call(call: generate_pb2.ToolCall, index: int | None = None) -> dict[str, Any]:
@@ -381,6 +389,8 @@ def completion_body(request: OpenAIRequest, choices: list[Choice], decode) -> di
         entry["logprobs"] = (
             _logprobs(c.logprobs, decode, request.chat) if request.logprobs is not None else None
         )
+        if c.timings is not None:
+            entry["timings"] = timings_dict(c.timings)
         rendered.append(entry)
     return {**_header(request, "chat.completion"), "choices": rendered, "usage": usage_dict(choices)}
 
@@ -409,6 +419,8 @@ def chunk_body(
         choice = {"index": index, "text": response.text, "finish_reason": finish}
     if request.logprobs is not None:
         choice["logprobs"] = _logprobs(response.logprobs, decode, request.chat) if response.logprobs else None
+    if response.HasField("timings"):
+        choice["timings"] = timings_dict(response.timings)
     return {**_header(request, "chat.completion.chunk"), "choices": [choice]}
 
 

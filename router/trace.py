@@ -7,6 +7,7 @@ import time
 from prometheus_client import Gauge
 
 from nanovllm.common.logging import get_logger
+from nanovllm.common.v1 import worker_pb2
 from nanovllm.router.limits import Lease
 from nanovllm.router.metrics import RouterMetrics
 from nanovllm.v1 import generate_pb2
@@ -36,6 +37,8 @@ class RequestTrace:
         self.content = content
         self.start = self._last_token_at = time.perf_counter()
         self.first_token_s: float | None = None
+        self._first_tokens = 0  # tokens in the first response (more than one when updates merged)
+        self.queue_s = self.prefill_s = 0.0  # the workers' (WorkerTimings), summed over attempts
         self.num_tokens = 0
         self.cached_tokens = 0
         self.expected_hit_tokens = 0
@@ -64,7 +67,7 @@ class RequestTrace:
         self.lease.charge(count)
         now = time.perf_counter()
         if self.first_token_s is None:
-            self.first_token_s = now - self.start
+            self.first_token_s, self._first_tokens = now - self.start, count
             self.metrics.expected_hit_tokens.inc(self.expected_hit_tokens)
             self.metrics.cached_prompt_tokens.inc(cached_tokens)
             self.metrics.prompt_tokens.inc(self.prompt_tokens)
@@ -75,6 +78,22 @@ class RequestTrace:
                 self.metrics.inter_token_latency.observe(gap)
         self._last_token_at = now
         self.num_tokens += count
+
+    def on_worker_timings(self, timings: worker_pb2.WorkerTimings) -> None:
+        """A worker finished the request and said how long it queued and prefilled there."""
+        self.queue_s += timings.queue_s
+        self.prefill_s += timings.prefill_s
+
+    def timings(self) -> generate_pb2.Timings:
+        """The call's Timings (generate.proto), for its last response."""
+        out = generate_pb2.Timings(queue_s=self.queue_s, prefill_s=self.prefill_s)
+        if self.first_token_s is not None:
+            out.time_to_first_token_s = self.first_token_s
+            out.decode_s = self._last_token_at - self.start - self.first_token_s
+            decoded = self.num_tokens - self._first_tokens
+            if decoded and out.decode_s > 0:
+                out.decode_tokens_per_s = decoded / out.decode_s
+        return out
 
     def on_finish(self, outcome: str) -> None:
         """The call completed with a finish reason (stop, length, cancelled, error, tool_calls)."""

@@ -5,6 +5,7 @@ that leaves mid-stream freeing its KV blocks."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -250,3 +251,30 @@ def test_tokens_are_checked_as_on_grpc(kernels, tmp_path) -> None:
         assert caught.value.status_code == 503
     finally:
         router.stop()
+
+
+def test_each_choice_ends_with_its_timings(http: Http) -> None:
+    """The last chunk of each choice, and each choice of a whole answer, carries `timings` (seconds):
+    the time to the first token within the call's own wall time, decode time and rate that agree with the
+    token count; earlier chunks carry none."""
+    keys = {"queue_s", "time_to_first_token_s", "prefill_s", "decode_s", "decode_tokens_per_s"}
+    started = time.perf_counter()
+    whole = http.client.chat.completions.create(
+        model="m", messages=MESSAGES, max_tokens=24, temperature=0, n=2
+    )
+    wall = time.perf_counter() - started
+    for choice in whole.choices:
+        timings = choice.model_extra["timings"]
+        assert set(timings) == keys and all(v >= 0 for v in timings.values())
+        assert 0 < timings["time_to_first_token_s"] + timings["decode_s"] <= wall
+        assert timings["queue_s"] + timings["prefill_s"] <= timings["time_to_first_token_s"]
+    chunks = list(
+        http.client.chat.completions.create(
+            model="m", messages=MESSAGES, max_tokens=24, temperature=0, stream=True
+        )
+    )
+    ends = [c.choices[0] for c in chunks if c.choices and "timings" in (c.choices[0].model_extra or {})]
+    assert len(ends) == 1 and ends[0].finish_reason is not None and ends[0] is chunks[-1].choices[0]
+    timings = ends[0].model_extra["timings"]
+    assert set(timings) == keys and timings["time_to_first_token_s"] > 0
+    assert (timings["decode_s"] > 0) == (timings["decode_tokens_per_s"] > 0)

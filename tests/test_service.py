@@ -664,3 +664,40 @@ def test_port_in_use_is_a_clear_error(service, logs) -> None:
     with pytest.raises(RuntimeError, match="exited with 1 before listening"):
         start(args, logs / "router.log")
     assert "cannot listen on 127.0.0.1:" in (logs / "router.log").read_text()
+
+
+def test_last_response_says_where_the_time_went(own_worker, logs) -> None:
+    """Two 48-token requests at once on a worker that runs one at a time: only the last response of each
+    carries timings; one request waited on the worker for the other's whole run, and its queue time says
+    so; queue and prefill (the worker's) fit inside the time to first token (the router's), and the decode
+    rate is the tokens after the first over the decode time."""
+    worker = own_worker("--max-num-seqs", "1")
+    router = start_router([worker.address], log_path=logs / "router.log")
+    try:
+        wait_serving(router.address)
+        params = generate_pb2.SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+
+        async def run_both():
+            async with grpc.aio.insecure_channel(router.address) as channel:
+                stub = generate_pb2_grpc.GenerationStub(channel)
+
+                async def one(text: str):
+                    request = generate_pb2.GenerateRequest(text=text, sampling=params, return_token_ids=True)
+                    return [r async for r in stub.Generate(request, timeout=CALL_TIMEOUT_S)]
+
+                return await asyncio.gather(one("first of two"), one("second of two"))
+
+        runs = asyncio.run(run_both())
+        for responses in runs:
+            assert all(not r.HasField("timings") for r in responses[:-1])
+            assert responses[-1].HasField("timings")
+            t = responses[-1].timings
+            assert t.queue_s >= 0 and t.prefill_s > 0 and t.decode_s > 0
+            assert t.queue_s + t.prefill_s <= t.time_to_first_token_s
+            after_first = len(ids_of(responses)) - len(responses[0].token_ids)
+            assert t.decode_tokens_per_s == pytest.approx(after_first / t.decode_s)
+        ran, waited = sorted((r[-1].timings for r in runs), key=lambda t: t.queue_s)
+        assert waited.queue_s > 0.5 * (ran.prefill_s + ran.decode_s)
+        wait_idle(worker.address)
+    finally:
+        router.stop()

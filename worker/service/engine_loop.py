@@ -367,6 +367,11 @@ def _update(wire_id: str, out: RequestOutput) -> worker_pb2.RequestUpdate:
     )
     if out.finish_reason is not None:
         update.finish_reason = worker_pb2.FinishReason.Value(f"FINISH_REASON_{out.finish_reason.name}")
+    timeline = out.timeline
+    if timeline is not None and timeline.scheduled_ns:
+        update.timings.queue_s = (timeline.scheduled_ns - timeline.arrival_ns) / 1e9
+        if timeline.first_token_ns:
+            update.timings.prefill_s = (timeline.first_token_ns - timeline.scheduled_ns) / 1e9
     for lp in out.new_logprobs:
         update.logprobs.add(
             token_id=lp.token_id,
