@@ -53,7 +53,7 @@ async def http_stream(client: openai.AsyncOpenAI, prompt: list[int], max_tokens:
     """(seconds to the first text, tokens) of one /v1/completions stream."""
     start, first, usage = time.perf_counter(), 0.0, 0
     stream = await client.completions.create(
-        model="bench",
+        model="",  # the one served
         prompt=prompt,
         max_tokens=max_tokens,
         temperature=0,

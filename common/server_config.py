@@ -47,6 +47,12 @@ class WorkerServerConfig:
     port: int = option(50061, help="port to listen on (0 picks a free one)")
     metrics_port: int = option(9091, help="port of the Prometheus /metrics endpoint (0 picks a free one)")
     max_queued_requests: int = option(1024, help="waiting requests beyond this get RESOURCE_EXHAUSTED")
+    served_model_name: str | None = option(
+        None,
+        help="the name clients call the model by (GenerateRequest.model, OpenAI's model); default: the "
+        "model's own (its directory's or Hugging Face cache entry's, or its GGUF file's without the "
+        "quantization tag)",
+    )
     drain_timeout_s: float = option(
         30.0, flag="--drain-timeout", help="on SIGTERM, seconds requests in flight may take to finish"
     )

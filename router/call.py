@@ -31,6 +31,7 @@ from nanovllm.router.trace import RequestTrace, request_content
 from nanovllm.router.validation import (
     ChatFormats,
     NoTokenizerError,
+    UnknownModelError,
     ValidRequest,
     check_request,
     validate_generate,
@@ -222,6 +223,8 @@ class GenerateCall:
             valid = await self.off_loop(validate_generate, self.request, tokenizer, info, self._formats())
             span.set_attribute("nanovllm.prompt_tokens", len(valid.prompt_token_ids))
             return valid, tokenizer
+        except UnknownModelError as exc:
+            code, message = grpc.StatusCode.NOT_FOUND, str(exc)
         except NoTokenizerError as exc:
             code, message = grpc.StatusCode.FAILED_PRECONDITION, str(exc)
         except ValueError as exc:

@@ -275,6 +275,7 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
             raise ProtocolError("prompt", "prompt is required")
         else:
             prompt = {"text": text}
+    model = _typed(body, "model", str, "")
     n = _integer(body, "n", (1, MAX_N), 1)
     requests = []
     for i in range(n):
@@ -282,14 +283,14 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
         choice_sampling.CopyFrom(sampling)
         if n > 1 and sampling.HasField("seed"):
             choice_sampling.seed = sampling.seed + i  # distinct choices, each reproducible
-        requests.append(generate_pb2.GenerateRequest(sampling=choice_sampling, **prompt))
+        requests.append(generate_pb2.GenerateRequest(sampling=choice_sampling, model=model, **prompt))
     options = _typed(body, "stream_options", dict, {})
     return OpenAIRequest(
         generate=requests,
         stream=_typed(body, "stream", bool, False),
         include_usage=bool(options.get("include_usage")),
         chat=chat,
-        model=str(body.get("model") or ""),
+        model=model,
         logprobs=logprobs,
     )
 

@@ -11,6 +11,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import openai
 import pytest
 
@@ -29,8 +30,9 @@ MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
 
 
 class Http:
-    def __init__(self, worker, router, router_log: Path) -> None:
+    def __init__(self, worker, router, router_log: Path, model: str) -> None:
         self.worker, self.router, self.router_log = worker, router, router_log
+        self.model = model  # the served name: by default the model directory's
         self.client = openai.OpenAI(
             base_url=f"http://{router.http_address}/v1", api_key="none", max_retries=0
         )
@@ -40,7 +42,7 @@ class Http:
 def http(qwen3_dir: Path, kernels, tmp_path_factory) -> Iterator[Http]:
     logs = tmp_path_factory.mktemp("http-logs")
     with router_and_worker(qwen3_dir, logs, router_flags=("--http-port", "0")) as (worker, router):
-        yield Http(worker, router, logs / "router.log")
+        yield Http(worker, router, logs / "router.log", qwen3_dir.name)
 
 
 def raw(http: Http, path: str, body: bytes | None = None) -> tuple[int, dict]:
@@ -65,12 +67,14 @@ def grpc_text(http: Http, max_tokens: int, **sampling) -> str:
 
 def test_chat_equals_grpc_streaming_or_not(http: Http) -> None:
     expected = grpc_text(http, 24)
-    whole = http.client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=24, temperature=0)
+    whole = http.client.chat.completions.create(
+        model=http.model, messages=MESSAGES, max_tokens=24, temperature=0
+    )
     assert whole.choices[0].message.content == expected
     assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
     chunks = list(
         http.client.chat.completions.create(
-            model="m",
+            model=http.model,
             messages=MESSAGES,
             max_tokens=24,
             temperature=0,
@@ -91,23 +95,23 @@ def test_chat_equals_grpc_streaming_or_not(http: Http) -> None:
 
 def test_completion_with_stop_and_seed(http: Http) -> None:
     plain = http.client.completions.create(
-        model="m", prompt="The quick brown fox", max_tokens=32, temperature=0
+        model=http.model, prompt="The quick brown fox", max_tokens=32, temperature=0
     )
     text = plain.choices[0].text
     assert plain.object == "text_completion" and text
     stop = text[len(text) // 2 : len(text) // 2 + 2]
     stopped = http.client.completions.create(
-        model="m", prompt="The quick brown fox", max_tokens=32, temperature=0, stop=[stop]
+        model=http.model, prompt="The quick brown fox", max_tokens=32, temperature=0, stop=[stop]
     )
     assert stopped.choices[0].text == text[: text.index(stop)]
     assert stopped.choices[0].finish_reason == "stop"
     streamed = http.client.completions.create(
-        model="m", prompt="The quick brown fox", max_tokens=32, temperature=0, stream=True
+        model=http.model, prompt="The quick brown fox", max_tokens=32, temperature=0, stream=True
     )
     assert "".join(c.choices[0].text for c in streamed) == text
     seeded = [
         http.client.completions.create(
-            model="m", prompt="Prefix caching", max_tokens=24, temperature=1.0, seed=7
+            model=http.model, prompt="Prefix caching", max_tokens=24, temperature=1.0, seed=7
         )
         .choices[0]
         .text
@@ -118,13 +122,13 @@ def test_completion_with_stop_and_seed(http: Http) -> None:
 
 def test_logprobs_and_n(http: Http) -> None:
     answer = http.client.chat.completions.create(
-        model="m", messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2
+        model=http.model, messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2
     )
     content = answer.choices[0].logprobs.content
     assert len(content) == answer.usage.completion_tokens
     assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in content)
     several = http.client.chat.completions.create(
-        model="m", messages=MESSAGES, max_tokens=16, temperature=1.0, seed=3, n=3
+        model=http.model, messages=MESSAGES, max_tokens=16, temperature=1.0, seed=3, n=3
     )
     assert [c.index for c in several.choices] == [0, 1, 2]
     assert len({c.message.content for c in several.choices}) > 1  # seeds 3, 4, 5
@@ -135,7 +139,7 @@ def test_an_almost_greedy_temperature_is_accepted(http: Http) -> None:
     gives what 0.01 gives with the same seed."""
     answers = [
         http.client.chat.completions.create(
-            model="m", messages=MESSAGES, max_tokens=12, temperature=t, seed=11
+            model=http.model, messages=MESSAGES, max_tokens=12, temperature=t, seed=11
         )
         .choices[0]
         .message.content
@@ -146,19 +150,28 @@ def test_an_almost_greedy_temperature_is_accepted(http: Http) -> None:
 
 def test_models_and_health(http: Http) -> None:
     models = http.client.models.list()
-    assert [m.id for m in models.data] and models.data[0].object == "model"
+    assert [m.id for m in models.data] == [http.model] and models.data[0].object == "model"
     assert raw(http, "/health") == (200, {"status": "serving"})
     # An answer names the model it was asked for, or the one served when the body names none.
     body = {"prompt": "hi", "max_tokens": 1}
-    assert raw(http, "/v1/completions", json.dumps(body).encode())[1]["model"] == models.data[0].id
-    assert raw(http, "/v1/completions", json.dumps({**body, "model": "x"}).encode())[1]["model"] == "x"
+    assert raw(http, "/v1/completions", json.dumps(body).encode())[1]["model"] == http.model
+    named = json.dumps({**body, "model": http.model}).encode()
+    assert raw(http, "/v1/completions", named)[1]["model"] == http.model
+    # Another name is a 404 naming the one served, on both faces.
+    with pytest.raises(
+        openai.NotFoundError, match=f"model 'qwen3-999b' is not served here; served: '{http.model}'"
+    ):
+        http.client.completions.create(model="qwen3-999b", prompt="hi", max_tokens=1)
+    request = generate_pb2.GenerateRequest(text="hi", model="qwen3-999b")
+    _, error = collect(http.router.address, request)
+    assert error is not None and error.code() == grpc.StatusCode.NOT_FOUND and http.model in error.details()
 
 
 def test_bad_requests_are_400_in_openais_shape(http: Http) -> None:
     with pytest.raises(openai.BadRequestError, match=r"top_p must be in \(0, 1\], got 1.5"):
-        http.client.chat.completions.create(model="m", messages=MESSAGES, top_p=1.5)
+        http.client.chat.completions.create(model=http.model, messages=MESSAGES, top_p=1.5)
     with pytest.raises(openai.BadRequestError, match="n must be in"):
-        http.client.chat.completions.create(model="m", messages=MESSAGES, n=1000)
+        http.client.chat.completions.create(model=http.model, messages=MESSAGES, n=1000)
     status, body = raw(http, "/v1/chat/completions", b'{"messages": [')
     assert status == 400 and body["error"]["param"] == "body"
     wrong_type = json.dumps({"messages": MESSAGES, "max_tokens": "ten"}).encode()
@@ -168,7 +181,7 @@ def test_bad_requests_are_400_in_openais_shape(http: Http) -> None:
 
 def test_a_client_that_leaves_mid_stream_frees_its_kv_blocks(http: Http) -> None:
     stream = http.client.chat.completions.create(
-        model="m",
+        model=http.model,
         messages=MESSAGES,
         max_tokens=480,
         temperature=0,
@@ -260,7 +273,7 @@ def test_each_choice_ends_with_its_timings(http: Http) -> None:
     keys = {"queue_s", "time_to_first_token_s", "prefill_s", "decode_s", "decode_tokens_per_s"}
     started = time.perf_counter()
     whole = http.client.chat.completions.create(
-        model="m", messages=MESSAGES, max_tokens=24, temperature=0, n=2
+        model=http.model, messages=MESSAGES, max_tokens=24, temperature=0, n=2
     )
     wall = time.perf_counter() - started
     for choice in whole.choices:
@@ -270,7 +283,7 @@ def test_each_choice_ends_with_its_timings(http: Http) -> None:
         assert timings["queue_s"] + timings["prefill_s"] <= timings["time_to_first_token_s"]
     chunks = list(
         http.client.chat.completions.create(
-            model="m", messages=MESSAGES, max_tokens=24, temperature=0, stream=True
+            model=http.model, messages=MESSAGES, max_tokens=24, temperature=0, stream=True
         )
     )
     ends = [c.choices[0] for c in chunks if c.choices and "timings" in (c.choices[0].model_extra or {})]

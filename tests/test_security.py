@@ -564,8 +564,9 @@ def test_https_face_with_token_limits_and_certificate_rotation(
     )
     try:
         wait_serving(router.address, credentials=creds(pki.a.ca_path))
-        call = {"model": "m", "prompt": [5, 6], "max_tokens": 50, "extra_body": {"ignore_eos": True}}
         alice = https_client(router, pki.a.ca_path, ALICE)
+        model = alice.models.list().data[0].id
+        call = {"model": model, "prompt": [5, 6], "max_tokens": 50, "extra_body": {"ignore_eos": True}}
         assert alice.completions.create(**call).usage.completion_tokens == 50
         with pytest.raises(openai.RateLimitError) as limited:
             alice.completions.create(**call)

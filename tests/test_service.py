@@ -701,3 +701,22 @@ def test_last_response_says_where_the_time_went(own_worker, logs) -> None:
         wait_idle(worker.address)
     finally:
         router.stop()
+
+
+@pytest.mark.parametrize(
+    ("model", "gguf", "name"),
+    [
+        ("/cache/gguf/SmolLM2-135M-Instruct.Q4_1-50e7131530aa1b1c", "/x/SmolLM2-135M-Instruct.Q4_1.gguf",
+         "SmolLM2-135M-Instruct"),
+        ("/d", "/x/Qwen3-8B-Q4_K_M.gguf", "Qwen3-8B"),
+        ("/d", "/x/model-bf16.gguf", "model"),
+        ("/hf/hub/models--Qwen--Qwen3-0.6B/snapshots/0123abcd", None, "Qwen/Qwen3-0.6B"),
+        ("/models/my-finetune", None, "my-finetune"),
+    ],
+)  # fmt: skip
+def test_a_model_is_served_under_its_own_name(model: str, gguf: str | None, name: str) -> None:
+    """Never a cache path: the GGUF file's name without its quantization tag, a Hugging Face cache entry's
+    repository, a directory's name."""
+    from nanovllm.worker.service.server import default_served_name
+
+    assert default_served_name(model, gguf) == name

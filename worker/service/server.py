@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -38,7 +39,24 @@ TOKENIZER_FILES = (
 MAX_ROUTER_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
-def worker_info(config: EngineConfig, num_kv_blocks: int, placement: Placement) -> worker_pb2.WorkerInfo:
+# A GGUF file name's quantization tag: SmolLM2-135M-Instruct.Q4_1, Qwen3-8B-Q4_K_M, model-f16, model.BF16.
+_GGUF_TAG = re.compile(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
+
+
+def default_served_name(model: str, gguf_file: str | None) -> str:
+    """The model's own name: a GGUF file's without its quantization tag, a Hugging Face cache snapshot's
+    repository (models--Qwen--Qwen3-0.6B/snapshots/<commit>: Qwen/Qwen3-0.6B), else the directory's."""
+    if gguf_file is not None:
+        return _GGUF_TAG.sub("", Path(gguf_file).stem)
+    path = Path(model).resolve()
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name.removeprefix("models--").replace("--", "/")
+    return path.name
+
+
+def worker_info(
+    config: EngineConfig, num_kv_blocks: int, placement: Placement, served_name: str
+) -> worker_pb2.WorkerInfo:
     model_dir = Path(config.model)
     files = {
         name: (model_dir / name).read_bytes() for name in TOKENIZER_FILES if (model_dir / name).is_file()
@@ -46,7 +64,7 @@ def worker_info(config: EngineConfig, num_kv_blocks: int, placement: Placement) 
     chat_template = model_dir / "chat_template.jinja"
     hf = config.hf_config
     return worker_pb2.WorkerInfo(
-        model=config.model,
+        model=served_name,
         architectures=[hf.architecture],
         max_model_len=config.max_model_len,
         vocab_size=hf.vocab_size,
@@ -170,12 +188,16 @@ async def serve_worker(
     await asyncio.wrap_future(engine_loop.start())  # the model loads on the engine thread
     num_blocks = engine_loop.engine.block_manager.num_blocks
     placement = engine_loop.engine.runner.placement
-    service.attach(engine_loop, worker_info(engine_config, num_blocks, placement))
+    served_name = config.served_model_name or default_served_name(
+        engine_config.model, engine_config.gguf_file
+    )
+    service.attach(engine_loop, worker_info(engine_config, num_blocks, placement, served_name))
     await server.set_serving(True)
     log.info(
         "worker_serving",
         address=address,
         model=engine_config.model,
+        served_model_name=served_name,
         kv_blocks=num_blocks,
         dtype=placement.dtype_name,
         device=str(placement.device),
