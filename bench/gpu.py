@@ -129,13 +129,18 @@ def kv_cache_bytes(cfg: ModelConfig, workload: Workload, dtype: torch.dtype, blo
     )
 
 
-def decode_bytes_per_token(cfg: ModelConfig, context: int, element: int) -> int:
+def decode_bytes_per_token(cfg: ModelConfig, context: int, element: int, every_expert: bool = False) -> int:
     """Bytes one decode step of one sequence must read: every weight once (of the embedding only the
-    token's row; the LM head whole, tied or not) and the KV cache of `context` tokens."""
-    hidden, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    qkv_o = hidden * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
-    layer = qkv_o + 3 * hidden * inter
-    weights = cfg.num_hidden_layers * layer + cfg.vocab_size * hidden
+    token's row; the LM head whole, tied or not; of a mixture-of-experts layer the router and the top_k
+    chosen experts, or all of them with `every_expert`) and the KV cache of `context` tokens."""
+    hidden, d = cfg.hidden_size, cfg.head_dim
+    attention = hidden * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    dense_mlp = 3 * hidden * cfg.intermediate_size
+    weights = cfg.num_hidden_layers * (attention + dense_mlp) + cfg.vocab_size * hidden
+    if cfg.moe is not None:
+        experts = cfg.moe.num_experts if every_expert else cfg.moe.top_k
+        sparse_mlp = cfg.moe.num_experts * hidden + experts * 3 * hidden * cfg.moe.intermediate_size
+        weights += len(cfg.moe.sparse_layers) * (sparse_mlp - dense_mlp)
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * d * context
     return (weights + kv) * element
 

@@ -19,6 +19,7 @@ from transformers import (
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 DEFAULT_CACHE = Path.home() / ".cache" / "nanovllm" / "bench-models"
@@ -80,26 +81,49 @@ for _name, _sizes in {
     },
 }.items():
     SHAPES[_name] = (Qwen3Config, {**SHAPES["qwen3-0.6b"][1], **_sizes})
+# Qwen3-30B-A3B: 128 experts, 8 chosen per token; 48 layers in the published model (benchmarks on a CPU
+# take fewer: `layers`). intermediate_size is the unused dense MLP's; every layer here is sparse.
+SHAPES["qwen3-30b-a3b"] = (
+    Qwen3MoeConfig,
+    {
+        **SHAPES["qwen3-0.6b"][1],
+        "hidden_size": 2048,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "tie_word_embeddings": False,
+    },
+)
 
 
-def build_config(shape: str) -> PretrainedConfig:
-    """The transformers config for a named shape; raises ValueError on an unknown name."""
+def build_config(shape: str, layers: int | None = None) -> PretrainedConfig:
+    """The transformers config for a named shape, with `layers` decoder layers if given; raises ValueError
+    on an unknown name."""
     if shape not in SHAPES:
         raise ValueError(f"unknown model shape {shape!r}; known: {sorted(SHAPES)}")
     config_cls, kwargs = SHAPES[shape]
-    return config_cls(**kwargs)
+    return config_cls(**{**kwargs, **({"num_hidden_layers": layers} if layers else {})})
 
 
-def build_random_model(shape: str, out_dir: Path | None = None) -> Path:
-    """Save a seeded random fp32 model of `shape` to out_dir (safetensors) and return the directory.
+def build_random_model(shape: str, out_dir: Path | None = None, layers: int | None = None) -> Path:
+    """Save a seeded random fp32 model of `shape` (with `layers` decoder layers if given) to out_dir
+    (safetensors) and return the directory.
 
     A directory that already holds config.json is reused as is, so repeated benchmark runs do not pay
     for initialising and writing hundreds of MB of weights again.
     """
-    out_dir = Path(out_dir) if out_dir is not None else DEFAULT_CACHE / shape
+    name = f"{shape}-{layers}-layers" if layers else shape
+    out_dir = Path(out_dir) if out_dir is not None else DEFAULT_CACHE / name
     if (out_dir / "config.json").is_file():
         return out_dir
-    config = build_config(shape)
+    config = build_config(shape, layers)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -137,3 +137,68 @@ def test_a_config_it_does_not_implement_fails_at_start_naming_it(tmp_path: Path,
     with pytest.raises(UnsupportedModelError) as failure:
         LLM(str(model), dtype="float32")
     assert all(word in str(failure.value) for word in words), str(failure.value)
+
+
+# --- the Triton path (kernels/triton_moe.py): in the interpreter on a CPU, compiled on a GPU ------------
+
+TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_align_pairs_puts_every_pair_once_under_its_expert():
+    """37 tokens x 3 slots over 8 experts (expert 5 never chosen), tiles of 4: every pair appears once, each
+    tile holds only its expert's pairs in ascending order, experts ascend, tiles past the last are marked
+    with the expert count, and expert 5 gets no tile."""
+    from nanovllm.kernels.triton_moe import align_pairs
+
+    gen = torch.Generator().manual_seed(3)
+    chosen = torch.stack([torch.randperm(7, generator=gen)[:3] for _ in range(37)])
+    chosen = torch.where(chosen >= 5, chosen + 1, chosen).to(TRITON_DEVICE)  # ids 0-4, 6-7
+    sorted_pairs, tile_expert = align_pairs(chosen, 8, 4)
+    pairs = chosen.numel()
+    real = sorted_pairs[sorted_pairs < pairs]
+    assert sorted(real.tolist()) == list(range(pairs))
+    flat = chosen.flatten().tolist()
+    experts = tile_expert.tolist()
+    assert experts == sorted(experts) and 5 not in experts and experts[-1] == 8
+    for tile, expert in zip(sorted_pairs.view(-1, 4).tolist(), experts):
+        ids = [p for p in tile if p < pairs]
+        if expert == 8:
+            assert not ids
+        else:
+            assert ids and ids == sorted(ids) and all(flat[p] == expert for p in ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_grouped_experts_equal_the_expert_by_expert_loop(top2_model: Path, dtype: torch.dtype):
+    """One MoE block on 21 tokens: the grouped kernels (both projections over every expert's tokens at
+    once) against the expert-by-expert loop on the Triton matmul. Both sum each output over K in the same
+    64-wide steps and round where transformers rounds, so in the interpreter (whose dot sums along K in
+    order whatever the tile) they agree bit for bit; on a GPU the MMA's order within a step may differ with
+    the tile's rows, so there within the dtype's rounding. The loop reads each expert through its own
+    parameter, a view of the stacked weight the kernels read: equal outputs show the views share it."""
+    from nanovllm.kernels import triton_layers
+    from nanovllm.kernels.triton_moe import fused_experts
+    from nanovllm.worker.config import ModelConfig
+    from nanovllm.worker.layers.moe import SparseMoeBlock
+    from nanovllm.worker.layers.parallel import TPContext
+
+    cfg = ModelConfig.from_pretrained_dir(top2_model)
+    gen = torch.Generator().manual_seed(5)
+    with torch.device(TRITON_DEVICE):
+        block = SparseMoeBlock(cfg, TPContext(), None, "mlp").to(dtype)
+    experts = block.experts
+    assert experts.w13_stacked is not None and experts.w2_stacked is not None
+    block.gate.weight.copy_(torch.randn(block.gate.weight.shape, generator=gen))
+    for stacked in (experts.w13_stacked, experts.w2_stacked):
+        stacked.copy_(torch.randn(stacked.shape, generator=gen) / stacked.shape[-1] ** 0.5)
+    x = torch.randn(21, cfg.hidden_size, generator=gen).to(TRITON_DEVICE, dtype)
+    block.triton_kernels = triton_layers
+    block.batch_invariant = True  # the loop's projections on the Triton matmul
+    with torch.inference_mode():
+        chosen, weights = block.route(x)
+        loop = block.experts_one_by_one(x, chosen, weights)
+        grouped = fused_experts(x, experts.w13_stacked, experts.w2_stacked, chosen, weights)
+    if TRITON_DEVICE.type == "cpu":
+        assert torch.equal(grouped, loop)
+    else:
+        torch.testing.assert_close(grouped, loop)

@@ -16,12 +16,14 @@ intermediate features across ranks (gate/up by rows, down by columns), then one 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.common.errors import ConfigError
 from nanovllm.worker.config import ModelConfig, MoeSpec
 from nanovllm.worker.layers.linear import linear
 from nanovllm.worker.layers.loadable import LoadableTensor
@@ -38,15 +40,28 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
 
 
-def _per_expert(weights: list[nn.Parameter | PackedWeight]) -> nn.ParameterList | nn.ModuleList:
-    if isinstance(weights[0], PackedWeight):
-        return nn.ModuleList(weights)
-    return nn.ParameterList(weights)
+def _expert_weights(
+    count: int, out_features: int, in_features: int, quant: QuantPlan | None, prefix: str, name: str
+) -> nn.ModuleList | torch.Tensor:
+    """`count` experts' weights of one projection (`prefix`.<e>.`name`): a list of PackedWeights, or for
+    float weights one [count, out, in] tensor. A layer's experts share one quantization scheme."""
+    first = make_weight(out_features, in_features, quant, f"{prefix}.0.{name}", True)
+    if isinstance(first, PackedWeight):
+        rest = (
+            make_weight(out_features, in_features, quant, f"{prefix}.{e}.{name}", True)
+            for e in range(1, count)
+        )
+        return nn.ModuleList([first, *rest])
+    return torch.empty(count, out_features, in_features)
 
 
 class Experts(nn.Module):
     """Each expert's weights: w13[e] [2 I, H] (gate rows, then up rows) and w2[e] [H, I], I being this
-    rank's share of the expert's intermediate features."""
+    rank's share of the expert's intermediate features.
+
+    Float weights are stored stacked, w13_stacked [E, 2 I, H] and w2_stacked [E, H, I] (the Triton path's
+    grouped matmul reads every expert from one base), and w13[e], w2[e] are parameters viewing their rows,
+    which the checkpoint loads through; packed weights (int8/int4) are one PackedWeight per expert."""
 
     def __init__(
         self, spec: MoeSpec, hidden_size: int, tp: TPContext, quant: QuantPlan | None, prefix: str
@@ -54,15 +69,34 @@ class Experts(nn.Module):
         super().__init__()
         self.tp = tp
         self.intermediate = tp.shard(spec.intermediate_size, "moe_intermediate_size")
-        size, experts = self.intermediate, range(spec.num_experts)
-        self.w13 = _per_expert(
-            [make_weight(2 * size, hidden_size, quant, f"{prefix}.{e}.w13", True) for e in experts]
-        )
-        self.w2 = _per_expert(
-            [make_weight(hidden_size, size, quant, f"{prefix}.{e}.w2", True) for e in experts]
-        )
+        size, count = self.intermediate, spec.num_experts
+        w13 = _expert_weights(count, 2 * size, hidden_size, quant, prefix, "w13")
+        w2 = _expert_weights(count, hidden_size, size, quant, prefix, "w2")
+        self.w13_stacked = self.w2_stacked = None
+        if isinstance(w13, nn.ModuleList) and isinstance(w2, nn.ModuleList):
+            self.w13, self.w2 = w13, w2
+            for weight in (*self.w13, *self.w2):
+                weight.weight_loader = self.weight_loader
+        elif isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor):
+            self._view_stacked(w13, w2)
+        else:
+            raise ConfigError(
+                f"{prefix}: an expert's gate/up and down projections must both be packed or not"
+            )
+
+    def _view_stacked(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        self.w13_stacked, self.w2_stacked = w13, w2
+        self.w13 = nn.ParameterList(nn.Parameter(row, requires_grad=False) for row in w13)
+        self.w2 = nn.ParameterList(nn.Parameter(row, requires_grad=False) for row in w2)
         for weight in (*self.w13, *self.w2):
             weight.weight_loader = self.weight_loader
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Experts:
+        # .to() and friends would convert each expert's view on its own, cutting it from the stacked tensor.
+        if self.w13_stacked is None:
+            return super()._apply(fn, recurse)
+        self._view_stacked(fn(self.w13_stacked), fn(self.w2_stacked))
+        return self
 
     def weight_loader(
         self, weight: nn.Parameter | PackedWeight, loaded: LoadableTensor, shard_id: object = None
@@ -94,16 +128,25 @@ class SparseMoeBlock(nn.Module):
     def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return linear(x, weight, None, self.cpu_kernels, self.triton_kernels, self.batch_invariant)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top_k experts [T, k] and their weights [T, k] in x's dtype."""
         spec = self.spec
         probs = F.softmax(self._linear(x, self.gate.weight), dim=-1, dtype=torch.float32)
         weights, chosen = probs.topk(spec.top_k, dim=-1)
         if spec.norm_topk_prob:
             weights /= weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype).flatten()
+        return chosen, weights.to(x.dtype)
+
+    def experts_one_by_one(
+        self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Each chosen expert's MLP over its tokens, one expert after another (the count per expert is read
+        on the host: the CPU path, and the Triton one with quantized experts or --deterministic)."""
+        top_k = chosen.shape[1]
+        weights = weights.flatten()
         # (token, slot) pairs grouped by expert, tokens in order within each group.
         order = chosen.flatten().argsort(stable=True)
-        counts = torch.bincount(chosen.flatten(), minlength=spec.num_experts).tolist()
+        counts = torch.bincount(chosen.flatten(), minlength=self.spec.num_experts).tolist()
         out = torch.zeros_like(x)
         kernels = self.triton_kernels or self.cpu_kernels
         begin = 0
@@ -112,7 +155,7 @@ class SparseMoeBlock(nn.Module):
                 continue
             pairs = order[begin : begin + count]
             begin += count
-            tokens = pairs // spec.top_k
+            tokens = pairs // top_k
             gate_up = self._linear(x.index_select(0, tokens), self.experts.w13[expert])
             if kernels is not None:
                 hidden = kernels.silu_and_mul(gate_up)
@@ -121,4 +164,26 @@ class SparseMoeBlock(nn.Module):
                 hidden = F.silu(gate).mul_(up)
             y = self._linear(hidden, self.experts.w2[expert]) * weights[pairs, None]
             out.index_add_(0, tokens, y)
+        return out
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the experts run as the grouped Triton kernels (float experts, the Triton kernels bound,
+        not --deterministic), which never wait on the device; expert by expert, the counts are read on the
+        host, which a CUDA graph cannot capture."""
+        return (
+            self.triton_kernels is not None
+            and self.experts.w13_stacked is not None
+            and not self.batch_invariant
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen, weights = self.route(x)
+        experts = self.experts
+        if self.grouped:
+            from nanovllm.kernels.triton_moe import fused_experts  # Triton is imported only where it runs
+
+            out = fused_experts(x, experts.w13_stacked, experts.w2_stacked, chosen, weights)
+        else:
+            out = self.experts_one_by_one(x, chosen, weights)
         return self.tp.all_reduce(out)

@@ -19,6 +19,7 @@ from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.kernels.backends import CpuKernelAttention, TritonAttention, select_attention_backend
 from nanovllm.worker.config import EngineConfig, ModelConfig
 from nanovllm.worker.device import resolve_placement, usable_cpus
+from nanovllm.worker.layers.moe import SparseMoeBlock
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, QuantScheme
 from nanovllm.worker.models.decoder import DecoderForCausalLM
@@ -165,11 +166,16 @@ class ModelRunnerBase:
 
     def _wants_cuda_graphs(self) -> bool:
         """CUDA graphs for decode unless enforce_eager; not yet with tensor parallelism, whose ranks would
-        each have to capture and replay in step with rank 0."""
+        each have to capture and replay in step with rank 0; not with MoE layers that read their experts'
+        counts on the host."""
         if self.config.enforce_eager or self.device.type != "cuda":
             return False
         if self.tp.size > 1:
             log.info("decode_graphs_off", reason="not yet captured with tensor_parallel_size > 1")
+            return False
+        if any(isinstance(m, SparseMoeBlock) and not m.grouped for m in self.model.modules()):
+            reason = "mixture-of-experts layers run expert by expert (packed experts, or --deterministic)"
+            log.info("decode_graphs_off", reason=reason)
             return False
         return True
 
