@@ -541,17 +541,17 @@ def test_model_without_tokenizer_serves_token_ids(qwen3_dir: Path, offline, kern
         for request in refused:
             responses, error = collect(router.address, request)
             assert responses == [] and error.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert f"model {model} has no tokenizer: " in error.details()
+            assert f"model {model.name} has no tokenizer: " in error.details()
         with grpc.insecure_channel(router.address) as channel, pytest.raises(grpc.RpcError) as tokenize:
             generate_pb2_grpc.GenerationStub(channel).Tokenize(generate_pb2.TokenizeRequest(text="hi"))
         assert tokenize.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert tokenize.value.details() == f"model {model} has no tokenizer: send prompt token ids"
+        assert tokenize.value.details() == f"model {model.name} has no tokenizer: send prompt token ids"
     finally:
         router.stop()
         worker.stop()
     problems = [r for r in log_records(logs / "router.log") if r["level"] != "info"]
     assert [(r["level"], r["event"], r["model"]) for r in problems] == [
-        ("warning", "model_has_no_tokenizer", str(model))
+        ("warning", "model_has_no_tokenizer", model.name)  # the served name
     ]
 
 
