@@ -23,3 +23,11 @@ class UnsupportedModelError(NanoVLLMError, ValueError):
 
 class EngineDeadError(NanoVLLMError, RuntimeError):
     """The engine cannot go on (e.g. a tensor-parallel rank died); its process should fail and exit."""
+
+
+class AdapterError(NanoVLLMError, ValueError):
+    """A LoRA adapter cannot be loaded (a missing or malformed file, a shape the model does not have, ...)."""
+
+
+class UnknownAdapterError(RequestError):
+    """A request names a LoRA adapter this engine does not hold."""

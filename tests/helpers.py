@@ -61,11 +61,16 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def teacher_forced_logits(llm: LLM, batch: list[list[int]], chunk: int) -> list[torch.Tensor]:
+def teacher_forced_logits(
+    llm: LLM, batch: list[list[int]], chunk: int, lora_names: list[str | None] | None = None
+) -> list[torch.Tensor]:
     """Feed each sequence through the engine's own runner `chunk` tokens per step, all sequences in the
-    same step, and collect the logits of every position. chunk=1 exercises the decode path."""
+    same step, and collect the logits of every position. chunk=1 exercises the decode path. `lora_names`:
+    each sequence's LoRA adapter (None: the base model)."""
     engine = llm.engine
     seqs = [Sequence(-1 - i, f"tf{i}", list(ids), greedy(1)) for i, ids in enumerate(batch)]
+    for seq, name in zip(seqs, lora_names or []):
+        seq.adapter = engine.adapters[name] if name is not None else None
     rows: list[list[torch.Tensor]] = [[] for _ in batch]
     while any(s.num_computed_tokens < s.num_tokens for s in seqs):
         items = []

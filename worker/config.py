@@ -357,6 +357,20 @@ class EngineConfig:
     quantization_group_size: int = option(
         32, help="input features per int4 scale: a multiple of 32 that divides every layer's input features"
     )
+    lora_adapters: list[str] = option(
+        flag="--lora",
+        default_factory=list,
+        help="a LoRA adapter served from the start, NAME=PATH (a PEFT directory: adapter_config.json and "
+        "adapter_model.safetensors); requests select it by NAME; repeat for several (docs/lora.md)",
+    )
+    max_loras: int | None = option(
+        None,
+        help="LoRA adapters the running requests may use at once (slots in the model; the least recently "
+        "used idle one is replaced when another is needed); 0: LoRA off; default 4 with --lora, else 0",
+    )
+    max_lora_rank: int = option(
+        16, help="the largest LoRA rank (r) an adapter may have; slots are sized for it"
+    )
     gguf_file: str | None = field(default=None, repr=False)  # the .gguf `model` was converted from, if any
     hf_config: ModelConfig | None = field(default=None, repr=False)
     draft_hf_config: ModelConfig | None = field(default=None, repr=False)  # speculative_model's shape
@@ -418,6 +432,7 @@ class EngineConfig:
             raise ConfigError(
                 f"quantization_group_size must be a positive multiple of 32, got {self.quantization_group_size}"
             )
+        self._check_lora()
         if self.speculative_max_batch < 1:
             raise ConfigError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
         if self.hf_config is None:
@@ -433,6 +448,24 @@ class EngineConfig:
         if self.quantization != "auto":
             return self.quantization
         return "gguf" if self.gguf_file is not None else "none"
+
+    def _check_lora(self) -> None:
+        for entry in self.lora_adapters:
+            name, _, path = entry.partition("=")
+            if not name.strip() or not path.strip():
+                raise ConfigError(f"lora_adapters entries are NAME=PATH, got {entry!r}")
+        if self.max_loras is None:
+            self.max_loras = 4 if self.lora_adapters else 0
+        if self.max_loras < 0 or (self.lora_adapters and self.max_loras == 0):
+            raise ConfigError(
+                f"max_loras must be >= 1 with --lora adapters (>= 0 without), got {self.max_loras}"
+            )
+        if self.max_lora_rank < 1:
+            raise ConfigError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_loras and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"LoRA adapters run with tensor_parallel_size=1 only, got {self.tensor_parallel_size}"
+            )
 
     def _check_draft(self) -> None:
         """speculative_model goes with speculative_method=draft, on one rank, with the model's vocabulary."""

@@ -54,15 +54,25 @@ class LLM:
         """Stop the tensor-parallel ranks now (with tensor_parallel_size > 1); the LLM is unusable after."""
         self._finalizer()
 
+    def add_lora(self, name: str, path: str) -> None:
+        """Load the PEFT LoRA adapter in directory `path`; `generate(..., lora_name=name)` runs with it."""
+        self.engine.add_lora(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        self.engine.remove_lora(name)
+
     def generate(
         self,
         prompts: list[str] | list[list[int]] | str | list[int],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priorities: list[int] | None = None,
+        lora_name: str | list[str | None] | None = None,
     ) -> list[dict[str, Any]]:
         """Generate for every prompt; outputs come back in prompt order as nano-vllm's dicts
-        ({"text", "token_ids"}) plus finish_reason, logprobs and prompt/cached token counts."""
+        ({"text", "token_ids"}) plus finish_reason, logprobs and prompt/cached token counts. `lora_name`:
+        the LoRA adapter (loaded by `lora_adapters` or `add_lora`) of every prompt, or of each (None: the
+        base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if sampling_params is None:
@@ -72,6 +82,12 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(
                 f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; give one or one each"
+            )
+        if not isinstance(lora_name, list):
+            lora_name = [lora_name] * len(prompts)
+        if len(lora_name) != len(prompts):
+            raise ValueError(
+                f"got {len(lora_name)} lora_name for {len(prompts)} prompts; give one or one each"
             )
         # Constraints compile before anything is queued, so one that does not compile raises here.
         timeout = self.config.grammar_compile_timeout_s
@@ -86,7 +102,9 @@ class LLM:
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             request_id = str(next(self._request_ids))
             priority = priorities[i] if priorities else 0
-            self.engine.add_request(request_id, self._encode(prompt), params, priority)
+            self.engine.add_request(
+                request_id, self._encode(prompt), params, priority, lora_name=lora_name[i]
+            )
             ids.append(request_id)
         results = self._run(len(ids), use_tqdm)
         return [self._to_dict(results[request_id]) for request_id in ids]

@@ -35,6 +35,15 @@ class GrammarState(Protocol):
     def error(self) -> str: ...
 
 
+class Adapter(Protocol):
+    """The LoRA adapter a request runs with (worker/models/lora_adapter.py's LoRAAdapter)."""
+
+    name: str
+
+    @property
+    def cache_salt(self) -> int: ...
+
+
 class TokenSlice(SequenceABC):
     """tokens[start:] of a list that grows, without copying it: a sequence's outputs as a sampling row
     sees them, built every step for every row (a copy would cost the sequence's length each time)."""
@@ -132,6 +141,7 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0  # tokens whose KV the draft model holds (worker/sample/draft.py)
     grammar: GrammarState | None = None  # structured output: where the request is in its constraint
+    adapter: Adapter | None = None  # LoRA: None runs the base model
     timeline: RequestTimeline = field(default_factory=RequestTimeline)
     # The last tokens of `token_ids` that a step in flight is picking: their places are held (by
     # PENDING_TOKEN) so the next step can be scheduled before the host knows them (LLMEngine.step).
@@ -173,6 +183,12 @@ class Sequence:
         if self.num_pending_tokens:
             del self.token_ids[-self.num_pending_tokens :]
             self.num_pending_tokens = 0
+
+    @property
+    def cache_salt(self) -> int | None:
+        """Where the hash chain of this sequence's prefix-cache blocks starts: a block computed under one
+        adapter (or none) never serves another."""
+        return self.adapter.cache_salt if self.adapter is not None else None
 
     @property
     def num_uncomputed_tokens(self) -> int:

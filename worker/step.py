@@ -69,11 +69,15 @@ class StepInputs:
     # (row of input_ids, row of the previous step's picks): tokens still on the device, written there
     # before the forward pass (overlapped scheduling); input_ids holds a placeholder at those rows.
     deferred: list[tuple[int, int]] = field(default_factory=list)
+    # Each row's LoRA slot (-1: the base model), or empty when no row has an adapter.
+    lora_slots: list[int] = field(default_factory=list)
 
     def pack(self) -> torch.Tensor:
         """[counts..., input_ids, positions, slot_mapping, (start, n, len, *table) per chunk, logits_index]"""
         if self.deferred:
             raise RuntimeError("a step whose tokens are still on rank 0's device cannot go to other ranks")
+        if self.lora_slots:
+            raise RuntimeError("LoRA adapters run on one rank: a step with them cannot go to other ranks")
         groups = (self.decodes, self.fresh, self.cached)
         values = [len(self.input_ids), *(len(g) for g in groups), len(self.logits_index)]
         values += self.input_ids + self.positions + self.slot_mapping

@@ -1,7 +1,8 @@
 """Paged KV-cache block allocation with prefix caching.
 
 A full block is identified by a hash chaining the previous block's hash with its own token ids, so equal
-hashes mean equal prefixes. Blocks are shared by reference count. A block enters the hash table only
+hashes mean equal prefixes; a request with a LoRA adapter starts its chain from the adapter's salt, so
+prefixes computed under different adapters never meet. Blocks are shared by reference count. A block enters the hash table only
 after its KV has been computed (`cache_full_blocks`), never at allocation. Freed blocks keep their hash
 and stay reusable until they are recycled, least recently freed first.
 """
@@ -88,7 +89,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        prev: int | None = None
+        prev = seq.cache_salt
         for i in range((seq.num_tokens - 1) // self.block_size):
             prev = hash_block(prev, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             block_id = self.cached.get(prev)
@@ -141,7 +142,7 @@ class BlockManager:
             return
         num_full = seq.num_computed_tokens // self.block_size
         for i in range(len(seq.block_hashes), num_full):
-            prev = seq.block_hashes[-1] if seq.block_hashes else None
+            prev = seq.block_hashes[-1] if seq.block_hashes else seq.cache_salt
             block_hash = hash_block(prev, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             seq.block_hashes.append(block_hash)
             block = self.blocks[seq.block_table[i]]

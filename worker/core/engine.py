@@ -12,13 +12,14 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from nanovllm.common.errors import RequestError
+from nanovllm.common.errors import AdapterError, RequestError, UnknownAdapterError
 from nanovllm.common.logging import get_logger
 from nanovllm.common.request_checks import check_prompt, check_resumed_outputs, check_stop_token_ids
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.core.block_manager import BlockManager
 from nanovllm.worker.core.scheduler import Scheduler, request_output
+from nanovllm.worker.models.lora_adapter import LoRAAdapter
 from nanovllm.worker.runner.model_runner import LaunchedStep, ModelRunner
 from nanovllm.worker.sample.rows import sampling_rows
 from nanovllm.worker.sample.speculation import Proposer
@@ -74,8 +75,16 @@ class LLMEngine:
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.eos_token_ids
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.eos_token_ids,
+            config.max_loras or 0,
         )
+        self.adapters: dict[str, LoRAAdapter] = {}
+        for entry in config.lora_adapters:
+            name, _, path = entry.partition("=")
+            self.add_lora(name.strip(), path.strip())
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []
         self._seq_ids = itertools.count()
@@ -99,11 +108,19 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         output_token_ids: list[int] | None = None,
+        lora_name: str | None = None,
     ) -> None:
         """Queue a request. `output_token_ids` resumes one that generated those tokens elsewhere: it goes on
-        after them exactly as if it had produced them here (see Submit.output_token_ids)."""
+        after them exactly as if it had produced them here (see Submit.output_token_ids). `lora_name`:
+        the loaded LoRA adapter it runs with (None: the base model)."""
         if request_id in self.requests:
             raise RequestError(f"request_id {request_id!r} is already in flight")
+        adapter = None
+        if lora_name is not None:
+            adapter = self.adapters.get(lora_name)
+            if adapter is None:
+                loaded = ", ".join(repr(n) for n in self.adapters) or "none"
+                raise UnknownAdapterError(f"LoRA adapter {lora_name!r} is not loaded; loaded: {loaded}")
         vocab = self.model_config.vocab_size
         check_prompt(prompt_token_ids, self.config.max_model_len, vocab)
         check_stop_token_ids(params.stop_token_ids, vocab)
@@ -120,12 +137,36 @@ class LLMEngine:
             priority=priority,
             token_ids=list(prompt_token_ids) + outputs,
             max_num_tokens=min(len(prompt_token_ids) + params.max_tokens, self.config.max_model_len),
+            adapter=adapter,
         )
         self.requests[request_id] = seq
         if params.constraint is None:
             self.scheduler.add(seq)
         else:
             self.constraints.add(seq)
+
+    def add_lora(self, name: str, path: str) -> LoRAAdapter:
+        """Load the PEFT adapter in directory `path` under `name`; requests may name it from now on."""
+        if name in self.adapters:
+            raise AdapterError(
+                f"a LoRA adapter named {name!r} is already loaded (from {self.adapters[name].path})"
+            )
+        adapter = self.runner.read_adapter(name, path)
+        self.adapters[name] = adapter
+        log.info("lora_loaded", name=name, path=path, rank=adapter.rank)
+        return adapter
+
+    def remove_lora(self, name: str) -> None:
+        """Unload adapter `name`: new requests may no longer name it; those already queued or running
+        with it finish with it (its weights go once the last of them has)."""
+        adapter = self.adapters.pop(name, None)
+        if adapter is None:
+            loaded = ", ".join(repr(n) for n in self.adapters) or "none"
+            raise UnknownAdapterError(f"LoRA adapter {name!r} is not loaded; loaded: {loaded}")
+        in_use = sum(1 for seq in self.requests.values() if seq.adapter is adapter)
+        if not in_use:
+            self.runner.adapter_slots.release(adapter)
+        log.info("lora_unloaded", name=name, requests_finishing_with_it=in_use)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request in any state; its final output (finish_reason "abort") comes from the next step."""

@@ -6,8 +6,10 @@ Policy, in order:
    request not yet scheduled in this step is preempted (recompute: its blocks are freed and it goes back to
    waiting); if that is the request being scheduled, it preempts itself.
 2. Waiting requests in priority order (lower value first, then arrival), with prefix-cache lookup, while
-   the token budget, `max_num_seqs` and free blocks allow. A prompt longer than the remaining budget is
-   chunked, so a long prompt never holds running decodes back for more than one step's budget.
+   the token budget, `max_num_seqs` and free blocks allow; one whose LoRA adapter would make the running
+   requests' adapters more than `max_loras` waits, and those behind it may go first. A prompt longer than
+   the remaining budget is chunked, so a long prompt never holds running decodes back for more than one
+   step's budget.
 The scheduler decides; the model runner executes its SchedulerOutput; the scheduler then applies the
 step's picks (`update_from_output`): new tokens, stop checks, finished requests, blocks for the prefix cache.
 """
@@ -33,8 +35,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         eos_token_ids: Collection[int] = frozenset(),
+        max_loras: int = 0,
     ) -> None:
         self.block_manager = block_manager
+        self.max_loras = max_loras
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -92,14 +96,23 @@ class Scheduler:
     def _admit_waiting(
         self, budget: int, decodes: list[ScheduledSequence], prefills: list[ScheduledSequence]
     ) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        if not self.waiting:
+            return budget
+        adapters = {s.adapter for s in self.running if s.adapter is not None}
+        index = 0
+        while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[index]
+            if seq.adapter is not None and seq.adapter not in adapters and len(adapters) >= self.max_loras:
+                index += 1  # every LoRA slot is taken by the running requests' adapters
+                continue
             computed = self.block_manager.get_computed_blocks(seq)
             num_cached = len(computed) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
             if not self.block_manager.allocate_slots(seq, num_new, computed):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(index)
+            if seq.adapter is not None:
+                adapters.add(seq.adapter)
             seq.num_computed_tokens = num_cached
             if not seq.admitted:
                 seq.num_cached_tokens = num_cached

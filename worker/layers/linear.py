@@ -16,6 +16,7 @@ from torch import nn
 
 from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX
 from nanovllm.worker.layers.loadable import LoadableTensor
+from nanovllm.worker.layers.lora import LoRAWeights, Part
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, assign, make_weight
 
@@ -70,6 +71,7 @@ class ParallelLinear(nn.Module):
         self.cpu_kernels: ModuleType | None = None
         self.triton_kernels: ModuleType | None = None
         self.batch_invariant = False
+        self.lora: LoRAWeights | None = None  # set by DecoderForCausalLM.enable_lora
         self.weight = make_weight(out_features, in_features, quant, prefix, linear=True)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -81,8 +83,18 @@ class ParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
         raise NotImplementedError
 
+    def lora_parts(self) -> list[Part]:
+        """The parts of the output an adapter adapts apart, in order (worker/layers/lora.py)."""
+        return [(None, 0, self.weight.shape[0])]
+
     def _project(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.cpu_kernels, self.triton_kernels, self.batch_invariant)
+        y = linear(x, self.weight, self.bias, self.cpu_kernels, self.triton_kernels, self.batch_invariant)
+        if self.lora is not None:
+            self.lora.add_to(y, x, self._lora_matmul)
+        return y
+
+    def _lora_matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return linear(x, weight, None, self.cpu_kernels, self.triton_kernels, self.batch_invariant)
 
 
 class ColumnParallelLinear(ParallelLinear):
@@ -128,6 +140,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.output_sizes[:index]) // self.tp.size
         assign(param.narrow(0, offset, shard), loaded.narrow(0, self.tp.rank * shard, shard))
 
+    def lora_parts(self) -> list[Part]:
+        offsets = [sum(self.output_sizes[:i]) // self.tp.size for i in range(len(self.output_sizes))]
+        return [
+            (i, offset, size // self.tp.size)
+            for i, (offset, size) in enumerate(zip(offsets, self.output_sizes))
+        ]
+
 
 class QKVParallelLinear(ParallelLinear):
     """q, k and v projections fused; heads (not features) are what gets split across ranks, and KV heads
@@ -160,6 +179,10 @@ class QKVParallelLinear(ParallelLinear):
             "v": (q_size + kv_size, kv_size, kv_start),
         }[shard_id]  # type: ignore[index]
         assign(param.narrow(0, offset, size), loaded.narrow(0, start, size))
+
+    def lora_parts(self) -> list[Part]:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return [("q", 0, q_size), ("k", q_size, kv_size), ("v", q_size + kv_size, kv_size)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._project(x)

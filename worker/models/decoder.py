@@ -20,6 +20,7 @@ from nanovllm.worker.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from nanovllm.worker.layers.lora import LoRAContext, LoRAWeights
 from nanovllm.worker.layers.moe import SparseMoeBlock
 from nanovllm.worker.layers.norm import HeadRMSNorm, RMSNorm
 from nanovllm.worker.layers.parallel import TPContext
@@ -148,6 +149,7 @@ class DecoderModel(nn.Module):
         # The layers as one C++ call for decode-only steps (worker/models/decode_layers.py), set by
         # DecoderForCausalLM.bind_kernels on the CPU kernels.
         self.decode_layers: object | None = None
+        self.lora: LoRAContext | None = None  # DecoderForCausalLM.enable_lora
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -160,6 +162,7 @@ class DecoderModel(nn.Module):
             and decode is not None
             and meta.fresh is None
             and meta.cached is None
+            and (self.lora is None or self.lora.batch is None)  # the C++ layers know no adapters
         ):
             x, residual = self.decode_layers.forward(
                 x, *rope, meta.slot_mapping, decode.block_tables, decode.context_lens
@@ -201,6 +204,30 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    # The projections a LoRA adapter may adapt: its module name -> (this model's projection, shard id).
+    lora_targets: ClassVar[dict[str, tuple[str, object]]] = {
+        "q_proj": ("self_attn.qkv_proj", "q"),
+        "k_proj": ("self_attn.qkv_proj", "k"),
+        "v_proj": ("self_attn.qkv_proj", "v"),
+        "o_proj": ("self_attn.o_proj", None),
+        "gate_proj": ("mlp.gate_up_proj", 0),
+        "up_proj": ("mlp.gate_up_proj", 1),
+        "down_proj": ("mlp.down_proj", None),
+    }
+
+    def enable_lora(self, num_slots: int, max_rank: int) -> LoRAContext:
+        """Give every projection LoRA can adapt room for `num_slots` adapters of rank <= `max_rank`
+        (worker/layers/lora.py); a mixture-of-experts layer's experts are not adapted."""
+        context = LoRAContext(num_slots, max_rank)
+        for layer in self.model.layers:
+            projections = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+            if isinstance(layer.mlp, DecoderMLP):
+                projections += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
+            for projection in projections:
+                projection.lora = LoRAWeights(context, projection.weight.shape[1], projection.lora_parts())
+        self.model.lora = context
+        return context
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

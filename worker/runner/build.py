@@ -19,6 +19,7 @@ from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.kernels.backends import CpuKernelAttention, TritonAttention, select_attention_backend
 from nanovllm.worker.config import EngineConfig, ModelConfig
 from nanovllm.worker.device import resolve_placement, usable_cpus
+from nanovllm.worker.layers.lora import LoRAContext
 from nanovllm.worker.layers.moe import SparseMoeBlock
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, QuantScheme
@@ -35,6 +36,7 @@ from nanovllm.worker.runner.kv_cache import (
     gpu_kv_cache_bytes,
     kv_bytes_per_block,
 )
+from nanovllm.worker.runner.lora_slots import AdapterSlots
 from nanovllm.worker.runner.tensor_parallel import TensorParallelGroup
 from nanovllm.worker.sample.draft import DraftModel
 from nanovllm.worker.sample.sampler import Sampler
@@ -108,6 +110,12 @@ class ModelRunnerBase:
         if config.draft_hf_config is not None and config.speculative_model is not None:
             draft = self._load_model(config.draft_hf_config, config.speculative_model, "none")
             self.draft = DraftModel(draft, config.draft_hf_config, self.block_size)
+        self.lora: LoRAContext | None = None
+        self.adapter_slots: AdapterSlots | None = None
+        if config.max_loras:
+            with _default_dtype(self.dtype), self.device:
+                self.lora = self.model.enable_lora(config.max_loras, config.max_lora_rank)
+            self.adapter_slots = AdapterSlots(self.model, self.lora)
         self.weights_bytes = self._cuda_allocated() - baseline
         generator = torch.Generator(self.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)

@@ -139,9 +139,10 @@ class DecodeGraphs:
         return forward
 
     def bucket(self, inputs: StepInputs) -> int | None:
-        """The bucket a step replays in, or None when it must run eagerly."""
+        """The bucket a step replays in, or None when it must run eagerly (LoRA rows among them: the
+        graphs hold no adapters)."""
         n = len(inputs.decodes)
-        if inputs.fresh or inputs.cached or n == 0 or n > self.buckets[-1]:
+        if inputs.fresh or inputs.cached or inputs.lora_slots or n == 0 or n > self.buckets[-1]:
             return None
         if max(len(c.block_table) for c in inputs.decodes) > self.block_tables.shape[1]:
             return None

@@ -4,13 +4,14 @@ sends to the other tensor-parallel ranks), then those integers on the device in 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
 from nanovllm.kernels.attention import AttentionMetadata, ChunkBatch, DecodeBatch
 from nanovllm.worker.device import to_device
 from nanovllm.worker.runner.block_table_rows import BlockTableRows
+from nanovllm.worker.sequence import Sequence
 from nanovllm.worker.step import ScheduledSequence, SchedulerOutput, SeqChunk, StepInputs
 
 
@@ -21,7 +22,11 @@ class InputBuilder:
         self.block_rows = block_rows
 
     def step_inputs(
-        self, sched: SchedulerOutput, all_logits: bool, picked: Mapping[int, int] | None = None
+        self,
+        sched: SchedulerOutput,
+        all_logits: bool,
+        picked: Mapping[int, int] | None = None,
+        lora_slot: Callable[[Sequence], int] | None = None,
     ) -> StepInputs:
         """The step as plain integers. Tokens are laid out decodes, then fresh prompts, then continuing
         chunks; logits are computed for each sampling sequence's last token (or every token). `picked`: the
@@ -31,7 +36,8 @@ class InputBuilder:
         A verification (a decoding sequence's last token and its proposals) runs as decode rows, one per
         token, each attending to the cache up to its own position: its K/V are stored before any row
         attends, so this is the causal chunk, computed exactly as the decode steps it replaces would
-        compute each token (and replayable as a decode step on CUDA graphs)."""
+        compute each token (and replayable as a decode step on CUDA graphs). `lora_slot`: the LoRA slot
+        of a sequence's rows, where some sequence of the step has an adapter."""
         bs = self.block_size
         nd = sched.num_decodes
         verifying = [s for s in sched.scheduled[nd:] if s.spec_token_ids]
@@ -43,6 +49,7 @@ class InputBuilder:
         slots: list[int] = []
         last_row: dict[int, int] = {}
         deferred: list[tuple[int, int]] = []
+        lora_slots: list[int] = []
         for item in order:
             seq, start, end = item.seq, item.start, item.start + item.num_new_tokens
             table = seq.block_table
@@ -51,6 +58,8 @@ class InputBuilder:
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             last_row[seq.seq_id] = len(input_ids) - 1
+            if lora_slot is not None:
+                lora_slots.extend([lora_slot(seq)] * item.num_new_tokens)
             if seq.num_pending_tokens:
                 deferred.append((len(input_ids) - 1, self._pending_row(item, picked or {})))
         if all_logits:
@@ -83,6 +92,7 @@ class InputBuilder:
             cached=[chunk(s, s.start, s.num_new_tokens) for s in chunks if s.start > 0],
             logits_index=logits_index,
             deferred=deferred,
+            lora_slots=lora_slots,
         )
 
     @staticmethod

@@ -7,10 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm.common.errors import AdapterError
 from nanovllm.common.logging import get_logger
 from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.layers.parallel import TPContext
+from nanovllm.worker.models.lora_adapter import LoRAAdapter, read_adapter
 from nanovllm.worker.runner.build import ModelRunnerBase
+from nanovllm.worker.runner.lora_slots import BASE_ROW, lora_batch
 from nanovllm.worker.sample.sampler import SampledBatch
 from nanovllm.worker.step import (
     ModelRunnerOutput,
@@ -84,6 +87,8 @@ class ModelRunner(ModelRunnerBase):
                 self.tp_group.send(inputs)
             input_ids, positions, meta, logits_index = self.inputs.tensors(inputs)
             self._take_pending(input_ids, inputs)
+            if self.lora is not None:
+                self.lora.batch = lora_batch(inputs.lora_slots, self.inputs.long)
             graphs = self.decode_graphs
             bucket = graphs.bucket(inputs) if graphs is not None else None
             if graphs is not None and bucket is not None:
@@ -118,5 +123,23 @@ class ModelRunner(ModelRunnerBase):
         self.draft.propose(items, self.inputs.tensors)
 
     def step_inputs(self, sched: SchedulerOutput, all_logits: bool) -> StepInputs:
-        """The step as plain integers (worker/runner/inputs.py), pending tokens taken from the last picks."""
-        return self.inputs.step_inputs(sched, all_logits, self._picks[1] if self._picks is not None else None)
+        """The step as plain integers (worker/runner/inputs.py), pending tokens taken from the last picks,
+        each adapter of the step in a LoRA slot."""
+        picked = self._picks[1] if self._picks is not None else None
+        adapters = [s.seq.adapter for s in sched.scheduled if s.seq.adapter is not None]
+        if not adapters:
+            return self.inputs.step_inputs(sched, all_logits, picked)
+        if self.adapter_slots is None:
+            raise RuntimeError("a step runs a LoRA adapter on a model built without LoRA slots")
+        slots = self.adapter_slots.assign(adapters)
+        return self.inputs.step_inputs(
+            sched, all_logits, picked, lambda seq: BASE_ROW if seq.adapter is None else slots[seq.adapter]
+        )
+
+    def read_adapter(self, name: str, path: str) -> LoRAAdapter:
+        """A LoRA adapter read and checked against this model (worker/models/lora_adapter.py)."""
+        if self.lora is None:
+            raise AdapterError(
+                "LoRA is off in this engine: start it with --lora NAME=PATH or --max-loras N to load adapters"
+            )
+        return read_adapter(name, path, self.model, self.lora.max_rank)

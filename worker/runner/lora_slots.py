@@ -1,0 +1,84 @@
+"""Which LoRA adapter each of the model's slots holds, and a step's rows grouped by slot.
+
+A step may run at most as many adapters as there are slots (the scheduler admits no more), so each of
+them gets one: the one it already holds, else a free slot, else the least recently used slot that no row
+of this step needs, whose adapter is overwritten (it stays loaded in host memory and comes back the next
+time a request names it).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+import torch
+
+from nanovllm.common.logging import get_logger
+from nanovllm.worker.layers.lora import LoRABatch, LoRAContext, LoRAWeights
+from nanovllm.worker.models.decoder import DecoderForCausalLM
+from nanovllm.worker.models.lora_adapter import LoRAAdapter
+
+log = get_logger(__name__)
+
+BASE_ROW = -1  # a row of StepInputs.lora_slots that runs the base model
+
+
+class AdapterSlots:
+    def __init__(self, model: DecoderForCausalLM, context: LoRAContext) -> None:
+        self.context = context
+        # (layer index, projection name) -> its LoRAWeights, as LoRAAdapter.weights keys them.
+        self.layers: dict[tuple[int, str], LoRAWeights] = {}
+        for index, layer in enumerate(model.model.layers):
+            for name, module in layer.named_modules():
+                if isinstance(module, LoRAWeights):
+                    self.layers[(index, name.removesuffix(".lora"))] = module
+        self.held: OrderedDict[LoRAAdapter, int] = OrderedDict()  # least recently used first
+        self.free = list(range(context.num_slots - 1, -1, -1))
+        self.num_loads = 0
+
+    def assign(self, adapters: Iterable[LoRAAdapter]) -> dict[LoRAAdapter, int]:
+        """A slot for each of a step's adapters, filling the ones that do not hold theirs."""
+        wanted = list(dict.fromkeys(adapters))
+        if len(wanted) > self.context.num_slots:
+            raise RuntimeError(
+                f"a step runs {len(wanted)} adapters but the model has {self.context.num_slots} slots"
+            )
+        for adapter in wanted:
+            if adapter in self.held:
+                self.held.move_to_end(adapter)
+        for adapter in wanted:
+            if adapter not in self.held:
+                self._fill(adapter, self._take_slot(wanted))
+        return {adapter: self.held[adapter] for adapter in wanted}
+
+    def _take_slot(self, wanted: list[LoRAAdapter]) -> int:
+        if self.free:
+            return self.free.pop()
+        evicted = next(adapter for adapter in self.held if adapter not in wanted)
+        log.debug("lora_slot_reused", evicted=evicted.name)
+        return self.held.pop(evicted)
+
+    def _fill(self, adapter: LoRAAdapter, slot: int) -> None:
+        for key, weights in self.layers.items():
+            weights.fill(slot, adapter.weights.get(key, {}))
+        self.held[adapter] = slot
+        self.num_loads += 1
+
+    def release(self, adapter: LoRAAdapter) -> None:
+        """Forget an unloaded adapter's slot (its weights there are never read again)."""
+        slot = self.held.pop(adapter, None)
+        if slot is not None:
+            self.free.append(slot)
+
+
+def lora_batch(row_slots: list[int], to_device: Callable[[list[int]], torch.Tensor]) -> LoRABatch | None:
+    """A step's rows grouped by slot (BASE_ROW rows in none), or None when no row has an adapter."""
+    rows: dict[int, list[int]] = {}
+    for row, slot in enumerate(row_slots):
+        if slot != BASE_ROW:
+            rows.setdefault(slot, []).append(row)
+    if not rows:
+        return None
+    if len(rows) == 1 and len(next(iter(rows.values()))) == len(row_slots):
+        return LoRABatch([(next(iter(rows)), None)])
+    return LoRABatch([(slot, to_device(indices)) for slot, indices in rows.items()])
