@@ -19,13 +19,16 @@ def hash_block(prev_hash: int | None, token_ids: Sequence[int]) -> int:
     return h.intdigest()
 
 
-def prefix_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
-    """The hashes of the full blocks of `token_ids`, first block first (at most `limit` of them)."""
+def prefix_hashes(
+    token_ids: Sequence[int], block_size: int, limit: int | None = None, salt: int | None = None
+) -> list[int]:
+    """The hashes of the full blocks of `token_ids`, first block first (at most `limit` of them); `salt`
+    starts the chain (a LoRA adapter's cache salt: its blocks never match another's)."""
     count = len(token_ids) // block_size
     if limit is not None:
         count = min(count, limit)
     hashes: list[int] = []
-    prev: int | None = None
+    prev = salt
     for i in range(count):
         prev = hash_block(prev, token_ids[i * block_size : (i + 1) * block_size])
         hashes.append(prev)

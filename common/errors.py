@@ -29,5 +29,9 @@ class AdapterError(NanoVLLMError, ValueError):
     """A LoRA adapter cannot be loaded (a missing or malformed file, a shape the model does not have, ...)."""
 
 
+class DuplicateAdapterError(AdapterError):
+    """A LoRA adapter is loaded under a name another one already has."""
+
+
 class UnknownAdapterError(RequestError):
     """A request names a LoRA adapter this engine does not hold."""

@@ -248,6 +248,11 @@ class RouterConfig:
         help="file of bearer tokens, one per line as NAME:TOKEN (or TOKEN alone); turns on auth: calls "
         "without 'authorization: Bearer TOKEN' metadata get UNAUTHENTICATED, other tokens PERMISSION_DENIED",
     )
+    admin_tokens_file: str | None = option(
+        None,
+        help="file of bearer tokens (as --auth-tokens-file) for the Admin service, which loads and unloads "
+        "LoRA adapters on the workers; without it admin calls are refused (docs/lora.md)",
+    )
     max_streams_per_token: int = option(
         0, help="Generate streams one token may have open at once (0: no limit); more: RESOURCE_EXHAUSTED"
     )

@@ -123,6 +123,8 @@ def run_serve(options: dict[str, Any]) -> int:
         value = options[flag.dest]
         if flag.kind == "switch":
             worker_args += [flag.name] if value else []
+        elif flag.kind == "list":
+            worker_args += [arg for item in value or () for arg in (flag.name, str(item))]
         elif value is not None:
             worker_args += [flag.name, str(value)]
     log_args = [arg for flag in LOG_FLAGS for arg in (flag.name, str(options[flag.dest]))]

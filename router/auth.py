@@ -6,7 +6,7 @@ digits of its SHA-256). Blank lines and lines starting with `#` are skipped; a t
 characters. The file is read again when it changes (a rotated Secret), at the next call.
 
 A client sends `authorization: Bearer TOKEN` metadata. `AuthInterceptor` answers every method except the
-health service (and reflection, unless asked otherwise) with UNAUTHENTICATED when the metadata is missing
+health service, the Admin service (which checks its own tokens) and reflection (unless asked otherwise) with UNAUTHENTICATED when the metadata is missing
 or not a bearer token, and PERMISSION_DENIED when the token is not in the file. Tokens are looked up by
 their SHA-256 digest (`TokenTable`), and never logged: logs and metrics see the name only.
 
@@ -34,6 +34,7 @@ MIN_TOKEN_CHARS = 16
 ANONYMOUS = "anonymous"  # every caller's name when auth is off (limits then apply to all callers together)
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 REFLECTION_PREFIX = "/grpc.reflection."
+ADMIN_PREFIX = "/nanovllm.v1.Admin/"  # checked against the admin tokens instead (router/admin.py)
 
 
 class AuthError(Exception):
@@ -153,7 +154,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self._on_reject = on_reject
 
     def _exempt(self, method: str) -> bool:
-        return method.startswith(HEALTH_PREFIX) or (
+        return method.startswith((HEALTH_PREFIX, ADMIN_PREFIX)) or (
             self.open_reflection and method.startswith(REFLECTION_PREFIX)
         )
 

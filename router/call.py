@@ -17,6 +17,7 @@ from nanovllm.common.logging import get_logger
 from nanovllm.common.server_config import RouterConfig
 from nanovllm.common.v1 import worker_pb2
 from nanovllm.router.call_spans import call_spans
+from nanovllm.router.catalog import ModelChoice, NoModelYet, UnknownModelError
 from nanovllm.router.completion import CompletionText
 from nanovllm.router.limits import Lease
 from nanovllm.router.metrics import RouterMetrics
@@ -31,7 +32,6 @@ from nanovllm.router.trace import RequestTrace, request_content
 from nanovllm.router.validation import (
     ChatFormats,
     NoTokenizerError,
-    UnknownModelError,
     ValidRequest,
     check_request,
     validate_generate,
@@ -41,10 +41,11 @@ from nanovllm.v1 import generate_pb2
 
 log = get_logger(__name__)
 
-# Worker errors another worker may not have: draining, its queue full.
+# Worker errors another worker may not have: draining, its queue full, the adapter unloaded there.
 _RETRYABLE = {
     worker_pb2.ERROR_CODE_UNAVAILABLE: "worker_unavailable",
     worker_pb2.ERROR_CODE_RESOURCE_EXHAUSTED: "worker_full",
+    worker_pb2.ERROR_CODE_NOT_FOUND: "adapter_not_found",
 }
 STALL_CHECK_S = 0.5  # how often a blocked write looks at the stall timeout and the backlog
 _ERROR_CODES = {
@@ -52,6 +53,7 @@ _ERROR_CODES = {
     worker_pb2.ERROR_CODE_RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     worker_pb2.ERROR_CODE_INTERNAL: grpc.StatusCode.INTERNAL,
     worker_pb2.ERROR_CODE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    worker_pb2.ERROR_CODE_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
 }
 OffLoop = Callable[..., Awaitable]  # runs a blocking function (tokenization) off the event loop
 
@@ -70,6 +72,27 @@ async def reject(
 
 def never_reached(pool: WorkerPool) -> str:
     return f"no worker has been reachable yet ({pool.addresses})"
+
+
+class ModelRefused(Exception):
+    """A request's model name selects nothing: the status that says why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def resolve_model(pool: WorkerPool, name: str) -> ModelChoice:
+    """What `name` selects (router/catalog.py), or ModelRefused: UNAVAILABLE before any worker connected,
+    NOT_FOUND for a name nothing serves, INVALID_ARGUMENT for no name among several base models."""
+    try:
+        return pool.catalog.resolve(name)
+    except NoModelYet:
+        raise ModelRefused(grpc.StatusCode.UNAVAILABLE, never_reached(pool)) from None
+    except UnknownModelError as exc:
+        raise ModelRefused(grpc.StatusCode.NOT_FOUND, str(exc)) from None
+    except ValueError as exc:
+        raise ModelRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
 
 @dataclass
@@ -134,6 +157,7 @@ class GenerateCall:
         self.trace: RequestTrace | None = None
         self.generated: list[int] = []
         self.worker_running = True  # until the worker reports the request ended there
+        self.model: ModelChoice | None = None  # what request.model selected (set by admit)
 
     async def run(self) -> None:
         try:
@@ -163,9 +187,12 @@ class GenerateCall:
         self.lease.charge(prompt_len)
         content = request_content(request) if self.config.log_request_content else None
         self.trace = RequestTrace(self.metrics, self.request_id, prompt_len, self.lease, self.api, content)
-        decision = self.pool.pick(self.valid.prompt_token_ids)
+        decision = self.pool.pick(self.model, self.valid.prompt_token_ids)
         if decision is None:
-            await self._refuse(grpc.StatusCode.UNAVAILABLE, f"no worker is reachable ({self.pool.addresses})")
+            await self._refuse(
+                grpc.StatusCode.UNAVAILABLE,
+                f"no worker serving {self.model.name!r} is reachable ({self.pool.addresses})",
+            )
         self.attempt = self.submit(decision, frozenset(), "first")
         self.completion = self._completion_text(tokenizer)
         # Without a tokenizer, token ids are all there is.
@@ -187,7 +214,7 @@ class GenerateCall:
 
     def _formats(self) -> ChatFormats:
         """The model's reasoning and tool-call formats, as the router's flags choose them."""
-        architectures = self.pool.info.architectures
+        architectures = self.model.base.info.architectures
         return ChatFormats(
             reasoning_format(self.config.reasoning_parser, architectures),
             tool_call_format(self.config.tool_call_parser, architectures),
@@ -213,18 +240,17 @@ class GenerateCall:
     async def admit(self) -> tuple[ValidRequest, ModelTokenizer | None]:
         """The request checked and tokenized with its tokenizer, or the call ended with the status that
         blames it."""
-        pool = self.pool
-        if pool.info is None:
-            await self._refuse(grpc.StatusCode.UNAVAILABLE, never_reached(pool))
-        tokenizer, info = pool.tokenizer, pool.info
+        try:
+            self.model = resolve_model(self.pool, self.request.model)
+        except ModelRefused as exc:
+            await self._refuse(exc.code, str(exc))
+        tokenizer, info = self.model.base.tokenizer, self.model.base.info
         span = self.spans.child("nanovllm.router.validate")
         try:
             check_request(self.request, tokenizer, info, self.config.limits)
             valid = await self.off_loop(validate_generate, self.request, tokenizer, info, self._formats())
             span.set_attribute("nanovllm.prompt_tokens", len(valid.prompt_token_ids))
             return valid, tokenizer
-        except UnknownModelError as exc:
-            code, message = grpc.StatusCode.NOT_FOUND, str(exc)
         except NoTokenizerError as exc:
             code, message = grpc.StatusCode.FAILED_PRECONDITION, str(exc)
         except ValueError as exc:
@@ -305,6 +331,7 @@ class GenerateCall:
             self.generated,
             decision.block_hashes,
             carrier,
+            self.model.lora_name,
         )
         return Attempt(worker, wire_id, events, tried | {worker.address})
 
@@ -382,9 +409,9 @@ class GenerateCall:
         await asyncio.sleep(random.uniform(0.5, 1.0) * backoff)  # jitter: retries do not arrive in waves
         tokens = self.valid.prompt_token_ids + generated
         if generated:
-            decision = await self.pool.wait_for_worker(tokens, exclude, config.resume_wait_s)
+            decision = await self.pool.wait_for_worker(self.model, tokens, exclude, config.resume_wait_s)
         else:
-            decision = self.pool.pick(tokens, exclude)
+            decision = self.pool.pick(self.model, tokens, exclude)
         if decision is None:
             return False
         failed.worker.release(failed.wire_id, abort=False)  # it ended there already

@@ -29,6 +29,7 @@ from nanovllm.common.logging import get_logger
 from nanovllm.common.serving import MAX_MESSAGE_BYTES
 from nanovllm.common.tracing import CARRIER_KEYS
 from nanovllm.router.auth import Access, AuthError
+from nanovllm.router.catalog import NoModelYet
 from nanovllm.router.limits import RETRY_AFTER_KEY
 from nanovllm.router.openai_protocol import (
     Choice,
@@ -144,16 +145,20 @@ class HttpApi:
             self.service.access.identify(_metadata(request))
         except AuthError as exc:
             return error_response(_HTTP_STATUS[exc.code], str(exc))
-        info = self.service.pool.info
-        if info is None:
+        catalog = self.service.pool.catalog
+        if not catalog.bases:
             return error_response(503, "no worker has been reachable yet")
-        card = {
-            "id": info.model,
-            "object": "model",
-            "owned_by": "nanovllm",
-            "max_model_len": info.max_model_len,
-        }
-        return JSONResponse({"object": "list", "data": [card]})
+        cards = [
+            {
+                "id": served.name,
+                "object": "model",
+                "owned_by": "nanovllm",
+                "parent": served.parent or None,  # a LoRA adapter's base model
+                "max_model_len": catalog.bases[served.parent or served.name].info.max_model_len,
+            }
+            for served in catalog.served()
+        ]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def chat(self, request: Request) -> Response:
         return await self._complete(request, chat=True)
@@ -175,8 +180,9 @@ class HttpApi:
             parsed = parse_request(body, chat)
         except ProtocolError as exc:
             return error_response(400, str(exc), exc.param)
-        if not parsed.model and self.service.pool.info is not None:  # answers name the model served
-            parsed = dataclasses.replace(parsed, model=self.service.pool.info.model)
+        bases = self.service.pool.catalog.bases
+        if not parsed.model and len(bases) == 1:  # answers name the model served
+            parsed = dataclasses.replace(parsed, model=next(iter(bases)))
         queue: asyncio.Queue = asyncio.Queue(maxsize=2 * len(parsed.generate))
         metadata = _metadata(request)
         tasks = [
@@ -223,13 +229,13 @@ class HttpApi:
                 return _aborted(item)
             choices[index].add(item)
             event = await anext(events, None)
-        return JSONResponse(completion_body(parsed, choices, self._decoder()))
+        return JSONResponse(completion_body(parsed, choices, self._decoder(parsed.model)))
 
     async def _sse(self, parsed: OpenAIRequest, first, events: AsyncIterator, tasks) -> AsyncIterator[str]:
         """Server-sent events: a chunk per Generate response, usage last when asked, then [DONE]."""
         choices = [Choice(i) for i in range(len(parsed.generate))]
         started: set[int] = set()
-        decode = self._decoder()
+        decode = self._decoder(parsed.model)
         try:
             event = first
             while event is not None:
@@ -252,8 +258,13 @@ class HttpApi:
         finally:
             await _cancel(tasks)  # a client gone: its requests are aborted on the workers
 
-    def _decoder(self):
-        tokenizer = self.service.pool.tokenizer
+    def _decoder(self, model: str):
+        """Token id -> its text, with the tokenizer of the model the request named; ids as text where it
+        has none, or where the name went since the call started (its adapter unloaded everywhere)."""
+        try:
+            tokenizer = self.service.pool.catalog.resolve(model).base.tokenizer
+        except (LookupError, ValueError, NoModelYet):
+            tokenizer = None
         if tokenizer is None:
             return str
         return lambda token_id: tokenizer.backend.decode([token_id], skip_special_tokens=False)

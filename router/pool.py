@@ -1,9 +1,9 @@
 """All workers of one router: found through the --worker targets (router/discovery.py), one
 WorkerConnection each, and the choice of one for each request (router/routing.py).
 
-They must serve the same model: the first one to connect sets it, and its tokenizer files become the
-router's tokenizer (None for a model without one). A worker whose address stops resolving is retired: it
-takes nothing new, its streams finish, and then its connection closes.
+Workers may serve several base models, each with its LoRA adapters (router/catalog.py); a request goes to
+a worker that serves the model it names. A worker whose address stops resolving is retired: it takes
+nothing new, its streams finish, and then its connection closes.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from nanovllm.common.logging import get_logger
 from nanovllm.common.server_config import RoutingConfig
 from nanovllm.common.tls import TlsFiles
 from nanovllm.common.v1 import worker_pb2
+from nanovllm.router.catalog import Catalog, ModelChoice
 from nanovllm.router.discovery import RESOLVE_ERRORS, WorkerTarget, resolve
 from nanovllm.router.routing import Decision, choose
-from nanovllm.router.tokenizer import ModelTokenizer, has_tokenizer
 from nanovllm.router.workers import WorkerConnection
 
 log = get_logger(__name__)
@@ -39,8 +39,7 @@ class WorkerPool:
         if not targets:
             raise ValueError("a router needs at least one worker address (--worker HOST:PORT)")
         self.targets = [WorkerTarget.parse(t) for t in targets]
-        self.info: worker_pb2.WorkerInfo | None = None
-        self.tokenizer: ModelTokenizer | None = None
+        self.catalog = Catalog(lambda: self.available)
         self.routing = routing
         self._turn = 0  # requests picked for so far: round-robin's position
         self.discovery_interval_s = discovery_interval_s
@@ -48,7 +47,6 @@ class WorkerPool:
         self._tls, self._server_name = tls, server_name
         self._workers: dict[str, WorkerConnection] = {}
         self._resolved: dict[WorkerTarget, set[str]] = {}  # each target's addresses at its last lookup
-        self._tokenizer_lock = asyncio.Lock()
         self._change = asyncio.Event()  # set (and replaced) whenever a worker connects, drains or goes
         self._started = False
         self._discovery: asyncio.Task | None = None
@@ -85,21 +83,24 @@ class WorkerPool:
         """Connected workers that take new requests (not draining, not retired)."""
         return [w for w in self.workers if w.available]
 
-    def pick(self, token_ids: Sequence[int], exclude: frozenset[str] = frozenset()) -> Decision | None:
-        """Where a request whose tokens are `token_ids` costs least (router/routing.py), among the available
-        workers other than the addresses in `exclude` (those it already failed on); None if there is none."""
-        candidates = [w for w in self.available if w.address not in exclude]
+    def pick(
+        self, model: ModelChoice, token_ids: Sequence[int], exclude: frozenset[str] = frozenset()
+    ) -> Decision | None:
+        """Where a request for `model` whose tokens are `token_ids` costs least (router/routing.py), among
+        the available workers that serve the model, other than the addresses in `exclude` (those it
+        already failed on); None if there is none."""
+        candidates = [w for w in self.available if w.address not in exclude and model.served_by(w)]
         self._turn += 1
-        return choose(candidates, token_ids, self.routing, self._turn)
+        return choose(candidates, token_ids, self.routing, self._turn, model.cache_salt)
 
     async def wait_for_worker(
-        self, token_ids: Sequence[int], exclude: frozenset[str], timeout: float
+        self, model: ModelChoice, token_ids: Sequence[int], exclude: frozenset[str], timeout: float
     ) -> Decision | None:
-        """pick(token_ids, exclude), or else any available worker, waiting up to `timeout` seconds for one
-        to connect (a worker restarting after a crash)."""
+        """pick(model, token_ids, exclude), or else any available worker of the model, waiting up to
+        `timeout` seconds for one to connect (a worker restarting after a crash)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while (decision := self.pick(token_ids, exclude) or self.pick(token_ids)) is None:
+        while (decision := self.pick(model, token_ids, exclude) or self.pick(model, token_ids)) is None:
             change = self._change
             try:
                 await asyncio.wait_for(change.wait(), deadline - loop.time())
@@ -159,23 +160,7 @@ class WorkerPool:
     # --- connections ----------------------------------------------------------------------------------
 
     async def _prepare(self, info: worker_pb2.WorkerInfo) -> bool:
-        async with self._tokenizer_lock:
-            if self.info is None:
-                if has_tokenizer(info):
-                    self.tokenizer = await asyncio.to_thread(ModelTokenizer, info)
-                else:
-                    log.warning(
-                        "model_has_no_tokenizer",
-                        model=info.model,
-                        detail="only prompt token ids are served: text, chat and stop strings get "
-                        "FAILED_PRECONDITION, responses carry token ids and no text",
-                    )
-                self.info = info
-                return True
-        if info.model != self.info.model or info.tokenizer_files != self.info.tokenizer_files:
-            log.error("worker_model_mismatch", expected=self.info.model, got=info.model)
-            return False
-        return True
+        return await self.catalog.admit(info)
 
     def _changed(self) -> None:
         self._change.set()

@@ -55,11 +55,15 @@ class Decision:
 
 
 def choose(
-    candidates: Sequence[Candidate], token_ids: Sequence[int], config: RoutingConfig, turn: int = 0
+    candidates: Sequence[Candidate],
+    token_ids: Sequence[int],
+    config: RoutingConfig,
+    turn: int = 0,
+    cache_salt: int | None = None,
 ) -> Decision | None:
     """The worker for a request whose prompt (plus any tokens it already generated) is `token_ids`, by
     the configured policy (`turn` counts the router's requests, for round-robin); None without
-    candidates."""
+    candidates. `cache_salt`: where its block hashes start (its LoRA adapter's, common/block_hash.py)."""
     if not candidates:
         return None
     if config.policy == RoutingPolicy.ROUND_ROBIN:
@@ -67,16 +71,16 @@ def choose(
     if config.policy == RoutingPolicy.LEAST_LOADED:
         worker = min(candidates, key=lambda w: w.queue_estimate)
         return Decision(worker, 0, float(worker.queue_estimate), len(candidates))
-    return _cheapest(candidates, token_ids, config)
+    return _cheapest(candidates, _HashesBySize(token_ids, cache_salt), config)
 
 
 def _cheapest(
-    candidates: Sequence[Candidate], token_ids: Sequence[int], weights: RoutingConfig
+    candidates: Sequence[Candidate], hashes: _HashesBySize, weights: RoutingConfig
 ) -> Decision | None:
     """The least cost; among equals, the emptiest prefix cache, so that new prefixes spread over the
     workers instead of all landing on the first (and evicting each other there)."""
     pool = _without_hotspots(candidates, weights)
-    hashes = _HashesBySize(token_ids)
+    token_ids = hashes.token_ids
     best: tuple[float, int] | None = None
     decision: Decision | None = None
     for worker in pool:
@@ -100,12 +104,13 @@ class _HashesBySize:
     """The prompt's block hashes, computed once per block size in use. The last token is left out, as the
     worker's prefix cache does: at least one token is always computed, to yield logits."""
 
-    def __init__(self, token_ids: Sequence[int]) -> None:
-        self._token_ids = token_ids
+    def __init__(self, token_ids: Sequence[int], salt: int | None) -> None:
+        self.token_ids = token_ids
+        self._salt = salt
         self._by_size: dict[int, list[int]] = {}
 
     def __call__(self, block_size: int) -> list[int]:
         if block_size not in self._by_size:
-            usable = max(len(self._token_ids) - 1, 0)
-            self._by_size[block_size] = prefix_hashes(self._token_ids[:usable], block_size)
+            usable = max(len(self.token_ids) - 1, 0)
+            self._by_size[block_size] = prefix_hashes(self.token_ids[:usable], block_size, salt=self._salt)
         return self._by_size[block_size]

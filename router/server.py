@@ -15,15 +15,16 @@ from nanovllm.common.server_config import RouterConfig
 from nanovllm.common.serving import GrpcServer
 from nanovllm.common.tls import ReloadingSslContext, server_credentials
 from nanovllm.common.tracing import start_tracing
-from nanovllm.common.v1 import worker_pb2
 from nanovllm.common.wire import fields_to_message
+from nanovllm.router.admin import AdminService
 from nanovllm.router.auth import Access, AuthInterceptor, TokenTable
-from nanovllm.router.call import GenerateCall, never_reached, reject
+from nanovllm.router.call import GenerateCall, ModelRefused, reject, resolve_model
+from nanovllm.router.catalog import ModelChoice
 from nanovllm.router.http_api import HttpApi, start_http
 from nanovllm.router.limits import TokenLimits
 from nanovllm.router.metrics import RouterMetrics
 from nanovllm.router.pool import WorkerPool
-from nanovllm.router.tokenizer import ModelTokenizer, auto_tokenizer
+from nanovllm.router.tokenizer import auto_tokenizer
 from nanovllm.router.tool_calls import check_tools
 from nanovllm.router.validation import NoTokenizerError, check_prompt_size, prompt_token_ids
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
@@ -56,14 +57,13 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     def close(self) -> None:
         self._tokenizers.shutdown(wait=False, cancel_futures=True)
 
-    async def _model(
-        self, context: grpc.aio.ServicerContext
-    ) -> tuple[ModelTokenizer | None, worker_pb2.WorkerInfo]:
-        """The tokenizer (None for a model without one) and worker info, or UNAVAILABLE before any worker
-        has connected."""
-        if self.pool.info is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, never_reached(self.pool))
-        return self.pool.tokenizer, self.pool.info
+    async def _model(self, name: str, context: grpc.aio.ServicerContext) -> ModelChoice:
+        """What `name` selects, or the call ended with the status that says why (router/call.py)."""
+        try:
+            return resolve_model(self.pool, name)
+        except ModelRefused as exc:
+            await context.abort(exc.code, str(exc))
+        raise AssertionError("context.abort returns only by raising")
 
     @property
     def in_flight(self) -> int:
@@ -108,7 +108,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     async def Tokenize(
         self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.TokenizeResponse:
-        tokenizer, info = await self._model(context)
+        model = await self._model(request.model, context)
+        tokenizer, info = model.base.tokenizer, model.base.info
         try:
             check_prompt_size(request, self.config.limits, info.max_model_len)
             tools = check_tools(request.chat) if request.WhichOneof("prompt") == "chat" else None
@@ -122,8 +123,21 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     async def GetModelInfo(
         self, request: generate_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.ModelInfo:
-        _, info = await self._model(context)
-        return fields_to_message(info, generate_pb2.ModelInfo, num_workers=len(self.pool.available))
+        model = await self._model(request.model, context)
+        workers = sum(model.served_by(w) for w in self.pool.available)
+        return fields_to_message(
+            model.base.info, generate_pb2.ModelInfo, num_workers=workers, model=model.name
+        )
+
+    async def ListModels(
+        self, request: generate_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.ModelList:
+        return generate_pb2.ModelList(
+            models=[
+                generate_pb2.ServedModel(name=s.name, parent=s.parent, num_workers=s.num_workers)
+                for s in self.pool.catalog.served()
+            ]
+        )
 
 
 def _access(config: RouterConfig, metrics: RouterMetrics) -> tuple[Access, list[grpc.aio.ServerInterceptor]]:
@@ -162,8 +176,9 @@ async def serve_router(
     drain timeout."""
     metrics = RouterMetrics()
     access, interceptors = _access(config, metrics)
+    admin_tokens = TokenTable(config.admin_tokens_file) if config.admin_tokens_file else None
     server = GrpcServer(
-        [generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
+        [generate_pb2.DESCRIPTOR.services_by_name[name].full_name for name in ("Generation", "Admin")],
         keepalive_time_s=config.keepalive_time_s,
         keepalive_timeout_s=config.keepalive_timeout_s,
         credentials=server_credentials(config.tls, require_client_cert=bool(config.tls_client_ca)),
@@ -180,6 +195,7 @@ async def serve_router(
     tracing = start_tracing(config.tracing, "nanovllm-router")
     service = GenerationService(pool, metrics, config, access, tracing and tracing.tracer)
     generate_pb2_grpc.add_GenerationServicer_to_server(service, server.server)
+    generate_pb2_grpc.add_AdminServicer_to_server(AdminService(pool, admin_tokens), server.server)
     http = None
     announce = on_listening
     if config.http_port is not None:

@@ -29,10 +29,6 @@ from nanovllm.router.tool_calls import (
 from nanovllm.v1 import generate_pb2
 
 
-class UnknownModelError(LookupError):
-    """The request names a model this router's workers do not serve (NOT_FOUND, HTTP 404)."""
-
-
 class NoTokenizerError(Exception):
     """The request needs the model's tokenizer (a text or chat prompt, stop strings) and it has none."""
 
@@ -76,9 +72,7 @@ def check_request(
     info: worker_pb2.WorkerInfo,
     limits: RequestLimits,
 ) -> None:
-    """Everything that can be checked without tokenizing."""
-    if request.model and request.model != info.model:
-        raise UnknownModelError(f"model {request.model!r} is not served here; served: {info.model!r}")
+    """Everything that can be checked without tokenizing (the model's name is the catalog's)."""
     id_bytes = len(request.request_id.encode())
     if id_bytes > limits.max_request_id_bytes:
         raise ValueError(f"request_id is {id_bytes} bytes; at most {limits.max_request_id_bytes} are allowed")

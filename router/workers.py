@@ -64,6 +64,7 @@ class WorkerConnection:
         this worker (e.g. it serves another model), and the connection retries later."""
         self.address = address
         self.info: worker_pb2.WorkerInfo | None = None
+        self.adapters: dict[str, int] = {}  # the LoRA adapters loaded there: name -> cache salt
         self.connected = False
         self.draining = False  # the worker said it is shutting down: send it nothing new
         self.retired = False  # its address no longer resolves: send it nothing new (see WorkerPool)
@@ -140,11 +141,13 @@ class WorkerConnection:
         output_token_ids: list[int] | None = None,
         block_hashes: Sequence[int] = (),
         trace_context: dict[str, str] | None = None,
+        lora_name: str = "",
     ) -> asyncio.Queue[RequestEvent]:
         """Send a request; its updates (and a WorkerLost if the worker goes away) arrive on the queue.
         `output_token_ids` resumes a stream with the tokens another worker generated for it;
         `block_hashes` are its prompt's blocks (common/block_hash.py), counted as cached there meanwhile;
-        `trace_context` is the W3C carrier the worker's span continues (common/tracing.py)."""
+        `trace_context` is the W3C carrier the worker's span continues (common/tracing.py); `lora_name`
+        the adapter it runs with (empty: the base model)."""
         events: asyncio.Queue[RequestEvent] = asyncio.Queue()
         if not self.connected:
             events.put_nowait(WorkerLost(self.address, "the worker is not connected"))
@@ -161,6 +164,7 @@ class WorkerConnection:
             client_request_id=client_request_id,
             output_token_ids=output_token_ids or (),
             trace_context=trace_context or {},
+            lora_name=lora_name,
         )
         self._outbound.put_nowait(worker_pb2.RouterMessage(submit=submit))
         return events
@@ -217,6 +221,7 @@ class WorkerConnection:
     async def _stream(self, on_change: Callable[[], None]) -> None:
         self._outbound = asyncio.Queue()
         self.cached_blocks = set()
+        self.adapters = {a.name: a.cache_salt for a in self.info.adapters}
         subscribe = worker_pb2.Subscribe(prefix_cache=True)
         self._outbound.put_nowait(worker_pb2.RouterMessage(subscribe=subscribe))
         call = self.stub.Connect(self._outgoing(self._outbound))
@@ -232,6 +237,9 @@ class WorkerConnection:
                 self._sent_since_report = 0
             if step.HasField("prefix_cache"):
                 self._apply(step.prefix_cache)
+            if step.HasField("adapters"):
+                self.adapters = {a.name: a.cache_salt for a in step.adapters.adapters}
+                on_change()
             if step.draining:
                 self.draining = True
                 log.info("worker_draining", worker=self.address, in_flight=len(self._requests))

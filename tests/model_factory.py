@@ -122,3 +122,24 @@ def build_model(
         # Qwen3 models get Qwen3's own template (thinking switch, tools); the others plain ChatML.
         build_tokenizer(QWEN3 if arch == "qwen3" else CHAT_TEMPLATE).save_pretrained(out_dir)
     return out_dir
+
+
+ALL_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(model_dir: Path, out_dir: Path, rank: int, targets: list[str], seed: int) -> Path:
+    """A random PEFT adapter for `model_dir`, strong enough to change its greedy tokens: A and B drawn
+    with twice the base weights' spread (standard deviation 2 / sqrt(fan-in)), lora_alpha = rank / 2 so
+    the scale is not 1."""
+    from peft import LoraConfig, get_peft_model  # only the LoRA tests pay for importing PEFT
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=rank // 2, target_modules=targets, init_lora_weights=False)
+    model = get_peft_model(base, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 2.0 / param.shape[1] ** 0.5)
+    model.save_pretrained(out_dir)
+    return out_dir

@@ -60,6 +60,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             "maxStreamsPerToken": 4,
             "tokensPerMinutePerToken": 60000,
         },
+        "admin": {"enabled": True, "existingSecret": "ops-tokens"},
         "networkPolicy": {"enabled": True},
     },
     "cert-manager": {
@@ -737,14 +738,15 @@ def test_mutual_tls_is_on_by_default_with_a_generated_ca() -> None:
 
 
 def test_existing_secrets_and_auth() -> None:
-    """Given Secrets: nothing generated; the public port's certificate, client CA and tokens file come from
-    their Secrets, and the limits from the values."""
+    """Given Secrets: nothing generated; the public port's certificate, client CA, tokens file and admin
+    tokens file come from their Secrets, and the limits from the values."""
     objects = rendered("tls-secrets-auth")
     assert not [o for o in objects if o["kind"] in ("Secret", "Certificate")]
     router = config(objects, "router")
     assert router["NANOVLLM_TLS_CERT"] == f"{TLS_DIR}/public/tls.crt"
     assert router["NANOVLLM_TLS_CLIENT_CA"] == f"{TLS_DIR}/public/ca.crt"
     assert router["NANOVLLM_AUTH_TOKENS_FILE"] == "/etc/nanovllm/auth/tokens"
+    assert router["NANOVLLM_ADMIN_TOKENS_FILE"] == "/etc/nanovllm/admin/tokens"
     assert (router["NANOVLLM_MAX_STREAMS_PER_TOKEN"], router["NANOVLLM_TOKENS_PER_MINUTE_PER_TOKEN"]) == (
         "4",
         "60000",
@@ -753,6 +755,7 @@ def test_existing_secrets_and_auth() -> None:
         f"{TLS_DIR}/internal": ("mesh-tls", True),
         f"{TLS_DIR}/public": ("router-tls", True),
         "/etc/nanovllm/auth": ("api-tokens", True),
+        "/etc/nanovllm/admin": ("ops-tokens", True),
     }
     assert secret_mounts(objects, "worker") == {f"{TLS_DIR}/internal": ("mesh-tls", True)}
     volumes = pod_spec(objects, "router")["volumes"]
@@ -789,6 +792,7 @@ def test_plaintext_when_asked() -> None:
     [
         ({"tls": {"public": {"enabled": True}}}, "tls.public.enabled needs tls.public.existingSecret"),
         ({"auth": {"enabled": True}}, "auth.enabled needs auth.existingSecret"),
+        ({"admin": {"enabled": True}}, "admin.enabled needs admin.existingSecret"),
         (
             {"tls": {"certManager": {"enabled": True}}},
             "tls.certManager.enabled needs tls.certManager.issuerRef.name",

@@ -12,33 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM
 from nanovllm.common.errors import AdapterError, UnknownAdapterError
 from tests.helpers import greedy, teacher_forced_logits
-from tests.model_factory import build_model
+from tests.model_factory import ALL_LORA_TARGETS, build_model, make_adapter
 
-ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SUBSET = ["q_proj", "v_proj", "down_proj"]
 MAX_NEW = 16
 ENGINE = {"max_model_len": 256, "kv_cache_memory": "16MiB", "max_lora_rank": 64}
-
-
-def make_adapter(model_dir: Path, out_dir: Path, rank: int, targets: list[str], seed: int) -> Path:
-    """A random PEFT adapter for `model_dir`, strong enough to change its greedy tokens: A and B drawn
-    like the base weights (variance 1 / fan-in), lora_alpha = rank / 2 so the scale is not 1."""
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=rank // 2, target_modules=targets, init_lora_weights=False)
-    model = get_peft_model(base, config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 2.0 / param.shape[1] ** 0.5)
-    model.save_pretrained(out_dir)
-    return out_dir
 
 
 def peft_model(model_dir: Path, adapter_dir: Path) -> torch.nn.Module:
@@ -75,7 +59,7 @@ def models(model_dirs: dict[str, Path], tmp_path_factory) -> dict[str, tuple[Pat
         out[arch] = (
             base,
             {
-                "r8-all": make_adapter(base, root / arch / "r8-all", 8, ALL_TARGETS, seed=10),
+                "r8-all": make_adapter(base, root / arch / "r8-all", 8, ALL_LORA_TARGETS, seed=10),
                 "r64-subset": make_adapter(base, root / arch / "r64-subset", 64, SUBSET, seed=11),
                 "r8-subset": make_adapter(base, root / arch / "r8-subset", 8, SUBSET, seed=12),
             },

@@ -35,8 +35,8 @@ class Worker:
     def num_cached_blocks(self) -> int:
         return len(self.cached_blocks)
 
-    def caches(self, token_ids: list[int]) -> Worker:
-        self.cached_blocks.update(prefix_hashes(token_ids, BLOCK))
+    def caches(self, token_ids: list[int], salt: int | None = None) -> Worker:
+        self.cached_blocks.update(prefix_hashes(token_ids, BLOCK, salt=salt))
         return self
 
 
@@ -72,6 +72,20 @@ def test_the_last_token_is_never_counted_as_cached():
     hits one block less."""
     holder = Worker("holder").caches(PREFIX)
     assert choose([holder], PREFIX, WEIGHTS).expected_hit_tokens == len(PREFIX) - BLOCK
+
+
+def test_an_adapters_prefix_counts_only_for_that_adapter():
+    """A LoRA adapter's blocks chain from its cache salt: the worker that holds the prompt under the
+    adapter wins its requests, the one that holds it under the base (or another adapter) does not."""
+    prompt = PREFIX + [5]
+    base, sql, chat = (
+        Worker("base").caches(PREFIX),
+        Worker("sql").caches(PREFIX, 11),
+        Worker("chat").caches(PREFIX, 12),
+    )
+    decision = choose([base, chat, sql], prompt, WEIGHTS, cache_salt=11)
+    assert decision.worker is sql and decision.expected_hit_tokens == len(PREFIX)
+    assert choose([sql, chat, base], prompt, WEIGHTS).worker is base
 
 
 def test_only_a_leading_run_of_blocks_counts():

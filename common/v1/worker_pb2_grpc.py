@@ -49,6 +49,16 @@ class WorkerStub:
                 request_serializer=nanovllm_dot_common_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=nanovllm_dot_common_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/nanovllm.worker.v1.Worker/LoadLoRAAdapter',
+                request_serializer=nanovllm_dot_common_dot_v1_dot_worker__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=nanovllm_dot_common_dot_v1_dot_worker__pb2.LoRAAdapter.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/nanovllm.worker.v1.Worker/UnloadLoRAAdapter',
+                request_serializer=nanovllm_dot_common_dot_v1_dot_worker__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=nanovllm_dot_common_dot_v1_dot_worker__pb2.UnloadLoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -78,6 +88,22 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Load a LoRA adapter (PEFT's format: a directory on the worker's disk) under a name submits may give.
+        INVALID_ARGUMENT naming the problem when it cannot be loaded (nothing changes then).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Unload one: requests queued or running with it finish with it; submits naming it from now on get
+        ERROR_CODE_NOT_FOUND. NOT_FOUND when no adapter has that name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +121,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=nanovllm_dot_common_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
                     response_serializer=nanovllm_dot_common_dot_v1_dot_worker__pb2.WorkerLoad.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=nanovllm_dot_common_dot_v1_dot_worker__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=nanovllm_dot_common_dot_v1_dot_worker__pb2.LoRAAdapter.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=nanovllm_dot_common_dot_v1_dot_worker__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=nanovllm_dot_common_dot_v1_dot_worker__pb2.UnloadLoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +214,60 @@ class Worker:
             '/nanovllm.worker.v1.Worker/GetLoad',
             nanovllm_dot_common_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
             nanovllm_dot_common_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanovllm.worker.v1.Worker/LoadLoRAAdapter',
+            nanovllm_dot_common_dot_v1_dot_worker__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            nanovllm_dot_common_dot_v1_dot_worker__pb2.LoRAAdapter.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanovllm.worker.v1.Worker/UnloadLoRAAdapter',
+            nanovllm_dot_common_dot_v1_dot_worker__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            nanovllm_dot_common_dot_v1_dot_worker__pb2.UnloadLoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

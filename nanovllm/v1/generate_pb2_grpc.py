@@ -50,6 +50,11 @@ class GenerationStub:
                 request_serializer=nanovllm_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=nanovllm_dot_v1_dot_generate__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/nanovllm.v1.Generation/ListModels',
+                request_serializer=nanovllm_dot_v1_dot_generate__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=nanovllm_dot_v1_dot_generate__pb2.ModelList.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -77,7 +82,16 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
-        """The served model and its limits.
+        """The served model and its limits (with several base models behind the router: GetModelInfoRequest.model
+        names one).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListModels(self, request, context):
+        """Every name GenerateRequest.model may give: the base models and the LoRA adapters loaded on their
+        workers.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -100,6 +114,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=nanovllm_dot_v1_dot_generate__pb2.GetModelInfoRequest.FromString,
                     response_serializer=nanovllm_dot_v1_dot_generate__pb2.ModelInfo.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=nanovllm_dot_v1_dot_generate__pb2.ListModelsRequest.FromString,
+                    response_serializer=nanovllm_dot_v1_dot_generate__pb2.ModelList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -184,6 +203,157 @@ class Generation:
             '/nanovllm.v1.Generation/GetModelInfo',
             nanovllm_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
             nanovllm_dot_v1_dot_generate__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanovllm.v1.Generation/ListModels',
+            nanovllm_dot_v1_dot_generate__pb2.ListModelsRequest.SerializeToString,
+            nanovllm_dot_v1_dot_generate__pb2.ModelList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class AdminStub:
+    """Operators' calls. Each needs a token from the router's --admin-tokens-file (without that file they are
+    refused with PERMISSION_DENIED), whether or not Generation needs tokens.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/nanovllm.v1.Admin/LoadLoRAAdapter',
+                request_serializer=nanovllm_dot_v1_dot_generate__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=nanovllm_dot_v1_dot_generate__pb2.LoadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/nanovllm.v1.Admin/UnloadLoRAAdapter',
+                request_serializer=nanovllm_dot_v1_dot_generate__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=nanovllm_dot_v1_dot_generate__pb2.UnloadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+
+
+class AdminServicer:
+    """Operators' calls. Each needs a token from the router's --admin-tokens-file (without that file they are
+    refused with PERMISSION_DENIED), whether or not Generation needs tokens.
+    """
+
+    def LoadLoRAAdapter(self, request, context):
+        """Load a LoRA adapter on every worker of its base model: INVALID_ARGUMENT naming the problem (and the
+        worker) when one cannot, and then none keeps it; ALREADY_EXISTS when the name is taken.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Unload it from every worker: its requests in flight finish with it, new ones get NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=nanovllm_dot_v1_dot_generate__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=nanovllm_dot_v1_dot_generate__pb2.LoadLoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=nanovllm_dot_v1_dot_generate__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=nanovllm_dot_v1_dot_generate__pb2.UnloadLoRAAdapterResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'nanovllm.v1.Admin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('nanovllm.v1.Admin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Admin:
+    """Operators' calls. Each needs a token from the router's --admin-tokens-file (without that file they are
+    refused with PERMISSION_DENIED), whether or not Generation needs tokens.
+    """
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanovllm.v1.Admin/LoadLoRAAdapter',
+            nanovllm_dot_v1_dot_generate__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            nanovllm_dot_v1_dot_generate__pb2.LoadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanovllm.v1.Admin/UnloadLoRAAdapter',
+            nanovllm_dot_v1_dot_generate__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            nanovllm_dot_v1_dot_generate__pb2.UnloadLoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,7 +12,7 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from nanovllm.common.errors import AdapterError, RequestError, UnknownAdapterError
+from nanovllm.common.errors import AdapterError, DuplicateAdapterError, RequestError, UnknownAdapterError
 from nanovllm.common.logging import get_logger
 from nanovllm.common.request_checks import check_prompt, check_resumed_outputs, check_stop_token_ids
 from nanovllm.common.sampling_params import SamplingParams
@@ -147,8 +147,10 @@ class LLMEngine:
 
     def add_lora(self, name: str, path: str) -> LoRAAdapter:
         """Load the PEFT adapter in directory `path` under `name`; requests may name it from now on."""
+        if not name:
+            raise AdapterError("a LoRA adapter needs a name")
         if name in self.adapters:
-            raise AdapterError(
+            raise DuplicateAdapterError(
                 f"a LoRA adapter named {name!r} is already loaded (from {self.adapters[name].path})"
             )
         adapter = self.runner.read_adapter(name, path)

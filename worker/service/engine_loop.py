@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry.trace import Tracer
 
-from nanovllm.common.errors import EngineDeadError
+from nanovllm.common.errors import EngineDeadError, UnknownAdapterError
 from nanovllm.common.logging import get_logger
 from nanovllm.common.v1 import worker_pb2
 from nanovllm.common.wire import fields_to_message, sampling_from_wire
@@ -94,6 +94,9 @@ class EngineLoop:
         self.dead: Future[None] = Future()
         self.engine: LLMEngine | None = None  # set by the engine thread before `ready` resolves
         self.load: EngineLoad | None = None
+        # The LoRA adapters loaded, as the link describes them; replaced (never changed) on the engine
+        # thread, so other threads may read it.
+        self.adapters: list[worker_pb2.LoRAAdapter] = []
 
     # --- called from any thread -------------------------------------------------------------------
 
@@ -129,6 +132,18 @@ class EngineLoop:
     def subscribe(self, conn: Connection, subscribe: worker_pb2.Subscribe) -> None:
         self._commands.put(lambda: self._subscribe(conn, subscribe))
 
+    def load_adapter(self, name: str, path: str) -> Future[worker_pb2.LoRAAdapter]:
+        """Load a LoRA adapter between steps; the future raises AdapterError when it cannot be loaded."""
+        done: Future[worker_pb2.LoRAAdapter] = Future()
+        self._commands.put(lambda: self._change_adapters(done, lambda: self.engine.add_lora(name, path)))
+        return done
+
+    def unload_adapter(self, name: str) -> Future[None]:
+        """Unload a LoRA adapter between steps; the future raises UnknownAdapterError for an unknown name."""
+        done: Future[None] = Future()
+        self._commands.put(lambda: self._change_adapters(done, lambda: self.engine.remove_lora(name)))
+        return done
+
     def drain(self) -> Future[None]:
         """Refuse new requests (ERROR_CODE_UNAVAILABLE) and let the ones in flight finish; the future
         resolves when none is left."""
@@ -141,6 +156,7 @@ class EngineLoop:
         try:
             self.engine = LLMEngine(self.config)
             self.load = self.engine.load()
+            self.adapters = self._adapter_messages()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting event loop, which re-raises
             self._ready.set_exception(exc)
             return
@@ -205,6 +221,26 @@ class EngineLoop:
         for conn in self._connections:
             conn.deliver(with_cache if conn.prefix_cache_subscribed else load)
 
+    def _adapter_messages(self) -> list[worker_pb2.LoRAAdapter]:
+        return [
+            worker_pb2.LoRAAdapter(name=a.name, rank=a.rank, cache_salt=a.cache_salt)
+            for a in self.engine.adapters.values()
+        ]
+
+    def _change_adapters(self, done: Future, change: Callable[[], object]) -> None:
+        """Load or unload an adapter, then tell every router what is loaded now."""
+        try:
+            result = change()
+        except Exception as exc:  # noqa: BLE001 - handed to the RPC waiting on `done`, which reports it
+            done.set_exception(exc)
+            return
+        self.adapters = self._adapter_messages()
+        message = worker_pb2.StepOutputs(adapters=worker_pb2.LoRAAdapters(adapters=self.adapters))
+        for conn in self._connections:
+            conn.deliver(message)
+        loaded = next((m for m in self.adapters if m.name == getattr(result, "name", None)), None)
+        done.set_result(loaded)
+
     def _subscribe(self, conn: Connection, subscribe: worker_pb2.Subscribe) -> None:
         """Start reporting the prefix cache to `conn` with the whole set of cached hashes; the changes
         that follow (some already in that set) apply on top of it."""
@@ -255,7 +291,11 @@ class EngineLoop:
                 params,
                 submit.priority,
                 output_token_ids=list(submit.output_token_ids),
+                lora_name=submit.lora_name or None,
             )
+        except UnknownAdapterError as exc:
+            self._fail(conn, submit.request_id, worker_pb2.ERROR_CODE_NOT_FOUND, str(exc))
+            return
         except ValueError as exc:  # SamplingParams and RequestError both name the field and numbers
             self._fail(conn, submit.request_id, worker_pb2.ERROR_CODE_INVALID_ARGUMENT, str(exc))
             return

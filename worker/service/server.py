@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 
+from nanovllm.common.errors import AdapterError, DuplicateAdapterError, UnknownAdapterError
 from nanovllm.common.logging import get_logger
 from nanovllm.common.server_config import WorkerServerConfig
 from nanovllm.common.serving import GrpcServer
@@ -150,13 +151,37 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def GetInfo(
         self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerInfo:
-        await self._ready(context)
-        return self._info
+        engine_loop = await self._ready(context)
+        info = worker_pb2.WorkerInfo()
+        info.CopyFrom(self._info)
+        info.adapters.extend(engine_loop.adapters)
+        return info
 
     async def GetLoad(
         self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerLoad:
         return (await self._ready(context)).load_message()
+
+    async def LoadLoRAAdapter(
+        self, request: worker_pb2.LoadLoRAAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.LoRAAdapter:
+        engine_loop = await self._ready(context)
+        try:
+            return await asyncio.wrap_future(engine_loop.load_adapter(request.name, request.path))
+        except DuplicateAdapterError as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except AdapterError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def UnloadLoRAAdapter(
+        self, request: worker_pb2.UnloadLoRAAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.UnloadLoRAAdapterResponse:
+        engine_loop = await self._ready(context)
+        try:
+            await asyncio.wrap_future(engine_loop.unload_adapter(request.name))
+        except UnknownAdapterError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return worker_pb2.UnloadLoRAAdapterResponse()
 
 
 async def serve_worker(

@@ -1,0 +1,131 @@
+"""What serving LoRA adapters costs: bench.throughput's W64 workload on one engine, its requests all on the
+base model, then spread over 8 adapters (8 requests each, mixed in every batch), the runs alternating; the
+ratio is what matters (the issue's target: mixed >= 0.8x base).
+
+The adapters are random, in PEFT's format (every projection of every layer, rank --rank), written once
+into the cache beside the model. A step with adapter rows runs the layers module by module (the C++
+one-call decode layers and CUDA graphs know no adapters) plus, per adapter and projection part, a shrink
+and an expand matmul over that adapter's rows.
+
+Usage:  .venv/bin/python -m bench.lora [--shape smollm2-135m] [--rank 16] [--adapters 8] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from bench.engine_run import build_llm, warm_up_nanovllm
+from bench.models import SHAPES, build_random_model
+from bench.report import load_average, machine_description
+from bench.workload import greedy, make_workload
+from nanovllm import LLM
+from nanovllm.worker.config import ModelConfig
+from nanovllm.worker.device import DTYPES
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
+    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--adapters", type=int, default=8)
+    parser.add_argument("--num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each, alternating; medians")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def write_adapter(cfg: ModelConfig, out_dir: Path, rank: int, seed: int) -> Path:
+    """A random rank-`rank` PEFT adapter on every projection of every layer of a model shaped `cfg`."""
+    if (out_dir / "adapter_model.safetensors").is_file():
+        return out_dir
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+    shapes |= {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg.num_hidden_layers):
+        for target, (fan_in, fan_out) in shapes.items():
+            group = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            name = f"base_model.model.model.layers.{layer}.{group}.{target}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) / fan_in**0.5
+            tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) / rank**0.5
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(TARGETS)}
+    (out_dir / "adapter_config.json").write_text(json.dumps(config))
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    return out_dir
+
+
+def timed_generate(
+    llm: LLM, prompts: list[list[int]], output_lens: list[int], names: list[str | None]
+) -> float:
+    """Output tokens/s of one run of the workload with each request's adapter."""
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, [greedy(n) for n in output_lens], use_tqdm=False, lora_name=names)
+    wall = time.perf_counter() - t0
+    return sum(len(o["token_ids"]) for o in outputs) / wall
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model_dir = build_random_model(args.shape)
+    cfg = ModelConfig.from_pretrained_dir(model_dir)
+    adapters = {
+        f"a{k}": write_adapter(cfg, model_dir / "lora" / f"r{args.rank}-{k}", args.rank, args.seed + k)
+        for k in range(args.adapters)
+    }
+    workload = make_workload(args.num_seqs, cfg.vocab_size, (32, 256), (32, 256), args.seed)
+    print(f"date: {datetime.datetime.now().isoformat(timespec='seconds')}")
+    print(f"machine: {machine_description()}")
+    print(f"load average at start: {load_average()}")
+    print(f"model: random {args.shape}; dtype {args.dtype}; W{len(workload)}: {workload.num_prompt_tokens:,} "
+          f"prompt tokens, {workload.num_output_tokens:,} output tokens; {args.adapters} adapters of rank "
+          f"{args.rank} on all seven projections")  # fmt: skip
+    llm = build_llm(
+        model_dir,
+        workload,
+        args,
+        lora_adapters=[f"{name}={path}" for name, path in adapters.items()],
+        max_loras=args.adapters,
+        max_lora_rank=args.rank,
+    )
+    warm_up_nanovllm(llm, cfg.vocab_size)
+    names = list(adapters)
+    runs = {
+        "base": [None] * len(workload),
+        "mixed": [names[k % len(names)] for k in range(len(workload))],
+    }
+    results: dict[str, list[float]] = {kind: [] for kind in runs}
+    for round_ in range(args.rounds):
+        for kind, lora in runs.items():
+            results[kind].append(timed_generate(llm, workload.prompts, workload.output_lens, lora))
+            print(f"  round {round_ + 1}, {kind}: {results[kind][-1]:,.1f} tok/s")
+    print(f"load average at end: {load_average()}")
+    base, mixed = (statistics.median(results[k]) for k in ("base", "mixed"))
+    print(f"\n| random {args.shape}, {args.dtype}, W{len(workload)} | output tok/s |")
+    print("|---|---:|")
+    print(f"| base model only | {base:,.1f} |")
+    print(f"| {args.adapters} adapters mixed (rank {args.rank}) | {mixed:,.1f} |")
+    print(f"| mixed / base | **{mixed / base:.2f}x** |")
+
+
+if __name__ == "__main__":
+    main()
