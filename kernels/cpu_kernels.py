@@ -41,6 +41,7 @@ _SOURCES = [
         "token_bitmask_cpu.cpp",
         "sampling_cpu.cpp",
         "decode_layers_cpu.cpp",
+        "lora_cpu.cpp",
     )
 ]
 _NAME = "nanovllm_paged_attention_cpu"

@@ -72,13 +72,19 @@ def engine(base: Path, adapters: dict[str, Path], **options) -> LLM:
     return LLM(str(base), lora_adapters=loras, **{**ENGINE, **options})
 
 
+# auto: the C++ kernels (one lora_add_ call per projection); torch: PyTorch's matmuls (group by group, or
+# batched over the groups), as on a device without the C++ kernels.
+BACKENDS = ["auto", "torch"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_greedy_tokens_and_logits_equal_peft(models, arch: str):
+def test_greedy_tokens_and_logits_equal_peft(models, arch: str, backend: str):
     """Each adapter alone: greedy tokens equal PEFT's, and differ from the base model's (the adapter is
     felt); teacher-forced logits within 1e-4 of PEFT's in prefill, chunked prefill and decode, the three
     adapters and the base in the same steps."""
     base, adapters = models[arch]
-    llm = engine(base, adapters)
+    llm = engine(base, adapters, attention_backend=backend)
     batch = prompts(1, 3)
     base_tokens = [o["token_ids"] for o in llm.generate(batch, greedy(MAX_NEW), use_tqdm=False)]
     names = list(adapters)
@@ -99,19 +105,50 @@ def test_greedy_tokens_and_logits_equal_peft(models, arch: str):
             torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4, msg=f"{name}, chunk {chunk}")
 
 
-def test_a_mixed_batch_equals_each_request_alone(models):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_mixed_batch_equals_each_request_alone(models, backend: str):
     """Three adapters and the base, several requests each, in one batch with chunked prefill; then each
     request alone on an engine without a prefix cache."""
     base, adapters = models["qwen3"]
     batch = prompts(3, 8)
     names = [None, "r8-all", "r64-subset", "r8-subset"] * 2
-    mixed = engine(base, adapters, max_num_batched_tokens=32).generate(
+    mixed = engine(base, adapters, max_num_batched_tokens=32, attention_backend=backend).generate(
         batch, greedy(MAX_NEW), use_tqdm=False, lora_name=names
     )
-    alone = engine(base, adapters, enable_prefix_caching=False)
+    alone = engine(base, adapters, enable_prefix_caching=False, attention_backend=backend)
     for prompt, name, out in zip(batch, names, mixed):
         expected = alone.generate([prompt], greedy(MAX_NEW), use_tqdm=False, lora_name=name)[0]["token_ids"]
         assert out["token_ids"] == expected, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_kernel_adds_each_groups_adapter(kernels, dtype: torch.dtype):
+    """lora_add_ against float64 on the same (rounded) inputs: within the dtype's rounding of y, once;
+    and each row's result bit for bit the same alone as in its group (the tile's fixed summation order)."""
+    gen = torch.Generator().manual_seed(0)
+    slots, rank, k, parts = 3, 8, 37, [0, 24, 32, 40]  # K and the parts' sizes not multiples of 8
+    x = torch.randn(11, k, generator=gen).to(dtype)
+    a = torch.randn(slots, 3 * rank, k, generator=gen).to(dtype)
+    b = torch.randn(slots, parts[-1], rank, generator=gen).to(dtype)
+    y = torch.randn(11, parts[-1], generator=gen).to(dtype)
+    groups = {2: [0, 3, 4, 5, 6, 7, 8, 9, 10], 0: [2]}  # row 1 runs the base model: untouched
+    rows = torch.tensor([r for g in groups.values() for r in g])
+    starts = torch.tensor([0, len(groups[2]), len(rows)])
+    ours = y.clone()
+    kernels.lora_add_(ours, x, a, b, rows, starts, torch.tensor(list(groups)), parts)
+    expected = y.double()
+    for slot, members in groups.items():
+        for p in range(3):
+            shrunk = x[members].double() @ a[slot, p * rank : (p + 1) * rank].double().T
+            expected[members, parts[p] : parts[p + 1]] += shrunk @ b[slot, parts[p] : parts[p + 1]].double().T
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+    torch.testing.assert_close(
+        ours.double(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item()
+    )
+    assert torch.equal(ours[1], y[1])
+    alone = y.clone()
+    kernels.lora_add_(alone, x, a, b, torch.tensor([5]), torch.tensor([0, 1]), torch.tensor([2]), parts)
+    assert torch.equal(alone[5], ours[5])
 
 
 def test_prefix_cache_blocks_never_cross_adapters(models):

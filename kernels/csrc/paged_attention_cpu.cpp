@@ -520,6 +520,10 @@ bool linear_quantized_int8_dots();
 // decode_layers_cpu.cpp
 void register_decode_layers(pybind11::module& m);
 
+// lora_cpu.cpp
+void lora_add_(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor rows,
+               torch::Tensor starts, torch::Tensor slots, std::vector<int64_t> parts);
+
 // token_bitmask_cpu.cpp
 void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
 
@@ -544,6 +548,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "rotate-half RoPE with precomputed cos / signed sin rows (CPU; float32, bfloat16, float16)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV cache (CPU; float32, bfloat16, float16; fp32 accumulation)");
+  m.def("lora_add_", &lora_add_, "y += each row group's LoRA adapter applied to x, part by part (CPU; float32, "
+        "bfloat16, float16; fp32 accumulation; in place)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (CPU; float32, bfloat16, float16)");
   m.def("add_rms_norm_", &add_rms_norm_,
         "residual += x; x = RMSNorm(residual) (CPU; float32, bfloat16, float16; in place)");

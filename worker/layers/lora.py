@@ -1,16 +1,23 @@
 """LoRA on the linear layers: y = x W^T + (x A^T) (s B)^T, each row with the adapter of its request.
 
 A model serving adapters holds `num_slots` of them at once. Each adapted projection keeps every slot's A
-and B, ranks padded with zeros to `max_rank` and the scale s folded into B when the slot is filled. A step
-groups its rows by slot (LoRABatch) and each group costs two small matmuls per part of a projection
-(S-LoRA's shrink and expand), so one step serves the base model and several adapters together. A fused
-projection (q/k/v, gate/up) holds one A and one B per part, each part's rows of the output its own.
+and B, ranks padded with zeros to `max_rank` and the scale s folded into B when the slot is filled. A fused
+projection (q/k/v, gate/up) has one A and one B per part: the parts' A are stacked ([parts * rank, in]),
+and each part's B covers that part's output features ([out, rank]). Per part a slot costs a shrink x A^T and
+an expand (x A^T) B^T (S-LoRA's and punica's two steps).
+
+A step groups its rows by slot (LoRABatch), and each projection adds every group's share in one of three
+ways: on a CPU one C++ call for all groups (kernels/csrc/lora_cpu.cpp, batch-invariant); elsewhere, for a
+single group or in a batch-invariant layer, the layer's own matmuls group by group; for several groups,
+batched matmuls over the groups padded to the largest one (so the number of calls does not grow with the
+number of adapters), the padding rows masked out before they are added.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -18,9 +25,19 @@ from torch import nn
 
 @dataclass
 class LoRABatch:
-    """Which rows of a step's tokens run which slot: (slot, row indices); indices None: every row."""
+    """A step's rows that run an adapter, grouped by slot (ascending). `groups`: (slot, its rows), rows
+    None where one slot has every row of the step; `rows` [R], `starts` [G + 1] and `slots` [G] lay the
+    same groups out flat (group g is rows[starts[g]:starts[g + 1]]), on the host. With several groups also
+    `padded_rows` [G * m] (each group's rows repeated up to the largest group's m), `mask` [G, m, 1] (1 for
+    a real row) and `slot_index` ([G] on the device; None when the groups are every slot in order)."""
 
     groups: list[tuple[int, torch.Tensor | None]]
+    rows: torch.Tensor
+    starts: torch.Tensor
+    slots: torch.Tensor
+    padded_rows: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    slot_index: torch.Tensor | None = None
 
 
 class LoRAContext:
@@ -50,6 +67,7 @@ class LoRAWeights(nn.Module):
         self.parts = parts
         self.in_features = in_features
         self.out_features = sum(size for _, _, size in parts)
+        self.part_bounds = [offset for _, offset, _ in parts] + [self.out_features]
         slots, rank = context.num_slots, context.max_rank
         a = torch.zeros(slots, len(parts) * rank, in_features)
         self.register_buffer("lora_a", a, persistent=False)
@@ -68,23 +86,55 @@ class LoRAWeights(nn.Module):
             self.lora_b[slot, offset : offset + size, : b.shape[1]].copy_(b)
 
     def add_to(
-        self, y: torch.Tensor, x: torch.Tensor, project: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        project: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        cpu_kernels: ModuleType | None,
+        batch_invariant: bool,
     ) -> None:
         """y += each row's adapter applied to x, for the rows of the context's batch. `project(x, w)` is
         the layer's x @ w.T (its kernels, batch-invariant where the layer's are)."""
         batch = self.context.batch
         if batch is None:
             return
+        if cpu_kernels is not None and y.is_contiguous():
+            cpu_kernels.lora_add_(
+                y, x, self.lora_a, self.lora_b, batch.rows, batch.starts, batch.slots, self.part_bounds
+            )
+        elif batch.mask is None or batch_invariant:
+            for slot, rows in batch.groups:
+                xs = x if rows is None else x.index_select(0, rows)
+                delta = self._expand(project(xs, self.lora_a[slot]), self.lora_b[slot], project)
+                if rows is None:
+                    y.add_(delta)
+                else:
+                    y.index_add_(0, rows, delta)
+        else:
+            groups, m = batch.mask.shape[0], batch.mask.shape[1]
+            xs = x.index_select(0, batch.padded_rows).view(groups, m, -1)
+            a, b = self.lora_a, self.lora_b
+            if batch.slot_index is not None:
+                a, b = a.index_select(0, batch.slot_index), b.index_select(0, batch.slot_index)
+            delta = self._expand(_bmm(xs, a), b, _bmm)
+            y.index_add_(0, batch.padded_rows, delta.mul_(batch.mask).view(groups * m, -1))
+
+    def _expand(
+        self,
+        shrunk: torch.Tensor,
+        b: torch.Tensor,
+        matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Each part's ranks of `shrunk` ([..., parts * rank]) times its B ([..., out, rank]) transposed:
+        [..., out]. `matmul(x, w)` is x @ w.T over the last two dims."""
         rank = self.context.max_rank
-        for slot, rows in batch.groups:
-            xs = x if rows is None else x.index_select(0, rows)
-            a, b = self.lora_a[slot], self.lora_b[slot]
-            deltas = [
-                project(project(xs, a[i * rank : (i + 1) * rank]), b[offset : offset + size])
-                for i, (_, offset, size) in enumerate(self.parts)
-            ]
-            delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=1)
-            if rows is None:
-                y.add_(delta)
-            else:
-                y.index_add_(0, rows, delta)
+        deltas = [
+            matmul(shrunk[..., i * rank : (i + 1) * rank], b[..., offset : offset + size, :])
+            for i, (_, offset, size) in enumerate(self.parts)
+        ]
+        return deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1)
+
+
+def _bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T for batches of matrices."""
+    return torch.bmm(x, w.transpose(1, 2))

@@ -71,14 +71,42 @@ class AdapterSlots:
             self.free.append(slot)
 
 
-def lora_batch(row_slots: list[int], to_device: Callable[[list[int]], torch.Tensor]) -> LoRABatch | None:
-    """A step's rows grouped by slot (BASE_ROW rows in none), or None when no row has an adapter."""
-    rows: dict[int, list[int]] = {}
+def lora_batch(
+    row_slots: list[int], num_slots: int, to_device: Callable[[list[int]], torch.Tensor], dtype: torch.dtype
+) -> LoRABatch | None:
+    """A step's rows grouped by slot, in slot order (BASE_ROW rows in none), or None when no row has an
+    adapter."""
+    by_slot: dict[int, list[int]] = {}
     for row, slot in enumerate(row_slots):
         if slot != BASE_ROW:
-            rows.setdefault(slot, []).append(row)
-    if not rows:
+            by_slot.setdefault(slot, []).append(row)
+    if not by_slot:
         return None
-    if len(rows) == 1 and len(next(iter(rows.values()))) == len(row_slots):
-        return LoRABatch([(next(iter(rows)), None)])
-    return LoRABatch([(slot, to_device(indices)) for slot, indices in rows.items()])
+    by_slot = dict(sorted(by_slot.items()))
+    slots, rows = list(by_slot), [row for indices in by_slot.values() for row in indices]
+    starts = [0]
+    for indices in by_slot.values():
+        starts.append(starts[-1] + len(indices))
+    host = torch.tensor([*rows, *starts, *slots], dtype=torch.long).split(
+        [len(rows), len(starts), len(slots)]
+    )
+    flat = dict(zip(("rows", "starts", "slots"), host))
+    device_rows = to_device(rows)
+    if len(slots) == 1:
+        every_row = len(rows) == len(row_slots)
+        return LoRABatch([(slots[0], None if every_row else device_rows)], **flat)
+    groups = [(slot, device_rows[a:b]) for slot, a, b in zip(slots, starts, starts[1:])]
+    m = max(len(indices) for indices in by_slot.values())
+    padded = [i for indices in by_slot.values() for i in indices + indices[:1] * (m - len(indices))]
+    mask = [int(k < len(indices)) for indices in by_slot.values() for k in range(m)]
+    slot_index, padded_rows, mask_rows = to_device([*slots, *padded, *mask]).split(
+        [len(slots), len(padded), len(mask)]
+    )
+    every_slot = len(slots) == num_slots  # then in order 0, 1, ...: the slots' weights need no gather
+    return LoRABatch(
+        groups,
+        **flat,
+        padded_rows=padded_rows,
+        mask=mask_rows.to(dtype).view(len(slots), m, 1),
+        slot_index=None if every_slot else slot_index,
+    )

@@ -88,7 +88,9 @@ class ModelRunner(ModelRunnerBase):
             input_ids, positions, meta, logits_index = self.inputs.tensors(inputs)
             self._take_pending(input_ids, inputs)
             if self.lora is not None:
-                self.lora.batch = lora_batch(inputs.lora_slots, self.inputs.long)
+                self.lora.batch = lora_batch(
+                    inputs.lora_slots, self.lora.num_slots, self.inputs.long, self.dtype
+                )
             graphs = self.decode_graphs
             bucket = graphs.bucket(inputs) if graphs is not None else None
             if graphs is not None and bucket is not None:
