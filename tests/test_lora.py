@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM
 from nanovllm.common.errors import AdapterError, UnknownAdapterError
+from nanovllm.kernels import triton_layers
 from tests.helpers import greedy, teacher_forced_logits
 from tests.model_factory import ALL_LORA_TARGETS, build_model, make_adapter
 
@@ -73,8 +74,10 @@ def engine(base: Path, adapters: dict[str, Path], **options) -> LLM:
 
 
 # auto: the C++ kernels (one lora_add_ call per projection); torch: PyTorch's matmuls (group by group, or
-# batched over the groups), as on a device without the C++ kernels.
+# batched over the groups), as on a device without the C++ kernels; triton: the CUDA path's kernels, in
+# Triton's interpreter here.
 BACKENDS = ["auto", "torch"]
+TRITON = {"attention_backend": "triton", "enforce_eager": True, "dtype": "float32"}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -105,37 +108,56 @@ def test_greedy_tokens_and_logits_equal_peft(models, arch: str, backend: str):
             torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4, msg=f"{name}, chunk {chunk}")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_a_mixed_batch_equals_each_request_alone(models, backend: str):
-    """Three adapters and the base, several requests each, in one batch with chunked prefill; then each
+@pytest.mark.parametrize(
+    ("backend", "count", "max_new"),
+    # Triton's interpreter runs a step's kernels in Python: fewer and shorter requests there.
+    [("auto", 8, MAX_NEW), ("torch", 8, MAX_NEW), ("triton", 3, 4)],
+)
+def test_a_mixed_batch_equals_each_request_alone(models, backend: str, count: int, max_new: int):
+    """Three adapters and the base, requests of each, in one batch with chunked prefill; then each
     request alone on an engine without a prefix cache."""
     base, adapters = models["qwen3"]
-    batch = prompts(3, 8)
-    names = [None, "r8-all", "r64-subset", "r8-subset"] * 2
-    mixed = engine(base, adapters, max_num_batched_tokens=32, attention_backend=backend).generate(
-        batch, greedy(MAX_NEW), use_tqdm=False, lora_name=names
+    batch = prompts(3, count)
+    names = ([None, "r8-all", "r64-subset", "r8-subset"] * 2)[:count]
+    options = TRITON if backend == "triton" else {"attention_backend": backend}
+    mixed = engine(base, adapters, max_num_batched_tokens=32, **options).generate(
+        batch, greedy(max_new), use_tqdm=False, lora_name=names
     )
-    alone = engine(base, adapters, enable_prefix_caching=False, attention_backend=backend)
+    alone = engine(base, adapters, enable_prefix_caching=False, **options)
     for prompt, name, out in zip(batch, names, mixed):
-        expected = alone.generate([prompt], greedy(MAX_NEW), use_tqdm=False, lora_name=name)[0]["token_ids"]
+        expected = alone.generate([prompt], greedy(max_new), use_tqdm=False, lora_name=name)[0]["token_ids"]
         assert out["token_ids"] == expected, name
 
 
+@pytest.mark.parametrize("kind", ["cpu", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_cpu_kernel_adds_each_groups_adapter(kernels, dtype: torch.dtype):
-    """lora_add_ against float64 on the same (rounded) inputs: within the dtype's rounding of y, once;
-    and each row's result bit for bit the same alone as in its group (the tile's fixed summation order)."""
+def test_kernels_add_each_groups_adapter(kernels, dtype: torch.dtype, kind: str):
+    """The C++ and the Triton lora_add_ against float64 on the same (rounded) inputs: within the dtype's
+    rounding of y, once; and each row's result bit for bit the same alone as in its group (each row is
+    summed on its own, in a fixed order)."""
     gen = torch.Generator().manual_seed(0)
+    device = "cuda" if kind == "triton" and torch.cuda.is_available() else "cpu"
     slots, rank, k, parts = 3, 8, 37, [0, 24, 32, 40]  # K and the parts' sizes not multiples of 8
-    x = torch.randn(11, k, generator=gen).to(dtype)
-    a = torch.randn(slots, 3 * rank, k, generator=gen).to(dtype)
-    b = torch.randn(slots, parts[-1], rank, generator=gen).to(dtype)
-    y = torch.randn(11, parts[-1], generator=gen).to(dtype)
+    x = torch.randn(11, k, generator=gen).to(device, dtype)
+    a = torch.randn(slots, 3 * rank, k, generator=gen).to(device, dtype)
+    b = torch.randn(slots, parts[-1], rank, generator=gen).to(device, dtype)
+    y = torch.randn(11, parts[-1], generator=gen).to(device, dtype)
     groups = {2: [0, 3, 4, 5, 6, 7, 8, 9, 10], 0: [2]}  # row 1 runs the base model: untouched
     rows = torch.tensor([r for g in groups.values() for r in g])
     starts = torch.tensor([0, len(groups[2]), len(rows)])
+    slots_of_rows = torch.tensor([slot for slot, g in groups.items() for _ in g])
+
+    def add(
+        y: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, row_slots
+    ) -> None:
+        if kind == "cpu":
+            kernels.lora_add_(y, x, a, b, rows, starts, slots, parts)
+        else:
+            triton_layers.lora_add_(y, x, a, b, rows.to(device), row_slots.to(device), parts)
+
     ours = y.clone()
-    kernels.lora_add_(ours, x, a, b, rows, starts, torch.tensor(list(groups)), parts)
+    add(ours, rows, starts, torch.tensor(list(groups)), slots_of_rows)
+    x, a, b, y, ours = (t.cpu() for t in (x, a, b, y, ours))
     expected = y.double()
     for slot, members in groups.items():
         for p in range(3):
@@ -146,9 +168,10 @@ def test_cpu_kernel_adds_each_groups_adapter(kernels, dtype: torch.dtype):
         ours.double(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item()
     )
     assert torch.equal(ours[1], y[1])
-    alone = y.clone()
-    kernels.lora_add_(alone, x, a, b, torch.tensor([5]), torch.tensor([0, 1]), torch.tensor([2]), parts)
-    assert torch.equal(alone[5], ours[5])
+    alone = y.clone().to(device)
+    x, a, b = (t.to(device) for t in (x, a, b))
+    add(alone, torch.tensor([5]), torch.tensor([0, 1]), torch.tensor([2]), torch.tensor([2]))
+    assert torch.equal(alone[5].cpu(), ours[5])
 
 
 def test_prefix_cache_blocks_never_cross_adapters(models):

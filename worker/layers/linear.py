@@ -90,7 +90,9 @@ class ParallelLinear(nn.Module):
     def _project(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.bias, self.cpu_kernels, self.triton_kernels, self.batch_invariant)
         if self.lora is not None:
-            self.lora.add_to(y, x, self._lora_matmul, self.cpu_kernels, self.batch_invariant)
+            self.lora.add_to(
+                y, x, self._lora_matmul, self.cpu_kernels, self.triton_kernels, self.batch_invariant
+            )
         return y
 
     def _lora_matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

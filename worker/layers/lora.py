@@ -6,11 +6,13 @@ projection (q/k/v, gate/up) has one A and one B per part: the parts' A are stack
 and each part's B covers that part's output features ([out, rank]). Per part a slot costs a shrink x A^T and
 an expand (x A^T) B^T (S-LoRA's and punica's two steps).
 
-A step groups its rows by slot (LoRABatch), and each projection adds every group's share in one of three
-ways: on a CPU one C++ call for all groups (kernels/csrc/lora_cpu.cpp, batch-invariant); elsewhere, for a
-single group or in a batch-invariant layer, the layer's own matmuls group by group; for several groups,
-batched matmuls over the groups padded to the largest one (so the number of calls does not grow with the
-number of adapters), the padding rows masked out before they are added.
+A step groups its rows by slot (LoRABatch), and each projection adds every group's share in one of four
+ways: on a CPU one C++ call for all groups (kernels/csrc/lora_cpu.cpp); on the Triton path two kernels
+over every adapted row (kernels/triton_layers.py, punica's BGMV; no host synchronisation); both sum each
+row on its own (batch-invariant). Without either, PyTorch: for a single group or in a batch-invariant
+layer the layer's own matmuls group by group; for several groups batched matmuls over the groups padded
+to the largest one (so the number of calls does not grow with the number of adapters), the padding rows
+masked out before they are added.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from torch import nn
 class LoRABatch:
     """A step's rows that run an adapter, grouped by slot (ascending). `groups`: (slot, its rows), rows
     None where one slot has every row of the step; `rows` [R], `starts` [G + 1] and `slots` [G] lay the
-    same groups out flat (group g is rows[starts[g]:starts[g + 1]]), on the host. With several groups also
+    same groups out flat (group g is rows[starts[g]:starts[g + 1]]), on the host, and `device_rows` [R]
+    with each one's slot, `row_slots` [R], on the device. With several groups also
     `padded_rows` [G * m] (each group's rows repeated up to the largest group's m), `mask` [G, m, 1] (1 for
     a real row) and `slot_index` ([G] on the device; None when the groups are every slot in order)."""
 
@@ -35,6 +38,8 @@ class LoRABatch:
     rows: torch.Tensor
     starts: torch.Tensor
     slots: torch.Tensor
+    device_rows: torch.Tensor
+    row_slots: torch.Tensor
     padded_rows: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     slot_index: torch.Tensor | None = None
@@ -91,6 +96,7 @@ class LoRAWeights(nn.Module):
         x: torch.Tensor,
         project: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         cpu_kernels: ModuleType | None,
+        triton_kernels: ModuleType | None,
         batch_invariant: bool,
     ) -> None:
         """y += each row's adapter applied to x, for the rows of the context's batch. `project(x, w)` is
@@ -101,6 +107,10 @@ class LoRAWeights(nn.Module):
         if cpu_kernels is not None and y.is_contiguous():
             cpu_kernels.lora_add_(
                 y, x, self.lora_a, self.lora_b, batch.rows, batch.starts, batch.slots, self.part_bounds
+            )
+        elif triton_kernels is not None and y.is_contiguous():
+            triton_kernels.lora_add_(
+                y, x, self.lora_a, self.lora_b, batch.device_rows, batch.row_slots, self.part_bounds
             )
         elif batch.mask is None or batch_invariant:
             for slot, rows in batch.groups:

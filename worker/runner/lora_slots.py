@@ -90,8 +90,9 @@ def lora_batch(
     host = torch.tensor([*rows, *starts, *slots], dtype=torch.long).split(
         [len(rows), len(starts), len(slots)]
     )
-    flat = dict(zip(("rows", "starts", "slots"), host))
-    device_rows = to_device(rows)
+    slot_of_row = [slot for slot, indices in by_slot.items() for _ in indices]
+    device_rows, row_slot_index = to_device([*rows, *slot_of_row]).split(len(rows))
+    flat = dict(zip(("rows", "starts", "slots"), host), device_rows=device_rows, row_slots=row_slot_index)
     if len(slots) == 1:
         every_row = len(rows) == len(row_slots)
         return LoRABatch([(slots[0], None if every_row else device_rows)], **flat)
