@@ -25,25 +25,26 @@ _SIZE_UNITS = {
 }
 
 
-def parse_memory_size(value: str | float, available_bytes: int) -> int:
-    """Turn "2GiB", "512MB", a byte count, or a fraction (0, 1] of `available_bytes` into bytes."""
+def parse_memory_size(value: str | float, available_bytes: int, name: str = "kv_cache_memory") -> int:
+    """Turn "2GiB", "512MB", a byte count, or a fraction (0, 1] of `available_bytes` into bytes; errors
+    name the setting `name`."""
     if isinstance(value, bool):
-        raise ConfigError(f"kv_cache_memory must be a size or a fraction, got {value!r}")
+        raise ConfigError(f"{name} must be a size or a fraction, got {value!r}")
     if isinstance(value, float) and 0.0 < value <= 1.0:
         return int(value * available_bytes)
     if isinstance(value, (int, float)):
         if value <= 0:
-            raise ConfigError(f"kv_cache_memory must be positive, got {value}")
+            raise ConfigError(f"{name} must be positive, got {value}")
         return int(value)
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
     if match is None or match.group(2).lower() not in _SIZE_UNITS:
-        raise ConfigError(f"kv_cache_memory {value!r} is not a size like '2GiB', '512MB' or a byte count")
+        raise ConfigError(f"{name} {value!r} is not a size like '2GiB', '512MB' or a byte count")
     number = float(match.group(1))
     if match.group(2) == "" and 0.0 < number <= 1.0 and "." in match.group(1):
         return int(number * available_bytes)
     size = int(number * _SIZE_UNITS[match.group(2).lower()])
     if size <= 0:
-        raise ConfigError(f"kv_cache_memory must be positive, got {value!r}")
+        raise ConfigError(f"{name} must be positive, got {value!r}")
     return size
 
 
@@ -287,6 +288,21 @@ class EngineConfig:
         "--gpu-memory-utilization leaves after weights and activations (CUDA); default 2GiB on CPU, all of "
         "that share on CUDA",
     )
+    kv_host_memory: str | int | float | None = option(
+        None,
+        help="a second prefix-cache tier in host memory (pinned on CUDA): bytes, 4GiB, or a fraction of free "
+        "RAM; cached blocks freed on the device are copied there and copied back up on a hit; on a CPU the "
+        "device cache is RAM already, so there --kv-disk-path is the tier that adds capacity "
+        "(docs/kv-offload.md)",
+    )
+    kv_disk_path: str | None = option(
+        None,
+        help="a prefix-cache tier on local disk: a directory for one file per block, kept across restarts "
+        "with the same model and config (files are checked; a bad one is deleted and recomputed)",
+    )
+    kv_disk_bytes: str | int = option(
+        "16GiB", help="the most bytes the --kv-disk-path tier may hold (least recently used out first)"
+    )
     gpu_memory_utilization: float = option(0.9, help="on CUDA, share of GPU memory the engine may use")
     device: str = option("auto", help="auto, cpu or cuda")
     dtype: str = option(
@@ -433,6 +449,7 @@ class EngineConfig:
                 f"quantization_group_size must be a positive multiple of 32, got {self.quantization_group_size}"
             )
         self._check_lora()
+        self._check_kv_tiers()
         if self.speculative_max_batch < 1:
             raise ConfigError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
         if self.hf_config is None:
@@ -466,6 +483,25 @@ class EngineConfig:
             raise ConfigError(
                 f"LoRA adapters run with tensor_parallel_size=1 only, got {self.tensor_parallel_size}"
             )
+
+    @property
+    def kv_tiers(self) -> bool:
+        """Whether the prefix cache has a tier below the device (host memory or disk)."""
+        return self.kv_host_memory is not None or self.kv_disk_path is not None
+
+    def _check_kv_tiers(self) -> None:
+        if not self.kv_tiers:
+            return
+        if not self.enable_prefix_caching:
+            raise ConfigError("kv_host_memory and kv_disk_path are tiers of the prefix cache: turn it on")
+        if self.tensor_parallel_size > 1 or self.speculative_method == "draft":
+            raise ConfigError(
+                f"KV tiers run with tensor_parallel_size=1 and no draft model, got tensor_parallel_size="
+                f"{self.tensor_parallel_size} and speculative_method={self.speculative_method!r}"
+            )
+        parse_memory_size(self.kv_disk_bytes, 1, "kv_disk_bytes")
+        if self.kv_host_memory is not None:
+            parse_memory_size(self.kv_host_memory, 1, "kv_host_memory")
 
     def _check_draft(self) -> None:
         """speculative_model goes with speculative_method=draft, on one rank, with the model's vocabulary."""

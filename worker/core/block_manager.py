@@ -5,6 +5,10 @@ hashes mean equal prefixes; a request with a LoRA adapter starts its chain from 
 prefixes computed under different adapters never meet. Blocks are shared by reference count. A block enters the hash table only
 after its KV has been computed (`cache_full_blocks`), never at allocation. Freed blocks keep their hash
 and stay reusable until they are recycled, least recently freed first.
+
+With lower tiers (worker/runner/kv_offload.py), a freed cached block is also copied down to host memory or
+disk; a prompt's hash chain continues there past its last device hit, and those blocks are copied back up
+into fresh device blocks when the request is admitted (`load_lower_hits`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass, field
 
 from nanovllm.common.block_hash import hash_block
 from nanovllm.common.errors import ConfigError
+from nanovllm.worker.runner.kv_offload import KVOffload
 from nanovllm.worker.sequence import Sequence
 
 
@@ -50,11 +55,18 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        lower_tiers: KVOffload | None = None,
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ConfigError(f"need at least one block of one token, got {num_blocks} x {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.lower_tiers = lower_tiers if enable_prefix_caching else None
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.cached: dict[int, int] = {}  # block hash -> block id
         # Blocks with ref_count 0, oldest-freed first; cached ones among them are still hits until recycled.
@@ -98,6 +110,40 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def lower_hits(self, seq: Sequence, num_device_hits: int) -> list[int]:
+        """The hashes of the blocks that continue `seq`'s prefix past its `num_device_hits` device hits
+        in the lower tiers (the last token left out, as in get_computed_blocks)."""
+        if self.lower_tiers is None:
+            return []
+        hashes: list[int] = []
+        prev = seq.cache_salt
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            prev = hash_block(prev, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            if i < num_device_hits:
+                continue
+            if self.lower_tiers.where(prev) is None:
+                break
+            hashes.append(prev)
+        return hashes
+
+    def load_lower_hits(self, seq: Sequence, hashes: list[int]) -> int:
+        """Copy the blocks of `hashes` up into the blocks `seq` was just given after its device hits
+        (allocate_slots made room for them as new tokens), in order; they join the prefix cache. Stops at
+        the first block no tier can serve; returns how many were loaded."""
+        first = len(seq.block_hashes)
+        loaded = 0
+        for i, block_hash in enumerate(hashes):
+            block = self.blocks[seq.block_table[first + i]]
+            if block_hash in self.cached or not self.lower_tiers.load(block_hash, block.block_id):
+                break
+            self.cached[block_hash] = block.block_id
+            block.block_hash = block_hash
+            seq.block_hashes.append(block_hash)
+            self.cache_events.store(block_hash)
+            loaded += 1
+        self.prefix_hit_tokens += loaded * self.block_size
+        return loaded
+
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
         """Make room for `num_new_tokens` more tokens after those already computed (plus, for a sequence
         being admitted, the prefix-cache hits in `computed_blocks`). Returns False, changing nothing, when
@@ -128,6 +174,8 @@ class BlockManager:
     def _take_free_block(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]
+        if self.lower_tiers is not None:
+            self.lower_tiers.fence(block_id)
         if block.block_hash is not None:  # recycling evicts it from the prefix cache
             if self.cached.get(block.block_hash) == block_id:
                 del self.cached[block.block_hash]
@@ -159,6 +207,8 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
+                if self.lower_tiers is not None and block.block_hash is not None:
+                    self.lower_tiers.offer(block_id, block.block_hash)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0

@@ -71,7 +71,10 @@ class LLMEngine:
         self.model_config = config.hf_config
         self.runner = ModelRunner(config)
         self.block_manager = BlockManager(
-            self.runner.num_blocks, config.kvcache_block_size, config.enable_prefix_caching
+            self.runner.num_blocks,
+            config.kvcache_block_size,
+            config.enable_prefix_caching,
+            self.runner.kv_offload,
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.scheduler = Scheduler(

@@ -5,7 +5,8 @@ Policy, in order:
    chunk of any partially prefilled prompt. When KV blocks run out, the lowest-priority, newest running
    request not yet scheduled in this step is preempted (recompute: its blocks are freed and it goes back to
    waiting); if that is the request being scheduled, it preempts itself.
-2. Waiting requests in priority order (lower value first, then arrival), with prefix-cache lookup, while
+2. Waiting requests in priority order (lower value first, then arrival), with prefix-cache lookup (the
+   device's blocks, then the lower tiers', copied up on admission), while
    the token budget, `max_num_seqs` and free blocks allow; one whose LoRA adapter would make the running
    requests' adapters more than `max_loras` waits, and those behind it may go first. A prompt longer than
    the remaining budget is chunked, so a long prompt never holds running decodes back for more than one
@@ -105,11 +106,16 @@ class Scheduler:
             if seq.adapter is not None and seq.adapter not in adapters and len(adapters) >= self.max_loras:
                 index += 1  # every LoRA slot is taken by the running requests' adapters
                 continue
-            computed = self.block_manager.get_computed_blocks(seq)
-            num_cached = len(computed) * self.block_manager.block_size
-            num_new = min(seq.num_tokens - num_cached, budget)
-            if not self.block_manager.allocate_slots(seq, num_new, computed):
+            bm = self.block_manager
+            computed = bm.get_computed_blocks(seq)
+            lower = bm.lower_hits(seq, len(computed))
+            # Blocks in the lower tiers take device blocks but no budget: they are copied, not computed.
+            num_lower = len(lower) * bm.block_size
+            num_new = min(seq.num_tokens - len(computed) * bm.block_size - num_lower, budget)
+            if not bm.allocate_slots(seq, num_lower + num_new, computed):
                 break
+            num_cached = (len(computed) + (bm.load_lower_hits(seq, lower) if lower else 0)) * bm.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
             self.waiting.pop(index)
             if seq.adapter is not None:
                 adapters.add(seq.adapter)

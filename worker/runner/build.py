@@ -17,7 +17,7 @@ from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.kernels.backends import CpuKernelAttention, TritonAttention, select_attention_backend
-from nanovllm.worker.config import EngineConfig, ModelConfig
+from nanovllm.worker.config import EngineConfig, ModelConfig, parse_memory_size
 from nanovllm.worker.device import resolve_placement, usable_cpus
 from nanovllm.worker.layers.lora import LoRAContext
 from nanovllm.worker.layers.moe import SparseMoeBlock
@@ -36,6 +36,8 @@ from nanovllm.worker.runner.kv_cache import (
     gpu_kv_cache_bytes,
     kv_bytes_per_block,
 )
+from nanovllm.worker.runner.kv_disk import DiskTier, model_digest
+from nanovllm.worker.runner.kv_offload import KVOffload
 from nanovllm.worker.runner.lora_slots import AdapterSlots
 from nanovllm.worker.runner.tensor_parallel import TensorParallelGroup
 from nanovllm.worker.sample.draft import DraftModel
@@ -63,6 +65,7 @@ class ModelRunnerBase:
         self.tp_group: TensorParallelGroup | None = None
         self.cpu_share: CpuShare | None = None
         self.decode_graphs: DecodeGraphs | None = None
+        self.kv_offload: KVOffload | None = None
         # Before any rank starts: a device that cannot run the dtype fails here, with nothing to undo.
         self.placement = resolve_placement(config.device, config.dtype)
         if tp is None:
@@ -122,6 +125,7 @@ class ModelRunnerBase:
         self.block_rows = BlockTableRows(self._max_blocks_per_seq(), 2 * config.max_num_seqs)
         self.inputs = InputBuilder(self.block_size, self.device, self.block_rows)
         self.num_blocks = self._allocate_kv_cache()
+        self.kv_offload = self._kv_offload() if config.kv_tiers else None
         self._bind_kernels()
         if self.tp.rank == 0 and config.weight_format != "none":
             self._log_quantized_weights()
@@ -333,6 +337,30 @@ class ModelRunnerBase:
         )
         return num_blocks
 
+    def _kv_offload(self) -> KVOffload:
+        """The prefix cache's host and disk tiers (worker/runner/kv_offload.py), sized by their flags."""
+        config = self.config
+        block = self.kv_cache[:, :, 0]
+        block_nbytes = block.numel() * block.element_size()
+        host_blocks = 0
+        if config.kv_host_memory is not None:
+            available = psutil.virtual_memory().available
+            host_blocks = (
+                parse_memory_size(config.kv_host_memory, available, "kv_host_memory") // block_nbytes
+            )
+        disk = None
+        if config.kv_disk_path is not None:
+            capacity = parse_memory_size(config.kv_disk_bytes, 1, "kv_disk_bytes")
+            digest = model_digest(config, tuple(block.shape), self.dtype)
+            disk = DiskTier(config.kv_disk_path, capacity, digest, block_nbytes)
+        log.info(
+            "kv_tiers",
+            host_blocks=host_blocks,
+            disk_blocks=disk.capacity if disk is not None and disk.writable else 0,
+            disk_path=config.kv_disk_path,
+        )
+        return KVOffload(self.kv_cache, host_blocks, disk)
+
     def _element_size(self) -> int:
         return torch.tensor([], dtype=self.dtype).element_size()
 
@@ -344,3 +372,5 @@ class ModelRunnerBase:
         if self.cpu_share is not None:
             self.cpu_share.close()
             self.cpu_share = None
+        if self.kv_offload is not None:
+            self.kv_offload.close()

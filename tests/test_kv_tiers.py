@@ -1,0 +1,248 @@
+"""The prefix cache's lower tiers (worker/runner/kv_offload.py, kv_disk.py): a conversation whose prefix
+was evicted from a small device cache into host memory or onto disk continues with the tokens of an engine
+whose device cache holds everything; every block is accounted for in each tier afterwards; the disk tier
+survives a restart with the same model and is ignored with another; a bad file or a disk that cannot be
+written is logged once and recomputed."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.common.block_hash import prefix_hashes
+from nanovllm.common.errors import ConfigError
+from nanovllm.worker.config import ModelConfig
+from tests.model_factory import build_model
+
+BLOCK = 8
+DEVICE_BLOCKS = 20  # 160 tokens: about two of the conversations below; they hold 6 x 96 tokens by the end
+TURNS = 3
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
+
+
+def _block_bytes(model_dir: Path) -> int:
+    cfg = ModelConfig.from_pretrained_dir(str(model_dir))
+    return 2 * cfg.num_hidden_layers * BLOCK * cfg.num_key_value_heads * cfg.head_dim * 4  # float32
+
+
+def _conversations(seed: int = 0) -> list[list[int]]:
+    """Six conversations opening with a shared 40-token system prompt, 20 tokens of their own each."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 200) for _ in range(40)]
+    return [system + [rng.randrange(3, 200) for _ in range(20)] for _ in range(6)]
+
+
+def _llm(model_dir: Path, device_blocks: int | None = DEVICE_BLOCKS, **tiers) -> LLM:
+    memory = device_blocks * _block_bytes(model_dir) if device_blocks else "8MiB"
+    return LLM(
+        str(model_dir),
+        max_model_len=128,
+        kvcache_block_size=BLOCK,
+        dtype="float32",
+        kv_cache_memory=memory,
+        **tiers,
+    )
+
+
+def _turns(llm: LLM, turns: range = range(TURNS), seed: int = 0) -> tuple[list[list[int]], int]:
+    """Each conversation's outputs of `turns` (each turn adds the last output and three user tokens),
+    and the prompt tokens served from the prefix cache in them."""
+    history = _conversations(seed)
+    outputs, cached = [], 0
+    for turn in range(max(turns) + 1):
+        if turn in turns:
+            results = llm.generate(history, GREEDY, use_tqdm=False)
+        else:  # a turn run elsewhere: take its tokens from the reference
+            results = [{"token_ids": t, "num_cached_tokens": 0} for t in _reference_turn(turn, seed)]
+        for i, result in enumerate(results):
+            if turn in turns:
+                outputs.append(result["token_ids"])
+                cached += result["num_cached_tokens"]
+            history[i] = history[i] + result["token_ids"] + [7 + turn, 8, 9]
+    return outputs, cached
+
+
+_REFERENCE: dict[tuple[int, int], list[list[int]]] = {}
+
+
+def _reference_turn(turn: int, seed: int) -> list[list[int]]:
+    return _REFERENCE[(turn, seed)]
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_dir) -> list[list[int]]:
+    """Every turn's outputs from an engine whose device cache holds everything."""
+    llm = _llm(qwen3_dir, device_blocks=None)
+    outputs, _ = _turns(llm)
+    llm.shutdown()
+    for turn in range(TURNS):
+        _REFERENCE[(turn, 0)] = outputs[turn * 6 : (turn + 1) * 6]
+    return outputs
+
+
+def _assert_accounted(llm: LLM) -> None:
+    """Every device block is free again and held once; each lower tier's index matches its storage."""
+    engine = llm.engine
+    bm = engine.block_manager
+    assert engine.load().kv_blocks_used == 0 and bm.num_free_blocks == bm.num_blocks
+    assert sorted(bm.cached.values()) == sorted(set(bm.cached.values()))
+    assert all(bm.blocks[b].block_hash == h for h, b in bm.cached.items())
+    tiers = engine.runner.kv_offload
+    tiers.drain()
+    if tiers.host is not None:
+        slots = list(tiers.host.index.values()) + tiers.host.free_slots
+        assert sorted(slots) == list(range(tiers.host.capacity))
+    if tiers.disk is not None:
+        files = {int(p.stem, 16) for p in tiers.disk.directory.glob("*.kv")}
+        assert files == set(tiers.disk.index)
+        assert len(files) <= tiers.disk.capacity
+        assert not [p for p in tiers.disk.directory.glob("*.tmp") if not p.is_symlink()]  # none half-written
+
+
+@pytest.mark.parametrize(
+    "tiers",
+    [
+        pytest.param({"kv_host_memory": "4MiB"}, id="host"),
+        pytest.param({"kv_disk_path": "{tmp}"}, id="disk"),
+        pytest.param({"kv_host_memory": 12, "kv_disk_path": "{tmp}"}, id="host-and-disk"),
+    ],
+)
+def test_evicted_prefixes_come_back_from_each_tier_with_the_same_tokens(
+    qwen3_dir, reference, tiers, tmp_path
+):
+    tiers = {k: str(tmp_path) if v == "{tmp}" else v for k, v in tiers.items()}
+    if tiers.get("kv_host_memory") == 12:  # 12 blocks: the host tier evicts, the disk tier serves
+        tiers["kv_host_memory"] = 12 * _block_bytes(qwen3_dir)
+    small = _llm(qwen3_dir)
+    small_outputs, small_cached = _turns(small)
+    small.shutdown()
+    assert small_outputs == reference  # recomputed: the same tokens, fewer hits
+
+    llm = _llm(qwen3_dir, **tiers)
+    outputs, cached = _turns(llm)
+    assert outputs == reference
+    stats = llm.engine.runner.kv_offload.stats
+    hits = {tier: s.hits for tier, s in stats.items()}
+    assert sum(hits.values()) > 0
+    if "kv_disk_path" in tiers:
+        assert hits["disk"] > 0
+    if "kv_host_memory" in tiers and "kv_disk_path" not in tiers:
+        assert hits["host"] > 0
+    assert cached > small_cached
+    _assert_accounted(llm)
+    llm.shutdown()
+
+
+def test_the_disk_tier_survives_a_restart_with_the_same_model_only(qwen3_dir, reference, tmp_path):
+    first = _llm(qwen3_dir, kv_disk_path=str(tmp_path))
+    _turns(first, range(1))
+    _assert_accounted(first)
+    first.shutdown()
+
+    again = _llm(qwen3_dir, kv_disk_path=str(tmp_path))
+    directory = again.engine.runner.kv_offload.disk.directory
+    assert len(again.engine.runner.kv_offload.disk.index) == 5 + 6 * 3
+    outputs, cached = _turns(again, range(1, 2))
+    assert outputs == reference[6:12]
+    # Turn 0 computed each history's first 69 tokens: 8 full blocks, the 5 of the system prompt shared.
+    # Each of turn 1's prompts finds all 8 (on the device or on disk); each of the 5 + 6 x 3 distinct ones
+    # came from disk at least once.
+    assert cached == 6 * 8 * BLOCK
+    assert again.engine.runner.kv_offload.stats["disk"].hits >= 5 + 6 * 3
+    _assert_accounted(again)
+    again.shutdown()
+
+    # The same configuration with other weights: other KV, so none of those files is looked at.
+    other = build_model("qwen3", tmp_path / "other-weights", seed=7)
+    llm = _llm(other, kv_disk_path=str(tmp_path))
+    assert llm.engine.runner.kv_offload.disk.directory != directory
+    assert len(llm.engine.runner.kv_offload.disk.index) == 0
+    llm.shutdown()
+
+
+def _fault_events(logs: list[dict]) -> list[str]:
+    return [entry["kind"] for entry in logs if entry["event"] == "kv_tier_fault"]
+
+
+def test_bad_files_are_logged_once_and_recomputed(qwen3_dir, reference, tmp_path):
+    first = _llm(qwen3_dir, kv_disk_path=str(tmp_path))
+    _turns(first, range(1))
+    first.shutdown()
+    files = sorted((p for p in tmp_path.rglob("*.kv")), key=lambda p: p.stat().st_mtime_ns)
+    assert len(files) >= 8
+    for path in files[:3]:  # truncated
+        path.write_bytes(path.read_bytes()[:100])
+    for path in files[3:6]:  # garbage of the right size
+        path.write_bytes(random.Random(0).randbytes(path.stat().st_size))
+
+    with capture_logs() as logs:
+        llm = _llm(qwen3_dir, kv_disk_path=str(tmp_path))
+        outputs, _ = _turns(llm, range(1, 2))
+    assert outputs == reference[6:12]
+    faults = llm.engine.runner.kv_offload.stats["disk"].faults.counts
+    assert faults["bad_size"] == 3
+    assert 1 <= faults["corrupt"] <= 3  # those of the garbage files a prompt's chain reached
+    assert sorted(_fault_events(logs)) == ["bad_size", "corrupt"]  # once per kind
+    _assert_accounted(llm)
+    llm.shutdown()
+
+
+def test_a_full_disk_is_logged_once_and_nothing_is_lost(qwen3_dir, reference, tmp_path):
+    """Each block's temporary file is a link to /dev/full, so its write fails with ENOSPC from the
+    kernel: logged once, nothing half-written is kept, every turn has the reference's tokens."""
+    llm = _llm(qwen3_dir, kv_disk_path=str(tmp_path))
+    disk = llm.engine.runner.kv_offload.disk
+    for block_hash in _every_block_hash(reference):
+        os.symlink("/dev/full", disk.path(block_hash).with_suffix(".tmp"))
+    with capture_logs() as logs:
+        outputs, _ = _turns(llm)
+    assert outputs == reference
+    assert _fault_events(logs) == ["disk_full"]
+    assert disk.faults.counts["disk_full"] > 1
+    _assert_accounted(llm)
+    llm.shutdown()
+
+
+def _every_block_hash(reference: list[list[int]]) -> set[int]:
+    """The hashes of every full block of every turn's prompt and output."""
+    history, hashes = _conversations(), set()
+    for turn in range(TURNS):
+        for i, output in enumerate(reference[turn * 6 : (turn + 1) * 6]):
+            hashes.update(prefix_hashes(history[i] + output, BLOCK))
+            history[i] = history[i] + output + [7 + turn, 8, 9]
+    return hashes
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "proc"])
+def test_an_unwritable_directory_is_logged_once_and_the_engine_serves(qwen3_dir, reference, tmp_path, where):
+    if where == "under-a-file":
+        (tmp_path / "file").write_text("")
+        path = tmp_path / "file" / "kv"
+    else:
+        path = Path("/proc/nanovllm-kv")
+    with capture_logs() as logs:
+        llm = _llm(qwen3_dir, kv_disk_path=str(path))
+        outputs, _ = _turns(llm)
+    assert outputs == reference
+    assert _fault_events(logs) == ["unwritable"]
+    assert llm.engine.runner.kv_offload.disk is None
+    llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"kv_host_memory": "lots"}, "kv_host_memory 'lots' is not a size"),
+        ({"kv_disk_path": "/tmp/x", "kv_disk_bytes": -1}, "kv_disk_bytes must be positive"),
+        ({"kv_disk_path": "/tmp/x", "enable_prefix_caching": False}, "tiers of the prefix cache"),
+        ({"kv_host_memory": "1GiB", "tensor_parallel_size": 2}, "tensor_parallel_size=1"),
+    ],
+)
+def test_bad_tier_settings_fail_at_start_naming_them(qwen3_dir, settings, message):
+    with pytest.raises(ConfigError, match=message):
+        LLM(str(qwen3_dir), **settings)

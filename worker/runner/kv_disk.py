@@ -1,0 +1,179 @@
+"""The prefix cache's disk tier: one file per KV block, named by its block hash, under a directory named
+by the model's digest, size-capped, least recently used out first.
+
+A file is a header (magic, the model digest, the block hash, the payload's length and xxh3 checksum) and
+the block's bytes. It is written to a temporary name and renamed, so a crash leaves either the whole file
+or none; a file that is short, long, or fails its checksum is deleted and never served. Files written by a
+worker with the same model, config and KV layout (the same digest) are found again after a restart.
+
+The index is the engine thread's; the writes run on the offload thread (worker/runner/kv_offload.py),
+which reports a failed write back through `failed_writes`.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import hashlib
+import json
+import os
+import struct
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+import xxhash
+
+from nanovllm.common.logging import get_logger
+from nanovllm.worker.config import EngineConfig
+
+log = get_logger(__name__)
+
+_MAGIC = b"NVKVBLK1"
+_HEADER = struct.Struct("<8s16sQQQ")  # magic, model digest, block hash, payload bytes, xxh3_64 of payload
+_SUFFIX = ".kv"
+
+
+def model_digest(config: EngineConfig, kv_block_shape: tuple[int, ...], dtype: torch.dtype) -> bytes:
+    """16 bytes naming everything a block's KV depends on: the model's configuration and weight files,
+    the weight format, the dtype and the block's layout. A weight file is named by its name, size and
+    first and last MiB (hashing every byte of a large model at each start would cost a minute)."""
+    h = hashlib.sha256()
+    cfg = config.hf_config
+    facts = {
+        "config": repr(cfg),
+        "weight_format": config.weight_format,
+        "group_size": config.quantization_group_size,
+        "dtype": str(dtype),
+        "block_shape": list(kv_block_shape),
+    }
+    h.update(json.dumps(facts, sort_keys=True).encode())
+    model = Path(config.gguf_file or config.model)
+    files = [model] if model.is_file() else sorted(model.glob("*.safetensors")) + [model / "config.json"]
+    for path in files:
+        if not path.is_file():
+            continue
+        size = path.stat().st_size
+        h.update(f"{path.name}\0{size}\0".encode())
+        with path.open("rb") as f:
+            h.update(f.read(2**20))
+            f.seek(max(size - 2**20, 0))
+            h.update(f.read(2**20))
+    return h.digest()[:16]
+
+
+class TierFaults:
+    """Counts a tier's faults by kind and logs each kind once: a full disk would otherwise log every
+    block it cannot write."""
+
+    def __init__(self, tier: str) -> None:
+        self.tier = tier
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def record(self, kind: str, **detail: object) -> None:
+        self.counts[kind] += 1
+        if self.counts[kind] == 1:
+            log.warning("kv_tier_fault", tier=self.tier, kind=kind, **detail)
+
+
+class DiskTier:
+    def __init__(self, root: str, capacity_bytes: int, digest: bytes, block_nbytes: int) -> None:
+        self.directory = Path(root) / digest.hex()
+        self.digest = digest
+        self.block_nbytes = block_nbytes
+        self.file_bytes = _HEADER.size + block_nbytes
+        self.capacity = capacity_bytes // self.file_bytes  # in blocks
+        self.index: OrderedDict[int, None] = OrderedDict()  # block hashes on disk, least recently used first
+        self.faults = TierFaults("disk")
+        self.failed_writes: collections.deque[int] = collections.deque()  # appended by the offload thread
+        self.writable = self._prepare()
+        if self.writable:
+            self._scan()
+
+    def _prepare(self) -> bool:
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            probe = self.directory / ".probe"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            self.faults.record("unwritable", path=str(self.directory), error=str(exc))
+            return False
+        return True
+
+    def _scan(self) -> None:
+        """Index the files a previous run left, oldest first; a file of the wrong size, or a temporary one
+        a crash left, is deleted."""
+        for leftover in self.directory.glob("*.tmp"):
+            leftover.unlink(missing_ok=True)
+        found = []
+        for path in self.directory.glob(f"*{_SUFFIX}"):
+            try:
+                block_hash = int(path.stem, 16)
+                stat = path.stat()
+            except (ValueError, OSError):
+                continue
+            if stat.st_size != self.file_bytes:
+                self.faults.record("bad_size", path=str(path), size=stat.st_size, expected=self.file_bytes)
+                path.unlink(missing_ok=True)
+                continue
+            found.append((stat.st_mtime_ns, block_hash))
+        for _, block_hash in sorted(found):
+            self.index[block_hash] = None
+        while len(self.index) > self.capacity:
+            self.remove(next(iter(self.index)))
+        if found:
+            log.info("kv_disk_tier_found", directory=str(self.directory), blocks=len(self.index))
+
+    def path(self, block_hash: int) -> Path:
+        return self.directory / f"{block_hash:016x}{_SUFFIX}"
+
+    def remove(self, block_hash: int) -> None:
+        self.index.pop(block_hash, None)
+        self.path(block_hash).unlink(missing_ok=True)
+
+    def write(self, block_hash: int, block: torch.Tensor) -> None:
+        """Write one block (a contiguous CPU tensor); on the offload thread."""
+        payload = block.view(-1).view(torch.uint8).numpy().tobytes()
+        header = _HEADER.pack(
+            _MAGIC, self.digest, block_hash, len(payload), xxhash.xxh3_64_intdigest(payload)
+        )
+        target = self.path(block_hash)
+        temporary = target.with_suffix(".tmp")
+        try:
+            with temporary.open("wb") as f:
+                f.write(header)
+                f.write(payload)
+            os.replace(temporary, target)
+        except OSError as exc:
+            kind = "disk_full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "write"
+            self.faults.record(kind, path=str(target), error=str(exc))
+            temporary.unlink(missing_ok=True)
+            self.failed_writes.append(block_hash)
+
+    def read(self, block_hash: int) -> bytes | None:
+        """The block's bytes, or None (the file deleted and the fault counted) when the file is not
+        exactly what `write` wrote for this model and hash."""
+        path = self.path(block_hash)
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            self.faults.record("read", path=str(path), error=str(exc))
+            self.index.pop(block_hash, None)
+            return None
+        problem = self._check(data, block_hash)
+        if problem is not None:
+            self.faults.record("corrupt", path=str(path), problem=problem)
+            self.remove(block_hash)
+            return None
+        return data[_HEADER.size :]
+
+    def _check(self, data: bytes, block_hash: int) -> str | None:
+        if len(data) != self.file_bytes:
+            return f"{len(data)} bytes, expected {self.file_bytes}"
+        magic, digest, stored_hash, length, checksum = _HEADER.unpack_from(data)
+        if magic != _MAGIC or digest != self.digest or stored_hash != block_hash:
+            return "header does not name this model and block"
+        if length != self.block_nbytes or xxhash.xxh3_64_intdigest(data[_HEADER.size :]) != checksum:
+            return "checksum mismatch"
+        return None
