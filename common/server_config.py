@@ -127,6 +127,11 @@ class RoutingConfig:
         help="routing: how many prompt tokens to prefill one request queued on a worker is worth, against "
         "the tokens its prefix cache would save",
     )
+    offloaded_token_cost: float = option(
+        0.25,
+        help="routing: what a prompt token held in a worker's host-memory or disk KV tier costs (copied "
+        "up), against 1 for a token to prefill and 0 for one on the device",
+    )
     hotspot_ratio: float = option(
         1.25, help="routing: a worker whose queue is over this times the fleet's mean takes nothing new"
     )
@@ -140,6 +145,8 @@ class RoutingConfig:
         except ValueError:
             names = ", ".join(p.value for p in RoutingPolicy)
             raise ConfigError(f"--routing must be one of {names}, got {self.policy!r}") from None
+        if not 0.0 <= self.offloaded_token_cost <= 1.0:  # NaN fails too
+            raise ConfigError(f"--offloaded-token-cost must be in [0, 1], got {self.offloaded_token_cost}")
 
 
 @dataclass

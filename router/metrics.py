@@ -28,11 +28,16 @@ class _WorkerView:
             "KV blocks in each worker's prefix cache, as the worker reported them to this router",
             labels=["worker"],
         )
+        offloaded = GaugeMetricFamily(
+            "nanovllm:worker_offloaded_blocks",
+            "KV blocks in each worker's host-memory and disk tiers, as the worker reported them to this router",
+            labels=["worker"],
+        )
         for worker in self._workers():
             queue.add_metric([worker.address], worker.queue_estimate)
             cached.add_metric([worker.address], worker.num_cached_blocks)
-        yield queue
-        yield cached
+            offloaded.add_metric([worker.address], len(worker.offloaded_blocks))
+        yield from (queue, cached, offloaded)
 
 
 class RouterMetrics:

@@ -1,11 +1,14 @@
 """Which worker takes a request: the one where it costs least, counting the prefix cache against the load.
 
-    cost(w) = uncached_tokens(w) + queued_request_cost * queue(w)
+    cost(w) = uncached_tokens(w) + offloaded_token_cost * offloaded_tokens(w) + queued_request_cost * queue(w)
 
 - uncached_tokens(w): the prompt tokens worker w would have to prefill, that is the prompt's length less
   the leading tokens its prefix cache holds. The count is exact: workers report every block hash they store
   and evict (common/block_hash.py), and until they report them, the blocks of this router's own requests
   in flight there count as cached (the worker is computing them);
+- offloaded_tokens(w): the tokens after those that w holds in its host-memory or disk tier
+  (docs/kv-offload.md): copied back up, which costs less than computing them (offloaded_token_cost, 0.25
+  by default, of a computed token) and more than a device hit;
 - queue(w): requests waiting or running there, every router's included (the worker's own report plus what
   this router sent since, never fewer than this router's own requests there);
 - queued_request_cost: how many prefill tokens one queued request is worth (default 64).
@@ -38,6 +41,8 @@ class Candidate(Protocol):
     def block_size(self) -> int: ...
 
     def cached_prefix_blocks(self, hashes: Sequence[int]) -> int: ...
+
+    def offloaded_prefix_blocks(self, hashes: Sequence[int]) -> int: ...
 
     @property
     def num_cached_blocks(self) -> int: ...
@@ -84,8 +89,15 @@ def _cheapest(
     best: tuple[float, int] | None = None
     decision: Decision | None = None
     for worker in pool:
-        hit = worker.cached_prefix_blocks(hashes(worker.block_size)) * worker.block_size
-        cost = (len(token_ids) - hit) + weights.queued_request_cost * worker.queue_estimate
+        blocks = hashes(worker.block_size)
+        hit_blocks = worker.cached_prefix_blocks(blocks)
+        hit = hit_blocks * worker.block_size
+        offloaded = worker.offloaded_prefix_blocks(blocks[hit_blocks:]) * worker.block_size
+        cost = (
+            (len(token_ids) - hit - offloaded)
+            + weights.offloaded_token_cost * offloaded
+            + weights.queued_request_cost * worker.queue_estimate
+        )
         if best is None or (cost, worker.num_cached_blocks) < best:
             best = (cost, worker.num_cached_blocks)
             decision = Decision(worker, hit, cost, len(pool), hashes(worker.block_size))

@@ -73,6 +73,7 @@ class WorkerConnection:
         self._sent_since_report = 0
         # The block hashes the worker's prefix cache holds, exactly as it reported them.
         self.cached_blocks: set[int] = set()
+        self.offloaded_blocks: set[int] = set()  # those its host-memory and disk tiers hold
         # The prompt blocks of this router's requests in flight there, which it is computing or has cached
         # (the reports lag): a burst sharing a prefix then finds its first request's worker at once.
         self._in_flight_blocks: Counter[int] = Counter()
@@ -113,6 +114,16 @@ class WorkerConnection:
         count = 0
         for block_hash in hashes:
             if block_hash not in self.cached_blocks and not self._in_flight_blocks[block_hash]:
+                break
+            count += 1
+        return count
+
+    def offloaded_prefix_blocks(self, hashes: Sequence[int]) -> int:
+        """How many of a prompt's blocks after those `cached_prefix_blocks` counts the worker holds in its
+        host-memory or disk tier (a hit there is copied up, not computed)."""
+        count = 0
+        for block_hash in hashes:
+            if block_hash not in self.offloaded_blocks:
                 break
             count += 1
         return count
@@ -220,7 +231,7 @@ class WorkerConnection:
 
     async def _stream(self, on_change: Callable[[], None]) -> None:
         self._outbound = asyncio.Queue()
-        self.cached_blocks = set()
+        self.cached_blocks, self.offloaded_blocks = set(), set()
         self.adapters = {a.name: a.cache_salt for a in self.info.adapters}
         subscribe = worker_pb2.Subscribe(prefix_cache=True)
         self._outbound.put_nowait(worker_pb2.RouterMessage(subscribe=subscribe))
@@ -252,9 +263,12 @@ class WorkerConnection:
     def _apply(self, events: worker_pb2.PrefixCacheEvents) -> None:
         if events.reset:
             self.cached_blocks = set(events.stored)
+            self.offloaded_blocks = set(events.lower_stored)
             return
         self.cached_blocks.difference_update(events.evicted)
         self.cached_blocks.update(events.stored)
+        self.offloaded_blocks.difference_update(events.lower_evicted)
+        self.offloaded_blocks.update(events.lower_stored)
 
     @staticmethod
     async def _outgoing(

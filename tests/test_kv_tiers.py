@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,11 @@ from structlog.testing import capture_logs
 from nanovllm import LLM, SamplingParams
 from nanovllm.common.block_hash import prefix_hashes
 from nanovllm.common.errors import ConfigError
+from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from nanovllm.worker.config import ModelConfig
+from tests.metrics import scrape, value
 from tests.model_factory import build_model
+from tests.services import CALL_TIMEOUT_S, open_channel, router_and_worker, wait_idle
 
 BLOCK = 8
 DEVICE_BLOCKS = 20  # 160 tokens: about two of the conversations below; they hold 6 x 96 tokens by the end
@@ -246,3 +250,43 @@ def test_an_unwritable_directory_is_logged_once_and_the_engine_serves(qwen3_dir,
 def test_bad_tier_settings_fail_at_start_naming_them(qwen3_dir, settings, message):
     with pytest.raises(ConfigError, match=message):
         LLM(str(qwen3_dir), **settings)
+
+
+def test_a_served_conversation_continues_from_the_disk_tier(qwen3_dir, reference, tmp_path):
+    """Through a router and a worker process: the tokens are the offline reference's, the worker's load
+    and metrics count the disk tier's blocks and hits, and the router learns which blocks it holds."""
+    flags = (
+        *("--kv-cache-memory", str(DEVICE_BLOCKS * _block_bytes(qwen3_dir))),
+        *("--block-size", str(BLOCK), "--max-model-len", "128"),
+        *("--kv-disk-path", str(tmp_path / "kv")),
+    )
+    sampling = generate_pb2.SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens)
+    with router_and_worker(qwen3_dir, tmp_path, worker_flags=flags) as (worker, router):
+        stub = generate_pb2_grpc.GenerationStub(open_channel(router.address))
+        history, outputs = _conversations(), []
+        for turn in range(TURNS):
+            for i in range(len(history)):
+                request = generate_pb2.GenerateRequest(
+                    token_ids=generate_pb2.TokenIds(ids=history[i]), sampling=sampling, return_token_ids=True
+                )
+                tokens = [t for r in stub.Generate(request, timeout=CALL_TIMEOUT_S) for t in r.token_ids]
+                outputs.append(tokens)
+                history[i] = history[i] + tokens + [7 + turn, 8, 9]
+        assert outputs == reference
+        load = wait_idle(worker.address)
+        assert load.kv_disk_blocks > 0 and load.kv_host_blocks == 0
+        worker_metrics = scrape(worker.metrics_address)
+        assert value(worker_metrics, "nanovllm:kv_tier_hits_total", tier="disk") > 0
+        assert value(worker_metrics, "nanovllm:kv_tier_blocks", tier="disk") == load.kv_disk_blocks
+        assert value(worker_metrics, "nanovllm:kv_tier_bytes_total", tier="disk", direction="up") > 0
+
+        def router_sees_them() -> bool:
+            seen = value(
+                scrape(router.metrics_address), "nanovllm:worker_offloaded_blocks", worker=worker.address
+            )
+            return seen == load.kv_disk_blocks
+
+        deadline = time.monotonic() + CALL_TIMEOUT_S  # a bound on a hang, not a measure of speed
+        while not router_sees_them():
+            assert time.monotonic() < deadline, "the router never learnt the worker's disk tier"
+            time.sleep(0.05)

@@ -24,10 +24,17 @@ class Worker:
     queue_estimate: int = 0
     cached_blocks: set[int] = field(default_factory=set)
     block_size: int = BLOCK
+    offloaded_blocks: set[int] = field(default_factory=set)
 
     def cached_prefix_blocks(self, hashes: Sequence[int]) -> int:
         count = 0
         while count < len(hashes) and hashes[count] in self.cached_blocks:
+            count += 1
+        return count
+
+    def offloaded_prefix_blocks(self, hashes: Sequence[int]) -> int:
+        count = 0
+        while count < len(hashes) and hashes[count] in self.offloaded_blocks:
             count += 1
         return count
 
@@ -65,6 +72,28 @@ def test_a_cached_prefix_outweighs_a_short_queue_but_not_a_long_one():
     # 640 cached tokens are worth 2.5 queued requests: three more in the queue tip it to the idle worker.
     holder.queue_estimate, idle.queue_estimate = 4, 1
     assert choose([idle, holder], prompt, WEIGHTS).worker is idle
+
+
+def test_a_prefix_in_a_lower_tier_costs_less_than_a_miss_and_more_than_a_device_hit():
+    """The 640-token prefix on one worker's device, on another's disk tier (its first 10 blocks on the
+    device), on a third nowhere: device < offloaded < miss at equal queues. At 0.25 of a computed token
+    the 480 offloaded tokens cost 120: against the miss's 643, 520 saved, two queued requests at 256."""
+    prompt = PREFIX + [7, 8, 9]
+    device = Worker("device").caches(PREFIX)
+    offloaded = Worker("offloaded").caches(PREFIX[: 10 * BLOCK])
+    offloaded.offloaded_blocks.update(prefix_hashes(PREFIX, BLOCK)[10:])
+    cold = Worker("cold")
+    assert choose([cold, offloaded, device], prompt, WEIGHTS).worker is device
+    decision = choose([cold, offloaded], prompt, WEIGHTS)
+    assert decision.worker is offloaded and decision.cost == 3 + 0.25 * 30 * BLOCK
+    offloaded.queue_estimate = 2
+    assert choose([cold, offloaded], prompt, WEIGHTS).worker is offloaded
+    offloaded.queue_estimate = 3
+    assert choose([cold, offloaded], prompt, WEIGHTS).worker is cold
+    # Blocks in a lower tier count only after a leading run on the device (or from the first block).
+    gap = Worker("gap").caches(PREFIX[:BLOCK])
+    gap.offloaded_blocks.update(prefix_hashes(PREFIX, BLOCK)[2:])
+    assert choose([gap], prompt, WEIGHTS).cost == len(prompt) - BLOCK
 
 
 def test_the_last_token_is_never_counted_as_cached():

@@ -170,6 +170,8 @@ class EngineLoad:
     kv_blocks_free: int
     prefix_cache_hit_rate: float
     num_preemptions: int
+    kv_host_blocks: int = 0  # blocks held in the prefix cache's lower tiers (worker/runner/kv_offload.py)
+    kv_disk_blocks: int = 0
 
 
 @dataclass

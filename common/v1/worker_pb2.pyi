@@ -173,14 +173,18 @@ class WorkerTimings(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ...) -> None: ...
 
 class PrefixCacheEvents(_message.Message):
-    __slots__ = ("reset", "stored", "evicted")
+    __slots__ = ("reset", "stored", "evicted", "lower_stored", "lower_evicted")
     RESET_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     EVICTED_FIELD_NUMBER: _ClassVar[int]
+    LOWER_STORED_FIELD_NUMBER: _ClassVar[int]
+    LOWER_EVICTED_FIELD_NUMBER: _ClassVar[int]
     reset: bool
     stored: _containers.RepeatedScalarFieldContainer[int]
     evicted: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, reset: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., evicted: _Optional[_Iterable[int]] = ...) -> None: ...
+    lower_stored: _containers.RepeatedScalarFieldContainer[int]
+    lower_evicted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, reset: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., evicted: _Optional[_Iterable[int]] = ..., lower_stored: _Optional[_Iterable[int]] = ..., lower_evicted: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepOutputs(_message.Message):
     __slots__ = ("updates", "draining", "load", "prefix_cache", "adapters")
@@ -276,7 +280,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "kv_blocks_used", "kv_blocks_free", "prefix_cache_hit_rate", "num_preemptions", "num_connections")
+    __slots__ = ("num_waiting", "num_running", "kv_blocks_used", "kv_blocks_free", "prefix_cache_hit_rate", "num_preemptions", "num_connections", "kv_host_blocks", "kv_disk_blocks")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +288,8 @@ class WorkerLoad(_message.Message):
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     kv_blocks_used: int
@@ -291,4 +297,6 @@ class WorkerLoad(_message.Message):
     prefix_cache_hit_rate: float
     num_preemptions: int
     num_connections: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_connections: _Optional[int] = ...) -> None: ...
+    kv_host_blocks: int
+    kv_disk_blocks: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_connections: _Optional[int] = ..., kv_host_blocks: _Optional[int] = ..., kv_disk_blocks: _Optional[int] = ...) -> None: ...

@@ -30,6 +30,9 @@ class CacheEvents:
 
     stored: set[int] = field(default_factory=set)
     evicted: set[int] = field(default_factory=set)
+    # The same for the hashes the lower tiers hold (filled by BlockManager.take_cache_events).
+    lower_stored: set[int] = field(default_factory=set)
+    lower_evicted: set[int] = field(default_factory=set)
 
     def store(self, block_hash: int) -> None:
         if block_hash in self.evicted:
@@ -44,7 +47,7 @@ class CacheEvents:
             self.evicted.add(block_hash)
 
     def __bool__(self) -> bool:
-        return bool(self.stored or self.evicted)
+        return bool(self.stored or self.evicted or self.lower_stored or self.lower_evicted)
 
 
 @dataclass
@@ -87,10 +90,23 @@ class BlockManager:
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
 
+    @property
+    def has_cache_events(self) -> bool:
+        """Whether the device's or a lower tier's cached hashes changed since the last take_cache_events."""
+        lower = self.lower_tiers.events if self.lower_tiers is not None else None
+        return bool(self.cache_events) or bool(lower and (lower.stored or lower.evicted))
+
     def take_cache_events(self) -> CacheEvents:
-        """The changes to the cached hashes since the last call."""
+        """The changes to the cached hashes (the device's and the lower tiers') since the last call."""
         events, self.cache_events = self.cache_events, CacheEvents()
+        if self.lower_tiers is not None:
+            lower = self.lower_tiers.take_events()
+            events.lower_stored, events.lower_evicted = lower.stored, lower.evicted
         return events
+
+    def lower_cached(self) -> list[int]:
+        """Every hash the lower tiers hold."""
+        return self.lower_tiers.held() if self.lower_tiers is not None else []
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -196,6 +196,7 @@ class LLMEngine:
 
     def load(self) -> EngineLoad:
         bm = self.block_manager
+        lower = bm.lower_tiers.num_blocks if bm.lower_tiers is not None else {"host": 0, "disk": 0}
         return EngineLoad(
             num_waiting=len(self.scheduler.waiting) + len(self.constraints),
             num_running=len(self.scheduler.running),
@@ -203,6 +204,8 @@ class LLMEngine:
             kv_blocks_free=bm.num_free_blocks,
             prefix_cache_hit_rate=bm.prefix_cache_hit_rate,
             num_preemptions=self.scheduler.num_preemptions,
+            kv_host_blocks=lower["host"],
+            kv_disk_blocks=lower["disk"],
         )
 
     def step(self) -> StepResult:

@@ -111,6 +111,14 @@ class KVOffload:
                 return "disk"
         return None
 
+    def held(self) -> list[int]:
+        """Every hash a lower tier holds."""
+        self._forget_failed_writes()
+        hashes = set(self.host.index) if self.host is not None else set()
+        if self.disk is not None:
+            hashes.update(self.disk.index)
+        return sorted(hashes)
+
     @property
     def num_blocks(self) -> dict[str, int]:
         return {

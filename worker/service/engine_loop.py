@@ -204,7 +204,7 @@ class EngineLoop:
         busy, at most every LOAD_PUSH_INTERVAL_S (the next iteration comes soon and will send what changed
         by then: cache changes wait in the block manager until taken)."""
         queue = (self.load.num_waiting, self.load.num_running, self.load.kv_blocks_used)
-        cache_changed = bool(self.engine.block_manager.cache_events)
+        cache_changed = self.engine.block_manager.has_cache_events
         now = time.monotonic()
         busy = self.engine.has_unfinished_requests()
         if (queue == self._pushed_queue and not cache_changed) or (
@@ -216,7 +216,12 @@ class EngineLoop:
         with_cache = load
         if cache_changed:
             events = self.engine.block_manager.take_cache_events()
-            cache = worker_pb2.PrefixCacheEvents(stored=sorted(events.stored), evicted=sorted(events.evicted))
+            cache = worker_pb2.PrefixCacheEvents(
+                stored=sorted(events.stored),
+                evicted=sorted(events.evicted),
+                lower_stored=sorted(events.lower_stored),
+                lower_evicted=sorted(events.lower_evicted),
+            )
             with_cache = worker_pb2.StepOutputs(load=load.load, prefix_cache=cache)
         for conn in self._connections:
             conn.deliver(with_cache if conn.prefix_cache_subscribed else load)
@@ -247,10 +252,11 @@ class EngineLoop:
         if conn.closed or not subscribe.prefix_cache or conn.prefix_cache_subscribed:
             return
         conn.prefix_cache_subscribed = True
-        cached = sorted(self.engine.block_manager.cached)
-        conn.deliver(
-            worker_pb2.StepOutputs(prefix_cache=worker_pb2.PrefixCacheEvents(reset=True, stored=cached))
+        bm = self.engine.block_manager
+        cache = worker_pb2.PrefixCacheEvents(
+            reset=True, stored=sorted(bm.cached), lower_stored=bm.lower_cached()
         )
+        conn.deliver(worker_pb2.StepOutputs(prefix_cache=cache))
 
     def _start_draining(self) -> None:
         """Tell every router at once, so none sends a request only to have it refused."""

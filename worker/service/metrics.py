@@ -2,10 +2,51 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from nanovllm.common.metrics import LATENCY_BUCKETS
+from nanovllm.worker.runner.kv_offload import KVOffload
 from nanovllm.worker.step import EngineLoad, StepStats
+
+
+class _KVTierView:
+    """The prefix cache's lower tiers (worker/runner/kv_offload.py), read at scrape time: their counters
+    are plain numbers the engine thread adds to."""
+
+    def __init__(self, tiers: KVOffload) -> None:
+        self._tiers = tiers
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        name = "nanovllm:kv_tier_"
+        hits = CounterMetricFamily(name + "hits", "Blocks copied up from each tier on a hit", labels=["tier"])
+        moved = CounterMetricFamily(
+            name + "bytes",
+            "Bytes copied down to (down) and up from (up) each tier",
+            labels=["tier", "direction"],
+        )
+        seconds = CounterMetricFamily(
+            name + "seconds",
+            "Engine-thread seconds spent queueing copies down (down) and copying up (up), by tier",
+            labels=["tier", "direction"],
+        )
+        faults = CounterMetricFamily(
+            name + "faults", "Faults by tier and kind, each served by recomputation", labels=["tier", "kind"]
+        )
+        blocks = GaugeMetricFamily(name + "blocks", "Blocks each tier holds", labels=["tier"])
+        held = self._tiers.num_blocks
+        for tier, stats in self._tiers.stats.items():
+            hits.add_metric([tier], stats.hits)
+            moved.add_metric([tier, "down"], stats.bytes_down)
+            moved.add_metric([tier, "up"], stats.bytes_up)
+            seconds.add_metric([tier, "down"], stats.seconds_down)
+            seconds.add_metric([tier, "up"], stats.seconds_up)
+            for kind, count in list(stats.faults.counts.items()):
+                faults.add_metric([tier, kind], count)
+            blocks.add_metric([tier], held[tier])
+        yield from (hits, moved, seconds, faults, blocks)
 
 
 class WorkerMetrics:
@@ -37,6 +78,10 @@ class WorkerMetrics:
             "nanovllm:engine_step_seconds", "Time of one engine step", buckets=LATENCY_BUCKETS, registry=r
         )
         self._preemptions_seen = 0
+
+    def watch_kv_tiers(self, tiers: KVOffload) -> None:
+        """Export the lower tiers' hits, traffic, faults and sizes (nanovllm:kv_tier_*)."""
+        self.registry.register(_KVTierView(tiers))
 
     def observe_step(self, stats: StepStats, step_s: float, num_generated: int) -> None:
         self.prompt_tokens.inc(stats.num_prefill_tokens)

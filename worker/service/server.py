@@ -212,6 +212,8 @@ async def serve_worker(
     engine_loop = EngineLoop(engine_config, config.max_queued_requests, metrics, tracing and tracing.tracer)
     await asyncio.wrap_future(engine_loop.start())  # the model loads on the engine thread
     num_blocks = engine_loop.engine.block_manager.num_blocks
+    if engine_loop.engine.runner.kv_offload is not None:
+        metrics.watch_kv_tiers(engine_loop.engine.runner.kv_offload)
     placement = engine_loop.engine.runner.placement
     served_name = config.served_model_name or default_served_name(
         engine_config.model, engine_config.gguf_file
