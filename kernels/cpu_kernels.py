@@ -74,7 +74,11 @@ def _build_directory() -> Path:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:  # not Linux
         cpuinfo = ""
-    path = Path(root) / f"{_NAME}-{cpu_digest(cpuinfo)}"
+    # Keyed by the checkout too: torch's builder rebuilds whenever the sources' paths differ from the last
+    # build's, so two checkouts sharing one directory (a CI clone beside a working tree) rebuilt each
+    # other's module, and a process could load it while the other rewrote it.
+    checkout = hashlib.sha256(str(_CSRC.resolve()).encode()).hexdigest()[:8]
+    path = Path(root) / f"{_NAME}-{cpu_digest(cpuinfo)}-{checkout}"
     path.mkdir(parents=True, exist_ok=True)
     lock = path / "lock"
     if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
