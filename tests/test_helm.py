@@ -70,6 +70,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         },
     },
     "plaintext": {"tls": {"internal": {"enabled": False}}},
+    "kv-disk": {"worker": {"kvDisk": {"enabled": True, "storageClassName": "fast-ssd"}}},
+    "kv-disk-ephemeral": {"worker": {"kvDisk": {"enabled": True, "persistent": False, "size": "8Gi"}}},
 }
 
 # Kinds that are not in Kubernetes' own OpenAPI schemas (CRDs), checked structurally below instead.
@@ -760,6 +762,27 @@ def test_existing_secrets_and_auth() -> None:
     assert secret_mounts(objects, "worker") == {f"{TLS_DIR}/internal": ("mesh-tls", True)}
     volumes = pod_spec(objects, "router")["volumes"]
     assert all(v["secret"]["defaultMode"] == 0o440 for v in volumes if "secret" in v)
+
+
+def test_the_kv_disk_tier_gets_a_volume_kept_across_restarts() -> None:
+    """worker.kvDisk: the disk tier's flags in the worker's ConfigMap and a volume at their path, a
+    PersistentVolumeClaim per pod (the StatefulSet's template: kept when the pod restarts) or an emptyDir."""
+    objects = rendered("kv-disk")
+    data = config(objects, "worker")
+    assert (data["NANOVLLM_KV_DISK_PATH"], data["NANOVLLM_KV_DISK_BYTES"]) == ("/kv-cache", "16GiB")
+    mounts = {m["name"]: m["mountPath"] for m in container(objects, "worker")["volumeMounts"]}
+    assert mounts["kv-cache"] == "/kv-cache"
+    assert "kv-cache" not in {v["name"] for v in pod_spec(objects, "worker")["volumes"]}
+    (claim,) = one(objects, "StatefulSet", "worker")["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "kv-cache"
+    assert claim["spec"]["storageClassName"] == "fast-ssd"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "20Gi"
+
+    objects = rendered("kv-disk-ephemeral")
+    assert "volumeClaimTemplates" not in one(objects, "StatefulSet", "worker")["spec"]
+    volumes = {v["name"]: v for v in pod_spec(objects, "worker")["volumes"]}
+    assert volumes["kv-cache"]["emptyDir"] == {"sizeLimit": "8Gi"}
+    assert "NANOVLLM_KV_DISK_PATH" not in config(rendered("cpu-default"), "worker")
 
 
 def test_cert_manager_issues_both_certificates() -> None:
