@@ -351,7 +351,7 @@ class ModelRunnerBase:
         disk = None
         if config.kv_disk_path is not None:
             capacity = parse_memory_size(config.kv_disk_bytes, 1, "kv_disk_bytes")
-            digest = model_digest(config, tuple(block.shape), self.dtype)
+            digest = model_digest(config, tuple(block.shape), self.dtype, self.device)
             disk = DiskTier(config.kv_disk_path, capacity, digest, block_nbytes)
         log.info(
             "kv_tiers",

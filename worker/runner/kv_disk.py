@@ -34,10 +34,13 @@ _HEADER = struct.Struct("<8s16sQQQ")  # magic, model digest, block hash, payload
 _SUFFIX = ".kv"
 
 
-def model_digest(config: EngineConfig, kv_block_shape: tuple[int, ...], dtype: torch.dtype) -> bytes:
+def model_digest(
+    config: EngineConfig, kv_block_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> bytes:
     """16 bytes naming everything a block's KV depends on: the model's configuration and weight files,
-    the weight format, the dtype and the block's layout. A weight file is named by its name, size and
-    first and last MiB (hashing every byte of a large model at each start would cost a minute)."""
+    the weight format, the dtype, the block's layout, and the kernels' rounding (the device type and
+    --deterministic's batch-invariant kernels). A weight file is named by its name, size and first and last
+    MiB (hashing every byte of a large model at each start would cost a minute)."""
     h = hashlib.sha256()
     cfg = config.hf_config
     facts = {
@@ -46,6 +49,8 @@ def model_digest(config: EngineConfig, kv_block_shape: tuple[int, ...], dtype: t
         "group_size": config.quantization_group_size,
         "dtype": str(dtype),
         "block_shape": list(kv_block_shape),
+        "device": device.type,
+        "deterministic": config.deterministic,
     }
     h.update(json.dumps(facts, sort_keys=True).encode())
     model = Path(config.gguf_file or config.model)
