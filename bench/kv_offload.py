@@ -60,6 +60,7 @@ class Result:
     hit_tokens: dict[str, int]  # prompt tokens served from each tier
     queried_tokens: int
     preemptions: int
+    engine_ms_per_block: dict[str, tuple[float, float]]  # per tier: queueing a copy down, copying one up
 
 
 def run(llm: LLM, args: argparse.Namespace, vocab: int) -> Result:
@@ -88,9 +89,15 @@ def run(llm: LLM, args: argparse.Namespace, vocab: int) -> Result:
     wall = time.perf_counter() - started
     bm = engine.block_manager
     lower = {"host": 0, "disk": 0}
+    engine_ms: dict[str, tuple[float, float]] = {}
     if bm.lower_tiers is not None:
-        bm.lower_tiers.drain()
-        lower = {tier: s.hits * BLOCK for tier, s in bm.lower_tiers.stats.items()}
+        tiers = bm.lower_tiers
+        tiers.drain()
+        lower = {tier: s.hits * BLOCK for tier, s in tiers.stats.items()}
+        for tier, s in tiers.stats.items():
+            down = s.seconds_down / (s.bytes_down / tiers.block_nbytes) if s.bytes_down else 0.0
+            up = s.seconds_up / s.hits if s.hits else 0.0
+            engine_ms[tier] = (down * 1000, up * 1000)
     return Result(
         wall_s=wall,
         output_tokens=sum(len(o) for o in outputs),
@@ -99,6 +106,7 @@ def run(llm: LLM, args: argparse.Namespace, vocab: int) -> Result:
         hit_tokens={"device": bm.prefix_hit_tokens - sum(lower.values()), **lower},
         queried_tokens=bm.prefix_queried_tokens,
         preemptions=engine.load().num_preemptions,
+        engine_ms_per_block=engine_ms,
     )
 
 
@@ -156,6 +164,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {name} | {r.wall_s:.1f} | {r.output_tokens / r.wall_s:,.1f} | "
               f"{statistics.median(r.ttft_s) * 1000:,.0f} | {percentile(r.ttft_s, 0.9) * 1000:,.0f} | {rates} | "
               f"{r.preemptions} |")  # fmt: skip
+    for name in ("+ host tier", "+ disk tier"):
+        tier = name.split()[1]
+        down, up = results[name].engine_ms_per_block[tier]
+        print(f"{name}: the engine thread's time per block of {block_bytes / 2**10:,.0f} KiB: {down:.3f} ms to "
+              f"queue its copy down, {up:.3f} ms to copy it up")  # fmt: skip
     for name in ("+ host tier", "+ disk tier"):
         r = results[name]
         print(f"{name} / device only: throughput **{base.wall_s / r.wall_s:.2f}x**, TTFT p50 "
