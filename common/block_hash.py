@@ -6,6 +6,7 @@ worker, how many of its tokens that worker has cached."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
@@ -33,3 +34,28 @@ def prefix_hashes(
         prev = hash_block(prev, token_ids[i * block_size : (i + 1) * block_size])
         hashes.append(prev)
     return hashes
+
+
+@dataclass
+class HashChanges:
+    """How a set of block hashes changed since it was last reported, as two disjoint sets: a hash stored
+    then evicted in between (or the reverse) cancels out, so applying `evicted` and `stored` in either
+    order to the previous set gives the current one."""
+
+    stored: set[int] = field(default_factory=set)
+    evicted: set[int] = field(default_factory=set)
+
+    def store(self, block_hash: int) -> None:
+        if block_hash in self.evicted:
+            self.evicted.discard(block_hash)
+        else:
+            self.stored.add(block_hash)
+
+    def evict(self, block_hash: int) -> None:
+        if block_hash in self.stored:
+            self.stored.discard(block_hash)
+        else:
+            self.evicted.add(block_hash)
+
+    def __bool__(self) -> bool:
+        return bool(self.stored or self.evicted)

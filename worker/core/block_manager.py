@@ -16,35 +16,19 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from nanovllm.common.block_hash import hash_block
+from nanovllm.common.block_hash import HashChanges, hash_block
 from nanovllm.common.errors import ConfigError
 from nanovllm.worker.runner.kv_offload import KVOffload
 from nanovllm.worker.sequence import Sequence
 
 
 @dataclass
-class CacheEvents:
-    """How the set of cached block hashes changed since the last `take`, as two disjoint sets: a hash
-    stored then evicted in between (or the reverse) cancels out, so applying `evicted` and `stored` in
-    either order to the previous set gives the current one."""
+class CacheEvents(HashChanges):
+    """The device's cached hashes' changes (HashChanges), and the lower tiers' beside them (filled by
+    BlockManager.take_cache_events)."""
 
-    stored: set[int] = field(default_factory=set)
-    evicted: set[int] = field(default_factory=set)
-    # The same for the hashes the lower tiers hold (filled by BlockManager.take_cache_events).
     lower_stored: set[int] = field(default_factory=set)
     lower_evicted: set[int] = field(default_factory=set)
-
-    def store(self, block_hash: int) -> None:
-        if block_hash in self.evicted:
-            self.evicted.discard(block_hash)
-        else:
-            self.stored.add(block_hash)
-
-    def evict(self, block_hash: int) -> None:
-        if block_hash in self.stored:
-            self.stored.discard(block_hash)
-        else:
-            self.evicted.add(block_hash)
 
     def __bool__(self) -> bool:
         return bool(self.stored or self.evicted or self.lower_stored or self.lower_evicted)
@@ -93,8 +77,7 @@ class BlockManager:
     @property
     def has_cache_events(self) -> bool:
         """Whether the device's or a lower tier's cached hashes changed since the last take_cache_events."""
-        lower = self.lower_tiers.events if self.lower_tiers is not None else None
-        return bool(self.cache_events) or bool(lower and (lower.stored or lower.evicted))
+        return bool(self.cache_events) or bool(self.lower_tiers is not None and self.lower_tiers.events)
 
     def take_cache_events(self) -> CacheEvents:
         """The changes to the cached hashes (the device's and the lower tiers') since the last call."""

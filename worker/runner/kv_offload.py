@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanovllm.common.block_hash import HashChanges
 from nanovllm.common.logging import get_logger
 from nanovllm.worker.runner.kv_disk import DiskTier, TierFaults
 
@@ -39,20 +40,6 @@ class TierStats:
     seconds_down: float = 0.0
     seconds_up: float = 0.0
     faults: TierFaults = field(default_factory=lambda: TierFaults("host"))
-
-
-@dataclass
-class TierEvents:
-    """Changes to the hashes held below the device since the last `take_events` (as CacheEvents)."""
-
-    stored: set[int] = field(default_factory=set)
-    evicted: set[int] = field(default_factory=set)
-
-    def store(self, block_hash: int) -> None:
-        self.evicted.discard(block_hash) if block_hash in self.evicted else self.stored.add(block_hash)
-
-    def evict(self, block_hash: int) -> None:
-        self.stored.discard(block_hash) if block_hash in self.stored else self.evicted.add(block_hash)
 
 
 class HostTier:
@@ -90,15 +77,16 @@ class KVOffload:
             "host": TierStats(),
             "disk": TierStats(faults=disk.faults if disk else TierFaults("disk")),
         }
-        self.events = TierEvents()
+        self.events = HashChanges()
         if self.disk is not None:
             self.events.stored.update(self.disk.index)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kv-offload")
         self._stream = torch.cuda.Stream(kv_cache.device) if on_gpu else None
         self._copying: dict[int, Future | torch.cuda.Event] = {}  # device block -> its copy down
 
-    def take_events(self) -> TierEvents:
-        events, self.events = self.events, TierEvents()
+    def take_events(self) -> HashChanges:
+        """How the hashes held below the device changed since the last call (for the routers)."""
+        events, self.events = self.events, HashChanges()
         return events
 
     def where(self, block_hash: int) -> str | None:
