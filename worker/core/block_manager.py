@@ -109,17 +109,15 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def lower_hits(self, seq: Sequence, num_device_hits: int) -> list[int]:
-        """The hashes of the blocks that continue `seq`'s prefix past its `num_device_hits` device hits
-        in the lower tiers (the last token left out, as in get_computed_blocks)."""
+    def lower_hits(self, seq: Sequence, device_hits: list[int]) -> list[int]:
+        """The hashes of the blocks that continue `seq`'s prefix in the lower tiers past its device hits
+        (get_computed_blocks'; the last token left out as there)."""
         if self.lower_tiers is None:
             return []
         hashes: list[int] = []
-        prev = seq.cache_salt
-        for i in range((seq.num_tokens - 1) // self.block_size):
+        prev = self.blocks[device_hits[-1]].block_hash if device_hits else seq.cache_salt
+        for i in range(len(device_hits), (seq.num_tokens - 1) // self.block_size):
             prev = hash_block(prev, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            if i < num_device_hits:
-                continue
             if self.lower_tiers.where(prev) is None:
                 break
             hashes.append(prev)

@@ -108,7 +108,7 @@ class Scheduler:
                 continue
             bm = self.block_manager
             computed = bm.get_computed_blocks(seq)
-            lower = bm.lower_hits(seq, len(computed))
+            lower = bm.lower_hits(seq, computed)
             # Blocks in the lower tiers take device blocks but no budget: they are copied, not computed.
             num_lower = len(lower) * bm.block_size
             num_new = min(seq.num_tokens - len(computed) * bm.block_size - num_lower, budget)
