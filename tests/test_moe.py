@@ -1,8 +1,8 @@
 """Mixture-of-experts (Qwen3-MoE, worker/layers/moe.py) against transformers' Qwen3MoeForCausalLM on small
 random configs, in float32: greedy tokens equal, teacher-forced logits within 1e-4 in prefill, chunked
 prefill and decode; bf16 and fp16 within the top-5 rule (tests/test_dtypes.py's); tensor parallelism
-equal to one rank; --deterministic bit-identical in a batch; int8 to the top-5 rule against the float weights; configs it does not implement fail
-at start."""
+equal to one rank; --deterministic bit-identical in a batch; int8 within the top-5 rule of the float
+weights; configs it does not implement fail at start."""
 
 from __future__ import annotations
 
