@@ -143,3 +143,112 @@ def make_adapter(model_dir: Path, out_dir: Path, rank: int, targets: list[str], 
                 param.copy_(torch.randn(param.shape, generator=generator) * 2.0 / param.shape[1] ** 0.5)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+# Hugging Face tensor name (within model.layers.N) -> llama.cpp's (within blk.N), as its converter writes
+# Qwen2/Qwen3/Qwen3-MoE files (no q/k row permutation: that is Llama's alone).
+_GGUF_LAYER_TENSORS = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+}
+_GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+
+
+def write_gguf(model_dir: Path, path: Path, quant: str = "F32") -> Path:
+    """Write a build_model checkpoint (qwen2, qwen3 or qwen3_moe) as llama.cpp's converter would: its
+    metadata, its byte-level BPE vocabulary, each projection in `quant` (F32 or Q8_0; norms, biases and
+    routers stay F32 as llama.cpp keeps them) and each layer's experts stacked into one 3-D tensor per
+    projection (ffn_{gate,up,down}_exps, [experts, out, in])."""
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    arch = _GGUF_ARCH[config["model_type"]]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if rope.get("rope_type") in ("linear", "yarn"):
+        writer.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
+        writer.add_rope_scaling_factor(rope["factor"])
+        if rope["rope_type"] == "yarn":
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if arch == "qwen3moe":
+        if not config["norm_topk_prob"]:
+            raise ValueError("llama.cpp's qwen3moe always renormalises the chosen experts' weights")
+        writer.add_expert_count(config.get("num_experts", config.get("num_local_experts")))
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = {**tokenizer["model"]["vocab"], **{t["content"]: t["id"] for t in tokenizer["added_tokens"]}}
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t["content"] for t in tokenizer["added_tokens"] if t["special"]}
+    kinds = [3 if token in special else 1 for token in tokens]  # control or normal
+    padding = range(len(tokens), config["vocab_size"])  # the converter pads to the embedding's rows, unused
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list([*tokens, *(f"[PAD{i}]" for i in padding)])
+    writer.add_token_types([*kinds, *(5 for _ in padding)])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
+    writer.add_eos_token_id(config["eos_token_id"])
+    writer.add_pad_token_id(config["pad_token_id"])
+    template = json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template")
+    if template:
+        writer.add_chat_template(template)
+
+    weights = load_file(str(model_dir / "model.safetensors"))
+    experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    tensors: dict[str, np.ndarray] = {}
+    for name, value in weights.items():
+        stem, _, suffix = name.rpartition(".")
+        parts = stem.split(".")
+        if stem in ("model.embed_tokens", "model.norm", "lm_head"):
+            gguf_stem = {
+                "model.embed_tokens": "token_embd",
+                "model.norm": "output_norm",
+                "lm_head": "output",
+            }[stem]
+            tensors[f"{gguf_stem}.{suffix}"] = value
+        elif parts[3:5] == ["mlp", "experts"]:  # model.layers.N.mlp.experts.E.<projection>
+            experts.setdefault((int(parts[2]), parts[6]), {})[int(parts[5])] = value
+        else:
+            tensors[f"blk.{parts[2]}.{_GGUF_LAYER_TENSORS['.'.join(parts[3:])]}.{suffix}"] = value
+    for (layer, projection), by_expert in experts.items():
+        stacked = np.stack([by_expert[e] for e in range(len(by_expert))])
+        tensors[f"blk.{layer}.ffn_{projection.removesuffix('_proj')}_exps.weight"] = stacked
+    for name, value in sorted(tensors.items()):
+        value = np.ascontiguousarray(value, dtype=np.float32)
+        if quant == "F32" or value.ndim == 1 or ".ffn_gate_inp." in name:
+            writer.add_tensor(name, value)
+        else:
+            qtype = gguf.GGMLQuantizationType[quant]
+            data = gguf.quants.quantize(value, qtype)
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -195,18 +195,20 @@ def test_assign_quantizes_copies_and_dequantizes() -> None:
 # --------------------------------------------------------------------------- GGUF as it ships
 
 
-def _tiny_gguf(path: Path, kinds: dict[str, str]) -> dict[str, np.ndarray]:
-    """A GGUF file holding one [48, 64] tensor per (llama.cpp name: type); returns gguf's own
-    dequantization of each."""
-    writer = gguf.GGUFWriter(str(path), "llama")
+def _tiny_gguf(
+    path: Path, kinds: dict[str, str], shape: tuple[int, ...] = (48, 64), arch: str = "llama"
+) -> dict[str, np.ndarray]:
+    """A GGUF file holding one tensor of torch shape `shape` per (llama.cpp name: type); returns gguf's
+    own dequantization of each."""
+    writer = gguf.GGUFWriter(str(path), arch)
     rng = np.random.default_rng(0)
     expected = {}
     for name, kind in kinds.items():
-        values = (rng.standard_normal((48, 64)) * 0.05).astype(np.float32)
+        values = (rng.standard_normal(shape) * 0.05).astype(np.float32)
         qtype = gguf.GGMLQuantizationType[kind]
         data = gguf.quants.quantize(values, qtype)
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
-        expected[name] = gguf.quants.dequantize(data, qtype).reshape(48, 64)
+        expected[name] = gguf.quants.dequantize(data, qtype).reshape(shape)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -217,7 +219,7 @@ def _tiny_gguf(path: Path, kinds: dict[str, str]) -> dict[str, np.ndarray]:
 def test_gguf_blocks_become_planes_that_dequantize_as_gguf_does(tmp_path: Path) -> None:
     kinds = {"blk.0.ffn_down.weight": "Q4_0", "blk.0.ffn_up.weight": "Q4_1", "blk.0.ffn_gate.weight": "Q8_0"}
     expected = _tiny_gguf(tmp_path / "tiny.gguf", kinds)
-    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
+    config = SimpleNamespace(architecture="LlamaForCausalLM", num_attention_heads=4, num_key_value_heads=2)
     tensors = dict(gguf_tensors(tmp_path / "tiny.gguf", config))
     for name, kind in kinds.items():
         hf_name = {"ffn_down": "mlp.down_proj", "ffn_up": "mlp.up_proj", "ffn_gate": "mlp.gate_proj"}
@@ -228,6 +230,39 @@ def test_gguf_blocks_become_planes_that_dequantize_as_gguf_does(tmp_path: Path) 
     plan = gguf_quant_plan(tmp_path / "tiny.gguf", DecoderForCausalLM.packed_modules_mapping)
     # gate (Q8_0) and up (Q4_1) fuse into one layer of two types: dequantized; down is served as shipped
     assert plan.by_layer == {"model.layers.0.mlp.down_proj": QuantScheme("Q4_0", 4, 32)}
+
+
+@pytest.mark.parametrize("up", ["Q8_0", "Q4_1"])
+def test_gguf_expert_tensors_become_one_packed_weight_per_expert(tmp_path: Path, up: str) -> None:
+    """A Qwen3-MoE layer's three 3-D expert tensors (6 experts x [48, 64] each): every expert gets its
+    own PackedWeight over its rows' blocks, equal to gguf's dequantization of its slice. When gate and up
+    differ in type, the expert's fused w13 is dequantized, and its w2 with it (an expert's weights are
+    packed together or not at all)."""
+    kinds = {
+        "blk.0.ffn_gate_exps.weight": "Q8_0",
+        "blk.0.ffn_up_exps.weight": up,
+        "blk.0.ffn_down_exps.weight": "Q4_0",
+    }
+    expected = _tiny_gguf(tmp_path / "moe.gguf", kinds, shape=(6, 48, 64), arch="qwen3moe")
+    config = SimpleNamespace(architecture="Qwen3MoeForCausalLM", num_attention_heads=4, num_key_value_heads=2)
+    tensors = dict(gguf_tensors(tmp_path / "moe.gguf", config))
+    projections = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+    assert len(tensors) == 3 * 6
+    for name, kind in kinds.items():
+        for expert in range(6):
+            packed = tensors[
+                f"model.layers.0.mlp.experts.{expert}.{projections[name.split('.')[2]]}.weight"
+            ].read()
+            assert isinstance(packed, PackedWeight) and packed.scheme.name == kind
+            assert np.array_equal(packed.dequantize(torch.float32).numpy(), expected[name][expert]), kind
+    plan = gguf_quant_plan(tmp_path / "moe.gguf", DecoderForCausalLM.packed_modules_mapping)
+    if up == "Q8_0":
+        assert plan.by_layer == {
+            **{f"model.layers.0.mlp.experts.{e}.w13": QuantScheme("Q8_0", 8, 32) for e in range(6)},
+            **{f"model.layers.0.mlp.experts.{e}.w2": QuantScheme("Q4_0", 4, 32) for e in range(6)},
+        }
+    else:
+        assert plan.by_layer == {}
 
 
 def test_gguf_type_not_served_as_shipped_fails_naming_it(tmp_path: Path) -> None:

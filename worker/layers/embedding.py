@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.common.errors import ConfigError
 from nanovllm.worker.layers.linear import linear
 from nanovllm.worker.layers.loadable import LoadableTensor
 from nanovllm.worker.layers.parallel import TPContext
@@ -32,6 +33,11 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
+        vocab_size = self.shard_size * self.tp.size
+        if loaded.shape[0] != vocab_size:
+            raise ConfigError(
+                f"checkpoint tensor {loaded.name} has {loaded.shape[0]} rows; the config's vocab_size is {vocab_size}"
+            )
         assign(param, loaded.narrow(0, self.vocab_start, self.shard_size))
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:

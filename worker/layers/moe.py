@@ -40,15 +40,22 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
 
 
+def expert_weight_prefix(experts_prefix: str, expert: int, projection: str) -> str:
+    """The quantization plan's name for the weight of `expert` that a checkpoint projection (one of
+    EXPERT_PROJECTIONS) goes into: `experts_prefix`.<expert>.w13 (gate, up) or .w2 (down)."""
+    return f"{experts_prefix}.{expert}.{'w2' if projection == 'down_proj' else 'w13'}"
+
+
 def _expert_weights(
-    count: int, out_features: int, in_features: int, quant: QuantPlan | None, prefix: str, name: str
+    count: int, out_features: int, in_features: int, quant: QuantPlan | None, prefix: str, projection: str
 ) -> nn.ModuleList | torch.Tensor:
-    """`count` experts' weights of one projection (`prefix`.<e>.`name`): a list of PackedWeights, or for
-    float weights one [count, out, in] tensor. A layer's experts share one quantization scheme."""
-    first = make_weight(out_features, in_features, quant, f"{prefix}.0.{name}", True)
+    """`count` experts' weights of the one that `projection` goes into (see expert_weight_prefix): a list
+    of PackedWeights, or for float weights one [count, out, in] tensor. A layer's experts share one
+    quantization scheme."""
+    first = make_weight(out_features, in_features, quant, expert_weight_prefix(prefix, 0, projection), True)
     if isinstance(first, PackedWeight):
         rest = (
-            make_weight(out_features, in_features, quant, f"{prefix}.{e}.{name}", True)
+            make_weight(out_features, in_features, quant, expert_weight_prefix(prefix, e, projection), True)
             for e in range(1, count)
         )
         return nn.ModuleList([first, *rest])
@@ -70,8 +77,8 @@ class Experts(nn.Module):
         self.tp = tp
         self.intermediate = tp.shard(spec.intermediate_size, "moe_intermediate_size")
         size, count = self.intermediate, spec.num_experts
-        w13 = _expert_weights(count, 2 * size, hidden_size, quant, prefix, "w13")
-        w2 = _expert_weights(count, hidden_size, size, quant, prefix, "w2")
+        w13 = _expert_weights(count, 2 * size, hidden_size, quant, prefix, "gate_proj")
+        w2 = _expert_weights(count, hidden_size, size, quant, prefix, "down_proj")
         self.w13_stacked = self.w2_stacked = None
         if isinstance(w13, nn.ModuleList) and isinstance(w2, nn.ModuleList):
             self.w13, self.w2 = w13, w2

@@ -15,8 +15,9 @@ from nanovllm.common.errors import ConfigError, UnsupportedModelError
 from nanovllm.worker.models.gguf.layout import (
     generation_config,
     hf_config,
-    hf_tensor_name,
+    hf_tensor_names,
     read_metadata,
+    rotary_rows_heads,
     unpermute_rotary_rows,
 )
 from nanovllm.worker.models.gguf.tokenizer import build_tokenizer, transformers_tokenizer
@@ -86,14 +87,22 @@ def _dequantized_tensors(gguf_path: Path, reader: Any, config: dict[str, Any]) -
         # GGUF lists dimensions fastest-moving first; torch wants [out_features, in_features].
         shape = tuple(int(d) for d in reversed(tensor.shape))
         values = np.asarray(values, dtype=np.float32).reshape(shape)
-        if tensor.name.endswith((".attn_q.weight", ".attn_q.bias")):
-            values = unpermute_rotary_rows(values, config["num_attention_heads"])
-        elif tensor.name.endswith((".attn_k.weight", ".attn_k.bias")):
-            values = unpermute_rotary_rows(values, config["num_key_value_heads"])
-        values = np.ascontiguousarray(values)
-        if not values.flags.writeable:  # F32 tensors come back as views of the read-only file mapping
-            values = values.copy()
-        tensors[hf_tensor_name(tensor.name)] = torch.from_numpy(values)
+        heads = rotary_rows_heads(
+            tensor.name,
+            config["architectures"][0],
+            config["num_attention_heads"],
+            config["num_key_value_heads"],
+        )
+        if heads is not None:
+            values = unpermute_rotary_rows(values, heads)
+        names = hf_tensor_names(tensor.name, shape)
+        parts = list(values) if len(names) > 1 else [values]  # a 3-D expert tensor: one expert per row
+        for name, part in zip(names, parts):
+            # F32 tensors come back as views of the read-only file mapping, and experts as views of their
+            # 3-D tensor, which safetensors will not save as separate tensors: those are copied.
+            if len(parts) > 1 or not part.flags.writeable:
+                part = part.copy()
+            tensors[name] = torch.from_numpy(np.ascontiguousarray(part))
     return tensors
 
 

@@ -1,9 +1,11 @@
 """A GGUF file's tensors served as they ship (quantization=auto): which layers keep their Q8_0 / Q4_0 /
-Q4_1 blocks (as PackedWeights, split into planes), the rest as float32.
+Q4_1 blocks (as PackedWeights, split into planes), the rest as float32. A mixture-of-experts projection's
+3-D tensor is split into one weight per expert: each expert's rows are a contiguous run of its blocks.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +13,14 @@ import numpy as np
 
 from nanovllm.common.errors import UnsupportedModelError
 from nanovllm.common.logging import get_logger
+from nanovllm.worker.layers.moe import expert_weight_prefix
 from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, QuantScheme
-from nanovllm.worker.models.gguf.layout import hf_tensor_name, open_reader, unpermute_rotary_rows
+from nanovllm.worker.models.gguf.layout import (
+    hf_tensor_names,
+    open_reader,
+    rotary_rows_heads,
+    unpermute_rotary_rows,
+)
 
 log = get_logger(__name__)
 
@@ -28,26 +36,39 @@ _BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 _FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 
 
+# An expert's checkpoint tensor: model.layers.N.mlp.experts.<e>.<projection>.weight.
+_EXPERT = re.compile(r"(?P<experts>.*\.experts)\.(?P<e>\d+)\.(?P<projection>\w+)\.weight$")
+
+
+def _layer_of(name: str, fused: dict[str, tuple[str, Any]]) -> str:
+    """The quantization plan's name for the layer that checkpoint weight `name` goes into."""
+    expert = _EXPERT.fullmatch(name)
+    if expert is not None:
+        return expert_weight_prefix(expert["experts"], int(expert["e"]), expert["projection"])
+    layer = name.removesuffix(".weight")
+    for part, (fused_name, _) in fused.items():
+        layer = layer.replace(f".{part}", f".{fused_name}") if layer.endswith(f".{part}") else layer
+    return layer
+
+
 def gguf_quant_plan(gguf_path: Path, fused: dict[str, tuple[str, Any]]) -> QuantPlan:
     """The layers that keep their GGUF tensors packed, by layer prefix. `fused` is the model's
-    packed_modules_mapping: a fused layer (qkv_proj, gate_up_proj) is packed when all its parts share one
-    type, and dequantized to float otherwise (logged)."""
+    packed_modules_mapping: a fused layer (qkv_proj, gate_up_proj, an expert's w13) is packed when all its
+    parts share one type, and dequantized to float otherwise (logged); an expert's w13 and w2 are packed
+    together or not at all."""
     parts: dict[str, dict[str, str]] = {}  # layer prefix -> {checkpoint tensor: type}
     for tensor in open_reader(gguf_path).tensors:
         kind = tensor.tensor_type.name
-        name = hf_tensor_name(tensor.name)
+        names = hf_tensor_names(tensor.name, tuple(int(d) for d in reversed(tensor.shape)))
         if kind not in GGUF_SCHEMES and kind not in _FLOAT_TYPES:
             raise UnsupportedModelError(
-                f"{gguf_path}: tensor {tensor.name} ({name}) is stored as {kind}; nanovllm runs "
+                f"{gguf_path}: tensor {tensor.name} ({names[0]}) is stored as {kind}; nanovllm runs "
                 f"{', '.join(GGUF_SCHEMES)} tensors as they ship, and float ones: serve this file with "
                 f"quantization=none (dequantized) or int8/int4 (requantized)"
             )
-        if not name.endswith(".weight"):
-            continue
-        layer = name.removesuffix(".weight")
-        for part, (fused_name, _) in fused.items():
-            layer = layer.replace(f".{part}", f".{fused_name}") if layer.endswith(f".{part}") else layer
-        parts.setdefault(layer, {})[name] = kind
+        for name in names:
+            if name.endswith(".weight"):
+                parts.setdefault(_layer_of(name, fused), {})[name] = kind
     by_layer: dict[str, QuantScheme] = {}
     for layer, kinds in parts.items():
         distinct = set(kinds.values())
@@ -55,6 +76,11 @@ def gguf_quant_plan(gguf_path: Path, fused: dict[str, tuple[str, Any]]) -> Quant
             by_layer[layer] = GGUF_SCHEMES[distinct.pop()]
         elif distinct & GGUF_SCHEMES.keys():
             log.info("gguf_layer_dequantized", layer=layer, types=sorted(distinct))
+    for layer in [name for name in by_layer if name.endswith((".w13", ".w2"))]:
+        stem = layer.rpartition(".")[0]
+        if (f"{stem}.w13" in by_layer) != (f"{stem}.w2" in by_layer):
+            log.info("gguf_layer_dequantized", layer=layer, types=sorted(parts[layer].values()))
+            by_layer.pop(layer)
     return QuantPlan(by_layer=by_layer)
 
 
@@ -72,33 +98,50 @@ class GGUFTensor:
         return self.value.narrow(dim, start, length)
 
 
-def gguf_tensors(gguf_path: Path, config: dict[str, Any] | Any) -> Any:
+def gguf_tensors(gguf_path: Path, config: Any) -> Any:
     """Every tensor of the file under transformers' names: Q8_0 / Q4_0 / Q4_1 as PackedWeights over their
-    own scales and mins, float types as float32 (q/k rows un-permuted either way, see
-    unpermute_rotary_rows). `config` is the model's ModelConfig."""
+    own scales and mins, float types as float32 (Llama's q/k rows un-permuted either way, see
+    unpermute_rotary_rows; a 3-D expert tensor one tensor per expert). `config` is the model's
+    ModelConfig."""
     import gguf
     import torch
 
     for tensor in open_reader(gguf_path).tensors:
         kind = tensor.tensor_type.name
-        rows = {".attn_q.": config.num_attention_heads, ".attn_k.": config.num_key_value_heads}
-        heads = next((n for key, n in rows.items() if key in tensor.name), None)
+        heads = rotary_rows_heads(
+            tensor.name, config.architecture, config.num_attention_heads, config.num_key_value_heads
+        )
         shape = tuple(int(d) for d in reversed(tensor.shape))
+        names = hf_tensor_names(tensor.name, shape)
+        rows = int(np.prod(shape[:-1]))
         if kind in GGUF_SCHEMES:
-            planes = _planes(np.asarray(tensor.data).reshape(shape[0], -1), kind)
+            planes = _planes(np.asarray(tensor.data).reshape(rows, -1), kind)
             if heads is not None:
                 planes = [None if p is None else unpermute_rotary_rows(p, heads) for p in planes]
-            qweight, scales, mins = (
-                None if p is None else torch.from_numpy(np.ascontiguousarray(p)) for p in planes
-            )
-            value: Any = PackedWeight.of_planes(GGUF_SCHEMES[kind], 32, qweight, scales, mins)
+            values: list[Any] = [
+                PackedWeight.of_planes(
+                    GGUF_SCHEMES[kind],
+                    32,
+                    *(None if p is None else torch.from_numpy(np.ascontiguousarray(p)) for p in expert),
+                )
+                for expert in zip(*(_split(p, len(names)) for p in planes))
+            ]
         else:
-            values = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-            values = values.reshape(shape)
+            dense = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            dense = dense.reshape(shape)
             if heads is not None:
-                values = unpermute_rotary_rows(values, heads)
-            value = torch.from_numpy(np.array(values))  # a copy: the file mapping is read-only
-        yield hf_tensor_name(tensor.name), GGUFTensor(tensor.name, value)
+                dense = unpermute_rotary_rows(dense, heads)
+            parts = list(dense) if len(names) > 1 else [dense]  # a 3-D expert tensor: one expert per row
+            values = [torch.from_numpy(np.array(part)) for part in parts]  # copies of the read-only mapping
+        for name, value in zip(names, values):
+            yield name, GGUFTensor(tensor.name, value)
+
+
+def _split(plane: np.ndarray | None, count: int) -> list[np.ndarray | None]:
+    """A plane's rows cut into `count` equal runs: one per expert, or itself."""
+    if plane is None or count == 1:
+        return [plane] * count
+    return list(plane.reshape(count, -1, *plane.shape[1:]))
 
 
 def _planes(data: np.ndarray, kind: str) -> list[np.ndarray | None]:
