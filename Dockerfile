@@ -79,13 +79,14 @@ RUN pip install /src \
  && rm -rf /src
 
 # Work done once at build time, as the runtime user so that it can read (and, in a writable copy, reuse) it:
-# compile the CPU kernels and convert the embedded GGUF into $HOME/.cache/nanovllm/gguf/.
+# compile the CPU kernels and convert the embedded GGUF into $HOME/.cache/nanovllm/gguf/ (its configuration
+# and tokenizer: served as it ships, its weights are read from the file).
 USER 10001:10001
 WORKDIR /home/nanovllm
 RUN if [ "${PRECOMPILE_CPU_KERNELS}" = "1" ]; then \
       python -c "import sys; from nanovllm.kernels.cpu_kernels import load_cpu_kernels; sys.exit(load_cpu_kernels() is None)"; \
     fi \
- && python -c "from nanovllm.worker.models.gguf.cache import embedded_model_path, prepare_gguf; print(prepare_gguf(embedded_model_path()))"
+ && python -c "from nanovllm.worker.models.gguf.cache import resolve_model; print(resolve_model(None))"
 
 # 50051: router gRPC, 50061: worker gRPC, 9090 / 9091: router / worker Prometheus metrics.
 EXPOSE 50051 50061 8000 9090 9091

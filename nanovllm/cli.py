@@ -90,13 +90,13 @@ def run_worker(options: dict[str, Any]) -> int:
 
     build(LogConfig, options).apply()
     draft = options["speculative_model"]
-    model, gguf_file = resolve_model(options["model"])
+    model, gguf_file = resolve_model(options["model"], options["quantization"])
     engine = build(
         EngineConfig,
         options,
         model=model,
         gguf_file=gguf_file,
-        speculative_model=draft and resolve_model(draft)[0],
+        speculative_model=draft and resolve_model(draft, "none")[0],  # a draft model loads float weights
     )
     server = build(WorkerServerConfig, options, tracing=build(TracingConfig, options))
     return _run_server("worker", serve_worker, engine, server)

@@ -25,6 +25,7 @@ from nanovllm.worker.config import ModelConfig
 from nanovllm.worker.device import resolve_placement
 from nanovllm.worker.llm import load_tokenizer
 from nanovllm.worker.models.gguf.cache import STALE_STAGING_S, cache_key, embedded_model_path, prepare_gguf
+from nanovllm.worker.models.gguf.convert import WEIGHTS_INDEX, has_weights, write_weights
 from nanovllm.worker.models.gguf.tokenizer import transformers_tokenizer
 from tests.helpers import QUESTIONS
 
@@ -109,7 +110,7 @@ def llm(converted: Path) -> LLM:
 @pytest.mark.slow
 def test_conversion_writes_a_hugging_face_directory(converted: Path, hf_gguf_model) -> None:
     names = {p.name for p in converted.iterdir()}
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= names
+    assert {"config.json", "generation_config.json", WEIGHTS_INDEX, "tokenizer.json"} <= names
     assert "tokenizer_config.json" in names
     config = ModelConfig.from_pretrained_dir(converted)
     assert (config.architecture, config.num_hidden_layers, config.hidden_size) == (
@@ -132,7 +133,9 @@ def test_conversion_writes_a_hugging_face_directory(converted: Path, hf_gguf_mod
 
 
 def test_weights_equal_transformers_dequantization(converted: Path, hf_gguf_model) -> None:
-    ours = load_file(str(converted / "model.safetensors"))
+    ours = {}
+    for shard in sorted(converted.glob("*.safetensors")):
+        ours |= load_file(str(shard))
     reference = hf_gguf_model.state_dict()
     assert set(ours) == set(reference) - {"lm_head.weight"}
     for name, tensor in ours.items():
@@ -142,11 +145,29 @@ def test_weights_equal_transformers_dequantization(converted: Path, hf_gguf_mode
 
 
 def test_second_call_returns_the_cache(gguf_path: Path, cache_root: Path, converted: Path) -> None:
-    weights = converted / "model.safetensors"
+    weights = converted / WEIGHTS_INDEX
     before = weights.stat().st_mtime_ns
     assert prepare_gguf(gguf_path, cache_root) == converted
     assert weights.stat().st_mtime_ns == before
     assert [p.name for p in cache_root.iterdir()] == [converted.name]  # no staging directory left
+    assert not [p.name for p in converted.iterdir() if p.name.startswith(".")]  # nor a partial shard
+
+
+def test_weights_are_written_only_when_asked_for_in_bounded_shards(gguf_path: Path, tmp_path: Path) -> None:
+    """Served as it ships (quantization auto), the converted directory holds the configuration and the
+    tokenizer only; a call that needs the float32 weights writes them, in shards of at most the given
+    size with their index, and transformers loads that directory as the unsharded one."""
+    bare = prepare_gguf(gguf_path, tmp_path, weights=False)
+    assert not has_weights(bare) and not list(bare.glob("*.safetensors"))
+    assert {"config.json", "tokenizer.json"} <= {p.name for p in bare.iterdir()}
+    timings = write_weights(gguf_path, bare, shard_bytes=200 * 2**20)
+    shards = sorted(bare.glob("*.safetensors"))
+    assert timings["shards"] == len(shards) >= 3 and has_weights(bare)
+    assert all(p.stat().st_size <= 200 * 2**20 + 2**20 for p in shards)  # + the header
+    index = json.loads((bare / WEIGHTS_INDEX).read_text())
+    assert set(index["weight_map"].values()) == {p.name for p in shards}
+    assert prepare_gguf(gguf_path, tmp_path) == bare  # already there: nothing rewritten
+    assert sorted(bare.glob("*.safetensors")) == shards
 
 
 def test_cache_key_follows_the_file(tmp_path: Path) -> None:

