@@ -114,6 +114,22 @@ def test_a_q8_0_mixture_of_experts_file_serves_its_experts_as_they_ship(tmp_path
             torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
 
 
+def test_a_file_of_other_types_serves_them_dequantized_by_default(tmp_path: Path):
+    """Every projection Q5_0, a type not served as it ships (as the K-quants of most published files): with
+    quantization auto they load dequantized, straight from the file, and compute exactly as the directory
+    the file converts into (quantization=none), which is the only one of the two to write float32 weights."""
+    source = build_model("qwen3", tmp_path / "hf", seed=10)
+    path = write_gguf(source, tmp_path / "model.gguf", "Q5_0")
+    auto = _load(path, tmp_path, dtype="float32")
+    assert not any(isinstance(m, PackedWeight) for m in auto.engine.runner.model.modules())
+    assert not list(Path(auto.config.model).glob("*.safetensors"))
+    plain = _load(path, tmp_path, dtype="float32", quantization="none")
+    for ours, ref in zip(
+        teacher_forced_logits(auto, PROMPTS, 1000), teacher_forced_logits(plain, PROMPTS, 1000)
+    ):
+        torch.testing.assert_close(ours, ref, atol=0, rtol=0)
+
+
 def _rewrite(path: Path, out: Path, drop: str = "", **fields) -> Path:
     """A copy of GGUF file `path` without tensors whose names contain `drop`, metadata changed by
     `fields` (key: value; None removes it)."""

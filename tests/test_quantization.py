@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.common.errors import ConfigError, UnsupportedModelError
+from nanovllm.common.errors import ConfigError
 from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.layers.quantization import PackedWeight, QuantScheme, assign
 from nanovllm.worker.models.decoder import DecoderForCausalLM
@@ -265,12 +265,18 @@ def test_gguf_expert_tensors_become_one_packed_weight_per_expert(tmp_path: Path,
         assert plan.by_layer == {}
 
 
-def test_gguf_type_not_served_as_shipped_fails_naming_it(tmp_path: Path) -> None:
-    _tiny_gguf(tmp_path / "q5.gguf", {"blk.3.attn_output.weight": "Q5_0"})
-    with pytest.raises(
-        UnsupportedModelError, match=r"blk.3.attn_output.weight .*stored as Q5_0.*quantization=none"
-    ):
-        gguf_quant_plan(tmp_path / "q5.gguf", DecoderForCausalLM.packed_modules_mapping)
+def test_gguf_types_not_served_as_they_ship_load_dequantized(tmp_path: Path) -> None:
+    """Q5_0 (as the K-quants): not in the plan, loaded as float32 equal to gguf's own dequantization."""
+    expected = _tiny_gguf(
+        tmp_path / "q5.gguf", {"blk.3.attn_output.weight": "Q5_0", "blk.3.ffn_up.weight": "Q8_0"}
+    )
+    plan = gguf_quant_plan(tmp_path / "q5.gguf", DecoderForCausalLM.packed_modules_mapping)
+    assert plan.by_layer == {"model.layers.3.mlp.gate_up_proj": QuantScheme("Q8_0", 8, 32)}
+    config = SimpleNamespace(architecture="LlamaForCausalLM", num_attention_heads=4, num_key_value_heads=2)
+    value = dict(gguf_tensors(tmp_path / "q5.gguf", config))["model.layers.3.self_attn.o_proj.weight"].read()
+    assert value.dtype == torch.float32 and np.array_equal(
+        value.numpy(), expected["blk.3.attn_output.weight"]
+    )
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """A GGUF file's tensors served as they ship (quantization=auto): which layers keep their Q8_0 / Q4_0 /
-Q4_1 blocks (as PackedWeights, split into planes), the rest as float32. A mixture-of-experts projection's
+Q4_1 blocks (as PackedWeights, split into planes); float tensors and those of any other type the gguf
+package dequantizes (the K-quants, Q5_0, ...) are loaded as float, one tensor at a time. A mixture-of-experts projection's
 3-D tensor is split into one weight per expert: each expert's rows are a contiguous run of its blocks.
 """
 
@@ -26,7 +27,7 @@ log = get_logger(__name__)
 
 
 # GGUF tensor types served as they ship (4-bit ones with a min: Q4_0's is -8 times its scale), and the
-# float types loaded as float; any other type runs only dequantized (quantization=none).
+# float types loaded as float; any other type is dequantized as it loads.
 GGUF_SCHEMES = {
     "Q8_0": QuantScheme("Q8_0", 8, 32),
     "Q4_0": QuantScheme("Q4_0", 4, 32),
@@ -57,15 +58,12 @@ def gguf_quant_plan(gguf_path: Path, fused: dict[str, tuple[str, Any]]) -> Quant
     parts share one type, and dequantized to float otherwise (logged); an expert's w13 and w2 are packed
     together or not at all."""
     parts: dict[str, dict[str, str]] = {}  # layer prefix -> {checkpoint tensor: type}
+    dequantized: dict[str, int] = {}  # types loaded dequantized (K-quants, ...): tensors of each
     for tensor in open_reader(gguf_path).tensors:
         kind = tensor.tensor_type.name
         names = hf_tensor_names(tensor.name, tuple(int(d) for d in reversed(tensor.shape)))
         if kind not in GGUF_SCHEMES and kind not in _FLOAT_TYPES:
-            raise UnsupportedModelError(
-                f"{gguf_path}: tensor {tensor.name} ({names[0]}) is stored as {kind}; nanovllm runs "
-                f"{', '.join(GGUF_SCHEMES)} tensors as they ship, and float ones: serve this file with "
-                f"quantization=none (dequantized) or int8/int4 (requantized)"
-            )
+            dequantized[kind] = dequantized.get(kind, 0) + len(names)
         for name in names:
             if name.endswith(".weight"):
                 parts.setdefault(_layer_of(name, fused), {})[name] = kind
@@ -81,6 +79,10 @@ def gguf_quant_plan(gguf_path: Path, fused: dict[str, tuple[str, Any]]) -> Quant
         if (f"{stem}.w13" in by_layer) != (f"{stem}.w2" in by_layer):
             log.info("gguf_layer_dequantized", layer=layer, types=sorted(parts[layer].values()))
             by_layer.pop(layer)
+    if dequantized:
+        log.info(
+            "gguf_types_dequantized_at_load", tensors=dequantized, served_as_they_ship=list(GGUF_SCHEMES)
+        )
     return QuantPlan(by_layer=by_layer)
 
 
@@ -127,7 +129,13 @@ def gguf_tensors(gguf_path: Path, config: Any) -> Any:
                 for expert in zip(*(_split(p, len(names)) for p in planes))
             ]
         else:
-            dense = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            try:
+                dense = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            except NotImplementedError as exc:
+                raise UnsupportedModelError(
+                    f"{gguf_path}: tensor {tensor.name} is stored as {kind}, which the gguf package cannot "
+                    f"dequantize"
+                ) from exc
             dense = dense.reshape(shape)
             if heads is not None:
                 dense = unpermute_rotary_rows(dense, heads)
