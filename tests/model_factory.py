@@ -164,11 +164,11 @@ _GGUF_LAYER_TENSORS = {
 _GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
 
 
-def write_gguf(model_dir: Path, path: Path, quant: str = "F32") -> Path:
+def write_gguf(model_dir: Path, path: Path, quant: str = "F32", pre: str = "gpt2") -> Path:
     """Write a build_model checkpoint (qwen2, qwen3 or qwen3_moe) as llama.cpp's converter would: its
     metadata, its byte-level BPE vocabulary, each projection in `quant` (F32 or Q8_0; norms, biases and
     routers stay F32 as llama.cpp keeps them) and each layer's experts stacked into one 3-D tensor per
-    projection (ffn_{gate,up,down}_exps, [experts, out, in])."""
+    projection (ffn_{gate,up,down}_exps, [experts, out, in]). `pre`: the pre-tokenizer the file names."""
     import json
 
     import gguf
@@ -209,7 +209,7 @@ def write_gguf(model_dir: Path, path: Path, quant: str = "F32") -> Path:
     kinds = [3 if token in special else 1 for token in tokens]  # control or normal
     padding = range(len(tokens), config["vocab_size"])  # the converter pads to the embedding's rows, unused
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list([*tokens, *(f"[PAD{i}]" for i in padding)])
     writer.add_token_types([*kinds, *(5 for _ in padding)])
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])

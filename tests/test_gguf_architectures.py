@@ -19,9 +19,13 @@ from nanovllm import LLM
 from nanovllm.common.errors import UnsupportedModelError
 from nanovllm.worker.config import ModelConfig
 from nanovllm.worker.layers.quantization import PackedWeight
+from nanovllm.worker.llm import load_tokenizer
 from nanovllm.worker.models.gguf import cache as gguf_cache
+from nanovllm.worker.models.gguf.cache import prepare_gguf
+from nanovllm.worker.models.gguf.tokenizer import transformers_tokenizer
 from tests.helpers import greedy, hf_greedy, hf_logits, hf_model, teacher_forced_logits
 from tests.model_factory import build_model, write_gguf
+from tests.test_gguf import TEXTS, TEXTS_WITH_DIGITS
 
 ORIGINAL = 64  # the YaRN case's original context: the longest prompt runs past twice that
 CASES = {  # name: (architecture, config overrides, rope_parameters)
@@ -128,6 +132,21 @@ def test_a_file_of_other_types_serves_them_dequantized_by_default(tmp_path: Path
         teacher_forced_logits(auto, PROMPTS, 1000), teacher_forced_logits(plain, PROMPTS, 1000)
     ):
         torch.testing.assert_close(ours, ref, atol=0, rtol=0)
+
+
+def test_qwens_pre_tokenizer_splits_as_transformers_does(tmp_path: Path):
+    """A file naming Qwen's pre-tokenizer ("qwen2", as every Qwen2/Qwen3 GGUF does) gets its tokenizer
+    built here (worker/models/gguf/tokenizer.py), not by transformers' slower conversion, and tokenizes
+    as transformers' conversion of the same file does, digits, line breaks and non-Latin scripts included."""
+    source = build_model("qwen3", tmp_path / "hf", seed=11, tokenizer=True)
+    path = write_gguf(source, tmp_path / "model.gguf", pre="qwen2")
+    bare = prepare_gguf(path, tmp_path / "cache", weights=False)
+    ours, theirs = load_tokenizer(bare), transformers_tokenizer(path)
+    assert type(ours.backend_tokenizer.pre_tokenizer).__name__ == "Sequence"
+    # (Texts with "<|...|>" left out: transformers' Qwen conversion adds <|endoftext|> to a vocabulary that,
+    # being this test's, lacks it.)
+    for text in [t for t in [*TEXTS, *TEXTS_WITH_DIGITS] if "<|" not in t]:
+        assert ours.encode(text) == theirs.encode(text), text
 
 
 def _rewrite(path: Path, out: Path, drop: str = "", **fields) -> Path:

@@ -20,12 +20,29 @@ _DIGITS_PRE_TOKENIZERS = frozenset(
     {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 )
 _GPT2_PRE_TOKENIZERS = frozenset({"gpt2", "mpt", "olmo", "jais"})
+# Names whose split is one regex, applied before a byte-level mapping that splits no further (the Hugging
+# Face tokenizer.json of these models says Sequence[Split(regex, isolated), ByteLevel(use_regex=False)]).
+# "qwen2" (Qwen2, Qwen2.5, Qwen3): a letter run with at most one leading non-letter, each digit alone,
+# punctuation runs with their line breaks, then whitespace as GPT-2 splits it.
+_REGEX_PRE_TOKENIZERS = {
+    "qwen2": (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+        r"|\s+(?!\S)|\s+"
+    ),
+}
 
 
 def _pre_tokenizer(pre: str) -> Any | None:
     """The pre-tokenizer llama.cpp applies for the file's tokenizer.ggml.pre, or None for one not known."""
-    from tokenizers import pre_tokenizers
+    from tokenizers import Regex, pre_tokenizers
 
+    if pre in _REGEX_PRE_TOKENIZERS:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_REGEX_PRE_TOKENIZERS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in _DIGITS_PRE_TOKENIZERS:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
