@@ -102,8 +102,8 @@ class GGUFTensor:
 
 def gguf_tensors(gguf_path: Path, config: Any) -> Any:
     """Every tensor of the file under transformers' names: Q8_0 / Q4_0 / Q4_1 as PackedWeights over their
-    own scales and mins, float types as float32 (Llama's q/k rows un-permuted either way, see
-    unpermute_rotary_rows; a 3-D expert tensor one tensor per expert). `config` is the model's
+    own scales and mins, every other type as float32, dequantized (Llama's q/k rows un-permuted either
+    way, see unpermute_rotary_rows; a 3-D expert tensor one tensor per expert). `config` is the model's
     ModelConfig."""
     import gguf
     import torch
