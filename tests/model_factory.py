@@ -164,7 +164,7 @@ _GGUF_LAYER_TENSORS = {
 _GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
 
 
-def write_gguf(model_dir: Path, path: Path, quant: str = "F32", pre: str = "gpt2") -> Path:
+def write_gguf(model_dir: Path, path: Path, quant: str = "F32", pre: str = "gpt-2") -> Path:
     """Write a build_model checkpoint (qwen2, qwen3 or qwen3_moe) as llama.cpp's converter would: its
     metadata, its byte-level BPE vocabulary, each projection in `quant` (F32 or Q8_0; norms, biases and
     routers stay F32 as llama.cpp keeps them) and each layer's experts stacked into one 3-D tensor per

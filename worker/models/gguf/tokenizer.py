@@ -19,7 +19,7 @@ _TOKEN_USER_DEFINED = 4
 _DIGITS_PRE_TOKENIZERS = frozenset(
     {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 )
-_GPT2_PRE_TOKENIZERS = frozenset({"gpt2", "mpt", "olmo", "jais"})
+_GPT2_PRE_TOKENIZERS = frozenset({"gpt-2", "gpt2", "mpt", "olmo", "jais"})
 # Names whose split is one regex, applied before a byte-level mapping that splits no further (the Hugging
 # Face tokenizer.json of these models says Sequence[Split(regex, isolated), ByteLevel(use_regex=False)]).
 # "qwen2" (Qwen2, Qwen2.5, Qwen3): a letter run with at most one leading non-letter, each digit alone,
