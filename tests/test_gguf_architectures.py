@@ -149,6 +149,27 @@ def test_qwens_pre_tokenizer_splits_as_transformers_does(tmp_path: Path):
         assert ours.encode(text) == theirs.encode(text), text
 
 
+def test_the_cache_keeps_only_directories_a_file_still_reaches(tmp_path: Path):
+    """A conversion deletes the cached directories of its file's earlier versions and of files that are
+    gone; a directory without a source record is left alone, as is every other file's."""
+    import os
+    import shutil
+
+    source = build_model("qwen3", tmp_path / "hf", seed=12)
+    first, second = write_gguf(source, tmp_path / "a.gguf"), write_gguf(source, tmp_path / "b.gguf")
+    moved = tmp_path / "c.gguf"
+    shutil.copy(first, moved)
+    root = tmp_path / "cache"
+    unrecorded = root / "converted-before-records"
+    unrecorded.mkdir(parents=True)
+    a1, b, _ = (prepare_gguf(path, root, weights=False) for path in (first, second, moved))
+    moved.unlink()
+    os.utime(first, ns=(first.stat().st_atime_ns, first.stat().st_mtime_ns + 10**9))  # a new version
+    a2 = prepare_gguf(first, root, weights=False)
+    assert a2 != a1
+    assert sorted(p.name for p in root.iterdir()) == sorted([a2.name, b.name, unrecorded.name])
+
+
 def _rewrite(path: Path, out: Path, drop: str = "", **fields) -> Path:
     """A copy of GGUF file `path` without tensors whose names contain `drop`, metadata changed by
     `fields` (key: value; None removes it)."""

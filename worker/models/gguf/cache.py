@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import os
 import shutil
 import tempfile
@@ -25,6 +26,8 @@ EMBEDDED_VERSION = "0.1.2"
 CONVERTER_VERSION = 2  # 2: weights written on demand, in shards with an index
 # A staging directory older than this belongs to a conversion that was killed (one takes seconds).
 STALE_STAGING_S = 3600.0
+# In each converted directory: the file it came from (see _prune).
+SOURCE_FILE = "nanovllm_source.json"
 
 
 def embedded_model_path() -> Path:
@@ -92,6 +95,7 @@ def _convert(gguf_path: Path, root: Path, target: Path) -> None:
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=root))
     try:
         timings = convert_gguf(gguf_path, staging)
+        _record_source(gguf_path, staging)
         try:
             os.rename(staging, target)
         except OSError:
@@ -103,6 +107,40 @@ def _convert(gguf_path: Path, root: Path, target: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     log.info("gguf_converted", gguf=str(gguf_path), model_dir=str(target), **timings)
+    _prune(root, gguf_path.resolve(), target.name)
+
+
+def _record_source(gguf_path: Path, model_dir: Path) -> None:
+    """Which file (path, size, mtime) a directory was converted from, for _prune."""
+    path = gguf_path.resolve()
+    stat = path.stat()
+    source = {
+        "gguf": str(path),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "converter": CONVERTER_VERSION,
+    }
+    (model_dir / SOURCE_FILE).write_text(json.dumps(source) + "\n")
+
+
+def _prune(root: Path, gguf_path: Path, keep: str) -> None:
+    """Delete the cached directories that no file can reach any more: those converted from `gguf_path`
+    before it changed (or by another converter version), and those whose file is gone. A directory
+    without a source record (written before records were) is left alone. A worker already serving from a
+    deleted directory is unaffected: it read what it needs at start."""
+    removed = []
+    for entry in root.iterdir():
+        if entry.name == keep or entry.name.startswith("."):
+            continue
+        try:
+            source = json.loads((entry / SOURCE_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if source.get("gguf") == str(gguf_path) or not Path(source.get("gguf", "")).is_file():
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+    if removed:
+        log.info("gguf_cache_pruned", removed=removed)
 
 
 def resolve_model(model: str | None, quantization: str = "auto") -> tuple[str, str | None]:
