@@ -12,21 +12,12 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from nanovllm.common.errors import ConfigError, UnsupportedModelError
-from nanovllm.worker.models.gguf.layout import (
-    generation_config,
-    hf_config,
-    hf_tensor_names,
-    read_metadata,
-    rotary_rows_heads,
-    unpermute_rotary_rows,
-)
+from nanovllm.worker.config import ModelConfig
+from nanovllm.worker.models.gguf.layout import generation_config, hf_config, open_reader, read_metadata
+from nanovllm.worker.models.gguf.tensors import gguf_tensors
 from nanovllm.worker.models.gguf.tokenizer import build_tokenizer, transformers_tokenizer
 
 SHARD_BYTES = 2 * 2**30
@@ -34,20 +25,11 @@ SHARD_BYTES = 2 * 2**30
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
-def _reader(gguf_path: Path) -> Any:
-    import gguf
-
-    try:
-        return gguf.GGUFReader(str(gguf_path))
-    except (ValueError, OSError) as exc:
-        raise ConfigError(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
-
-
 def convert_gguf(gguf_path: Path, out_dir: Path) -> dict[str, Any]:
     """Write the Hugging Face config, generation config and tokenizer for `gguf_path` into the existing
     directory `out_dir`; returns the time each stage took (seconds) and which tokenizer path was used."""
     start = time.perf_counter()
-    reader = _reader(gguf_path)
+    reader = open_reader(gguf_path)
     metadata = read_metadata(reader)
     config = hf_config(metadata, [tensor.name for tensor in reader.tensors])
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -82,11 +64,12 @@ def write_weights(gguf_path: Path, model_dir: Path, shard_bytes: int = SHARD_BYT
     from safetensors.torch import save_file
 
     start = time.perf_counter()
-    config = json.loads((model_dir / "config.json").read_text())
+    config = ModelConfig.from_pretrained_dir(model_dir)
     shards: list[list[str]] = []  # each written shard's tensor names
     current: dict[str, Any] = {}
     size = total = 0
-    for name, tensor in _dequantized_tensors(gguf_path, _reader(gguf_path), config):
+    for name, loadable in gguf_tensors(gguf_path, config, packed=False):
+        tensor = loadable.read()
         nbytes = tensor.numel() * tensor.element_size()
         if current and size + nbytes > shard_bytes:
             save_file(current, str(model_dir / _shard_name(len(shards) + 1, 0)), metadata={"format": "pt"})
@@ -114,41 +97,6 @@ def _shard_name(index: int, count: int) -> str:
     if count == 0:
         return f".model-{index:05d}.{os.getpid()}.partial"
     return f"model-{index:05d}-of-{count:05d}.safetensors"
-
-
-def _dequantized_tensors(gguf_path: Path, reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, Any]]:
-    """Every tensor of the file as a float32 torch tensor under transformers' name and layout, one at a
-    time."""
-    import gguf
-    import torch
-
-    for tensor in reader.tensors:
-        try:
-            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        except NotImplementedError as exc:
-            raise UnsupportedModelError(
-                f"{gguf_path}: tensor {tensor.name} is stored as {tensor.tensor_type.name}, "
-                f"which the gguf package cannot dequantize"
-            ) from exc
-        # GGUF lists dimensions fastest-moving first; torch wants [out_features, in_features].
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        values = np.asarray(values, dtype=np.float32).reshape(shape)
-        heads = rotary_rows_heads(
-            tensor.name,
-            config["architectures"][0],
-            config["num_attention_heads"],
-            config["num_key_value_heads"],
-        )
-        if heads is not None:
-            values = unpermute_rotary_rows(values, heads)
-        names = hf_tensor_names(tensor.name, shape)
-        parts = list(values) if len(names) > 1 else [values]  # a 3-D expert tensor: one expert per row
-        for name, part in zip(names, parts):
-            # F32 tensors come back as views of the read-only file mapping, and experts as views of their
-            # 3-D tensor, which safetensors will not save as separate tensors: those are copied.
-            if len(parts) > 1 or not part.flags.writeable:
-                part = part.copy()
-            yield name, torch.from_numpy(np.ascontiguousarray(part))
 
 
 def _portable_tokenizer_class(path: Path) -> None:

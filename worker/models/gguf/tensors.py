@@ -100,11 +100,11 @@ class GGUFTensor:
         return self.value.narrow(dim, start, length)
 
 
-def gguf_tensors(gguf_path: Path, config: Any) -> Any:
+def gguf_tensors(gguf_path: Path, config: Any, packed: bool = True) -> Any:
     """Every tensor of the file under transformers' names: Q8_0 / Q4_0 / Q4_1 as PackedWeights over their
-    own scales and mins, every other type as float32, dequantized (Llama's q/k rows un-permuted either
-    way, see unpermute_rotary_rows; a 3-D expert tensor one tensor per expert). `config` is the model's
-    ModelConfig."""
+    own scales and mins (unless not `packed`), every other type as float32, dequantized (Llama's q/k rows
+    un-permuted either way, see unpermute_rotary_rows; a 3-D expert tensor one tensor per expert), each
+    float32 tensor in its own memory. `config` is the model's ModelConfig."""
     import gguf
     import torch
 
@@ -116,7 +116,7 @@ def gguf_tensors(gguf_path: Path, config: Any) -> Any:
         shape = tuple(int(d) for d in reversed(tensor.shape))
         names = hf_tensor_names(tensor.name, shape)
         rows = int(np.prod(shape[:-1]))
-        if kind in GGUF_SCHEMES:
+        if packed and kind in GGUF_SCHEMES:
             planes = _planes(np.asarray(tensor.data).reshape(rows, -1), kind)
             if heads is not None:
                 planes = [None if p is None else unpermute_rotary_rows(p, heads) for p in planes]
