@@ -90,13 +90,13 @@ def run_worker(options: dict[str, Any]) -> int:
 
     build(LogConfig, options).apply()
     draft = options["speculative_model"]
-    model, gguf_file = resolve_model(options["model"], options["quantization"])
+    model, gguf_file = resolve_model(options["model"])
     engine = build(
         EngineConfig,
         options,
         model=model,
         gguf_file=gguf_file,
-        speculative_model=draft and resolve_model(draft, "none")[0],  # a draft model loads float weights
+        speculative_model=draft and resolve_model(draft, weights=True)[0],  # a draft reads its directory
     )
     server = build(WorkerServerConfig, options, tracing=build(TracingConfig, options))
     return _run_server("worker", serve_worker, engine, server)

@@ -120,17 +120,21 @@ def test_a_q8_0_mixture_of_experts_file_serves_its_experts_as_they_ship(tmp_path
 
 def test_a_file_of_other_types_serves_them_dequantized_by_default(tmp_path: Path):
     """Every projection Q5_0, a type not served as it ships (as the K-quants of most published files): with
-    quantization auto they load dequantized, straight from the file, and compute exactly as the directory
-    the file converts into (quantization=none), which is the only one of the two to write float32 weights."""
+    quantization auto they load dequantized, straight from the file (the converted directory holds no
+    weights), with logits within 1e-4 of transformers on the float32 directory the file converts into
+    with weights; quantization=none reads the same file the same way and computes the same logits."""
     source = build_model("qwen3", tmp_path / "hf", seed=10)
     path = write_gguf(source, tmp_path / "model.gguf", "Q5_0")
     auto = _load(path, tmp_path, dtype="float32")
     assert not any(isinstance(m, PackedWeight) for m in auto.engine.runner.model.modules())
     assert not list(Path(auto.config.model).glob("*.safetensors"))
+    converted = prepare_gguf(path, tmp_path / "with-weights", weights=True)
+    logits = teacher_forced_logits(auto, PROMPTS, 1000)
+    for prompt, ours in zip(PROMPTS, logits):
+        torch.testing.assert_close(ours.cpu(), hf_logits(converted, prompt), atol=1e-4, rtol=0)
     plain = _load(path, tmp_path, dtype="float32", quantization="none")
-    for ours, ref in zip(
-        teacher_forced_logits(auto, PROMPTS, 1000), teacher_forced_logits(plain, PROMPTS, 1000)
-    ):
+    assert not list(Path(plain.config.model).glob("*.safetensors"))
+    for ours, ref in zip(logits, teacher_forced_logits(plain, PROMPTS, 1000)):
         torch.testing.assert_close(ours, ref, atol=0, rtol=0)
 
 

@@ -40,9 +40,9 @@ class LLM:
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ConfigError(f"unknown LLM arguments {unknown}; accepted: {sorted(known)}")
-        model_dir, gguf_file = resolve_model(model, kwargs.get("quantization", "auto"))
-        if kwargs.get("speculative_model"):  # a draft model loads float weights
-            kwargs["speculative_model"] = resolve_model(kwargs["speculative_model"], "none")[0]
+        model_dir, gguf_file = resolve_model(model)
+        if kwargs.get("speculative_model"):  # a draft model loads its directory's weights
+            kwargs["speculative_model"] = resolve_model(kwargs["speculative_model"], weights=True)[0]
         self.config = EngineConfig(model=model_dir, gguf_file=gguf_file, **kwargs)
         self.engine = LLMEngine(self.config)
         # Tensor-parallel ranks stop when this LLM is collected or the interpreter exits, if not before.

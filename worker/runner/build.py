@@ -133,13 +133,15 @@ class ModelRunnerBase:
             self.use_decode_graphs(CudaGraphCapture())
 
     def _load_model(self, cfg: ModelConfig, path: str, weight_format: str) -> DecoderForCausalLM:
-        """The model of `path` (a directory, or config.gguf_file for the gguf format) with its linear layers
-        in `weight_format` (EngineConfig.weight_format)."""
+        """The model of `path` with its linear layers in `weight_format` (EngineConfig.weight_format). The
+        served model of a GGUF file (config.gguf_file) is read from the file in every format: its tensors as
+        they ship for the gguf format, dequantized (and requantized for int8/int4) otherwise."""
         plan = self._quant_plan(weight_format)
         with _default_dtype(self.dtype), self.device:
             model = DecoderForCausalLM(cfg, self.tp, plan)
-        if weight_format == "gguf" and self.config.gguf_file is not None:
-            load_tensors(model, gguf_tensors(Path(self.config.gguf_file), cfg), self.config.gguf_file)
+        gguf_file = self.config.gguf_file
+        if gguf_file is not None and path == self.config.model:
+            load_tensors(model, gguf_tensors(Path(gguf_file), cfg, packed=weight_format == "gguf"), gguf_file)
         else:
             load_safetensors(model, path)
         return model.eval()

@@ -1,11 +1,12 @@
-"""Serve GGUF checkpoints by converting them, once, into a standard Hugging Face model directory
-(cache.py, convert.py, layout.py, tokenizer.py), or with their quantized tensors as they ship (tensors.py).
+"""Serve GGUF checkpoints: their configuration and tokenizer converted, once, into a standard Hugging Face
+model directory (cache.py, convert.py, layout.py, tokenizer.py), their weights read from the file
+(tensors.py).
 
-The engine only loads Hugging Face directories (config.json + safetensors + tokenizer files). A GGUF file
-carries the same model in llama.cpp's layout: quantized tensors under llama.cpp names, the configuration
-and the tokenizer as metadata. `prepare_gguf` turns one into the other and caches the result:
+The engine reads a model's configuration and tokenizer from a Hugging Face directory. A GGUF file carries
+the same model in llama.cpp's layout: quantized tensors under llama.cpp names, the configuration and the
+tokenizer as metadata. `prepare_gguf` turns one into the other and caches the result:
 
-- weights, for an engine that reads them (quantization none/int8/int4, a draft model), are dequantized to
+- weights, for a reader of directories alone (a draft model), are dequantized to
   float32 with the `gguf` package and renamed to Hugging Face names, in shards (convert.py write_weights);
   the rows of Llama's q/k projections are un-permuted (llama.cpp's converter interleaves each head's
   rotary halves), and a mixture-of-experts projection's 3-D tensor becomes one tensor per expert;
@@ -15,10 +16,11 @@ and the tokenizer as metadata. `prepare_gguf` turns one into the other and cache
   of a second), for the byte-level BPE pre-tokenizers this module knows; any other tokenizer goes through
   transformers' own GGUF tokenizer conversion, which is slower but covers every type transformers covers.
 
-`quantization=auto` serves a GGUF as it ships instead: `gguf_quant_plan` says which layers keep their
-Q8_0 / Q4_0 / Q4_1 tensors, and `gguf_tensors` hands those to the loader as PackedWeights (their blocks
-split into planes, never dequantized) and the rest as float32, dequantized one tensor at a time. The
-converted directory then supplies only the configuration and the tokenizer, and holds no weights.
+The served model's weights come from the file in every quantization: with `quantization=auto`
+`gguf_quant_plan` says which layers keep their Q8_0 / Q4_0 / Q4_1 tensors, and `gguf_tensors` hands those
+to the loader as PackedWeights (their blocks split into planes, never dequantized) and the rest as float32,
+dequantized one tensor at a time; with none, int8 or int4 every tensor comes dequantized (int8/int4 then
+requantize it). The converted directory holds weights only for a draft model.
 
 The cache lives under ~/.cache/nanovllm/gguf/<key>, the key hashing the file's absolute path, size and
 modification time, so an edited or replaced file converts again. A conversion writes into a temporary

@@ -1,9 +1,9 @@
 """One GGUF file into a Hugging Face model directory: config, generation config and tokenizer
 (`convert_gguf`), and on demand its weights dequantized and renamed (`write_weights`).
 
-The weights are written only for an engine that reads them (quantization none, int8 or int4, or a draft
-model): served as it ships, a GGUF's weights come from the file itself, and a float32 copy of a large model
-would cost four bytes per parameter of disk. They are written in shards of at most SHARD_BYTES, so
+The weights are written only for a reader of directories alone (a draft model): the served model reads
+its weights from the file itself in every quantization (worker/runner/build.py), and a float32 copy of a
+large model would cost four bytes per parameter of disk. They are written in shards of at most SHARD_BYTES, so
 converting never holds more than one shard in memory.
 """
 
