@@ -33,14 +33,16 @@ CPU smoke test (tiny sizes; GPU busy is reported as n/a):
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import gc
 import importlib.metadata
 import math
+import pstats
 import random
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -103,12 +105,20 @@ def make_workload(num_seqs: int, max_input_len: int, max_output_len: int, min_le
     return Workload(prompts, params)
 
 
-def build_model(out_dir: Path, layers: int | None, tiny: bool, shape_name: str = "qwen3-0.6b") -> Path:
-    """A Qwen3 shape (bench/models.py) with seeded random weights, saved by transformers in bf16."""
+def build_model(out_dir: Path, layers: int | None, tiny: bool, shape_name: str, device: torch.device) -> Path:
+    """A Qwen3 shape (bench/models.py) with seeded random weights, saved by transformers in bf16. The
+    weights are drawn on `device`: the Qwen3-30B-A3B shape's 8 layers hold 4.8B parameters, which a CPU
+    takes tens of seconds to draw."""
     config_cls, shape = SHAPES[shape_name]
     shape = {**shape, **(TINY if tiny else {}), **({"num_hidden_layers": layers} if layers else {})}
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config_cls(**shape), dtype=torch.bfloat16).save_pretrained(out_dir)
+    with device:
+        model = AutoModelForCausalLM.from_config(config_cls(**shape), dtype=torch.bfloat16)
+    model.save_pretrained(out_dir)
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # give the draw's memory back before the engine loads
     return out_dir
 
 
@@ -232,6 +242,7 @@ class DecodeWindow:
     kernels: int = 0
     kernel_s: float | None = None  # union of the kernels' intervals
     copy_s: float = 0.0  # union of the memcpy/memset intervals
+    top_kernels: list[tuple[str, int, float]] = field(default_factory=list)  # name, launches, seconds
 
     @property
     def busy(self) -> str:
@@ -250,6 +261,17 @@ def union_s(intervals: list[tuple[float, float]]) -> float:
     return total / 1e6
 
 
+def kernel_table(events: list[tuple[str, float, float]], top: int = 14) -> list[tuple[str, int, float]]:
+    """The kernels that took the most GPU time, grouped by name: (name, launches, seconds)."""
+    by_name: dict[str, list[float]] = {}
+    for name, start, end in events:
+        entry = by_name.setdefault(name[:70], [0, 0.0])
+        entry[0] += 1
+        entry[1] += (end - start) / 1e6
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
+    return [(name, int(count), seconds) for name, (count, seconds) in ranked]
+
+
 def run_decode_steps(llm: LLM, n: int, device: torch.device) -> tuple[int, int, float]:
     """Up to n decode-only steps (fewer if requests run out): (steps, decode tokens, wall seconds)."""
     engine = llm.engine
@@ -265,9 +287,12 @@ def run_decode_steps(llm: LLM, n: int, device: torch.device) -> tuple[int, int, 
     return steps, tokens, time.perf_counter() - t0
 
 
-def decode_window(llm: LLM, workload: Workload, n: int, device: torch.device) -> DecodeWindow:
+def decode_window(
+    llm: LLM, workload: Workload, n: int, device: torch.device, host_profile: bool = False
+) -> DecodeWindow:
     """Prefill the whole workload step by step, then time n decode-only steps and, on CUDA, profile
-    the next n: the first window warms the profiled one up and shows what the profiler costs."""
+    the next n: the first window warms the profiled one up and shows what the profiler costs. With
+    `host_profile`, n more steps run under cProfile and the host functions that took longest print."""
     engine = llm.engine
     ids = [f"window-{i}" for i in range(len(workload.prompts))]
     for rid, prompt, params in zip(ids, workload.prompts, workload.params):
@@ -287,7 +312,15 @@ def decode_window(llm: LLM, workload: Workload, n: int, device: torch.device) ->
         ]
         kernels = [(s, e) for name, s, e in gpu if not name.startswith(("Memcpy", "Memset"))]
         window.kernels, window.kernel_s = len(kernels), union_s(kernels)
+        window.top_kernels = kernel_table(gpu)
         window.copy_s = union_s([(s, e) for name, s, e in gpu if name.startswith(("Memcpy", "Memset"))])
+    if host_profile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        profiled = run_decode_steps(llm, n, device)[0]
+        profiler.disable()
+        print(f"    host profile of {profiled} decode steps (cProfile inflates Python), by own time:")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
     for rid in ids:
         engine.abort_request(rid)
     while engine.has_unfinished_requests():
@@ -406,6 +439,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=512, help="nano-vllm's default")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="nano-vllm's default")
     p.add_argument("--profile-steps", type=int, default=32, help="decode steps per window")
+    p.add_argument("--host-profile", action="store_true", help="cProfile one more decode window [2]")
     p.add_argument(
         "--hf-num-seqs", type=int, default=64, help="first N requests for the transformers comparison"
     )
@@ -439,7 +473,7 @@ def main(argv: list[str] | None = None) -> None:
     single_prompt = [rng.randint(0, 10000) for _ in range(args.single_prompt)]
 
     with tempfile.TemporaryDirectory(prefix="nanovllm-gpu-bench-") as tmp:
-        model_dir = args.model or build_model(Path(tmp), args.layers, args.tiny, args.shape)
+        model_dir = args.model or build_model(Path(tmp), args.layers, args.tiny, args.shape, device)
         cfg = ModelConfig.from_pretrained_dir(model_dir)
         model_desc = f"{args.model or f'random {args.shape} shape' + (' (tiny)' if args.tiny else '')}: " + (
             f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}"
@@ -455,7 +489,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         tps = timed_generate(llm, workload, device, breakdown=True)
         print(f"[1] nanovllm LLM.generate: {workload.output_tokens:,} output tokens, {tps:,.1f} tok/s")
-        window = decode_window(llm, workload, args.profile_steps, device)
+        window = decode_window(llm, workload, args.profile_steps, device, args.host_profile)
         ms_per_step = 1e3 * window.wall_s / max(window.steps, 1)
         print(
             f"[2] decode window: {window.steps} steps at mean batch {window.mean_batch:.0f}, "
@@ -468,6 +502,10 @@ def main(argv: list[str] | None = None) -> None:
                 f"{window.kernels / steps:.0f} kernels/step; memcpy/memset busy {window.copy_s / wall:.1%}; "
                 f"kernel time per step / unprofiled ms/step {1e3 * window.kernel_s / steps / ms_per_step:.1%}"
             )
+            for name, count, seconds in window.top_kernels:
+                print(
+                    f"      {1e3 * seconds / steps:7.3f} ms/step {count / steps:6.1f} launches/step  {name}"
+                )
         nano_hf_tps = timed_generate(llm, hf_subset, device)
         nano_single = nanovllm_single_stream(llm, single_prompt, args.single_new_tokens)
         sample_ms = sampler_ms(cfg.vocab_size, args.sampler_batch, device, args.sampler_steps)

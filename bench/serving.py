@@ -26,11 +26,14 @@ import asyncio
 import datetime
 import gc
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -139,12 +142,16 @@ async def stream_one(stub: generate_pb2_grpc.GenerationStub, prompt: list[int], 
     return record
 
 
-async def run_clients(address: str, workload: Workload, concurrency: int, vocab: int) -> list[Stream]:
-    """A warm-up round, then every request of the workload with at most `concurrency` in flight."""
+async def run_clients(
+    address: str, workload: Workload, concurrency: int, vocab: int, ready: Callable[[], None] = lambda: None
+) -> list[Stream]:
+    """A warm-up round, `ready()`, then every request of the workload with at most `concurrency` in
+    flight."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         warm = make_workload(4, vocab, (16, 64), (8, 8), seed=12345)  # as throughput.py warms up
         await asyncio.gather(*(stream_one(stub, p, n) for p, n in zip(warm.prompts, warm.output_lens)))
+        ready()
         slots = asyncio.Semaphore(concurrency)  # FIFO: requests start in workload order
 
         async def limited(prompt: list[int], max_tokens: int) -> Stream:
@@ -152,6 +159,70 @@ async def run_clients(address: str, workload: Workload, concurrency: int, vocab:
                 return await stream_one(stub, prompt, max_tokens)
 
         return await asyncio.gather(*(limited(p, n) for p, n in zip(workload.prompts, workload.output_lens)))
+
+
+def _client_process(
+    address: str, workload: Workload, concurrency: int, vocab: int, wait: Callable[[], None]
+) -> tuple[list[Stream], float]:
+    """One client process's share: its streams and the CPU seconds it spent after the warm-up and
+    `wait()` (the other client processes' warm-ups)."""
+    cpu = [0.0]
+
+    def ready() -> None:
+        wait()
+        cpu[0] = time.process_time()
+
+    streams = asyncio.run(run_clients(address, workload, concurrency, vocab, ready))
+    return streams, time.process_time() - cpu[0]
+
+
+def run_client_processes(
+    address: str, workload: Workload, concurrency: int, vocab: int, processes: int
+) -> tuple[list[Stream], float]:
+    """The workload's requests dealt round-robin to `processes` client processes (one Python event loop
+    receives only so many responses a second), started together; every stream in workload order, and
+    the clients' CPU seconds after their warm-up."""
+    if processes == 1:
+        return _client_process(address, workload, concurrency, vocab, lambda: None)
+    context = multiprocessing.get_context("spawn")
+    shares = [
+        Workload(workload.prompts[i::processes], workload.output_lens[i::processes]) for i in range(processes)
+    ]
+    with context.Manager() as manager, ProcessPoolExecutor(processes, mp_context=context) as pool:
+        barrier = manager.Barrier(processes)
+        futures = [
+            pool.submit(
+                _client_process, address, share, max(1, concurrency // processes), vocab, barrier.wait
+            )
+            for share in shares
+        ]
+        results = [future.result() for future in futures]
+    streams: list[Stream] = [None] * len(workload)  # type: ignore[list-item]
+    for i, (share_streams, _) in enumerate(results):
+        streams[i::processes] = share_streams
+    return streams, sum(cpu for _, cpu in results)
+
+
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """User + system CPU seconds so far of a process ("process") and of each of its threads (by thread
+    id), from /proc: a Python process whose busiest thread, or whose threads together, near the wall
+    time is bound by its one interpreter lock."""
+
+    def read(stat: Path) -> float:
+        fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command name: state is field 3
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+    proc = Path(f"/proc/{pid}")
+    return {
+        "process": read(proc / "stat"),
+        **{task.name: read(task / "stat") for task in (proc / "task").iterdir()},
+    }
+
+
+def cpu_used(before: dict[str, float], after: dict[str, float]) -> str:
+    """The process's CPU seconds between two cpu_seconds readings, and its busiest thread's."""
+    threads = [seconds - before.get(tid, 0.0) for tid, seconds in after.items() if tid != "process"]
+    return f"{after['process'] - before['process']:.1f} s (busiest thread {max(threads, default=0.0):.1f})"
 
 
 def serving_result(streams: list[Stream], concurrency: int) -> Result:
@@ -279,6 +350,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="HOST:PORT of a running router (its engine settings are yours to match)",
     )
+    parser.add_argument(
+        "--client-processes", type=int, default=1, help="split the streams over this many client processes"
+    )
     parser.add_argument("--worker-log-level", default="info", help="debug: one log line per engine step")
     parser.add_argument("--json", type=Path, default=None, help="also write the raw numbers here")
     args = parser.parse_args(argv)
@@ -286,8 +360,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.concurrency = args.num_requests
     if not (1 <= args.min_input <= args.max_input and 1 <= args.min_output <= args.max_output):
         parser.error("need 1 <= --min-input <= --max-input and 1 <= --min-output <= --max-output")
-    if min(args.num_requests, args.concurrency, args.max_tokens or 1) < 1:
-        parser.error("--num-requests, --concurrency and --max-tokens must be >= 1")
+    if min(args.num_requests, args.concurrency, args.max_tokens or 1, args.client_processes) < 1:
+        parser.error("--num-requests, --concurrency, --max-tokens and --client-processes must be >= 1")
     return args
 
 
@@ -328,11 +402,20 @@ def main(argv: list[str] | None = None) -> None:
     servers: dict[str, ServerProcess] = {}
     try:
         address = args.router or start_servers(model_dir, engine_flags, servers, args.worker_log_level)
-        streams = asyncio.run(run_clients(address, workload, args.concurrency, cfg.vocab_size))
+        before = {name: cpu_seconds(server.proc.pid) for name, server in servers.items()}
+        streams, client_cpu = run_client_processes(
+            address, workload, args.concurrency, cfg.vocab_size, args.client_processes
+        )
+        after = {name: cpu_seconds(server.proc.pid) for name, server in servers.items()}
     finally:
         stop_servers(servers)
     serving = serving_result(streams, args.concurrency)
     print(f"[serving] {serving.output_tokens:,} tokens in {serving.wall_s:.2f} s via {address}")
+    cpu = [f"{args.client_processes} client process(es) {client_cpu:.1f} s"]
+    cpu += [f"{name} {cpu_used(before[name], after[name])}" for name in after]
+    print(
+        f"CPU while serving ({serving.wall_s:.1f} s wall, warm-up included for the servers): {', '.join(cpu)}"
+    )
 
     mismatches = sum(s.token_ids != e for s, e in zip(streams, expected))
     print(f"token-id mismatches, serving vs offline: {mismatches} of {len(workload)} requests")

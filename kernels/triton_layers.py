@@ -32,11 +32,10 @@ _INTERPRETED = tl.constexpr(triton_attention.interpreted())
 def _cast(x, dtype: tl.constexpr):
     """fp32 `x` rounded to `dtype`, to nearest, ties to even.
 
-    On a GPU the rounding mode is explicit and the cast is the value's last step: on an H200, rounding
-    an fp32 value to bf16, back to fp32 and then casting it to bf16 to store it gave other bits than the
-    one rounding in 23% of RoPE's sums (the cast pair is folded into a cast of another rounding).
-    Triton's interpreter truncates to bf16 (fp16 it rounds right), so there bf16 is rounded by hand, bit
-    for bit as a GPU rounds, and the cast that follows is exact."""
+    On a GPU the rounding mode is explicit. (RoPE's sums once differed from PyTorch's in a quarter of
+    their elements on an H200: not these casts but a fused multiply-add, which qk_norm_rope_store's
+    launch turns off.) Triton's interpreter truncates to bf16 (fp16 it rounds right), so there bf16 is
+    rounded by hand, bit for bit as a GPU rounds, and the cast that follows is exact."""
     if _INTERPRETED and dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
@@ -212,6 +211,10 @@ def qk_norm_rope_store(
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
             HEADS_PAD=triton.next_power_of_2(num_heads + num_kv_heads), KV_PAD=triton.next_power_of_2(num_kv_heads),
             DIM_PAD=triton.next_power_of_2(head_dim), NORM=norm_weight is not None, ROUND=qkv.dtype != torch.float32,
+            # In 16-bit no fused multiply-add: the compiler narrows RoPE's products and sum, whose operands
+            # are exact in the dtype, to 16-bit operations and may fuse one product into the sum, one
+            # rounding where transformers rounds twice (an H200 differed in a quarter of the elements).
+            enable_fp_fusion=qkv.dtype == torch.float32,
         )  # fmt: skip
     return q
 
