@@ -81,6 +81,21 @@ for _name, _sizes in {
     },
 }.items():
     SHAPES[_name] = (Qwen3Config, {**SHAPES["qwen3-0.6b"][1], **_sizes})
+# A model whose steps cost a CPU almost nothing, so that bench.serving on a CPU shows what the router, the
+# worker's service and the clients cost per token at a GPU's token rate.
+SHAPES["tiny"] = (
+    LlamaConfig,
+    {
+        **SHAPES["smollm2-135m"][1],
+        "hidden_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "intermediate_size": 128,
+        "vocab_size": 2048,
+    },
+)
 # Qwen3-30B-A3B: 128 experts, 8 chosen per token; 48 layers in the published model (benchmarks on a CPU
 # take fewer: `layers`). intermediate_size is the unused dense MLP's; every layer here is sparse.
 SHAPES["qwen3-30b-a3b"] = (

@@ -410,7 +410,11 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         stop_servers(servers)
     serving = serving_result(streams, args.concurrency)
-    print(f"[serving] {serving.output_tokens:,} tokens in {serving.wall_s:.2f} s via {address}")
+    responses = sum(len(s.responses) for s in streams)
+    print(
+        f"[serving] {serving.output_tokens:,} tokens in {serving.wall_s:.2f} s via {address}, "
+        f"{responses:,} responses ({serving.output_tokens / responses:.2f} tokens each)"
+    )
     cpu = [f"{args.client_processes} client process(es) {client_cpu:.1f} s"]
     cpu += [f"{name} {cpu_used(before[name], after[name])}" for name in after]
     print(

@@ -35,6 +35,12 @@ CHANNEL_OPTIONS = [
     *ping_ack_deadline(5.0),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),  # tokenizer files in WorkerInfo
+    # A fixed 64 KiB window per stream (gRPC's probe would grow it to megabytes): a router that reads
+    # slower than the engine steps then holds the worker's writes back within a few steps, and the
+    # worker sends the steps that waited as one message, several tokens per request (its `coalesced`),
+    # instead of a backlog of one-token messages that would keep the router at one token per response.
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", 64 * 1024),
 ]
 INITIAL_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 2.0

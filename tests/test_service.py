@@ -720,3 +720,31 @@ def test_a_model_is_served_under_its_own_name(model: str, gguf: str | None, name
     from nanovllm.worker.service.server import default_served_name
 
     assert default_served_name(model, gguf) == name
+
+
+def test_step_outputs_that_wait_leave_as_one_message() -> None:
+    """A worker whose router reads slower than the engine steps sends what waits back to back as one
+    message, every update in order; load and cache messages keep their place and end a run."""
+    from nanovllm.worker.service.server import coalesced
+
+    def step(*tokens: tuple[str, int]) -> worker_pb2.StepOutputs:
+        return worker_pb2.StepOutputs(
+            updates=[worker_pb2.RequestUpdate(request_id=rid, new_token_ids=[t]) for rid, t in tokens]
+        )
+
+    load = worker_pb2.StepOutputs(load=worker_pb2.WorkerLoad(num_running=2))
+    waiting = [step(("a", 1), ("b", 2)), step(("a", 3)), load, step(("b", 4)), step(("a", 5)), None]
+
+    async def drain() -> list[worker_pb2.StepOutputs]:
+        outbox: asyncio.Queue = asyncio.Queue()
+        for msg in waiting:
+            outbox.put_nowait(msg)
+        return [msg async for msg in coalesced(outbox)]
+
+    sent = asyncio.run(drain())
+    assert [[(u.request_id, *u.new_token_ids) for u in m.updates] for m in sent] == [
+        [("a", 1), ("b", 2), ("a", 3)],
+        [],
+        [("b", 4), ("a", 5)],
+    ]
+    assert sent[1] == load

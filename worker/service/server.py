@@ -80,6 +80,36 @@ def worker_info(
     )
 
 
+async def coalesced(
+    outbox: asyncio.Queue[worker_pb2.StepOutputs | None],
+) -> AsyncIterator[worker_pb2.StepOutputs]:
+    """The connection's messages until None, where step outputs that wait back to back leave as one.
+
+    They wait when the router reads slower than the engine steps (a router handles each message's
+    updates one loop turn at a time). One message then carries several steps' tokens per request, which
+    the router streams as one response each: it catches up instead of paying per message and per
+    response for every step. Other messages (load, cache events, adapters, draining) keep their place.
+    An updates-only message belongs to one connection (EngineLoop builds one per connection), so it is
+    extended in place."""
+    held: list[worker_pb2.StepOutputs | None] = []
+    while True:
+        msg = held.pop() if held else await outbox.get()
+        if msg is None:
+            return
+        if _updates_only(msg):
+            while not outbox.empty():
+                following = outbox.get_nowait()
+                if following is None or not _updates_only(following):
+                    held.append(following)
+                    break
+                msg.updates.extend(following.updates)
+        yield msg
+
+
+def _updates_only(msg: worker_pb2.StepOutputs) -> bool:
+    return len(msg.ListFields()) == 1 and len(msg.updates) > 0
+
+
 class WorkerService(worker_pb2_grpc.WorkerServicer):
     """Serves once `attach` gives it a running engine loop; until then every RPC is UNAVAILABLE."""
 
@@ -118,7 +148,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         reader = asyncio.create_task(self._read(request_iterator, engine_loop, conn, outbox))
         self._outboxes.add(outbox)
         try:
-            while (msg := await outbox.get()) is not None:
+            async for msg in coalesced(outbox):
                 yield msg
             if not self._closing:
                 # The router's side ended: re-raise what ended it, e.g. the abort of an unparsable message.
