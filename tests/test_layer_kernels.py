@@ -179,6 +179,25 @@ def test_linear_few_rows_rejects_bad_shapes_and_dtypes(kernels):
         kernels.linear_few_rows(x, w.bfloat16(), None)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_grouped_equals_one_call_per_group(kernels, dtype):
+    """A step's experts in one parallel region give each group's linear_few_rows bit for bit, whatever
+    the groups' shapes (odd outputs, a K tail, rows past one tile) and however the threads split them."""
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(1, 64, 301), (3, 37, 13), (9, 128, 96), (1, 64, 1), (2, 64, 1000)]  # rows, K, N
+    xs = [torch.randn(rows, k, generator=gen).to(dtype) for rows, k, _ in shapes]
+    ws = [torch.randn(n, k, generator=gen).to(dtype) for _, k, n in shapes]
+    for got, x, w in zip(kernels.linear_grouped(xs, ws), xs, ws, strict=True):
+        assert torch.equal(got, kernels.linear_few_rows(x, w, None))
+    assert kernels.linear_grouped([], []) == []
+    with pytest.raises(
+        RuntimeError, match=r"must share K, got x \[3, 37\] and weight \[301, 64\] in group 1"
+    ):
+        kernels.linear_grouped(xs[:2], [ws[0], ws[0]])
+    with pytest.raises(RuntimeError, match="2 inputs for 1 weights"):
+        kernels.linear_grouped(xs[:2], ws[:1])
+
+
 def test_projection_layers_use_the_kernel_for_few_rows_only(kernels):
     """Bound to the kernels, a layer's few-row input goes through linear_few_rows and a larger one through
     PyTorch's GEMM (each result bit for bit that path's)."""

@@ -30,7 +30,59 @@ void linear_impl(const T* x, const T* w, const T* bias, T* y, int64_t rows, int6
   });
 }
 
+template <typename T>
+void linear_grouped_impl(const std::vector<torch::Tensor>& xs, const std::vector<torch::Tensor>& weights,
+                         std::vector<torch::Tensor>& ys) {
+  const int64_t groups = static_cast<int64_t>(xs.size());
+  std::vector<std::vector<float>> xf(groups);
+  std::vector<int64_t> first_pair(groups + 1, 0);  // group g's weight row pairs are [first_pair[g], first_pair[g + 1])
+  for (int64_t g = 0; g < groups; ++g) {
+    xf[g] = widen(xs[g].data_ptr<T>(), xs[g].numel());
+    first_pair[g + 1] = first_pair[g] + (weights[g].size(0) + 1) / 2;
+  }
+  // One range over every group's weight row pairs: each thread streams its share of all the weights, one
+  // parallel region for the lot instead of one per group.
+  at::parallel_for(0, first_pair[groups], 32, [&](int64_t begin, int64_t end) {
+    int64_t g = std::upper_bound(first_pair.begin(), first_pair.end(), begin) - first_pair.begin() - 1;
+    for (; begin < end; ++g) {
+      const int64_t stop = std::min(end, first_pair[g + 1]);
+      const int64_t rows = xs[g].size(0), N = weights[g].size(0), K = weights[g].size(1);
+      const int64_t n_begin = (begin - first_pair[g]) * 2, n_end = std::min(N, (stop - first_pair[g]) * 2);
+      const T* w = weights[g].data_ptr<T>();
+      T* y = ys[g].data_ptr<T>();
+      for (int64_t m = 0; m < rows; m += kTileRows) {
+        const int64_t tile = std::min(kTileRows, rows - m);
+        tile_fn<T, T>(tile)(xf[g].data() + m * K, w + n_begin * K, nullptr, y + m * N, n_begin, n_end, N, K);
+      }
+      begin = stop;
+    }
+  });
+}
+
 }  // namespace
+
+// xs[g] @ weights[g].T for every g, each as linear_few_rows computes it (the same sums in the same order), in
+// one parallel region: a decode step's chosen experts, each a few MB of weights, read as one stream.
+std::vector<torch::Tensor> linear_grouped(std::vector<torch::Tensor> xs, std::vector<torch::Tensor> weights) {
+  TORCH_CHECK(xs.size() == weights.size(), "linear_grouped: ", xs.size(), " inputs for ", weights.size(),
+              " weights");
+  std::vector<torch::Tensor> ys;
+  if (xs.empty()) return ys;
+  for (size_t g = 0; g < xs.size(); ++g) {
+    TORCH_CHECK(xs[g].dim() == 2 && weights[g].dim() == 2 && xs[g].size(1) == weights[g].size(1),
+                "linear_grouped: x [rows, K] and weight [N, K] must share K, got x ", xs[g].sizes(), " and weight ",
+                weights[g].sizes(), " in group ", g);
+    check_one_dtype("linear_grouped", {{"x", &xs[0]}, {"x", &xs[g]}, {"weight", &weights[g]}});
+    xs[g] = xs[g].contiguous();
+    weights[g] = weights[g].contiguous();
+    ys.push_back(torch::empty({xs[g].size(0), weights[g].size(0)}, xs[g].options()));
+  }
+  dispatch("linear_grouped", xs[0].scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    linear_grouped_impl<T>(xs, weights, ys);
+  });
+  return ys;
+}
 
 // x [rows, K], weight [N, K], bias [N] or None, one dtype; returns [rows, N] in it. Any number of rows is
 // correct; the layers call it for few rows only (kernels/cpu_kernels.py FEW_ROWS_MAX), where it is faster.

@@ -510,6 +510,7 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 
 // linear_cpu.cpp
 torch::Tensor linear_few_rows(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+std::vector<torch::Tensor> linear_grouped(std::vector<torch::Tensor> xs, std::vector<torch::Tensor> weights);
 
 // linear_quantized_cpu.cpp
 torch::Tensor linear_quantized(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
@@ -534,6 +535,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode_layers(m);
   m.def("linear_few_rows", &linear_few_rows, "x @ weight.T (+ bias) for few rows of x, reading each weight once "
         "(CPU; float32, bfloat16, float16; fp32 accumulation)", py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("linear_grouped", &linear_grouped, "xs[g] @ weights[g].T for every g, as linear_few_rows computes each, in "
+        "one parallel region (CPU; float32, bfloat16, float16)", py::arg("xs"), py::arg("weights"));
   m.def("linear_quantized", &linear_quantized, "x @ W.T (+ bias) with W as 8- or 4-bit integers in groups with "
         "float16 scales (and mins at 4 bits) (CPU; x float32, bfloat16, float16; fp32 accumulation)", py::arg("x"),
         py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("group_size"),

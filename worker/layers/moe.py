@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.common.errors import ConfigError
+from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX
 from nanovllm.worker.config import ModelConfig, MoeSpec
 from nanovllm.worker.layers.linear import linear
 from nanovllm.worker.layers.loadable import LoadableTensor
@@ -154,24 +155,47 @@ class SparseMoeBlock(nn.Module):
         # (token, slot) pairs grouped by expert, tokens in order within each group.
         order = chosen.flatten().argsort(stable=True)
         counts = torch.bincount(chosen.flatten(), minlength=self.spec.num_experts).tolist()
-        out = torch.zeros_like(x)
-        kernels = self.triton_kernels or self.cpu_kernels
+        experts, pairs = [], []
         begin = 0
         for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            pairs = order[begin : begin + count]
-            begin += count
-            tokens = pairs // top_k
-            gate_up = self._linear(x.index_select(0, tokens), self.experts.w13[expert])
-            if kernels is not None:
-                hidden = kernels.silu_and_mul(gate_up)
-            else:
-                gate, up = gate_up.chunk(2, dim=-1)
-                hidden = F.silu(gate).mul_(up)
-            y = self._linear(hidden, self.experts.w2[expert]) * weights[pairs, None]
-            out.index_add_(0, tokens, y)
+            if count:
+                experts.append(expert)
+                pairs.append(order[begin : begin + count])
+                begin += count
+        tokens = [p // top_k for p in pairs]
+        inputs = [x.index_select(0, t) for t in tokens]
+        w13 = [self.experts.w13[e] for e in experts]
+        w2 = [self.experts.w2[e] for e in experts]
+        if self._grouped_on_cpu(max(counts), w13):
+            # A few rows per expert: every chosen expert's weights in one pass of the threads each, the
+            # same sums as one call per expert (a one-stream decode step reads its 8 experts as one stream).
+            gate_ups = self.cpu_kernels.linear_grouped(inputs, w13)
+            ys = self.cpu_kernels.linear_grouped([self.cpu_kernels.silu_and_mul(g) for g in gate_ups], w2)
+        else:
+            ys = [
+                self._linear(self._silu_and_mul(self._linear(xe, a)), b) for xe, a, b in zip(inputs, w13, w2)
+            ]
+        out = torch.zeros_like(x)
+        for t, p, y in zip(tokens, pairs, ys):
+            out.index_add_(0, t, y * weights[p, None])
         return out
+
+    def _grouped_on_cpu(self, most_rows: int, w13: list[torch.Tensor | PackedWeight]) -> bool:
+        """Whether linear_grouped computes the experts: the C++ kernels bound, float weights, and few
+        enough rows that `linear` would take linear_few_rows for each (PyTorch's GEMM above)."""
+        return (
+            self.cpu_kernels is not None
+            and self.triton_kernels is None
+            and (self.batch_invariant or most_rows <= FEW_ROWS_MAX)
+            and not isinstance(w13[0], PackedWeight)
+        )
+
+    def _silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        kernels = self.triton_kernels or self.cpu_kernels
+        if kernels is not None:
+            return kernels.silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
 
     @property
     def grouped(self) -> bool:
