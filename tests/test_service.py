@@ -725,6 +725,7 @@ def test_a_model_is_served_under_its_own_name(model: str, gguf: str | None, name
 def test_step_outputs_that_wait_leave_as_one_message() -> None:
     """A worker whose router reads slower than the engine steps sends what waits back to back as one
     message, every update in order; load and cache messages keep their place and end a run."""
+    from nanovllm.worker.service import server
     from nanovllm.worker.service.server import coalesced
 
     def step(*tokens: tuple[str, int]) -> worker_pb2.StepOutputs:
@@ -748,3 +749,7 @@ def test_step_outputs_that_wait_leave_as_one_message() -> None:
         [("b", 4), ("a", 5)],
     ]
     assert sent[1] == load
+    # However long the router stalled, one message stays far below what it takes in one read.
+    limit = server.MAX_COALESCED_UPDATES
+    waiting = [step(*[("a", 0)] * (limit // 2 + 1)) for _ in range(3)] + [None]
+    assert [len(m.updates) for m in asyncio.run(drain())] == [limit // 2 + 1] * 3

@@ -38,6 +38,9 @@ TOKENIZER_FILES = (
 
 
 MAX_ROUTER_MESSAGE_BYTES = 64 * 1024 * 1024
+# Updates in one coalesced StepOutputs at most: a few MB even with top logprobs, far below what a router
+# takes in one message (router/workers.py, 64 MiB), however long it stalled.
+MAX_COALESCED_UPDATES = 16_384
 
 
 # A GGUF file name's quantization tag: SmolLM2-135M-Instruct.Q4_1, Qwen3-8B-Q4_K_M, model-f16, model.BF16.
@@ -99,7 +102,11 @@ async def coalesced(
         if _updates_only(msg):
             while not outbox.empty():
                 following = outbox.get_nowait()
-                if following is None or not _updates_only(following):
+                if (
+                    following is None
+                    or not _updates_only(following)
+                    or len(msg.updates) + len(following.updates) > MAX_COALESCED_UPDATES
+                ):
                     held.append(following)
                     break
                 msg.updates.extend(following.updates)
