@@ -23,7 +23,7 @@ from tests.model_factory import ALL_LORA_TARGETS, build_model, make_adapter
 
 SUBSET = ["q_proj", "v_proj", "down_proj"]
 MAX_NEW = 16
-ENGINE = {"max_model_len": 256, "kv_cache_memory": "16MiB", "max_lora_rank": 64}
+ENGINE = {"max_model_len": 256, "kv_cache_memory": "16MiB", "max_lora_rank": 64, "dtype": "float32"}
 
 
 def peft_model(model_dir: Path, adapter_dir: Path) -> torch.nn.Module:

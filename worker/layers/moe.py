@@ -187,6 +187,7 @@ class SparseMoeBlock(nn.Module):
             self.cpu_kernels is not None
             and self.triton_kernels is None
             and (self.batch_invariant or most_rows <= FEW_ROWS_MAX)
+            and bool(w13)
             and not isinstance(w13[0], PackedWeight)
         )
 
