@@ -694,8 +694,11 @@ def test_last_response_says_where_the_time_went(own_worker, logs) -> None:
             t = responses[-1].timings
             assert t.queue_s >= 0 and t.prefill_s > 0 and t.decode_s > 0
             assert t.queue_s + t.prefill_s <= t.time_to_first_token_s
-            after_first = len(ids_of(responses)) - len(responses[0].token_ids)
-            assert t.decode_tokens_per_s == pytest.approx(after_first / t.decode_s)
+            # The rate counts the tokens after those that came with the first; the first response may
+            # also carry updates that waited behind it (a worker's coalesced steps, the router's merge).
+            total = len(ids_of(responses))
+            lowest, highest = (total - len(responses[0].token_ids)) / t.decode_s, (total - 1) / t.decode_s
+            assert lowest * (1 - 1e-9) <= t.decode_tokens_per_s <= highest * (1 + 1e-9)
         ran, waited = sorted((r[-1].timings for r in runs), key=lambda t: t.queue_s)
         assert waited.queue_s > 0.5 * (ran.prefill_s + ran.decode_s)
         wait_idle(worker.address)
