@@ -4,7 +4,8 @@ The scheduler (core/) hands the runner a SchedulerOutput; the runner (runner/) t
 runs the model and gives the sampler (sample/) one SamplingRow per token to pick; the picks come back as a
 SamplerOutput in a ModelRunnerOutput, and the scheduler applies them into RequestOutputs, with the step's
 StepStats beside them. Nothing here has behaviour beyond packing itself for the tensor-parallel ranks, so
-every room can import it.
+every room can import it. The types made once per row of a step are slotted: at batch 256 a step makes
+a thousand of them, and a slotted instance is built and read faster than one with a __dict__.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from dataclasses import dataclass, field
 import torch
 
 from nanovllm.common.sampling_params import SamplingParams
+from nanovllm.worker.device import host_tensor
 from nanovllm.worker.sequence import FinishReason, RequestTimeline, Sequence, TokenLogprobs
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSequence:
     seq: Sequence
     start: int  # first position computed this step (== seq.num_computed_tokens when scheduled)
@@ -47,7 +49,7 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqChunk:
     """The tokens [start, start + num_new_tokens) of one sequence, and the cache blocks they attend to."""
 
@@ -85,7 +87,7 @@ class StepInputs:
             for chunk in group:
                 values += [chunk.start, chunk.num_new_tokens, len(chunk.block_table), *chunk.block_table]
         values += self.logits_index
-        return torch.tensor(values, dtype=torch.long)
+        return host_tensor(values)
 
     @classmethod
     def unpack(cls, packed: torch.Tensor) -> StepInputs:
@@ -109,7 +111,7 @@ class StepInputs:
         return cls(input_ids, positions, slot_mapping, *groups, logits_index=take(nl))
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingRow:
     """One row of the logits batch: everything the sampler needs to know about its request."""
 
@@ -142,7 +144,7 @@ class ModelRunnerOutput:
     wait_s: float = 0.0
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What one step did for one request: tokens added and, on its last step, why it finished."""
 

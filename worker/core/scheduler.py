@@ -172,47 +172,67 @@ class Scheduler:
         ran (its previous step finished it, or it was aborted) has its picks discarded."""
         outputs = []
         accepted = 0
-        picks = iter(zip(sampler_out.token_ids, sampler_out.logprobs))  # the sampler's rows, in order
+        picks = zip(sampler_out.token_ids, sampler_out.logprobs)  # the sampler's rows, in order
+        running = SequenceStatus.RUNNING
         for item in sched.scheduled:
             seq, spec = item.seq, item.spec_token_ids
             if not item.samples:
-                if seq.status is SequenceStatus.RUNNING:
+                if seq.status is running:
                     self.block_manager.cache_full_blocks(seq)
                 continue
-            drawn = [next(picks) for _ in range(len(spec) + 1)]
-            if seq.status.finished:
-                continue
-            new_tokens: list[int] = []
-            new_logprobs: list[TokenLogprobs] = []
-            status = None
-            # Keep each pick while the one before it was the proposal it was computed after: picks past
-            # the first rejected proposal were computed after a token the request does not have.
-            for j, (token, logprob) in enumerate(drawn):
-                if spec:
-                    seq.token_ids.append(token)
-                else:
-                    seq.resolve_pending_token(token)
-                new_tokens.append(token)
+            if spec:
+                drawn = [next(picks) for _ in range(len(spec) + 1)]
+                if seq.status.finished:
+                    continue
+                new_tokens, new_logprobs, status, num_accepted = self._verify(seq, spec, drawn)
+                accepted += num_accepted
+            else:  # one pick in the place the sequence held for it: the common row, written out
+                token, logprob = next(picks)
+                if seq.status.finished:
+                    continue
+                seq.resolve_pending_token(token)
+                new_tokens, new_logprobs = [token], []
                 if logprob is not None:
                     seq.logprobs.append(logprob)
                     new_logprobs.append(logprob)
-                status = self._stop_status(seq, token, seq.num_tokens - seq.num_pending_tokens)
+                status = self._stop_status(seq, token, len(seq.token_ids) - seq.num_pending_tokens)
                 if seq.grammar is not None and status is None:
                     status = self._constraint_status(seq, token)
-                if status is not None or j == len(spec) or token != spec[j]:
-                    break
-                accepted += 1
-            if spec:
-                # The KV of accepted proposals is kept; the cache slots after them are overwritten later.
-                seq.num_computed_tokens = seq.num_tokens - 1
-                seq.num_draft_tokens = min(seq.num_draft_tokens, seq.num_tokens - 1)
-            if seq.status is SequenceStatus.RUNNING:
+            if seq.status is running:
                 self.block_manager.cache_full_blocks(seq)
             if status is not None:
                 seq.drop_pending_tokens()
                 self.finish(seq, status)
             outputs.append(request_output(seq, new_tokens, new_logprobs))
         return outputs, accepted
+
+    def _verify(
+        self, seq: Sequence, spec: list[int], drawn: list[tuple[int, TokenLogprobs | None]]
+    ) -> tuple[list[int], list[TokenLogprobs], SequenceStatus | None, int]:
+        """Append a verified chunk's picks: each one while the one before it was the proposal it was
+        computed after (picks past the first rejected proposal were computed after a token the request does
+        not have). Returns the tokens and logprobs kept, the status they end the sequence with, if any, and
+        how many proposals were accepted."""
+        new_tokens: list[int] = []
+        new_logprobs: list[TokenLogprobs] = []
+        status = None
+        accepted = 0
+        for j, (token, logprob) in enumerate(drawn):
+            seq.token_ids.append(token)
+            new_tokens.append(token)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+                new_logprobs.append(logprob)
+            status = self._stop_status(seq, token, seq.num_tokens - seq.num_pending_tokens)
+            if seq.grammar is not None and status is None:
+                status = self._constraint_status(seq, token)
+            if status is not None or j == len(spec) or token != spec[j]:
+                break
+            accepted += 1
+        # The KV of accepted proposals is kept; the cache slots after them are overwritten later.
+        seq.num_computed_tokens = seq.num_tokens - 1
+        seq.num_draft_tokens = min(seq.num_draft_tokens, seq.num_tokens - 1)
+        return new_tokens, new_logprobs, status, accepted
 
     def _stop_status(self, seq: Sequence, token: int, num_tokens: int) -> SequenceStatus | None:
         """Whether `token`, the sequence's token number `num_tokens`, ends it."""
@@ -240,13 +260,14 @@ def request_output(
     seq: Sequence, tokens: list[int], logprobs: list[TokenLogprobs] | None = None
 ) -> RequestOutput:
     """What a step did for `seq`: `tokens` added and, once it has finished, why."""
+    finish_reason = seq.finish_reason
     return RequestOutput(
         request_id=seq.request_id,
         new_token_ids=tokens,
-        finish_reason=seq.finish_reason,
+        finish_reason=finish_reason,
         new_logprobs=logprobs or [],
         num_prompt_tokens=seq.num_prompt_tokens,
         num_cached_tokens=seq.num_cached_tokens,
-        num_output_tokens=seq.num_output_tokens - seq.num_pending_tokens,
-        timeline=seq.timeline if seq.finish_reason is not None else None,
+        num_output_tokens=len(seq.token_ids) - seq.num_prompt_tokens - seq.num_pending_tokens,
+        timeline=seq.timeline if finish_reason is not None else None,
     )

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from nanovllm.kernels.attention import AttentionMetadata, ChunkBatch, DecodeBatch
-from nanovllm.worker.device import to_device
+from nanovllm.worker.device import host_tensor, to_device
 from nanovllm.worker.runner.block_table_rows import BlockTableRows
 from nanovllm.worker.sequence import Sequence
 from nanovllm.worker.step import ScheduledSequence, SchedulerOutput, SeqChunk, StepInputs
@@ -40,17 +40,36 @@ class InputBuilder:
         of a sequence's rows, where some sequence of the step has an adapter."""
         bs = self.block_size
         nd = sched.num_decodes
-        verifying = [s for s in sched.scheduled[nd:] if s.spec_token_ids]
-        chunks = [s for s in sched.scheduled[nd:] if not s.spec_token_ids]
-        order = [*sched.scheduled[:nd], *verifying, *(s for s in chunks if s.start == 0)]
-        order += [s for s in chunks if s.start > 0]
+        picked = picked or {}
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        last_row: dict[int, int] = {}
         deferred: list[tuple[int, int]] = []
         lora_slots: list[int] = []
-        for item in order:
+        logits_index: list[int] = []
+        # Decodes first, one row each: the bulk of a step at a large batch, so written without the general
+        # path's slices and generators (a decode's table is the sequence's own list, which BlockTableRows
+        # keeps as a row).
+        decodes: list[SeqChunk] = []
+        for row, item in enumerate(sched.scheduled[:nd]):
+            seq, position = item.seq, item.start
+            table = seq.block_table
+            input_ids.append(seq.token_ids[position])
+            positions.append(position)
+            slots.append(table[position // bs] * bs + position % bs)
+            needed = position // bs + 1
+            decodes.append(SeqChunk(position, 1, table if len(table) == needed else table[:needed]))
+            if lora_slot is not None:
+                lora_slots.append(lora_slot(seq))
+            if seq.num_pending_tokens:
+                deferred.append((row, self._pending_row(item, picked)))
+            if item.samples:
+                logits_index.append(row)
+        rest = sched.scheduled[nd:]
+        verifying = [s for s in rest if s.spec_token_ids]
+        chunks = [s for s in rest if not s.spec_token_ids]
+        last_row: dict[int, int] = {}
+        for item in [*verifying, *(s for s in chunks if s.start == 0), *(s for s in chunks if s.start > 0)]:
             seq, start, end = item.seq, item.start, item.start + item.num_new_tokens
             table = seq.block_table
             input_ids.extend(seq.token_ids[start : end - len(item.spec_token_ids)])
@@ -61,28 +80,22 @@ class InputBuilder:
             if lora_slot is not None:
                 lora_slots.extend([lora_slot(seq)] * item.num_new_tokens)
             if seq.num_pending_tokens:
-                deferred.append((len(input_ids) - 1, self._pending_row(item, picked or {})))
+                deferred.append((len(input_ids) - 1, self._pending_row(item, picked)))
         if all_logits:
             logits_index = list(range(len(input_ids)))
         else:
-            # One row per token to pick: a verified chunk's proposals each have theirs.
-            logits_index = [
-                row
-                for s in sched.scheduled
-                if s.samples
-                for row in range(last_row[s.seq.seq_id] - len(s.spec_token_ids), last_row[s.seq.seq_id] + 1)
-            ]
+            # One row per token to pick, in the scheduled order: a verified chunk's proposals each have theirs.
+            for s in rest:
+                if s.samples:
+                    last = last_row[s.seq.seq_id]
+                    logits_index.extend(range(last - len(s.spec_token_ids), last + 1))
 
         def chunk(item: ScheduledSequence, start: int, num_new_tokens: int) -> SeqChunk:
             # The sequence's own list where it is the whole table (BlockTableRows keeps its row).
             table, needed = item.seq.block_table, -(-(start + num_new_tokens) // bs)
             return SeqChunk(start, num_new_tokens, table if len(table) == needed else table[:needed])
 
-        decodes = [
-            chunk(s, p, 1)
-            for s in order[: nd + len(verifying)]
-            for p in range(s.start, s.start + s.num_new_tokens)
-        ]
+        decodes += [chunk(s, p, 1) for s in verifying for p in range(s.start, s.start + s.num_new_tokens)]
         return StepInputs(
             input_ids=input_ids,
             positions=positions,
@@ -165,4 +178,4 @@ class InputBuilder:
         return input_ids, positions, meta, logits_index
 
     def long(self, values: list[int]) -> torch.Tensor:
-        return to_device(torch.tensor(values, dtype=torch.long), self.device)
+        return to_device(host_tensor(values), self.device)

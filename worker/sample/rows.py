@@ -10,7 +10,17 @@ from nanovllm.worker.step import SamplingRow, ScheduledSequence, SchedulerOutput
 
 def sampling_rows(sched: SchedulerOutput, eos_token_ids: Collection[int]) -> list[SamplingRow]:
     """The rows of every scheduled sequence whose chunk samples, in order."""
-    return [row for item in sched.scheduled if item.samples for row in _rows(item, eos_token_ids)]
+    rows: list[SamplingRow] = []
+    for item in sched.scheduled:
+        if not item.samples:
+            continue
+        seq = item.seq
+        if item.spec_token_ids or seq.num_output_tokens < seq.params.min_tokens:
+            rows += _rows(item, eos_token_ids)
+        else:  # the common row, written out: one per decoding sequence, every step
+            output = TokenSlice(seq.token_ids, seq.num_prompt_tokens)
+            rows.append(SamplingRow(seq.params, seq.prompt_token_ids, output))
+    return rows
 
 
 def _rows(item: ScheduledSequence, eos_token_ids: Collection[int]) -> list[SamplingRow]:

@@ -24,7 +24,7 @@ import torch
 import xxhash
 
 from nanovllm.common.sampling_params import SamplingParams
-from nanovllm.worker.device import to_device
+from nanovllm.worker.device import host_tensor, to_device
 from nanovllm.worker.sequence import TokenLogprobs
 from nanovllm.worker.step import SamplerOutput, SamplingRow
 
@@ -103,7 +103,7 @@ def _take(t: torch.Tensor, idx: list[int], batch: int) -> torch.Tensor:
 
 
 def _index(idx: list[int], device: torch.device) -> torch.Tensor:
-    return to_device(torch.tensor(idx, dtype=torch.long), device)
+    return to_device(host_tensor(idx), device)
 
 
 def _padded(seqs: Sequence[Sequence[int]], pad: int, vocab: int, what: str) -> torch.Tensor:
@@ -111,7 +111,7 @@ def _padded(seqs: Sequence[Sequence[int]], pad: int, vocab: int, what: str) -> t
     if any(len(s) and (min(s) < 0 or max(s) >= vocab) for s in seqs):
         raise ValueError(f"{what} contain token ids outside [0, {vocab})")
     width = max((len(s) for s in seqs), default=0)
-    out = torch.tensor([[*s, *([pad] * (width - len(s)))] for s in seqs], dtype=torch.long)
+    out = host_tensor([[*s, *([pad] * (width - len(s)))] for s in seqs])
     return out.reshape(len(seqs), width)
 
 
@@ -125,7 +125,7 @@ def _masked(logits: torch.Tensor, rows: Sequence[SamplingRow], kernels: ModuleTy
     bits = to_device(torch.stack([rows[i].token_bitmask for i in idx]), logits.device)
     work = logits.to(torch.float32, copy=True)
     if kernels is not None and logits.device.type == "cpu":
-        kernels.apply_token_bitmask_(work, bits, torch.tensor(idx, dtype=torch.long))
+        kernels.apply_token_bitmask_(work, bits, host_tensor(idx))
         return work
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bits.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
@@ -170,13 +170,13 @@ def _penalize_(work: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     counts = counts[:, :vocab]
     in_output = counts > 0
 
-    coeffs = torch.tensor(
+    coeffs = host_tensor(
         [
             [p.repetition_penalty for p in params],
             [p.presence_penalty for p in params],
             [p.frequency_penalty for p in params],
         ],
-        dtype=sub.dtype,
+        torch.float32,
     )
     coeffs = to_device(coeffs, device)
 
@@ -221,9 +221,7 @@ def _random_probs(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Te
     ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     ps = [p.top_p if p.top_p < 1.0 else float("inf") for p in params]  # inf: never cut
     # One host->device copy for all per-row parameters (vocab < 2**24, so k is exact in float32).
-    spec = torch.tensor(
-        [[p.temperature for p in params], ks, ps, [p.min_p for p in params]], dtype=torch.float32
-    )
+    spec = host_tensor([[p.temperature for p in params], ks, ps, [p.min_p for p in params]], torch.float32)
     spec = to_device(spec, x.device)
     x = x / spec[0].unsqueeze(1)
 
@@ -338,9 +336,8 @@ class Sampler:
         """One token per row of `x` (all rows at temperature > 0), by inversion of its filtered distribution."""
         uniform = self._uniforms(rows, x.device)
         if self.cpu_kernels is not None and x.device.type == "cpu":
-            spec = torch.tensor(
-                [[p.temperature, p.top_k, p.top_p, p.min_p] for p in (r.params for r in rows)],
-                dtype=torch.float64,
+            spec = host_tensor(
+                [[p.temperature, p.top_k, p.top_p, p.min_p] for p in (r.params for r in rows)], torch.float64
             )
             return self.cpu_kernels.sample_rows(
                 x.contiguous(), torch.cat([spec.T, uniform[None]]).contiguous()
@@ -360,7 +357,7 @@ class Sampler:
         seeded = [j for j, row in enumerate(rows) if row.params.seed is not None]
         if seeded:
             values = [position_uniform(rows[j].params.seed, len(rows[j].output_token_ids)) for j in seeded]
-            uniform[_index(seeded, device)] = to_device(torch.tensor(values, dtype=torch.float64), device)
+            uniform[_index(seeded, device)] = to_device(host_tensor(values, torch.float64), device)
         return uniform
 
 
