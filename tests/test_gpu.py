@@ -63,7 +63,7 @@ def test_sampler_waits_on_the_device_once():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        sampled = sampler.sample(logits, rows)
+        sampled = sampler.sample(logits, sampler.plan(rows))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     out = sampled.result()

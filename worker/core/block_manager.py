@@ -147,7 +147,9 @@ class BlockManager:
         there are not enough free blocks."""
         num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
         needed = (
-            self.blocks_needed(num_computed + num_new_tokens) - len(seq.block_table) - len(computed_blocks)
+            -(-(num_computed + num_new_tokens) // self.block_size)
+            - len(seq.block_table)
+            - len(computed_blocks)
         )
         if needed <= 0 and not computed_blocks:  # a decode within its last block: the common case
             return True

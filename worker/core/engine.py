@@ -261,10 +261,11 @@ class LLMEngine:
             item.seq.timeline.on_step(sampled=item.samples)
         launched = self.runner.launch(sched, rows)
         self.scheduler.on_launch(sched)
-        verified = sum(1 + len(s.spec_token_ids) for s in sched.scheduled if s.spec_token_ids)
+        proposed = sum(len(s.spec_token_ids) for s in drafting)
+        verified = len(drafting) + proposed
         stats.num_prefill_tokens = sched.num_tokens - sched.num_decodes - verified
         stats.num_decode_tokens = sched.num_decodes + verified
-        stats.num_spec_proposed = sum(len(s.spec_token_ids) for s in sched.scheduled)
+        stats.num_spec_proposed = proposed
         stats.draft_s = t_draft - t0
         stats.rows_s = t_rows - t_draft
         stats.mask_s = t_mask - t_rows if masked else 0.0

@@ -58,20 +58,22 @@ class Scheduler:
         scheduled_ids: set[int] = set()
 
         # Decodes first, then chunks; each part in the running list's (priority) order.
-        order = [s for s in self.running if s.num_uncomputed_tokens <= 1]
+        running = SequenceStatus.RUNNING
+        order = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens <= 1]
         if len(order) < len(self.running):
             order += [s for s in self.running if s.num_uncomputed_tokens > 1]
         for seq in order:
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+            if seq.status is not running:  # preempted earlier in this loop
                 continue
-            if seq.num_pending_tokens and seq.num_tokens >= seq.max_num_tokens:
+            num_tokens = len(seq.token_ids)
+            if seq.num_pending_tokens and num_tokens >= seq.max_num_tokens:
                 continue  # the pick of the step in flight is its last: nothing follows it
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(num_tokens - seq.num_computed_tokens, budget)
             # A decode with proposals computes them too, when the budget and free blocks allow: a chunk
             # continuing the sequence, with the prefill chunks.
-            spec = seq.spec_token_ids[: budget - 1] if num_new == 1 else []
+            spec = seq.spec_token_ids[: budget - 1] if num_new == 1 and seq.spec_token_ids else []
             if spec and self.block_manager.allocate_slots(seq, 1 + len(spec)):
                 prefills.append(ScheduledSequence(seq, seq.num_computed_tokens, 1 + len(spec), spec))
                 scheduled_ids.add(seq.seq_id)
@@ -83,7 +85,7 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is seq:
                     break
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue
             item = ScheduledSequence(seq, seq.num_computed_tokens, num_new)
             (decodes if num_new == 1 else prefills).append(item)

@@ -60,13 +60,14 @@ class ModelRunner(ModelRunnerBase):
         the device."""
         t0 = time.perf_counter()
         inputs = self.step_inputs(sched, all_logits=False)
+        plan = self.sampler.plan(rows)
         t1 = time.perf_counter()
         logits = self.forward(inputs)
         t2 = time.perf_counter()
         if logits is None:
             self._picks = None
             return LaunchedStep(None, t1 - t0, t2 - t1, 0.0)
-        sampled = self.sampler.sample(logits, rows)
+        sampled = self.sampler.sample(logits, plan)
         # Each sampling sequence's last row is its pick (the one after any accepted proposals).
         last_rows, row = {}, -1
         for item in sched.scheduled:

@@ -18,6 +18,7 @@ without sorting the vocabulary; elsewhere the torch path below computes the same
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -31,6 +32,7 @@ from nanovllm.worker.step import SamplerOutput, SamplingRow
 __all__ = [
     "SampledBatch",
     "Sampler",
+    "SamplingPlan",
     "apply_penalties",
     "filtered_probs",
     "position_seed",
@@ -115,10 +117,17 @@ def _padded(seqs: Sequence[Sequence[int]], pad: int, vocab: int, what: str) -> t
     return out.reshape(len(seqs), width)
 
 
-def _masked(logits: torch.Tensor, rows: Sequence[SamplingRow], kernels: ModuleType | None) -> torch.Tensor:
+def _masked(
+    logits: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    kernels: ModuleType | None,
+    idx: list[int] | None = None,
+) -> torch.Tensor:
     """`logits`, or a float32 copy with the tokens each row's token_bitmask disallows at -inf (by the C++
-    kernel on a CPU when given: unpacking the bits into a tensor costs as much as the rest of sampling)."""
-    idx = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
+    kernel on a CPU when given: unpacking the bits into a tensor costs as much as the rest of sampling).
+    `idx`: the rows that have a mask, when the caller knows them."""
+    if idx is None:
+        idx = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
     if not idx:
         return logits
     batch, vocab = logits.shape
@@ -200,9 +209,13 @@ def _penalize_(work: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         work[_index(idx, device)] = result
 
 
-def _prepared(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """float32 logits with bans and penalties applied; never modifies the caller's tensor."""
-    needs_edit = any(r.banned_token_ids or r.params.has_penalties for r in rows)
+def _needs_edit(rows: Sequence[SamplingRow]) -> bool:
+    return any(r.banned_token_ids or r.params.has_penalties for r in rows)
+
+
+def _prepared(logits: torch.Tensor, rows: Sequence[SamplingRow], needs_edit: bool) -> torch.Tensor:
+    """float32 logits with bans and penalties applied (where `needs_edit`); never modifies the caller's
+    tensor."""
     if not needs_edit:
         return logits.float()  # no copy when already float32: nothing below writes into it
     work = logits.to(torch.float32, copy=True)
@@ -271,7 +284,7 @@ def filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     greedy rows get a one-hot at their argmax. Mainly for tests and debugging.
     """
     _check_batch(logits, rows)
-    work = _prepared(_masked(logits, rows, None), rows)
+    work = _prepared(_masked(logits, rows, None), rows, _needs_edit(rows))
     batch = len(rows)
     probs = torch.zeros_like(work)
     greedy = [i for i, r in enumerate(rows) if r.params.temperature == 0.0]
@@ -285,6 +298,31 @@ def filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     return probs
 
 
+@dataclass
+class SamplingPlan:
+    """What the sampler needs to know of a step's rows, read off them before the forward pass. After it,
+    on a CPU, the rows and their SamplingParams have left the host's caches (the forward pass streams the
+    KV cache through them) and each first read of one costs a miss; on a GPU the host reads them while the
+    device computes. In the common step (sampled rows, no seeds, penalties, masks or logprobs) the sampler
+    then touches no row at all."""
+
+    rows: Sequence[SamplingRow]
+    params: list[SamplingParams]
+    masked: list[int]  # rows with a token_bitmask
+    random: list[int]  # rows at temperature > 0, drawn; the others take the argmax
+    wanted: list[int]  # rows that return logprobs
+    needs_edit: bool  # some row has banned ids or penalties
+    seeded: list[int]  # positions in `random` of the rows with a seed
+    seeded_uniforms: list[float]  # their draws' numbers (position_uniform)
+    # float64 [4, len(random)]: temperature, top_k, top_p and min_p of the random rows (the C++ kernel's).
+    kernel_spec: torch.Tensor | None
+
+    @property
+    def argmax_only(self) -> bool:
+        """Every row greedy with nothing to edit and no logprobs: an argmax is all."""
+        return not self.random and not self.needs_edit and not self.wanted
+
+
 class Sampler:
     """Chooses one token per logits row following each row's SamplingParams."""
 
@@ -294,55 +332,72 @@ class Sampler:
         self.cpu_kernels = cpu_kernels  # the C++ kernels (kernels/cpu_kernels.py) for the constraint masks
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        return self.sample(logits, rows).result()
+        return self.sample(logits, self.plan(rows)).result()
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampledBatch:
-        """The picks of every row, queued on the logits' device without waiting for it."""
+    def plan(self, rows: Sequence[SamplingRow]) -> SamplingPlan:
+        """What `sample` needs of `rows` (see SamplingPlan); the rows must not change before it runs."""
+        params = [r.params for r in rows]
+        random = [i for i, p in enumerate(params) if p.temperature != 0.0]
+        seeded = [j for j, i in enumerate(random) if params[i].seed is not None]
+        kernel_spec = None
+        if self.cpu_kernels is not None and random:
+            picked = [params[i] for i in random]
+            kernel_spec = host_tensor(
+                [[p.temperature for p in picked], [p.top_k for p in picked], [p.top_p for p in picked]]
+                + [[p.min_p for p in picked]],
+                torch.float64,
+            )
+        return SamplingPlan(
+            rows=rows,
+            params=params,
+            masked=[i for i, r in enumerate(rows) if r.token_bitmask is not None],
+            random=random,
+            wanted=[i for i, p in enumerate(params) if p.logprobs is not None],
+            needs_edit=_needs_edit(rows),
+            seeded=seeded,
+            # A seeded row's number depends on its position: the output tokens before this one.
+            seeded_uniforms=[
+                position_uniform(params[random[j]].seed, len(rows[random[j]].output_token_ids))
+                for j in seeded
+            ],
+            kernel_spec=kernel_spec,
+        )
+
+    def sample(self, logits: torch.Tensor, plan: SamplingPlan) -> SampledBatch:
+        """The picks of every row of `plan`, queued on the logits' device without waiting for it."""
+        rows = plan.rows
         _check_batch(logits, rows)
         batch = len(rows)
         if batch == 0:
             empty = torch.empty(0, dtype=torch.long, device=logits.device)
             return SampledBatch(empty, empty, lambda ids: SamplerOutput([], []))
-        params = [r.params for r in rows]
-        logits = _masked(logits, rows, self.cpu_kernels)
-
-        # Hot path: plain greedy decoding needs nothing but an argmax.
-        if all(
-            p.temperature == 0.0 and p.logprobs is None and not p.has_penalties and not r.banned_token_ids
-            for p, r in zip(params, rows)
-        ):
+        logits = _masked(logits, rows, self.cpu_kernels, plan.masked)
+        if plan.argmax_only:
             tokens = logits.argmax(dim=-1)
         else:
-            tokens = self._choose(_prepared(logits, rows), rows)
-        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if not wanted:
+            tokens = self._choose(_prepared(logits, rows, plan.needs_edit), plan)
+        if not plan.wanted:
             return SampledBatch(tokens, tokens, lambda ids: SamplerOutput(ids, [None] * batch))
-        return _with_logprobs(logits, params, tokens, wanted)
+        return _with_logprobs(logits, plan.params, tokens, plan.wanted)
 
-    def _choose(self, work: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def _choose(self, work: torch.Tensor, plan: SamplingPlan) -> torch.Tensor:
         """[batch] long tensor of chosen tokens: argmax for greedy rows, a draw for the others."""
-        batch = len(rows)
-        random = [i for i, r in enumerate(rows) if r.params.temperature != 0.0]
+        random, batch = plan.random, len(plan.rows)
         if not random:
             return work.argmax(dim=-1)
-        sampled = self._draw(_take(work, random, batch), [rows[i] for i in random])
+        sampled = self._draw(_take(work, random, batch), plan)
         if len(random) == batch:
             return sampled
         tokens = work.argmax(dim=-1)
         tokens[_index(random, work.device)] = sampled
         return tokens
 
-    def _draw(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """One token per row of `x` (all rows at temperature > 0), by inversion of its filtered distribution."""
-        uniform = self._uniforms(rows, x.device)
-        if self.cpu_kernels is not None and x.device.type == "cpu":
-            spec = host_tensor(
-                [[p.temperature, p.top_k, p.top_p, p.min_p] for p in (r.params for r in rows)], torch.float64
-            )
-            return self.cpu_kernels.sample_rows(
-                x.contiguous(), torch.cat([spec.T, uniform[None]]).contiguous()
-            )
-        probs = _random_probs(x, [r.params for r in rows])
+    def _draw(self, x: torch.Tensor, plan: SamplingPlan) -> torch.Tensor:
+        """One token per row of `x` (the plan's random rows), by inversion of its filtered distribution."""
+        uniform = self._uniforms(plan, x.device)
+        if plan.kernel_spec is not None and x.device.type == "cpu":
+            return self.cpu_kernels.sample_rows(x.contiguous(), torch.cat([plan.kernel_spec, uniform[None]]))
+        probs = _random_probs(x, [plan.params[i] for i in plan.random])
         cdf = probs.cumsum(dim=-1, dtype=torch.float64)
         total = cdf[:, -1:]
         # The first token whose running sum passes u * total; keeping the target below the total keeps a
@@ -350,14 +405,13 @@ class Sampler:
         target = torch.minimum(uniform.unsqueeze(1) * total, total.nextafter(torch.zeros_like(total)))
         return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
-    def _uniforms(self, rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
-        """float64 [len(rows)] on `device`: the engine's generator for rows without a seed, and
-        position_uniform for seeded rows (their position: the output tokens before this one)."""
-        uniform = torch.rand(len(rows), dtype=torch.float64, device=device, generator=self.generator)
-        seeded = [j for j, row in enumerate(rows) if row.params.seed is not None]
-        if seeded:
-            values = [position_uniform(rows[j].params.seed, len(rows[j].output_token_ids)) for j in seeded]
-            uniform[_index(seeded, device)] = to_device(host_tensor(values, torch.float64), device)
+    def _uniforms(self, plan: SamplingPlan, device: torch.device) -> torch.Tensor:
+        """float64 [len(plan.random)] on `device`: the engine's generator for rows without a seed, and
+        position_uniform for seeded rows."""
+        uniform = torch.rand(len(plan.random), dtype=torch.float64, device=device, generator=self.generator)
+        if plan.seeded:
+            values = to_device(host_tensor(plan.seeded_uniforms, torch.float64), device)
+            uniform[_index(plan.seeded, device)] = values
         return uniform
 
 
