@@ -32,7 +32,7 @@ class ScheduledSequence:
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.samples = self.start + self.num_new_tokens - len(self.spec_token_ids) == self.seq.num_tokens
+        self.samples = self.start + self.num_new_tokens - len(self.spec_token_ids) == len(self.seq.token_ids)
 
 
 @dataclass

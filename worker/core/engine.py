@@ -257,8 +257,6 @@ class LLMEngine:
         t_rows = time.perf_counter()
         masked = self.constraints.fill_masks(sched, rows)
         t_mask = time.perf_counter()
-        for item in sched.scheduled:
-            item.seq.timeline.on_step(sampled=item.samples)
         launched = self.runner.launch(sched, rows)
         self.scheduler.on_launch(sched)
         proposed = sum(len(s.spec_token_ids) for s in drafting)

@@ -159,12 +159,14 @@ class Scheduler:
 
     @staticmethod
     def on_launch(sched: SchedulerOutput) -> None:
-        """The step is on its way: each sequence's scheduled tokens count as computed, and each one that
-        samples holds the place of its pick until the step's picks are applied."""
+        """The step is on its way: each sequence's scheduled tokens count as computed, each one that samples
+        holds the place of its pick until the step's picks are applied, and its timeline counts the step."""
         for item in sched.scheduled:
-            item.seq.num_computed_tokens = item.start + item.num_new_tokens
+            seq = item.seq
+            seq.num_computed_tokens = item.start + item.num_new_tokens
             if item.samples and not item.spec_token_ids:
-                item.seq.add_pending_token()
+                seq.add_pending_token()
+            seq.timeline.on_step(sampled=item.samples)
 
     def update_from_output(
         self, sched: SchedulerOutput, sampler_out: SamplerOutput
