@@ -22,7 +22,10 @@
 namespace {
 
 // Rows of x per pass over the weights: 2 weight rows x 6 tile rows of accumulators, two weight vectors
-// and one x vector fill the 16 AVX2 registers; above 6 rows one weight row at a time (8 accumulators).
+// and one x vector fill the 16 AVX2 registers; above 6 rows one weight row at a time (8 accumulators). At 1
+// or 2 rows, 4 weight rows at a time: each accumulator is a chain of dependent FMAs (4 cycles each), and
+// with 2 chains one row of x took 8 bytes of bf16 weights a cycle, about half what two cores can read.
+// Which weight rows share a pass never changes an output's sum, only how many are in flight.
 constexpr int64_t kTileRows = 8;
 // Weight rows ahead of the ones being read that the loop asks the memory for. With more than one row of x
 // the arithmetic per weight is enough that the hardware prefetcher alone leaves the memory idle between
@@ -89,7 +92,7 @@ inline void dot_tile(const float* x, int64_t K, const T* const* w, int64_t k_vec
 template <int M, typename T, typename Y>
 void tile_rows(const float* x, const T* w_first, const Y* bias, Y* y, int64_t n_begin, int64_t n_end, int64_t N,
                int64_t K) {
-  constexpr int R = M <= 6 ? 2 : 1;
+  constexpr int R = M <= 2 ? 4 : M <= 6 ? 2 : 1;
   const int64_t k_vec = vector_end(K);
   for (int64_t n = n_begin; n < n_end; n += R) {
     const int rows = static_cast<int>(std::min<int64_t>(R, n_end - n));
