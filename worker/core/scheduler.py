@@ -265,13 +265,16 @@ def request_output(
 ) -> RequestOutput:
     """What a step did for `seq`: `tokens` added and, once it has finished, why."""
     finish_reason = seq.finish_reason
+    # In field order, not by keyword: that takes half the time (180 against 380 ns), for every request
+    # every step.
     return RequestOutput(
-        request_id=seq.request_id,
-        new_token_ids=tokens,
-        finish_reason=finish_reason,
-        new_logprobs=logprobs or [],
-        num_prompt_tokens=seq.num_prompt_tokens,
-        num_cached_tokens=seq.num_cached_tokens,
-        num_output_tokens=len(seq.token_ids) - seq.num_prompt_tokens - seq.num_pending_tokens,
-        timeline=seq.timeline if finish_reason is not None else None,
+        seq.request_id,
+        tokens,
+        finish_reason,
+        logprobs or [],
+        seq.num_prompt_tokens,
+        seq.num_cached_tokens,
+        len(seq.token_ids) - seq.num_prompt_tokens - seq.num_pending_tokens,  # num_output_tokens
+        None,  # error
+        seq.timeline if finish_reason is not None else None,
     )
