@@ -13,20 +13,100 @@
 #include "linear_tile.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(NANOVLLM_LINEAR_AVX2)
+#define NANOVLLM_LINEAR_BF16 1
+// bf16 x and weights where the CPU multiplies bf16 itself (AVX512-BF16). vdpbf16ps takes 32 weights and 32
+// inputs as they are, no widening, and adds their exact products into 16 fp32 lanes, two per lane: a
+// quarter of the AVX2 tile's instructions per weight byte, which at 3 to 8 rows of x had made that tile
+// bound by its arithmetic (40 GB/s on the LM head's shape at 4 rows, where the memory gives 65). The order
+// of every sum is again fixed whatever the number of rows: lane l adds the products k = 32j + 2l and
+// 32j + 2l + 1 in order of j, the 16 lanes are added in a fixed tree, then the tail k >= K - K % 32, then
+// the bias, and the result is rounded to bf16 once. It is another order than the AVX2 tile's, so a bf16
+// result may differ from another machine's in its last bit; within one machine it never changes.
+template <int M, int R>
+void tile_rows_bf16(const c10::BFloat16* x, const c10::BFloat16* w_first, const c10::BFloat16* bias,
+                    c10::BFloat16* y, int64_t n_begin, int64_t n_end, int64_t N, int64_t K) {
+  const int64_t k_vec = K - K % 32;
+  for (int64_t n = n_begin; n < n_end; n += R) {
+    const int rows = static_cast<int>(std::min<int64_t>(R, n_end - n));
+    const c10::BFloat16* w[R];
+    for (int r = 0; r < R; ++r) w[r] = w_first + (n - n_begin + std::min(r, rows - 1)) * K;  // a missing row repeats the last
+    __m512 acc[M][R];
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < k_vec; k += 32) {
+      __m512bh wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(w[r] + k);
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w[r] + kPrefetchRows * K + k), _MM_HINT_T0);
+      for (int m = 0; m < M; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+        for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      for (int m = 0; m < M; ++m) {
+        // (lanes 0-7 + lanes 8-15), then hsum8's tree over the 8 sums.
+        const __m512 v = acc[m][r];
+        const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+        float s = hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), high));
+        for (int64_t k = k_vec; k < K; ++k) s += load(x[m * K + k]) * load(w[r][k]);
+        if (bias != nullptr) s += load(bias[n + r]);
+        y[m * N + n + r] = to<c10::BFloat16>(s);
+      }
+    }
+  }
+}
+
+using TileBf16 = void (*)(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*, c10::BFloat16*, int64_t,
+                          int64_t, int64_t, int64_t);
+
+// The tile for 1 to kTileRows rows of x. 32 vector registers: up to 4 rows, four weight rows at a time (16
+// accumulators), two above.
+TileBf16 tile_bf16(int64_t rows) {
+  static const TileBf16 table[kTileRows] = {
+      tile_rows_bf16<1, 4>, tile_rows_bf16<2, 4>, tile_rows_bf16<3, 4>, tile_rows_bf16<4, 4>,
+      tile_rows_bf16<5, 2>, tile_rows_bf16<6, 2>, tile_rows_bf16<7, 2>, tile_rows_bf16<8, 2>};
+  return table[rows - 1];
+}
+#endif
+
+// y[:, n_begin:n_end] for every tile of x's rows: bf16 through the native tile where there is one, else x
+// widened to fp32 once (`xf`, filled by the caller) through linear_tile.h's.
+template <typename T>
+void linear_range(const T* x, const std::vector<float>& xf, const T* w, const T* bias, T* y, int64_t rows,
+                  int64_t n_begin, int64_t n_end, int64_t N, int64_t K) {
+  for (int64_t m = 0; m < rows; m += kTileRows) {
+    const int64_t tile = std::min(kTileRows, rows - m);
+#ifdef NANOVLLM_LINEAR_BF16
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      tile_bf16(tile)(x + m * K, w + n_begin * K, bias, y + m * N, n_begin, n_end, N, K);
+      continue;
+    }
+#endif
+    tile_fn<T, T>(tile)(xf.data() + m * K, w + n_begin * K, bias, y + m * N, n_begin, n_end, N, K);
+  }
+}
+
+// x widened to fp32, for the tiles that read it so (all but the native bf16 one).
+template <typename T>
+std::vector<float> widened(const T* x, int64_t count) {
+#ifdef NANOVLLM_LINEAR_BF16
+  if constexpr (std::is_same_v<T, c10::BFloat16>) return {};
+#endif
+  return widen(x, count);
+}
+
 template <typename T>
 void linear_impl(const T* x, const T* w, const T* bias, T* y, int64_t rows, int64_t N, int64_t K) {
-  const std::vector<float> xf = widen(x, rows * K);
+  const std::vector<float> xf = widened(x, rows * K);
   // Contiguous ranges of weight rows, 64 at least, an even count so that row pairs never straddle.
   at::parallel_for(0, (N + 1) / 2, 32, [&](int64_t begin, int64_t end) {
-    const int64_t n_begin = begin * 2, n_end = std::min(N, end * 2);
-    for (int64_t m = 0; m < rows; m += kTileRows) {
-      const int64_t tile = std::min(kTileRows, rows - m);
-      tile_fn<T, T>(tile)(xf.data() + m * K, w + n_begin * K, bias, y + m * N, n_begin, n_end, N, K);
-    }
+    linear_range(x, xf, w, bias, y, rows, begin * 2, std::min(N, end * 2), N, K);
   });
 }
 
@@ -37,7 +117,7 @@ void linear_grouped_impl(const std::vector<torch::Tensor>& xs, const std::vector
   std::vector<std::vector<float>> xf(groups);
   std::vector<int64_t> first_pair(groups + 1, 0);  // group g's weight row pairs are [first_pair[g], first_pair[g + 1])
   for (int64_t g = 0; g < groups; ++g) {
-    xf[g] = widen(xs[g].data_ptr<T>(), xs[g].numel());
+    xf[g] = widened(xs[g].data_ptr<T>(), xs[g].numel());
     first_pair[g + 1] = first_pair[g] + (weights[g].size(0) + 1) / 2;
   }
   // One range over every group's weight row pairs: each thread streams its share of all the weights, one
@@ -48,12 +128,8 @@ void linear_grouped_impl(const std::vector<torch::Tensor>& xs, const std::vector
       const int64_t stop = std::min(end, first_pair[g + 1]);
       const int64_t rows = xs[g].size(0), N = weights[g].size(0), K = weights[g].size(1);
       const int64_t n_begin = (begin - first_pair[g]) * 2, n_end = std::min(N, (stop - first_pair[g]) * 2);
-      const T* w = weights[g].data_ptr<T>();
-      T* y = ys[g].data_ptr<T>();
-      for (int64_t m = 0; m < rows; m += kTileRows) {
-        const int64_t tile = std::min(kTileRows, rows - m);
-        tile_fn<T, T>(tile)(xf[g].data() + m * K, w + n_begin * K, nullptr, y + m * N, n_begin, n_end, N, K);
-      }
+      linear_range(xs[g].data_ptr<T>(), xf[g], weights[g].data_ptr<T>(), static_cast<const T*>(nullptr),
+                   ys[g].data_ptr<T>(), rows, n_begin, n_end, N, K);
       begin = stop;
     }
   });
