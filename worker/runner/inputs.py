@@ -112,14 +112,15 @@ class InputBuilder:
     def _pending_row(item: ScheduledSequence, picked: Mapping[int, int]) -> int:
         """The row of the previous step's picks that holds `item`'s last input token."""
         seq = item.seq
-        if seq.num_pending_tokens != 1 or item.start + item.num_new_tokens != seq.num_tokens:
+        if seq.num_pending_tokens != 1 or item.start + item.num_new_tokens != len(seq.token_ids):
             raise RuntimeError(
                 f"request {seq.request_id!r}: only a decode of its one pending token can be scheduled "
                 f"({seq.num_pending_tokens} pending, positions {item.start}..{item.start + item.num_new_tokens})"
             )
-        if seq.seq_id not in picked:
+        row = picked.get(seq.seq_id)
+        if row is None:
             raise RuntimeError(f"request {seq.request_id!r} waits on a pick the last step did not make")
-        return picked[seq.seq_id]
+        return row
 
     def tensors(
         self, inputs: StepInputs

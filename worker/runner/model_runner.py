@@ -115,8 +115,8 @@ class ModelRunner(ModelRunnerBase):
         if self._picks is None:
             raise RuntimeError("a step defers tokens to the picks of a step that picked none")
         picks, _ = self._picks
-        index = self.inputs.long([i for i, _ in inputs.deferred] + [r for _, r in inputs.deferred])
-        flat, rows = index.chunk(2)
+        flat_rows, pick_rows = zip(*inputs.deferred)
+        flat, rows = self.inputs.long([*flat_rows, *pick_rows]).chunk(2)
         input_ids.index_copy_(0, flat, picks.index_select(0, rows))
 
     def propose_draft(self, items: list[ScheduledSequence]) -> None:
