@@ -14,7 +14,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, rotate_half
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX, cpu_digest
 from nanovllm.worker.layers.linear import RowParallelLinear
-from nanovllm.worker.layers.norm import RMSNorm
+from nanovllm.worker.layers.norm import HeadRMSNorm, RMSNorm
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -71,10 +71,26 @@ def test_add_rms_norm_updates_both_in_place(kernels, dtype):
     assert_matches(x, expected)
 
 
-def test_rejects_non_contiguous_input(kernels):
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_head_rms_norm_reads_q_and_k_in_place_of_the_qkv_output(kernels, dtype, tokens):
+    """Qwen3's q/k norm: one weight row per head, on the q and k columns of the fused QKV output (a
+    strided view), as HeadRMSNorm's PyTorch path computes it."""
+    heads, kv_heads, d = 6, 2, 64
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen) * 3).to(dtype)
+    qk = qkv[:, : (heads + kv_heads) * d].view(tokens, -1, d)
+    norm = HeadRMSNorm(heads, kv_heads, d, 1e-6)
+    norm.weight.data = torch.rand(heads + kv_heads, d, generator=gen).to(dtype)
+    assert_matches(kernels.rms_norm(qk, norm.weight, 1e-6), norm(qk))
+
+
+def test_rms_norm_takes_any_layout(kernels):
     x = torch.randn(8, 64).t()
-    with pytest.raises(RuntimeError, match="contiguous"):
-        kernels.rms_norm(x, torch.ones(8), 1e-6)
+    w = torch.rand(8)
+    assert torch.equal(kernels.rms_norm(x, w, 1e-6), kernels.rms_norm(x.contiguous(), w, 1e-6))
+    with pytest.raises(RuntimeError, match=r"rms_norm: weight must be .*\[3, 64\]"):
+        kernels.rms_norm(torch.randn(2, 4, 64), torch.ones(3, 64), 1e-6)
 
 
 def test_rejects_mixed_dtypes(kernels):

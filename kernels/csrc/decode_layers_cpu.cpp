@@ -78,7 +78,7 @@ class DecodeLayers {
       }
       const torch::Tensor qkv = layer.qkv(x);
       torch::Tensor qk = qkv.slice(1, 0, qk_size).view({tokens, -1, dim_});
-      if (layer.qk_norm.has_value()) qk = at::rms_norm(qk, {dim_}, c10::nullopt, eps_).mul_(*layer.qk_norm);
+      if (layer.qk_norm.has_value()) qk = rms_norm(qk, *layer.qk_norm, eps_);
       const auto rotated = rotary(qk, cos, sin).split({heads_, kv_heads_}, 1);
       const torch::Tensor v = qkv.slice(1, qk_size).view({tokens, kv_heads_, dim_});
       layer.k_cache.view({-1, kv_heads_, dim_}).index_copy_(0, slot_mapping, rotated[1]);

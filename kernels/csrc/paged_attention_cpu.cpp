@@ -371,19 +371,25 @@ void decode_attention_impl(const T* q, const T* kc, const T* vc, const int64_t* 
   });
 }
 
-// RMSNorm of each row of x [T, H] into out (which may alias x).
+// RMSNorm of each row of x [tokens, heads, hidden] into out [tokens, heads, hidden] (contiguous; may
+// alias x when x is contiguous too). A token's rows are `hidden` apart, tokens `token_stride` apart (q and
+// k are a column slice of the fused QKV output); head h takes w's row h when `per_head` (Qwen3's q/k norm,
+// w [heads, hidden]), else w's one row.
 template <typename T>
-void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t hidden, float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+void rms_norm_rows(const T* x, int64_t token_stride, const T* w, bool per_head, T* out, int64_t tokens,
+                   int64_t heads, int64_t hidden, float eps) {
+  at::parallel_for(0, tokens * heads, std::max<int64_t>(16, 8192 / hidden), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * hidden;
+      const int64_t head = r % heads;
+      const T* xr = x + (r / heads) * token_stride + head * hidden;
+      const T* wr = per_head ? w + head * hidden : w;
       T* yr = out + r * hidden;
       float sq = 0.f;
 #pragma omp simd reduction(+ : sq)
       for (int64_t i = 0; i < hidden; ++i) sq += load(xr[i]) * load(xr[i]);
       const float inv = 1.f / std::sqrt(sq / static_cast<float>(hidden) + eps);
 #pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) yr[i] = to<T>(load(w[i]) * rounded<T>(load(xr[i]) * inv));
+      for (int64_t i = 0; i < hidden; ++i) yr[i] = to<T>(load(wr[i]) * rounded<T>(load(xr[i]) * inv));
     }
   });
 }
@@ -417,12 +423,22 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
 // than its arithmetic, and a decoder layer has two norms.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   check_one_dtype("rms_norm", {{"x", &x}, {"weight", &weight}});
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "rms_norm: x and weight must be contiguous");
-  auto out = torch::empty_like(x);
   const int64_t hidden = x.size(-1);
+  const bool per_head = weight.dim() == 2;
+  // [tokens, heads, hidden] with each token's heads contiguous (a column slice of a [tokens, n] matrix is
+  // fine), or anything contiguous, read as [rows, 1, hidden].
+  const bool head_slice = x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == hidden;
+  if (!head_slice) x = x.contiguous();
+  const int64_t heads = head_slice ? x.size(1) : 1;
+  const int64_t tokens = x.numel() / (heads * hidden);
+  const int64_t token_stride = head_slice && tokens > 1 ? x.stride(0) : heads * hidden;
+  TORCH_CHECK(weight.is_contiguous() && weight.size(-1) == hidden && (!per_head || weight.size(0) == heads),
+              "rms_norm: weight must be contiguous [", hidden, "] or [heads, ", hidden, "] for x ", x.sizes(),
+              ", got ", weight.sizes());
+  auto out = torch::empty(x.sizes(), x.options());
   dispatch("rms_norm", x.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
-    rms_norm_rows(x.data_ptr<T>(), weight.data_ptr<T>(), out.data_ptr<T>(), x.numel() / hidden,
+    rms_norm_rows(x.data_ptr<T>(), token_stride, weight.data_ptr<T>(), per_head, out.data_ptr<T>(), tokens, heads,
                   hidden, static_cast<float>(eps));
   });
   return out;
@@ -443,7 +459,7 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
 #pragma omp simd
       for (int64_t i = begin; i < end; ++i) rp[i] = to<T>(load(rp[i]) + load(xp[i]));
     });
-    rms_norm_rows(rp, weight.data_ptr<T>(), xp, rows, hidden, static_cast<float>(eps));
+    rms_norm_rows(rp, hidden, weight.data_ptr<T>(), false, xp, rows, 1, hidden, static_cast<float>(eps));
   });
 }
 
@@ -553,7 +569,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Decode attention over a paged KV cache (CPU; float32, bfloat16, float16; fp32 accumulation)");
   m.def("lora_add_", &lora_add_, "y += each row group's LoRA adapter applied to x, part by part (CPU; float32, "
         "bfloat16, float16; fp32 accumulation; in place)");
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (CPU; float32, bfloat16, float16)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, weight [D] or one row per head [H, D] for x [T, H, D] "
+        "(CPU; float32, bfloat16, float16)");
   m.def("add_rms_norm_", &add_rms_norm_,
         "residual += x; x = RMSNorm(residual) (CPU; float32, bfloat16, float16; in place)");
 }

@@ -52,10 +52,15 @@ class HeadRMSNorm(nn.Module):
         self.num_heads = num_heads
         self.weight = nn.Parameter(torch.ones(num_heads + num_kv_heads, head_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        # The C++ CPU kernels when in use (DecoderForCausalLM.bind_kernels): PyTorch's rms_norm on a CPU
+        # took 0.7 ms at 64 tokens and 1.3 to 1.8 ms at 256 for Qwen3-30B-A3B's 36 heads in bf16, a layer.
+        self.cpu_kernels: ModuleType | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
         rows = slice(0, self.num_heads) if shard_id == "q" else slice(self.num_heads, None)
         param.data[rows] = loaded.read()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernels is not None:
+            return self.cpu_kernels.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, x.shape[-1:], None, self.eps).mul_(self.weight)

@@ -253,6 +253,8 @@ class DecoderForCausalLM(nn.Module):
             if isinstance(module, kernel_users):
                 module.cpu_kernels = cpu_kernels
                 module.triton_kernels = triton_kernels
+            if isinstance(module, HeadRMSNorm):  # on Triton, fused into qk_norm_rope_store
+                module.cpu_kernels = cpu_kernels
             if isinstance(module, (ParallelLinear, ParallelLMHead, SparseMoeBlock)):
                 module.batch_invariant = batch_invariant
         # Decode steps as one C++ call: the module path's kernels in its order; not across tensor-parallel
