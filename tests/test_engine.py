@@ -285,3 +285,22 @@ def test_preemption_then_prefix_hit_regression(qwen3_dir):
     assert tight.engine.block_manager.prefix_hit_tokens > 0
     assert got == expected
     assert _all_free(tight)
+
+
+def test_prefix_hit_rate_counts_each_prompt_once_through_preemptions(qwen3_dir):
+    """A preempted request recomputed from its own cached blocks is no new prompt and no hit: prompts that
+    share no block keep the rate at 0 however often they are preempted."""
+    rng = random.Random(6)
+    prompts = [[rng.randrange(2, 500) for _ in range(rng.randrange(8, 30))] for _ in range(8)]
+    tight = LLM(
+        str(qwen3_dir),
+        max_model_len=96,
+        kvcache_block_size=4,
+        kv_cache_memory=30 * 2048,
+        max_num_batched_tokens=32,
+        dtype="float32",
+    )
+    tight.generate(prompts, greedy(40), use_tqdm=False)
+    bm = tight.engine.block_manager
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert (bm.prefix_queried_tokens, bm.prefix_hit_tokens) == (sum(map(len, prompts)), 0)

@@ -138,7 +138,8 @@ class BlockManager:
             seq.block_hashes.append(block_hash)
             self.cache_events.store(block_hash)
             loaded += 1
-        self.prefix_hit_tokens += loaded * self.block_size
+        if not seq.admitted:
+            self.prefix_hit_tokens += loaded * self.block_size
         return loaded
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
@@ -156,7 +157,7 @@ class BlockManager:
         revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
         if needed > self.num_free_blocks - revived:
             return False
-        if not seq.block_table and not seq.num_computed_tokens:
+        if not seq.admitted:  # a request's prompt, once: a preempted one's recomputation is no new query
             self.prefix_queried_tokens += seq.num_tokens
             self.prefix_hit_tokens += len(computed_blocks) * self.block_size
         for block_id in computed_blocks:
