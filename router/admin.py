@@ -4,7 +4,8 @@ a base model while they serve.
 Every call needs a bearer token from --admin-tokens-file (a file apart from the public tokens: a client
 that may generate may not change what is served); without that file admin calls are refused. A load goes
 to every available worker of the base model at once and holds only if each of them loaded it: otherwise it
-is unloaded from those that did, and the call fails with the first worker's error.
+is unloaded from those that did, and the call fails with the first worker's error. A load that held is
+remembered, and workers of the base model that join later get it (router/adapter_registry.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import grpc
 
 from nanovllm.common.logging import get_logger
 from nanovllm.common.v1 import worker_pb2
+from nanovllm.router.adapter_registry import ADMIN_TIMEOUT_S
 from nanovllm.router.auth import AuthError, TokenTable
 from nanovllm.router.call import ModelRefused, resolve_model
 from nanovllm.router.catalog import NoModelYet, UnknownModelError
@@ -23,9 +25,6 @@ from nanovllm.router.workers import WorkerConnection
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 
 log = get_logger(__name__)
-
-# Reading and checking an adapter's files on a worker; a large adapter on a slow disk takes seconds.
-ADMIN_TIMEOUT_S = 120.0
 
 
 class AdminService(generate_pb2_grpc.AdminServicer):
@@ -76,6 +75,7 @@ class AdminService(generate_pb2_grpc.AdminServicer):
             await context.abort(code, f"worker {worker.address} could not load {request.name!r}: {detail}")
         for worker, adapter in loaded:  # before the workers' own news of it, so requests may name it now
             worker.adapters[adapter.name] = adapter.cache_salt
+        self.pool.adapters.record(request.name, workers[0].info.model, request.path)
         log.info("lora_loaded", name=request.name, path=request.path, workers=len(loaded), caller=caller)
         return generate_pb2.LoadLoRAAdapterResponse(workers=[w.address for w, _ in loaded])
 
@@ -83,6 +83,7 @@ class AdminService(generate_pb2_grpc.AdminServicer):
         self, request: generate_pb2.UnloadLoRAAdapterRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.UnloadLoRAAdapterResponse:
         caller = await self._authorize(context)
+        self.pool.adapters.forget(request.name)
         holders = [w for w in self.pool.available if request.name in w.adapters]
         if not holders:
             await context.abort(

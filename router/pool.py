@@ -15,6 +15,7 @@ from nanovllm.common.logging import get_logger
 from nanovllm.common.server_config import RoutingConfig
 from nanovllm.common.tls import TlsFiles
 from nanovllm.common.v1 import worker_pb2
+from nanovllm.router.adapter_registry import AdapterRegistry
 from nanovllm.router.catalog import Catalog, ModelChoice
 from nanovllm.router.discovery import RESOLVE_ERRORS, WorkerTarget, resolve
 from nanovllm.router.routing import Decision, choose
@@ -40,6 +41,7 @@ class WorkerPool:
             raise ValueError("a router needs at least one worker address (--worker HOST:PORT)")
         self.targets = [WorkerTarget.parse(t) for t in targets]
         self.catalog = Catalog(lambda: self.available)
+        self.adapters = AdapterRegistry()  # what the Admin service loaded, for workers that join later
         self.routing = routing
         self._turn = 0  # requests picked for so far: round-robin's position
         self.discovery_interval_s = discovery_interval_s
@@ -159,8 +161,11 @@ class WorkerPool:
 
     # --- connections ----------------------------------------------------------------------------------
 
-    async def _prepare(self, info: worker_pb2.WorkerInfo) -> bool:
-        return await self.catalog.admit(info)
+    async def _prepare(self, worker: WorkerConnection, info: worker_pb2.WorkerInfo) -> bool:
+        if not await self.catalog.admit(info):
+            return False
+        await self.adapters.restore(worker, info)
+        return True
 
     def _changed(self) -> None:
         self._change.set()

@@ -62,12 +62,12 @@ class WorkerConnection:
     def __init__(
         self,
         address: str,
-        prepare: Callable[[worker_pb2.WorkerInfo], Awaitable[bool]],
+        prepare: Callable[[WorkerConnection, worker_pb2.WorkerInfo], Awaitable[bool]],
         tls: TlsFiles | None = None,
         server_name: str | None = None,
     ) -> None:
-        """`prepare` is awaited with the worker's info before each (re)connect; False means do not use
-        this worker (e.g. it serves another model), and the connection retries later."""
+        """`prepare` is awaited with this connection and the worker's info before each (re)connect; False
+        means do not use this worker (e.g. it serves another model), and the connection retries later."""
         self.address = address
         self.info: worker_pb2.WorkerInfo | None = None
         self.adapters: dict[str, int] = {}  # the LoRA adapters loaded there: name -> cache salt
@@ -204,7 +204,7 @@ class WorkerConnection:
             try:
                 if await self._wait_until_serving():
                     info = await self.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=INFO_TIMEOUT_S)
-                    if await self._prepare(info):
+                    if await self._prepare(self, info):
                         self.info = info
                         await self._stream(on_change)
                         backoff = INITIAL_BACKOFF_S  # it was up: retry quickly

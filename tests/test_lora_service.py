@@ -7,6 +7,7 @@ through the authenticated Admin service while other streams run."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,3 +246,40 @@ def test_admin_calls_need_an_admin_token_and_name_what_is_wrong(cluster: Cluster
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
     assert set(list_models(router)) == {"qwen3", "llama", "q-sql", "l-sql"}  # nothing else changed
     assert served_tokens(router, "q-sql") == cluster.expected["q-sql"]
+
+
+def test_a_restarted_worker_gets_the_adapters_loaded_through_admin(cluster: Cluster, tmp_path: Path):
+    """The router remembers what Admin loaded: the worker, killed and started again with only its --lora
+    adapter, serves the Admin-loaded one again before it takes requests (and not one Admin unloaded)."""
+    router, chat = cluster.router.address, str(cluster.adapters["q-chat"])
+    admin(
+        router,
+        "LoadLoRAAdapter",
+        generate_pb2.LoadLoRAAdapterRequest(name="q-chat", path=chat, base_model="qwen3"),
+    )
+    admin(
+        router,
+        "LoadLoRAAdapter",
+        generate_pb2.LoadLoRAAdapterRequest(name="gone", path=chat, base_model="qwen3"),
+    )
+    admin(router, "UnloadLoRAAdapter", generate_pb2.UnloadLoRAAdapterRequest(name="gone"))
+    port = int(cluster.qwen3.address.rsplit(":", 1)[1])
+    cluster.qwen3.kill()
+    cluster.qwen3 = start_worker(
+        cluster.bases["qwen3"], "--lora", f"q-sql={cluster.adapters['q-sql']}", *LORA_FLAGS, port=port,
+        log_path=tmp_path / "qwen3.log",
+    )  # fmt: skip
+    wait_serving(cluster.qwen3.address)
+    deadline = time.monotonic() + CALL_TIMEOUT_S
+    while "qwen3" not in list_models(router) and time.monotonic() < deadline:
+        threading.Event().wait(0.02)  # until the router has reconnected (it joins with its adapters)
+    assert list_models(router) == {
+        "qwen3": "",
+        "llama": "",
+        "q-sql": "qwen3",
+        "l-sql": "llama",
+        "q-chat": "qwen3",
+    }
+    assert served_tokens(router, "q-chat") == cluster.expected["q-chat"]
+    admin(router, "UnloadLoRAAdapter", generate_pb2.UnloadLoRAAdapterRequest(name="q-chat"))
+    assert library_errors(tmp_path / "qwen3.log") == []
