@@ -24,7 +24,13 @@ from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from nanovllm.worker.config import ModelConfig
 from nanovllm.worker.device import resolve_placement
 from nanovllm.worker.llm import load_tokenizer
-from nanovllm.worker.models.gguf.cache import STALE_STAGING_S, cache_key, embedded_model_path, prepare_gguf
+from nanovllm.worker.models.gguf.cache import (
+    SOURCE_FILE,
+    STALE_STAGING_S,
+    cache_key,
+    embedded_model_path,
+    prepare_gguf,
+)
 from nanovllm.worker.models.gguf.convert import WEIGHTS_INDEX, has_weights, write_weights
 from nanovllm.worker.models.gguf.tokenizer import transformers_tokenizer
 from tests.helpers import QUESTIONS
@@ -192,6 +198,28 @@ def test_failed_conversion_leaves_no_directory(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not a readable GGUF"):
         prepare_gguf(path, root)
     assert list(root.iterdir()) == []
+
+
+def test_conversion_prunes_what_no_file_reaches_and_keeps_what_it_cannot_see(
+    gguf_path: Path, tmp_path: Path
+) -> None:
+    """A conversion deletes the cached directories whose file is gone (its folder is here, it is not) and
+    keeps those whose file is still there or lies in a folder this machine lacks (another pod's volume,
+    on a cache the pods share)."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "other.gguf").write_bytes(b"another model")
+    root = tmp_path / "cache"
+    sources = {
+        "deleted": models / "deleted.gguf",
+        "on-another-pod": tmp_path / "not-mounted-here" / "model.gguf",
+        "present": models / "other.gguf",
+    }
+    for name, source in sources.items():
+        (root / name).mkdir(parents=True)
+        (root / name / SOURCE_FILE).write_text(json.dumps({"gguf": str(source)}))
+    target = prepare_gguf(gguf_path, root, weights=False)
+    assert sorted(p.name for p in root.iterdir()) == sorted(["on-another-pod", "present", target.name])
 
 
 def test_missing_file_is_a_config_error(tmp_path: Path) -> None:

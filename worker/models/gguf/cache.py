@@ -125,9 +125,10 @@ def _record_source(gguf_path: Path, model_dir: Path) -> None:
 
 def _prune(root: Path, gguf_path: Path, keep: str) -> None:
     """Delete the cached directories that no file can reach any more: those converted from `gguf_path`
-    before it changed (or by another converter version), and those whose file is gone. A directory
-    without a source record (written before records were) is left alone. A worker already serving from a
-    deleted directory is unaffected: it read what it needs at start."""
+    before it changed (or by another converter version), and those whose file is gone: its folder is here
+    and the file is not. A file whose folder this machine lacks is left alone (a cache shared by pods that
+    mount different volumes), as is a directory without a source record (written before records were).
+    A worker already serving from a deleted directory is unaffected: it read what it needs at start."""
     removed = []
     for entry in root.iterdir():
         if entry.name == keep or entry.name.startswith("."):
@@ -136,7 +137,8 @@ def _prune(root: Path, gguf_path: Path, keep: str) -> None:
             source = json.loads((entry / SOURCE_FILE).read_text())
         except (OSError, ValueError):
             continue
-        if source.get("gguf") == str(gguf_path) or not Path(source.get("gguf", "")).is_file():
+        source_path = Path(source.get("gguf", ""))
+        if source_path == gguf_path or (source_path.parent.is_dir() and not source_path.is_file()):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry.name)
     if removed:
