@@ -172,7 +172,8 @@ class EngineLoop:
                     command()
                 if self.engine.has_unfinished_requests():
                     self._step()
-                self.load = self.engine.load()
+                else:
+                    self.load = self.engine.load()
                 self.metrics.observe_load(self.load)
                 self._push_load()
                 if self._draining and not self._in_flight and not self._drained.done():
@@ -345,7 +346,10 @@ class EngineLoop:
         except Exception as exc:  # the engine's state is suspect: fail everything in flight, keep serving
             log.exception("engine_step_failed")
             self._fail_all(f"the engine step failed: {type(exc).__name__}: {exc}")
+            self.load = self.engine.load()
             return
+        # Before the outputs go out: a client that has a request's token finds the request in GetLoad.
+        self.load = self.engine.load()
         outputs, stats = step.outputs, step.stats
         self.metrics.observe_step(
             stats, time.perf_counter() - start, sum(len(out.new_token_ids) for out in outputs)
