@@ -75,7 +75,7 @@ class AdminService(generate_pb2_grpc.AdminServicer):
             await context.abort(code, f"worker {worker.address} could not load {request.name!r}: {detail}")
         for worker, adapter in loaded:  # before the workers' own news of it, so requests may name it now
             worker.adapters[adapter.name] = adapter.cache_salt
-        self.pool.adapters.record(request.name, workers[0].info.model, request.path)
+        self.pool.admin_adapters.record(request.name, workers[0].info.model, request.path)
         log.info("lora_loaded", name=request.name, path=request.path, workers=len(loaded), caller=caller)
         return generate_pb2.LoadLoRAAdapterResponse(workers=[w.address for w, _ in loaded])
 
@@ -83,7 +83,7 @@ class AdminService(generate_pb2_grpc.AdminServicer):
         self, request: generate_pb2.UnloadLoRAAdapterRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.UnloadLoRAAdapterResponse:
         caller = await self._authorize(context)
-        self.pool.adapters.forget(request.name)
+        self.pool.admin_adapters.forget(request.name)
         holders = [w for w in self.pool.available if request.name in w.adapters]
         if not holders:
             await context.abort(

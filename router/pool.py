@@ -41,7 +41,7 @@ class WorkerPool:
             raise ValueError("a router needs at least one worker address (--worker HOST:PORT)")
         self.targets = [WorkerTarget.parse(t) for t in targets]
         self.catalog = Catalog(lambda: self.available)
-        self.adapters = AdapterRegistry()  # what the Admin service loaded, for workers that join later
+        self.admin_adapters = AdapterRegistry()  # what the Admin service loaded, for workers that join later
         self.routing = routing
         self._turn = 0  # requests picked for so far: round-robin's position
         self.discovery_interval_s = discovery_interval_s
@@ -164,7 +164,7 @@ class WorkerPool:
     async def _prepare(self, worker: WorkerConnection, info: worker_pb2.WorkerInfo) -> bool:
         if not await self.catalog.admit(info):
             return False
-        await self.adapters.restore(worker, info)
+        await self.admin_adapters.restore(worker, info)
         return True
 
     def _changed(self) -> None:
