@@ -15,8 +15,9 @@ import torch
 from nanovllm import LLM
 from nanovllm.common.errors import ConfigError, EngineDeadError
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
+from nanovllm.worker.step import SeqChunk, StepInputs
 from tests.helpers import greedy, teacher_forced_logits
-from tests.model_factory import build_model
+from tests.model_factory import ALL_LORA_TARGETS, build_model, make_adapter
 from tests.services import start_router, start_worker, wait_serving
 
 PROMPTS = [[5, 9, 33, 2, 71, 100, 4], [300, 12], list(range(40, 97)), [7] * 20, [250, 251, 252]]
@@ -62,6 +63,46 @@ def compare_tp(model_dir: Path, **options: object) -> None:
 def test_tp2_equals_tp1(model_dirs: dict[str, Path], arch: str) -> None:
     """TP=2 greedy tokens equal TP=1 token for token over a batch; logits within 1e-4 (fp32)."""
     compare_tp(model_dirs[arch])
+
+
+def test_step_inputs_reach_the_other_ranks_whole() -> None:
+    """What rank 0 broadcasts each step: the chunks, the logits rows, each row's LoRA slot and the slots
+    it filled (names and paths as UTF-8), back as they were."""
+    inputs = StepInputs(
+        [5, 6, 7], [9, 0, 1], [40, 41, 42], [SeqChunk(9, 1, [2])], [SeqChunk(0, 2, [3, 4])], [], [0, 2],
+        lora_slots=[-1, 1, 1], lora_fills=[(1, "sql", "/adapters/sql-ü")],
+    )  # fmt: skip
+    assert StepInputs.unpack(inputs.pack()) == inputs
+
+
+def test_tp2_runs_lora_adapters_as_tp1(qwen3_dir: Path, tmp_path: Path) -> None:
+    """LoRA on every projection under tensor parallelism: column-parallel layers take their rows of B,
+    row-parallel ones their columns of A. Adapters given at start and loaded later, three of them through
+    two slots (so slots are refilled mid-run, on every rank), mixed with the base model in one batch: TP=2's
+    greedy tokens equal TP=1's (fp32)."""
+    adapters = {
+        name: make_adapter(qwen3_dir, tmp_path / name, rank, ALL_LORA_TARGETS, seed=seed)
+        for name, rank, seed in (("a", 8, 31), ("b", 4, 32), ("c", 8, 33))
+    }
+    names = [None, "a", "b", "c", "a"]
+    runs = []
+    for size in (1, 2):
+        llm = LLM(
+            str(qwen3_dir), tensor_parallel_size=size, lora_adapters=[f"a={adapters['a']}"], max_loras=2,
+            max_lora_rank=8, **ENGINE,
+        )  # fmt: skip
+        try:
+            for name in ("b", "c"):
+                llm.add_lora(name, str(adapters[name]))
+            outputs = llm.generate(PROMPTS, greedy(16), use_tqdm=False, lora_name=names)
+            runs.append([o["token_ids"] for o in outputs])
+            assert llm.engine.runner.adapter_slots.num_loads == 3  # three adapters, two slots: one refilled
+        finally:
+            llm.shutdown()
+    single, sharded = runs
+    assert sharded == single
+    assert single[1] != single[4] or PROMPTS[1] == PROMPTS[4]  # (the adapters change what comes out)
+    assert rank_processes(psutil.Process()) == []
 
 
 def test_tp2_replicates_a_single_kv_head(tmp_path: Path) -> None:

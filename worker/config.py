@@ -479,10 +479,6 @@ class EngineConfig:
             )
         if self.max_lora_rank < 1:
             raise ConfigError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
-        if self.max_loras and self.tensor_parallel_size > 1:
-            raise ConfigError(
-                f"LoRA adapters run with tensor_parallel_size=1 only, got {self.tensor_parallel_size}"
-            )
 
     @property
     def kv_tiers(self) -> bool:

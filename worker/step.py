@@ -10,6 +10,7 @@ a thousand of them, and a slotted instance is built and read faster than one wit
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -73,27 +74,31 @@ class StepInputs:
     deferred: list[tuple[int, int]] = field(default_factory=list)
     # Each row's LoRA slot (-1: the base model), or empty when no row has an adapter.
     lora_slots: list[int] = field(default_factory=list)
+    # (slot, name, path) of each adapter rank 0 put into a slot for this step: the other tensor-parallel
+    # ranks read it and fill the same slot with their share.
+    lora_fills: list[tuple[int, str, str]] = field(default_factory=list)
 
     def pack(self) -> torch.Tensor:
-        """[counts..., input_ids, positions, slot_mapping, (start, n, len, *table) per chunk, logits_index]"""
+        """[counts..., input_ids, positions, slot_mapping, (start, n, len, *table) per chunk, logits_index,
+        lora_slots, the UTF-8 bytes of lora_fills as JSON]"""
         if self.deferred:
             raise RuntimeError("a step whose tokens are still on rank 0's device cannot go to other ranks")
-        if self.lora_slots:
-            raise RuntimeError("LoRA adapters run on one rank: a step with them cannot go to other ranks")
         groups = (self.decodes, self.fresh, self.cached)
+        fills = list(json.dumps(self.lora_fills).encode()) if self.lora_fills else []
         values = [len(self.input_ids), *(len(g) for g in groups), len(self.logits_index)]
+        values += [len(self.lora_slots), len(fills)]
         values += self.input_ids + self.positions + self.slot_mapping
         for group in groups:
             for chunk in group:
                 values += [chunk.start, chunk.num_new_tokens, len(chunk.block_table), *chunk.block_table]
-        values += self.logits_index
+        values += self.logits_index + self.lora_slots + fills
         return host_tensor(values)
 
     @classmethod
     def unpack(cls, packed: torch.Tensor) -> StepInputs:
         values = packed.tolist()
-        n, nd, nf, nc, nl = values[:5]
-        pos = 5
+        n, nd, nf, nc, nl, ns, nb = values[:7]
+        pos = 7
 
         def take(count: int) -> list[int]:
             nonlocal pos
@@ -108,7 +113,12 @@ class StepInputs:
                 start, num_new, table_len = take(3)
                 chunks.append(SeqChunk(start, num_new, take(table_len)))
             groups.append(chunks)
-        return cls(input_ids, positions, slot_mapping, *groups, logits_index=take(nl))
+        logits_index, lora_slots, fills = take(nl), take(ns), take(nb)
+        lora_fills = [tuple(fill) for fill in json.loads(bytes(fills))] if fills else []
+        return cls(
+            input_ids, positions, slot_mapping, *groups, logits_index=logits_index, lora_slots=lora_slots,
+            lora_fills=lora_fills,
+        )  # fmt: skip
 
 
 @dataclass(slots=True)

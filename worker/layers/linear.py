@@ -87,6 +87,19 @@ class ParallelLinear(nn.Module):
         """The parts of the output an adapter adapts apart, in order (worker/layers/lora.py)."""
         return [(None, 0, self.weight.shape[0])]
 
+    def lora_whole(self, shard: object) -> tuple[int, int]:
+        """(input, output) features of output part `shard` before tensor parallelism cut them: an adapter
+        gives that part's A as [r, input] and B as [output, r]."""
+        return self.weight.shape[1], self.weight.shape[0]
+
+    def lora_shard(
+        self, shard: object, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of part `shard`'s whole A and B, cut as the weights are: B's rows where the
+        output is split, A's columns where the input is (then each rank adds its partial delta before the
+        all-reduce, which sums them)."""
+        return a, b
+
     def _project(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.bias, self.cpu_kernels, self.triton_kernels, self.batch_invariant)
         if self.lora is not None:
@@ -116,6 +129,15 @@ class ColumnParallelLinear(ParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
         size = param.shape[0]
         assign(param, loaded.narrow(0, self.tp.rank * size, size))
+
+    def lora_whole(self, shard: object) -> tuple[int, int]:
+        return self.weight.shape[1], self.weight.shape[0] * self.tp.size
+
+    def lora_shard(
+        self, shard: object, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        size = self.weight.shape[0]
+        return a, b.narrow(0, self.tp.rank * size, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._project(x)
@@ -149,6 +171,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             for i, (offset, size) in enumerate(zip(offsets, self.output_sizes))
         ]
 
+    def lora_whole(self, shard: object) -> tuple[int, int]:
+        return self.weight.shape[1], self.output_sizes[int(shard)]  # type: ignore[arg-type]
+
+    def lora_shard(
+        self, shard: object, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        size = self.output_sizes[int(shard)] // self.tp.size  # type: ignore[arg-type]
+        return a, b.narrow(0, self.tp.rank * size, size)
+
 
 class QKVParallelLinear(ParallelLinear):
     """q, k and v projections fused; heads (not features) are what gets split across ranks, and KV heads
@@ -168,6 +199,7 @@ class QKVParallelLinear(ParallelLinear):
         self.head_dim = head_dim
         self.num_heads = tp.shard(num_heads, "num_attention_heads")
         self.first_kv_head, self.num_kv_heads = tp.kv_heads(num_kv_heads)
+        self.total_num_kv_heads = num_kv_heads
         out_features = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         super().__init__(hidden_size, out_features, bias, tp, quant, prefix)
 
@@ -185,6 +217,18 @@ class QKVParallelLinear(ParallelLinear):
     def lora_parts(self) -> list[Part]:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return [("q", 0, q_size), ("k", q_size, kv_size), ("v", q_size + kv_size, kv_size)]
+
+    def lora_whole(self, shard: object) -> tuple[int, int]:
+        heads = self.num_heads * self.tp.size if shard == "q" else self.total_num_kv_heads
+        return self.weight.shape[1], heads * self.head_dim
+
+    def lora_shard(
+        self, shard: object, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if shard == "q":
+            size = self.num_heads * self.head_dim
+            return a, b.narrow(0, self.tp.rank * size, size)
+        return a, b.narrow(0, self.first_kv_head * self.head_dim, self.num_kv_heads * self.head_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._project(x)
@@ -213,6 +257,15 @@ class RowParallelLinear(ParallelLinear):
             return
         size = param.shape[1]
         assign(param, loaded.narrow(1, self.tp.rank * size, size))
+
+    def lora_whole(self, shard: object) -> tuple[int, int]:
+        return self.weight.shape[1] * self.tp.size, self.weight.shape[0]
+
+    def lora_shard(
+        self, shard: object, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        size = self.weight.shape[1]
+        return a.narrow(1, self.tp.rank * size, size), b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self._project(x))

@@ -157,15 +157,16 @@ def _fit(
             raise AdapterError(
                 f"adapter {name!r}: {where} is not a projection this model adapts (an MoE layer?)"
             )
-        size = next(size for part, _, size in projection.lora_parts() if part == shard)
+        whole_in, whole_out = projection.lora_whole(shard)
         a, b = pair["A"], pair["B"]
-        expected_a, expected_b = (rank, projection.weight.shape[1]), (size, rank)
+        expected_a, expected_b = (rank, whole_in), (whole_out, rank)
         if tuple(a.shape) != expected_a or tuple(b.shape) != expected_b:
             raise AdapterError(
                 f"adapter {name!r} does not fit this model: {where} has A {tuple(a.shape)} and B "
                 f"{tuple(b.shape)}, the model needs {expected_a} and {expected_b} at rank {rank} (an adapter "
                 "for another base model?)"
             )
+        a, b = projection.lora_shard(shard, a, b)  # this tensor-parallel rank's share
         parts = weights.setdefault((layer, projection_name), {})
         parts[shard] = (a.to(device, dtype), (b.float() * scale).to(device, dtype))
     return weights

@@ -35,6 +35,7 @@ class AdapterSlots:
         self.held: OrderedDict[LoRAAdapter, int] = OrderedDict()  # least recently used first
         self.free = list(range(context.num_slots - 1, -1, -1))
         self.num_loads = 0
+        self.filled: list[tuple[int, LoRAAdapter]] = []  # (slot, adapter) filled by the last assign
 
     def assign(self, adapters: Iterable[LoRAAdapter]) -> dict[LoRAAdapter, int]:
         """A slot for each of a step's adapters, filling the ones that do not hold theirs."""
@@ -43,6 +44,7 @@ class AdapterSlots:
             raise RuntimeError(
                 f"a step runs {len(wanted)} adapters but the model has {self.context.num_slots} slots"
             )
+        self.filled = []
         for adapter in wanted:
             if adapter in self.held:
                 self.held.move_to_end(adapter)
@@ -59,10 +61,16 @@ class AdapterSlots:
         return self.held.pop(evicted)
 
     def _fill(self, adapter: LoRAAdapter, slot: int) -> None:
+        self.put(slot, adapter)
+        self.held[adapter] = slot
+        self.filled.append((slot, adapter))
+        self.num_loads += 1
+
+    def put(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Write `adapter`'s weights into `slot` of every adapted layer (a tensor-parallel rank other than
+        0 does just this, as rank 0's StepInputs.lora_fills say)."""
         for key, weights in self.layers.items():
             weights.fill(slot, adapter.weights.get(key, {}))
-        self.held[adapter] = slot
-        self.num_loads += 1
 
     def release(self, adapter: LoRAAdapter) -> None:
         """Forget an unloaded adapter's slot (its weights there are never read again)."""

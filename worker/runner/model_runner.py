@@ -88,6 +88,9 @@ class ModelRunner(ModelRunnerBase):
                 self.tp_group.send(inputs)
             input_ids, positions, meta, logits_index = self.inputs.tensors(inputs)
             self._take_pending(input_ids, inputs)
+            if self.tp.rank > 0:  # rank 0 filled these slots as it laid the step out
+                for slot, name, path in inputs.lora_fills:
+                    self.adapter_slots.put(slot, self.read_adapter(name, path))
             if self.lora is not None:
                 self.lora.batch = lora_batch(
                     inputs.lora_slots, self.lora.num_slots, self.inputs.long, self.dtype
@@ -135,9 +138,13 @@ class ModelRunner(ModelRunnerBase):
         if self.adapter_slots is None:
             raise RuntimeError("a step runs a LoRA adapter on a model built without LoRA slots")
         slots = self.adapter_slots.assign(adapters)
-        return self.inputs.step_inputs(
+        inputs = self.inputs.step_inputs(
             sched, all_logits, picked, lambda seq: BASE_ROW if seq.adapter is None else slots[seq.adapter]
         )
+        inputs.lora_fills = [
+            (slot, adapter.name, adapter.path) for slot, adapter in self.adapter_slots.filled
+        ]
+        return inputs
 
     def read_adapter(self, name: str, path: str) -> LoRAAdapter:
         """A LoRA adapter read and checked against this model (worker/models/lora_adapter.py)."""
