@@ -192,6 +192,29 @@ def test_draft_model_catches_up_exactly(qwen3_dir):
     assert spec_llm.engine.runner.num_blocks == 40
 
 
+def test_draft_runs_whole_on_rank_0_under_tensor_parallelism(qwen3_dir):
+    """TP=2 with the model as its own draft: the draft is not sharded (rank 0 holds it and its KV whole),
+    so its proposals are the sharded target's picks nearly always, and the tokens, logprobs included, are
+    those of one process without speculation (fp32). Greedy, so that every proposal the target agrees
+    with is accepted."""
+    prompts = _requests()[0]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=30 + 5 * i, ignore_eos=True, logprobs=2) for i in range(5)
+    ]
+    kwargs = {**F32, "kv_cache_memory": "8MiB", "device": "cpu"}
+    plain, _, _ = _run(LLM(str(qwen3_dir), **kwargs), prompts, params)
+    spec_llm = LLM(
+        str(qwen3_dir), tensor_parallel_size=2, speculative_method="draft", speculative_model=str(qwen3_dir),
+        num_speculative_tokens=3, **kwargs,
+    )  # fmt: skip
+    try:
+        spec, proposed, accepted = _run(spec_llm, prompts, params)
+    finally:
+        spec_llm.shutdown()
+    _assert_same(spec, plain)
+    assert accepted >= 0.9 * proposed > 0, (proposed, accepted)
+
+
 def test_draft_cache_holds_each_sequences_own_tokens(qwen3_dir, draft_dir):
     """After steps with rejected proposals (sampled requests), the draft's cache holds, at the slot of each
     position it counts as seen, the key of the token the sequence has there: equal to transformers' key
@@ -303,10 +326,6 @@ def test_unseeded_sampling_keeps_its_distribution(qwen3_dir):
         (
             {"speculative_method": "ngram", "speculative_model": "/m"},
             "speculative_model is used only with speculative_method=draft, got speculative_method='ngram'",
-        ),
-        (
-            {"speculative_method": "draft", "speculative_model": "/m", "tensor_parallel_size": 2},
-            "speculative_method=draft runs with tensor_parallel_size=1 only, got 2",
         ),
         (
             {"speculative_method": "draft", "speculative_model": "/nonexistent"},

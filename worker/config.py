@@ -500,7 +500,7 @@ class EngineConfig:
             parse_memory_size(self.kv_host_memory, 1, "kv_host_memory")
 
     def _check_draft(self) -> None:
-        """speculative_model goes with speculative_method=draft, on one rank, with the model's vocabulary."""
+        """speculative_model goes with speculative_method=draft, with the model's vocabulary."""
         if self.speculative_method != "draft":
             if self.speculative_model is not None:
                 raise ConfigError(
@@ -510,10 +510,6 @@ class EngineConfig:
             return
         if self.speculative_model is None:
             raise ConfigError("speculative_method=draft needs speculative_model (a draft model directory)")
-        if self.tensor_parallel_size > 1:
-            raise ConfigError(
-                f"speculative_method=draft runs with tensor_parallel_size=1 only, got {self.tensor_parallel_size}"
-            )
         if self.draft_hf_config is None:
             self.draft_hf_config = ModelConfig.from_pretrained_dir(self.speculative_model)
         check_same_vocabulary(self.model, self.hf_config, self.speculative_model, self.draft_hf_config)

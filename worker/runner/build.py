@@ -110,8 +110,11 @@ class ModelRunnerBase:
         baseline = self._cuda_allocated()
         self.model = self._load_model(cfg, config.model, config.weight_format)
         self.draft: DraftModel | None = None
-        if config.draft_hf_config is not None and config.speculative_model is not None:
-            draft = self._load_model(config.draft_hf_config, config.speculative_model, "none")
+        if config.draft_hf_config is not None and config.speculative_model is not None and self.tp.rank == 0:
+            # Whole, on rank 0 alone: it proposes between the target's steps, which the other ranks
+            # run with rank 0; a small model gains nothing from a split that costs a collective per layer.
+            whole = TPContext(0, 1, config.deterministic)
+            draft = self._load_model(config.draft_hf_config, config.speculative_model, "none", whole)
             self.draft = DraftModel(draft, config.draft_hf_config, self.block_size)
         self.lora: LoRAContext | None = None
         self.adapter_slots: AdapterSlots | None = None
@@ -132,13 +135,16 @@ class ModelRunnerBase:
         if self._wants_cuda_graphs():
             self.use_decode_graphs(CudaGraphCapture())
 
-    def _load_model(self, cfg: ModelConfig, path: str, weight_format: str) -> DecoderForCausalLM:
-        """The model of `path` with its linear layers in `weight_format` (EngineConfig.weight_format). The
-        served model of a GGUF file (config.gguf_file) is read from the file in every format: its tensors as
-        they ship for the gguf format, dequantized (and requantized for int8/int4) otherwise."""
+    def _load_model(
+        self, cfg: ModelConfig, path: str, weight_format: str, tp: TPContext | None = None
+    ) -> DecoderForCausalLM:
+        """The model of `path` with its linear layers in `weight_format` (EngineConfig.weight_format), this
+        rank's shard of it (or as `tp` cuts it). The served model of a GGUF file (config.gguf_file) is read
+        from the file in every format: its tensors as they ship for the gguf format, dequantized (and
+        requantized for int8/int4) otherwise."""
         plan = self._quant_plan(weight_format)
         with _default_dtype(self.dtype), self.device:
-            model = DecoderForCausalLM(cfg, self.tp, plan)
+            model = DecoderForCausalLM(cfg, tp or self.tp, plan)
         gguf_file = self.config.gguf_file
         if gguf_file is not None and path == self.config.model:
             load_tensors(model, gguf_tensors(Path(gguf_file), cfg, packed=weight_format == "gguf"), gguf_file)
@@ -231,7 +237,9 @@ class ModelRunnerBase:
         if self.config.weight_format != "none":  # the projections at a byte a weight at most
             embeddings = model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)
             needed = embeddings * element + (model.num_parameters - embeddings)
-        needed = (needed + (draft.num_parameters * element if draft is not None else 0)) // self.tp.size
+        needed //= self.tp.size
+        if draft is not None and self.tp.rank == 0:  # whole, on rank 0 (see _build)
+            needed += draft.num_parameters * element
         available = psutil.virtual_memory().available
         if needed > available:
             raise ConfigError(
