@@ -142,6 +142,35 @@ def test_evicted_prefixes_come_back_from_each_tier_with_the_same_tokens(
     llm.shutdown()
 
 
+def test_a_draft_model_catches_up_over_blocks_that_came_from_a_tier(qwen3_dir, reference):
+    """The draft's KV is not offloaded: a block copied up from a tier holds the target's KV only, and the
+    draft computes its own over a new request's prompt as it always does. With the model as its own draft
+    (greedy, so it proposes the target's picks): the reference's tokens, hits from the host tier, and
+    nearly every proposal accepted, which a draft reading another block's KV would not get."""
+    # Room for DEVICE_BLOCKS blocks of both models' KV.
+    llm = _llm(
+        qwen3_dir, 2 * DEVICE_BLOCKS, kv_host_memory="4MiB", speculative_method="draft",
+        speculative_model=str(qwen3_dir), num_speculative_tokens=3, speculative_max_batch=8,
+    )  # fmt: skip
+    proposed = accepted = 0
+    step = llm.engine.step
+
+    def counting_step():
+        nonlocal proposed, accepted
+        result = step()
+        proposed += result.stats.num_spec_proposed
+        accepted += result.stats.num_spec_accepted
+        return result
+
+    llm.engine.step = counting_step
+    outputs, _ = _turns(llm)
+    assert outputs == reference
+    assert llm.engine.runner.kv_offload.stats["host"].hits > 0
+    assert accepted >= 0.9 * proposed > 0, (proposed, accepted)
+    _assert_accounted(llm)
+    llm.shutdown()
+
+
 def test_the_disk_tier_survives_a_restart_with_the_same_model_only(qwen3_dir, reference, tmp_path):
     first = _llm(qwen3_dir, kv_disk_path=str(tmp_path))
     _turns(first, range(1))
