@@ -89,14 +89,17 @@ def run_worker(options: dict[str, Any]) -> int:
     from nanovllm.worker.service.server import serve_worker
 
     build(LogConfig, options).apply()
-    draft = options["speculative_model"]
     model, gguf_file = resolve_model(options["model"])
+    draft, draft_gguf_file = (
+        resolve_model(options["speculative_model"]) if options["speculative_model"] else (None, None)
+    )
     engine = build(
         EngineConfig,
         options,
         model=model,
         gguf_file=gguf_file,
-        speculative_model=draft and resolve_model(draft, weights=True)[0],  # a draft reads its directory
+        speculative_model=draft,
+        draft_gguf_file=draft_gguf_file,
     )
     server = build(WorkerServerConfig, options, tracing=build(TracingConfig, options))
     return _run_server("worker", serve_worker, engine, server)

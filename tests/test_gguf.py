@@ -253,6 +253,36 @@ def test_greedy_chat_equals_transformers(llm: LLM, ours_tokenizer, hf_gguf_token
         assert out["token_ids"] == reference[0, len(ids) :].tolist(), prompt
 
 
+def test_a_gguf_draft_reads_its_weights_from_the_file(gguf_path: Path) -> None:
+    """The embedded model as its own draft, both from the GGUF file: the draft's weights are read from the
+    file as the model's are (its converted directory holds configuration and tokenizer only), its greedy
+    proposals are the model's own picks, so the tokens are those without speculation and nearly every
+    proposal is accepted."""
+    prompts = [[1, 504, 3937, 282, 4649, 314, 216], [1, 9690, 42, 1217, 4649, 30, 216, 198]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    engine = {"kv_cache_memory": "64MiB", "max_model_len": 256, "dtype": "float32"}
+    plain = LLM(str(gguf_path), **engine).generate(prompts, greedy, use_tqdm=False)
+    spec = LLM(
+        str(gguf_path), speculative_method="draft", speculative_model=str(gguf_path), num_speculative_tokens=3,
+        **engine,
+    )  # fmt: skip
+    assert spec.config.draft_gguf_file == str(gguf_path)
+    proposed = accepted = 0
+    step = spec.engine.step
+
+    def counting_step():
+        nonlocal proposed, accepted
+        result = step()
+        proposed += result.stats.num_spec_proposed
+        accepted += result.stats.num_spec_accepted
+        return result
+
+    spec.engine.step = counting_step
+    outputs = spec.generate(prompts, greedy, use_tqdm=False)
+    assert [o["token_ids"] for o in outputs] == [o["token_ids"] for o in plain]
+    assert accepted >= 0.9 * proposed > 0, (proposed, accepted)
+
+
 def test_capital_of_france(llm: LLM) -> None:
     prompt = llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],

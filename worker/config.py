@@ -388,6 +388,7 @@ class EngineConfig:
         16, help="the largest LoRA rank (r) an adapter may have; slots are sized for it"
     )
     gguf_file: str | None = field(default=None, repr=False)  # the .gguf `model` was converted from, if any
+    draft_gguf_file: str | None = field(default=None, repr=False)  # the .gguf of speculative_model, if any
     hf_config: ModelConfig | None = field(default=None, repr=False)
     draft_hf_config: ModelConfig | None = field(default=None, repr=False)  # speculative_model's shape
 

@@ -34,6 +34,7 @@ class LLM:
         known = {f.name for f in fields(EngineConfig)} - {
             "model",
             "gguf_file",
+            "draft_gguf_file",
             "hf_config",
             "draft_hf_config",
         }
@@ -41,8 +42,10 @@ class LLM:
         if unknown:
             raise ConfigError(f"unknown LLM arguments {unknown}; accepted: {sorted(known)}")
         model_dir, gguf_file = resolve_model(model)
-        if kwargs.get("speculative_model"):  # a draft model loads its directory's weights
-            kwargs["speculative_model"] = resolve_model(kwargs["speculative_model"], weights=True)[0]
+        if kwargs.get("speculative_model"):
+            kwargs["speculative_model"], kwargs["draft_gguf_file"] = resolve_model(
+                kwargs["speculative_model"]
+            )
         self.config = EngineConfig(model=model_dir, gguf_file=gguf_file, **kwargs)
         self.engine = LLMEngine(self.config)
         # Tensor-parallel ranks stop when this LLM is collected or the interpreter exits, if not before.

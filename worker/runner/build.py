@@ -108,13 +108,15 @@ class ModelRunnerBase:
         cfg = config.hf_config
         self._check_weights_fit()
         baseline = self._cuda_allocated()
-        self.model = self._load_model(cfg, config.model, config.weight_format)
+        self.model = self._load_model(cfg, config.model, config.weight_format, gguf_file=config.gguf_file)
         self.draft: DraftModel | None = None
         if config.draft_hf_config is not None and config.speculative_model is not None and self.tp.rank == 0:
             # Whole, on rank 0 alone: it proposes between the target's steps, which the other ranks
             # run with rank 0; a small model gains nothing from a split that costs a collective per layer.
             whole = TPContext(0, 1, config.deterministic)
-            draft = self._load_model(config.draft_hf_config, config.speculative_model, "none", whole)
+            draft = self._load_model(
+                config.draft_hf_config, config.speculative_model, "none", whole, config.draft_gguf_file
+            )
             self.draft = DraftModel(draft, config.draft_hf_config, self.block_size)
         self.lora: LoRAContext | None = None
         self.adapter_slots: AdapterSlots | None = None
@@ -136,17 +138,21 @@ class ModelRunnerBase:
             self.use_decode_graphs(CudaGraphCapture())
 
     def _load_model(
-        self, cfg: ModelConfig, path: str, weight_format: str, tp: TPContext | None = None
+        self,
+        cfg: ModelConfig,
+        path: str,
+        weight_format: str,
+        tp: TPContext | None = None,
+        gguf_file: str | None = None,
     ) -> DecoderForCausalLM:
         """The model of `path` with its linear layers in `weight_format` (EngineConfig.weight_format), this
-        rank's shard of it (or as `tp` cuts it). The served model of a GGUF file (config.gguf_file) is read
-        from the file in every format: its tensors as they ship for the gguf format, dequantized (and
-        requantized for int8/int4) otherwise."""
+        rank's shard of it (or as `tp` cuts it). A model converted from `gguf_file` is read from the file in
+        every format: its tensors as they ship for the gguf format, dequantized (and requantized for
+        int8/int4) otherwise."""
         plan = self._quant_plan(weight_format)
         with _default_dtype(self.dtype), self.device:
             model = DecoderForCausalLM(cfg, tp or self.tp, plan)
-        gguf_file = self.config.gguf_file
-        if gguf_file is not None and path == self.config.model:
+        if gguf_file is not None:
             load_tensors(model, gguf_tensors(Path(gguf_file), cfg, packed=weight_format == "gguf"), gguf_file)
         else:
             load_safetensors(model, path)

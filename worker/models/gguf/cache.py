@@ -145,15 +145,14 @@ def _prune(root: Path, gguf_path: Path, keep: str) -> None:
         log.info("gguf_cache_pruned", removed=removed)
 
 
-def resolve_model(model: str | None, weights: bool = False) -> tuple[str, str | None]:
+def resolve_model(model: str | None) -> tuple[str, str | None]:
     """(the model directory to read configuration and tokenizer from, the GGUF file it came from or
     None): a directory as given, a .gguf file converted once (cached), or the embedded model's GGUF. A
-    served GGUF's weights are read from the file itself; `weights` writes float32 ones into the directory
-    too, for a reader of directories alone (a draft model)."""
+    GGUF model's weights, a draft's too, are read from the file itself."""
     if model is not None and not model.endswith(".gguf"):
         return model, None
     gguf_path = Path(model) if model else embedded_model_path()
-    return str(prepare_gguf(gguf_path, weights=weights)), str(gguf_path)
+    return str(prepare_gguf(gguf_path, weights=False)), str(gguf_path)
 
 
 def _remove_stale_staging(root: Path, name: str) -> None:
