@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -123,3 +125,22 @@ def top5_rule(name: str, ours: list[dict], theirs: list[dict]) -> float:
                 )
                 break
     return worst
+
+
+@contextmanager
+def counting_proposals(llm: LLM) -> Iterator[list[int]]:
+    """[proposed, accepted]: the speculative tokens of the steps `llm` runs inside the block."""
+    counts = [0, 0]
+    step = llm.engine.step
+
+    def counting_step():
+        result = step()
+        counts[0] += result.stats.num_spec_proposed
+        counts[1] += result.stats.num_spec_accepted
+        return result
+
+    llm.engine.step = counting_step
+    try:
+        yield counts
+    finally:
+        del llm.engine.step

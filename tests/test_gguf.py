@@ -33,7 +33,7 @@ from nanovllm.worker.models.gguf.cache import (
 )
 from nanovllm.worker.models.gguf.convert import WEIGHTS_INDEX, has_weights, write_weights
 from nanovllm.worker.models.gguf.tokenizer import transformers_tokenizer
-from tests.helpers import QUESTIONS
+from tests.helpers import QUESTIONS, counting_proposals
 
 MAX_NEW = 24
 # No digits here: on digits the two tokenizers differ on purpose (see test_tokenizer_digits).
@@ -267,18 +267,9 @@ def test_a_gguf_draft_reads_its_weights_from_the_file(gguf_path: Path) -> None:
         **engine,
     )  # fmt: skip
     assert spec.config.draft_gguf_file == str(gguf_path)
-    proposed = accepted = 0
-    step = spec.engine.step
-
-    def counting_step():
-        nonlocal proposed, accepted
-        result = step()
-        proposed += result.stats.num_spec_proposed
-        accepted += result.stats.num_spec_accepted
-        return result
-
-    spec.engine.step = counting_step
-    outputs = spec.generate(prompts, greedy, use_tqdm=False)
+    with counting_proposals(spec) as counts:
+        outputs = spec.generate(prompts, greedy, use_tqdm=False)
+    proposed, accepted = counts
     assert [o["token_ids"] for o in outputs] == [o["token_ids"] for o in plain]
     assert accepted >= 0.9 * proposed > 0, (proposed, accepted)
 

@@ -19,6 +19,7 @@ from nanovllm.common.block_hash import prefix_hashes
 from nanovllm.common.errors import ConfigError
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from nanovllm.worker.config import ModelConfig
+from tests.helpers import counting_proposals
 from tests.metrics import scrape, value
 from tests.model_factory import build_model
 from tests.services import CALL_TIMEOUT_S, open_channel, router_and_worker, wait_idle
@@ -152,18 +153,9 @@ def test_a_draft_model_catches_up_over_blocks_that_came_from_a_tier(qwen3_dir, r
         qwen3_dir, 2 * DEVICE_BLOCKS, kv_host_memory="4MiB", speculative_method="draft",
         speculative_model=str(qwen3_dir), num_speculative_tokens=3, speculative_max_batch=8,
     )  # fmt: skip
-    proposed = accepted = 0
-    step = llm.engine.step
-
-    def counting_step():
-        nonlocal proposed, accepted
-        result = step()
-        proposed += result.stats.num_spec_proposed
-        accepted += result.stats.num_spec_accepted
-        return result
-
-    llm.engine.step = counting_step
-    outputs, _ = _turns(llm)
+    with counting_proposals(llm) as counts:
+        outputs, _ = _turns(llm)
+    proposed, accepted = counts
     assert outputs == reference
     assert llm.engine.runner.kv_offload.stats["host"].hits > 0
     assert accepted >= 0.9 * proposed > 0, (proposed, accepted)

@@ -18,6 +18,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.common.errors import ConfigError
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from nanovllm.worker.sample.speculation import propose_ngram
+from tests.helpers import counting_proposals
 from tests.model_factory import build_model
 from tests.services import start_router, start_worker, wait_serving
 
@@ -83,23 +84,10 @@ def _requests() -> tuple[list[list[int]], list[SamplingParams]]:
 
 def _run(llm: LLM, prompts, params) -> tuple[list[dict], int, int]:
     """Outputs of LLM.generate, and the proposed and accepted tokens of the steps it ran."""
-    proposed = accepted = 0
-    step = llm.engine.step
-
-    def counting_step():
-        result = step()
-        nonlocal proposed, accepted
-        proposed += result.stats.num_spec_proposed
-        accepted += result.stats.num_spec_accepted
-        return result
-
-    llm.engine.step = counting_step
-    try:
+    with counting_proposals(llm) as counts:
         outs = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        del llm.engine.step
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
-    return outs, proposed, accepted
+    return outs, *counts
 
 
 def _assert_same(spec_outs: list[dict], plain_outs: list[dict]) -> None:
