@@ -39,6 +39,9 @@ class CpuKernelAttention(AttentionBackend):
         self.kernels = kernels
         self.batch_invariant = batch_invariant
 
+    def store(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        self.kernels.store_kv_(key, value, k_cache, v_cache, slot_mapping)
+
     def decode(
         self,
         query: torch.Tensor,

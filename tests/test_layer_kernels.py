@@ -93,6 +93,30 @@ def test_rms_norm_takes_any_layout(kernels):
         kernels.rms_norm(torch.randn(2, 4, 64), torch.ones(3, 64), 1e-6)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 70])
+def test_store_kv_writes_what_index_copy_writes(kernels, dtype, tokens):
+    """K and V as the attention layer has them (column slices of the QKV output) into their slots."""
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, 6 * 64, generator=gen).to(dtype)
+    key, value = qkv[:, 2 * 64 : 4 * 64].view(tokens, 2, 64), qkv[:, 4 * 64 :].view(tokens, 2, 64)
+    slots = torch.randperm(8 * 16, generator=gen)[:tokens]
+    k_cache, v_cache = (torch.randn(8, 16, 2, 64, generator=gen).to(dtype) for _ in range(2))
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    expected_k.view(-1, 2, 64).index_copy_(0, slots, key)
+    expected_v.view(-1, 2, 64).index_copy_(0, slots, value)
+    kernels.store_kv_(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_store_kv_refuses_slots_outside_the_cache(kernels):
+    cache, key = torch.zeros(2, 16, 2, 64), torch.zeros(3, 2, 64)
+    with pytest.raises(RuntimeError, match="store_kv_: slot 32 of token 2 is outside the cache's 32 slots"):
+        kernels.store_kv_(key, key, cache, cache.clone(), torch.tensor([0, 5, 32]))
+    with pytest.raises(RuntimeError, match="one slot per token, got 2 slots for 3 keys"):
+        kernels.store_kv_(key, key, cache, cache.clone(), torch.tensor([0, 5]))
+
+
 def test_rejects_mixed_dtypes(kernels):
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     with pytest.raises(

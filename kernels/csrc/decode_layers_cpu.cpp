@@ -17,6 +17,8 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
+void store_kv_(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+               torch::Tensor slot_mapping);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 // linear_cpu.cpp
 torch::Tensor linear_few_rows(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
@@ -81,8 +83,7 @@ class DecodeLayers {
       if (layer.qk_norm.has_value()) qk = rms_norm(qk, *layer.qk_norm, eps_);
       const auto rotated = rotary(qk, cos, sin).split({heads_, kv_heads_}, 1);
       const torch::Tensor v = qkv.slice(1, qk_size).view({tokens, kv_heads_, dim_});
-      layer.k_cache.view({-1, kv_heads_, dim_}).index_copy_(0, slot_mapping, rotated[1]);
-      layer.v_cache.view({-1, kv_heads_, dim_}).index_copy_(0, slot_mapping, v);
+      store_kv_(rotated[1], v, layer.k_cache, layer.v_cache, slot_mapping);
       const torch::Tensor attended =
           paged_decode_attention(rotated[0], layer.k_cache, layer.v_cache, block_tables, context_lens, scale_);
       x = layer.o(attended.flatten(1));

@@ -463,6 +463,45 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
   });
 }
 
+// New tokens' K and V into their cache slots: row t of key and value [T, kv_heads, D] (each row contiguous,
+// rows any stride apart: k and v are column slices of the QKV output) to slot slot_mapping[t] of the
+// caches [num_blocks, block_size, kv_heads, D]. What index_copy_ does, as one memcpy a row: PyTorch's
+// index_copy_ took 8 ms for a 2,000-token bf16 prompt's K on this project's CPU (1.6 ms in fp32).
+void store_kv_(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+               torch::Tensor slot_mapping) {
+  check_one_dtype("store_kv_", {{"key", &key}, {"value", &value}, {"k_cache", &k_cache}, {"v_cache", &v_cache}});
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.dim() == 4,
+              "store_kv_: k_cache and v_cache must be contiguous [num_blocks, block_size, kv_heads, D] of one shape");
+  const int64_t row = k_cache.size(2) * k_cache.size(3), num_slots = k_cache.size(0) * k_cache.size(1);
+  for (const torch::Tensor* t : {&key, &value})
+    TORCH_CHECK(t->dim() == 3 && t->size(1) * t->size(2) == row && t->stride(2) == 1 && t->stride(1) == t->size(2),
+                "store_kv_: key and value must be [T, kv_heads, D] with contiguous rows matching the cache's ",
+                k_cache.sizes(), ", got ", t->sizes(), " strides ", t->strides());
+  slot_mapping = slot_mapping.contiguous();
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.numel() == key.size(0) &&
+                  value.size(0) == key.size(0),
+              "store_kv_: slot_mapping must be int64 with one slot per token, got ", slot_mapping.numel(),
+              " slots for ", key.size(0), " keys and ", value.size(0), " values");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t tokens = key.size(0);
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "store_kv_: slot ", slots[t], " of token ", t,
+                " is outside the cache's ", num_slots, " slots");
+  const int64_t bytes = row * key.element_size();
+  const auto* k_src = static_cast<const char*>(key.data_ptr());
+  const auto* v_src = static_cast<const char*>(value.data_ptr());
+  auto* k_dst = static_cast<char*>(k_cache.data_ptr());
+  auto* v_dst = static_cast<char*>(v_cache.data_ptr());
+  const int64_t k_stride = key.stride(0) * key.element_size(), v_stride = value.stride(0) * value.element_size();
+  at::parallel_for(0, tokens, std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(bytes, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(k_dst + slots[t] * bytes, k_src + t * k_stride, bytes);
+      std::memcpy(v_dst + slots[t] * bytes, v_src + t * v_stride, bytes);
+    }
+  });
+}
+
 // silu(x[:, :n]) * x[:, n:] for x [T, 2n]: the SwiGLU gate in one pass instead of two ops.
 torch::Tensor silu_and_mul(torch::Tensor x) {
   TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: contiguous [T, 2n] only");
@@ -563,6 +602,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "logits[rows[j], t] = -inf where bit t of bitmask[j] is clear (CPU; float32; in place)");
   m.def("sample_rows", &sample_rows, "one token per row of float32 logits, drawn by inversion with spec's "
         "[temperature, top_k, top_p, min_p, uniform] rows (CPU)");
+  m.def("store_kv_", &store_kv_, "new tokens' K and V into their cache slots, as index_copy_ (CPU; float32, "
+        "bfloat16, float16)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :n]) * x[:, n:] (CPU; float32, bfloat16, float16)");
   m.def("rotary", &rotary, "rotate-half RoPE with precomputed cos / signed sin rows (CPU; float32, bfloat16, float16)");
   m.def("paged_decode_attention", &paged_decode_attention,
