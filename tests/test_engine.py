@@ -263,6 +263,15 @@ def test_unknown_llm_argument(qwen3_dir):
         LLM(str(qwen3_dir), max_len=10)
 
 
+def _preempting_llm(model_dir) -> LLM:
+    """30 blocks of 4 tokens (2 KiB each in float32, so that preempted and roomy runs agree exactly) and
+    32 tokens a step: 8 requests of 40 new tokens preempt one another."""
+    return LLM(
+        str(model_dir), max_model_len=96, kvcache_block_size=4, kv_cache_memory=30 * 2048,
+        max_num_batched_tokens=32, dtype="float32",
+    )  # fmt: skip
+
+
 def test_preemption_then_prefix_hit_regression(qwen3_dir):
     """nano-vllm bug: a preempted sequence re-admitted on a prefix hit indexed past its block table."""
     rng = random.Random(5)
@@ -272,14 +281,7 @@ def test_preemption_then_prefix_hit_regression(qwen3_dir):
         str(qwen3_dir), max_model_len=96, kv_cache_memory="8MiB", kvcache_block_size=4, dtype="float32"
     )
     expected = [o["token_ids"] for o in roomy.generate(prompts, greedy(40), use_tqdm=False)]
-    tight = LLM(
-        str(qwen3_dir),
-        max_model_len=96,
-        kvcache_block_size=4,
-        kv_cache_memory=30 * 2048,
-        max_num_batched_tokens=32,
-        dtype="float32",  # 2 KiB blocks; and preempted and roomy runs must agree exactly
-    )
+    tight = _preempting_llm(qwen3_dir)
     got = [o["token_ids"] for o in tight.generate(prompts, greedy(40), use_tqdm=False)]
     assert tight.engine.scheduler.num_preemptions > 0
     assert tight.engine.block_manager.prefix_hit_tokens > 0
@@ -292,14 +294,7 @@ def test_prefix_hit_rate_counts_each_prompt_once_through_preemptions(qwen3_dir):
     share no block keep the rate at 0 however often they are preempted."""
     rng = random.Random(6)
     prompts = [[rng.randrange(2, 500) for _ in range(rng.randrange(8, 30))] for _ in range(8)]
-    tight = LLM(
-        str(qwen3_dir),
-        max_model_len=96,
-        kvcache_block_size=4,
-        kv_cache_memory=30 * 2048,
-        max_num_batched_tokens=32,
-        dtype="float32",
-    )
+    tight = _preempting_llm(qwen3_dir)
     tight.generate(prompts, greedy(40), use_tqdm=False)
     bm = tight.engine.block_manager
     assert tight.engine.scheduler.num_preemptions > 0
