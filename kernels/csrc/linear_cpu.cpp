@@ -65,11 +65,15 @@ void tile_rows_bf16(const c10::BFloat16* x, const c10::BFloat16* w_first, const 
 using TileBf16 = void (*)(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*, c10::BFloat16*, int64_t,
                           int64_t, int64_t, int64_t);
 
-// The tile for 1 to kTileRows rows of x. 32 vector registers: up to 4 rows, four weight rows at a time (16
-// accumulators), two above.
+// The tile for 1 to kTileRows rows of x: up to 4 rows one weight row at a time, two above. One row at a
+// time each thread reads its weights as one sequential stream, and one vdpbf16ps chain per row of x keeps
+// up with the memory (64 weight bytes an instruction); four rows a pass (four streams 4 KB apart) read the
+// LM head's shape from memory at 53 GB/s at one row where one row a pass read 71 (a sum over 1 GiB: 75-78).
+// From 5 rows of x, two weight rows a pass halve the loads of x per weight byte, which bind there: at 8
+// rows 45 GB/s against 39 (2026-11-27, AMD EPYC with avx512_bf16, 2 threads; docs/performance.md).
 TileBf16 tile_bf16(int64_t rows) {
   static const TileBf16 table[kTileRows] = {
-      tile_rows_bf16<1, 4>, tile_rows_bf16<2, 4>, tile_rows_bf16<3, 4>, tile_rows_bf16<4, 4>,
+      tile_rows_bf16<1, 1>, tile_rows_bf16<2, 1>, tile_rows_bf16<3, 1>, tile_rows_bf16<4, 1>,
       tile_rows_bf16<5, 2>, tile_rows_bf16<6, 2>, tile_rows_bf16<7, 2>, tile_rows_bf16<8, 2>};
   return table[rows - 1];
 }
