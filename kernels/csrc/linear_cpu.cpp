@@ -79,6 +79,24 @@ TileBf16 tile_bf16(int64_t rows) {
 }
 #endif
 
+// linear_tile.h's tile for weights of type T read from memory. fp32 weights up to 4 rows of x go one weight
+// row a pass, one sequential stream a thread: the LM head's shape in fp32 read at 73 GB/s at one row
+// against 59-63 four rows a pass (a sum over 1 GiB: 78-79), 65 against 59-63 at 4 rows; one chain of 8-lane
+// FMAs a row of x keeps up with the memory at 4 bytes a weight. 16-bit weights keep the default: widened
+// first, one chain read them at 43 GB/s against 65 (2026-11-27, AMD EPYC, 2 threads; docs/performance.md).
+template <typename T>
+TileFn<T, T> tile_from_memory(int64_t rows) {
+  if constexpr (std::is_same_v<T, float>) {
+    static const TileFn<float, float> table[kTileRows] = {
+        tile_rows<1, float, float, 1>, tile_rows<2, float, float, 1>, tile_rows<3, float, float, 1>,
+        tile_rows<4, float, float, 1>, tile_rows<5, float, float>,    tile_rows<6, float, float>,
+        tile_rows<7, float, float>,    tile_rows<8, float, float>};
+    return table[rows - 1];
+  } else {
+    return tile_fn<T, T>(rows);
+  }
+}
+
 // y[:, n_begin:n_end] for every tile of x's rows: bf16 through the native tile where there is one, else x
 // widened to fp32 once (`xf`, filled by the caller) through linear_tile.h's.
 template <typename T>
@@ -92,7 +110,7 @@ void linear_range(const T* x, const std::vector<float>& xf, const T* w, const T*
       continue;
     }
 #endif
-    tile_fn<T, T>(tile)(xf.data() + m * K, w + n_begin * K, bias, y + m * N, n_begin, n_end, N, K);
+    tile_from_memory<T>(tile)(xf.data() + m * K, w + n_begin * K, bias, y + m * N, n_begin, n_end, N, K);
   }
 }
 

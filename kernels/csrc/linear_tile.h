@@ -88,11 +88,11 @@ inline void dot_tile(const float* x, int64_t K, const T* const* w, int64_t k_vec
 }
 
 // Output columns [n_begin, n_end) for the M rows of x (fp32, [M, K]): weight row n is w_first + (n -
-// n_begin) * K; y is [rows, N], this tile's rows starting at y.
-template <int M, typename T, typename Y>
+// n_begin) * K; y is [rows, N], this tile's rows starting at y. R weight rows a pass: by default as many as
+// keep enough FMA chains in flight with the registers M rows of x leave.
+template <int M, typename T, typename Y, int R = (M <= 2 ? 4 : M <= 6 ? 2 : 1)>
 void tile_rows(const float* x, const T* w_first, const Y* bias, Y* y, int64_t n_begin, int64_t n_end, int64_t N,
                int64_t K) {
-  constexpr int R = M <= 2 ? 4 : M <= 6 ? 2 : 1;
   const int64_t k_vec = vector_end(K);
   for (int64_t n = n_begin; n < n_end; n += R) {
     const int rows = static_cast<int>(std::min<int64_t>(R, n_end - n));
