@@ -117,6 +117,44 @@ def test_quantized_experts_compute_with_their_quantized_weights(top2_model: Path
             torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
 
 
+def _decode_runs(model: Path, **kwargs) -> list[list[tuple]]:
+    """Tokens and top logprobs of one sequence and of a batch of 20, with the decode layers' one C++ call
+    and without it."""
+    rng = random.Random(5)
+    batch = [[rng.randrange(2, 512) for _ in range(rng.randrange(1, 40))] for _ in range(20)]
+    params = greedy(8)
+    params.logprobs = 3
+    runs = []
+    for fused in (True, False):
+        llm = LLM(str(model), max_model_len=256, kv_cache_memory="16MiB", **kwargs)
+        body = llm.engine.runner.model.model
+        assert body.decode_layers is not None
+        if not fused:
+            body.decode_layers = None
+        outs = [
+            llm.generate([batch[0]], params, use_tqdm=False)[0],
+            *llm.generate(batch, params, use_tqdm=False),
+        ]
+        runs.append([(out["token_ids"], [dict(lp.top) for lp in out["logprobs"]]) for out in outs])
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    return runs
+
+
+def test_decode_layers_run_the_experts_as_the_modules_do(moe_model: Path):
+    """A decode step's layers as one C++ call (kernels/csrc/decode_layers_cpu.cpp) route and run the
+    experts as SparseMoeBlock does, dense layers beside sparse ones included: tokens and logprobs equal bit
+    for bit, float32. The batch of 20 gives an expert over 16 rows with top-8 routing (PyTorch's GEMM
+    there) and a few rows elsewhere (the grouped few-rows kernel)."""
+    fused, modules = _decode_runs(moe_model, dtype="float32")
+    assert fused == modules
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_decode_layers_run_bf16_and_packed_experts_as_the_modules_do(top2_model: Path, quantization: str):
+    fused, modules = _decode_runs(top2_model, dtype="bfloat16", quantization=quantization)
+    assert fused == modules
+
+
 def test_int8_keeps_the_top5_rule_against_the_float_weights(top2_model: Path):
     """tests/test_quantization.py's rule for int8 on the dense models, on top-2 routing. int8's noise moves
     the router's logits too (median 0.009 on these random weights), and where two experts' logits lie

@@ -1,4 +1,4 @@
-// A decode step's decoder layers (Llama, Qwen2, Qwen3) in one call from Python, on the CPU kernels.
+// A decode step's decoder layers (Llama, Qwen2, Qwen3, Qwen3-MoE) in one call from Python, on the CPU kernels.
 //
 // At one sequence on a CPU the layers' arithmetic is small enough that the Python around it counts: each
 // layer is about a dozen kernel calls and as many module calls, views and splits. On SmolLM2-135M (30
@@ -9,6 +9,8 @@
 // The model keeps its modules for everything else (prefill, chunks, tensor parallelism, other backends).
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <tuple>
 #include <vector>
 
 // paged_attention_cpu.cpp
@@ -22,6 +24,7 @@ void store_kv_(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, to
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 // linear_cpu.cpp
 torch::Tensor linear_few_rows(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+std::vector<torch::Tensor> linear_grouped(std::vector<torch::Tensor> xs, std::vector<torch::Tensor> weights);
 // linear_quantized_cpu.cpp
 torch::Tensor linear_quantized(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                                c10::optional<torch::Tensor> mins, int64_t bits, int64_t group_size,
@@ -46,10 +49,54 @@ struct Projection {
   }
 };
 
+// A sparse layer's experts, as worker/layers/moe.py's SparseMoeBlock runs them on the CPU kernels: the same
+// ops in the same order (route in float32, rows grouped by expert in ascending order, each token's k
+// outputs added one at a time in that order).
+struct SparseMoe {
+  Projection router;
+  std::vector<Projection> w13, w2;  // per expert: [2 I, H] (gate rows, then up rows) and [H, I]
+  int64_t top_k = 0;
+  bool norm_topk_prob = false;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    torch::Tensor weights, chosen;
+    std::tie(weights, chosen) = at::softmax(router(x), -1, at::kFloat).topk(top_k, -1);
+    if (norm_topk_prob) weights.div_(weights.sum(-1, /*keepdim=*/true));
+    weights = weights.to(x.scalar_type());
+    const torch::Tensor flat = chosen.flatten();
+    const torch::Tensor order = at::argsort(flat, /*stable=*/true);
+    const torch::Tensor counts = at::bincount(flat, {}, static_cast<int64_t>(w13.size()));
+    const int64_t* count = counts.data_ptr<int64_t>();
+    std::vector<int64_t> experts, sizes;
+    for (int64_t e = 0; e < counts.size(0); ++e)
+      if (count[e] > 0) experts.push_back(e), sizes.push_back(count[e]);
+    const torch::Tensor token_of_row = at::floor_divide(order, top_k);
+    const std::vector<torch::Tensor> inputs = x.index_select(0, token_of_row).split_with_sizes(sizes);
+    const int64_t most_rows = *std::max_element(sizes.begin(), sizes.end());
+    std::vector<torch::Tensor> ys;
+    if (w13[0].weight.has_value() && (router.batch_invariant || most_rows <= router.few_rows_max)) {
+      std::vector<torch::Tensor> gate_up_weights, down_weights;
+      for (int64_t e : experts) gate_up_weights.push_back(*w13[e].weight), down_weights.push_back(*w2[e].weight);
+      const torch::Tensor acts = silu_and_mul(at::cat(linear_grouped(inputs, gate_up_weights)));
+      ys = linear_grouped(acts.split_with_sizes(sizes), down_weights);
+    } else {
+      for (size_t i = 0; i < experts.size(); ++i) ys.push_back(w2[experts[i]](silu_and_mul(w13[experts[i]](inputs[i]))));
+    }
+    const torch::Tensor rows = at::cat(ys).mul_(weights.flatten().index_select(0, order).unsqueeze(1));
+    const torch::Tensor by_token =
+        rows.index_select(0, at::argsort(token_of_row, /*stable=*/true)).view({-1, top_k, rows.size(1)});
+    torch::Tensor out = by_token.select(1, 0);
+    for (int64_t slot = 1; slot < top_k; ++slot) out = out + by_token.select(1, slot);
+    return out.contiguous();
+  }
+};
+
 struct Layer {
   torch::Tensor input_norm, post_attention_norm;
   c10::optional<torch::Tensor> qk_norm;  // Qwen3's per-head norm, [heads + kv_heads, head_dim]
-  Projection qkv, o, gate_up, down;
+  Projection qkv, o;
+  c10::optional<Projection> gate_up, down;  // a dense MLP's, or
+  c10::optional<SparseMoe> moe;             // a sparse layer's experts
   torch::Tensor k_cache, v_cache;  // [num_blocks, block_size, kv_heads, head_dim]
 };
 
@@ -88,7 +135,7 @@ class DecodeLayers {
           paged_decode_attention(rotated[0], layer.k_cache, layer.v_cache, block_tables, context_lens, scale_);
       x = layer.o(attended.flatten(1));
       add_rms_norm_(x, residual, layer.post_attention_norm, eps_);
-      x = layer.down(silu_and_mul(layer.gate_up(x)));
+      x = layer.moe.has_value() ? (*layer.moe)(x) : (*layer.down)(silu_and_mul((*layer.gate_up)(x)));
     }
     return {x, residual};
   }
@@ -113,14 +160,28 @@ void register_decode_layers(pybind11::module& m) {
            }),
            py::arg("weight"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
            py::arg("group_size"), py::arg("bias"), py::arg("few_rows_max"), py::arg("batch_invariant"));
+  py::class_<SparseMoe>(m, "SparseMoe", "A sparse layer's router and experts for DecodeLayers")
+      .def(py::init([](Projection router, std::vector<Projection> w13, std::vector<Projection> w2, int64_t top_k,
+                       bool norm_topk_prob) {
+             TORCH_CHECK(!w13.empty() && w13.size() == w2.size(), "SparseMoe: ", w13.size(), " gate/up and ",
+                         w2.size(), " down projections");
+             TORCH_CHECK(router.weight.has_value(), "SparseMoe: the router's weight must be float");
+             TORCH_CHECK(top_k >= 1 && top_k <= static_cast<int64_t>(w13.size()), "SparseMoe: top_k ", top_k,
+                         " with ", w13.size(), " experts");
+             return SparseMoe{router, w13, w2, top_k, norm_topk_prob};
+           }),
+           py::arg("router"), py::arg("w13"), py::arg("w2"), py::arg("top_k"), py::arg("norm_topk_prob"));
   py::class_<Layer>(m, "DecoderLayerWeights", "One decoder layer's weights and KV cache for DecodeLayers")
       .def(py::init([](torch::Tensor input_norm, torch::Tensor post_attention_norm,
-                       c10::optional<torch::Tensor> qk_norm, Projection qkv, Projection o, Projection gate_up,
-                       Projection down, torch::Tensor k_cache, torch::Tensor v_cache) {
-             return Layer{input_norm, post_attention_norm, qk_norm, qkv, o, gate_up, down, k_cache, v_cache};
+                       c10::optional<torch::Tensor> qk_norm, Projection qkv, Projection o,
+                       c10::optional<Projection> gate_up, c10::optional<Projection> down,
+                       c10::optional<SparseMoe> moe, torch::Tensor k_cache, torch::Tensor v_cache) {
+             TORCH_CHECK(moe.has_value() != (gate_up.has_value() && down.has_value()),
+                         "DecoderLayerWeights: a dense MLP's gate_up and down, or a sparse layer's moe");
+             return Layer{input_norm, post_attention_norm, qk_norm, qkv, o, gate_up, down, moe, k_cache, v_cache};
            }),
            py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("qk_norm"), py::arg("qkv"), py::arg("o"),
-           py::arg("gate_up"), py::arg("down"), py::arg("k_cache"), py::arg("v_cache"));
+           py::arg("gate_up"), py::arg("down"), py::arg("moe"), py::arg("k_cache"), py::arg("v_cache"));
   py::class_<DecodeLayers>(m, "DecodeLayers", "A decode step's decoder layers in one call (CPU kernels)")
       .def(py::init<std::vector<Layer>, int64_t, int64_t, int64_t, double, double>(), py::arg("layers"),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"))

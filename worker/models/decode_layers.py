@@ -6,15 +6,18 @@ from __future__ import annotations
 
 from types import ModuleType
 
+import torch
 from torch import nn
 
 from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX
 from nanovllm.worker.layers.linear import ParallelLinear
+from nanovllm.worker.layers.moe import SparseMoeBlock
 from nanovllm.worker.layers.quantization import PackedWeight
 
 
-def _projection(kernels: ModuleType, layer: ParallelLinear, batch_invariant: bool) -> object:
-    weight, bias = layer.weight, layer.bias
+def _projection(
+    kernels: ModuleType, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None, batch_invariant: bool
+) -> object:
     if isinstance(weight, PackedWeight):
         return kernels.Projection(
             None,
@@ -30,6 +33,29 @@ def _projection(kernels: ModuleType, layer: ParallelLinear, batch_invariant: boo
     return kernels.Projection(weight, None, None, None, 0, 0, bias, FEW_ROWS_MAX, batch_invariant)
 
 
+def _linear(kernels: ModuleType, layer: ParallelLinear, batch_invariant: bool) -> object:
+    return _projection(kernels, layer.weight, layer.bias, batch_invariant)
+
+
+def _mlp(kernels: ModuleType, mlp: nn.Module, batch_invariant: bool) -> dict[str, object]:
+    """DecoderLayerWeights' arguments for a dense MLP (gate_up, down) or a sparse layer's experts (moe)."""
+    if isinstance(mlp, SparseMoeBlock):
+        experts = mlp.experts
+        moe = kernels.SparseMoe(
+            _projection(kernels, mlp.gate.weight, None, batch_invariant),
+            [_projection(kernels, w, None, batch_invariant) for w in experts.w13],
+            [_projection(kernels, w, None, batch_invariant) for w in experts.w2],
+            mlp.spec.top_k,
+            mlp.spec.norm_topk_prob,
+        )
+        return {"gate_up": None, "down": None, "moe": moe}
+    return {
+        "gate_up": _linear(kernels, mlp.gate_up_proj, batch_invariant),
+        "down": _linear(kernels, mlp.down_proj, batch_invariant),
+        "moe": None,
+    }
+
+
 def build_decode_layers(model: nn.Module, kernels: ModuleType, batch_invariant: bool) -> object | None:
     """kernels.DecodeLayers over the layers of `model` (a DecoderModel: decoder.py imports this module), or
     None while the KV caches are not allocated. batch_invariant: as worker/layers/linear.py's `linear`."""
@@ -43,12 +69,11 @@ def build_decode_layers(model: nn.Module, kernels: ModuleType, batch_invariant: 
                 layer.input_layernorm.weight,
                 layer.post_attention_layernorm.weight,
                 None if attn.qk_norm is None else attn.qk_norm.weight,
-                _projection(kernels, attn.qkv_proj, batch_invariant),
-                _projection(kernels, attn.o_proj, batch_invariant),
-                _projection(kernels, mlp.gate_up_proj, batch_invariant),
-                _projection(kernels, mlp.down_proj, batch_invariant),
-                attn.attn.k_cache,
-                attn.attn.v_cache,
+                _linear(kernels, attn.qkv_proj, batch_invariant),
+                _linear(kernels, attn.o_proj, batch_invariant),
+                k_cache=attn.attn.k_cache,
+                v_cache=attn.attn.v_cache,
+                **_mlp(kernels, mlp, batch_invariant),
             )
         )
     first = model.layers[0]

@@ -258,8 +258,8 @@ class DecoderForCausalLM(nn.Module):
             if isinstance(module, (ParallelLinear, ParallelLMHead, SparseMoeBlock)):
                 module.batch_invariant = batch_invariant
         # Decode steps as one C++ call: the module path's kernels in its order; not across tensor-parallel
-        # ranks, whose all-reduces sit between the kernels, nor through mixture-of-experts layers.
-        use_decode_layers = cpu_kernels is not None and self.tp.size == 1 and self.config.moe is None
+        # ranks, whose all-reduces sit between the kernels.
+        use_decode_layers = cpu_kernels is not None and self.tp.size == 1
         self.model.decode_layers = (
             build_decode_layers(self.model, cpu_kernels, batch_invariant) if use_decode_layers else None
         )
