@@ -5,8 +5,8 @@
 // GEMM at 2 to 8 rows takes about as long as at 64 (2026-11-25, AMD EPYC AVX2, SmolLM2-135M's 30 layers
 // and LM head: 70 ms at 2 rows, 39 ms at 1, against 25 and 21 ms here). Here each weight row is read once,
 // from memory into registers, and serves every row of x: a tile of up to kTileRows rows of x (widened to
-// fp32 once, then read from L1) against two weight rows at a time (linear_tile.h, which also states the
-// order every sum is taken in).
+// fp32 once, then read from L1) against one to four weight rows at a time (linear_tile.h, which also states
+// the order every sum is taken in; tile_from_memory and tile_bf16 below say how many).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

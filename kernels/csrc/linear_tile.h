@@ -24,7 +24,8 @@ namespace {
 // Rows of x per pass over the weights: 2 weight rows x 6 tile rows of accumulators, two weight vectors
 // and one x vector fill the 16 AVX2 registers; above 6 rows one weight row at a time (8 accumulators). At 1
 // or 2 rows, 4 weight rows at a time: each accumulator is a chain of dependent FMAs (4 cycles each), and
-// with 2 chains one row of x took 8 bytes of bf16 weights a cycle, about half what two cores can read.
+// with 2 chains one row of x took 8 bytes of bf16 weights a cycle, about half what two cores can read
+// (fp32 weights read from memory take one weight row a pass instead: linear_cpu.cpp's tile_from_memory).
 // Which weight rows share a pass never changes an output's sum, only how many are in flight.
 constexpr int64_t kTileRows = 8;
 // Weight rows ahead of the ones being read that the loop asks the memory for. With more than one row of x
