@@ -144,3 +144,25 @@ def counting_proposals(llm: LLM) -> Iterator[list[int]]:
         yield counts
     finally:
         del llm.engine.step
+
+
+def decode_layers_on_and_off(
+    model_dir: Path, batch: list[list[int]], params: SamplingParams, **llm_kwargs: object
+) -> list[list[tuple[list[int], list[dict]]]]:
+    """Tokens and top logprobs of batch[0] alone, then of the whole batch, from an engine whose decode
+    steps run the layers as one C++ call (worker/models/decode_layers.py) and from one that runs them
+    module by module: [on, off]. Every KV block comes back in both."""
+    runs = []
+    for fused in (True, False):
+        llm = LLM(str(model_dir), **llm_kwargs)
+        model = llm.engine.runner.model.model
+        assert model.decode_layers is not None
+        if not fused:
+            model.decode_layers = None
+        outs = [
+            llm.generate([batch[0]], params, use_tqdm=False)[0],
+            *llm.generate(batch, params, use_tqdm=False),
+        ]
+        runs.append([(out["token_ids"], [dict(lp.top) for lp in out["logprobs"]]) for out in outs])
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    return runs

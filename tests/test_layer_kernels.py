@@ -11,12 +11,13 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, rotate_half
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import SamplingParams
 from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX, cpu_digest
 from nanovllm.worker.layers.linear import RowParallelLinear
 from nanovllm.worker.layers.norm import HeadRMSNorm, RMSNorm
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.rotary import RotaryEmbedding, apply_rotary
+from tests.helpers import decode_layers_on_and_off
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HALF_DTYPES = DTYPES[1:]
@@ -264,20 +265,8 @@ def test_decode_layers_equal_the_module_path(model_dirs, arch, dtype, quantizati
     prompts = [[rng.randrange(2, 500) for _ in range(n)] for n in (5, 23, 61)]
     kwargs = {"dtype": dtype, "quantization": quantization, "max_model_len": 256, "kv_cache_memory": "32MiB"}
     params = SamplingParams(temperature=0.0, logprobs=5, ignore_eos=True, max_tokens=12)
-    runs = []
-    for fused in (True, False):
-        llm = LLM(str(model_dirs[arch]), **kwargs)
-        model = llm.engine.runner.model.model
-        assert model.decode_layers is not None
-        if not fused:
-            model.decode_layers = None
-        outs = [
-            llm.generate([prompts[0]], params, use_tqdm=False)[0],
-            *llm.generate(prompts, params, use_tqdm=False),
-        ]
-        runs.append([(out["token_ids"], [dict(lp.top) for lp in out["logprobs"]]) for out in outs])
-        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
-    assert runs[0] == runs[1]
+    fused, modules = decode_layers_on_and_off(model_dirs[arch], prompts, params, **kwargs)
+    assert fused == modules
 
 
 def test_each_cpu_gets_its_own_build():

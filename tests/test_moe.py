@@ -16,7 +16,14 @@ import torch
 from nanovllm import LLM
 from nanovllm.common.errors import UnsupportedModelError
 from nanovllm.worker.layers.quantization import PackedWeight
-from tests.helpers import greedy, hf_greedy, hf_logits, teacher_forced_logits, top5_rule
+from tests.helpers import (
+    decode_layers_on_and_off,
+    greedy,
+    hf_greedy,
+    hf_logits,
+    teacher_forced_logits,
+    top5_rule,
+)
 from tests.model_factory import build_model
 from tests.test_dtypes import _assert_close, _run_case
 from tests.test_dtypes import _prompts as dtype_prompts
@@ -118,26 +125,14 @@ def test_quantized_experts_compute_with_their_quantized_weights(top2_model: Path
 
 
 def _decode_runs(model: Path, **kwargs) -> list[list[tuple]]:
-    """Tokens and top logprobs of one sequence and of a batch of 20, with the decode layers' one C++ call
-    and without it."""
+    """decode_layers_on_and_off over one sequence and a batch of 20."""
     rng = random.Random(5)
     batch = [[rng.randrange(2, 512) for _ in range(rng.randrange(1, 40))] for _ in range(20)]
     params = greedy(8)
     params.logprobs = 3
-    runs = []
-    for fused in (True, False):
-        llm = LLM(str(model), max_model_len=256, kv_cache_memory="16MiB", **kwargs)
-        body = llm.engine.runner.model.model
-        assert body.decode_layers is not None
-        if not fused:
-            body.decode_layers = None
-        outs = [
-            llm.generate([batch[0]], params, use_tqdm=False)[0],
-            *llm.generate(batch, params, use_tqdm=False),
-        ]
-        runs.append([(out["token_ids"], [dict(lp.top) for lp in out["logprobs"]]) for out in outs])
-        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
-    return runs
+    return decode_layers_on_and_off(
+        model, batch, params, max_model_len=256, kv_cache_memory="16MiB", **kwargs
+    )
 
 
 def test_decode_layers_run_the_experts_as_the_modules_do(moe_model: Path):
