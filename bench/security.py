@@ -43,12 +43,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import os
 import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +56,7 @@ import grpc
 import psutil
 
 from bench.models import SHAPES, build_serving_model
+from bench.placement import PLACEMENTS, place
 from bench.report import cpu_model, load_average, percentile
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from tests.certs import CertificateAuthority
@@ -64,15 +64,6 @@ from tests.model_factory import build_model
 from tests.services import ServerProcess, start_router, start_worker, wait_serving
 
 TOKENS_IN_FILE = 100
-CpuSets = tuple[set[int] | None, set[int] | None, set[int]]  # the worker's, the router's, this client's
-
-# Where the worker, the router and this client may run, given this process's CPUs (at least two).
-PLACEMENTS: dict[str, Callable[[list[int]], CpuSets]] = {
-    "shared": lambda cpus: (None, None, set(cpus)),
-    "pin-worker": lambda cpus: ({cpus[0]}, set(cpus[1:]), set(cpus[1:])),
-    "router-alone": lambda cpus: (set(cpus[:-1]), {cpus[-1]}, set(cpus[:-1])),
-    "client-alone": lambda cpus: (set(cpus[:-1]), set(cpus[:-1]), {cpus[-1]}),
-}
 
 
 @dataclass
@@ -281,15 +272,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--placement", choices=sorted(PLACEMENTS), default="client-alone")
     parser.add_argument("--worker-threads", type=int, help="the worker's --num-threads (default: its own)")
     args = parser.parse_args(argv)
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2 and args.placement != "shared":
-        parser.error(f"--placement {args.placement} needs 2 CPUs at least, this process may use {len(cpus)}")
+    try:
+        worker_cpus, router_cpus, _ = place(args.placement)
+    except ValueError as exc:
+        parser.error(str(exc))
     plain, secure = Stack("plaintext", secured=False), Stack("TLS + mTLS + auth", secured=True)
     with tempfile.TemporaryDirectory(prefix="nanovllm-bench-security-") as tmp:
         setup = Setup.make(Path(tmp), args.shape)
         setup.worker_threads = args.worker_threads
-        setup.worker_cpus, setup.router_cpus, client_cpus = PLACEMENTS[args.placement](cpus)
-        os.sched_setaffinity(0, client_cpus)
+        setup.worker_cpus, setup.router_cpus = worker_cpus, router_cpus
         for round_ in range(args.rounds):
             for stack in (plain, secure) if round_ % 2 == 0 else (secure, plain):
                 with running(stack, setup) as endpoint:

@@ -16,7 +16,11 @@ Serving adds the router hop, gRPC streaming and incremental detokenization to th
 client, router and worker share this machine's cores. The target: serving throughput at high concurrency
 (all requests at once) at least 90% of offline. The greedy token ids of every request must match offline.
 
+`--placement router-alone` gives the router a CPU of its own (bench/placement.py): on a small machine the
+router is then the bound, as on a GPU machine, and its CPU per token is printed.
+
 Usage:  .venv/bin/python -m bench.serving [--num-requests 64] [--concurrency N] [--router HOST:PORT]
+                                         [--placement shared|pin-worker|router-alone|client-alone]
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import torch
 
 from bench.engine_run import build_llm, warm_up_nanovllm
 from bench.models import SHAPES, build_serving_model
+from bench.placement import PLACEMENT_HELP, PLACEMENTS, CpuSets, place
 from bench.report import cpu_model, load_average, percentile
 from bench.workload import Workload, greedy, make_workload
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
@@ -238,10 +243,16 @@ def serving_result(streams: list[Stream], concurrency: int) -> Result:
 
 
 def start_servers(
-    model_dir: Path, engine_flags: list[str], servers: dict[str, ServerProcess], log_level: str
+    model_dir: Path,
+    engine_flags: list[str],
+    servers: dict[str, ServerProcess],
+    log_level: str,
+    placement: CpuSets = (None, None, set()),
 ) -> str:
     """Add a worker with the offline engine's settings and a router in front of it to `servers` (the
-    caller stops them, also when this fails); return the router's address once both are SERVING."""
+    caller stops them, also when this fails), on the CPUs `placement` gives them; return the router's
+    address once both are SERVING."""
+    worker_cpus, router_cpus, _ = placement
     log_dir = Path(tempfile.mkdtemp(prefix="nanovllm-bench-"))
     print(f"server logs: {log_dir}")
     args = ["worker", "--model", str(model_dir), "--host", "127.0.0.1", "--port", "0", *engine_flags]
@@ -251,10 +262,10 @@ def start_servers(
         "--metrics-port",
         "0",
     ]  # debug logs every engine step (batch composition, forward time)
-    worker = servers["worker"] = start(args, log_dir / "worker.log")
+    worker = servers["worker"] = start(args, log_dir / "worker.log", worker_cpus)
     wait_serving(worker.address)
     args = ["router", "--worker", worker.address, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
-    router = servers["router"] = start(args, log_dir / "router.log")
+    router = servers["router"] = start(args, log_dir / "router.log", router_cpus)
     wait_serving(router.address)
     return router.address
 
@@ -353,6 +364,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--client-processes", type=int, default=1, help="split the streams over this many client processes"
     )
+    parser.add_argument("--placement", choices=sorted(PLACEMENTS), default="shared", help=PLACEMENT_HELP)
     parser.add_argument("--worker-log-level", default="info", help="debug: one log line per engine step")
     parser.add_argument("--json", type=Path, default=None, help="also write the raw numbers here")
     args = parser.parse_args(argv)
@@ -367,6 +379,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    try:
+        placement = place(args.placement)  # before the offline run: it runs where the clients will
+    except ValueError as exc:
+        sys.exit(str(exc))
     torch.set_num_threads(args.threads)
     model_dir = args.model or build_serving_model(args.shape)
     if args.router is None and not any(
@@ -401,7 +417,9 @@ def main(argv: list[str] | None = None) -> None:
 
     servers: dict[str, ServerProcess] = {}
     try:
-        address = args.router or start_servers(model_dir, engine_flags, servers, args.worker_log_level)
+        address = args.router or start_servers(
+            model_dir, engine_flags, servers, args.worker_log_level, placement
+        )
         before = {name: cpu_seconds(server.proc.pid) for name, server in servers.items()}
         streams, client_cpu = run_client_processes(
             address, workload, args.concurrency, cfg.vocab_size, args.client_processes
@@ -420,6 +438,12 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"CPU while serving ({serving.wall_s:.1f} s wall, warm-up included for the servers): {', '.join(cpu)}"
     )
+    if "router" in after:
+        router_us = 1e6 * (after["router"]["process"] - before["router"]["process"])
+        print(
+            f"router CPU: {router_us / responses:.0f} µs a response, {router_us / serving.output_tokens:.1f} "
+            f"µs a token (placement {args.placement})"
+        )
 
     mismatches = sum(s.token_ids != e for s, e in zip(streams, expected))
     print(f"token-id mismatches, serving vs offline: {mismatches} of {len(workload)} requests")
