@@ -85,7 +85,9 @@ def _run_server(what: str, serve: Callable[..., Coroutine[Any, Any, int | None]]
 
 
 def run_worker(options: dict[str, Any]) -> int:
+    from nanovllm.worker.device import resolve_device
     from nanovllm.worker.models.gguf.cache import resolve_model
+    from nanovllm.worker.runner.host_memory import keep_freed_memory
     from nanovllm.worker.service.server import serve_worker
 
     build(LogConfig, options).apply()
@@ -101,6 +103,8 @@ def run_worker(options: dict[str, Any]) -> int:
         speculative_model=draft,
         draft_gguf_file=draft_gguf_file,
     )
+    if engine.keep_freed_memory and resolve_device(engine.device).type == "cpu":
+        keep_freed_memory()  # before any thread starts: the engine thread must share the main arena
     server = build(WorkerServerConfig, options, tracing=build(TracingConfig, options))
     return _run_server("worker", serve_worker, engine, server)
 

@@ -328,6 +328,14 @@ class EngineConfig:
         "auto",
         help="auto (the fastest the device runs), torch, cpu_kernel, triton (CUDA) or flash_attn (CUDA)",
     )
+    keep_freed_memory: bool = option(
+        True,
+        flag="--return-freed-memory",
+        negate=True,
+        help="on a CPU, glibc gives large freed blocks back to the OS at once (its default), so the next "
+        "step's tensors fault in fresh pages; by default the process keeps them for reuse and stays at "
+        "its peak resident memory (worker/runner/host_memory.py)",
+    )
     seed: int = option(0, help="seed for requests that set none")
     deterministic: bool = option(
         False,

@@ -29,6 +29,7 @@ from nanovllm.worker.models.loader import load_safetensors, load_tensors
 from nanovllm.worker.runner.block_table_rows import BlockTableRows
 from nanovllm.worker.runner.cpu_share import CpuShare
 from nanovllm.worker.runner.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
+from nanovllm.worker.runner.host_memory import keep_freed_memory
 from nanovllm.worker.runner.inputs import InputBuilder
 from nanovllm.worker.runner.kv_cache import (
     check_num_blocks,
@@ -103,6 +104,10 @@ class ModelRunnerBase:
             torch.cuda.set_device(self.device)
         else:
             self._set_cpu_threads()
+            if config.keep_freed_memory:
+                kept = keep_freed_memory()  # the worker did it already, before its threads started
+                if self.tp.rank == 0:
+                    log.info("freed_memory_kept_for_reuse" if kept else "freed_memory_returned", glibc=kept)
         self.dtype = self.placement.dtype
         self.block_size = config.kvcache_block_size
         cfg = config.hf_config
