@@ -85,10 +85,9 @@ def build_model(
 ) -> Path:
     """Save a random `arch` model ("qwen3", "qwen3_moe", "llama", "qwen2") into out_dir, with a tokenizer unless
     tokenizer=False (as a converted or custom model may come: it takes prompt token ids only); `rope`:
-    transformers' rope_parameters (a RoPE scaling); `overrides`: more config fields."""
+    transformers' rope_parameters (a RoPE scaling); `overrides`: config fields, these above included."""
     config_cls, extra = _CONFIGS[arch]
-    extra = {**extra, **(overrides or {})}
-    config = config_cls(
+    fields = dict(
         vocab_size=VOCAB,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -102,8 +101,8 @@ def build_model(
         bos_token_id=None,
         rms_norm_eps=1e-6,
         **({"rope_parameters": rope} if rope else {}),
-        **extra,
     )
+    config = config_cls(**{**fields, **extra, **(overrides or {})})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from tests.model_factory import build_model
 
 VOCAB = 151_936  # Qwen3's: a batch of 64 float32 logit rows is 39 MB, above glibc's 32 MiB cap
 BATCH, STEPS = 64, 32
@@ -43,17 +43,7 @@ def step_faults(model: Path, mode: str) -> int:
     reason="the settings are glibc's mallopt; this C library is not glibc",
 )
 def test_each_steps_logits_reuse_the_last_steps_pages(tmp_path: Path):
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
-    Qwen3ForCausalLM(config).save_pretrained(tmp_path)
+    build_model("qwen3", tmp_path, num_layers=1, tokenizer=False, overrides={"vocab_size": VOCAB})
     returned, kept = step_faults(tmp_path, "return"), step_faults(tmp_path, "keep")
     # glibc maps a block this large afresh and unmaps it when freed: every step faults its logits in.
     assert returned >= STEPS * LOGIT_PAGES // 2, (returned, kept)
