@@ -148,26 +148,43 @@ async def stream_one(stub: generate_pb2_grpc.GenerationStub, prompt: list[int], 
 
 
 async def run_clients(
-    address: str, workload: Workload, concurrency: int, vocab: int, ready: Callable[[], None] = lambda: None
+    address: str,
+    workload: Workload,
+    concurrency: int,
+    vocab: int,
+    connections: int = 1,
+    ready: Callable[[], None] = lambda: None,
 ) -> list[Stream]:
     """A warm-up round, `ready()`, then every request of the workload with at most `concurrency` in
-    flight."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = generate_pb2_grpc.GenerationStub(channel)
-        warm = make_workload(4, vocab, (16, 64), (8, 8), seed=12345)  # as throughput.py warms up
-        await asyncio.gather(*(stream_one(stub, p, n) for p, n in zip(warm.prompts, warm.output_lens)))
+    flight, dealt round-robin over `connections` connections (channels that share no subchannel)."""
+    channels = [
+        grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(connections)
+    ]
+    stubs = [generate_pb2_grpc.GenerationStub(channel) for channel in channels]
+    try:
+        warm = make_workload(max(4, connections), vocab, (16, 64), (8, 8), seed=12345)  # as throughput.py
+        await asyncio.gather(
+            *(
+                stream_one(stubs[i % connections], p, n)
+                for i, (p, n) in enumerate(zip(warm.prompts, warm.output_lens))
+            )
+        )
         ready()
         slots = asyncio.Semaphore(concurrency)  # FIFO: requests start in workload order
 
-        async def limited(prompt: list[int], max_tokens: int) -> Stream:
+        async def limited(i: int, prompt: list[int], max_tokens: int) -> Stream:
             async with slots:
-                return await stream_one(stub, prompt, max_tokens)
+                return await stream_one(stubs[i % connections], prompt, max_tokens)
 
-        return await asyncio.gather(*(limited(p, n) for p, n in zip(workload.prompts, workload.output_lens)))
+        requests = enumerate(zip(workload.prompts, workload.output_lens))
+        return await asyncio.gather(*(limited(i, p, n) for i, (p, n) in requests))
+    finally:
+        await asyncio.gather(*(channel.close() for channel in channels))
 
 
 def _client_process(
-    address: str, workload: Workload, concurrency: int, vocab: int, wait: Callable[[], None]
+    address: str, workload: Workload, concurrency: int, vocab: int, connections: int, wait: Callable[[], None]
 ) -> tuple[list[Stream], float]:
     """One client process's share: its streams and the CPU seconds it spent after the warm-up and
     `wait()` (the other client processes' warm-ups)."""
@@ -177,18 +194,18 @@ def _client_process(
         wait()
         cpu[0] = time.process_time()
 
-    streams = asyncio.run(run_clients(address, workload, concurrency, vocab, ready))
+    streams = asyncio.run(run_clients(address, workload, concurrency, vocab, connections, ready))
     return streams, time.process_time() - cpu[0]
 
 
 def run_client_processes(
-    address: str, workload: Workload, concurrency: int, vocab: int, processes: int
+    address: str, workload: Workload, concurrency: int, vocab: int, processes: int, connections: int
 ) -> tuple[list[Stream], float]:
     """The workload's requests dealt round-robin to `processes` client processes (one Python event loop
-    receives only so many responses a second), started together; every stream in workload order, and
-    the clients' CPU seconds after their warm-up."""
+    receives only so many responses a second) of `connections` connections each, started together; every
+    stream in workload order, and the clients' CPU seconds after their warm-up."""
     if processes == 1:
-        return _client_process(address, workload, concurrency, vocab, lambda: None)
+        return _client_process(address, workload, concurrency, vocab, connections, lambda: None)
     context = multiprocessing.get_context("spawn")
     shares = [
         Workload(workload.prompts[i::processes], workload.output_lens[i::processes]) for i in range(processes)
@@ -197,7 +214,13 @@ def run_client_processes(
         barrier = manager.Barrier(processes)
         futures = [
             pool.submit(
-                _client_process, address, share, max(1, concurrency // processes), vocab, barrier.wait
+                _client_process,
+                address,
+                share,
+                max(1, concurrency // processes),
+                vocab,
+                connections,
+                barrier.wait,
             )
             for share in shares
         ]
@@ -209,19 +232,26 @@ def run_client_processes(
 
 
 def cpu_seconds(pid: int) -> dict[str, float]:
-    """User + system CPU seconds so far of a process ("process") and of each of its threads (by thread
-    id), from /proc: a Python process whose busiest thread, or whose threads together, near the wall
-    time is bound by its one interpreter lock."""
+    """User + system CPU seconds so far of a process and its children ("process": a router's other
+    processes count as its own) and of each of their threads (by thread id), from /proc: a Python process
+    whose busiest thread, or whose threads together, near the wall time is bound by its one interpreter
+    lock."""
 
     def read(stat: Path) -> float:
         fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command name: state is field 3
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
-    proc = Path(f"/proc/{pid}")
-    return {
-        "process": read(proc / "stat"),
-        **{task.name: read(task / "stat") for task in (proc / "task").iterdir()},
-    }
+    procs = [Path(f"/proc/{pid}")]
+    for task in (procs[0] / "task").iterdir():
+        procs += [Path(f"/proc/{child}") for child in (task / "children").read_text().split()]
+    seconds = {"process": 0.0}
+    for proc in procs:
+        try:
+            seconds["process"] += read(proc / "stat")
+            seconds.update({task.name: read(task / "stat") for task in (proc / "task").iterdir()})
+        except FileNotFoundError:  # a child that just exited
+            continue
+    return seconds
 
 
 def cpu_used(before: dict[str, float], after: dict[str, float]) -> str:
@@ -248,10 +278,11 @@ def start_servers(
     servers: dict[str, ServerProcess],
     log_level: str,
     placement: CpuSets = (None, None, set()),
+    router_processes: int = 1,
 ) -> str:
-    """Add a worker with the offline engine's settings and a router in front of it to `servers` (the
-    caller stops them, also when this fails), on the CPUs `placement` gives them; return the router's
-    address once both are SERVING."""
+    """Add a worker with the offline engine's settings and a router of `router_processes` processes in
+    front of it to `servers` (the caller stops them, also when this fails), on the CPUs `placement` gives
+    them; return the router's address once both are SERVING (the router: all its processes)."""
     worker_cpus, router_cpus, _ = placement
     log_dir = Path(tempfile.mkdtemp(prefix="nanovllm-bench-"))
     print(f"server logs: {log_dir}")
@@ -265,6 +296,7 @@ def start_servers(
     worker = servers["worker"] = start(args, log_dir / "worker.log", worker_cpus)
     wait_serving(worker.address)
     args = ["router", "--worker", worker.address, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
+    args += ["--processes", str(router_processes)]
     router = servers["router"] = start(args, log_dir / "router.log", router_cpus)
     wait_serving(router.address)
     return router.address
@@ -280,6 +312,49 @@ def stop_servers(servers: dict[str, ServerProcess]) -> None:
             code = server.proc.returncode
         if code != 0:
             print(f"warning: the {name} at {server.address} exited with {code}", file=sys.stderr)
+
+
+def run_serving(
+    args: argparse.Namespace,
+    model_dir: Path,
+    engine_flags: list[str],
+    workload: Workload,
+    vocab: int,
+    placement: CpuSets,
+    router_processes: int,
+) -> tuple[Result, list[Stream]]:
+    """One serving run (servers of their own unless --router names one): its result and its streams."""
+    servers: dict[str, ServerProcess] = {}
+    try:
+        address = args.router or start_servers(
+            model_dir, engine_flags, servers, args.worker_log_level, placement, router_processes
+        )
+        before = {name: cpu_seconds(server.proc.pid) for name, server in servers.items()}
+        streams, client_cpu = run_client_processes(
+            address, workload, args.concurrency, vocab, args.client_processes, args.client_connections
+        )
+        after = {name: cpu_seconds(server.proc.pid) for name, server in servers.items()}
+    finally:
+        stop_servers(servers)
+    serving = serving_result(streams, args.concurrency)
+    responses = sum(len(s.responses) for s in streams)
+    print(
+        f"[serving] {serving.output_tokens:,} tokens in {serving.wall_s:.2f} s via {address}, "
+        f"{responses:,} responses ({serving.output_tokens / responses:.2f} tokens each)"
+    )
+    cpu = [f"{args.client_processes} client process(es) {client_cpu:.1f} s"]
+    cpu += [f"{name} {cpu_used(before[name], after[name])}" for name in after]
+    print(
+        f"CPU while serving ({serving.wall_s:.1f} s wall, warm-up included for the servers): {', '.join(cpu)}"
+    )
+    if "router" in after:
+        router_us = 1e6 * (after["router"]["process"] - before["router"]["process"])
+        print(
+            f"router CPU: {router_us / responses:.0f} µs a response, {router_us / serving.output_tokens:.1f} "
+            f"µs a token (placement {args.placement}, {router_processes} router process(es), "
+            f"{args.client_processes} x {args.client_connections} client connections)"
+        )
+    return serving, streams
 
 
 # --------------------------------------------------------------------------------------------------
@@ -364,6 +439,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--client-processes", type=int, default=1, help="split the streams over this many client processes"
     )
+    parser.add_argument(
+        "--client-connections", type=int, default=1, help="connections of each client process to the router"
+    )
+    parser.add_argument(
+        "--router-processes",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="the router's --processes; several counts: one serving run for each, against one offline run",
+    )
     parser.add_argument("--placement", choices=sorted(PLACEMENTS), default="shared", help=PLACEMENT_HELP)
     parser.add_argument("--worker-log-level", default="info", help="debug: one log line per engine step")
     parser.add_argument("--json", type=Path, default=None, help="also write the raw numbers here")
@@ -372,8 +457,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.concurrency = args.num_requests
     if not (1 <= args.min_input <= args.max_input and 1 <= args.min_output <= args.max_output):
         parser.error("need 1 <= --min-input <= --max-input and 1 <= --min-output <= --max-output")
-    if min(args.num_requests, args.concurrency, args.max_tokens or 1, args.client_processes) < 1:
-        parser.error("--num-requests, --concurrency, --max-tokens and --client-processes must be >= 1")
+    counts = (args.num_requests, args.concurrency, args.max_tokens or 1, args.client_processes)
+    if min(*counts, args.client_connections, *args.router_processes) < 1:
+        parser.error(
+            "--num-requests, --concurrency, --max-tokens, --client-processes, --client-connections and "
+            "--router-processes must be >= 1"
+        )
     return args
 
 
@@ -415,43 +504,22 @@ def main(argv: list[str] | None = None) -> None:
     print(f"engine: {' '.join(engine_flags)}")
     print(f"[offline] {offline.output_tokens:,} tokens in {offline.wall_s:.2f} s")
 
-    servers: dict[str, ServerProcess] = {}
-    try:
-        address = args.router or start_servers(
-            model_dir, engine_flags, servers, args.worker_log_level, placement
+    results, mismatches, streams = [offline], 0, []
+    for processes in args.router_processes:
+        serving, streams = run_serving(
+            args, model_dir, engine_flags, workload, cfg.vocab_size, placement, processes
         )
-        before = {name: cpu_seconds(server.proc.pid) for name, server in servers.items()}
-        streams, client_cpu = run_client_processes(
-            address, workload, args.concurrency, cfg.vocab_size, args.client_processes
-        )
-        after = {name: cpu_seconds(server.proc.pid) for name, server in servers.items()}
-    finally:
-        stop_servers(servers)
-    serving = serving_result(streams, args.concurrency)
-    responses = sum(len(s.responses) for s in streams)
-    print(
-        f"[serving] {serving.output_tokens:,} tokens in {serving.wall_s:.2f} s via {address}, "
-        f"{responses:,} responses ({serving.output_tokens / responses:.2f} tokens each)"
-    )
-    cpu = [f"{args.client_processes} client process(es) {client_cpu:.1f} s"]
-    cpu += [f"{name} {cpu_used(before[name], after[name])}" for name in after]
-    print(
-        f"CPU while serving ({serving.wall_s:.1f} s wall, warm-up included for the servers): {', '.join(cpu)}"
-    )
-    if "router" in after:
-        router_us = 1e6 * (after["router"]["process"] - before["router"]["process"])
-        print(
-            f"router CPU: {router_us / responses:.0f} µs a response, {router_us / serving.output_tokens:.1f} "
-            f"µs a token (placement {args.placement})"
-        )
-
-    mismatches = sum(s.token_ids != e for s, e in zip(streams, expected))
-    print(f"token-id mismatches, serving vs offline: {mismatches} of {len(workload)} requests")
+        if len(args.router_processes) > 1:
+            serving.label = f"serving, {processes} router process{'es' if processes > 1 else ''}"
+        results.append(serving)
+        run_mismatches = sum(s.token_ids != e for s, e in zip(streams, expected))
+        print(f"token-id mismatches, serving vs offline: {run_mismatches} of {len(workload)} requests")
+        mismatches += run_mismatches
     print(f"load average at end: {load_average()} (timings are only comparable on an idle machine)")
-    print_table([offline, serving], offline.tokens_per_s)
+    print_table(results, offline.tokens_per_s)
 
     if args.json is not None:
-        write_json(args, started, engine_flags, mismatches, [offline, serving], streams)
+        write_json(args, started, engine_flags, mismatches, results, streams)
     # In float32 the engine is batch-invariant, so serving must reproduce offline exactly. In 16-bit dtypes
     # how requests happen to be batched changes rounding, and a few sequences may diverge after a while.
     if mismatches and "float32" in engine_flags:

@@ -170,6 +170,14 @@ class RouterConfig:
         30.0, flag="--drain-timeout", help="on SIGTERM, seconds streams in flight may take to finish"
     )
     shutdown_grace_s: float = 1.0
+    processes: int = option(
+        1,
+        help="router processes sharing the public gRPC port (SO_REUSEPORT: the kernel deals client connections "
+        "among them), for when one process's CPU bounds the tokens a second it streams; each connects to every "
+        "worker; the first also serves HTTP, /metrics (summed over all) and the health port (docs/serving.md)",
+    )
+    # Which of the `processes` this one is: 0 starts the others, which get 1, 2, ...
+    process_index: int = 0
     limits: RequestLimits = RequestLimits()
     routing: RoutingConfig = RoutingConfig()
     tracing: TracingConfig = TracingConfig()
@@ -191,6 +199,8 @@ class RouterConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.processes < 1:
+            raise ConfigError(f"--processes must be at least 1, got {self.processes}")
         if self.stall_timeout_s <= 0:
             raise ConfigError(f"--stall-timeout must be more than 0 seconds, got {self.stall_timeout_s:g}")
         for name, allowed in (

@@ -135,11 +135,13 @@ class GrpcServer:
         keepalive_timeout_s: float = 10.0,
         credentials: grpc.ServerCredentials | None = None,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        share_port: bool = False,
     ) -> None:
-        # Without SO_REUSEPORT (gRPC's default is on) a second server on a port in use fails to start
-        # instead of silently sharing the port with the first.
+        """`share_port`: SO_REUSEPORT, for several processes of one server (router/processes.py). Without
+        it (gRPC's default is on) a second server on a port in use fails to start instead of silently
+        sharing the port with the first."""
         options = [
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", int(share_port)),
             ("grpc.max_receive_message_length", max_receive_bytes),
             *keepalive_options(keepalive_time_s, keepalive_timeout_s),
         ]
@@ -166,15 +168,15 @@ class GrpcServer:
         port: int,
         health_port: int | None,
         registry: CollectorRegistry,
-        metrics_port: int,
+        metrics_port: int | None,
         on_listening: Callable[[str, str], None],
     ) -> tuple[str, str]:
-        """Start the API port (NOT_SERVING), the plaintext health port when one is asked for and the
-        /metrics endpoint, then report and return the API's and the metrics' addresses."""
+        """Start the API port (NOT_SERVING), the plaintext health port and the /metrics endpoint when
+        each is asked for, then report and return the API's and the metrics' addresses ("" for none)."""
         address = await self.start(host, port)
         if health_port is not None:
             log.info("health_listening", address=await self.start_health(host, health_port))
-        metrics_address = serve_metrics(registry, host, metrics_port)
+        metrics_address = "" if metrics_port is None else serve_metrics(registry, host, metrics_port)
         on_listening(address, metrics_address)
         return address, metrics_address
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -110,9 +111,10 @@ def run_worker(options: dict[str, Any]) -> int:
 
 
 def run_router(options: dict[str, Any]) -> int:
-    from nanovllm.router.server import serve_router
+    from nanovllm.router.processes import shared_metrics
 
-    build(LogConfig, options).apply()
+    log_config = build(LogConfig, options)
+    log_config.apply()
     config = build(
         RouterConfig,
         options,
@@ -120,7 +122,11 @@ def run_router(options: dict[str, Any]) -> int:
         routing=build(RoutingConfig, options),
         tracing=build(TracingConfig, options),
     )
-    return _run_server("router", serve_router, config)
+    # Several processes sum their metrics through files, set up before prometheus_client is imported.
+    with shared_metrics() if config.processes > 1 else contextlib.nullcontext():
+        from nanovllm.router.server import serve_router
+
+        return _run_server("router", serve_router, config, log_config)
 
 
 def run_serve(options: dict[str, Any]) -> int:

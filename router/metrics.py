@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from nanovllm.common.metrics import LATENCY_BUCKETS
+from nanovllm.router.processes import METRICS_DIR_VARIABLE
 
 
 class _WorkerView:
@@ -41,76 +44,85 @@ class _WorkerView:
 
 
 class RouterMetrics:
+    """The metrics this process counts into; `registry` is what its /metrics serves: these, or with several
+    router processes (router/processes.py) the sum of every process's."""
+
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        counted = CollectorRegistry()
         self.requests = Counter(
             "nanovllm:requests",
             "Generate calls by outcome: stop, length, cancelled, error, tool_calls (finish reasons), or the gRPC status "
             "of a failed call (invalid_argument, unavailable, resource_exhausted, internal, client_cancelled, stalled); "
             "api: the face it came through, grpc or http (the OpenAI-compatible API)",
             ["status", "api"],
-            registry=self.registry,
+            registry=counted,
         )
         self.time_to_first_token = Histogram(
             "nanovllm:time_to_first_token_seconds",
             "Time from receiving a Generate call to sending its first token",
             buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            registry=counted,
         )
         self.inter_token_latency = Histogram(
             "nanovllm:inter_token_latency_seconds",
             "Time between successive tokens of one stream (per token)",
             buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            registry=counted,
         )
         self.e2e_request_latency = Histogram(
             "nanovllm:e2e_request_latency_seconds",
             "Time from receiving a Generate call to its last response",
             buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            registry=counted,
         )
         self.retries = Counter(
             "nanovllm:request_retries",
             "Requests moved to another worker before their first token, by why: worker_lost, "
             "worker_unavailable (draining), worker_full (its queue)",
             ["reason"],
-            registry=self.registry,
+            registry=counted,
         )
         self.resumes = Counter(
             "nanovllm:request_resumes",
             "Streams moved to another worker mid-generation, with the tokens they had, by why: worker_lost, "
             "worker_unavailable, worker_full (the new worker refused it and it moved again)",
             ["reason"],
-            registry=self.registry,
+            registry=counted,
         )
         self.prompt_tokens = Counter(
             "nanovllm:prompt_tokens",
             "Prompt tokens of the calls that produced a token",
-            registry=self.registry,
+            registry=counted,
         )
         self.expected_hit_tokens = Counter(
             "nanovllm:routing_expected_hit_tokens",
             "Prompt tokens routing expected the chosen worker's prefix cache to hold",
-            registry=self.registry,
+            registry=counted,
         )
         self.cached_prompt_tokens = Counter(
             "nanovllm:cached_prompt_tokens",
             "Prompt tokens the workers found in their prefix cache (the achieved hits)",
-            registry=self.registry,
+            registry=counted,
         )
         self.access_denied = Counter(
             "nanovllm:access_denied",
             "Calls refused before any work, by why: unauthenticated (no bearer token), permission_denied "
             "(an unknown token), stream_limit, token_rate_limit (per-token limits)",
             ["reason"],
-            registry=self.registry,
+            registry=counted,
         )
         self.requests_in_flight = Gauge(
             "nanovllm:requests_in_flight",
             "Generate calls in flight on each worker",
             ["worker"],
-            registry=self.registry,
+            registry=counted,
+            multiprocess_mode="livesum",
         )
+        self.registry = counted
+        shared = os.environ.get(METRICS_DIR_VARIABLE)
+        if shared:
+            self.registry = CollectorRegistry()
+            MultiProcessCollector(self.registry, shared)
 
     def watch_workers(self, workers: Callable[[], list]) -> None:
         """Export nanovllm:worker_queue and nanovllm:worker_cached_blocks for the workers `workers()` gives."""

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
+import structlog
 from opentelemetry.trace import Tracer
 
-from nanovllm.common.logging import get_logger
+from nanovllm.common.logging import LogConfig, get_logger
 from nanovllm.common.server_config import RouterConfig
 from nanovllm.common.serving import GrpcServer
 from nanovllm.common.tls import ReloadingSslContext, server_credentials
@@ -24,6 +25,7 @@ from nanovllm.router.http_api import HttpApi, start_http
 from nanovllm.router.limits import TokenLimits
 from nanovllm.router.metrics import RouterMetrics
 from nanovllm.router.pool import WorkerPool
+from nanovllm.router.processes import KILL_AFTER_S, RouterProcesses
 from nanovllm.router.tokenizer import auto_tokenizer
 from nanovllm.router.tool_calls import check_tools
 from nanovllm.router.validation import NoTokenizerError, check_prompt_size, prompt_token_ids
@@ -169,11 +171,18 @@ def _worker_pool(config: RouterConfig, on_change: Callable[[bool], None]) -> Wor
 
 
 async def serve_router(
-    config: RouterConfig, stop: asyncio.Event, on_listening: Callable[[str, str], None]
+    config: RouterConfig, log_config: LogConfig, stop: asyncio.Event, on_listening: Callable[[str, str], None]
 ) -> None:
     """Listen, connect to the workers (health is SERVING while at least one is connected), serve until
     `stop` is set, then drain: NOT_SERVING, new calls UNAVAILABLE, calls in flight finish within the
-    drain timeout."""
+    drain timeout.
+
+    With several processes (router/processes.py) the first one starts the others once it listens, and is
+    SERVING only once they listen too, so that clients connecting then are dealt to all of them; the others
+    listen on the public port alone, and only once they reach a worker. `stop` stops them all."""
+    first = config.process_index == 0
+    if config.processes > 1:  # each log line says which process wrote it
+        structlog.contextvars.bind_contextvars(router_process=config.process_index)
     metrics = RouterMetrics()
     access, interceptors = _access(config, metrics)
     admin_tokens = TokenTable(config.admin_tokens_file) if config.admin_tokens_file else None
@@ -183,11 +192,16 @@ async def serve_router(
         keepalive_timeout_s=config.keepalive_timeout_s,
         credentials=server_credentials(config.tls, require_client_cert=bool(config.tls_client_ca)),
         interceptors=interceptors,
+        share_port=config.processes > 1,
     )
     service: GenerationService | None = None
+    others: RouterProcesses | None = None
+    reached = asyncio.Event()  # a worker connected
 
     def on_change(serving: bool) -> None:
-        if service is not None and not service.draining:
+        if serving:
+            reached.set()
+        if service is not None and not service.draining and (others is None or others.listening):
             asyncio.get_running_loop().create_task(server.set_serving(serving))
 
     pool = _worker_pool(config, on_change)
@@ -198,7 +212,7 @@ async def serve_router(
     generate_pb2_grpc.add_AdminServicer_to_server(AdminService(pool, admin_tokens), server.server)
     http = None
     announce = on_listening
-    if config.http_port is not None:
+    if config.http_port is not None and first:
         tls = (
             ReloadingSslContext.serving(config.tls, require_client_cert=bool(config.tls_client_ca))
             if config.tls.enabled
@@ -209,11 +223,25 @@ async def serve_router(
         def announce(address: str, metrics_address: str) -> None:
             on_listening(address, f"{metrics_address}, http on {http_address}")
 
-    address, metrics_address = await server.listen(
-        config.host, config.port, config.health_port, metrics.registry, config.metrics_port, announce
-    )
     preloading = asyncio.create_task(asyncio.to_thread(auto_tokenizer))  # overlaps the workers' start-up
-    pool.start()
+    if not first:
+        pool.start()
+        await _first_of(reached.wait(), stop.wait())
+    address, metrics_address = await server.listen(
+        config.host,
+        config.port,
+        config.health_port if first else None,
+        metrics.registry,
+        config.metrics_port if first else None,
+        announce,
+    )
+    if first:
+        if config.processes > 1:
+            others = RouterProcesses(serve_router, config, log_config, int(address.rsplit(":", 1)[1]))
+            others.start()
+        pool.start()
+    else:
+        await server.set_serving(bool(pool.available))
     log.info(
         "router_serving",
         address=address,
@@ -223,15 +251,30 @@ async def serve_router(
         worker_tls=config.worker_tls.enabled,
         auth=access.table is not None,
     )
+    if others is not None:
+        await _first_of(others.all_listening(), stop.wait())
+        await server.set_serving(bool(pool.available) and others.listening)
     await stop.wait()
+    if others is not None:
+        others.stop()  # they drain alongside
     service.draining = True
     idle = service.idle.wait()
     await server.drain("router", address, idle, config.drain_timeout_s, in_flight=service.in_flight)
     if http is not None:
         await http.stop()
     await server.stop(config.shutdown_grace_s)
+    if others is not None:
+        await others.wait(config.drain_timeout_s + config.shutdown_grace_s + KILL_AFTER_S)
     await pool.close()
     service.close()
     if tracing is not None:
         await asyncio.to_thread(tracing.shutdown)  # sends the spans not yet sent
     await preloading
+
+
+async def _first_of(*waits: Coroutine[Any, Any, object]) -> None:
+    """Return when any of `waits` is done; the rest are cancelled."""
+    tasks = [asyncio.ensure_future(wait) for wait in waits]
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for task in tasks:
+        task.cancel()

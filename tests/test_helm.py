@@ -435,6 +435,11 @@ def test_drain_timeout_is_rendered_from_values(chart: helm_python.Chart) -> None
     assert pod_spec(objects, "router")["terminationGracePeriodSeconds"] == 5 + 60 + 15
 
 
+def test_router_processes_are_rendered_from_values(chart: helm_python.Chart) -> None:
+    assert config(render(chart, {}), "router")["NANOVLLM_PROCESSES"] == "1"
+    assert config(render(chart, {"router": {"processes": 2}}), "router")["NANOVLLM_PROCESSES"] == "2"
+
+
 def test_worker_threads_follow_the_cpu_limit_unless_set(chart: helm_python.Chart) -> None:
     """By default the worker finds its CPU limit itself (no NANOVLLM_NUM_THREADS); numThreads sets it."""
     assert "NANOVLLM_NUM_THREADS" not in config(render(chart, {}), "worker")
