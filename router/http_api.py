@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import socket
 import ssl
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
@@ -306,6 +307,12 @@ async def _cancel(tasks: list[asyncio.Task]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _shared_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port that other processes may bind too."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    return socket.create_server((host, port), family=family, reuse_port=True)
+
+
 class _Server(uvicorn.Server):
     """uvicorn without its signal handlers: the router's own handle SIGTERM (drain) for both faces."""
 
@@ -325,14 +332,17 @@ class _Server(uvicorn.Server):
         await self.task
 
 
-async def start_http(api: HttpApi, host: str, port: int, tls: ssl.SSLContext | None) -> tuple[_Server, str]:
+async def start_http(
+    api: HttpApi, host: str, port: int, tls: ssl.SSLContext | None, share_port: bool = False
+) -> tuple[_Server, str]:
     """Serve the API on host:port (0 picks a free one), over TLS with `tls`; returns the server and its
-    bound address."""
+    bound address. `share_port`: SO_REUSEPORT, for several router processes (router/processes.py)."""
     config = uvicorn.Config(api.app, host=host, port=port, log_config=None, access_log=False, lifespan="off")
     config.load()
     config.ssl = tls  # uvicorn builds its context from files once; this one reloads them (common/tls.py)
     server = _Server(config)
-    task = asyncio.create_task(server.serve(), name="http-api")
+    sockets = [_shared_socket(host, port)] if share_port else None
+    task = asyncio.create_task(server.serve(sockets), name="http-api")
     while not server.started:  # uvicorn has no event for it: look every 10 ms while it binds
         if task.done():
             task.result()  # the bind failed: raise its error

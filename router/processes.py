@@ -2,11 +2,12 @@
 
 One Python process streams only so many responses a second: gRPC's per-message work holds its event
 loop, and on a GPU machine the workers produce tokens faster than that (docs/performance.md). So the router
-can run as N processes. Each binds the public port with SO_REUSEPORT, and the kernel deals every new client
-connection to one of them; each connects to every worker and routes on its own view of them, as router
-replicas do. The first process (index 0) starts the others, starts again one that exits, and stops them
-when it stops. It alone serves the HTTP face, the plaintext health port and /metrics, whose counters and
-histograms are summed over all processes through prometheus_client's multiprocess mode.
+can run as N processes. Each binds the public gRPC port, and the HTTP port when there is one, with
+SO_REUSEPORT, and the kernel deals every new client connection to one of them; each connects to every
+worker and routes on its own view of them, as router replicas do. The first process (index 0) starts the
+others, starts again one that exits, and stops them when it stops. It alone serves the plaintext health
+port and /metrics, whose counters and histograms are summed over all processes through prometheus_client's
+multiprocess mode.
 
 What each process keeps for itself, as each replica does: per-token limits, and the Admin service's record
 of the adapters loaded through it.
@@ -59,13 +60,14 @@ def shared_metrics() -> Iterator[str]:
 
 class RouterProcesses:
     """The first process's record of the others: processes 1 .. config.processes - 1, each running `serve`
-    with the same configuration on the port the first one bound."""
+    with the same configuration on the ports the first one bound (`ports`: port, and http_port)."""
 
-    def __init__(self, serve: Serve, config: RouterConfig, log_config: LogConfig, port: int) -> None:
+    def __init__(
+        self, serve: Serve, config: RouterConfig, log_config: LogConfig, ports: dict[str, int | None]
+    ) -> None:
         self._serve, self._log_config = serve, log_config
         self._configs = [
-            dataclasses.replace(config, port=port, process_index=index)
-            for index in range(1, config.processes)
+            dataclasses.replace(config, **ports, process_index=index) for index in range(1, config.processes)
         ]
         self._context = multiprocessing.get_context("spawn")  # no fork of a process that runs gRPC threads
         self._listened = {config.process_index: self._context.Event() for config in self._configs}

@@ -212,13 +212,15 @@ async def serve_router(
     generate_pb2_grpc.add_AdminServicer_to_server(AdminService(pool, admin_tokens), server.server)
     http = None
     announce = on_listening
-    if config.http_port is not None and first:
+    if config.http_port is not None:
         tls = (
             ReloadingSslContext.serving(config.tls, require_client_cert=bool(config.tls_client_ca))
             if config.tls.enabled
             else None
         )
-        http, http_address = await start_http(HttpApi(service), config.host, config.http_port, tls)
+        http, http_address = await start_http(
+            HttpApi(service), config.host, config.http_port, tls, share_port=config.processes > 1
+        )
 
         def announce(address: str, metrics_address: str) -> None:
             on_listening(address, f"{metrics_address}, http on {http_address}")
@@ -237,7 +239,8 @@ async def serve_router(
     )
     if first:
         if config.processes > 1:
-            others = RouterProcesses(serve_router, config, log_config, int(address.rsplit(":", 1)[1]))
+            ports = {"port": _port(address), "http_port": None if http is None else _port(http_address)}
+            others = RouterProcesses(serve_router, config, log_config, ports)
             others.start()
         pool.start()
     else:
@@ -270,6 +273,10 @@ async def serve_router(
     if tracing is not None:
         await asyncio.to_thread(tracing.shutdown)  # sends the spans not yet sent
     await preloading
+
+
+def _port(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
 
 
 async def _first_of(*waits: Coroutine[Any, Any, object]) -> None:

@@ -1,6 +1,6 @@
-"""A router of several processes on one port (`--processes`, router/processes.py), in front of the shared
-test worker: every process serves calls, /metrics sums them all, a process that dies is started again, and
-none outlives the first."""
+"""A router of several processes on its ports (`--processes`, router/processes.py), in front of the shared
+test worker: every process serves gRPC and HTTP calls, /metrics sums them all, a process that dies is
+started again, and none outlives the first."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -61,22 +62,45 @@ def generate_on_own_connections(address: str, connections: int) -> list[list[int
     return outputs
 
 
+def complete_on_own_connections(address: str, connections: int) -> list[str]:
+    """One greedy /v1/completions call on each of `connections` HTTP connections."""
+    with urllib.request.urlopen(f"http://{address}/v1/models", timeout=CALL_TIMEOUT_S) as response:
+        model = json.load(response)["data"][0]["id"]
+    body = {"model": model, "prompt": list(PROMPT.ids), "max_tokens": 6, "temperature": 0}
+    texts = []
+    for _ in range(connections):  # urllib opens a connection for each request
+        request = urllib.request.Request(
+            f"http://{address}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=CALL_TIMEOUT_S) as response:
+            choice = json.load(response)["choices"][0]
+        assert choice["finish_reason"] == "length"
+        texts.append(choice["text"])
+    return texts
+
+
 def test_every_process_serves_and_metrics_count_them_all(service, tmp_path: Path) -> None:
-    """Calls on 32 connections are served by both processes, each the same tokens as the one-process
-    router gives; the first process's /metrics counts all 32; SIGTERM stops both, the others first."""
+    """Calls on 32 gRPC and 32 HTTP connections are served by both processes, each the same tokens as the
+    one-process router gives; the first process's /metrics counts them all; SIGTERM stops both."""
     log_path = tmp_path / "router.log"
-    router = start_router([service.worker.address], "--processes", "2", log_path=log_path)
+    router = start_router([service.worker.address], "--processes", "2", "--http-port", "0", log_path=log_path)
     try:
         wait_serving(router.address)
         started = events(log_path, "router_process_started")
         assert [record["index"] for record in started] == [1]
         single = generate_on_own_connections(service.router.address, 1)[0]
         assert generate_on_own_connections(router.address, CONNECTIONS) == [single] * CONNECTIONS
+        single_text = complete_on_own_connections(service.router.http_address, 1)[0]
+        assert complete_on_own_connections(router.http_address, CONNECTIONS) == [single_text] * CONNECTIONS
         samples = scrape(router.metrics_address)
-        assert value(samples, "nanovllm:requests_total", status="length", api="grpc") == CONNECTIONS
-        assert total(samples, "nanovllm:time_to_first_token_seconds_count") == CONNECTIONS
-        finished = wait_for_event(log_path, "request_finished", CONNECTIONS)
-        assert {record["router_process"] for record in finished} == {0, 1}
+        for api in ("grpc", "http"):
+            assert value(samples, "nanovllm:requests_total", status="length", api=api) == CONNECTIONS
+        assert total(samples, "nanovllm:time_to_first_token_seconds_count") == 2 * CONNECTIONS
+        finished = wait_for_event(log_path, "request_finished", 2 * CONNECTIONS)
+        for api in ("grpc", "http"):
+            assert {record["router_process"] for record in finished if record["api"] == api} == {0, 1}
     finally:
         code = router.stop()
     assert code == 0
