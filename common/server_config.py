@@ -172,9 +172,10 @@ class RouterConfig:
     shutdown_grace_s: float = 1.0
     processes: int = option(
         1,
-        help="router processes sharing the public gRPC port (SO_REUSEPORT: the kernel deals client connections "
-        "among them), for when one process's CPU bounds the tokens a second it streams; each connects to every "
-        "worker; the first also serves HTTP, /metrics (summed over all) and the health port (docs/serving.md)",
+        help="router processes sharing the public gRPC and HTTP ports (SO_REUSEPORT: the kernel deals client "
+        "connections among them), for when one process's CPU bounds the tokens a second it streams; each "
+        "connects to every worker; the first also serves /metrics (summed over all) and the health port "
+        "(docs/serving.md)",
     )
     # Which of the `processes` this one is: 0 starts the others, which get 1, 2, ...
     process_index: int = 0

@@ -51,7 +51,9 @@ ROUTER_FLAGS = [
 ]
 SERVE_FLAGS = [
     *flags_of(
-        RouterConfig, only=["host", "port", "http_port"], defaults={"host": "127.0.0.1", "http_port": 8000}
+        RouterConfig,
+        only=["host", "port", "http_port", "processes"],
+        defaults={"host": "127.0.0.1", "http_port": 8000},
     ),
     *SERVE_WORKER_FLAGS,
     *LOG_FLAGS,
@@ -153,6 +155,7 @@ def run_serve(options: dict[str, Any]) -> int:
         procs.append(worker.proc)
         worker_address = worker.address
         router_args = ["router", "--worker", worker_address, "--host", options["host"]]
+        router_args += ["--processes", str(options["processes"])]
         if options["http_port"] is not None:  # 0 picks a free port, as --port 0 does
             router_args += ["--http-port", str(options["http_port"])]
         router = spawn([*router_args, "--port", str(options["port"]), *log_args])
