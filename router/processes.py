@@ -73,7 +73,7 @@ class RouterProcesses:
         self._listened = {config.process_index: self._context.Event() for config in self._configs}
         self.listening = False  # every process listened (once)
         self._running: dict[int, BaseProcess] = {}
-        self._stopping = False
+        self._stopping = asyncio.Event()
         self._watchers: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -87,20 +87,19 @@ class RouterProcesses:
 
     def stop(self) -> None:
         """SIGTERM to each process: it drains as the first one does."""
-        self._stopping = True
+        self._stopping.set()
         for process in self._running.values():
             if process.is_alive():
                 process.terminate()
 
     async def wait(self, timeout_s: float) -> None:
         """Wait for the processes to exit after `stop`, killing any left after `timeout_s`."""
-        try:
-            await asyncio.wait_for(asyncio.gather(*self._watchers), timeout_s)
-        except asyncio.TimeoutError:
+        _, late = await asyncio.wait(self._watchers, timeout=timeout_s)
+        if late:
             for process in self._running.values():
                 log.warning("router_process_killed", pid=process.pid, timeout_s=timeout_s)
                 process.kill()
-            await asyncio.gather(*self._watchers)
+            await asyncio.wait(late)
 
     async def _keep(self, config: RouterConfig) -> None:
         """Run one process, starting it again whenever it exits until `stop`."""
@@ -119,7 +118,7 @@ class RouterProcesses:
             await _exited(process)
             _forget_metrics(process.pid)
             del self._running[config.process_index]
-            if self._stopping:
+            if self._stopping.is_set():
                 return
             delay = FIRST_RESTART_DELAY_S if loop.time() - started >= STEADY_S else delay
             log.warning(
@@ -129,10 +128,11 @@ class RouterProcesses:
                 exit_code=process.exitcode,
                 restart_in_s=delay,
             )
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, MAX_RESTART_DELAY_S)
-            if self._stopping:
+            try:  # the delay, unless the router stops first
+                await asyncio.wait_for(self._stopping.wait(), delay)
                 return
+            except asyncio.TimeoutError:
+                delay = min(2 * delay, MAX_RESTART_DELAY_S)
 
 
 def run_process(serve: Serve, config: RouterConfig, log_config: LogConfig, listened: EventType) -> None:

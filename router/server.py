@@ -210,6 +210,10 @@ async def serve_router(
     service = GenerationService(pool, metrics, config, access, tracing and tracing.tracer)
     generate_pb2_grpc.add_GenerationServicer_to_server(service, server.server)
     generate_pb2_grpc.add_AdminServicer_to_server(AdminService(pool, admin_tokens), server.server)
+    preloading = asyncio.create_task(asyncio.to_thread(auto_tokenizer))  # overlaps the workers' start-up
+    if not first:
+        pool.start()
+        await _first_of(reached.wait(), stop.wait())
     http = None
     announce = on_listening
     if config.http_port is not None:
@@ -225,10 +229,6 @@ async def serve_router(
         def announce(address: str, metrics_address: str) -> None:
             on_listening(address, f"{metrics_address}, http on {http_address}")
 
-    preloading = asyncio.create_task(asyncio.to_thread(auto_tokenizer))  # overlaps the workers' start-up
-    if not first:
-        pool.start()
-        await _first_of(reached.wait(), stop.wait())
     address, metrics_address = await server.listen(
         config.host,
         config.port,
