@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import gc
 import json
@@ -243,14 +244,14 @@ def cpu_seconds(pid: int) -> dict[str, float]:
 
     procs = [Path(f"/proc/{pid}")]
     for task in (procs[0] / "task").iterdir():
-        procs += [Path(f"/proc/{child}") for child in (task / "children").read_text().split()]
+        with contextlib.suppress(FileNotFoundError):  # a thread that just exited
+            procs += [Path(f"/proc/{child}") for child in (task / "children").read_text().split()]
     seconds = {"process": 0.0}
     for proc in procs:
-        try:
+        with contextlib.suppress(FileNotFoundError):  # a child or thread that just exited
             seconds["process"] += read(proc / "stat")
-            seconds.update({task.name: read(task / "stat") for task in (proc / "task").iterdir()})
-        except FileNotFoundError:  # a child that just exited
-            continue
+            for task in (proc / "task").iterdir():
+                seconds[task.name] = read(task / "stat")
     return seconds
 
 
