@@ -126,6 +126,25 @@ def test_a_process_that_dies_is_started_again_and_none_outlives_the_first(servic
     replacement.wait(timeout=START_TIMEOUT_S)  # told by the kernel that its parent died
 
 
+def test_sigterm_while_a_process_waits_to_start_again_stops_everything(service, tmp_path: Path) -> None:
+    """SIGTERM right after a process died (the first waits 1 s before starting it again): the first
+    process stops without starting it, exits 0, and leaves no process behind."""
+    log_path = tmp_path / "router.log"
+    router = start_router([service.worker.address], "--processes", "2", log_path=log_path)
+    try:
+        wait_serving(router.address)
+        first = psutil.Process(router.proc.pid)
+        os.kill(events(log_path, "router_process_started")[0]["pid"], signal.SIGKILL)
+        wait_for_event(log_path, "router_process_exited", 1)
+    finally:
+        code = router.stop()
+    assert code == 0
+    assert not first.is_running()
+    started = events(log_path, "router_process_started")
+    assert all(not psutil.pid_exists(record["pid"]) for record in started)
+    assert library_errors(log_path) == []
+
+
 @pytest.mark.parametrize("count", ["0", "-2"])
 def test_fewer_than_one_process_is_refused(count: str) -> None:
     result = subprocess.run(
