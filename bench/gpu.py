@@ -288,7 +288,12 @@ def run_decode_steps(llm: LLM, n: int, device: torch.device) -> tuple[int, int, 
 
 
 def decode_window(
-    llm: LLM, workload: Workload, n: int, device: torch.device, host_profile: bool = False
+    llm: LLM,
+    workload: Workload,
+    n: int,
+    device: torch.device,
+    host_profile: bool = False,
+    top_kernels: int = 14,
 ) -> DecodeWindow:
     """Prefill the whole workload step by step, then time n decode-only steps and, on CUDA, profile
     the next n: the first window warms the profiled one up and shows what the profiler costs. With
@@ -312,7 +317,7 @@ def decode_window(
         ]
         kernels = [(s, e) for name, s, e in gpu if not name.startswith(("Memcpy", "Memset"))]
         window.kernels, window.kernel_s = len(kernels), union_s(kernels)
-        window.top_kernels = kernel_table(gpu)
+        window.top_kernels = kernel_table(gpu, top_kernels)
         window.copy_s = union_s([(s, e) for name, s, e in gpu if name.startswith(("Memcpy", "Memset"))])
     if host_profile:
         profiler = cProfile.Profile()
@@ -440,6 +445,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="nano-vllm's default")
     p.add_argument("--profile-steps", type=int, default=32, help="decode steps per window")
     p.add_argument("--host-profile", action="store_true", help="cProfile one more decode window [2]")
+    p.add_argument("--top-kernels", type=int, default=14, help="rows of the decode window's kernel table [2]")
     p.add_argument(
         "--hf-num-seqs", type=int, default=64, help="first N requests for the transformers comparison"
     )
@@ -489,7 +495,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         tps = timed_generate(llm, workload, device, breakdown=True)
         print(f"[1] nanovllm LLM.generate: {workload.output_tokens:,} output tokens, {tps:,.1f} tok/s")
-        window = decode_window(llm, workload, args.profile_steps, device, args.host_profile)
+        window = decode_window(llm, workload, args.profile_steps, device, args.host_profile, args.top_kernels)
         ms_per_step = 1e3 * window.wall_s / max(window.steps, 1)
         print(
             f"[2] decode window: {window.steps} steps at mean batch {window.mean_batch:.0f}, "

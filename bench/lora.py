@@ -3,11 +3,14 @@ base model, then spread over 8 adapters (8 requests each, mixed in every batch),
 ratio is what matters (the issue's target: mixed >= 0.8x base).
 
 The adapters are random, in PEFT's format (every projection of every layer, rank --rank), written once
-into the cache beside the model. A step with adapter rows runs the layers module by module (the C++
-one-call decode layers and CUDA graphs know no adapters) plus, per adapter and projection part, a shrink
-and an expand matmul over that adapter's rows.
+into the cache beside the model. On a CPU a step with adapter rows runs the layers module by module (the
+C++ one-call decode layers know no adapters) plus one C++ call per projection for every adapter's rows; on
+CUDA a decode step with adapter rows replays its own graph, two Triton kernels per projection.
 
-Usage:  .venv/bin/python -m bench.lora [--shape smollm2-135m] [--rank 16] [--adapters 8] [--rounds 3]
+With --steps, one more run of each through the engine step by step: its prefill and decode steps' wall
+time apart, so a gap between the two runs can be placed.
+
+Usage:  .venv/bin/python -m bench.lora [--shape smollm2-135m] [--rank 16] [--adapters 8] [--rounds 3] [--steps]
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="runs of each, alternating; medians")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", action="store_true", help="time prefill and decode steps apart")
     return parser.parse_args(argv)
 
 
@@ -81,6 +85,24 @@ def timed_generate(
     outputs = llm.generate(prompts, [greedy(n) for n in output_lens], use_tqdm=False, lora_name=names)
     wall = time.perf_counter() - t0
     return sum(len(o["token_ids"]) for o in outputs) / wall
+
+
+def step_times(
+    llm: LLM, prompts: list[list[int]], output_lens: list[int], names: list[str | None]
+) -> dict[str, tuple[int, float]]:
+    """One run of the workload step by step: (steps, wall seconds) of the steps that prefill any tokens
+    and of the decode-only ones, each step's time ending when its outputs are on the host."""
+    engine = llm.engine
+    for k, (prompt, n, name) in enumerate(zip(prompts, output_lens, names)):
+        engine.add_request(f"steps-{k}", prompt, greedy(n), lora_name=name)
+    times = {"prefill": (0, 0.0), "decode": (0, 0.0)}
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        stats = engine.step().stats
+        kind = "prefill" if stats.num_prefill_tokens else "decode"
+        steps, seconds = times[kind]
+        times[kind] = (steps + 1, seconds + time.perf_counter() - t0)
+    return times
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -119,6 +141,14 @@ def main(argv: list[str] | None = None) -> None:
             results[kind].append(timed_generate(llm, workload.prompts, workload.output_lens, lora))
             print(f"  round {round_ + 1}, {kind}: {results[kind][-1]:,.1f} tok/s")
     print(f"load average at end: {load_average()}")
+    if args.steps:
+        for kind, lora in runs.items():
+            times = step_times(llm, workload.prompts, workload.output_lens, lora)
+            parts = [
+                f"{k}: {n} steps, {1e3 * t:,.1f} ms ({1e3 * t / max(n, 1):.2f} ms a step)"
+                for k, (n, t) in times.items()
+            ]
+            print(f"  {kind} step by step: " + "; ".join(parts))
     base, mixed = (statistics.median(results[k]) for k in ("base", "mixed"))
     print(f"\n| random {args.shape}, {args.dtype}, W{len(workload)} | output tok/s |")
     print("|---|---:|")

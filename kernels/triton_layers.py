@@ -269,20 +269,22 @@ def _lora_shrink_kernel(
     x, a, s, rows, row_slots, k, rank, stride_x, stride_a_slot, stride_s,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """s[i, part p's ranks] = A[slot of i, part p's ranks] @ x[rows[i]] in fp32, for program (i, p)."""
+    """s[i, part p's ranks] = A[slot of i, part p's ranks] @ x[rows[i]] in fp32, for program (i, p); nothing
+    for a row whose slot is negative (no adapter)."""
     i, p = tl.program_id(0), tl.program_id(1)
     row = tl.load(rows + i)
     slot = tl.load(row_slots + i)
-    ranks = tl.arange(0, BLOCK_R)
-    ks = tl.arange(0, BLOCK_K)
-    weights = a + slot * stride_a_slot + (p * rank + ranks[:, None]) * k
-    acc = tl.zeros([BLOCK_R], tl.float32)
-    for k0 in range(0, k, BLOCK_K):
-        kk = k0 + ks
-        xv = tl.load(x + row * stride_x + kk, mask=kk < k, other=0.0).to(tl.float32)
-        w = tl.load(weights + kk[None, :], mask=(ranks[:, None] < rank) & (kk[None, :] < k), other=0.0)
-        acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
-    tl.store(s + i * stride_s + p * rank + ranks, acc, mask=ranks < rank)
+    if slot >= 0:
+        ranks = tl.arange(0, BLOCK_R)
+        ks = tl.arange(0, BLOCK_K)
+        weights = a + slot * stride_a_slot + (p * rank + ranks[:, None]) * k
+        acc = tl.zeros([BLOCK_R], tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            kk = k0 + ks
+            xv = tl.load(x + row * stride_x + kk, mask=kk < k, other=0.0).to(tl.float32)
+            w = tl.load(weights + kk[None, :], mask=(ranks[:, None] < rank) & (kk[None, :] < k), other=0.0)
+            acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+        tl.store(s + i * stride_s + p * rank + ranks, acc, mask=ranks < rank)
 
 
 @triton.jit
@@ -291,20 +293,22 @@ def _lora_expand_kernel(
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """y[rows[i], cols] += s[i, ranks of each column's part] . B[slot of i, cols], rounded once, for the
-    columns of program (i, j); a column's part is 0 below bound1, 1 below bound2, else 2."""
+    columns of program (i, j); a column's part is 0 below bound1, 1 below bound2, else 2. Nothing for a
+    row whose slot is negative."""
     i, j = tl.program_id(0), tl.program_id(1)
     row = tl.load(rows + i)
     slot = tl.load(row_slots + i)
-    cols = j * BLOCK_N + tl.arange(0, BLOCK_N)
-    ranks = tl.arange(0, BLOCK_R)
-    part = (cols >= bound1).to(tl.int32) + (cols >= bound2).to(tl.int32)
-    inside = (cols[:, None] < n) & (ranks[None, :] < rank)
-    sv = tl.load(s + i * stride_s + part[:, None] * rank + ranks[None, :], mask=inside, other=0.0)
-    w = tl.load(b + slot * stride_b_slot + cols[:, None] * rank + ranks[None, :], mask=inside, other=0.0)
-    delta = tl.sum(sv * w.to(tl.float32), axis=1)
-    out = y + row * stride_y + cols
-    current = tl.load(out, mask=cols < n, other=0.0).to(tl.float32)
-    tl.store(out, _cast(current + delta, y.dtype.element_ty), mask=cols < n)
+    if slot >= 0:
+        cols = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        ranks = tl.arange(0, BLOCK_R)
+        part = (cols >= bound1).to(tl.int32) + (cols >= bound2).to(tl.int32)
+        inside = (cols[:, None] < n) & (ranks[None, :] < rank)
+        sv = tl.load(s + i * stride_s + part[:, None] * rank + ranks[None, :], mask=inside, other=0.0)
+        w = tl.load(b + slot * stride_b_slot + cols[:, None] * rank + ranks[None, :], mask=inside, other=0.0)
+        delta = tl.sum(sv * w.to(tl.float32), axis=1)
+        out = y + row * stride_y + cols
+        current = tl.load(out, mask=cols < n, other=0.0).to(tl.float32)
+        tl.store(out, _cast(current + delta, y.dtype.element_ty), mask=cols < n)
 
 
 def lora_add_(
@@ -318,7 +322,8 @@ def lora_add_(
 ) -> None:
     """y[rows[i]] += each part's (x[rows[i]] A_p^T) B_p^T with the slot row_slots[i] (worker/layers/lora.py's
     layout: a [slots, parts * rank, K], b [slots, N, rank], part_bounds [0, ..., N]), each row on its own
-    (batch-invariant), no host synchronisation. One program per adapted row and part for the shrink, per
+    (batch-invariant), no host synchronisation; rows whose slot is negative are left as they are (a
+    captured decode graph's base and padding rows). One program per adapted row and part for the shrink, per
     row and BLOCK_N columns for the expand: punica's BGMV, for decode-sized batches."""
     count, parts, rank = rows.numel(), len(part_bounds) - 1, b.shape[2]
     if count == 0:
@@ -329,7 +334,7 @@ def lora_add_(
     s = torch.empty((count, parts * rank), dtype=torch.float32, device=x.device)
     block_r = triton.next_power_of_2(rank)
     _lora_shrink_kernel[(count, parts)](
-        x, a, s, rows, row_slots, k, rank, x.stride(0), a.stride(0), s.stride(0), BLOCK_R=block_r, BLOCK_K=64
+        x, a, s, rows, row_slots, k, rank, x.stride(0), a.stride(0), s.stride(0), BLOCK_R=block_r, BLOCK_K=256
     )
     bounds = [*part_bounds[1:-1], n, n][:2]
     block_n = 64

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from nanovllm import LLM
 from nanovllm.common.errors import AdapterError, UnknownAdapterError
 from nanovllm.kernels import triton_layers
+from nanovllm.worker.runner.decode_graphs import EagerReplay
 from tests.helpers import greedy, teacher_forced_logits
 from tests.model_factory import ALL_LORA_TARGETS, build_model, make_adapter
 
@@ -172,6 +173,35 @@ def test_kernels_add_each_groups_adapter(kernels, dtype: torch.dtype, kind: str)
     x, a, b = (t.to(device) for t in (x, a, b))
     add(alone, torch.tensor([5]), torch.tensor([0, 1]), torch.tensor([2]), torch.tensor([2]))
     assert torch.equal(alone[5].cpu(), ours[5])
+    if kind == "triton":  # a captured graph's batch: every row, -1 for a row without an adapter
+        every = y.clone().to(device)
+        slot_of = {row: slot for slot, members in groups.items() for row in members}
+        row_slots = torch.tensor([slot_of.get(row, -1) for row in range(len(y))])
+        triton_layers.lora_add_(every, x, a, b, torch.arange(len(y)).to(device), row_slots.to(device), parts)
+        assert torch.equal(every.cpu(), ours)
+
+
+def test_adapter_decode_steps_replay_in_the_decode_graphs(models):
+    """On the Triton path, decode steps whose batch mixes adapters and the base replay in the decode
+    graphs' adapter variant (each row's slot in a static buffer, -1 for the base and padding rows) and give
+    every request the eager engine's tokens. On a GPU the engine captures CUDA graphs itself; here the replay
+    is EagerReplay (the same static buffers and padding, Triton in its interpreter)."""
+    base, adapters = models["qwen3"]
+    batch, names = prompts(5, 3), ["r8-all", None, "r64-subset"]
+    small = {**TRITON, "max_num_seqs": 4}  # buckets 1, 2 and 4
+    eager = engine(base, adapters, **small).generate(batch, greedy(4), use_tqdm=False, lora_name=names)
+    llm = engine(base, adapters, **{**small, "enforce_eager": not torch.cuda.is_available()})
+    runner = llm.engine.runner
+    if runner.decode_graphs is None:
+        runner.use_decode_graphs(EagerReplay())
+    graphs = runner.decode_graphs
+    assert graphs is not None and sorted(graphs.adapter_replays) == [1, 2, 4]
+    replayed: list[int] = []
+    for size, replay in list(graphs.adapter_replays.items()):
+        graphs.adapter_replays[size] = lambda replay=replay, size=size: (replayed.append(size), replay())[1]
+    out = llm.generate(batch, greedy(4), use_tqdm=False, lora_name=names)
+    assert [o["token_ids"] for o in out] == [o["token_ids"] for o in eager]
+    assert replayed and set(replayed) == {4}  # three rows padded to bucket 4, every decode step
 
 
 def test_prefix_cache_blocks_never_cross_adapters(models):

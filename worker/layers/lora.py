@@ -44,6 +44,15 @@ class LoRABatch:
     mask: torch.Tensor | None = None
     slot_index: torch.Tensor | None = None
 
+    @classmethod
+    def every_row(cls, row_slots: torch.Tensor) -> LoRABatch:
+        """Every row of a step with its slot, negative for a row without an adapter, all on the device: the
+        batch of a captured decode graph, whose launches must not depend on which rows have adapters. Only
+        the Triton kernels take it (they skip the negative rows); it has no host-side groups."""
+        rows = torch.arange(row_slots.shape[0], device=row_slots.device)
+        empty = torch.zeros(0, dtype=torch.long)
+        return cls([], empty, torch.zeros(1, dtype=torch.long), empty, rows, row_slots)
+
 
 class LoRAContext:
     """What a model's adapted layers share: the step's LoRABatch (None: no row has an adapter), set by the
@@ -104,7 +113,10 @@ class LoRAWeights(nn.Module):
         batch = self.context.batch
         if batch is None:
             return
-        if cpu_kernels is not None and y.is_contiguous():
+        every_row = not batch.groups  # LoRABatch.every_row: a captured decode graph's
+        if every_row and (triton_kernels is None or not y.is_contiguous()):
+            raise RuntimeError("a batch of every row (LoRABatch.every_row) runs on the Triton kernels only")
+        if cpu_kernels is not None and y.is_contiguous() and not every_row:
             cpu_kernels.lora_add_(
                 y, x, self.lora_a, self.lora_b, batch.rows, batch.starts, batch.slots, self.part_bounds
             )

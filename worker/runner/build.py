@@ -222,6 +222,8 @@ class ModelRunnerBase:
                 block_size=self.block_size,
                 pad_block=self.pad_block,
                 device=self.device,
+                # Adapter steps replay too where the adapters run on the Triton kernels.
+                lora=self.lora if self.kernel_backend == "triton" else None,
             )
 
     def _max_blocks_per_seq(self) -> int:

@@ -7,6 +7,10 @@ decode token 0 at position 0 into the KV cache's pad block, which no sequence ow
 well-formed input and no sequence's cache changes. Prefill and mixed steps, and batches above the largest
 bucket, run eagerly: their shapes change every step.
 
+With LoRA on the Triton kernels, each bucket has a second graph for steps with adapter rows: every row runs
+the adapter kernels with its slot from a static buffer, -1 (none) for base and padding rows, which the
+kernels skip, so one graph serves any mix of adapters. Steps without adapters replay the plain graph.
+
 Capturing is behind `GraphCapture`: `CudaGraphCapture` on CUDA, and `EagerReplay`, which runs the same static
 buffers and padding eagerly. The CPU tests use the latter to check everything but the capture itself.
 """
@@ -23,6 +27,7 @@ from torch import nn
 
 from nanovllm.common.logging import get_logger
 from nanovllm.kernels.attention import AttentionMetadata, DecodeBatch
+from nanovllm.worker.layers.lora import LoRABatch, LoRAContext
 from nanovllm.worker.step import StepInputs
 
 log = get_logger(__name__)
@@ -102,7 +107,10 @@ class DecodeGraphs:
         block_size: int,
         pad_block: int,
         device: torch.device,
+        lora: LoRAContext | None = None,
     ) -> None:
+        """`lora`: the model's LoRA context, where its adapters run on the Triton kernels (the only ones
+        that take a graph's every-row batch); then adapter steps replay too."""
         self.buckets = batch_buckets(max_num_seqs)
         self.block_size = block_size
         self.device = device
@@ -114,46 +122,61 @@ class DecodeGraphs:
         self.context_lens = torch.ones(rows, dtype=torch.long, device=device)
         self.block_tables = torch.full((rows, max_blocks_per_seq), pad_block, dtype=torch.long, device=device)
         self.pad = (0, 0, pad_block * block_size, 1, pad_block)  # a padding row's id, position, slot, ...
+        self.lora = lora
+        self.lora_slots = torch.full((rows,), -1, dtype=torch.long, device=device)  # each row's adapter
 
         started, before = time.perf_counter(), _reserved(device)
         self.replays: dict[int, Forward] = {}
+        self.adapter_replays: dict[int, Forward] = {}
         for size in reversed(self.buckets):
-            self.replays[size] = capture.capture(self._forward_of(model, size))
+            self.replays[size] = capture.capture(self._forward_of(model, size, adapters=False))
+            if lora is not None:
+                self.adapter_replays[size] = capture.capture(self._forward_of(model, size, adapters=True))
         log.info(
             "decode_graphs_captured",
             capture=capture.name,
             buckets=len(self.buckets),
+            adapters=lora is not None,
             largest=rows,
             seconds=round(time.perf_counter() - started, 2),
             graph_mib=round((_reserved(device) - before) / 2**20, 1),
         )
 
-    def _forward_of(self, model: nn.Module, size: int) -> Forward:
+    def _forward_of(self, model: nn.Module, size: int, adapters: bool) -> Forward:
         def forward() -> torch.Tensor:
             # Fresh metadata on every call: its lazily derived tensors (the reference backend's masks) must
             # be computed inside the capture, not reused from the warm-up.
             decode = DecodeBatch(self.block_tables[:size], self.context_lens[:size], self.block_size)
             meta = AttentionMetadata(slot_mapping=self.slot_mapping[:size], decode=decode)
+            if self.lora is not None:
+                self.lora.batch = LoRABatch.every_row(self.lora_slots[:size]) if adapters else None
             return model(self.input_ids[:size], self.positions[:size], meta)
 
         return forward
 
     def bucket(self, inputs: StepInputs) -> int | None:
-        """The bucket a step replays in, or None when it must run eagerly (LoRA rows among them: the
-        graphs hold no adapters)."""
+        """The bucket a step replays in, or None when it must run eagerly (adapter rows among them, unless
+        the graphs were captured with adapters)."""
         n = len(inputs.decodes)
-        if inputs.fresh or inputs.cached or inputs.lora_slots or n == 0 or n > self.buckets[-1]:
+        adapters_eager = inputs.lora_slots and self.lora is None
+        if inputs.fresh or inputs.cached or adapters_eager or n == 0 or n > self.buckets[-1]:
             return None
         if max(len(c.block_table) for c in inputs.decodes) > self.block_tables.shape[1]:
             return None
         return self.buckets[bisect.bisect_left(self.buckets, n)]
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, size: int
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        size: int,
+        lora_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The hidden states [n, hidden] of a decode-only step of n rows (its inputs on the device),
-        replayed in bucket `size`. The padding rows are rewritten each time, since a larger step before
-        may have left real sequences' values in them."""
+        replayed in bucket `size`; `lora_slots` [n]: each row's adapter slot, -1 for none, when any row has
+        one. The padding rows are rewritten each time, since a larger step before may have left real
+        sequences' values in them."""
         # The tables may carry a padding column past the static buffer's width (BlockTableRows).
         n, width = input_ids.shape[0], min(meta.decode.block_tables.shape[1], self.block_tables.shape[1])
         pad_id, pad_pos, pad_slot, pad_len, pad_block = self.pad
@@ -169,4 +192,8 @@ class DecodeGraphs:
         # masks them out.
         self.block_tables[:n, :width].copy_(meta.decode.block_tables[:, :width])
         self.block_tables[n:size, :width].fill_(pad_block)
-        return self.replays[size]()[:n]
+        if lora_slots is None:
+            return self.replays[size]()[:n]
+        self.lora_slots[:n].copy_(lora_slots)
+        self.lora_slots[n:size].fill_(-1)
+        return self.adapter_replays[size]()[:n]

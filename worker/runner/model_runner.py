@@ -91,15 +91,16 @@ class ModelRunner(ModelRunnerBase):
             if self.tp.rank > 0:  # rank 0 filled these slots as it laid the step out
                 for slot, name, path in inputs.lora_fills:
                     self.adapter_slots.put(slot, self.read_adapter(name, path))
-            if self.lora is not None:
-                self.lora.batch = lora_batch(
-                    inputs.lora_slots, self.lora.num_slots, self.inputs.long, self.dtype
-                )
             graphs = self.decode_graphs
             bucket = graphs.bucket(inputs) if graphs is not None else None
             if graphs is not None and bucket is not None:
-                hidden = graphs.run(input_ids, positions, meta, bucket)
+                lora_slots = self.inputs.long(inputs.lora_slots) if inputs.lora_slots else None
+                hidden = graphs.run(input_ids, positions, meta, bucket, lora_slots)
             else:
+                if self.lora is not None:
+                    self.lora.batch = lora_batch(
+                        inputs.lora_slots, self.lora.num_slots, self.inputs.long, self.dtype
+                    )
                 hidden = self.model(input_ids, positions, meta)
             if not inputs.logits_index:
                 return None
