@@ -28,8 +28,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "from nanovllm.kernels.cpu_kernels import load_cpu_kernels; load_cpu_kernels()"
 	touch $(STAMP)
 
+# One test process per usable CPU (tests/conftest.py), each file's tests in one of them (module fixtures
+# start once); `.venv/bin/pytest` alone runs them in this process, one after another.
 test: $(STAMP) $(NODE_DEPS)
-	$(BIN)/pytest
+	$(BIN)/pytest -n auto --dist loadfile
 
 # On a CUDA machine with CUDA torch and triton in its python3 and the wheels of `.ci/gpu wheels` in .whl/:
 # the tests that exercise the CUDA path (docs/devices.md#running-on-a-gpu).

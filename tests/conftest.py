@@ -9,6 +9,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tests.services import SUITE_CPUS  # before any engine starts a thread: see the pin below
+
+os.sched_setaffinity(0, SUITE_CPUS)
+
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,13 +23,28 @@ from nanovllm.common.errors import ConfigError
 from nanovllm.common.v1 import worker_pb2
 from nanovllm.kernels.cpu_kernels import load_cpu_kernels
 from nanovllm.router.tokenizer import ModelTokenizer
+from nanovllm.worker.device import usable_cpus
 from nanovllm.worker.models.gguf.cache import embedded_model_path, prepare_gguf
 from tests.chat_templates import QWEN3
 from tests.model_factory import build_model, build_tokenizer
 from tests.services import (
     ServerProcess,
     router_and_worker,
+    unpin_test_process,
 )
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: one test process per CPU this suite may use (its affinity mask capped by a cgroup quota),
+    where pytest-xdist would count physical cores (one on a VM whose two CPUs are hyperthreads)."""
+    return usable_cpus()
+
+
+@pytest.fixture(autouse=True)
+def _suite_cpus() -> None:
+    """Each test starts on every CPU the suite has: an earlier test's engine may have pinned this process
+    to its slice, and the processes a test starts inherit the mask (tests/services.py)."""
+    unpin_test_process()
 
 
 @pytest.fixture(scope="session")

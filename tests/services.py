@@ -25,10 +25,43 @@ from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 START_TIMEOUT_S = 180.0  # the first worker of a session may compile the C++ kernels
 
 
+def worker_cpus(cpus: frozenset[int]) -> frozenset[int]:
+    """The share of `cpus` this test process runs on: under pytest-xdist, worker gw<i> of n takes the i-th
+    of n near-equal parts (a CPU of its own on a 2-core machine with -n 2), so the engines of two workers
+    never wait on each other's threads (worker/runner/cpu_share.py); all of them otherwise."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if worker is None or count is None:
+        return cpus
+    index, n, ordered = int(worker.removeprefix("gw")), int(count), sorted(cpus)
+    part = ordered[index * len(ordered) // n : (index + 1) * len(ordered) // n]
+    return frozenset(part or [ordered[index % len(ordered)]])
+
+
+HOST_CPUS = frozenset(os.sched_getaffinity(0))  # every CPU the suite was given
+# The CPUs this test process and the servers it starts use, pinned by conftest before any engine runs. An
+# offline engine in the test process takes its slice of them (worker/runner/cpu_share.py) by pinning the
+# process's threads, often to one CPU; a server started after that would inherit the slice and run beside
+# the test on that CPU alone, so each test and each start gives the process all of them back.
+SUITE_CPUS = worker_cpus(HOST_CPUS)
+
+
+def unpin_test_process() -> None:
+    """Give every thread of this process the suite's CPUs back (an engine still running takes its slice
+    again at its next step)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), SUITE_CPUS)
+        except OSError:  # a thread that just exited
+            continue
+
+
 def start(args: list[str], log_path: Path | None = None, cpus: set[int] | None = None) -> ServerProcess:
-    """`nanovllm <args>` with JSON logs to `log_path` (or nowhere), once it listens."""
+    """`nanovllm <args>` with JSON logs to `log_path` (or nowhere), once it listens; on `cpus`, by default
+    the suite's (the child inherits the mask of the thread that starts it)."""
     if log_path is None:
         log_path = Path(os.devnull)
+    if cpus is None:
+        os.sched_setaffinity(0, SUITE_CPUS)
     return spawn([*args, "--log-format", "json"], log_path, cpus)
 
 

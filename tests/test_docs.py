@@ -27,6 +27,8 @@ OTHER_TOOLS_FLAGS = {
     "--set",
     "--pythonpath",
     "--help",
+    "--dist",  # pytest-xdist's, as `make test` runs the suite
+    "--pdb",
 }
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 VARIABLE = re.compile(r"NANOVLLM_[A-Z0-9_]+")

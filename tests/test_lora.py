@@ -116,14 +116,29 @@ def test_greedy_tokens_and_logits_equal_peft(models, arch: str, backend: str):
 )
 def test_a_mixed_batch_equals_each_request_alone(models, backend: str, count: int, max_new: int):
     """Three adapters and the base, requests of each, in one batch with chunked prefill; then each
-    request alone on an engine without a prefix cache."""
+    request alone on an engine without a prefix cache. On the Triton path the batch's decode steps replay
+    in the decode graphs' adapter variant (each row's slot in a static buffer, -1 for the base and padding
+    rows), the requests alone run eagerly: CUDA graphs on a GPU, here EagerReplay (the same static buffers
+    and padding, Triton in its interpreter)."""
     base, adapters = models["qwen3"]
     batch = prompts(3, count)
     names = ([None, "r8-all", "r64-subset", "r8-subset"] * 2)[:count]
     options = TRITON if backend == "triton" else {"attention_backend": backend}
-    mixed = engine(base, adapters, max_num_batched_tokens=32, **options).generate(
-        batch, greedy(max_new), use_tqdm=False, lora_name=names
+    graphs = {"max_num_seqs": 4, "enforce_eager": not torch.cuda.is_available()}  # buckets 1, 2, 4
+    llm = engine(
+        base, adapters, max_num_batched_tokens=32, **{**options, **(graphs if backend == "triton" else {})}
     )
+    replayed: list[int] = []
+    if backend == "triton":
+        if llm.engine.runner.decode_graphs is None:
+            llm.engine.runner.use_decode_graphs(EagerReplay())
+        graphs = llm.engine.runner.decode_graphs
+        for size, replay in list(graphs.adapter_replays.items()):
+            graphs.adapter_replays[size] = lambda replay=replay, size=size: (replayed.append(size), replay())[
+                1
+            ]
+    mixed = llm.generate(batch, greedy(max_new), use_tqdm=False, lora_name=names)
+    assert (4 in replayed) == (backend == "triton")  # the three rows padded to bucket 4, at least once
     alone = engine(base, adapters, enable_prefix_caching=False, **options)
     for prompt, name, out in zip(batch, names, mixed):
         expected = alone.generate([prompt], greedy(max_new), use_tqdm=False, lora_name=name)[0]["token_ids"]
@@ -179,29 +194,6 @@ def test_kernels_add_each_groups_adapter(kernels, dtype: torch.dtype, kind: str)
         row_slots = torch.tensor([slot_of.get(row, -1) for row in range(len(y))])
         triton_layers.lora_add_(every, x, a, b, torch.arange(len(y)).to(device), row_slots.to(device), parts)
         assert torch.equal(every.cpu(), ours)
-
-
-def test_adapter_decode_steps_replay_in_the_decode_graphs(models):
-    """On the Triton path, decode steps whose batch mixes adapters and the base replay in the decode
-    graphs' adapter variant (each row's slot in a static buffer, -1 for the base and padding rows) and give
-    every request the eager engine's tokens. On a GPU the engine captures CUDA graphs itself; here the replay
-    is EagerReplay (the same static buffers and padding, Triton in its interpreter)."""
-    base, adapters = models["qwen3"]
-    batch, names = prompts(5, 3), ["r8-all", None, "r64-subset"]
-    small = {**TRITON, "max_num_seqs": 4}  # buckets 1, 2 and 4
-    eager = engine(base, adapters, **small).generate(batch, greedy(4), use_tqdm=False, lora_name=names)
-    llm = engine(base, adapters, **{**small, "enforce_eager": not torch.cuda.is_available()})
-    runner = llm.engine.runner
-    if runner.decode_graphs is None:
-        runner.use_decode_graphs(EagerReplay())
-    graphs = runner.decode_graphs
-    assert graphs is not None and sorted(graphs.adapter_replays) == [1, 2, 4]
-    replayed: list[int] = []
-    for size, replay in list(graphs.adapter_replays.items()):
-        graphs.adapter_replays[size] = lambda replay=replay, size=size: (replayed.append(size), replay())[1]
-    out = llm.generate(batch, greedy(4), use_tqdm=False, lora_name=names)
-    assert [o["token_ids"] for o in out] == [o["token_ids"] for o in eager]
-    assert replayed and set(replayed) == {4}  # three rows padded to bucket 4, every decode step
 
 
 def test_prefix_cache_blocks_never_cross_adapters(models):

@@ -292,23 +292,29 @@ def test_constrained_batch_unchanged_by_speculation_preemption_and_chunking(mode
     _same(squeezed, plain)
 
 
-def test_bystanders_are_the_tokens_they_are_alone(qwen3_dir: Path, kernels):
+@pytest.fixture(scope="module")
+def f32_llm(qwen3_dir: Path, kernels) -> Iterator[LLM]:
+    """One float32 engine for the tests below, each of which leaves it idle: its grammar compiler loads the
+    tokenizer once rather than once a test."""
+    llm = LLM(str(qwen3_dir), **F32)
+    yield llm
+    llm.shutdown()
+
+
+def test_bystanders_are_the_tokens_they_are_alone(f32_llm: LLM):
     """Unconstrained requests beside constrained ones produce what they produce alone."""
     prompts, params = _batch()
-    llm = LLM(str(qwen3_dir), **F32)
-    together = llm.generate(prompts, params, use_tqdm=False)
-    alone = llm.generate([prompts[2], prompts[5]], [params[2], params[5]], use_tqdm=False)
-    llm.shutdown()
+    together = f32_llm.generate(prompts, params, use_tqdm=False)
+    alone = f32_llm.generate([prompts[2], prompts[5]], [params[2], params[5]], use_tqdm=False)
     assert [together[2]["token_ids"], together[5]["token_ids"]] == [o["token_ids"] for o in alone]
 
 
-def test_a_resumed_request_replays_its_tokens_through_a_fresh_matcher(qwen3_dir: Path, kernels):
+def test_a_resumed_request_replays_its_tokens_through_a_fresh_matcher(f32_llm: LLM):
     """add_request with the first tokens of a constrained request goes on exactly as the unbroken request;
     tokens the constraint rejects refuse the request (its only output carries the error)."""
     prompts, params = _batch()
-    llm = LLM(str(qwen3_dir), **F32)
-    unbroken = llm.generate([prompts[1]], [params[1]], use_tqdm=False)[0]["token_ids"]
-    engine: LLMEngine = llm.engine
+    unbroken = f32_llm.generate([prompts[1]], [params[1]], use_tqdm=False)[0]["token_ids"]
+    engine: LLMEngine = f32_llm.engine
     engine.add_request("resumed", prompts[1], params[1], output_token_ids=unbroken[:7])
     engine.add_request("wrong", prompts[0], params[0], output_token_ids=unbroken[:7])
     tokens, errors = list(unbroken[:7]), {}
@@ -318,7 +324,6 @@ def test_a_resumed_request_replays_its_tokens_through_a_fresh_matcher(qwen3_dir:
                 errors[out.request_id] = out.error
             elif out.request_id == "resumed":
                 tokens += out.new_token_ids
-    llm.shutdown()
     assert tokens == unbroken
     assert list(errors) == ["wrong"] and "output_token_ids do not match" in errors["wrong"]
 
@@ -333,13 +338,11 @@ def test_a_resumed_request_replays_its_tokens_through_a_fresh_matcher(qwen3_dir:
         ({"grammar": "start: missing_rule"}, ["grammar", "missing_rule"]),
     ],
 )
-def test_a_constraint_that_does_not_compile_is_a_request_error(qwen3_dir: Path, kernels, constraint, words):
-    llm = LLM(str(qwen3_dir), **F32)
+def test_a_constraint_that_does_not_compile_is_a_request_error(f32_llm: LLM, constraint, words):
     with pytest.raises(RequestError) as info:
-        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, **constraint), use_tqdm=False)
+        f32_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, **constraint), use_tqdm=False)
     assert all(w in str(info.value) for w in words), str(info.value)
-    assert not llm.engine.has_unfinished_requests()  # nothing was queued
-    llm.shutdown()
+    assert not f32_llm.engine.has_unfinished_requests()  # nothing was queued
 
 
 def test_a_compile_past_the_time_limit_refuses_its_request(qwen3_dir: Path, kernels):
@@ -397,11 +400,12 @@ def _chat(question: str, sampling: generate_pb2.SamplingParams) -> generate_pb2.
 
 
 def _json_requests(free_whitespace: bool) -> tuple[list, list]:
-    """300 JSON-schema requests: the 10 schemas at temperatures 0.7, 1.0 and 1.3, ten seeds each."""
+    """100 JSON-schema requests: the 10 schemas at temperatures 0.7, 1.0 and 1.3 (every pair three or four
+    times), a seed each."""
     requests, schemas = [], []
-    for i in range(300):
+    for i in range(100):
         what, schema = SCHEMAS[i % len(SCHEMAS)]
-        temperature = (0.7, 1.0, 1.3)[i // 100]
+        temperature = (0.7, 1.0, 1.3)[i % 3]
         sampling = generate_pb2.SamplingParams(
             temperature=temperature, seed=i, max_tokens=256, json_schema=json.dumps(schema),
             json_free_whitespace=free_whitespace,
@@ -413,25 +417,31 @@ def _json_requests(free_whitespace: bool) -> tuple[list, list]:
 
 @pytest.mark.slow
 def test_every_constrained_answer_is_valid_through_router_and_worker(smol_service: str):
-    """All at once: 300 sampled JSON-schema requests (compact JSON, the default), 100 regex and 100 choice
+    """All at once: 100 sampled JSON-schema requests (compact JSON, the default), 50 regex and 50 choice
     requests (half greedy, half sampled at 0.8, seeded): every JSON answer parses and validates, every
-    regex answer fullmatches, every choice answer is one of the choices, and each ends with "stop". With
-    any whitespace allowed between JSON tokens, a 135M model sampling at these temperatures wandered
-    into blank space until max_tokens, and with numbers unbounded into a number's digits
-    (docs/architecture.md#structured-output); compact and with numbers bounded, it cannot."""
+    regex answer fullmatches, every choice answer is one of the choices, and each ends with "stop".
+
+    Sized for what only a batch through router and worker can show: a fault in how constrained rows
+    share a batch (a mask on the wrong row, a matcher not advanced or not reset) breaks a share of the
+    answers, and one that breaks 1.5% of them fails this test with probability 1 - 0.985^200 > 95% (3% of
+    the JSON answers alone: 1 - 0.97^100 > 95%). The rare failures of a grammar that allows them (blank
+    space until max_tokens with free whitespace, a number's digits with unbounded numbers: about 1 answer
+    in 300, docs/performance.md) cannot happen in the default grammar, which the tests above check
+    directly (test_json_is_compact_unless_free_whitespace_is_asked,
+    test_json_numbers_end_unless_the_schema_bounds_them_itself)."""
     requests, checks = [], []
     json_requests, schemas = _json_requests(free_whitespace=False)
     requests += json_requests
     checks += [
         lambda text, schema=schema: jsonschema.validate(json.loads(text), schema) for schema in schemas
     ]
-    for i in range(100):
+    for i in range(50):
         what, pattern = REGEXES[i % len(REGEXES)]
         requests.append(_chat(f"Write {what} (number {i}).", _sampling(i, 60, regex=pattern)))
         checks.append(
             lambda text, pattern=pattern: re.fullmatch(pattern, text) or pytest.fail(f"{pattern}: {text!r}")
         )
-    for i in range(100):
+    for i in range(50):
         what, options = CHOICES[i % len(CHOICES)]
         requests.append(
             _chat(
