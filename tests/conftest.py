@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 from nanovllm.common.errors import ConfigError
@@ -32,6 +33,19 @@ from tests.services import (
     router_and_worker,
     unpin_test_process,
 )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_process_outlives_the_suite() -> Iterator[None]:
+    """Every process a test starts is gone by the end: CI requires that nothing of the suite runs on. Torn
+    down last (set up first), after the session's own servers stopped; leftovers are killed and named."""
+    yield
+    left = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+    left = [p for p in left if "multiprocessing.resource_tracker" not in " ".join(p.cmdline())]
+    names = [" ".join(p.cmdline()[:8]) for p in left]
+    for process in left:
+        process.kill()
+    assert names == [], f"processes left running by the suite: {names}"
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:

@@ -108,6 +108,7 @@ def cluster(model_dirs: dict[str, Path], kernels, tmp_path_factory) -> Iterator[
         "--http-port", "0", "--admin-tokens-file", str(root / "admin-tokens"),
         log_path=root / "router.log",
     )  # fmt: skip
+    cluster: Cluster | None = None
     try:
         for server in (qwen3, llama, router):
             wait_serving(server.address)
@@ -116,10 +117,13 @@ def cluster(model_dirs: dict[str, Path], kernels, tmp_path_factory) -> Iterator[
                 0.02
             )  # until both workers are connected (the router is SERVING at the first)
         client = openai.OpenAI(base_url=f"http://{router.http_address}/v1", api_key="none", max_retries=0)
-        yield Cluster(
+        cluster = Cluster(
             qwen3, llama, router, {"qwen3": qwen3_dir, "llama": llama_dir}, adapters, expected, client
         )
+        yield cluster
     finally:
+        if cluster is not None:  # a test may have replaced a worker (one restarted on its port)
+            qwen3, llama, router = cluster.qwen3, cluster.llama, cluster.router
         router.stop()
         qwen3.stop()
         llama.stop()

@@ -225,9 +225,13 @@ def test_a_stream_resumed_after_its_worker_died_shows_both_attempts(
 
 @pytest.mark.slow
 def test_an_unreachable_collector_is_one_warning_and_serving_goes_on(
-    qwen3_dir: Path, kernels, tmp_path: Path
+    qwen3_dir: Path, kernels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     log = tmp_path / "router.log"
+    # Batches every 50 ms, each given up after a second (rather than 5 s and 5 s): several failed exports
+    # while the calls run, which must still be one warning.
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "1")
     worker = start_worker(qwen3_dir, log_path=tmp_path / "worker.log")
     router = start_router([worker.address], "--otlp-traces-endpoint", "http://127.0.0.1:1", log_path=log)
     try:
