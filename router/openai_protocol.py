@@ -2,7 +2,8 @@
 OpenAI's completions and stream chunks. Pure translation: no I/O, each piece testable alone.
 
 Unknown fields are ignored, as OpenAI's server ignores them; a known field of the wrong type is a
-ProtocolError naming it (the HTTP face answers 400). Ranges are checked where gRPC checks them, by the
+ProtocolError naming it (the HTTP face answers 400), and so is one of OpenAI's fields whose asked-for
+effect is not served (UNSERVED): answering as if it were absent would be a silent wrong answer. Ranges are checked where gRPC checks them, by the
 same validation, so both faces give the same messages.
 """
 
@@ -47,6 +48,28 @@ _JSON_NAMES = {
 }
 
 
+# OpenAI's fields not served yet, each with the values that ask for nothing (those pass) and what is missing.
+UNSERVED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "echo": ((False, None), "the prompt is not returned before the completion (nor its tokens' logprobs)"),
+    "suffix": ((None, ""), "text after the completion (insertion) is not supported"),
+    "logit_bias": ((None, {}), "per-token logit biases are not supported"),
+}
+
+
+def _refuse_unserved(body: dict[str, Any], n: int) -> None:
+    for name, (nothing, missing) in UNSERVED.items():
+        if name in body and not any(body[name] == v and type(body[name]) is type(v) for v in nothing):
+            raise ProtocolError(
+                name, f"{name}={_shown(body[name], as_json=True)} is not served here: {missing}"
+            )
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:  # the best n of best_of candidates: only best_of == n is served
+        raise ProtocolError(
+            "best_of",
+            f"best_of={_shown(best_of, as_json=True)} is not served here: only best_of equal to n ({n}) is",
+        )
+
+
 def _typed(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any = None) -> Any:
     value = body.get(name, default)
     if value is None:
@@ -60,9 +83,10 @@ def _typed(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], defa
     return value
 
 
-def _shown(value: Any) -> str:
-    """A value for a message, cut short (an integer may have thousands of digits)."""
-    text = repr(value)
+def _shown(value: Any, as_json: bool = False) -> str:
+    """A value for a message (as Python or JSON writes it), cut short (an integer may have thousands of
+    digits)."""
+    text = json.dumps(value) if as_json else repr(value)
     return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
 
 
@@ -277,6 +301,7 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
             prompt = {"text": text}
     model = _typed(body, "model", str, "")
     n = _integer(body, "n", (1, MAX_N), 1)
+    _refuse_unserved(body, n)
     requests = []
     for i in range(n):
         choice_sampling = generate_pb2.SamplingParams()

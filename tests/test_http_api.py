@@ -177,6 +177,10 @@ def test_bad_requests_are_400_in_openais_shape(http: Http) -> None:
     wrong_type = json.dumps({"messages": MESSAGES, "max_tokens": "ten"}).encode()
     status, body = raw(http, "/v1/chat/completions", wrong_type)
     assert status == 400 and body["error"]["param"] == "max_tokens"
+    # lm-evaluation-harness scores a choice with echo and logprobs: refused, not answered without the prompt.
+    with pytest.raises(openai.BadRequestError, match="echo=true is not served here") as caught:
+        http.client.completions.create(model=http.model, prompt="Hi", echo=True, logprobs=1, max_tokens=1)
+    assert caught.value.body["param"] == "echo"
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_kv_blocks(http: Http) -> None:
@@ -230,6 +234,30 @@ def test_protocol_errors_name_the_field() -> None:
         with pytest.raises(ProtocolError) as caught:
             parse_request(body, chat=True)
         assert caught.value.param == param, (json.dumps(body), caught.value)
+
+
+def test_fields_whose_effect_is_not_served_are_refused_naming_them() -> None:
+    """An OpenAI field asking for what the router does not serve is a 400 naming it, not an answer without
+    it; the values that ask for nothing pass."""
+    prompt = {"prompt": "Hi"}
+    for body, param in [
+        ({**prompt, "echo": True}, "echo"),
+        ({**prompt, "suffix": " end"}, "suffix"),
+        ({**prompt, "best_of": 3}, "best_of"),
+        ({**prompt, "n": 2, "best_of": 3}, "best_of"),
+        ({"messages": MESSAGES, "logit_bias": {"5": 10}}, "logit_bias"),
+    ]:
+        with pytest.raises(ProtocolError, match="is not served here") as caught:
+            parse_request(body, chat="messages" in body)
+        assert caught.value.param == param, (json.dumps(body), caught.value)
+    for body in [
+        {**prompt, "echo": False},
+        {**prompt, "suffix": None},
+        {**prompt, "best_of": 1},
+        {**prompt, "n": 2, "best_of": 2},
+        {"messages": MESSAGES, "logit_bias": {}},
+    ]:
+        parse_request(body, chat="messages" in body)
 
 
 def test_tokens_are_checked_as_on_grpc(kernels, tmp_path) -> None:
