@@ -204,6 +204,8 @@ class RouterConfig:
             raise ConfigError(f"--processes must be at least 1, got {self.processes}")
         if self.stall_timeout_s <= 0:
             raise ConfigError(f"--stall-timeout must be more than 0 seconds, got {self.stall_timeout_s:g}")
+        if not self.resume_wait_s >= 0:
+            raise ConfigError(f"--resume-wait must be 0 seconds or more, got {self.resume_wait_s:g}")
         for name, allowed in (
             ("reasoning_parser", REASONING_PARSERS),
             ("tool_call_parser", TOOL_CALL_PARSERS),
@@ -224,8 +226,12 @@ class RouterConfig:
     max_resumes: int = option(
         8, help="times one stream may move to another worker after its worker failed mid-generation"
     )
-    # How long a stream whose worker failed mid-generation waits for another worker to take it.
-    resume_wait_s: float = 10.0
+    resume_wait_s: float = option(
+        10.0,
+        flag="--resume-wait",
+        help="seconds a stream whose worker failed mid-generation waits for another worker to take it "
+        "before it ends UNAVAILABLE",
+    )
     # Between tries, a jittered backoff from this, doubling.
     retry_backoff_s: float = 0.02
     stall_timeout_s: float = option(

@@ -196,3 +196,10 @@ def test_a_stall_timeout_must_be_positive(stall_timeout: float) -> None:
         ConfigError, match=f"--stall-timeout must be more than 0 seconds, got {stall_timeout:g}"
     ):
         RouterConfig(workers=["w:1"], stall_timeout_s=stall_timeout)
+
+
+@pytest.mark.parametrize("wait", [-1.0, float("nan")])
+def test_a_resume_wait_must_not_be_negative(wait: float) -> None:
+    with pytest.raises(ConfigError, match=f"--resume-wait must be 0 seconds or more, got {wait:g}"):
+        RouterConfig(workers=["w:1"], resume_wait_s=wait)
+    assert RouterConfig(workers=["w:1"], resume_wait_s=0.0).resume_wait_s == 0.0

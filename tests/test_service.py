@@ -438,11 +438,12 @@ def test_queue_full_is_resource_exhausted(own_worker, logs) -> None:
 
 @pytest.mark.slow
 def test_worker_killed_mid_stream_then_restarted(own_worker, logs) -> None:
-    """Streams on a worker that dies end at once with UNAVAILABLE; the router keeps serving (health
-    follows the worker) and reconnects when a worker is back on that address."""
+    """Streams on a worker that dies end with UNAVAILABLE once no other worker took them within
+    --resume-wait (here 1 s); the router keeps serving (health follows the worker) and reconnects when a
+    worker is back on that address."""
     worker = own_worker()
     port = int(worker.address.rsplit(":", 1)[1])
-    router = start_router([worker.address], log_path=logs / "router.log")
+    router = start_router([worker.address], "--resume-wait", "1", log_path=logs / "router.log")
     try:
         wait_serving(router.address)
         with grpc.insecure_channel(router.address) as channel:
