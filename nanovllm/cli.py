@@ -40,7 +40,10 @@ from nanovllm.worker.config import EngineConfig
 LOG_FLAGS = flags_of(LogConfig)
 ENGINE_FLAGS = flags_of(EngineConfig)
 # What `serve` forwards to its worker: the engine and its queue (the worker listens on a free local port).
-SERVE_WORKER_FLAGS = [*ENGINE_FLAGS, *flags_of(WorkerServerConfig, only=["max_queued_requests"])]
+SERVE_WORKER_FLAGS = [
+    *ENGINE_FLAGS,
+    *flags_of(WorkerServerConfig, only=["max_queued_requests", "served_model_name"]),
+]
 WORKER_FLAGS = [*flags_of(WorkerServerConfig), *flags_of(TracingConfig), *ENGINE_FLAGS, *LOG_FLAGS]
 ROUTER_FLAGS = [
     *flags_of(RouterConfig),

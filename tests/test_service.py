@@ -628,11 +628,12 @@ def test_cli_client_streams_an_answer(service, offline) -> None:
 
 
 def test_cli_serve_runs_both_and_stops_both(qwen3_dir: Path, kernels) -> None:
-    """`nanovllm serve` starts a worker and a router as separate processes, says where it listens, serves,
-    and on SIGTERM stops both and exits 0."""
+    """`nanovllm serve` starts a worker and a router as separate processes, says where it listens, serves
+    the model under --served-model-name, and on SIGTERM stops both and exits 0."""
     serve = subprocess.Popen(
         [sys.executable, "-m", "nanovllm.cli", "serve", "--model", str(qwen3_dir), "--port", "0"]
-        + ["--kv-cache-memory", "32MiB", "--max-model-len", "512", "--log-format", "json"],
+        + ["--kv-cache-memory", "32MiB", "--max-model-len", "512", "--log-format", "json"]
+        + ["--served-model-name", "team-qwen"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -646,8 +647,13 @@ def test_cli_serve_runs_both_and_stops_both(qwen3_dir: Path, kernels) -> None:
         # printed once the router answers: the request below needs no waiting
         assert serve.stdout.readline().strip() == f"nanovllm serving {qwen3_dir}"
         assert serve.stdout.readline().startswith("try: ")
-        responses, error = collect(router_address, greedy_request("served", 3))
+        request = greedy_request("served", 3)
+        request.model = "team-qwen"
+        responses, error = collect(router_address, request)
         assert error is None and responses[-1].usage.completion_tokens == 3
+        with grpc.insecure_channel(router_address) as channel:
+            info = generate_pb2_grpc.GenerationStub(channel).GetModelInfo(generate_pb2.GetModelInfoRequest())
+        assert info.model == "team-qwen"
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=60) == 0
         _, alive = psutil.wait_procs(children, timeout=30)
