@@ -10,7 +10,8 @@ CUDA a decode step with adapter rows replays its own graph, two Triton kernels p
 With --steps, one more run of each through the engine step by step: its prefill and decode steps' wall
 time apart, so a gap between the two runs can be placed.
 
-Usage:  .venv/bin/python -m bench.lora [--shape smollm2-135m] [--rank 16] [--adapters 8] [--rounds 3] [--steps]
+Usage:  .venv/bin/python -m bench.lora [--shape smollm2-135m] [--rank 16] [--adapters 8] [--rounds 3]
+            [--steps]
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ OpenAI's completions and stream chunks. Pure translation: no I/O, each piece tes
 
 Unknown fields are ignored, as OpenAI's server ignores them; a known field of the wrong type is a
 ProtocolError naming it (the HTTP face answers 400), and so is one of OpenAI's fields whose asked-for
-effect is not served (UNSERVED): answering as if it were absent would be a silent wrong answer. Ranges are checked where gRPC checks them, by the
-same validation, so both faces give the same messages.
+effect is not served (UNSERVED): answering as if it were absent would be a silent wrong answer. Ranges are
+checked where gRPC checks them, by the same validation, so both faces give the same messages.
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ class LoRAWeights(nn.Module):
         batch = self.context.batch
         if batch is None:
             return
-        every_row = not batch.groups  # LoRABatch.every_row: a captured decode graph's
+        every_row = not batch.groups  # LoRABatch.every_row, in a captured decode graph
         if every_row and (triton_kernels is None or not y.is_contiguous()):
             raise RuntimeError("a batch of every row (LoRABatch.every_row) runs on the Triton kernels only")
         if cpu_kernels is not None and y.is_contiguous() and not every_row:
