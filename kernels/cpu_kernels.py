@@ -16,12 +16,15 @@ where transformers rounds (see the .cpp header). bench/cpu_kernels.py times each
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import platform
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -96,6 +99,22 @@ def _headers_digest() -> str:
     return digest.hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def _own_ninja_first() -> Iterator[None]:
+    """While building, the ninja installed beside this Python (a dependency in pyproject.toml) comes first on
+    PATH. torch's builder runs whichever `ninja` PATH finds, and ninja 1.11 and 1.12+ read each other's build
+    logs as changed commands: a shell with the venv activated and one without rebuilt every kernel (one to two
+    minutes) each time they took turns."""
+    path = os.environ.get("PATH", "")
+    own_bin = Path(sys.executable).parent
+    if (own_bin / "ninja").exists():
+        os.environ["PATH"] = os.pathsep.join([str(own_bin), path])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
+
+
 @functools.cache
 def load_cpu_kernels() -> ModuleType | None:
     """The compiled module, or None (with a warning) when it cannot be built on this machine."""
@@ -106,20 +125,21 @@ def load_cpu_kernels() -> ModuleType | None:
         # no float operation traps, and a branch keeps every loop that calls it scalar: the SwiGLU gate, the
         # attention's softmax and the sampler's exp pass ran 7-10x slower. Results are unchanged (no
         # -ffast-math: IEEE rounding, NaNs and infinities are kept; nothing here reads the FP exception flags).
-        return load(
-            name=_NAME,
-            sources=[str(source) for source in _SOURCES],
-            build_directory=str(_build_directory()),
-            extra_cflags=[
-                "-O3",
-                "-march=native",
-                "-fno-trapping-math",
-                "-fopenmp",
-                f"-DNANOVLLM_HEADERS={_headers_digest()}",
-            ],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        with _own_ninja_first():
+            return load(
+                name=_NAME,
+                sources=[str(source) for source in _SOURCES],
+                build_directory=str(_build_directory()),
+                extra_cflags=[
+                    "-O3",
+                    "-march=native",
+                    "-fno-trapping-math",
+                    "-fopenmp",
+                    f"-DNANOVLLM_HEADERS={_headers_digest()}",
+                ],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
     except (
         OSError,
         RuntimeError,
