@@ -35,15 +35,17 @@ from nanovllm.common.logging import get_logger
 log = get_logger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
+# The two that include torch/extension.h (the slowest to compile) first: ninja starts them first.
 _SOURCES = [
     _CSRC / name
     for name in (
+        "bindings_cpu.cpp",
+        "decode_layers_cpu.cpp",
         "paged_attention_cpu.cpp",
         "linear_cpu.cpp",
         "linear_quantized_cpu.cpp",
         "token_bitmask_cpu.cpp",
         "sampling_cpu.cpp",
-        "decode_layers_cpu.cpp",
         "lora_cpu.cpp",
     )
 ]

@@ -3,7 +3,7 @@
 // so each source file gets its own copy.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <cmath>
 #include <cstdint>
@@ -124,7 +124,7 @@ void dispatch(const char* op, at::ScalarType type, F&& f) {
 
 // One dtype per call: a float32 weight next to bfloat16 activations would otherwise be read as the
 // wrong bits. The message names every tensor's dtype.
-void check_one_dtype(const char* op, std::initializer_list<std::pair<const char*, const torch::Tensor*>> tensors) {
+void check_one_dtype(const char* op, std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors) {
   const auto first = tensors.begin()->second->scalar_type();
   bool same = true;
   for (const auto& t : tensors) same = same && t.second->scalar_type() == first;

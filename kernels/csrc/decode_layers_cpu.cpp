@@ -14,34 +14,34 @@
 #include <vector>
 
 // paged_attention_cpu.cpp
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-torch::Tensor silu_and_mul(torch::Tensor x);
-void store_kv_(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
-               torch::Tensor slot_mapping);
-torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor block_tables, at::Tensor context_lens, double scale);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+at::Tensor silu_and_mul(at::Tensor x);
+void store_kv_(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache,
+               at::Tensor slot_mapping);
+at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin);
 // linear_cpu.cpp
-torch::Tensor linear_few_rows(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
-std::vector<torch::Tensor> linear_grouped(std::vector<torch::Tensor> xs, std::vector<torch::Tensor> weights);
+at::Tensor linear_few_rows(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias);
+std::vector<at::Tensor> linear_grouped(std::vector<at::Tensor> xs, std::vector<at::Tensor> weights);
 // linear_quantized_cpu.cpp
-torch::Tensor linear_quantized(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
-                               c10::optional<torch::Tensor> mins, int64_t bits, int64_t group_size,
-                               c10::optional<torch::Tensor> bias, bool batch_invariant);
+at::Tensor linear_quantized(at::Tensor x, at::Tensor qweight, at::Tensor scales,
+                            c10::optional<at::Tensor> mins, int64_t bits, int64_t group_size,
+                            c10::optional<at::Tensor> bias, bool batch_invariant);
 
 namespace {
 
 // One projection's weights, float or packed, as worker/layers/linear.py's `linear` dispatches them.
 struct Projection {
-  c10::optional<torch::Tensor> weight;  // float [N, K]; absent when packed
-  c10::optional<torch::Tensor> qweight, scales, mins;
+  c10::optional<at::Tensor> weight;  // float [N, K]; absent when packed
+  c10::optional<at::Tensor> qweight, scales, mins;
   int64_t bits = 0, group_size = 0;
-  c10::optional<torch::Tensor> bias;
+  c10::optional<at::Tensor> bias;
   int64_t few_rows_max = 0;  // float weights: linear_few_rows up to this many rows, PyTorch's GEMM above
   bool batch_invariant = false;  // every row count on the kernels' fixed summation order
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
+  at::Tensor operator()(const at::Tensor& x) const {
     if (!weight.has_value())
       return linear_quantized(x, *qweight, *scales, mins, bits, group_size, bias, batch_invariant);
     if (batch_invariant || x.size(0) <= few_rows_max) return linear_few_rows(x, *weight, bias);
@@ -58,46 +58,46 @@ struct SparseMoe {
   int64_t top_k = 0;
   bool norm_topk_prob = false;
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
-    torch::Tensor weights, chosen;
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor weights, chosen;
     std::tie(weights, chosen) = at::softmax(router(x), -1, at::kFloat).topk(top_k, -1);
     if (norm_topk_prob) weights.div_(weights.sum(-1, /*keepdim=*/true));
     weights = weights.to(x.scalar_type());
-    const torch::Tensor flat = chosen.flatten();
-    const torch::Tensor order = at::argsort(flat, /*stable=*/true);
-    const torch::Tensor counts = at::bincount(flat, {}, static_cast<int64_t>(w13.size()));
+    const at::Tensor flat = chosen.flatten();
+    const at::Tensor order = at::argsort(flat, /*stable=*/true);
+    const at::Tensor counts = at::bincount(flat, {}, static_cast<int64_t>(w13.size()));
     const int64_t* count = counts.data_ptr<int64_t>();
     std::vector<int64_t> experts, sizes;
     for (int64_t e = 0; e < counts.size(0); ++e)
       if (count[e] > 0) experts.push_back(e), sizes.push_back(count[e]);
-    const torch::Tensor token_of_row = at::floor_divide(order, top_k);
-    const std::vector<torch::Tensor> inputs = x.index_select(0, token_of_row).split_with_sizes(sizes);
+    const at::Tensor token_of_row = at::floor_divide(order, top_k);
+    const std::vector<at::Tensor> inputs = x.index_select(0, token_of_row).split_with_sizes(sizes);
     const int64_t most_rows = *std::max_element(sizes.begin(), sizes.end());
-    std::vector<torch::Tensor> ys;
+    std::vector<at::Tensor> ys;
     if (w13[0].weight.has_value() && (router.batch_invariant || most_rows <= router.few_rows_max)) {
-      std::vector<torch::Tensor> gate_up_weights, down_weights;
+      std::vector<at::Tensor> gate_up_weights, down_weights;
       for (int64_t e : experts) gate_up_weights.push_back(*w13[e].weight), down_weights.push_back(*w2[e].weight);
-      const torch::Tensor acts = silu_and_mul(at::cat(linear_grouped(inputs, gate_up_weights)));
+      const at::Tensor acts = silu_and_mul(at::cat(linear_grouped(inputs, gate_up_weights)));
       ys = linear_grouped(acts.split_with_sizes(sizes), down_weights);
     } else {
       for (size_t i = 0; i < experts.size(); ++i) ys.push_back(w2[experts[i]](silu_and_mul(w13[experts[i]](inputs[i]))));
     }
-    const torch::Tensor rows = at::cat(ys).mul_(weights.flatten().index_select(0, order).unsqueeze(1));
-    const torch::Tensor by_token =
+    const at::Tensor rows = at::cat(ys).mul_(weights.flatten().index_select(0, order).unsqueeze(1));
+    const at::Tensor by_token =
         rows.index_select(0, at::argsort(token_of_row, /*stable=*/true)).view({-1, top_k, rows.size(1)});
-    torch::Tensor out = by_token.select(1, 0);
+    at::Tensor out = by_token.select(1, 0);
     for (int64_t slot = 1; slot < top_k; ++slot) out = out + by_token.select(1, slot);
     return out.contiguous();
   }
 };
 
 struct Layer {
-  torch::Tensor input_norm, post_attention_norm;
-  c10::optional<torch::Tensor> qk_norm;  // Qwen3's per-head norm, [heads + kv_heads, head_dim]
+  at::Tensor input_norm, post_attention_norm;
+  c10::optional<at::Tensor> qk_norm;  // Qwen3's per-head norm, [heads + kv_heads, head_dim]
   Projection qkv, o;
   c10::optional<Projection> gate_up, down;  // a dense MLP's, or
   c10::optional<SparseMoe> moe;             // a sparse layer's experts
-  torch::Tensor k_cache, v_cache;  // [num_blocks, block_size, kv_heads, head_dim]
+  at::Tensor k_cache, v_cache;  // [num_blocks, block_size, kv_heads, head_dim]
 };
 
 class DecodeLayers {
@@ -113,10 +113,10 @@ class DecodeLayers {
 
   // x: the embedded tokens [T, hidden]; returns (the last layer's output, the residual), as the module
   // path leaves them for the final norm.
-  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
-                                                   torch::Tensor slot_mapping, torch::Tensor block_tables,
-                                                   torch::Tensor context_lens) const {
-    torch::Tensor residual;
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
+                                             at::Tensor slot_mapping, at::Tensor block_tables,
+                                             at::Tensor context_lens) const {
+    at::Tensor residual;
     const int64_t tokens = x.size(0), qk_size = (heads_ + kv_heads_) * dim_;
     for (const Layer& layer : layers_) {
       if (!residual.defined()) {
@@ -125,13 +125,13 @@ class DecodeLayers {
       } else {
         add_rms_norm_(x, residual, layer.input_norm, eps_);
       }
-      const torch::Tensor qkv = layer.qkv(x);
-      torch::Tensor qk = qkv.slice(1, 0, qk_size).view({tokens, -1, dim_});
+      const at::Tensor qkv = layer.qkv(x);
+      at::Tensor qk = qkv.slice(1, 0, qk_size).view({tokens, -1, dim_});
       if (layer.qk_norm.has_value()) qk = rms_norm(qk, *layer.qk_norm, eps_);
       const auto rotated = rotary(qk, cos, sin).split({heads_, kv_heads_}, 1);
-      const torch::Tensor v = qkv.slice(1, qk_size).view({tokens, kv_heads_, dim_});
+      const at::Tensor v = qkv.slice(1, qk_size).view({tokens, kv_heads_, dim_});
       store_kv_(rotated[1], v, layer.k_cache, layer.v_cache, slot_mapping);
-      const torch::Tensor attended =
+      const at::Tensor attended =
           paged_decode_attention(rotated[0], layer.k_cache, layer.v_cache, block_tables, context_lens, scale_);
       x = layer.o(attended.flatten(1));
       add_rms_norm_(x, residual, layer.post_attention_norm, eps_);
@@ -151,9 +151,9 @@ class DecodeLayers {
 void register_decode_layers(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<Projection>(m, "Projection", "One projection's weights for DecodeLayers: float or packed")
-      .def(py::init([](c10::optional<torch::Tensor> weight, c10::optional<torch::Tensor> qweight,
-                       c10::optional<torch::Tensor> scales, c10::optional<torch::Tensor> mins, int64_t bits,
-                       int64_t group_size, c10::optional<torch::Tensor> bias, int64_t few_rows_max,
+      .def(py::init([](c10::optional<at::Tensor> weight, c10::optional<at::Tensor> qweight,
+                       c10::optional<at::Tensor> scales, c10::optional<at::Tensor> mins, int64_t bits,
+                       int64_t group_size, c10::optional<at::Tensor> bias, int64_t few_rows_max,
                        bool batch_invariant) {
              TORCH_CHECK(weight.has_value() != qweight.has_value(), "Projection: a float weight or a packed one");
              return Projection{weight, qweight, scales, mins, bits, group_size, bias, few_rows_max, batch_invariant};
@@ -172,10 +172,10 @@ void register_decode_layers(pybind11::module& m) {
            }),
            py::arg("router"), py::arg("w13"), py::arg("w2"), py::arg("top_k"), py::arg("norm_topk_prob"));
   py::class_<Layer>(m, "DecoderLayerWeights", "One decoder layer's weights and KV cache for DecodeLayers")
-      .def(py::init([](torch::Tensor input_norm, torch::Tensor post_attention_norm,
-                       c10::optional<torch::Tensor> qk_norm, Projection qkv, Projection o,
+      .def(py::init([](at::Tensor input_norm, at::Tensor post_attention_norm,
+                       c10::optional<at::Tensor> qk_norm, Projection qkv, Projection o,
                        c10::optional<Projection> gate_up, c10::optional<Projection> down,
-                       c10::optional<SparseMoe> moe, torch::Tensor k_cache, torch::Tensor v_cache) {
+                       c10::optional<SparseMoe> moe, at::Tensor k_cache, at::Tensor v_cache) {
              TORCH_CHECK(moe.has_value() != (gate_up.has_value() && down.has_value()),
                          "DecoderLayerWeights: a dense MLP's gate_up and down, or a sparse layer's moe");
              return Layer{input_norm, post_attention_norm, qk_norm, qkv, o, gate_up, down, moe, k_cache, v_cache};

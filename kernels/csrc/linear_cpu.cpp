@@ -7,7 +7,7 @@
 // from memory into registers, and serves every row of x: a tile of up to kTileRows rows of x (widened to
 // fp32 once, then read from L1) against one to four weight rows at a time (linear_tile.h, which also states
 // the order every sum is taken in; tile_from_memory and tile_bf16 below say how many).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "linear_tile.h"
@@ -133,8 +133,8 @@ void linear_impl(const T* x, const T* w, const T* bias, T* y, int64_t rows, int6
 }
 
 template <typename T>
-void linear_grouped_impl(const std::vector<torch::Tensor>& xs, const std::vector<torch::Tensor>& weights,
-                         std::vector<torch::Tensor>& ys) {
+void linear_grouped_impl(const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& weights,
+                         std::vector<at::Tensor>& ys) {
   const int64_t groups = static_cast<int64_t>(xs.size());
   std::vector<std::vector<float>> xf(groups);
   std::vector<int64_t> first_pair(groups + 1, 0);  // group g's weight row pairs are [first_pair[g], first_pair[g + 1])
@@ -161,10 +161,10 @@ void linear_grouped_impl(const std::vector<torch::Tensor>& xs, const std::vector
 
 // xs[g] @ weights[g].T for every g, each as linear_few_rows computes it (the same sums in the same order), in
 // one parallel region: a decode step's chosen experts, each a few MB of weights, read as one stream.
-std::vector<torch::Tensor> linear_grouped(std::vector<torch::Tensor> xs, std::vector<torch::Tensor> weights) {
+std::vector<at::Tensor> linear_grouped(std::vector<at::Tensor> xs, std::vector<at::Tensor> weights) {
   TORCH_CHECK(xs.size() == weights.size(), "linear_grouped: ", xs.size(), " inputs for ", weights.size(),
               " weights");
-  std::vector<torch::Tensor> ys;
+  std::vector<at::Tensor> ys;
   if (xs.empty()) return ys;
   for (size_t g = 0; g < xs.size(); ++g) {
     TORCH_CHECK(xs[g].dim() == 2 && weights[g].dim() == 2 && xs[g].size(1) == weights[g].size(1),
@@ -173,7 +173,7 @@ std::vector<torch::Tensor> linear_grouped(std::vector<torch::Tensor> xs, std::ve
     check_one_dtype("linear_grouped", {{"x", &xs[0]}, {"x", &xs[g]}, {"weight", &weights[g]}});
     xs[g] = xs[g].contiguous();
     weights[g] = weights[g].contiguous();
-    ys.push_back(torch::empty({xs[g].size(0), weights[g].size(0)}, xs[g].options()));
+    ys.push_back(at::empty({xs[g].size(0), weights[g].size(0)}, xs[g].options()));
   }
   dispatch("linear_grouped", xs[0].scalar_type(), [&](auto zero) {
     using T = decltype(zero);
@@ -184,7 +184,7 @@ std::vector<torch::Tensor> linear_grouped(std::vector<torch::Tensor> xs, std::ve
 
 // x [rows, K], weight [N, K], bias [N] or None, one dtype; returns [rows, N] in it. Any number of rows is
 // correct; the layers call it for few rows only (kernels/cpu_kernels.py FEW_ROWS_MAX), where it is faster.
-torch::Tensor linear_few_rows(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+at::Tensor linear_few_rows(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "linear_few_rows: x [rows, K] and weight [N, K] must share K, got x ", x.sizes(), " and weight ",
               weight.sizes());
@@ -197,9 +197,9 @@ torch::Tensor linear_few_rows(torch::Tensor x, torch::Tensor weight, c10::option
   x = x.contiguous();
   weight = weight.contiguous();
   const int64_t rows = x.size(0), N = weight.size(0), K = x.size(1);
-  auto y = torch::empty({rows, N}, x.options());
+  auto y = at::empty({rows, N}, x.options());
   if (rows == 0) return y;
-  const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   dispatch("linear_few_rows", x.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
     linear_impl(x.data_ptr<T>(), weight.data_ptr<T>(), b.defined() ? b.data_ptr<T>() : nullptr, y.data_ptr<T>(),

@@ -24,7 +24,7 @@
 //   and the float engine runs such batches in PyTorch's 16-bit GEMM too.
 // With batch_invariant (the engine's --deterministic) neither the GEMM nor the integer dots run: every row
 // count takes the registers or the panels, so each row's result is the same whatever rows are beside it.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "linear_int8_dots.h"
@@ -298,9 +298,9 @@ void dequantize_row_16(const QRow& row, int64_t K, int64_t group, T* out) {
 
 // The whole weight [N, K] in `dtype` (each weight rounded from its exact fp32 value).
 template <int BITS>
-torch::Tensor dequantize_all(const uint8_t* q, const c10::Half* scales, const c10::Half* mins, int64_t N, int64_t K,
-                             int64_t group, at::ScalarType dtype) {
-  auto w = torch::empty({N, K}, torch::dtype(dtype));
+at::Tensor dequantize_all(const uint8_t* q, const c10::Half* scales, const c10::Half* mins, int64_t N, int64_t K,
+                          int64_t group, at::ScalarType dtype) {
+  auto w = at::empty({N, K}, at::dtype(dtype));
   dispatch("linear_quantized", dtype, [&](auto zero) {
     using T = decltype(zero);
     T* out = w.data_ptr<T>();
@@ -329,9 +329,9 @@ torch::Tensor dequantize_all(const uint8_t* q, const c10::Half* scales, const c1
 // x [rows, K] in float32, bfloat16 or float16; qweight [N, K] int8 (bits 8) or [N, K / 2] uint8 (bits 4);
 // scales and mins [N, K / group_size] float16 (mins only, and required, for 4 bits); bias [N] in x's dtype
 // or None. Returns [rows, N] in x's dtype. batch_invariant: each row summed in one order at every row count.
-torch::Tensor linear_quantized(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
-                               c10::optional<torch::Tensor> mins, int64_t bits, int64_t group_size,
-                               c10::optional<torch::Tensor> bias, bool batch_invariant) {
+at::Tensor linear_quantized(at::Tensor x, at::Tensor qweight, at::Tensor scales,
+                            c10::optional<at::Tensor> mins, int64_t bits, int64_t group_size,
+                            c10::optional<at::Tensor> bias, bool batch_invariant) {
   TORCH_CHECK(bits == 4 || bits == 8, "linear_quantized: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && scales.dim() == 2, "linear_quantized: x, qweight and scales must "
               "be 2-d, got ", x.sizes(), ", ", qweight.sizes(), ", ", scales.sizes());
@@ -358,17 +358,17 @@ torch::Tensor linear_quantized(torch::Tensor x, torch::Tensor qweight, torch::Te
   x = x.contiguous();
   qweight = qweight.contiguous();
   scales = scales.contiguous();
-  const torch::Tensor m = mins.has_value() ? mins->contiguous() : torch::Tensor();
-  const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  const at::Tensor m = mins.has_value() ? mins->contiguous() : at::Tensor();
+  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   const auto* q = static_cast<const uint8_t*>(qweight.data_ptr());
   const auto* s = scales.data_ptr<c10::Half>();
   const auto* mn = m.defined() ? m.data_ptr<c10::Half>() : nullptr;
   if (!batch_invariant && rows > (x.scalar_type() == at::kFloat ? kPanelMaxRows : kDirectRows)) {
-    const torch::Tensor w = bits == 8 ? dequantize_all<8>(q, s, mn, N, K, group_size, x.scalar_type())
+    const at::Tensor w = bits == 8 ? dequantize_all<8>(q, s, mn, N, K, group_size, x.scalar_type())
                                       : dequantize_all<4>(q, s, mn, N, K, group_size, x.scalar_type());
-    return at::linear(x, w, b.defined() ? b : torch::Tensor());
+    return at::linear(x, w, b.defined() ? b : at::Tensor());
   }
-  auto y = torch::empty({rows, N}, x.options());
+  auto y = at::empty({rows, N}, x.options());
   if (rows == 0) return y;
   dispatch("linear_quantized", x.scalar_type(), [&](auto zero) {
     using T = decltype(zero);

@@ -6,7 +6,7 @@
 // s = x A_p^T per part p (fp32, never rounded), then the expand s B_p^T of that part's output features,
 // added to y and rounded to its dtype once. Every sum is taken in the tile's fixed order, so a row's result
 // never depends on the rows beside it (batch-invariant, as --deterministic needs).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "linear_tile.h"
@@ -57,8 +57,8 @@ void lora_add_impl(T* y, const T* x, const T* a, const T* b, const int64_t* rows
 // y [rows, N] += for each group g (rows[starts[g]:starts[g + 1]], adapter slot slots[g]) and part p (output
 // features parts[p]:parts[p + 1]): (x A[slot, p*rank:(p+1)*rank]^T) B[slot, parts[p]:parts[p+1]]^T.
 // x [rows, K], a [slots, parts * rank, K], b [slots, N, rank], one dtype; rows, starts, slots int64.
-void lora_add_(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor rows,
-               torch::Tensor starts, torch::Tensor slots, std::vector<int64_t> parts) {
+void lora_add_(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor rows,
+               at::Tensor starts, at::Tensor slots, std::vector<int64_t> parts) {
   check_one_dtype("lora_add_", {{"y", &y}, {"x", &x}, {"a", &a}, {"b", &b}});
   TORCH_CHECK(y.is_contiguous() && y.dim() == 2 && x.dim() == 2 && x.size(0) == y.size(0), "lora_add_: y [rows, N] "
               "(contiguous) and x [rows, K] must share rows, got ", y.sizes(), " and ", x.sizes());

@@ -18,7 +18,7 @@
 // attention itself. Here each (sequence, kv head) task walks its block table in place, prefetching ahead,
 // so K and V are read once. The query heads that share a kv head (GQA) are handled by the same task, and
 // each K/V row is loaded and converted once for all of them.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "cpu_common.h"
@@ -398,8 +398,8 @@ void rms_norm_rows(const T* x, int64_t token_stride, const T* w, bool per_head, 
 
 // query [B, H, D], caches [num_blocks, block_size, KV, D], block_tables [B, max_blocks] (int64),
 // context_lens [B] (int64). Returns [B, H, D] in the query's dtype.
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor block_tables, at::Tensor context_lens, double scale) {
   check_one_dtype("paged_decode_attention", {{"query", &query}, {"k_cache", &k_cache}, {"v_cache", &v_cache}});
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode_attention: caches must be contiguous");
   query = query.contiguous();
@@ -408,7 +408,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
   const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t kv_heads = k_cache.size(2);
   TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == dim, "paged_decode_attention: shape mismatch");
-  auto out = torch::empty_like(query);
+  auto out = at::empty_like(query);
   dispatch("paged_decode_attention", query.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
     decode_attention_impl(query.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
@@ -421,7 +421,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
 
 // One call instead of the half-dozen ops of the PyTorch RMSNorm: at batch 1 every op launch costs more
 // than its arithmetic, and a decoder layer has two norms.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   check_one_dtype("rms_norm", {{"x", &x}, {"weight", &weight}});
   const int64_t hidden = x.size(-1);
   const bool per_head = weight.dim() == 2;
@@ -435,7 +435,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   TORCH_CHECK(weight.is_contiguous() && weight.size(-1) == hidden && (!per_head || weight.size(0) == heads),
               "rms_norm: weight must be contiguous [", hidden, "] or [heads, ", hidden, "] for x ", x.sizes(),
               ", got ", weight.sizes());
-  auto out = torch::empty(x.sizes(), x.options());
+  auto out = at::empty(x.sizes(), x.options());
   dispatch("rms_norm", x.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
     rms_norm_rows(x.data_ptr<T>(), token_stride, weight.data_ptr<T>(), per_head, out.data_ptr<T>(), tokens, heads,
@@ -445,7 +445,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 }
 
 // In place: residual += x, then x = RMSNorm(residual) * weight (the pre-norm residual stream update).
-void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   check_one_dtype("add_rms_norm_", {{"x", &x}, {"residual", &residual}, {"weight", &weight}});
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous() &&
                   x.sizes() == residual.sizes(),
@@ -467,19 +467,19 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
 // rows any stride apart: k and v are column slices of the QKV output) to slot slot_mapping[t] of the
 // caches [num_blocks, block_size, kv_heads, D]. What index_copy_ does, as one memcpy a row: PyTorch's
 // index_copy_ took 8 ms for a 2,000-token bf16 prompt's K on this project's CPU (1.6 ms in fp32).
-void store_kv_(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
-               torch::Tensor slot_mapping) {
+void store_kv_(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache,
+               at::Tensor slot_mapping) {
   check_one_dtype("store_kv_", {{"key", &key}, {"value", &value}, {"k_cache", &k_cache}, {"v_cache", &v_cache}});
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.dim() == 4,
               "store_kv_: k_cache and v_cache must be contiguous [num_blocks, block_size, kv_heads, D] of one shape");
   const int64_t row = k_cache.size(2) * k_cache.size(3), num_slots = k_cache.size(0) * k_cache.size(1);
-  for (const torch::Tensor* t : {&key, &value})
+  for (const at::Tensor* t : {&key, &value})
     TORCH_CHECK(t->dim() == 3 && t->size(1) * t->size(2) == row && t->stride(2) == 1 && t->stride(1) == t->size(2),
                 "store_kv_: key and value must be [T, kv_heads, D] with contiguous rows matching the cache's ",
                 k_cache.sizes(), ", got ", t->sizes(), " strides ", t->strides());
   slot_mapping = slot_mapping.contiguous();
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.numel() == key.size(0) &&
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == key.size(0) &&
                   value.size(0) == key.size(0),
               "store_kv_: slot_mapping must be int64 with one slot per token, got ", slot_mapping.numel(),
               " slots for ", key.size(0), " keys and ", value.size(0), " values");
@@ -503,10 +503,10 @@ void store_kv_(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, to
 }
 
 // silu(x[:, :n]) * x[:, n:] for x [T, 2n]: the SwiGLU gate in one pass instead of two ops.
-torch::Tensor silu_and_mul(torch::Tensor x) {
+at::Tensor silu_and_mul(at::Tensor x) {
   TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: contiguous [T, 2n] only");
   const int64_t rows = x.size(0), n = x.size(1) / 2;
-  auto out = torch::empty({rows, n}, x.options());
+  auto out = at::empty({rows, n}, x.options());
   dispatch("silu_and_mul", x.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
     const T* xp = x.data_ptr<T>();
@@ -529,14 +529,14 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 
 // Rotate-half RoPE of x [T, heads, D] (any row stride, last dim contiguous) with per-token tables
 // cos [T, 1, D] and signed sin [T, 1, D] (sin with its first half negated), into a new contiguous tensor.
-torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   check_one_dtype("rotary", {{"x", &x}, {"cos", &cos}, {"sin", &sin}});
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary: x must be [T, heads, D] with a contiguous last dimension");
   cos = cos.contiguous();
   sin = sin.contiguous();
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
   const int64_t s0 = x.stride(0), s1 = x.stride(1);
-  auto out = torch::empty({tokens, heads, dim}, x.options());
+  auto out = at::empty({tokens, heads, dim}, x.options());
   dispatch("rotary", x.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
     const T* xp = x.data_ptr<T>();
@@ -561,57 +561,4 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
     });
   });
   return out;
-}
-
-// linear_cpu.cpp
-torch::Tensor linear_few_rows(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
-std::vector<torch::Tensor> linear_grouped(std::vector<torch::Tensor> xs, std::vector<torch::Tensor> weights);
-
-// linear_quantized_cpu.cpp
-torch::Tensor linear_quantized(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
-                               c10::optional<torch::Tensor> mins, int64_t bits, int64_t group_size,
-                               c10::optional<torch::Tensor> bias, bool batch_invariant);
-bool linear_quantized_int8_dots();
-
-// decode_layers_cpu.cpp
-void register_decode_layers(pybind11::module& m);
-
-// lora_cpu.cpp
-void lora_add_(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor rows,
-               torch::Tensor starts, torch::Tensor slots, std::vector<int64_t> parts);
-
-// token_bitmask_cpu.cpp
-void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
-
-// sampling_cpu.cpp
-torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor spec);
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  register_decode_layers(m);
-  m.def("linear_few_rows", &linear_few_rows, "x @ weight.T (+ bias) for few rows of x, reading each weight once "
-        "(CPU; float32, bfloat16, float16; fp32 accumulation)", py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
-  m.def("linear_grouped", &linear_grouped, "xs[g] @ weights[g].T for every g, as linear_few_rows computes each, in "
-        "one parallel region (CPU; float32, bfloat16, float16)", py::arg("xs"), py::arg("weights"));
-  m.def("linear_quantized", &linear_quantized, "x @ W.T (+ bias) with W as 8- or 4-bit integers in groups with "
-        "float16 scales (and mins at 4 bits) (CPU; x float32, bfloat16, float16; fp32 accumulation)", py::arg("x"),
-        py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("group_size"),
-        py::arg("bias") = py::none(), py::arg("batch_invariant") = false);
-  m.def("linear_quantized_int8_dots", &linear_quantized_int8_dots, "whether linear_quantized quantizes 16-bit x "
-        "of up to 8 rows to int8 for integer dot products (built for a CPU with AVX512-VNNI)");
-  m.def("apply_token_bitmask_", &apply_token_bitmask_,
-        "logits[rows[j], t] = -inf where bit t of bitmask[j] is clear (CPU; float32; in place)");
-  m.def("sample_rows", &sample_rows, "one token per row of float32 logits, drawn by inversion with spec's "
-        "[temperature, top_k, top_p, min_p, uniform] rows (CPU)");
-  m.def("store_kv_", &store_kv_, "new tokens' K and V into their cache slots, as index_copy_ (CPU; float32, "
-        "bfloat16, float16)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :n]) * x[:, n:] (CPU; float32, bfloat16, float16)");
-  m.def("rotary", &rotary, "rotate-half RoPE with precomputed cos / signed sin rows (CPU; float32, bfloat16, float16)");
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention over a paged KV cache (CPU; float32, bfloat16, float16; fp32 accumulation)");
-  m.def("lora_add_", &lora_add_, "y += each row group's LoRA adapter applied to x, part by part (CPU; float32, "
-        "bfloat16, float16; fp32 accumulation; in place)");
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, weight [D] or one row per head [H, D] for x [T, H, D] "
-        "(CPU; float32, bfloat16, float16)");
-  m.def("add_rms_norm_", &add_rms_norm_,
-        "residual += x; x = RMSNorm(residual) (CPU; float32, bfloat16, float16; in place)");
 }

@@ -147,13 +147,13 @@ int64_t sample_row(const float* x, int64_t vocab, const RowFilter& f, std::vecto
 
 // tokens[i] for each row of `logits` (float32 [rows, vocab]), drawn from its filtered distribution with the
 // uniform number in `spec`, a float64 [5, rows]: temperature, top_k (0: none), top_p, min_p, uniform.
-torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor spec) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.is_contiguous(),
+at::Tensor sample_rows(at::Tensor logits, at::Tensor spec) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
               "sample_rows: logits must be contiguous float32 [rows, vocab], got ", logits.sizes(), " ",
               logits.scalar_type());
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   TORCH_CHECK(spec.dim() == 2 && spec.size(0) == 5 && spec.size(1) == rows &&
-                  spec.scalar_type() == torch::kFloat64 && spec.is_contiguous(),
+                  spec.scalar_type() == at::kDouble && spec.is_contiguous(),
               "sample_rows: spec must be contiguous float64 [5, ", rows, "], got ", spec.sizes(), " ",
               spec.scalar_type());
   TORCH_CHECK(vocab > 0 && vocab < (int64_t{1} << 31), "sample_rows: vocab must be in [1, 2^31), got ", vocab);
@@ -171,7 +171,7 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor spec) {
                   min_p > 0.0 ? std::log(static_cast<float>(min_p)) : -std::numeric_limits<float>::infinity(),
                   uniform};
   }
-  auto tokens = torch::empty({rows}, torch::kInt64);
+  auto tokens = at::empty({rows}, at::kLong);
   int64_t* out = tokens.data_ptr<int64_t>();
   const float* x = logits.data_ptr<float>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {

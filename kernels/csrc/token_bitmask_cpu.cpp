@@ -5,20 +5,20 @@
 // and runs masked_fill over it: at 32 rows of SmolLM2's 49,152 logits that took 11 ms on a 2-core AMD EPYC
 // (2026-11-25), as long as the rest of the sampler. Here one pass reads each word once and writes only the
 // disallowed logits.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <cstdint>
 #include <limits>
 
-void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.is_contiguous(),
+void apply_token_bitmask_(at::Tensor logits, at::Tensor bitmask, at::Tensor rows) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
               "apply_token_bitmask_: logits must be contiguous float32 [batch, vocab], got ", logits.sizes(), " ",
               logits.scalar_type());
-  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == torch::kInt32 && bitmask.is_contiguous(),
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.is_contiguous(),
               "apply_token_bitmask_: bitmask must be contiguous int32 [rows, words], got ", bitmask.sizes(), " ",
               bitmask.scalar_type());
-  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == torch::kInt64 && rows.size(0) == bitmask.size(0),
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.size(0) == bitmask.size(0),
               "apply_token_bitmask_: rows must be int64 [", bitmask.size(0), "], got ", rows.sizes());
   const int64_t vocab = logits.size(1), words = bitmask.size(1), n = rows.size(0);
   TORCH_CHECK(words * 32 >= vocab, "apply_token_bitmask_: ", words, " words of bits cannot cover ", vocab,

@@ -1,0 +1,69 @@
+// The Python module: every CPU kernel, bound in this one file. The kernels' own files include ATen only;
+// torch/extension.h (pybind11 and all of torch's C++ API) costs about 16 s of compilation per file that
+// includes it, so only this file and decode_layers_cpu.cpp (its classes' bindings) do.
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <vector>
+
+// paged_attention_cpu.cpp
+at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor block_tables, at::Tensor context_lens, double scale);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+void store_kv_(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping);
+at::Tensor silu_and_mul(at::Tensor x);
+at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin);
+
+// linear_cpu.cpp
+at::Tensor linear_few_rows(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias);
+std::vector<at::Tensor> linear_grouped(std::vector<at::Tensor> xs, std::vector<at::Tensor> weights);
+
+// linear_quantized_cpu.cpp
+at::Tensor linear_quantized(at::Tensor x, at::Tensor qweight, at::Tensor scales,
+                            c10::optional<at::Tensor> mins, int64_t bits, int64_t group_size,
+                            c10::optional<at::Tensor> bias, bool batch_invariant);
+bool linear_quantized_int8_dots();
+
+// decode_layers_cpu.cpp
+void register_decode_layers(pybind11::module& m);
+
+// lora_cpu.cpp
+void lora_add_(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor rows,
+               at::Tensor starts, at::Tensor slots, std::vector<int64_t> parts);
+
+// token_bitmask_cpu.cpp
+void apply_token_bitmask_(at::Tensor logits, at::Tensor bitmask, at::Tensor rows);
+
+// sampling_cpu.cpp
+at::Tensor sample_rows(at::Tensor logits, at::Tensor spec);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_decode_layers(m);
+  m.def("linear_few_rows", &linear_few_rows, "x @ weight.T (+ bias) for few rows of x, reading each weight once "
+        "(CPU; float32, bfloat16, float16; fp32 accumulation)", py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("linear_grouped", &linear_grouped, "xs[g] @ weights[g].T for every g, as linear_few_rows computes each, in "
+        "one parallel region (CPU; float32, bfloat16, float16)", py::arg("xs"), py::arg("weights"));
+  m.def("linear_quantized", &linear_quantized, "x @ W.T (+ bias) with W as 8- or 4-bit integers in groups with "
+        "float16 scales (and mins at 4 bits) (CPU; x float32, bfloat16, float16; fp32 accumulation)", py::arg("x"),
+        py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("group_size"),
+        py::arg("bias") = py::none(), py::arg("batch_invariant") = false);
+  m.def("linear_quantized_int8_dots", &linear_quantized_int8_dots, "whether linear_quantized quantizes 16-bit x "
+        "of up to 8 rows to int8 for integer dot products (built for a CPU with AVX512-VNNI)");
+  m.def("apply_token_bitmask_", &apply_token_bitmask_,
+        "logits[rows[j], t] = -inf where bit t of bitmask[j] is clear (CPU; float32; in place)");
+  m.def("sample_rows", &sample_rows, "one token per row of float32 logits, drawn by inversion with spec's "
+        "[temperature, top_k, top_p, min_p, uniform] rows (CPU)");
+  m.def("store_kv_", &store_kv_, "new tokens' K and V into their cache slots, as index_copy_ (CPU; float32, "
+        "bfloat16, float16)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :n]) * x[:, n:] (CPU; float32, bfloat16, float16)");
+  m.def("rotary", &rotary, "rotate-half RoPE with precomputed cos / signed sin rows (CPU; float32, bfloat16, float16)");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Decode attention over a paged KV cache (CPU; float32, bfloat16, float16; fp32 accumulation)");
+  m.def("lora_add_", &lora_add_, "y += each row group's LoRA adapter applied to x, part by part (CPU; float32, "
+        "bfloat16, float16; fp32 accumulation; in place)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, weight [D] or one row per head [H, D] for x [T, H, D] "
+        "(CPU; float32, bfloat16, float16)");
+  m.def("add_rms_norm_", &add_rms_norm_,
+        "residual += x; x = RMSNorm(residual) (CPU; float32, bfloat16, float16; in place)");
+}
