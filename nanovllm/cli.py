@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -33,33 +34,36 @@ from nanovllm.common.server_config import (
     TracingConfig,
     WorkerServerConfig,
 )
-from nanovllm.flags import build, flags_of, resolve_all
+from nanovllm.flags import Flag, build, flags_of, resolve_all
 from nanovllm.processes import LISTENING, spawn, wait_until_serving
 from nanovllm.worker.config import EngineConfig
 
 LOG_FLAGS = flags_of(LogConfig)
 ENGINE_FLAGS = flags_of(EngineConfig)
-# What `serve` forwards to its worker: the engine and its queue (the worker listens on a free local port).
-SERVE_WORKER_FLAGS = [
-    *ENGINE_FLAGS,
-    *flags_of(WorkerServerConfig, only=["max_queued_requests", "served_model_name"]),
-]
 WORKER_FLAGS = [*flags_of(WorkerServerConfig), *flags_of(TracingConfig), *ENGINE_FLAGS, *LOG_FLAGS]
-ROUTER_FLAGS = [
-    *flags_of(RouterConfig),
-    *flags_of(RequestLimits),
-    *flags_of(RoutingConfig),
-    *flags_of(TracingConfig),
-    *LOG_FLAGS,
-]
+
+
+def _router_flags(defaults: dict[str, Any] | None = None) -> list[Flag]:
+    return [
+        *flags_of(RouterConfig, defaults=defaults),
+        *flags_of(RequestLimits),
+        *flags_of(RoutingConfig),
+        *flags_of(TracingConfig),
+        *LOG_FLAGS,
+    ]
+
+
+ROUTER_FLAGS = _router_flags()
+# `serve` takes every flag of both. Where both take a flag, the router's public face owns the address and
+# ports (its worker listens on a free local port); the rest (drain, tracing, logs, the TLS between them)
+# go to both. `--worker` adds workers beside its own, so serve requires none.
+SERVE_ROUTER_ONLY = frozenset({"--host", "--port", "--metrics-port", "--health-port"})
 SERVE_FLAGS = [
-    *flags_of(
-        RouterConfig,
-        only=["host", "port", "http_port", "processes"],
-        defaults={"host": "127.0.0.1", "http_port": 8000},
-    ),
-    *SERVE_WORKER_FLAGS,
-    *LOG_FLAGS,
+    dataclasses.replace(flag, required=False)
+    for flag in [
+        *_router_flags(defaults={"host": "127.0.0.1", "http_port": 8000}),
+        *(flag for flag in WORKER_FLAGS if flag.name not in {f.name for f in ROUTER_FLAGS}),
+    ]
 ]
 CLIENT_FLAGS = flags_of(ClientOptions)
 COMMANDS = [  # name, flags, what it runs
@@ -150,43 +154,50 @@ def _serve_router(config: RouterConfig, log_config: LogConfig) -> int:
     return _run_server("router", serve_router, config, log_config)
 
 
-def run_serve(options: dict[str, Any]) -> int:
-    """A worker and a router as two processes on this machine; Ctrl-C or SIGTERM stops both."""
-    worker_args = ["worker", "--host", "127.0.0.1", "--port", "0"]
-    for flag in SERVE_WORKER_FLAGS + LOG_FLAGS:
+def command_line(flags: Sequence[Flag], options: dict[str, Any]) -> list[str]:
+    """The arguments that give a command `flags` with the values in `options` (defaults included)."""
+    args: list[str] = []
+    for flag in flags:
         value = options[flag.dest]
         if flag.kind == "switch":
-            worker_args += [flag.name] if value else []
+            args += [flag.name] if value else []
         elif flag.kind == "list":
-            worker_args += [arg for item in value or () for arg in (flag.name, str(item))]
+            args += [arg for item in value or () for arg in (flag.name, str(item))]
         elif value is not None:
-            worker_args += [flag.name, str(value)]
-    log_args = [arg for flag in LOG_FLAGS for arg in (flag.name, str(options[flag.dest]))]
+            args += [flag.name, str(value)]
+    return args
+
+
+def serve_commands(options: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """`serve`'s worker command, and its router's without the worker's address (known once it listens)."""
+    worker_flags = [flag for flag in WORKER_FLAGS if flag.name not in SERVE_ROUTER_ONLY]
+    worker = ["worker", "--host", "127.0.0.1", "--port", "0", *command_line(worker_flags, options)]
+    return worker, ["router", *command_line(ROUTER_FLAGS, options)]
+
+
+def run_serve(options: dict[str, Any]) -> int:
+    """A worker and a router as two processes on this machine; Ctrl-C or SIGTERM stops both, and either
+    one exiting (a worker that cannot load its model) stops the other and exits non-zero."""
+    worker_args, router_args = serve_commands(options)
 
     def stop(signum: int, frame: Any) -> None:
         raise _Stop
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    procs: list[subprocess.Popen] = []
+    procs: dict[str, subprocess.Popen] = {}
     try:
         worker = spawn(worker_args)
-        procs.append(worker.proc)
-        worker_address = worker.address
-        router_args = ["router", "--worker", worker_address, "--host", options["host"]]
-        router_args += ["--processes", str(options["processes"])]
-        if options["http_port"] is not None:  # 0 picks a free port, as --port 0 does
-            router_args += ["--http-port", str(options["http_port"])]
-        router = spawn([*router_args, "--port", str(options["port"]), *log_args])
-        procs.append(router.proc)
-        router_address = router.address
+        procs["worker"] = worker.proc
+        router = spawn([*router_args, "--worker", worker.address])
+        procs["router"] = router.proc
         model = options["model"] or "the embedded SmolLM2-135M-Instruct"
-        print(f"nanovllm loading {model}: router at {router_address}, worker at {worker_address}", flush=True)
+        print(f"nanovllm loading {model}: router at {router.address}, worker at {worker.address}", flush=True)
         # Only say "try" once a request would be answered: the worker may load for a while.
-        if wait_until_serving(router_address, alive=lambda: all(p.poll() is None for p in procs)):
+        if wait_until_serving(router.address, alive=lambda: all(p.poll() is None for p in procs.values())):
             print(f"nanovllm serving {model}")
             print(
-                f'try: {_command()} client --router {router_address} "What is the capital of France?"',
+                f'try: {_command()} client --router {router.address} "What is the capital of France?"',
                 flush=True,
             )
             if router.http_address:
@@ -196,18 +207,22 @@ def run_serve(options: dict[str, Any]) -> int:
                     f"-H 'Content-Type: application/json' -d '{body}'",
                     flush=True,
                 )
-        pid, status = os.wait()  # returns when either child exits: then stop the other
-        print(f"nanovllm: process {pid} exited ({status}); stopping", file=sys.stderr)
+            pid, status = os.wait()  # returns when either child exits: then stop the other
+            exited = next(name for name, proc in procs.items() if proc.pid == pid)
+            code = os.waitstatus_to_exitcode(status)
+        else:  # one exited while the worker loaded (its own message says why)
+            exited, code = next((name, p.returncode) for name, p in procs.items() if p.poll() is not None)
+        print(f"nanovllm serve: the {exited} exited with {code}; stopping", file=sys.stderr)
         return 1
     except _Stop:
         return 0
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the clean-up short
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        for proc in procs:
+        for proc in procs.values():
             if proc.poll() is None:
                 proc.terminate()
-        for proc in procs:
+        for proc in procs.values():
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:

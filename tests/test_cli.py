@@ -219,11 +219,34 @@ def test_env_names_follow_the_flag_names():
         assert flag.env == "NANOVLLM_" + flag.name.removeprefix("--").replace("-", "_").upper()
 
 
-def test_serve_resolves_every_option_it_forwards():
-    """run_serve forwards every engine and log flag to the worker, so serve must resolve all of them."""
+def _sample_value(flag: Flag) -> list[str]:
+    """A command-line value for `flag` that parses and differs from its default (none for a switch)."""
+    if flag.kind == "switch":
+        return []
+    value = {int: "7", float: "0.5"}.get(flag.type, "sample")
+    assert str(flag.default) != value, flag.name
+    return [value]
+
+
+def _holds(command: list[str], args: list[str]) -> bool:
+    return any(command[i : i + len(args)] == args for i in range(len(command)))
+
+
+def test_serve_takes_every_worker_and_router_flag_and_hands_each_on():
+    """`serve` takes every flag its worker and router take, and hands a value given to it to the process
+    that takes that flag: the router's public address and ports to the router alone (its worker listens on
+    a free local port), what both take otherwise (drain, tracing, logs, the TLS between them) to both."""
     serve = {flag.dest for flag in SERVE_FLAGS}
     assert {flag.dest for flag in ENGINE_FLAGS + LOG_FLAGS} <= serve
     assert {flag.dest for flag in ENGINE_FLAGS + LOG_FLAGS} <= {flag.dest for flag in WORKER_FLAGS}
+    worker_names, router_names = {f.name for f in WORKER_FLAGS}, {f.name for f in ROUTER_FLAGS}
+    for flag in WORKER_FLAGS + ROUTER_FLAGS:
+        given = [flag.name, *_sample_value(flag)]
+        worker, router = cli.serve_commands(resolve(["serve", *given]))
+        to_worker = flag.name in worker_names and flag.name not in cli.SERVE_ROUTER_ONLY
+        assert _holds(worker, given) == to_worker, (flag.name, worker)
+        assert _holds(router, given) == (flag.name in router_names), (flag.name, router)
+    assert cli.serve_commands(resolve(["serve"]))[0][:5] == ["worker", "--host", "127.0.0.1", "--port", "0"]
 
 
 def test_required_flags_have_no_default():

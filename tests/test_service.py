@@ -663,6 +663,21 @@ def test_cli_serve_runs_both_and_stops_both(qwen3_dir: Path, kernels) -> None:
             serve.kill()
 
 
+def test_cli_serve_exits_with_its_workers_error(qwen3_dir: Path, kernels) -> None:
+    """A worker that cannot start (its KV cache holds less than one sequence) ends `nanovllm serve` at once,
+    router included: exit status 1, with the worker's own message and which process exited on stderr."""
+    serve = subprocess.run(
+        [sys.executable, "-m", "nanovllm.cli", "serve", "--model", str(qwen3_dir), "--port", "0"]
+        + ["--http-port", "0", "--kv-cache-memory", "64KiB", "--max-model-len", "512", "--log-level", "error"],
+        capture_output=True,
+        text=True,
+        timeout=CALL_TIMEOUT_S,
+    )
+    assert serve.returncode == 1
+    assert "nanovllm worker: KV cache holds" in serve.stderr, serve.stderr
+    assert "nanovllm serve: the worker exited with 1; stopping" in serve.stderr, serve.stderr
+
+
 def test_port_in_use_is_a_clear_error(service, logs) -> None:
     """A second server on a port in use exits with a message instead of sharing the port."""
     port = service.router.address.rsplit(":", 1)[1]

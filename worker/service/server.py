@@ -247,7 +247,11 @@ async def serve_worker(
     )
     tracing = start_tracing(config.tracing, "nanovllm-worker")
     engine_loop = EngineLoop(engine_config, config.max_queued_requests, metrics, tracing and tracing.tracer)
-    await asyncio.wrap_future(engine_loop.start())  # the model loads on the engine thread
+    try:
+        await asyncio.wrap_future(engine_loop.start())  # the model loads on the engine thread
+    except BaseException:  # e.g. a KV cache too small: the caller says why; the server must not outlive it
+        await server.stop(0)
+        raise
     num_blocks = engine_loop.engine.block_manager.num_blocks
     if engine_loop.engine.runner.kv_offload is not None:
         metrics.watch_kv_tiers(engine_loop.engine.runner.kv_offload)
