@@ -73,9 +73,13 @@ def tables() -> str:
                 default = "required"
             elif flag.kind == "switch":
                 default = "on" if flag.default else "off"
+            elif flag.kind == "tristate":
+                default = "auto"
             else:
                 default = _cell(flag.default)
             name = f"`{flag.name}`" + (" (repeatable)" if flag.kind == "list" else "")
+            if flag.kind == "tristate":
+                name += f", `{flag.off_name}`"
             row = [name, f"`{flag.env}`", default, _commands(flag), _cell(flag.help)]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"

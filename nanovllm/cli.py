@@ -161,6 +161,8 @@ def command_line(flags: Sequence[Flag], options: dict[str, Any]) -> list[str]:
         value = options[flag.dest]
         if flag.kind == "switch":
             args += [flag.name] if value else []
+        elif flag.kind == "tristate":
+            args += [] if value is None else [flag.name if value else flag.off_name]
         elif flag.kind == "list":
             args += [arg for item in value or () for arg in (flag.name, str(item))]
         elif value is not None:

@@ -15,6 +15,9 @@ from typing import Any
 
 from nanovllm.common.options import flag_name
 
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
 
 @dataclass(frozen=True)
 class Flag:
@@ -22,7 +25,9 @@ class Flag:
     help: str
     type: Callable[[str], Any] = str
     default: Any = None
-    kind: str = "value"  # "value", "switch" (boolean), "list" (repeatable; comma-separated in the env)
+    # "value"; "switch" (a boolean); "tristate" (a boolean or None for auto: --X sets it, --no-X clears it);
+    # "list" (repeatable; comma-separated in the environment)
+    kind: str = "value"
     required: bool = False
     field: str = ""  # the config field it sets; a switch with `negate` sets it to the switch's opposite
     negate: bool = False
@@ -35,11 +40,20 @@ class Flag:
     def env(self) -> str:
         return "NANOVLLM_" + self.dest.upper()
 
+    @property
+    def off_name(self) -> str:
+        """A tristate's second flag, e.g. --no-deterministic."""
+        return "--no-" + self.name.removeprefix("--")
+
     def add_to(self, parser: argparse.ArgumentParser) -> None:
         shown = "" if self.default in (None, False, []) else f"; default {self.default}"
-        help_text = f"{self.help} [env {self.env}{shown}]"
+        help_text = f"{self.help} [env {self.env}{shown}]".replace("%", "%%")  # argparse formats help with %
         if self.kind == "switch":
             parser.add_argument(self.name, action="store_true", default=None, help=help_text)
+        elif self.kind == "tristate":
+            parser.add_argument(
+                self.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
         elif self.kind == "list":
             parser.add_argument(self.name, action="append", type=self.type, help=help_text)
         else:
@@ -55,7 +69,12 @@ class Flag:
                 raise SystemExit(f"nanovllm: {self.name} is required (or set {self.env})")
             return self.default
         if self.kind == "switch":
-            return raw.strip().lower() in ("1", "true", "yes", "on")
+            return raw.strip().lower() in TRUE_WORDS
+        if self.kind == "tristate":
+            word = raw.strip().lower()
+            if word not in TRUE_WORDS + FALSE_WORDS + ("auto",):
+                raise SystemExit(f"nanovllm: {self.env}={raw!r} is not on, off or auto ({self.name})")
+            return None if word == "auto" else word in TRUE_WORDS
         try:
             if self.kind == "list":
                 return [self.type(item.strip()) for item in raw.split(",") if item.strip()]
@@ -65,8 +84,11 @@ class Flag:
 
 
 def _kind(hint: Any) -> tuple[str, Callable[[str], Any]]:
-    """The flag kind and value parser for a field's type: int, float, str, bool, list[str], X | None (the
-    first of a union's types: kv_cache_memory's str | int | float is given as a string)."""
+    """The flag kind and value parser for a field's type: int, float, str, bool, bool | None (a tristate),
+    list[str], X | None (the first of a union's types: kv_cache_memory's str | int | float is given as a
+    string)."""
+    if hint == bool | None:
+        return "tristate", bool
     if isinstance(hint, types.UnionType):
         hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
     if typing.get_origin(hint) is list:

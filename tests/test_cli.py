@@ -189,6 +189,8 @@ def sample(flag: Flag) -> tuple[str, object]:
     """An env value for `flag` and what it should resolve to."""
     if flag.kind == "switch":
         return "1", True
+    if flag.kind == "tristate":
+        return "off", False
     if flag.kind == "list":
         return "p:1,q:2", [flag.type("p:1"), flag.type("q:2")]
     if flag.type is int:
@@ -221,7 +223,7 @@ def test_env_names_follow_the_flag_names():
 
 def _sample_value(flag: Flag) -> list[str]:
     """A command-line value for `flag` that parses and differs from its default (none for a switch)."""
-    if flag.kind == "switch":
+    if flag.kind in ("switch", "tristate"):
         return []
     value = {int: "7", float: "0.5"}.get(flag.type, "sample")
     assert str(flag.default) != value, flag.name

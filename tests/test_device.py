@@ -101,10 +101,12 @@ def test_gpu_budget_subtracts_only_this_engine() -> None:
 def test_largest_step_runs_without_a_kv_cache(qwen3_dir: Path) -> None:
     """The step CUDA sizing measures (max_num_batched_tokens of prompt in several max_model_len prompts,
     logits and the heaviest sampling for max_num_seqs rows) runs before any cache exists. Here on the CPU,
-    on a throwaway engine whose caches are taken away, since no GPU is at hand."""
+    on a throwaway engine whose caches are taken away, since no GPU is at hand; not deterministic, as on
+    CUDA by default (on a CPU the batch-invariant prefill reads its keys from the paged cache)."""
     llm = LLM(
         str(qwen3_dir),
         device="cpu",
+        deterministic=False,
         max_model_len=48,
         max_num_seqs=7,
         max_num_batched_tokens=100,

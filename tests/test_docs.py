@@ -54,7 +54,8 @@ def _bench_flags() -> set[str]:
 
 
 def _nanovllm_flags() -> set[str]:
-    return {flag.name for _, flags, _ in COMMANDS for flag in flags}
+    names = {flag.name for _, flags, _ in COMMANDS for flag in flags}
+    return names | {flag.off_name for _, flags, _ in COMMANDS for flag in flags if flag.kind == "tristate"}
 
 
 def _metric_names() -> set[str]:

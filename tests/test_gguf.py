@@ -358,7 +358,8 @@ def test_serve_without_model_answers_paris(gguf_path: Path, kernels, tmp_path: P
         )
         assert "Paris" in client.stdout
         # The OpenAI-compatible HTTP face, as the printed curl command calls it: server-sent events.
-        body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "stream": True}
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        body = {"messages": question, "temperature": 0, "stream": True}
         request = urllib.request.Request(
             f"http://{http_address}/v1/chat/completions",
             data=json.dumps(body).encode(),

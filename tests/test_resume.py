@@ -95,13 +95,15 @@ async def _run(
 NGRAM = ("--speculative-method", "ngram", "--speculative-max-batch", str(STREAMS))
 # bf16 resumes exactly only with batch-invariant kernels: the resumed streams run on B in other batches.
 BF16 = ("--dtype", "bfloat16", "--deterministic")
+# A CPU worker as it starts by default: its dtype (bf16 on a CPU with native bf16) and deterministic kernels.
+CPU_DEFAULT = ("--dtype", "auto")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("flags", "regex"),
-    [((), None), (NGRAM, None), ((), REGEX), ((), REASONING_REGEX), (BF16, None)],
-    ids=["plain", "ngram", "regex", "reasoning", "bf16-deterministic"],
+    [((), None), (NGRAM, None), ((), REGEX), ((), REASONING_REGEX), (BF16, None), (CPU_DEFAULT, None)],
+    ids=["plain", "ngram", "regex", "reasoning", "bf16-deterministic", "cpu-default"],
 )
 def test_streams_resume_token_identical_when_their_worker_is_killed(
     qwen3_dir: Path, kernels, tmp_path: Path, flags: tuple[str, ...], regex: str | None
@@ -110,7 +112,8 @@ def test_streams_resume_token_identical_when_their_worker_is_killed(
     token for token and in text, the same request run unbroken on B. With speculation on both workers too
     (a resumed request's proposals and picks are those of the unbroken one), under a regex (B replays
     the tokens through a fresh matcher; the text still matches), cut inside a Qwen3 reasoning block
-    (the router's reasoning split goes on where it was), and in bfloat16 with --deterministic."""
+    (the router's reasoning split goes on where it was), in bfloat16 with --deterministic, and with the
+    workers' defaults (their dtype; deterministic on a CPU)."""
     with held_streams(qwen3_dir, tmp_path, worker_flags=flags) as (_, b, router, kill_a):
         results, at_kill = asyncio.run(_run(router.address, kill_when=4, kill=kill_a, regex=regex))
         assert all(4 <= n < MAX_TOKENS for n in at_kill), at_kill  # every stream was cut mid-generation

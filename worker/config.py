@@ -337,12 +337,14 @@ class EngineConfig:
         "its peak resident memory (worker/runner/host_memory.py)",
     )
     seed: int = option(0, help="seed for requests that set none")
-    deterministic: bool = option(
-        False,
+    deterministic: bool | None = option(
+        None,
         help="batch-invariant kernels in every dtype: a request's tokens and logprobs are bit-identical "
         "whatever else is in its batch, however its prompt is chunked, whether its prefix came from the "
         "cache, and when it is speculated, preempted or resumed on another worker (needs the C++ kernels "
-        "on a CPU, Triton on CUDA; docs/architecture.md#deterministic-inference)",
+        "on a CPU, Triton on CUDA); auto: on on a CPU with the C++ kernels, where they cost nothing "
+        "measurable, off on CUDA, where they cost 44% of the throughput "
+        "(docs/architecture.md#deterministic-inference)",
     )
     num_threads: int | None = option(
         None,
@@ -432,6 +434,8 @@ class EngineConfig:
             raise ConfigError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
             )
+        if self.deterministic is None:
+            self.deterministic = self._deterministic_by_default()
         if self.deterministic and self.attention_backend not in DETERMINISTIC_BACKENDS:
             raise ConfigError(
                 f"deterministic needs attention_backend {', '.join(DETERMINISTIC_BACKENDS)}, got "
@@ -458,6 +462,7 @@ class EngineConfig:
                 f"quantization_group_size must be a positive multiple of 32, got {self.quantization_group_size}"
             )
         self._check_lora()
+
         self._check_kv_tiers()
         if self.speculative_max_batch < 1:
             raise ConfigError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
@@ -467,6 +472,16 @@ class EngineConfig:
         # Positions beyond the model's trained range are meaningless; clamp (as nano-vllm does) so the
         # 4096 default works for small models. `LLM.config.max_model_len` holds the effective value.
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+
+    def _deterministic_by_default(self) -> bool:
+        """deterministic=None (auto): on where the batch-invariant kernels cost nothing measurable, the
+        C++ kernels of a CPU (docs/performance.md); off on CUDA."""
+        if self.attention_backend not in ("auto", "cpu_kernel"):
+            return False
+        from nanovllm.kernels.cpu_kernels import load_cpu_kernels
+        from nanovllm.worker.device import resolve_device
+
+        return resolve_device(self.device).type == "cpu" and load_cpu_kernels() is not None
 
     @property
     def weight_format(self) -> str:
