@@ -143,7 +143,7 @@ def counting_proposals(llm: LLM) -> Iterator[list[int]]:
     try:
         yield counts
     finally:
-        del llm.engine.step
+        llm.engine.step = step
 
 
 def decode_layers_on_and_off(

@@ -10,6 +10,7 @@ import functools
 import gc
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nanovllm.common.errors import AdapterError, DuplicateAdapterError, RequestError, UnknownAdapterError
@@ -101,7 +102,11 @@ class LLMEngine:
             and config.tensor_parallel_size == 1
             and config.speculative_method == "none"
         )
-        self._inflight: _InFlight | None = None
+        self._inflight: _InFlight | None = None  # a launched step not yet applied (overlapped loop)
+        # One step of the engine, its loop chosen once (vLLM v1's step / step_with_batch_queue).
+        self.step: Callable[[], StepResult] = (
+            self.step_overlapped if self.async_scheduling else self.step_synchronous
+        )
         _freeze_what_lasts()
 
     def add_request(
@@ -208,30 +213,54 @@ class LLMEngine:
             kv_disk_blocks=lower["disk"],
         )
 
-    def step(self) -> StepResult:
-        """Admit, propose, schedule and launch one step; apply the step before it (see the class docstring)."""
-        outputs, self._aborted = self._aborted, []
-        stats = StepStats()
-        t0 = time.perf_counter()
-        outputs += self._admit()
+    def step_synchronous(self) -> StepResult:
+        """Admit, propose, schedule, launch one step and apply its picks."""
+        outputs, stats, started = self._begin()
+        self.proposer.propose(self.scheduler.running)
+        sched = self._schedule(stats, started)
+        if sched.is_empty:
+            return self._idle(outputs, stats)
+        outputs += self._apply(self._execute(sched, stats), stats)
+        return StepResult(outputs, stats)
+
+    def step_overlapped(self) -> StepResult:
+        """Admit, propose, schedule and launch step N+1, then apply step N's picks: N+1 takes them on the
+        device (see the class docstring). A step whose sequences need their picks on the host first
+        (penalties, constraints, proposals) is applied before the next is scheduled."""
+        outputs, stats, started = self._begin()
         if self._inflight is not None and not self._inflight.overlappable:
             outputs += self._update(stats)
         self.proposer.propose(self.scheduler.running)
-        sched = self.scheduler.schedule()
-        stats.schedule_s = time.perf_counter() - t0 - stats.update_s - stats.wait_s
+        sched = self._schedule(stats, started)
         if sched.is_empty:
             if self._inflight is not None:
                 outputs += self._update(stats)
-            elif len(self.constraints) and not outputs:
-                self.constraints.wait()
-            return StepResult(outputs, stats)
-        previous = self._inflight
-        self._inflight = self._execute(sched, stats)
+                return StepResult(outputs, stats)
+            return self._idle(outputs, stats)
+        previous, self._inflight = self._inflight, self._execute(sched, stats)
         if previous is not None:
             stats.overlapped = True
             outputs += self._apply(previous, stats)
         if not self._inflight.overlappable:
             outputs += self._update(stats)
+        return StepResult(outputs, stats)
+
+    def _begin(self) -> tuple[list[RequestOutput], StepStats, float]:
+        """A step's first outputs (requests aborted since the last step, constraints refused), its stats,
+        and when it started."""
+        outputs, self._aborted = self._aborted, []
+        stats, started = StepStats(), time.perf_counter()
+        return outputs + self._admit(), stats, started
+
+    def _schedule(self, stats: StepStats, started: float) -> SchedulerOutput:
+        sched = self.scheduler.schedule()
+        stats.schedule_s = time.perf_counter() - started - stats.update_s - stats.wait_s
+        return sched
+
+    def _idle(self, outputs: list[RequestOutput], stats: StepStats) -> StepResult:
+        """Nothing to run: wait for a constraint to compile unless there is something to report."""
+        if len(self.constraints) and not outputs:
+            self.constraints.wait()
         return StepResult(outputs, stats)
 
     def _admit(self) -> list[RequestOutput]:
