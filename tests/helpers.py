@@ -1,4 +1,5 @@
-"""Shared test utilities: a teacher-forcing driver and the transformers reference."""
+"""Shared test utilities: a teacher-forcing driver, the transformers reference, the quantization and
+tensor-parallel comparisons, and the tokenizer tests' texts."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
+import psutil
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -166,3 +168,88 @@ def decode_layers_on_and_off(
         runs.append([(out["token_ids"], [dict(lp.top) for lp in out["logprobs"]]) for out in outs])
         assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     return runs
+
+
+# Largest |quantized - float| logprob (nats) over tokens in both engines' top-5 while both saw the same
+# context, by the engines' dtype. int8 with one scale per output channel rounds each weight by up to
+# amax/254: on SmolLM2's projections (a row's largest weight ~5.6x its median) that is ~0.9% relative
+# error per matmul, and the median top-5 gap is 0.08 nats. Seen in float32 2026-11-25 (AMD EPYC, AVX2):
+# 0.08-0.30 on the random models, 0.80 on SmolLM2's chats. In bfloat16 a CPU with AVX512-VNNI also rounds
+# each decode row of x to int8 in blocks of 32 (linear_int8_dots.h), coarser than bf16's own rounding where
+# a block holds an outlier. Seen 2026-11-26 (AMD EPYC, AVX512-VNNI) on SmolLM2's chats: 1.37 for int8 and
+# 1.25 for the GGUF's Q4_1 against its dequantized copy, where the dequantized model in bfloat16 against
+# float32 gives 0.29. What the bounds catch, measured 2026-11-26 on the AVX2 EPYC by planting scales 3% too
+# large (every dequantized weight 3% off, under a rounding step's worth only at int4): qwen2 1.58 nats, and
+# SmolLM2's chats 0 of 4 equal in float32 and bfloat16; the per-weight rounding tests fail first.
+QUANTIZED_LOGPROB_TOL = {"float32": 1.2, "bfloat16": 2.0}
+
+
+def greedy_with_logprobs(llm: LLM, prompts: list[list[int]], max_new: int) -> list[dict]:
+    params = SamplingParams(temperature=0.0, logprobs=5, ignore_eos=True, max_tokens=max_new)
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+TP_PROMPTS = [[5, 9, 33, 2, 71, 100, 4], [300, 12], list(range(40, 97)), [7] * 20, [250, 251, 252]]
+# float32: TP=2 logits are compared with TP=1 within 1e-4. On CPU (gloo), also on a CUDA machine: these
+# tests start two ranks, and a machine with one GPU has no device for the second.
+TP_ENGINE = {"kv_cache_memory": "32MiB", "max_model_len": 512, "dtype": "float32", "device": "cpu"}
+
+
+def rank_processes(parent: psutil.Process) -> list[psutil.Process]:
+    """The tensor-parallel ranks among a process's children: multiprocessing spawn children other than
+    its resource tracker (the session's service processes are children of pytest too)."""
+    ranks = []
+    for child in parent.children():
+        try:
+            cmdline = " ".join(child.cmdline())
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):  # exited; not running anything
+            continue
+        if "multiprocessing" in cmdline and "resource_tracker" not in cmdline:
+            ranks.append(child)
+    return ranks
+
+
+def compare_tp(model_dir: Path, **options: object) -> None:
+    single = LLM(str(model_dir), **TP_ENGINE, **options)
+    sharded = LLM(str(model_dir), tensor_parallel_size=2, **TP_ENGINE, **options)
+    try:
+        assert len(rank_processes(psutil.Process())) == 1
+        want = single.generate(TP_PROMPTS, greedy(24), use_tqdm=False)
+        got = sharded.generate(TP_PROMPTS, greedy(24), use_tqdm=False)
+        assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want]
+        for chunk in (1, 6):  # decode path and chunked prefill
+            for ours, ref in zip(
+                teacher_forced_logits(sharded, TP_PROMPTS, chunk),
+                teacher_forced_logits(single, TP_PROMPTS, chunk),
+            ):
+                torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    finally:
+        sharded.shutdown()
+    assert rank_processes(psutil.Process()) == []
+
+
+# Texts the tokenizer tests encode and decode (tests/test_gguf.py, tests/test_gguf_architectures.py).
+# No digits here: on digits the two tokenizers differ on purpose (see test_tokenizer_digits).
+TEXTS = [
+    "Hello world",
+    "  leading and trailing  ",
+    "multiple   internal    spaces",
+    "tabs\tand\nnewlines\r\n\n\nend",
+    "I'm sure they'll say it's fine, don't you think? We've seen it.",
+    "Café naïve résumé façade Ångström",
+    "你好，世界！日本語のテキスト 한국어 Россия مرحبا",
+    "Emoji: 😀👍🏽🇺🇸 and ❤️",
+    "def foo(x):\n    return x ** y  # comment\n",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|><jupyter_code>print(x)<empty_output>",
+    "Punctuation!!! ??? ... --- (parens) [brackets] {braces}",
+    "",
+    " ",
+    "\n\n",
+]
+TEXTS_WITH_DIGITS = [
+    "Numbers 12345 and 3.14159 and 1,000,000",
+    "a  5 x 12",
+    "x =   42\n    y = 7",
+    "In 2024, 50% of ½ is ¼; ٣ and Ⅻ are numerals too.",
+]

@@ -33,33 +33,9 @@ from nanovllm.worker.models.gguf.cache import (
 )
 from nanovllm.worker.models.gguf.convert import WEIGHTS_INDEX, has_weights, write_weights
 from nanovllm.worker.models.gguf.tokenizer import transformers_tokenizer
-from tests.helpers import QUESTIONS, counting_proposals
+from tests.helpers import QUESTIONS, TEXTS, TEXTS_WITH_DIGITS, counting_proposals
 
 MAX_NEW = 24
-# No digits here: on digits the two tokenizers differ on purpose (see test_tokenizer_digits).
-TEXTS = [
-    "Hello world",
-    "  leading and trailing  ",
-    "multiple   internal    spaces",
-    "tabs\tand\nnewlines\r\n\n\nend",
-    "I'm sure they'll say it's fine, don't you think? We've seen it.",
-    "Café naïve résumé façade Ångström",
-    "你好，世界！日本語のテキスト 한국어 Россия مرحبا",
-    "Emoji: 😀👍🏽🇺🇸 and ❤️",
-    "def foo(x):\n    return x ** y  # comment\n",
-    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
-    "<|endoftext|><jupyter_code>print(x)<empty_output>",
-    "Punctuation!!! ??? ... --- (parens) [brackets] {braces}",
-    "",
-    " ",
-    "\n\n",
-]
-TEXTS_WITH_DIGITS = [
-    "Numbers 12345 and 3.14159 and 1,000,000",
-    "a  5 x 12",
-    "x =   42\n    y = 7",
-    "In 2024, 50% of ½ is ¼; ٣ and Ⅻ are numerals too.",
-]
 
 
 @pytest.fixture(scope="module")

@@ -23,9 +23,16 @@ from nanovllm.worker.llm import load_tokenizer
 from nanovllm.worker.models.gguf import cache as gguf_cache
 from nanovllm.worker.models.gguf.cache import prepare_gguf
 from nanovllm.worker.models.gguf.tokenizer import transformers_tokenizer
-from tests.helpers import greedy, hf_greedy, hf_logits, hf_model, teacher_forced_logits
+from tests.helpers import (
+    TEXTS,
+    TEXTS_WITH_DIGITS,
+    greedy,
+    hf_greedy,
+    hf_logits,
+    hf_model,
+    teacher_forced_logits,
+)
 from tests.model_factory import build_model, write_gguf
-from tests.test_gguf import TEXTS, TEXTS_WITH_DIGITS
 
 ORIGINAL = 64  # the YaRN case's original context: the longest prompt runs past twice that
 CASES = {  # name: (architecture, config overrides, rope_parameters)

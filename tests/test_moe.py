@@ -17,18 +17,18 @@ from nanovllm import LLM
 from nanovllm.common.errors import UnsupportedModelError
 from nanovllm.worker.layers.quantization import PackedWeight
 from tests.helpers import (
+    QUANTIZED_LOGPROB_TOL,
+    compare_tp,
     decode_layers_on_and_off,
     greedy,
+    greedy_with_logprobs,
     hf_greedy,
     hf_logits,
     teacher_forced_logits,
     top5_rule,
 )
 from tests.model_factory import build_model
-from tests.test_dtypes import _assert_close, _run_case
-from tests.test_dtypes import _prompts as dtype_prompts
-from tests.test_quantization import LOGPROB_TOL, _greedy_with_logprobs
-from tests.test_tensor_parallel import compare_tp
+from tests.top5 import assert_close, random_prompts, run_case
 
 MAX_NEW = 16
 CONFIGS = {  # name: config overrides of model_factory's qwen3_moe (8 experts)
@@ -79,10 +79,10 @@ def test_16bit_within_top5_of_transformers(top2_model: Path, dtype: str):
     router ties, two experts' logits equal after rounding (seen here: 0.1661 and 0.1661 in transformers,
     0.1671 and 0.1658 here, one ulp of the router's input apart), and a token sent through the other expert
     has logprobs that no count of rounding steps bounds."""
-    prompts = dtype_prompts()
-    name, outcomes = _run_case("qwen3-moe", top2_model, dtype, "auto", prompts, 32, "32MiB")
+    prompts = random_prompts()
+    name, outcomes = run_case("qwen3-moe", top2_model, dtype, "auto", prompts, 32, "32MiB")
     if dtype == "float16":
-        _assert_close(name, dtype, outcomes, min_exact=len(prompts) // 2)
+        assert_close(name, dtype, outcomes, min_exact=len(prompts) // 2)
     else:
         problems = [o.problem for o in outcomes if o.problem]
         assert not problems, "\n".join(problems)
@@ -161,10 +161,10 @@ def test_int8_keeps_the_top5_rule_against_the_float_weights(top2_model: Path):
     rng = random.Random(29)
     prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in (1, 7, 30, 90)]
     kwargs = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory": "32MiB"}
-    plain = _greedy_with_logprobs(LLM(str(top2_model), **kwargs), prompts, 24)
+    plain = greedy_with_logprobs(LLM(str(top2_model), **kwargs), prompts, 24)
     llm = LLM(str(top2_model), quantization="int8", **kwargs)
-    quantized = _greedy_with_logprobs(llm, prompts, 24)
-    assert top5_rule("qwen3-moe int8", plain, quantized) <= LOGPROB_TOL["float32"]
+    quantized = greedy_with_logprobs(llm, prompts, 24)
+    assert top5_rule("qwen3-moe int8", plain, quantized) <= QUANTIZED_LOGPROB_TOL["float32"]
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 

@@ -25,7 +25,13 @@ from nanovllm.worker.layers.quantization import PackedWeight, QuantScheme, assig
 from nanovllm.worker.models.decoder import DecoderForCausalLM
 from nanovllm.worker.models.gguf.cache import embedded_model_path
 from nanovllm.worker.models.gguf.tensors import gguf_quant_plan, gguf_tensors
-from tests.helpers import chat_prompts, teacher_forced_logits, top5_rule
+from tests.helpers import (
+    QUANTIZED_LOGPROB_TOL,
+    chat_prompts,
+    greedy_with_logprobs,
+    teacher_forced_logits,
+    top5_rule,
+)
 
 SCHEMES = {
     "int8": QuantScheme("int8", 8, None),
@@ -34,18 +40,6 @@ SCHEMES = {
     "int4-64": QuantScheme("int4", 4, 64),
     "int4-128": QuantScheme("int4", 4, 128),
 }
-# Largest |quantized - float| logprob (nats) over tokens in both engines' top-5 while both saw the same
-# context, by the engines' dtype. int8 with one scale per output channel rounds each weight by up to
-# amax/254: on SmolLM2's projections (a row's largest weight ~5.6x its median) that is ~0.9% relative
-# error per matmul, and the median top-5 gap is 0.08 nats. Seen in float32 2026-11-25 (AMD EPYC, AVX2):
-# 0.08-0.30 on the random models, 0.80 on SmolLM2's chats. In bfloat16 a CPU with AVX512-VNNI also rounds
-# each decode row of x to int8 in blocks of 32 (linear_int8_dots.h), coarser than bf16's own rounding where
-# a block holds an outlier. Seen 2026-11-26 (AMD EPYC, AVX512-VNNI) on SmolLM2's chats: 1.37 for int8 and
-# 1.25 for the GGUF's Q4_1 against its dequantized copy, where the dequantized model in bfloat16 against
-# float32 gives 0.29. What the bounds catch, measured 2026-11-26 on the AVX2 EPYC by planting scales 3% too
-# large (every dequantized weight 3% off, under a rounding step's worth only at int4): qwen2 1.58 nats, and
-# SmolLM2's chats 0 of 4 equal in float32 and bfloat16; the per-weight rounding tests fail first.
-LOGPROB_TOL = {"float32": 1.2, "bfloat16": 2.0}
 
 
 def _packed(scheme: str, rows: int, features: int, seed: int = 0) -> tuple[PackedWeight, torch.Tensor]:
@@ -313,9 +307,9 @@ def test_gguf_q4_1_in_bfloat16_keeps_the_top5_rule_against_the_dequantized_model
     int8 in blocks of 32): no longer bit-equal to the dequantized model, held to the top-5 rule instead."""
     kwargs = {"dtype": "bfloat16", "max_model_len": 256, "kv_cache_memory": "64MiB"}
     prompts = chat_prompts(smollm2_dir)
-    shipped = _greedy_with_logprobs(LLM(str(smollm2_gguf), **kwargs), prompts, 24)
-    plain = _greedy_with_logprobs(LLM(str(smollm2_gguf), quantization="none", **kwargs), prompts, 24)
-    assert top5_rule("Q4_1 bfloat16", plain, shipped) <= LOGPROB_TOL["bfloat16"]
+    shipped = greedy_with_logprobs(LLM(str(smollm2_gguf), **kwargs), prompts, 24)
+    plain = greedy_with_logprobs(LLM(str(smollm2_gguf), quantization="none", **kwargs), prompts, 24)
+    assert top5_rule("Q4_1 bfloat16", plain, shipped) <= QUANTIZED_LOGPROB_TOL["bfloat16"]
     assert sum(a["token_ids"] == b["token_ids"] for a, b in zip(plain, shipped)) >= len(prompts) // 2
 
 
@@ -335,21 +329,16 @@ def test_gguf_q4_1_holds_under_110_mb_and_names_paris(smollm2_gguf: Path) -> Non
 # --------------------------------------------------------------------------- the engine
 
 
-def _greedy_with_logprobs(llm: LLM, prompts: list[list[int]], max_new: int) -> list[dict]:
-    params = SamplingParams(temperature=0.0, logprobs=5, ignore_eos=True, max_tokens=max_new)
-    return llm.generate(prompts, params, use_tqdm=False)
-
-
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
 def test_int8_keeps_the_top5_rule_on_random_models(model_dirs, arch) -> None:
     rng = random.Random(29)
     prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in (1, 7, 30, 90)]
     kwargs = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory": "32MiB"}
-    plain = _greedy_with_logprobs(LLM(str(model_dirs[arch]), **kwargs), prompts, 24)
+    plain = greedy_with_logprobs(LLM(str(model_dirs[arch]), **kwargs), prompts, 24)
     llm = LLM(str(model_dirs[arch]), quantization="int8", **kwargs)
     assert sum(isinstance(m, PackedWeight) for m in llm.engine.runner.model.modules()) == 2 * 4
-    quantized = _greedy_with_logprobs(llm, prompts, 24)
-    assert top5_rule(arch, plain, quantized) <= LOGPROB_TOL["float32"]
+    quantized = greedy_with_logprobs(llm, prompts, 24)
+    assert top5_rule(arch, plain, quantized) <= QUANTIZED_LOGPROB_TOL["float32"]
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
@@ -360,9 +349,9 @@ def test_int8_keeps_the_top5_rule_on_smollm2(smollm2_dir: Path, dtype: str) -> N
     AVX512-VNNI) also quantizes each decode row of x to int8 for the integer dots."""
     prompts = chat_prompts(smollm2_dir)
     kwargs = {"dtype": dtype, "max_model_len": 256, "kv_cache_memory": "64MiB"}
-    plain = _greedy_with_logprobs(LLM(str(smollm2_dir), **kwargs), prompts, 24)
-    quantized = _greedy_with_logprobs(LLM(str(smollm2_dir), quantization="int8", **kwargs), prompts, 24)
-    assert top5_rule("SmolLM2", plain, quantized) <= LOGPROB_TOL[dtype]
+    plain = greedy_with_logprobs(LLM(str(smollm2_dir), **kwargs), prompts, 24)
+    quantized = greedy_with_logprobs(LLM(str(smollm2_dir), quantization="int8", **kwargs), prompts, 24)
+    assert top5_rule("SmolLM2", plain, quantized) <= QUANTIZED_LOGPROB_TOL[dtype]
     if dtype == "float32":  # in bfloat16 (seen: 0 of 4 chats the same for 24 tokens) near-ties part sooner
         assert sum(a["token_ids"] == b["token_ids"] for a, b in zip(plain, quantized)) >= len(prompts) // 2
 

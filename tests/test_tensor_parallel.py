@@ -10,53 +10,16 @@ from pathlib import Path
 import grpc
 import psutil
 import pytest
-import torch
 
 from nanovllm import LLM
 from nanovllm.common.errors import ConfigError, EngineDeadError
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from nanovllm.worker.step import SeqChunk, StepInputs
-from tests.helpers import greedy, teacher_forced_logits
+from tests.helpers import TP_ENGINE, TP_PROMPTS, compare_tp, greedy, rank_processes
 from tests.model_factory import ALL_LORA_TARGETS, build_model, make_adapter
 from tests.services import start_router, start_worker, wait_serving
 
-PROMPTS = [[5, 9, 33, 2, 71, 100, 4], [300, 12], list(range(40, 97)), [7] * 20, [250, 251, 252]]
-# float32: TP=2 logits are compared with TP=1 within 1e-4. On CPU (gloo), also on a CUDA machine: these
-# tests start two ranks, and a machine with one GPU has no device for the second.
-ENGINE = {"kv_cache_memory": "32MiB", "max_model_len": 512, "dtype": "float32", "device": "cpu"}
 ENGINE_FLAGS = ["--dtype", "float32", "--device", "cpu"]
-
-
-def rank_processes(parent: psutil.Process) -> list[psutil.Process]:
-    """The tensor-parallel ranks among a process's children: multiprocessing spawn children other than
-    its resource tracker (the session's service processes are children of pytest too)."""
-    ranks = []
-    for child in parent.children():
-        try:
-            cmdline = " ".join(child.cmdline())
-        except (psutil.ZombieProcess, psutil.NoSuchProcess):  # exited; not running anything
-            continue
-        if "multiprocessing" in cmdline and "resource_tracker" not in cmdline:
-            ranks.append(child)
-    return ranks
-
-
-def compare_tp(model_dir: Path, **options: object) -> None:
-    single = LLM(str(model_dir), **ENGINE, **options)
-    sharded = LLM(str(model_dir), tensor_parallel_size=2, **ENGINE, **options)
-    try:
-        assert len(rank_processes(psutil.Process())) == 1
-        want = single.generate(PROMPTS, greedy(24), use_tqdm=False)
-        got = sharded.generate(PROMPTS, greedy(24), use_tqdm=False)
-        assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want]
-        for chunk in (1, 6):  # decode path and chunked prefill
-            for ours, ref in zip(
-                teacher_forced_logits(sharded, PROMPTS, chunk), teacher_forced_logits(single, PROMPTS, chunk)
-            ):
-                torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
-    finally:
-        sharded.shutdown()
-    assert rank_processes(psutil.Process()) == []
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -89,19 +52,19 @@ def test_tp2_runs_lora_adapters_as_tp1(qwen3_dir: Path, tmp_path: Path) -> None:
     for size in (1, 2):
         llm = LLM(
             str(qwen3_dir), tensor_parallel_size=size, lora_adapters=[f"a={adapters['a']}"], max_loras=2,
-            max_lora_rank=8, **ENGINE,
+            max_lora_rank=8, **TP_ENGINE,
         )  # fmt: skip
         try:
             for name in ("b", "c"):
                 llm.add_lora(name, str(adapters[name]))
-            outputs = llm.generate(PROMPTS, greedy(16), use_tqdm=False, lora_name=names)
+            outputs = llm.generate(TP_PROMPTS, greedy(16), use_tqdm=False, lora_name=names)
             runs.append([o["token_ids"] for o in outputs])
             assert llm.engine.runner.adapter_slots.num_loads == 3  # three adapters, two slots: one refilled
         finally:
             llm.shutdown()
     single, sharded = runs
     assert sharded == single
-    assert single[1] != single[4] or PROMPTS[1] == PROMPTS[4]  # (the adapters change what comes out)
+    assert single[1] != single[4] or TP_PROMPTS[1] == TP_PROMPTS[4]  # (the adapters change what comes out)
     assert rank_processes(psutil.Process()) == []
 
 
@@ -118,22 +81,28 @@ def test_tp2_shards_int4_weights_along_whole_groups(qwen3_dir: Path) -> None:
 
 def test_tp2_group_that_would_split_is_a_clear_error(qwen3_dir: Path) -> None:
     with pytest.raises(ConfigError, match=r"layer model.layers.0.self_attn.o_proj has 32 input features"):
-        LLM(str(qwen3_dir), tensor_parallel_size=2, quantization="int4", quantization_group_size=64, **ENGINE)
+        LLM(
+            str(qwen3_dir),
+            tensor_parallel_size=2,
+            quantization="int4",
+            quantization_group_size=64,
+            **TP_ENGINE,
+        )
     assert rank_processes(psutil.Process()) == []
 
 
 def test_unshardable_model_is_a_clear_error_before_any_process_starts(qwen3_dir: Path) -> None:
     with pytest.raises(ConfigError, match="num_attention_heads=4 is not divisible by tensor_parallel_size=3"):
-        LLM(str(qwen3_dir), tensor_parallel_size=3, **ENGINE)
+        LLM(str(qwen3_dir), tensor_parallel_size=3, **TP_ENGINE)
     assert rank_processes(psutil.Process()) == []
 
 
 def test_killed_rank_fails_the_step_and_leaves_no_process(qwen3_dir: Path) -> None:
     """Rank 1 killed mid-generation: the next step raises EngineDeadError naming it, within seconds, and
     after shutdown no rank process is left."""
-    llm = LLM(str(qwen3_dir), tensor_parallel_size=2, **ENGINE)
+    llm = LLM(str(qwen3_dir), tensor_parallel_size=2, **TP_ENGINE)
     engine = llm.engine
-    for i, prompt in enumerate(PROMPTS):
+    for i, prompt in enumerate(TP_PROMPTS):
         engine.add_request(str(i), prompt, greedy(200))
     for _ in range(3):
         engine.step()
@@ -160,7 +129,7 @@ def test_serving_with_tp2_and_a_rank_dying(qwen3_dir: Path, kernels, tmp_path: P
     try:
         wait_serving(worker.address)
         wait_serving(router.address)
-        reference = LLM(str(qwen3_dir), **ENGINE).generate(
+        reference = LLM(str(qwen3_dir), **TP_ENGINE).generate(
             ["The quick brown fox"], greedy(20), use_tqdm=False
         )[0]
         with grpc.insecure_channel(router.address) as channel:
