@@ -47,6 +47,36 @@ def test_step_api_streams_deltas_and_one_terminal_output(llm):
     assert _all_free(llm)
 
 
+def test_no_step_runs_more_tokens_than_max_num_batched_tokens(qwen3_dir):
+    """A prompt longer than the step's budget is prefilled in chunks beside the running decodes, and no step
+    runs more than max_num_batched_tokens tokens (the activations a GPU sizes for): 100 prompt tokens at 16
+    a step take at least 7 steps."""
+    llm = LLM(str(qwen3_dir), max_model_len=128, kv_cache_memory="8MiB", max_num_batched_tokens=16)
+    engine = llm.engine
+    engine.add_request("decoding", [5, 6, 7], greedy(12))
+    engine.step()
+    engine.add_request("long", list(range(2, 102)), greedy(2))
+    tokens = []
+    while engine.has_unfinished_requests():
+        stats = engine.step().stats
+        tokens.append(stats.num_prefill_tokens + stats.num_decode_tokens)
+    assert max(tokens) == 16 and len(tokens) >= 7, tokens
+    assert _all_free(llm)
+
+
+def test_a_prefix_hit_needs_every_token_of_the_block(llm):
+    """Cached KV is shared only by prompts equal up to the end of a full block: changing the last token of
+    the first 8-token block shares nothing, changing the first of the second shares the first block."""
+    prompt = list(range(30, 62))
+    llm.generate([prompt], greedy(1), use_tqdm=False)
+    for changed, cached in ((7, 0), (8, 8), (0, 0)):
+        other = list(prompt)
+        other[changed] = 500
+        (out,) = llm.generate([other], greedy(1), use_tqdm=False)
+        assert out["num_cached_tokens"] == cached, (changed, out["num_cached_tokens"])
+    assert _all_free(llm)
+
+
 def test_load_reports_waiting_running_and_blocks(llm):
     engine = llm.engine
     for i in range(3):

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from structlog.testing import capture_logs
 
 from nanovllm import LLM, SamplingParams
@@ -19,6 +20,7 @@ from nanovllm.common.block_hash import prefix_hashes
 from nanovllm.common.errors import ConfigError
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from nanovllm.worker.config import ModelConfig
+from nanovllm.worker.runner.kv_disk import DiskTier
 from tests.helpers import counting_proposals
 from tests.metrics import scrape, value
 from tests.model_factory import build_model
@@ -215,6 +217,21 @@ def test_bad_files_are_logged_once_and_recomputed(qwen3_dir, reference, tmp_path
     assert sorted(_fault_events(logs)) == ["bad_size", "corrupt"]  # once per kind
     _assert_accounted(llm)
     llm.shutdown()
+
+
+@pytest.mark.parametrize("offset", [0, 24, 40, -1], ids=["magic", "block-hash", "checksum", "payload"])
+def test_a_disk_block_changed_in_any_byte_is_refused(tmp_path, offset):
+    """A block file read back is exactly what was written for this model and hash, or refused (counted
+    as corrupt and deleted): one byte changed in its header or its payload is enough."""
+    block = torch.arange(64, dtype=torch.float32).reshape(2, 32)
+    tier = DiskTier(str(tmp_path), 2**20, bytes(16), block.numel() * block.element_size())
+    tier.write(7, block)
+    assert tier.read(7) == block.numpy().tobytes()
+    data = bytearray(tier.path(7).read_bytes())
+    data[offset] ^= 0x01
+    tier.path(7).write_bytes(bytes(data))
+    assert tier.read(7) is None
+    assert tier.faults.counts["corrupt"] == 1 and not tier.path(7).exists()
 
 
 def test_a_full_disk_is_logged_once_and_nothing_is_lost(qwen3_dir, reference, tmp_path):
