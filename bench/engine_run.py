@@ -77,11 +77,11 @@ def record_steps(llm: LLM) -> Iterator[list[StepRecord]]:
         )
         return result
 
-    engine.step = recording_step
+    engine.step = recording_step  # type: ignore[method-assign]
     try:
         yield records
     finally:
-        engine.step = step  # back to the loop it replaced
+        del engine.step  # back to the class's method
 
 
 def build_llm(model_dir: Path, workload: Workload, args: argparse.Namespace, **options: object) -> LLM:

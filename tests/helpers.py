@@ -145,7 +145,7 @@ def counting_proposals(llm: LLM) -> Iterator[list[int]]:
     try:
         yield counts
     finally:
-        llm.engine.step = step
+        del llm.engine.step  # back to the class's method
 
 
 def decode_layers_on_and_off(

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 import shutil
+import weakref
 
 import pytest
 import torch
@@ -75,6 +77,22 @@ def test_a_prefix_hit_needs_every_token_of_the_block(llm):
         (out,) = llm.generate([other], greedy(1), use_tqdm=False)
         assert out["num_cached_tokens"] == cached, (changed, out["num_cached_tokens"])
     assert _all_free(llm)
+
+
+def test_a_dropped_engine_frees_its_kv_cache(qwen3_dir):
+    """An LLM dropped (shut down or not) takes its KV cache with it: the engine freezes what exists at its
+    start out of the garbage collector's sight, so a reference cycle through the engine would keep the
+    cache for the process's life (a test process making a few engines ran out of memory)."""
+    for shut_down in (True, False):
+        llm = LLM(str(qwen3_dir), max_model_len=128, kv_cache_memory="8MiB")
+        llm.generate([[5, 6, 7]], greedy(3), use_tqdm=False)
+        if shut_down:
+            llm.shutdown()
+        cache = weakref.ref(llm.engine.runner.kv_cache)
+        del llm
+        gc.collect()
+        kept = cache() is not None
+        assert not kept, f"the KV cache outlived its engine (shut down: {shut_down})"
 
 
 def test_load_reports_waiting_running_and_blocks(llm):

@@ -103,9 +103,11 @@ class LLMEngine:
             and config.speculative_method == "none"
         )
         self._inflight: _InFlight | None = None  # a launched step not yet applied (overlapped loop)
-        # One step of the engine, its loop chosen once (vLLM v1's step / step_with_batch_queue).
-        self.step: Callable[[], StepResult] = (
-            self.step_overlapped if self.async_scheduling else self.step_synchronous
+        # The step loop, chosen once (vLLM v1's step / step_with_batch_queue). The function, not the bound
+        # method: an engine holding its own bound method is a reference cycle, which gc.freeze (below)
+        # would keep, with its KV cache, for as long as the process lives after the engine is dropped.
+        self._loop: Callable[[LLMEngine], StepResult] = (
+            LLMEngine.step_overlapped if self.async_scheduling else LLMEngine.step_synchronous
         )
         _freeze_what_lasts()
 
@@ -212,6 +214,10 @@ class LLMEngine:
             kv_host_blocks=lower["host"],
             kv_disk_blocks=lower["disk"],
         )
+
+    def step(self) -> StepResult:
+        """One step of the loop chosen at construction: step_synchronous, or step_overlapped."""
+        return self._loop(self)
 
     def step_synchronous(self) -> StepResult:
         """Admit, propose, schedule, launch one step and apply its picks."""
