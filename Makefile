@@ -29,9 +29,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # One test process per usable CPU (tests/conftest.py), each file's tests in one of them (module fixtures
-# start once); `.venv/bin/pytest` alone runs them in this process, one after another.
+# start once); `.venv/bin/pytest` alone runs them in this process, one after another. A test process that
+# dies (the kernel's OOM killer) ends the run: pytest-xdist's replacement for it left the run waiting forever.
 test: $(STAMP) $(NODE_DEPS)
-	$(BIN)/pytest -n auto --dist loadfile
+	$(BIN)/pytest -n auto --dist loadfile --max-worker-restart 0
 
 # On a CUDA machine with CUDA torch and triton in its python3 and the wheels of `.ci/gpu wheels` in .whl/:
 # the tests that exercise the CUDA path (docs/devices.md#running-on-a-gpu).
