@@ -17,9 +17,13 @@ MAX_NUM_SEQS = 8
 # Triton runs on CPU tensors only in its interpreter, which conftest turns on only where there is no GPU.
 TRITON_ON_CPU = pytest.param(
     "triton",
-    marks=pytest.mark.skipif(
-        torch.cuda.is_available(), reason="with a GPU Triton compiles for it and cannot run on CPU tensors"
-    ),
+    marks=[
+        pytest.mark.skipif(
+            torch.cuda.is_available(),
+            reason="with a GPU Triton compiles for it and cannot run on CPU tensors",
+        ),
+        pytest.mark.slow,  # the interpreter runs each kernel in Python
+    ],
 )
 
 
@@ -72,7 +76,6 @@ def test_buckets():
         batch_buckets(0)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "cpu_kernel", TRITON_ON_CPU])
 def test_greedy_tokens_equal_eager_as_the_batch_shrinks(qwen3_dir, kernels, backend):
     """Five sequences that end one after another: the decode batch passes through buckets 8, 4, 2 and 1,

@@ -229,6 +229,7 @@ def test_greedy_chat_equals_transformers(llm: LLM, ours_tokenizer, hf_gguf_token
         assert out["token_ids"] == reference[0, len(ids) :].tolist(), prompt
 
 
+@pytest.mark.slow
 def test_a_gguf_draft_reads_its_weights_from_the_file(gguf_path: Path) -> None:
     """The embedded model as its own draft, both from the GGUF file: the draft's weights are read from the
     file as the model's are (its converted directory holds configuration and tokenizer only), its greedy

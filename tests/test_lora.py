@@ -112,7 +112,7 @@ def test_greedy_tokens_and_logits_equal_peft(models, arch: str, backend: str):
 @pytest.mark.parametrize(
     ("backend", "count", "max_new"),
     # Triton's interpreter runs a step's kernels in Python: fewer and shorter requests there.
-    [("auto", 8, MAX_NEW), ("torch", 8, MAX_NEW), ("triton", 3, 4)],
+    [("auto", 8, MAX_NEW), ("torch", 8, MAX_NEW), pytest.param("triton", 3, 4, marks=pytest.mark.slow)],
 )
 def test_a_mixed_batch_equals_each_request_alone(models, backend: str, count: int, max_new: int):
     """Three adapters and the base, requests of each, in one batch with chunked prefill; then each

@@ -109,6 +109,7 @@ def test_every_process_serves_and_metrics_count_them_all(service, tmp_path: Path
     assert library_errors(log_path) == []
 
 
+@pytest.mark.slow
 def test_a_process_that_dies_is_started_again_and_none_outlives_the_first(service, tmp_path: Path) -> None:
     log_path = tmp_path / "router.log"
     router = start_router([service.worker.address], "--processes", "2", log_path=log_path)
