@@ -53,10 +53,9 @@ _NAME = "nanovllm_paged_attention_cpu"
 # Model dtypes the model runner binds the kernels for (PyTorch for any other): those where they beat the
 # PyTorch path (bench/cpu_kernels.py).
 SUPPORTED_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
-# The projections use linear_few_rows for at most this many rows, PyTorch's GEMM above. In float32 on an AVX2
-# AMD EPYC (bench/cpu_kernels.py --only projections, 2026-11-25) the kernel took 0.57x PyTorch's time at 1
-# row, 0.36-0.46x at 2-8, 0.64x at 16 and about the same at 24 (each 8 rows are another pass over the
-# weights); in bfloat16 there, without native bf16, 0.2-0.8x at every size up to 64.
+# The projections use linear_few_rows for at most this many rows, PyTorch's GEMM above: the kernel wins up to
+# 16 rows and breaks even by 24, each 8 rows another pass over the weights
+# (docs/performance.md#measurements-behind-choices-in-the-code).
 FEW_ROWS_MAX = 16
 # A build takes well under a minute; a lock this old was left by a process killed mid-build, and torch's
 # builder would wait on it forever.

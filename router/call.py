@@ -344,8 +344,7 @@ class GenerateCall:
         saved: its writes finished within one turn of the event loop, so under load no update was waiting
         when they did and nothing merged (1.0 tokens per response against 3.2 with the router and client
         sharing a CPU), and the router and client then paid per-message costs for every token, halving
-        throughput (bench/security.py --placement pin-worker, plaintext, 2026-11-24: 9,200 against 16,300
-        tok/s)."""
+        throughput (docs/performance.md#measurements-behind-choices-in-the-code)."""
         write = asyncio.ensure_future(self.context.write(response))
         backlog = self.attempt.events
         try:

@@ -1,9 +1,9 @@
 // A decode step's decoder layers (Llama, Qwen2, Qwen3, Qwen3-MoE) in one call from Python, on the CPU kernels.
 //
 // At one sequence on a CPU the layers' arithmetic is small enough that the Python around it counts: each
-// layer is about a dozen kernel calls and as many module calls, views and splits. On SmolLM2-135M (30
-// layers, the GGUF's Q4_1 weights, AMD EPYC with 2 cores) a step took 9.9 ms, of which everything but the
-// projections' kernel (mostly that Python) took 3.0 ms; in one call the same step took 7.4-8.1 ms. This
+// layer is about a dozen kernel calls and as many module calls, views and splits: on SmolLM2-135M a third
+// of a step went outside the projections' kernel, and one call took a fifth off the step
+// (docs/performance.md#measurements-behind-choices-in-the-code). This
 // runs the same kernels, in the same order, on the same tensors, as worker/models/decoder.py does for a
 // decode-only step, so the result is bit for bit the module path's (tests/test_layer_kernels.py checks).
 // The model keeps its modules for everything else (prefill, chunks, tensor parallelism, other backends).

@@ -2,8 +2,8 @@
 // verification (the last token plus K proposals per sequence).
 //
 // With few rows a CPU matmul is bound by reading the weights, not by arithmetic, yet PyTorch's float32
-// GEMM at 2 to 8 rows takes about as long as at 64 (2026-11-25, AMD EPYC AVX2, SmolLM2-135M's 30 layers
-// and LM head: 70 ms at 2 rows, 39 ms at 1, against 25 and 21 ms here). Here each weight row is read once,
+// GEMM at 2 to 8 rows takes about as long as at 64 (docs/performance.md#measurements-behind-choices-in-the-code).
+// Here each weight row is read once,
 // from memory into registers, and serves every row of x: a tile of up to kTileRows rows of x (widened to
 // fp32 once, then read from L1) against one to four weight rows at a time (linear_tile.h, which also states
 // the order every sum is taken in; tile_from_memory and tile_bf16 below say how many).
@@ -68,9 +68,8 @@ using TileBf16 = void (*)(const c10::BFloat16*, const c10::BFloat16*, const c10:
 // The tile for 1 to kTileRows rows of x: up to 4 rows one weight row at a time, two above. One row at a
 // time each thread reads its weights as one sequential stream, and one vdpbf16ps chain per row of x keeps
 // up with the memory (64 weight bytes an instruction); four rows a pass (four streams 4 KB apart) read the
-// LM head's shape from memory at 53 GB/s at one row where one row a pass read 71 (a sum over 1 GiB: 75-78).
-// From 5 rows of x, two weight rows a pass halve the loads of x per weight byte, which bind there: at 8
-// rows 45 GB/s against 39 (2026-11-27, AMD EPYC with avx512_bf16, 2 threads; docs/performance.md).
+// LM head's shape from memory a quarter slower at one row. From 5 rows of x, two weight rows a pass halve the
+// loads of x per weight byte, which bind there (docs/performance.md, Projections at few rows).
 TileBf16 tile_bf16(int64_t rows) {
   static const TileBf16 table[kTileRows] = {
       tile_rows_bf16<1, 1>, tile_rows_bf16<2, 1>, tile_rows_bf16<3, 1>, tile_rows_bf16<4, 1>,
@@ -80,10 +79,9 @@ TileBf16 tile_bf16(int64_t rows) {
 #endif
 
 // linear_tile.h's tile for weights of type T read from memory. fp32 weights up to 4 rows of x go one weight
-// row a pass, one sequential stream a thread: the LM head's shape in fp32 read at 73 GB/s at one row
-// against 59-63 four rows a pass (a sum over 1 GiB: 78-79), 65 against 59-63 at 4 rows; one chain of 8-lane
-// FMAs a row of x keeps up with the memory at 4 bytes a weight. 16-bit weights keep the default: widened
-// first, one chain read them at 43 GB/s against 65 (2026-11-27, AMD EPYC, 2 threads; docs/performance.md).
+// row a pass, one sequential stream a thread, faster from memory; one chain of 8-lane FMAs a row of x keeps
+// up with the memory at 4 bytes a weight. 16-bit weights keep the default: widened first, one chain read
+// them a third slower (docs/performance.md, Projections at few rows).
 template <typename T>
 TileFn<T, T> tile_from_memory(int64_t rows) {
   if constexpr (std::is_same_v<T, float>) {

@@ -184,11 +184,9 @@ DirectFn<BITS, T> direct_fn(int64_t rows) {
 template <int M, int BITS, typename T>
 void int8_dot_rows(const QuantizedRow* x, const std::vector<ChunkGroups>& chunks, const QRow* first, const T* bias,
                    T* y, int64_t n_begin, int64_t n_end, int64_t N, int64_t K, int64_t group) {
-  // One weight row at a time at every row count: four (two from 3 rows of x) read the LM head's shape at
-  // 32-33 GB/s of int8 weights and scales at one row against 37-50 here, 4 bits at 21-22 against 36-38, and
-  // 8 bits at 4 rows 18-19 against 26-27 (2026-11-27, AMD EPYC with AVX512-VNNI, 2 threads; a sum over 1 GiB
-  // read 43-76). Which rows share a pass never changes a sum. The float tile's rows-a-pass rule (registers
-  // dequantized in place, above) measured the other way: one row a pass read 4 bits at 12 against 18.
+  // One weight row at a time at every row count: faster than four (two from 3 rows of x) at every row count
+  // measured (docs/performance.md, Weight-only quantization). Which rows share a pass never changes a sum.
+  // The float tile's rows-a-pass rule (registers dequantized in place, above) measured the other way.
   constexpr int R = 1;
   for_each_tile<M, R>(first, bias, y, n_begin, n_end, N,
                       [&](const QRow* w, float (*sums)[R]) { int8_dot_tile<M, R, BITS>(x, chunks, w, K, group, sums); });

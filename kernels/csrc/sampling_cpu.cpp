@@ -1,8 +1,8 @@
 // Sampling at temperature > 0 with one uniform number per row (worker/sample/sampler.py calls this).
 //
-// The exponential race the torch path once ran drew an exponential for every vocabulary entry: at 64 rows of
-// SmolLM2's 49,152 logits that was 81 ms of a 2-core AMD EPYC (2026-11-26), and top-p's full sort 159 ms more,
-// where greedy's argmax takes 4. Here each row is drawn by inversion: the token is the first one, in vocabulary
+// The exponential race the torch path once ran drew an exponential for every vocabulary entry, and top-p sorted
+// the whole row: twenty to sixty times greedy's argmax (docs/performance.md#measurements-behind-choices-in-the-code).
+// Here each row is drawn by inversion: the token is the first one, in vocabulary
 // order, at which the running sum of the filtered distribution passes u times its total, u ~ U[0, 1). That
 // costs a max and an exp pass over the row (both vectorised) and a walk over block sums; top-k and top-p sort
 // only the tokens within a factor 2^s of the most likely one, for the smallest s whose tokens hold the cut.

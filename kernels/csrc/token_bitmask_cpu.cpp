@@ -2,8 +2,8 @@
 // bitmask[j][t / 32] is clear (worker/structured_output.py fills the bitmasks, worker/sampler.py calls this).
 //
 // PyTorch has no op that reads packed bits, so the torch path unpacks them into a [rows, 32 * words] tensor
-// and runs masked_fill over it: at 32 rows of SmolLM2's 49,152 logits that took 11 ms on a 2-core AMD EPYC
-// (2026-11-25), as long as the rest of the sampler. Here one pass reads each word once and writes only the
+// and runs masked_fill over it, as long as the rest of the sampler
+// (docs/performance.md#measurements-behind-choices-in-the-code). Here one pass reads each word once and writes only the
 // disallowed logits.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
