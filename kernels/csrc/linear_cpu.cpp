@@ -23,7 +23,7 @@ namespace {
 // bf16 x and weights where the CPU multiplies bf16 itself (AVX512-BF16). vdpbf16ps takes 32 weights and 32
 // inputs as they are, no widening, and adds their exact products into 16 fp32 lanes, two per lane: a
 // quarter of the AVX2 tile's instructions per weight byte, which at 3 to 8 rows of x had made that tile
-// bound by its arithmetic (40 GB/s on the LM head's shape at 4 rows, where the memory gives 65). The order
+// bound by its arithmetic (docs/performance.md#measurements-behind-choices-in-the-code). The order
 // of every sum is again fixed whatever the number of rows: lane l adds the products k = 32j + 2l and
 // 32j + 2l + 1 in order of j, the 16 lanes are added in a fixed tree, then the tail k >= K - K % 32, then
 // the bias, and the result is rounded to bf16 once. It is another order than the AVX2 tile's, so a bf16

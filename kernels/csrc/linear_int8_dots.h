@@ -2,9 +2,8 @@
 // (AMD Zen 4, Intel Ice Lake and later): each row of x is quantized to int8 in blocks of 32 with an fp32
 // scale (llama.cpp's Q8 activations), and one VPDPBUSD multiplies 64 weight bytes by 64 activations and
 // adds them four by four into 16 int32 lanes. Dequantizing every weight to fp32 instead (8 or 16 lanes
-// an instruction, plus the conversions) made the register path arithmetic-bound: SmolLM2-135M's Q4_1
-// projections (66 MB) took 5.1 ms a step with the weights in cache and 5.6 ms from memory, where reading
-// 66 MB takes 2-3 ms (AMD EPYC with AVX-512, 2 threads); with the integer dots, 2.6 ms in cache.
+// an instruction, plus the conversions) made the register path arithmetic-bound, twice as slow as reading
+// the weights; the integer dots halve it (docs/performance.md#measurements-behind-choices-in-the-code).
 //
 // The price is x's rounding: |x - d q| <= d / 2 with d = max|x over the block| / 127, so a block's product
 // moves by at most d / 2 * sum |w| over it (the tests check that bound). Where a block holds an outlier

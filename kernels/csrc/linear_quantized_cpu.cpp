@@ -268,8 +268,7 @@ inline void store16(c10::Half* out, __m512 v) {
 }
 
 // Row `row`'s K weights in 16-bit T, 16 lanes at a time, for the GEMM path: GCC's vectorisation of
-// dequantize_row and the rounding loop took ~13 ms of a 64-row step's 66 ms on SmolLM2's int4
-// projections (AMD EPYC with AVX-512), where bfloat16 weights take 53 ms in all.
+// dequantize_row and the rounding loop took a fifth of a 64-row step (docs/performance.md#measurements-behind-choices-in-the-code).
 template <int BITS, typename T>
 void dequantize_row_16(const QRow& row, int64_t K, int64_t group, T* out) {
   const __m128i low4 = _mm_set1_epi8(0x0F);

@@ -466,7 +466,7 @@ void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double 
 // New tokens' K and V into their cache slots: row t of key and value [T, kv_heads, D] (each row contiguous,
 // rows any stride apart: k and v are column slices of the QKV output) to slot slot_mapping[t] of the
 // caches [num_blocks, block_size, kv_heads, D]. What index_copy_ does, as one memcpy a row: PyTorch's
-// index_copy_ took 8 ms for a 2,000-token bf16 prompt's K on this project's CPU (1.6 ms in fp32).
+// index_copy_ is several times slower on a long prompt (docs/performance.md#measurements-behind-choices-in-the-code).
 void store_kv_(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache,
                at::Tensor slot_mapping) {
   check_one_dtype("store_kv_", {{"key", &key}, {"value", &value}, {"k_cache", &k_cache}, {"v_cache", &v_cache}});
