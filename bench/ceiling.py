@@ -41,7 +41,7 @@ class MatmulCeiling:
             for layer in model.model.layers
         ]
         self.lm_head = model.lm_head.weight
-        self.kernels = model.lm_head.cpu_kernels
+        self.kernels = model.lm_head.kernels
         self._stack: dict[int, float] = {}
         self._head: dict[int, float] = {}
 

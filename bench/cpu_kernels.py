@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from nanovllm import SamplingParams
 from nanovllm.kernels.attention import AttentionBackend, DecodeBatch
 from nanovllm.kernels.cpu_kernels import load_cpu_kernels
+from nanovllm.worker.layers.kernels import LayerKernels
 from nanovllm.worker.layers.norm import RMSNorm
 from nanovllm.worker.layers.rotary import RotaryEmbedding, apply_rotary
 from nanovllm.worker.sample.sampler import Sampler
@@ -61,7 +62,7 @@ def cases(kernels, dtype: torch.dtype, rows: int, args: argparse.Namespace) -> I
     torch_norm, kernel_norm = RMSNorm(HIDDEN, EPS), RMSNorm(HIDDEN, EPS)
     for norm in (torch_norm, kernel_norm):
         norm.weight.data = torch.rand(HIDDEN, generator=gen).to(dtype)
-    kernel_norm.cpu_kernels = kernels
+    kernel_norm.kernels = LayerKernels(cpu=kernels)
     x = randn(rows, HIDDEN)
     yield "rms_norm", lambda: torch_norm(x), lambda: kernel_norm(x), lambda: None
 

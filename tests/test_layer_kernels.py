@@ -13,6 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, rotate_half
 
 from nanovllm import SamplingParams
 from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX, cpu_digest
+from nanovllm.worker.layers.kernels import LayerKernels
 from nanovllm.worker.layers.linear import RowParallelLinear
 from nanovllm.worker.layers.norm import HeadRMSNorm, RMSNorm
 from nanovllm.worker.layers.parallel import TPContext
@@ -246,7 +247,7 @@ def test_projection_layers_use_the_kernel_for_few_rows_only(kernels):
     gen = torch.Generator().manual_seed(0)
     layer.weight.data = torch.randn(48, 64, generator=gen)
     layer.bias.data = torch.randn(48, generator=gen)
-    layer.cpu_kernels = kernels
+    layer.kernels = LayerKernels(cpu=kernels)
     few, many = torch.randn(FEW_ROWS_MAX, 64, generator=gen), torch.randn(FEW_ROWS_MAX + 1, 64, generator=gen)
     assert torch.equal(layer(few), kernels.linear_few_rows(few, layer.weight, layer.bias))
     assert torch.equal(layer(many), F.linear(many, layer.weight, layer.bias))

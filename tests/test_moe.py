@@ -15,6 +15,7 @@ import torch
 
 from nanovllm import LLM
 from nanovllm.common.errors import UnsupportedModelError
+from nanovllm.worker.layers.kernels import LayerKernels
 from nanovllm.worker.layers.quantization import PackedWeight
 from tests.helpers import (
     QUANTIZED_LOGPROB_TOL,
@@ -243,8 +244,7 @@ def test_triton_grouped_experts_equal_the_expert_by_expert_loop(top2_model: Path
     for stacked in (experts.w13_stacked, experts.w2_stacked):
         stacked.copy_(torch.randn(stacked.shape, generator=gen) / stacked.shape[-1] ** 0.5)
     x = torch.randn(21, cfg.hidden_size, generator=gen).to(TRITON_DEVICE, dtype)
-    block.triton_kernels = triton_layers
-    block.batch_invariant = True  # the loop's projections on the Triton matmul
+    block.kernels = LayerKernels(triton=triton_layers, deterministic=True)  # projections on Triton's matmul
     with torch.inference_mode():
         chosen, weights = block.route(x)
         loop = block.experts_one_by_one(x, chosen, weights)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.common.errors import ConfigError
+from nanovllm.worker.layers.kernels import PYTORCH
 from nanovllm.worker.layers.linear import linear
 from nanovllm.worker.layers.loadable import LoadableTensor
 from nanovllm.worker.layers.parallel import TPContext
@@ -66,13 +65,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         prefix: str = "",
     ) -> None:
         super().__init__(vocab_size, hidden_size, tp, quant, prefix)
-        # See DecoderForCausalLM.bind_kernels.
-        self.cpu_kernels: ModuleType | None = None
-        self.triton_kernels: ModuleType | None = None
-        self.batch_invariant = False
+        self.kernels = PYTORCH  # see DecoderForCausalLM.bind_kernels
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = linear(
-            hidden, self.weight, None, self.cpu_kernels, self.triton_kernels, self.batch_invariant
-        )
+        logits = linear(hidden, self.weight, None, self.kernels)
         return self.tp.all_gather_last_dim(logits)

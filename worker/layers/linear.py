@@ -8,13 +8,12 @@ either from either.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX
+from nanovllm.worker.layers.kernels import PYTORCH, LayerKernels
 from nanovllm.worker.layers.loadable import LoadableTensor
 from nanovllm.worker.layers.lora import LoRAWeights, Part
 from nanovllm.worker.layers.parallel import TPContext
@@ -25,16 +24,15 @@ def linear(
     x: torch.Tensor,
     weight: torch.Tensor | PackedWeight,
     bias: torch.Tensor | None,
-    cpu_kernels: ModuleType | None,
-    triton_kernels: ModuleType | None = None,
-    batch_invariant: bool = False,
+    kernels: LayerKernels = PYTORCH,
 ) -> torch.Tensor:
     """x @ weight.T + bias. On the C++ CPU kernels when bound: a float weight when x has few rows (a small
     decode batch, a speculative verification), where PyTorch's GEMM is far slower than reading the
     weights once; a packed weight at every size. Without them a packed weight is dequantized per call.
-    batch_invariant: every row's sums in one order whatever the number of rows (the C++ kernels at every
-    size, or the Triton matmul of kernels/triton_layers.py), so a row's result never depends on the rows
-    beside it; PyTorch's GEMM picks its blocking, and so its order, by the number of rows."""
+    kernels.deterministic: every row's sums in one order whatever the number of rows (the C++ kernels at
+    every size, or the Triton matmul of kernels/triton_layers.py), so a row's result never depends on the
+    rows beside it; PyTorch's GEMM picks its blocking, and so its order, by the number of rows."""
+    cpu_kernels, triton_kernels, deterministic = kernels.cpu, kernels.triton, kernels.deterministic
     if isinstance(weight, PackedWeight):
         if cpu_kernels is not None and x.dim() == 2:
             return cpu_kernels.linear_quantized(
@@ -45,12 +43,12 @@ def linear(
                 weight.bits,
                 weight.group_size,
                 bias,
-                batch_invariant,
+                deterministic,
             )
         weight = weight.dequantize(x.dtype)
-    if batch_invariant and triton_kernels is not None:
+    if deterministic and triton_kernels is not None:
         return triton_kernels.linear(x, weight, bias)
-    if cpu_kernels is not None and x.dim() == 2 and (batch_invariant or x.shape[0] <= FEW_ROWS_MAX):
+    if cpu_kernels is not None and x.dim() == 2 and (deterministic or x.shape[0] <= FEW_ROWS_MAX):
         return cpu_kernels.linear_few_rows(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -67,10 +65,7 @@ class ParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
-        # See DecoderForCausalLM.bind_kernels.
-        self.cpu_kernels: ModuleType | None = None
-        self.triton_kernels: ModuleType | None = None
-        self.batch_invariant = False
+        self.kernels = PYTORCH  # see DecoderForCausalLM.bind_kernels
         self.lora: LoRAWeights | None = None  # set by DecoderForCausalLM.enable_lora
         self.weight = make_weight(out_features, in_features, quant, prefix, linear=True)
         self.weight.weight_loader = self.weight_loader
@@ -101,15 +96,13 @@ class ParallelLinear(nn.Module):
         return a, b
 
     def _project(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias, self.cpu_kernels, self.triton_kernels, self.batch_invariant)
+        y = linear(x, self.weight, self.bias, self.kernels)
         if self.lora is not None:
-            self.lora.add_to(
-                y, x, self._lora_matmul, self.cpu_kernels, self.triton_kernels, self.batch_invariant
-            )
+            self.lora.add_to(y, x, self._lora_matmul, self.kernels)
         return y
 
     def _lora_matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return linear(x, weight, None, self.cpu_kernels, self.triton_kernels, self.batch_invariant)
+        return linear(x, weight, None, self.kernels)
 
 
 class ColumnParallelLinear(ParallelLinear):

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 from torch import nn
+
+from nanovllm.worker.layers.kernels import LayerKernels
 
 
 @dataclass
@@ -104,12 +105,11 @@ class LoRAWeights(nn.Module):
         y: torch.Tensor,
         x: torch.Tensor,
         project: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        cpu_kernels: ModuleType | None,
-        triton_kernels: ModuleType | None,
-        batch_invariant: bool,
+        kernels: LayerKernels,
     ) -> None:
         """y += each row's adapter applied to x, for the rows of the context's batch. `project(x, w)` is
-        the layer's x @ w.T (its kernels, batch-invariant where the layer's are)."""
+        the layer's x @ w.T (its kernels, deterministic where the layer's are)."""
+        cpu_kernels, triton_kernels = kernels.cpu, kernels.triton
         batch = self.context.batch
         if batch is None:
             return
@@ -124,7 +124,7 @@ class LoRAWeights(nn.Module):
             triton_kernels.lora_add_(
                 y, x, self.lora_a, self.lora_b, batch.device_rows, batch.row_slots, self.part_bounds
             )
-        elif batch.mask is None or batch_invariant:
+        elif batch.mask is None or kernels.deterministic:
             for slot, rows in batch.groups:
                 xs = x if rows is None else x.index_select(0, rows)
                 delta = self._expand(project(xs, self.lora_a[slot]), self.lora_b[slot], project)

@@ -17,7 +17,6 @@ intermediate features across ranks (gate/up by rows, down by columns), then one 
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +25,7 @@ from torch import nn
 from nanovllm.common.errors import ConfigError
 from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX
 from nanovllm.worker.config import ModelConfig, MoeSpec
+from nanovllm.worker.layers.kernels import PYTORCH
 from nanovllm.worker.layers.linear import linear
 from nanovllm.worker.layers.loadable import LoadableTensor
 from nanovllm.worker.layers.parallel import TPContext
@@ -128,13 +128,10 @@ class SparseMoeBlock(nn.Module):
         self.tp = tp
         self.gate = Router(spec.num_experts, cfg.hidden_size)
         self.experts = Experts(spec, cfg.hidden_size, tp, quant, f"{prefix}.experts")
-        # See DecoderForCausalLM.bind_kernels.
-        self.cpu_kernels: ModuleType | None = None
-        self.triton_kernels: ModuleType | None = None
-        self.batch_invariant = False
+        self.kernels = PYTORCH  # see DecoderForCausalLM.bind_kernels
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return linear(x, weight, None, self.cpu_kernels, self.triton_kernels, self.batch_invariant)
+        return linear(x, weight, None, self.kernels)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top_k experts [T, k] and their weights [T, k] in x's dtype."""
@@ -164,9 +161,9 @@ class SparseMoeBlock(nn.Module):
         if self._grouped_on_cpu(max(sizes), w13):
             # A few rows per expert: every chosen expert's weights in one pass of the threads each, the
             # same sums as one call per expert (a one-stream decode step reads its 8 experts as one stream).
-            gate_ups = self.cpu_kernels.linear_grouped(inputs, w13)
-            acts = self.cpu_kernels.silu_and_mul(torch.cat(gate_ups)).split(sizes)
-            ys = self.cpu_kernels.linear_grouped(acts, w2)
+            gate_ups = self.kernels.cpu.linear_grouped(inputs, w13)
+            acts = self.kernels.cpu.silu_and_mul(torch.cat(gate_ups)).split(sizes)
+            ys = self.kernels.cpu.linear_grouped(acts, w2)
         else:
             ys = [
                 self._linear(self._silu_and_mul(self._linear(xe, a)), b) for xe, a, b in zip(inputs, w13, w2)
@@ -186,15 +183,15 @@ class SparseMoeBlock(nn.Module):
         """Whether linear_grouped computes the experts: the C++ kernels bound, float weights, and few
         enough rows that `linear` would take linear_few_rows for each (PyTorch's GEMM above)."""
         return (
-            self.cpu_kernels is not None
-            and self.triton_kernels is None
-            and (self.batch_invariant or most_rows <= FEW_ROWS_MAX)
+            self.kernels.cpu is not None
+            and self.kernels.triton is None
+            and (self.kernels.deterministic or most_rows <= FEW_ROWS_MAX)
             and bool(w13)
             and not isinstance(w13[0], PackedWeight)
         )
 
     def _silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        kernels = self.triton_kernels or self.cpu_kernels
+        kernels = self.kernels.triton or self.kernels.cpu
         if kernels is not None:
             return kernels.silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
@@ -206,9 +203,9 @@ class SparseMoeBlock(nn.Module):
         not --deterministic), which never wait on the device; expert by expert, the counts are read on the
         host, which a CUDA graph cannot capture."""
         return (
-            self.triton_kernels is not None
+            self.kernels.triton is not None
             and self.experts.w13_stacked is not None
-            and not self.batch_invariant
+            and not self.kernels.deterministic
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.worker.layers.kernels import PYTORCH
 from nanovllm.worker.layers.loadable import LoadableTensor
 
 
@@ -16,16 +15,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        # The C++ CPU kernels (kernels/csrc) or the fused Triton kernels (kernels/triton_layers.py) when in
-        # use: see DecoderForCausalLM.bind_kernels. Both have rms_norm and add_rms_norm_.
-        self.cpu_kernels: ModuleType | None = None
-        self.triton_kernels: ModuleType | None = None
+        # The C++ CPU kernels or the fused Triton kernels when in use (DecoderForCausalLM.bind_kernels): both
+        # have rms_norm and add_rms_norm_.
+        self.kernels = PYTORCH
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.triton_kernels is not None:
-            return self.triton_kernels.rms_norm(x, self.weight, self.eps)
-        if self.cpu_kernels is not None:
-            return self.cpu_kernels.rms_norm(x, self.weight, self.eps)
+        if self.kernels.triton is not None:
+            return self.kernels.triton.rms_norm(x, self.weight, self.eps)
+        if self.kernels.cpu is not None:
+            return self.kernels.cpu.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # 16-bit, as transformers: normalise in fp32, round to the dtype, then multiply by the weight in
@@ -34,7 +32,7 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual), reusing both buffers: the caller owns them."""
-        kernels = self.triton_kernels or self.cpu_kernels
+        kernels = self.kernels.triton or self.kernels.cpu
         if kernels is not None:
             kernels.add_rms_norm_(x, residual, self.weight, self.eps)
             return x, residual
@@ -54,13 +52,13 @@ class HeadRMSNorm(nn.Module):
         self.weight.weight_loader = self.weight_loader
         # The C++ CPU kernels when in use (DecoderForCausalLM.bind_kernels): PyTorch's rms_norm on a CPU
         # took 0.7 ms at 64 tokens and 1.3 to 1.8 ms at 256 for Qwen3-30B-A3B's 36 heads in bf16, a layer.
-        self.cpu_kernels: ModuleType | None = None
+        self.kernels = PYTORCH
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
         rows = slice(0, self.num_heads) if shard_id == "q" else slice(self.num_heads, None)
         param.data[rows] = loaded.read()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_kernels is not None:
-            return self.cpu_kernels.rms_norm(x, self.weight, self.eps)
+        if self.kernels.cpu is not None:
+            return self.kernels.cpu.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, x.shape[-1:], None, self.eps).mul_(self.weight)

@@ -16,7 +16,7 @@ from nanovllm.worker.layers.quantization import PackedWeight
 
 
 def _projection(
-    kernels: ModuleType, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None, batch_invariant: bool
+    kernels: ModuleType, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None, deterministic: bool
 ) -> object:
     if isinstance(weight, PackedWeight):
         return kernels.Projection(
@@ -28,37 +28,37 @@ def _projection(
             weight.group_size,
             bias,
             FEW_ROWS_MAX,
-            batch_invariant,
+            deterministic,
         )
-    return kernels.Projection(weight, None, None, None, 0, 0, bias, FEW_ROWS_MAX, batch_invariant)
+    return kernels.Projection(weight, None, None, None, 0, 0, bias, FEW_ROWS_MAX, deterministic)
 
 
-def _linear(kernels: ModuleType, layer: ParallelLinear, batch_invariant: bool) -> object:
-    return _projection(kernels, layer.weight, layer.bias, batch_invariant)
+def _linear(kernels: ModuleType, layer: ParallelLinear, deterministic: bool) -> object:
+    return _projection(kernels, layer.weight, layer.bias, deterministic)
 
 
-def _mlp(kernels: ModuleType, mlp: nn.Module, batch_invariant: bool) -> dict[str, object]:
+def _mlp(kernels: ModuleType, mlp: nn.Module, deterministic: bool) -> dict[str, object]:
     """DecoderLayerWeights' arguments for a dense MLP (gate_up, down) or a sparse layer's experts (moe)."""
     if isinstance(mlp, SparseMoeBlock):
         experts = mlp.experts
         moe = kernels.SparseMoe(
-            _projection(kernels, mlp.gate.weight, None, batch_invariant),
-            [_projection(kernels, w, None, batch_invariant) for w in experts.w13],
-            [_projection(kernels, w, None, batch_invariant) for w in experts.w2],
+            _projection(kernels, mlp.gate.weight, None, deterministic),
+            [_projection(kernels, w, None, deterministic) for w in experts.w13],
+            [_projection(kernels, w, None, deterministic) for w in experts.w2],
             mlp.spec.top_k,
             mlp.spec.norm_topk_prob,
         )
         return {"gate_up": None, "down": None, "moe": moe}
     return {
-        "gate_up": _linear(kernels, mlp.gate_up_proj, batch_invariant),
-        "down": _linear(kernels, mlp.down_proj, batch_invariant),
+        "gate_up": _linear(kernels, mlp.gate_up_proj, deterministic),
+        "down": _linear(kernels, mlp.down_proj, deterministic),
         "moe": None,
     }
 
 
-def build_decode_layers(model: nn.Module, kernels: ModuleType, batch_invariant: bool) -> object | None:
+def build_decode_layers(model: nn.Module, kernels: ModuleType, deterministic: bool) -> object | None:
     """kernels.DecodeLayers over the layers of `model` (a DecoderModel: decoder.py imports this module), or
-    None while the KV caches are not allocated. batch_invariant: as worker/layers/linear.py's `linear`."""
+    None while the KV caches are not allocated. deterministic: as worker/layers/linear.py's `linear`."""
     if any(layer.self_attn.attn.k_cache.numel() == 0 for layer in model.layers):
         return None
     layers = []
@@ -69,11 +69,11 @@ def build_decode_layers(model: nn.Module, kernels: ModuleType, batch_invariant: 
                 layer.input_layernorm.weight,
                 layer.post_attention_layernorm.weight,
                 None if attn.qk_norm is None else attn.qk_norm.weight,
-                _linear(kernels, attn.qkv_proj, batch_invariant),
-                _linear(kernels, attn.o_proj, batch_invariant),
+                _linear(kernels, attn.qkv_proj, deterministic),
+                _linear(kernels, attn.o_proj, deterministic),
                 k_cache=attn.attn.k_cache,
                 v_cache=attn.attn.v_cache,
-                **_mlp(kernels, mlp, batch_invariant),
+                **_mlp(kernels, mlp, deterministic),
             )
         )
     first = model.layers[0]

@@ -3,7 +3,7 @@ differences (Qwen3's per-head q/k RMSNorm, Qwen2's qkv bias)."""
 
 from __future__ import annotations
 
-from types import ModuleType
+import dataclasses
 from typing import ClassVar
 
 import torch
@@ -14,6 +14,7 @@ from nanovllm.kernels.attention import AttentionBackend, AttentionMetadata
 from nanovllm.worker.config import ModelConfig
 from nanovllm.worker.layers.attention import Attention
 from nanovllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.worker.layers.kernels import PYTORCH, LayerKernels
 from nanovllm.worker.layers.linear import (
     MergedColumnParallelLinear,
     ParallelLinear,
@@ -54,18 +55,17 @@ class DecoderAttention(nn.Module):
         self.head_dim = d
         self.qk_size = (self.num_heads + self.num_kv_heads) * d
         self.eps = cfg.rms_norm_eps
-        self.cpu_kernels: ModuleType | None = None  # see DecoderForCausalLM.bind_kernels
-        self.triton_kernels: ModuleType | None = None
+        self.kernels = PYTORCH  # see DecoderForCausalLM.bind_kernels
 
     def forward(
         self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         attn = self.attn
-        if self.triton_kernels is not None and attn.k_cache.numel():
+        if self.kernels.triton is not None and attn.k_cache.numel():
             # q/k norm, RoPE and the K/V store in one kernel; the attention reads this step's K/V from
             # the cache like the rest.
-            q = self.triton_kernels.qk_norm_rope_store(
+            q = self.kernels.triton.qk_norm_rope_store(
                 qkv, self.num_heads, self.num_kv_heads, self.head_dim,
                 self.qk_norm.weight if self.qk_norm is not None else None, self.eps, *rope,
                 attn.k_cache, attn.v_cache, meta.slot_mapping,
@@ -75,7 +75,7 @@ class DecoderAttention(nn.Module):
         qk = qkv[:, : self.qk_size].view(tokens, -1, d)
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
-        rotate = apply_rotary if self.cpu_kernels is None else self.cpu_kernels.rotary
+        rotate = apply_rotary if self.kernels.cpu is None else self.kernels.cpu.rotary
         q, k = rotate(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.qk_size :].view(tokens, self.num_kv_heads, d)
         return self.o_proj(self.attn(q, k, v, meta))
@@ -89,12 +89,11 @@ class DecoderMLP(nn.Module):
             cfg.hidden_size, [size, size], False, tp, quant, f"{prefix}.gate_up_proj"
         )
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, tp, quant, f"{prefix}.down_proj")
-        self.cpu_kernels: ModuleType | None = None  # see DecoderForCausalLM.bind_kernels
-        self.triton_kernels: ModuleType | None = None
+        self.kernels = PYTORCH  # see DecoderForCausalLM.bind_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        kernels = self.triton_kernels or self.cpu_kernels
+        kernels = self.kernels.triton or self.kernels.cpu
         if kernels is not None:
             return self.down_proj(kernels.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
@@ -232,34 +231,22 @@ class DecoderForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
-    def bind_kernels(
-        self,
-        attention: AttentionBackend,
-        cpu_kernels: ModuleType | None,
-        triton_kernels: ModuleType | None = None,
-        batch_invariant: bool = False,
-    ) -> None:
-        """Run every attention layer on `attention`, and RMSNorm, RoPE, the SwiGLU gate and the few-rows
-        projections on the C++ CPU kernels (kernels/csrc), or on PyTorch when `cpu_kernels` is None. With
-        `triton_kernels` (kernels/triton_layers.py, for an attention backend that reads a step's K/V from
-        the cache), RMSNorm, SwiGLU and q/k norm + RoPE + KV store run as fused Triton kernels.
-        `batch_invariant` (with a batch-invariant `attention`): the projections on kernels whose sums
-        do not depend on the number of rows (worker/layers/linear.py: the C++ matmul, or Triton's with
-        `triton_kernels`); the other layers work row by row."""
+    def bind_kernels(self, attention: AttentionBackend, kernels: LayerKernels) -> None:
+        """Run every attention layer on `attention` (batch-invariant when kernels.deterministic), and every
+        layer with a variant on `kernels` (worker/layers/kernels.py): RMSNorm, RoPE, the SwiGLU gate and the
+        projections on the C++ CPU kernels, or on PyTorch; with the Triton layer kernels, RMSNorm, SwiGLU and
+        q/k norm + RoPE + KV store fused."""
         for attn in self.attention_layers():
             attn.backend = attention
         kernel_users = (RMSNorm, DecoderAttention, DecoderMLP, SparseMoeBlock, ParallelLinear, ParallelLMHead)
         for module in self.modules():
             if isinstance(module, kernel_users):
-                module.cpu_kernels = cpu_kernels
-                module.triton_kernels = triton_kernels
+                module.kernels = kernels
             if isinstance(module, HeadRMSNorm):  # on Triton, fused into qk_norm_rope_store
-                module.cpu_kernels = cpu_kernels
-            if isinstance(module, (ParallelLinear, ParallelLMHead, SparseMoeBlock)):
-                module.batch_invariant = batch_invariant
+                module.kernels = dataclasses.replace(kernels, triton=None)
         # Decode steps as one C++ call: the module path's kernels in its order; not across tensor-parallel
         # ranks, whose all-reduces sit between the kernels.
-        use_decode_layers = cpu_kernels is not None and self.tp.size == 1
+        use_decode_layers = kernels.cpu is not None and self.tp.size == 1
         self.model.decode_layers = (
-            build_decode_layers(self.model, cpu_kernels, batch_invariant) if use_decode_layers else None
+            build_decode_layers(self.model, kernels.cpu, kernels.deterministic) if use_decode_layers else None
         )

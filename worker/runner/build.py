@@ -19,6 +19,7 @@ from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.kernels.backends import CpuKernelAttention, TritonAttention, select_attention_backend
 from nanovllm.worker.config import EngineConfig, ModelConfig, parse_memory_size
 from nanovllm.worker.device import resolve_placement, usable_cpus
+from nanovllm.worker.layers.kernels import LayerKernels
 from nanovllm.worker.layers.lora import LoRAContext
 from nanovllm.worker.layers.moe import SparseMoeBlock
 from nanovllm.worker.layers.parallel import TPContext
@@ -261,23 +262,24 @@ class ModelRunnerBase:
             )
 
     def _bind_kernels(self) -> None:
-        """Point every attention layer at the configured backend; with the C++ attention, the other
-        layers that have a C++ variant (RMSNorm, RoPE, SwiGLU) use the C++ kernels too."""
-        invariant = self.config.deterministic
+        """Choose the kernels once and bind them: the attention backend, and with the C++ attention the
+        other layers' C++ variants, with Triton's its fused layer kernels (worker/layers/kernels.py)."""
+        deterministic = self.config.deterministic
         choice = select_attention_backend(
-            self.config.attention_backend, self.device, self.dtype, self.block_size, invariant
+            self.config.attention_backend, self.device, self.dtype, self.block_size, deterministic
         )
         self.kernel_backend = choice.backend.name  # reported by the bench and logs
         if self.tp.rank == 0:
             log.info("attention_backend_selected", backend=self.kernel_backend, reason=choice.reason)
-        kernels = choice.backend.kernels if isinstance(choice.backend, CpuKernelAttention) else None
+        cpu = choice.backend.kernels if isinstance(choice.backend, CpuKernelAttention) else None
         fused = None
         if isinstance(choice.backend, TritonAttention):
             from nanovllm.kernels import triton_layers as fused  # Triton is imported only where it runs
-        self.model.bind_kernels(choice.backend, kernels, fused, invariant)
-        self.sampler.cpu_kernels = kernels
+        kernels = LayerKernels(cpu=cpu, triton=fused, deterministic=deterministic)
+        self.model.bind_kernels(choice.backend, kernels)
+        self.sampler.cpu_kernels = cpu
         if self.draft is not None:
-            self.draft.model.bind_kernels(choice.backend, kernels, fused, invariant)
+            self.draft.model.bind_kernels(choice.backend, kernels)
 
     def _cuda_allocated(self) -> int:
         """Bytes this process holds on the GPU through torch (0 on CPU): differences of it are this
