@@ -22,8 +22,8 @@ from bench.engine_run import build_llm, nanovllm_single_stream, run_nanovllm, wa
 from bench.models import SHAPES, build_random_model
 from bench.report import load_average, machine_description
 from bench.workload import make_workload
-from nanovllm.worker.config import ModelConfig
 from nanovllm.worker.device import DTYPES
+from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.models.gguf.cache import embedded_model_path, prepare_gguf
 
 

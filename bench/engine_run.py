@@ -12,8 +12,8 @@ from pathlib import Path
 
 from bench.workload import GREEDY, Sampling, Workload, greedy, make_workload
 from nanovllm import LLM
-from nanovllm.worker.config import ModelConfig
 from nanovllm.worker.device import resolve_placement
+from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.step import StepResult
 
 

@@ -56,8 +56,9 @@ from bench.engine_run import nanovllm_single_stream, record_steps
 from bench.models import SHAPES
 from bench.report import machine_description
 from nanovllm import LLM, SamplingParams
-from nanovllm.worker.config import ATTENTION_BACKENDS, ModelConfig
+from nanovllm.worker.config import ATTENTION_BACKENDS
 from nanovllm.worker.device import DTYPES, resolve_placement
+from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.sample.sampler import Sampler
 from nanovllm.worker.step import SamplingRow
 

@@ -27,8 +27,8 @@ from bench.models import SHAPES, build_random_model
 from bench.report import load_average, machine_description, percentile
 from bench.workload import FIRST_PROMPT_TOKEN, greedy
 from nanovllm import LLM
-from nanovllm.worker.config import ModelConfig
 from nanovllm.worker.device import DTYPES, resolve_placement
+from nanovllm.worker.model_config import ModelConfig
 
 BLOCK = 16
 

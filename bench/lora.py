@@ -32,8 +32,8 @@ from bench.models import SHAPES, build_random_model
 from bench.report import load_average, machine_description
 from bench.workload import greedy, make_workload
 from nanovllm import LLM
-from nanovllm.worker.config import ModelConfig
 from nanovllm.worker.device import DTYPES
+from nanovllm.worker.model_config import ModelConfig
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

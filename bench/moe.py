@@ -42,8 +42,8 @@ from bench.gpu import decode_bytes_per_token
 from bench.models import build_random_model
 from bench.report import load_average, machine_description
 from bench.workload import Workload, make_workload
-from nanovllm.worker.config import ModelConfig
 from nanovllm.worker.device import DTYPES, resolve_placement
+from nanovllm.worker.model_config import ModelConfig
 
 SHAPE = "qwen3-30b-a3b"
 

@@ -51,7 +51,7 @@ from bench.placement import PLACEMENT_HELP, PLACEMENTS, CpuSets, place
 from bench.report import cpu_model, load_average, percentile
 from bench.workload import Workload, greedy, make_workload
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
-from nanovllm.worker.config import ModelConfig
+from nanovllm.worker.model_config import ModelConfig
 from tests.services import ServerProcess, start, wait_serving
 
 ITL_NOTE = "ITL: one sample per token-bearing response after the first, gap / tokens in it"

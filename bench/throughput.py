@@ -48,8 +48,8 @@ from bench.models import SHAPES, build_random_model
 from bench.report import load_average, machine_description, print_summary, report_steps
 from bench.workload import GREEDY, Sampling, Workload, make_workload
 from nanovllm import LLM
-from nanovllm.worker.config import ModelConfig
 from nanovllm.worker.device import DTYPES
+from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.models.gguf.cache import embedded_model_path, prepare_gguf
 
 

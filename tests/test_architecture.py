@@ -89,7 +89,7 @@ WORKER_ROOMS = (
     {"sample"},
     {"models"},
     {"layers"},
-    {"step", "sequence", "config", "device"},
+    {"step", "sequence", "model_config", "config", "device"},
 )
 # Outside the worker: the router never imports it, and what both sides share imports neither side.
 FORBIDDEN = {

@@ -8,7 +8,8 @@ import pytest
 
 from nanovllm.common.errors import ConfigError, InvalidStateTransition, UnsupportedModelError
 from nanovllm.common.sampling_params import SamplingParams
-from nanovllm.worker.config import ModelConfig, parse_memory_size
+from nanovllm.worker.config import parse_memory_size
+from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.sequence import Sequence, SequenceStatus
 
 GiB = 2**30

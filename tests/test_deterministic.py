@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.worker.config import ModelConfig
+from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.runner.kv_cache import kv_bytes_per_block
 from tests.model_factory import build_model
 

@@ -21,9 +21,9 @@ from tokenizers import Tokenizer, pre_tokenizers
 from nanovllm import LLM, SamplingParams
 from nanovllm.common.errors import ConfigError
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
-from nanovllm.worker.config import ModelConfig
 from nanovllm.worker.device import resolve_placement
 from nanovllm.worker.llm import load_tokenizer
+from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.models.gguf.cache import (
     SOURCE_FILE,
     STALE_STAGING_S,

@@ -17,9 +17,9 @@ import torch
 
 from nanovllm import LLM
 from nanovllm.common.errors import UnsupportedModelError
-from nanovllm.worker.config import ModelConfig
 from nanovllm.worker.layers.quantization import PackedWeight
 from nanovllm.worker.llm import load_tokenizer
+from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.models.gguf import cache as gguf_cache
 from nanovllm.worker.models.gguf.cache import prepare_gguf
 from nanovllm.worker.models.gguf.tokenizer import transformers_tokenizer

@@ -19,7 +19,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.common.block_hash import prefix_hashes
 from nanovllm.common.errors import ConfigError
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
-from nanovllm.worker.config import ModelConfig
+from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.runner.kv_disk import DiskTier
 from tests.helpers import counting_proposals
 from tests.metrics import scrape, value

@@ -230,9 +230,9 @@ def test_triton_grouped_experts_equal_the_expert_by_expert_loop(top2_model: Path
     parameter, a view of the stacked weight the kernels read: equal outputs show the views share it."""
     from nanovllm.kernels import triton_layers
     from nanovllm.kernels.triton_moe import fused_experts
-    from nanovllm.worker.config import ModelConfig
     from nanovllm.worker.layers.moe import SparseMoeBlock
     from nanovllm.worker.layers.parallel import TPContext
+    from nanovllm.worker.model_config import ModelConfig
 
     cfg = ModelConfig.from_pretrained_dir(top2_model)
     gen = torch.Generator().manual_seed(5)

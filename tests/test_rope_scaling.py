@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM
 from nanovllm.common.errors import UnsupportedModelError
-from nanovllm.worker.config import ModelConfig
 from nanovllm.worker.layers.rotary import RotaryEmbedding
+from nanovllm.worker.model_config import ModelConfig
 from tests.helpers import greedy, hf_greedy, hf_logits, teacher_forced_logits
 from tests.model_factory import build_model
 

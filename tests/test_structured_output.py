@@ -21,8 +21,8 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.common.errors import RequestError
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
-from nanovllm.worker.config import ModelConfig
 from nanovllm.worker.core.engine import LLMEngine
+from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.runner.kv_cache import kv_bytes_per_block
 from nanovllm.worker.sample.sampler import Sampler
 from nanovllm.worker.sample.structured_output import Grammar, GrammarCompiler, MaskFiller

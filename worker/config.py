@@ -1,4 +1,5 @@
-"""Engine and model configuration. Everything flows from these dataclasses, never from globals."""
+"""The engine's configuration (EngineConfig: every knob, each a flag) around the model's description
+(worker/model_config.py). Everything flows from these dataclasses, never from globals."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from nanovllm.common.errors import ConfigError, UnsupportedModelError
+from nanovllm.common.errors import ConfigError
 from nanovllm.common.options import option
+from nanovllm.worker.model_config import ModelConfig
 
 _SIZE_UNITS = {
     "": 1,
@@ -46,217 +47,6 @@ def parse_memory_size(value: str | float, available_bytes: int, name: str = "kv_
     if size <= 0:
         raise ConfigError(f"{name} must be positive, got {value!r}")
     return size
-
-
-@dataclass(frozen=True)
-class ArchitectureSpec:
-    """What distinguishes the supported decoder families from one another."""
-
-    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k before RoPE
-    qkv_bias: bool  # Qwen2: bias on q, k, v projections
-    o_bias: bool = False
-
-
-ARCHITECTURES: dict[str, ArchitectureSpec] = {
-    "Qwen3ForCausalLM": ArchitectureSpec(qk_norm=True, qkv_bias=False),
-    "Qwen2ForCausalLM": ArchitectureSpec(qk_norm=False, qkv_bias=True),
-    "LlamaForCausalLM": ArchitectureSpec(qk_norm=False, qkv_bias=False),
-    "Qwen3MoeForCausalLM": ArchitectureSpec(qk_norm=True, qkv_bias=False),
-}
-
-
-@dataclass(frozen=True)
-class MoeSpec:
-    """A mixture-of-experts MLP (transformers' Qwen3MoeForCausalLM): in each layer of `sparse_layers` a
-    router picks `top_k` of `num_experts` SwiGLU experts per token (its softmax in float32, the top-k
-    weights renormalised to sum to 1 when `norm_topk_prob`); the other layers keep a dense MLP."""
-
-    num_experts: int
-    top_k: int
-    intermediate_size: int  # each expert's
-    norm_topk_prob: bool
-    sparse_layers: frozenset[int]
-
-    @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> MoeSpec:
-        for name in ("shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace"):
-            if cfg.get(name):
-                raise UnsupportedModelError(f"mixture-of-experts with {name}={cfg[name]} is not supported")
-        experts = cfg.get("num_experts", cfg.get("num_local_experts"))
-        top_k, step = cfg.get("num_experts_per_tok"), cfg.get("decoder_sparse_step", 1)
-        if not isinstance(experts, int) or experts < 1:
-            raise UnsupportedModelError(
-                f"a mixture-of-experts config needs num_experts >= 1, got {experts!r}"
-            )
-        if not isinstance(top_k, int) or not 1 <= top_k <= experts:
-            raise UnsupportedModelError(
-                f"num_experts_per_tok must be in [1, num_experts={experts}], got {top_k!r}"
-            )
-        if not isinstance(step, int) or step < 1:
-            raise UnsupportedModelError(f"decoder_sparse_step must be >= 1, got {step!r}")
-        dense = set(cfg.get("mlp_only_layers") or [])
-        layers = frozenset(
-            i for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0
-        )
-        return cls(
-            experts, top_k, int(cfg["moe_intermediate_size"]), bool(cfg.get("norm_topk_prob", False)), layers
-        )
-
-
-# RoPE scaling types and the rope_parameters fields each reads (besides rope_type and rope_theta).
-ROPE_SCALING_FIELDS = {
-    "linear": {"factor"},
-    "yarn": {
-        "factor",
-        "original_max_position_embeddings",
-        "attention_factor",
-        "beta_fast",
-        "beta_slow",
-        "mscale",
-        "mscale_all_dim",
-        "truncate",
-    },
-}
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """How a checkpoint stretches RoPE past its training length (transformers' rope_parameters): "linear"
-    divides every frequency by `factor`; "yarn" (arXiv 2309.00071) blends interpolated and original
-    frequencies per dimension and scales cos and sin by an attention factor. Unset fields take
-    transformers' defaults (worker/layers/rotary.py)."""
-
-    rope_type: str
-    factor: float
-    original_max_position_embeddings: int | None = None
-    attention_factor: float | None = None
-    beta_fast: float | None = None
-    beta_slow: float | None = None
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool = True
-
-    @classmethod
-    def from_hf_dict(cls, rope: dict[str, Any], max_position_embeddings: int) -> RopeScaling | None:
-        """None for plain RoPE; an UnsupportedModelError naming an unknown type or field."""
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type in ("default", None):
-            return None
-        if rope_type not in ROPE_SCALING_FIELDS:
-            raise UnsupportedModelError(
-                f"rope type {rope_type!r} is not supported (supported: default, {', '.join(ROPE_SCALING_FIELDS)})"
-            )
-        known = ROPE_SCALING_FIELDS[rope_type] | {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
-        unknown = sorted(set(rope) - known)
-        if unknown or rope.get("partial_rotary_factor", 1.0) != 1.0:
-            what = unknown or [f"partial_rotary_factor={rope['partial_rotary_factor']}"]
-            raise UnsupportedModelError(f"rope type {rope_type!r} with {', '.join(what)} is not supported")
-        original = rope.get("original_max_position_embeddings")
-        if rope_type == "yarn" and original is None:
-            raise UnsupportedModelError("rope type 'yarn' needs original_max_position_embeddings")
-        factor = rope.get("factor")
-        if factor is None and rope_type == "yarn":  # as transformers: the stretch the config asks for
-            factor = max_position_embeddings / original
-        if factor is None or factor <= 0:
-            raise UnsupportedModelError(f"rope type {rope_type!r} needs a positive factor, got {factor!r}")
-        optional = {name: rope.get(name) for name in ROPE_SCALING_FIELDS[rope_type] - {"factor", "truncate"}}
-        return cls(rope_type, float(factor), truncate=bool(rope.get("truncate", True)), **optional)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The shape of a decoder-only transformer, independent of the file format it came from."""
-
-    architecture: str
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    eos_token_ids: tuple[int, ...]
-    spec: ArchitectureSpec
-    rope_scaling: RopeScaling | None = None
-    moe: MoeSpec | None = None
-
-    @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        architectures = cfg.get("architectures") or []
-        arch = next((a for a in architectures if a in ARCHITECTURES), None)
-        if arch is None:
-            raise UnsupportedModelError(
-                f"architectures {architectures} not supported; nanovllm implements {sorted(ARCHITECTURES)}"
-            )
-        base = ARCHITECTURES[arch]
-        attention_bias = bool(cfg.get("attention_bias", False))
-        spec = ArchitectureSpec(
-            qk_norm=base.qk_norm, qkv_bias=base.qkv_bias or attention_bias, o_bias=attention_bias
-        )
-        if cfg.get("use_sliding_window") or cfg.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(
-                f"sliding-window attention (use_sliding_window={cfg.get('use_sliding_window')}) and activations "
-                f"other than silu (hidden_act={cfg.get('hidden_act')!r}) are not supported"
-            )
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        max_position = int(cfg.get("max_position_embeddings", 32768))
-        rope_scaling = RopeScaling.from_hf_dict(rope, max_position)
-        rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
-            architecture=arch,
-            hidden_size=cfg["hidden_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg["intermediate_size"],
-            vocab_size=cfg["vocab_size"],
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=max_position,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            eos_token_ids=eos_ids,
-            spec=spec,
-            rope_scaling=rope_scaling,
-            moe=MoeSpec.from_hf_dict(cfg) if arch == "Qwen3MoeForCausalLM" else None,
-        )
-
-    @property
-    def num_parameters(self) -> int:
-        """Parameter count implied by the shape (biases and norms ignored): sizes memory checks."""
-        attention = (
-            self.hidden_size * self.head_dim * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
-        )
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        total = self.num_hidden_layers * (attention + mlp) + embeddings
-        if self.moe is not None:  # sparse layers: the router and every expert instead of the dense MLP
-            experts = self.moe.num_experts * (3 * self.moe.intermediate_size + 1) * self.hidden_size
-            total += len(self.moe.sparse_layers) * (experts - mlp)
-        return total
-
-    @classmethod
-    def from_pretrained_dir(cls, path: str | Path) -> ModelConfig:
-        config_path = Path(path) / "config.json"
-        if not config_path.is_file():
-            raise ConfigError(f"{config_path} not found: expected a Hugging Face model directory")
-        cfg = json.loads(config_path.read_text())
-        # generate() stops on generation_config's EOS ids (Qwen3 chat models list two there); honour both.
-        gen_path = Path(path) / "generation_config.json"
-        if gen_path.is_file():
-            gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
-            extra = gen_eos if isinstance(gen_eos, list) else ([] if gen_eos is None else [gen_eos])
-            base = cfg.get("eos_token_id")
-            base = base if isinstance(base, list) else ([] if base is None else [base])
-            cfg = {**cfg, "eos_token_id": list(dict.fromkeys(base + extra))}
-        return cls.from_hf_dict(cfg)
 
 
 DEFAULT_CPU_KV_CACHE = "2GiB"

@@ -24,12 +24,12 @@ from torch import nn
 
 from nanovllm.common.errors import ConfigError
 from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX
-from nanovllm.worker.config import ModelConfig, MoeSpec
 from nanovllm.worker.layers.kernels import PYTORCH
 from nanovllm.worker.layers.linear import linear
 from nanovllm.worker.layers.loadable import LoadableTensor
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, assign, make_weight
+from nanovllm.worker.model_config import ModelConfig, MoeSpec
 
 # Checkpoint projections of expert e, and where each goes: gate and up are w13's two halves, down is w2.
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")

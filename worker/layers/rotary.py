@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from nanovllm.worker.config import RopeScaling
+from nanovllm.worker.model_config import RopeScaling
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels.attention import AttentionBackend, AttentionMetadata
-from nanovllm.worker.config import ModelConfig
 from nanovllm.worker.layers.attention import Attention
 from nanovllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.worker.layers.kernels import PYTORCH, LayerKernels
@@ -27,6 +26,7 @@ from nanovllm.worker.layers.norm import HeadRMSNorm, RMSNorm
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.quantization import QuantPlan
 from nanovllm.worker.layers.rotary import RotaryEmbedding, apply_rotary
+from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.models.decode_layers import build_decode_layers
 
 

@@ -17,13 +17,14 @@ from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.kernels.backends import CpuKernelAttention, TritonAttention, select_attention_backend
-from nanovllm.worker.config import EngineConfig, ModelConfig, parse_memory_size
+from nanovllm.worker.config import EngineConfig, parse_memory_size
 from nanovllm.worker.device import resolve_placement, usable_cpus
 from nanovllm.worker.layers.kernels import LayerKernels
 from nanovllm.worker.layers.lora import LoRAContext
 from nanovllm.worker.layers.moe import SparseMoeBlock
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, QuantScheme
+from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.models.decoder import DecoderForCausalLM
 from nanovllm.worker.models.gguf.tensors import gguf_quant_plan, gguf_tensors
 from nanovllm.worker.models.loader import load_safetensors, load_tensors

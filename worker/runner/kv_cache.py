@@ -4,7 +4,8 @@ of blocks that budget holds. Plain arithmetic on sizes the runner measures; the 
 from __future__ import annotations
 
 from nanovllm.common.errors import ConfigError
-from nanovllm.worker.config import DEFAULT_CPU_KV_CACHE, EngineConfig, ModelConfig, parse_memory_size
+from nanovllm.worker.config import DEFAULT_CPU_KV_CACHE, EngineConfig, parse_memory_size
+from nanovllm.worker.model_config import ModelConfig
 
 GIB = 2**30
 

@@ -27,8 +27,9 @@ import torch.distributed as dist
 
 from nanovllm.common.errors import EngineDeadError
 from nanovllm.common.logging import get_logger
-from nanovllm.worker.config import EngineConfig, ModelConfig
+from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.layers.parallel import TPContext
+from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.step import StepInputs
 
 log = get_logger(__name__)

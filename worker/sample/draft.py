@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from nanovllm.kernels.attention import AttentionMetadata
-from nanovllm.worker.config import ModelConfig
+from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.models.decoder import DecoderForCausalLM
 from nanovllm.worker.sequence import Sequence
 from nanovllm.worker.step import ScheduledSequence, SeqChunk, StepInputs

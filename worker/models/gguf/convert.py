@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nanovllm.worker.config import ModelConfig
+from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.models.gguf.layout import generation_config, hf_config, open_reader, read_metadata
 from nanovllm.worker.models.gguf.tensors import gguf_tensors
 from nanovllm.worker.models.gguf.tokenizer import build_tokenizer, transformers_tokenizer
