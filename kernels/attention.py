@@ -189,9 +189,9 @@ class AttentionBackend:
         """Causal attention of each prompt over its own new K/V.
 
         Several prompts go through one SDPA call, padded to the longest. One call per prompt computes less
-        (up to 2.6x less on prompts of 32-256 tokens) and is 2x faster on one thread, but on 2 threads its
-        ~2,000 small parallel regions per step made W64's prefill 2-4x slower (measured): each region waits
-        for both threads, and any other load on the machine stretches every wait."""
+        and is faster on one thread, but on 2 threads its thousands of small parallel regions a step made
+        W64's prefill several times slower (docs/performance.md#measurements-behind-choices-in-the-code): each region waits for both threads, and
+        any other load on the machine stretches every wait."""
         if batch.num_seqs == 1:
             q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)

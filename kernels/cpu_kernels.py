@@ -124,7 +124,8 @@ def load_cpu_kernels() -> ModuleType | None:
 
         # -fno-trapping-math: GCC (12 here) keeps exp_simd's range checks as branches unless it may assume that
         # no float operation traps, and a branch keeps every loop that calls it scalar: the SwiGLU gate, the
-        # attention's softmax and the sampler's exp pass ran 7-10x slower. Results are unchanged (no
+        # attention's softmax and the sampler's exp pass ran several times slower
+        # (docs/performance.md#measurements-behind-choices-in-the-code). Results are unchanged (no
         # -ffast-math: IEEE rounding, NaNs and infinities are kept; nothing here reads the FP exception flags).
         with _own_ninja_first():
             return load(

@@ -340,7 +340,7 @@ class GenerateCall:
         docs/reliability.md).
 
         The write runs as a task raced against a timed wait. A leaner path (awaiting the write directly,
-        one stall-check timer per call) cost the router 10 µs less per response, yet lost more than it
+        one stall-check timer per call) cost the router less per response, yet lost more than it
         saved: its writes finished within one turn of the event loop, so under load no update was waiting
         when they did and nothing merged (1.0 tokens per response against 3.2 with the router and client
         sharing a CPU), and the router and client then paid per-message costs for every token, halving

@@ -46,10 +46,10 @@ INITIAL_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 2.0
 INFO_TIMEOUT_S = 10.0
 # A worker message carries a step's updates for every request it runs (256 at high concurrency). Handed
-# out at once, they wake as many calls, and each call's response work (~100 µs) then runs in one event
-# loop turn of ~25 ms. gRPC's asyncio server accepts a new call only once every couple of turns, so with
-# such turns a burst of new calls waits seconds for the router to take them (their TTFT). The updates go
-# out this many a turn instead (docs/performance.md, serving at 256 streams).
+# out at once, they wake as many calls, and all their response work then runs in one long event loop
+# turn. gRPC's asyncio server accepts a new call only once every couple of turns, so with such turns a
+# burst of new calls waits seconds for the router to take them (their TTFT). The updates go out this many
+# a turn instead (docs/performance.md#measurements-behind-choices-in-the-code).
 UPDATES_PER_TURN = 16
 
 

@@ -50,8 +50,8 @@ class HeadRMSNorm(nn.Module):
         self.num_heads = num_heads
         self.weight = nn.Parameter(torch.ones(num_heads + num_kv_heads, head_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-        # The C++ CPU kernels when in use (DecoderForCausalLM.bind_kernels): PyTorch's rms_norm on a CPU
-        # took 0.7 ms at 64 tokens and 1.3 to 1.8 ms at 256 for Qwen3-30B-A3B's 36 heads in bf16, a layer.
+        # The C++ CPU kernels when in use (DecoderForCausalLM.bind_kernels): PyTorch's rms_norm over the
+        # heads costs a large MoE model milliseconds a layer (docs/performance.md#measurements-behind-choices-in-the-code).
         self.kernels = PYTORCH
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:

@@ -5,9 +5,9 @@ glibc serves a block above its mmap threshold (128 KiB, raised as such blocks ar
 most) with a new mapping and unmaps it when freed, and trims free memory at the heap's top back to the
 OS. A CPU engine allocates the same large tensors every step: a batch's float32 logits (64 rows of
 Qwen3's 151,936 = 39 MB), prefill's MLP activations (8,192 tokens x 6,144 x 2 bytes = 100 MB). Each is
-then new memory, which the kernel zero-fills a page at a time as it is first touched: 64 rows of bf16
-logits took 10.9 ms to convert to float32 and 2.1 ms with the memory reused; doubling a 100 MB tensor 31
-ms against 4.5. W64 on the Qwen3-0.6B shape faulted 1.1 million pages instead of 4.9 (docs/performance.md).
+then new memory, which the kernel zero-fills a page at a time as it is first touched: several times
+slower than reusing memory, and W64 faulted a quarter of the pages with reuse
+(docs/performance.md#measurements-behind-choices-in-the-code).
 
 So the mmap threshold goes to 1 GiB (the KV cache, allocated once, still gets its own mapping), trimming
 stops below 1 GiB of free top, and every thread allocates from the main arena: another thread's arena
