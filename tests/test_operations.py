@@ -87,9 +87,12 @@ def test_sigterm_drains_in_flight_streams(pair, target: str, tmp_path: Path) -> 
         undisturbed = list(stub.Generate(request("drain me", 150), timeout=CALL_TIMEOUT_S))
         call = stub.Generate(request("drain me", 150), timeout=CALL_TIMEOUT_S)
         first = next(call)
-        draining.proc.send_signal(signal.SIGTERM)
-        with grpc.insecure_channel(draining.address) as probe:  # wait for the health change, not a sleep
+        # The health watch is open before the signal, so its change arrives as an event however soon the
+        # drained process exits (the stream in flight may end within milliseconds of it).
+        with grpc.insecure_channel(draining.address) as probe:
             watch = health_pb2_grpc.HealthStub(probe).Watch(health_pb2.HealthCheckRequest(), timeout=30)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            draining.proc.send_signal(signal.SIGTERM)
             for status in watch:
                 if status.status == health_pb2.HealthCheckResponse.NOT_SERVING:
                     watch.cancel()
