@@ -3,40 +3,10 @@
 // includes it, so only this file and decode_layers_cpu.cpp (its classes' bindings) do.
 #include <torch/extension.h>
 
-#include <cstdint>
-#include <vector>
-
-// paged_attention_cpu.cpp
-at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
-                                  at::Tensor block_tables, at::Tensor context_lens, double scale);
-at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
-void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
-void store_kv_(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping);
-at::Tensor silu_and_mul(at::Tensor x);
-at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin);
-
-// linear_cpu.cpp
-at::Tensor linear_few_rows(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias);
-std::vector<at::Tensor> linear_grouped(std::vector<at::Tensor> xs, std::vector<at::Tensor> weights);
-
-// linear_quantized_cpu.cpp
-at::Tensor linear_quantized(at::Tensor x, at::Tensor qweight, at::Tensor scales,
-                            c10::optional<at::Tensor> mins, int64_t bits, int64_t group_size,
-                            c10::optional<at::Tensor> bias, bool batch_invariant);
-bool linear_quantized_int8_dots();
+#include "kernels_cpu.h"
 
 // decode_layers_cpu.cpp
 void register_decode_layers(pybind11::module& m);
-
-// lora_cpu.cpp
-void lora_add_(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor rows,
-               at::Tensor starts, at::Tensor slots, std::vector<int64_t> parts);
-
-// token_bitmask_cpu.cpp
-void apply_token_bitmask_(at::Tensor logits, at::Tensor bitmask, at::Tensor rows);
-
-// sampling_cpu.cpp
-at::Tensor sample_rows(at::Tensor logits, at::Tensor spec);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode_layers(m);

@@ -9,26 +9,11 @@
 // The model keeps its modules for everything else (prefill, chunks, tensor parallelism, other backends).
 #include <torch/extension.h>
 
+#include "kernels_cpu.h"
+
 #include <algorithm>
 #include <tuple>
 #include <vector>
-
-// paged_attention_cpu.cpp
-at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
-                                  at::Tensor block_tables, at::Tensor context_lens, double scale);
-at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
-void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
-at::Tensor silu_and_mul(at::Tensor x);
-void store_kv_(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache,
-               at::Tensor slot_mapping);
-at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin);
-// linear_cpu.cpp
-at::Tensor linear_few_rows(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias);
-std::vector<at::Tensor> linear_grouped(std::vector<at::Tensor> xs, std::vector<at::Tensor> weights);
-// linear_quantized_cpu.cpp
-at::Tensor linear_quantized(at::Tensor x, at::Tensor qweight, at::Tensor scales,
-                            c10::optional<at::Tensor> mins, int64_t bits, int64_t group_size,
-                            c10::optional<at::Tensor> bias, bool batch_invariant);
 
 namespace {
 

@@ -8,6 +8,7 @@
 // fp32 once, then read from L1) against one to four weight rows at a time (linear_tile.h, which also states
 // the order every sum is taken in; tile_from_memory and tile_bf16 below say how many).
 #include <ATen/ATen.h>
+#include "kernels_cpu.h"
 #include <ATen/Parallel.h>
 
 #include "linear_tile.h"

@@ -25,6 +25,7 @@
 // With batch_invariant (the engine's --deterministic) neither the GEMM nor the integer dots run: every row
 // count takes the registers or the panels, so each row's result is the same whatever rows are beside it.
 #include <ATen/ATen.h>
+#include "kernels_cpu.h"
 #include <ATen/Parallel.h>
 
 #include "linear_int8_dots.h"

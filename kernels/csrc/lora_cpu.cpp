@@ -7,6 +7,7 @@
 // added to y and rounded to its dtype once. Every sum is taken in the tile's fixed order, so a row's result
 // never depends on the rows beside it (batch-invariant, as --deterministic needs).
 #include <ATen/ATen.h>
+#include "kernels_cpu.h"
 #include <ATen/Parallel.h>
 
 #include "linear_tile.h"

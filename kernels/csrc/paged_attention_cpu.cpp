@@ -19,6 +19,7 @@
 // so K and V are read once. The query heads that share a kv head (GQA) are handled by the same task, and
 // each K/V row is loaded and converted once for all of them.
 #include <ATen/ATen.h>
+#include "kernels_cpu.h"
 #include <ATen/Parallel.h>
 
 #include "cpu_common.h"

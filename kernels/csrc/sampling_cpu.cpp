@@ -12,6 +12,7 @@
 // top_p, then those with z >= max z + log(min_p). Sums are in double, so the inversion's own error (~1e-16 of
 // the total) is far below what any test of the distribution can see.
 #include "cpu_common.h"
+#include "kernels_cpu.h"
 
 #include <ATen/Parallel.h>
 

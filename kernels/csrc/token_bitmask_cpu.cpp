@@ -6,6 +6,7 @@
 // (docs/performance.md#measurements-behind-choices-in-the-code). Here one pass reads each word once and writes only the
 // disallowed logits.
 #include <ATen/ATen.h>
+#include "kernels_cpu.h"
 #include <ATen/Parallel.h>
 
 #include <cstdint>
