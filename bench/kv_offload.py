@@ -90,12 +90,13 @@ def run(llm: LLM, args: argparse.Namespace, vocab: int) -> Result:
     bm = engine.block_manager
     lower = {"host": 0, "disk": 0}
     engine_ms: dict[str, tuple[float, float]] = {}
-    if bm.lower_tiers is not None:
-        tiers = bm.lower_tiers
-        tiers.drain()
-        lower = {tier: s.hits * BLOCK for tier, s in tiers.stats.items()}
-        for tier, s in tiers.stats.items():
-            down = s.seconds_down / (s.bytes_down / tiers.block_nbytes) if s.bytes_down else 0.0
+    engine.drain_kv_tiers()
+    tiers = engine.load().kv_tiers
+    if tiers:
+        block_nbytes = engine.runner.kv_offload.block_nbytes
+        lower = {tier: s.hits * BLOCK for tier, s in tiers.items()}
+        for tier, s in tiers.items():
+            down = s.seconds_down / (s.bytes_down / block_nbytes) if s.bytes_down else 0.0
             up = s.seconds_up / s.hits if s.hits else 0.0
             engine_ms[tier] = (down * 1000, up * 1000)
     return Result(

@@ -9,11 +9,9 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 from nanovllm.cli import COMMANDS
 from nanovllm.router.metrics import RouterMetrics
-from nanovllm.worker.runner.kv_offload import KVOffload
 from nanovllm.worker.service.metrics import WorkerMetrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,7 +62,7 @@ def _metric_names() -> set[str]:
     router = RouterMetrics()
     router.watch_workers(list)  # as the router does at start: the per-worker gauges
     worker = WorkerMetrics()
-    worker.watch_kv_tiers(KVOffload(torch.zeros(2, 1, 2, 1, 1, 1), 1, None))  # as a worker with KV tiers
+    worker.watch_kv_tiers()  # as a worker with KV tiers
     for registry in (router.registry, worker.registry):
         for family in registry.collect():
             names.add(family.name)

@@ -1,4 +1,4 @@
-"""The prefix cache's lower tiers (worker/runner/kv_offload.py, kv_disk.py): a conversation whose prefix
+"""The prefix cache's lower tiers (worker/core/kv_tiers.py, worker/runner/kv_offload.py, kv_disk.py): a conversation whose prefix
 was evicted from a small device cache into host memory or onto disk continues with the tokens of an engine
 whose device cache holds everything; every block is accounted for in each tier afterwards; the disk tier
 survives a restart with the same model and is ignored with another; a bad file or a disk that cannot be
@@ -99,16 +99,19 @@ def _assert_accounted(llm: LLM) -> None:
     assert engine.load().kv_blocks_used == 0 and bm.num_free_blocks == bm.num_blocks
     assert sorted(bm.cached.values()) == sorted(set(bm.cached.values()))
     assert all(bm.blocks[b].block_hash == h for h, b in bm.cached.items())
-    tiers = engine.runner.kv_offload
-    tiers.drain()
+    engine.drain_kv_tiers()
+    tiers, directory = (
+        bm.lower_tiers,
+        engine.runner.kv_offload.disk.directory if bm.lower_tiers.disk else None,
+    )
     if tiers.host is not None:
         slots = list(tiers.host.index.values()) + tiers.host.free_slots
         assert sorted(slots) == list(range(tiers.host.capacity))
     if tiers.disk is not None:
-        files = {int(p.stem, 16) for p in tiers.disk.directory.glob("*.kv")}
+        files = {int(p.stem, 16) for p in directory.glob("*.kv")}
         assert files == set(tiers.disk.index)
         assert len(files) <= tiers.disk.capacity
-        assert not [p for p in tiers.disk.directory.glob("*.tmp") if not p.is_symlink()]  # none half-written
+        assert not [p for p in directory.glob("*.tmp") if not p.is_symlink()]  # none half-written
 
 
 @pytest.mark.parametrize(
@@ -133,7 +136,7 @@ def test_evicted_prefixes_come_back_from_each_tier_with_the_same_tokens(
     llm = _llm(qwen3_dir, **tiers)
     outputs, cached = _turns(llm)
     assert outputs == reference
-    stats = llm.engine.runner.kv_offload.stats
+    stats = llm.engine.load().kv_tiers
     hits = {tier: s.hits for tier, s in stats.items()}
     assert sum(hits.values()) > 0
     if "kv_disk_path" in tiers:
@@ -141,6 +144,49 @@ def test_evicted_prefixes_come_back_from_each_tier_with_the_same_tokens(
     if "kv_host_memory" in tiers and "kv_disk_path" not in tiers:
         assert hits["host"] > 0
     assert cached > small_cached
+    _assert_accounted(llm)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    "tiers",
+    [pytest.param({"kv_host_memory": "4MiB"}, id="host"), pytest.param({"kv_disk_path": "{tmp}"}, id="disk")],
+)
+def test_with_two_ranks_each_copies_its_share_and_the_tokens_are_one_ranks(
+    qwen3_dir, reference, tiers, tmp_path
+):
+    """Tensor parallelism: every rank copies its share of each block (its KV heads) to and from its own
+    host slots and disk directory, in the places rank 0's scheduler chose. The tokens are those of one
+    rank with everything on the device; each tier serves hits; every block is accounted for."""
+    tiers = {k: str(tmp_path) if v == "{tmp}" else v for k, v in tiers.items()}
+    llm = _llm(qwen3_dir, tensor_parallel_size=2, **tiers)
+    outputs, _ = _turns(llm)
+    assert outputs == reference
+    tier = "disk" if "kv_disk_path" in tiers else "host"
+    assert llm.engine.load().kv_tiers[tier].hits > 0
+    _assert_accounted(llm)
+    llm.shutdown()
+    if tier == "disk":
+        assert len({p.parent for p in tmp_path.rglob("*.kv")}) == 2  # a directory per rank
+
+
+def test_a_file_bad_on_one_rank_only_is_recomputed_on_every_rank(qwen3_dir, reference, tmp_path):
+    """Rank 1's files are made garbage after a first run: rank 0's are intact, so only rank 1 finds out,
+    when it loads one. Every rank learns it before the forward pass, the blocks from there are computed
+    again on both, and the tokens are unchanged; rank 0 deletes its own copy of each such block."""
+    first = _llm(qwen3_dir, tensor_parallel_size=2, kv_disk_path=str(tmp_path))
+    _turns(first, range(1))
+    first.shutdown()
+    directories = {p.parent for p in tmp_path.rglob("*.kv")}
+    llm = _llm(qwen3_dir, tensor_parallel_size=2, kv_disk_path=str(tmp_path))
+    (rank1,) = directories - {llm.engine.runner.kv_offload.disk.directory}
+    for path in rank1.glob("*.kv"):
+        path.write_bytes(random.Random(0).randbytes(path.stat().st_size))
+    outputs, cached = _turns(llm, range(1, 2))
+    assert outputs == reference[6:12]
+    faults = llm.engine.load().kv_tiers["disk"].faults
+    assert faults["other_rank"] >= 1 and set(faults) == {"other_rank"}  # rank 0's own files were fine
+    assert cached < 6 * 8 * BLOCK  # what came from disk in one rank's run (see the restart test) is not
     _assert_accounted(llm)
     llm.shutdown()
 
@@ -159,7 +205,7 @@ def test_a_draft_model_catches_up_over_blocks_that_came_from_a_tier(qwen3_dir, r
         outputs, _ = _turns(llm)
     proposed, accepted = counts
     assert outputs == reference
-    assert llm.engine.runner.kv_offload.stats["host"].hits > 0
+    assert llm.engine.load().kv_tiers["host"].hits > 0
     assert accepted >= 0.9 * proposed > 0, (proposed, accepted)
     _assert_accounted(llm)
     llm.shutdown()
@@ -173,14 +219,14 @@ def test_the_disk_tier_survives_a_restart_with_the_same_model_only(qwen3_dir, re
 
     again = _llm(qwen3_dir, kv_disk_path=str(tmp_path))
     directory = again.engine.runner.kv_offload.disk.directory
-    assert len(again.engine.runner.kv_offload.disk.index) == 5 + 6 * 3
+    assert len(again.engine.block_manager.lower_tiers.disk.index) == 5 + 6 * 3
     outputs, cached = _turns(again, range(1, 2))
     assert outputs == reference[6:12]
     # Turn 0 computed each history's first 69 tokens: 8 full blocks, the 5 of the system prompt shared.
     # Each of turn 1's prompts finds all 8 (on the device or on disk); each of the 5 + 6 x 3 distinct ones
     # came from disk at least once.
     assert cached == 6 * 8 * BLOCK
-    assert again.engine.runner.kv_offload.stats["disk"].hits >= 5 + 6 * 3
+    assert again.engine.load().kv_tiers["disk"].hits >= 5 + 6 * 3
     _assert_accounted(again)
     again.shutdown()
 
@@ -188,7 +234,7 @@ def test_the_disk_tier_survives_a_restart_with_the_same_model_only(qwen3_dir, re
     other = build_model("qwen3", tmp_path / "other-weights", seed=7)
     llm = _llm(other, kv_disk_path=str(tmp_path))
     assert llm.engine.runner.kv_offload.disk.directory != directory
-    assert len(llm.engine.runner.kv_offload.disk.index) == 0
+    assert len(llm.engine.block_manager.lower_tiers.disk.index) == 0
     llm.shutdown()
 
 
@@ -282,7 +328,6 @@ def test_an_unwritable_directory_is_logged_once_and_the_engine_serves(qwen3_dir,
         ({"kv_host_memory": "lots"}, "kv_host_memory 'lots' is not a size"),
         ({"kv_disk_path": "/tmp/x", "kv_disk_bytes": -1}, "kv_disk_bytes must be positive"),
         ({"kv_disk_path": "/tmp/x", "enable_prefix_caching": False}, "tiers of the prefix cache"),
-        ({"kv_host_memory": "1GiB", "tensor_parallel_size": 2}, "tensor_parallel_size=1"),
     ],
 )
 def test_bad_tier_settings_fail_at_start_naming_them(qwen3_dir, settings, message):

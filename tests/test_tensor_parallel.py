@@ -14,7 +14,7 @@ import pytest
 from nanovllm import LLM
 from nanovllm.common.errors import ConfigError, EngineDeadError
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
-from nanovllm.worker.step import SeqChunk, StepInputs
+from nanovllm.worker.step import KVLoad, KVStore, KVTransfers, SeqChunk, StepInputs
 from tests.helpers import TP_ENGINE, TP_PROMPTS, compare_tp, greedy, rank_processes
 from tests.model_factory import ALL_LORA_TARGETS, build_model, make_adapter
 from tests.services import start_router, start_worker, wait_serving
@@ -36,6 +36,19 @@ def test_step_inputs_reach_the_other_ranks_whole() -> None:
         lora_slots=[-1, 1, 1], lora_fills=[(1, "sql", "/adapters/sql-ü")],
     )  # fmt: skip
     assert StepInputs.unpack(inputs.pack()) == inputs
+
+
+def test_kv_transfers_reach_the_other_ranks_whole() -> None:
+    """A step's copies to and from the lower tiers travel with its inputs, block hashes of all 64 bits
+    included (packed as signed integers)."""
+    transfers = KVTransfers(
+        stores=[KVStore(3, 2**64 - 1, 0, True), KVStore(4, 7, -1, True)], fences=[3, 9],
+        loads=[KVLoad(2**63, 5, -1), KVLoad(2**63 - 1, 6, 2)], disk_drops=[2**63 + 5, 11],
+    )  # fmt: skip
+    inputs = StepInputs([5], [0], [40], [], [SeqChunk(0, 1, [5])], [], [0], kv_transfers=transfers)
+    assert StepInputs.unpack(inputs.pack()) == inputs
+    empty = StepInputs([], [], [], [], [], [], [], kv_transfers=transfers)
+    assert StepInputs.unpack(empty.pack()) == empty
 
 
 def test_tp2_runs_lora_adapters_as_tp1(qwen3_dir: Path, tmp_path: Path) -> None:

@@ -304,10 +304,6 @@ class EngineConfig:
             return
         if not self.enable_prefix_caching:
             raise ConfigError("kv_host_memory and kv_disk_path are tiers of the prefix cache: turn it on")
-        if self.tensor_parallel_size > 1:
-            raise ConfigError(
-                f"KV tiers run with tensor_parallel_size=1, got tensor_parallel_size={self.tensor_parallel_size}"
-            )
         parse_memory_size(self.kv_disk_bytes, 1, "kv_disk_bytes")
         if self.kv_host_memory is not None:
             parse_memory_size(self.kv_host_memory, 1, "kv_host_memory")

@@ -36,10 +36,98 @@ class ScheduledSequence:
         self.samples = self.start + self.num_new_tokens - len(self.spec_token_ids) == len(self.seq.token_ids)
 
 
+@dataclass(slots=True)
+class KVStore:
+    """A cached device block freed this step, copied down: into host slot `host_slot` (-1: no host tier)
+    and, with `to_disk`, on into the disk tier's file of `block_hash`."""
+
+    block_id: int
+    block_hash: int
+    host_slot: int
+    to_disk: bool
+
+
+@dataclass(slots=True)
+class KVLoad:
+    """The block of `block_hash` copied up into device block `block_id`: from host slot `host_slot`, or
+    from its disk file when that is -1."""
+
+    block_hash: int
+    block_id: int
+    host_slot: int
+
+
+@dataclass
+class KVTransfers:
+    """The copies between the device cache and the prefix cache's lower tiers that the block manager
+    decided since the last step (worker/core/kv_tiers.py). Every rank makes them before the step's
+    forward pass, in this order: the stores (which read device blocks freed since), the fences (device
+    blocks about to be written again wait for their copy down), the loads, the deletions of disk files the
+    disk tier evicted."""
+
+    stores: list[KVStore] = field(default_factory=list)
+    fences: list[int] = field(default_factory=list)
+    loads: list[KVLoad] = field(default_factory=list)
+    disk_drops: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.stores or self.fences or self.loads or self.disk_drops)
+
+    def pack(self) -> list[int]:
+        """[counts..., (block, hash, slot, to_disk) per store, fences, (hash, block, slot) per load, drops]
+        (a hash is an unsigned 64-bit integer: packed as the signed one of the same bits)."""
+        values = [len(self.stores), len(self.fences), len(self.loads), len(self.disk_drops)]
+        for s in self.stores:
+            values += [s.block_id, _signed(s.block_hash), s.host_slot, int(s.to_disk)]
+        values += self.fences
+        for load in self.loads:
+            values += [_signed(load.block_hash), load.block_id, load.host_slot]
+        return values + [_signed(h) for h in self.disk_drops]
+
+    @classmethod
+    def unpack(cls, values: list[int]) -> tuple[KVTransfers, int]:
+        """The transfers packed at the start of `values`, and how many values they took."""
+        ns, nf, nl, nd = values[:4]
+        pos = 4
+        stores = []
+        for _ in range(ns):
+            block_id, block_hash, slot, to_disk = values[pos : pos + 4]
+            stores.append(KVStore(block_id, _unsigned(block_hash), slot, bool(to_disk)))
+            pos += 4
+        fences = values[pos : pos + nf]
+        pos += nf
+        loads = []
+        for _ in range(nl):
+            block_hash, block_id, slot = values[pos : pos + 3]
+            loads.append(KVLoad(_unsigned(block_hash), block_id, slot))
+            pos += 3
+        drops = [_unsigned(h) for h in values[pos : pos + nd]]
+        return cls(stores, fences, loads, drops), pos + nd
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _unsigned(value: int) -> int:
+    return value + (1 << 64) if value < 0 else value
+
+
+@dataclass(slots=True)
+class LoadingSequence:
+    """A request admitted with prefix hits in the lower tiers: the step copies the blocks of
+    `block_hashes` up (its KVTransfers' loads), and the request computes from the next step on."""
+
+    seq: Sequence
+    block_hashes: list[int]
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSequence]  # decodes (one token) first, then chunks (prefill, or verification)
     num_decodes: int
+    kv_transfers: KVTransfers = field(default_factory=KVTransfers)
+    loading: list[LoadingSequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -47,7 +135,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        """Nothing to compute and nothing to copy."""
+        return not self.scheduled and not self.kv_transfers
 
 
 @dataclass(slots=True)
@@ -77,10 +166,11 @@ class StepInputs:
     # (slot, name, path) of each adapter rank 0 put into a slot for this step: the other tensor-parallel
     # ranks read it and fill the same slot with their share.
     lora_fills: list[tuple[int, str, str]] = field(default_factory=list)
+    kv_transfers: KVTransfers = field(default_factory=KVTransfers)
 
     def pack(self) -> torch.Tensor:
         """[counts..., input_ids, positions, slot_mapping, (start, n, len, *table) per chunk, logits_index,
-        lora_slots, the UTF-8 bytes of lora_fills as JSON]"""
+        lora_slots, the UTF-8 bytes of lora_fills as JSON, kv_transfers]"""
         if self.deferred:
             raise RuntimeError("a step whose tokens are still on rank 0's device cannot go to other ranks")
         groups = (self.decodes, self.fresh, self.cached)
@@ -91,7 +181,7 @@ class StepInputs:
         for group in groups:
             for chunk in group:
                 values += [chunk.start, chunk.num_new_tokens, len(chunk.block_table), *chunk.block_table]
-        values += self.logits_index + self.lora_slots + fills
+        values += self.logits_index + self.lora_slots + fills + self.kv_transfers.pack()
         return host_tensor(values)
 
     @classmethod
@@ -115,9 +205,10 @@ class StepInputs:
             groups.append(chunks)
         logits_index, lora_slots, fills = take(nl), take(ns), take(nb)
         lora_fills = [tuple(fill) for fill in json.loads(bytes(fills))] if fills else []
+        kv_transfers, _ = KVTransfers.unpack(values[pos:])
         return cls(
             input_ids, positions, slot_mapping, *groups, logits_index=logits_index, lora_slots=lora_slots,
-            lora_fills=lora_fills,
+            lora_fills=lora_fills, kv_transfers=kv_transfers,
         )  # fmt: skip
 
 
@@ -148,6 +239,10 @@ class ModelRunnerOutput:
     overhead; `wait_s` is the host waiting for the device's results)."""
 
     sampler_output: SamplerOutput
+    # The step's loads from the lower tiers that some rank could not make (a disk file gone or corrupt),
+    # and the hashes whose copy down to disk failed on rank 0 since the last step.
+    kv_failed_loads: list[KVLoad] = field(default_factory=list)
+    kv_failed_writes: list[int] = field(default_factory=list)
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
@@ -182,8 +277,23 @@ class EngineLoad:
     kv_blocks_free: int
     prefix_cache_hit_rate: float
     num_preemptions: int
-    kv_host_blocks: int = 0  # blocks held in the prefix cache's lower tiers (worker/runner/kv_offload.py)
+    kv_host_blocks: int = 0  # blocks held in the prefix cache's lower tiers (worker/core/kv_tiers.py)
     kv_disk_blocks: int = 0
+    kv_tiers: dict[str, KVTierStats] = field(default_factory=dict)  # by tier, when there are lower tiers
+
+
+@dataclass(frozen=True)
+class KVTierStats:
+    """One lower tier of the prefix cache since start: blocks held, blocks served from it, bytes each way,
+    the engine thread's seconds each way (queueing copies down, copying up), faults by kind."""
+
+    blocks: int
+    hits: int
+    bytes_down: int
+    bytes_up: int
+    seconds_down: float
+    seconds_up: float
+    faults: dict[str, int]
 
 
 @dataclass

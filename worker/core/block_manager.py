@@ -6,9 +6,10 @@ prefixes computed under different adapters never meet. Blocks are shared by refe
 after its KV has been computed (`cache_full_blocks`), never at allocation. Freed blocks keep their hash
 and stay reusable until they are recycled, least recently freed first.
 
-With lower tiers (worker/runner/kv_offload.py), a freed cached block is also copied down to host memory or
+With lower tiers (worker/core/kv_tiers.py), a freed cached block is also copied down to host memory or
 disk; a prompt's hash chain continues there past its last device hit, and those blocks are copied back up
-into fresh device blocks when the request is admitted (`load_lower_hits`).
+into fresh device blocks by the step that admits the request (`load_lower_hits`), joining the prefix cache
+once that step says they arrived (`finish_loads`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from dataclasses import dataclass, field
 
 from nanovllm.common.block_hash import HashChanges, hash_block
 from nanovllm.common.errors import ConfigError
-from nanovllm.worker.runner.kv_offload import KVOffload
+from nanovllm.worker.core.kv_tiers import KVTiers
 from nanovllm.worker.sequence import Sequence
+from nanovllm.worker.step import KVLoad, KVTransfers
 
 
 @dataclass
@@ -47,7 +49,7 @@ class BlockManager:
         num_blocks: int,
         block_size: int,
         enable_prefix_caching: bool = True,
-        lower_tiers: KVOffload | None = None,
+        lower_tiers: KVTiers | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ConfigError(f"need at least one block of one token, got {num_blocks} x {block_size}")
@@ -73,6 +75,11 @@ class BlockManager:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
+
+    @property
+    def has_transfers(self) -> bool:
+        """Whether copies to or from the lower tiers wait for a step."""
+        return self.lower_tiers is not None and bool(self.lower_tiers.transfers)
 
     @property
     def has_cache_events(self) -> bool:
@@ -123,24 +130,47 @@ class BlockManager:
             hashes.append(prev)
         return hashes
 
-    def load_lower_hits(self, seq: Sequence, hashes: list[int]) -> int:
-        """Copy the blocks of `hashes` up into the blocks `seq` was just given after its device hits
-        (allocate_slots made room for them as new tokens), in order; they join the prefix cache. Stops at
-        the first block no tier can serve; returns how many were loaded."""
+    def load_lower_hits(self, seq: Sequence, hashes: list[int]) -> None:
+        """Copy the blocks of `hashes` up, in the next step, into the blocks `seq` was just given after its
+        device hits (allocate_slots made room for them as new tokens)."""
+        first = len(seq.block_hashes)
+        for i, block_hash in enumerate(hashes):
+            self.lower_tiers.load(block_hash, seq.block_table[first + i])
+
+    def finish_loads(self, seq: Sequence, hashes: list[int], failed: set[int]) -> int:
+        """The step made `seq`'s loads of `hashes` (load_lower_hits), all but those of the hashes in
+        `failed`: the blocks before the first failure join the prefix cache (an identical block computed
+        or loaded meanwhile keeps the entry); returns how many."""
         first = len(seq.block_hashes)
         loaded = 0
-        for i, block_hash in enumerate(hashes):
-            block = self.blocks[seq.block_table[first + i]]
-            if block_hash in self.cached or not self.lower_tiers.load(block_hash, block.block_id):
+        for block_hash in hashes:
+            if block_hash in failed:
                 break
-            self.cached[block_hash] = block.block_id
-            block.block_hash = block_hash
+            block = self.blocks[seq.block_table[first + loaded]]
             seq.block_hashes.append(block_hash)
-            self.cache_events.store(block_hash)
+            if block_hash not in self.cached:
+                self.cached[block_hash] = block.block_id
+                block.block_hash = block_hash
+                self.cache_events.store(block_hash)
             loaded += 1
         if not seq.admitted:
             self.prefix_hit_tokens += loaded * self.block_size
         return loaded
+
+    def loads_done(self, loads: list[KVLoad], failed: list[KVLoad]) -> None:
+        """A step made `loads`, all but `failed` (its output says): the lower tiers count their hits and
+        forget the hashes that failed."""
+        if self.lower_tiers is not None and loads:
+            self.lower_tiers.loaded(loads, failed)
+
+    def writes_failed(self, hashes: list[int]) -> None:
+        """Copies down to disk that failed: the disk tier does not hold those hashes."""
+        for block_hash in hashes:
+            self.lower_tiers.forget_on_disk(block_hash)
+
+    def take_transfers(self) -> KVTransfers:
+        """The copies to and from the lower tiers decided since the last call, for the next step."""
+        return self.lower_tiers.take_transfers() if self.lower_tiers is not None else KVTransfers()
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
         """Make room for `num_new_tokens` more tokens after those already computed (plus, for a sequence
@@ -175,7 +205,7 @@ class BlockManager:
         block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]
         if self.lower_tiers is not None:
-            self.lower_tiers.fence(block_id)
+            self.lower_tiers.recycle(block_id)
         if block.block_hash is not None:  # recycling evicts it from the prefix cache
             if self.cached.get(block.block_hash) == block_id:
                 del self.cached[block.block_hash]

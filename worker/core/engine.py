@@ -19,6 +19,7 @@ from nanovllm.common.request_checks import check_prompt, check_resumed_outputs, 
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.core.block_manager import BlockManager
+from nanovllm.worker.core.kv_tiers import DiskIndex, KVTiers
 from nanovllm.worker.core.scheduler import Scheduler, request_output
 from nanovllm.worker.models.lora_adapter import LoRAAdapter
 from nanovllm.worker.runner.model_runner import LaunchedStep, ModelRunner
@@ -26,7 +27,14 @@ from nanovllm.worker.sample.rows import sampling_rows
 from nanovllm.worker.sample.speculation import Proposer
 from nanovllm.worker.sample.structured_output import ConstraintQueue, GrammarCompiler
 from nanovllm.worker.sequence import Sequence, SequenceStatus
-from nanovllm.worker.step import EngineLoad, RequestOutput, SchedulerOutput, StepResult, StepStats
+from nanovllm.worker.step import (
+    EngineLoad,
+    KVTierStats,
+    RequestOutput,
+    SchedulerOutput,
+    StepResult,
+    StepStats,
+)
 
 log = get_logger(__name__)
 
@@ -75,7 +83,7 @@ class LLMEngine:
             self.runner.num_blocks,
             config.kvcache_block_size,
             config.enable_prefix_caching,
-            self.runner.kv_offload,
+            self._lower_tiers(),
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.scheduler = Scheduler(
@@ -110,6 +118,16 @@ class LLMEngine:
             LLMEngine.step_overlapped if self.async_scheduling else LLMEngine.step_synchronous
         )
         _freeze_what_lasts()
+
+    def _lower_tiers(self) -> KVTiers | None:
+        """The bookkeeping of the prefix cache's lower tiers, over the host slots and disk files the runner
+        made (and the files a previous run left there)."""
+        offload = self.runner.kv_offload
+        if offload is None or (not offload.host_slots and offload.disk is None):
+            return None
+        disk = offload.disk
+        disk_index = DiskIndex(disk.capacity, disk.found) if disk is not None else None
+        return KVTiers(offload.host_slots, disk_index, offload.block_nbytes)
 
     def add_request(
         self,
@@ -199,7 +217,14 @@ class LLMEngine:
         self.runner.shutdown()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._aborted)
+        """Whether a step has work: requests in flight or to report, or copies to the lower tiers that the
+        last requests' freed blocks left."""
+        return bool(self.requests) or bool(self._aborted) or self.block_manager.has_transfers
+
+    def drain_kv_tiers(self) -> None:
+        """Wait for the copies to the lower tiers under way: the disk tier then holds the files it lists."""
+        if self.runner.kv_offload is not None:
+            self.block_manager.writes_failed(self.runner.kv_offload.drain())
 
     def load(self) -> EngineLoad:
         bm = self.block_manager
@@ -213,7 +238,21 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             kv_host_blocks=lower["host"],
             kv_disk_blocks=lower["disk"],
+            kv_tiers=self._tier_stats(lower),
         )
+
+    def _tier_stats(self, blocks: dict[str, int]) -> dict[str, KVTierStats]:
+        tiers = self.block_manager.lower_tiers
+        if tiers is None:
+            return {}
+        stats = {}
+        for tier, counts in tiers.counts.items():
+            times = self.runner.kv_offload.stats[tier]
+            stats[tier] = KVTierStats(
+                blocks[tier], counts.hits, counts.bytes_down, counts.bytes_up, times.seconds_down,
+                times.seconds_up, dict(times.faults.counts),
+            )  # fmt: skip
+        return stats
 
     def step(self) -> StepResult:
         """One step of the loop chosen at construction: step_synchronous, or step_overlapped."""
@@ -308,6 +347,8 @@ class LLMEngine:
 
     @staticmethod
     def _overlappable(sched: SchedulerOutput) -> bool:
+        if sched.loading:  # the requests it loads run from where their loads got to
+            return False
         return not any(
             s.spec_token_ids or s.seq.grammar is not None or s.seq.params.has_penalties
             for s in sched.scheduled
@@ -323,7 +364,7 @@ class LLMEngine:
         """Wait for a launched step's picks and apply them (Scheduler.update_from_output)."""
         result = inflight.launched.result()
         started = time.perf_counter()
-        outputs, accepted = self.scheduler.update_from_output(inflight.sched, result.sampler_output)
+        outputs, accepted = self.scheduler.update_from_output(inflight.sched, result)
         for out in outputs:
             if out.finish_reason is not None:
                 del self.requests[out.request_id]

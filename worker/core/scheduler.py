@@ -6,11 +6,11 @@ Policy, in order:
    request not yet scheduled in this step is preempted (recompute: its blocks are freed and it goes back to
    waiting); if that is the request being scheduled, it preempts itself.
 2. Waiting requests in priority order (lower value first, then arrival), with prefix-cache lookup (the
-   device's blocks, then the lower tiers', copied up on admission), while
-   the token budget, `max_num_seqs` and free blocks allow; one whose LoRA adapter would make the running
-   requests' adapters more than `max_loras` waits, and those behind it may go first. A prompt longer than
-   the remaining budget is chunked, so a long prompt never holds running decodes back for more than one
-   step's budget.
+   device's blocks, then the lower tiers'), while the token budget, `max_num_seqs` and free blocks allow;
+   one whose LoRA adapter would make the running requests' adapters more than `max_loras` waits, and those
+   behind it may go first. A prompt longer than the remaining budget is chunked, so a long prompt never
+   holds running decodes back for more than one step's budget. A request with hits in the lower tiers is
+   loading for one step (its blocks are copied up) and runs from the next, from where its loads got to.
 The scheduler decides; the model runner executes its SchedulerOutput; the scheduler then applies the
 step's picks (`update_from_output`): new tokens, stop checks, finished requests, blocks for the prefix cache.
 """
@@ -24,7 +24,13 @@ from collections.abc import Collection
 from nanovllm.common.logging import get_logger
 from nanovllm.worker.core.block_manager import BlockManager
 from nanovllm.worker.sequence import Sequence, SequenceStatus, TokenLogprobs
-from nanovllm.worker.step import RequestOutput, SamplerOutput, ScheduledSequence, SchedulerOutput
+from nanovllm.worker.step import (
+    LoadingSequence,
+    ModelRunnerOutput,
+    RequestOutput,
+    ScheduledSequence,
+    SchedulerOutput,
+)
 
 log = get_logger(__name__)
 
@@ -45,6 +51,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Sequence] = []  # kept sorted by Sequence.sort_key
         self.running: list[Sequence] = []  # kept sorted by Sequence.sort_key
+        self.loading: list[Sequence] = []  # admitted, their lower tiers' blocks on their way up
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -92,45 +99,77 @@ class Scheduler:
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
 
+        loading: list[LoadingSequence] = []
         if not preempted:
-            budget = self._admit_waiting(budget, decodes, prefills)
-        return SchedulerOutput(decodes + prefills, len(decodes))
+            self._admit_waiting(budget, decodes, prefills, loading)
+        transfers = self.block_manager.take_transfers()
+        return SchedulerOutput(decodes + prefills, len(decodes), transfers, loading)
 
     def _admit_waiting(
-        self, budget: int, decodes: list[ScheduledSequence], prefills: list[ScheduledSequence]
-    ) -> int:
+        self,
+        budget: int,
+        decodes: list[ScheduledSequence],
+        prefills: list[ScheduledSequence],
+        loading: list[LoadingSequence],
+    ) -> None:
         if not self.waiting:
-            return budget
-        adapters = {s.adapter for s in self.running if s.adapter is not None}
+            return
+        bm = self.block_manager
+        adapters = {s.adapter for s in self.running + self.loading if s.adapter is not None}
         index = 0
-        while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            index < len(self.waiting)
+            and budget > 0
+            and len(self.running) + len(self.loading) < self.max_num_seqs
+        ):
             seq = self.waiting[index]
             if seq.adapter is not None and seq.adapter not in adapters and len(adapters) >= self.max_loras:
                 index += 1  # every LoRA slot is taken by the running requests' adapters
                 continue
-            bm = self.block_manager
             computed = bm.get_computed_blocks(seq)
             lower = bm.lower_hits(seq, computed)
-            # Blocks in the lower tiers take device blocks but no budget: they are copied, not computed.
-            num_lower = len(lower) * bm.block_size
-            num_new = min(seq.num_tokens - len(computed) * bm.block_size - num_lower, budget)
-            if not bm.allocate_slots(seq, num_lower + num_new, computed):
-                break
-            num_cached = (len(computed) + (bm.load_lower_hits(seq, lower) if lower else 0)) * bm.block_size
-            num_new = min(seq.num_tokens - num_cached, budget)
+            if lower:  # copied up by this step, taking device blocks but no budget; computed from the next
+                if not bm.allocate_slots(seq, len(lower) * bm.block_size, computed):
+                    break
+                bm.load_lower_hits(seq, lower)
+                self.loading.append(seq)
+                loading.append(LoadingSequence(seq, lower))
+            else:
+                num_cached = len(computed) * bm.block_size
+                num_new = min(seq.num_tokens - num_cached, budget)
+                if not bm.allocate_slots(seq, num_new, computed):
+                    break
+                self._start_running(seq, num_cached)
+                (decodes if num_new == 1 else prefills).append(ScheduledSequence(seq, num_cached, num_new))
+                budget -= num_new
             self.waiting.pop(index)
             if seq.adapter is not None:
                 adapters.add(seq.adapter)
-            seq.num_computed_tokens = num_cached
-            if not seq.admitted:
-                seq.num_cached_tokens = num_cached
-                seq.admitted = True
-                seq.timeline.scheduled_ns = time.time_ns()
-            seq.transition(SequenceStatus.RUNNING)
-            bisect.insort(self.running, seq, key=lambda s: s.sort_key)
-            (decodes if num_new == 1 else prefills).append(ScheduledSequence(seq, num_cached, num_new))
-            budget -= num_new
-        return budget
+
+    def _start_running(self, seq: Sequence, num_cached: int) -> None:
+        """`seq` joins the running batch with its first `num_cached` tokens' KV in its blocks."""
+        seq.num_computed_tokens = num_cached
+        if not seq.admitted:
+            seq.num_cached_tokens = num_cached
+            seq.admitted = True
+            seq.timeline.scheduled_ns = time.time_ns()
+        seq.transition(SequenceStatus.RUNNING)
+        bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+
+    def _finish_loading(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> None:
+        """The step made its copies to and from the lower tiers: the requests it loaded run from where
+        their loads got to (a load that failed is recomputed from there)."""
+        bm = self.block_manager
+        bm.writes_failed(output.kv_failed_writes)
+        bm.loads_done(sched.kv_transfers.loads, output.kv_failed_loads)
+        failed = {load.block_hash for load in output.kv_failed_loads}
+        for item in sched.loading:
+            seq = item.seq
+            if seq.status.finished:  # aborted meanwhile: its blocks are free already
+                continue
+            self.loading.remove(seq)
+            bm.finish_loads(seq, item.block_hashes, failed)
+            self._start_running(seq, len(seq.block_hashes) * bm.block_size)
 
     def _pick_victim(self, scheduled_ids: set[int]) -> Sequence:
         """Lowest priority, newest arrival among running requests not already scheduled this step."""
@@ -152,6 +191,8 @@ class Scheduler:
         """Move `seq` to a terminal state (including abort from any state) and free its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+        elif seq in self.loading:
+            self.loading.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.transition(status)
@@ -169,13 +210,17 @@ class Scheduler:
             seq.timeline.on_step(sampled=item.samples)
 
     def update_from_output(
-        self, sched: SchedulerOutput, sampler_out: SamplerOutput
+        self, sched: SchedulerOutput, output: ModelRunnerOutput
     ) -> tuple[list[RequestOutput], int]:
         """Apply a step: new tokens in the places their sequences held, finished requests, blocks for the
-        prefix cache. Also returns how many proposals were accepted. A sequence that ended while the step
-        ran (its previous step finished it, or it was aborted) has its picks discarded."""
+        prefix cache, the lower tiers' copies. Also returns how many proposals were accepted. A sequence
+        that ended while the step ran (its previous step finished it, or it was aborted) has its picks
+        discarded."""
+        if sched.kv_transfers or output.kv_failed_writes:
+            self._finish_loading(sched, output)
         outputs = []
         accepted = 0
+        sampler_out = output.sampler_output
         picks = zip(sampler_out.token_ids, sampler_out.logprobs)  # the sampler's rows, in order
         running = SequenceStatus.RUNNING
         for item in sched.scheduled:

@@ -56,6 +56,15 @@ class TPContext:
         dist.all_reduce(x, op=dist.ReduceOp.MIN)
         return int(x.item())
 
+    def on_any_rank(self, flags: list[bool]) -> list[bool]:
+        """Each flag set where it is set on some rank (every rank gets the same answer)."""
+        if self.size == 1 or not flags:
+            return flags
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        x = torch.tensor(flags, dtype=torch.uint8, device=device)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return [bool(v) for v in x.tolist()]
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x

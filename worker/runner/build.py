@@ -364,27 +364,30 @@ class ModelRunnerBase:
         return num_blocks
 
     def _kv_offload(self) -> KVOffload:
-        """The prefix cache's host and disk tiers (worker/runner/kv_offload.py), sized by their flags."""
+        """The copies to and from the prefix cache's host and disk tiers (worker/runner/kv_offload.py),
+        sized by their flags, which count the worker's bytes: each rank holds its share of every block in
+        the same number of slots, and its share of the disk's bytes in a directory of its own."""
         config = self.config
         block = self.kv_cache[:, :, 0]
         block_nbytes = block.numel() * block.element_size()
         host_blocks = 0
         if config.kv_host_memory is not None:
             available = psutil.virtual_memory().available
-            host_blocks = (
-                parse_memory_size(config.kv_host_memory, available, "kv_host_memory") // block_nbytes
-            )
+            host_bytes = parse_memory_size(config.kv_host_memory, available, "kv_host_memory")
+            # A fraction of free RAM is read on each rank while the others allocate theirs: the least wins.
+            host_blocks = self.tp.all_reduce_min(host_bytes // (block_nbytes * self.tp.size))
         disk = None
         if config.kv_disk_path is not None:
-            capacity = parse_memory_size(config.kv_disk_bytes, 1, "kv_disk_bytes")
-            digest = model_digest(config, tuple(block.shape), self.dtype, self.device)
+            capacity = parse_memory_size(config.kv_disk_bytes, 1, "kv_disk_bytes") // self.tp.size
+            digest = model_digest(config, tuple(block.shape), self.dtype, self.device, self.tp)
             disk = DiskTier(config.kv_disk_path, capacity, digest, block_nbytes)
-        log.info(
-            "kv_tiers",
-            host_blocks=host_blocks,
-            disk_blocks=disk.capacity if disk is not None and disk.writable else 0,
-            disk_path=config.kv_disk_path,
-        )
+        if self.tp.rank == 0:
+            log.info(
+                "kv_tiers",
+                host_blocks=host_blocks,
+                disk_blocks=disk.capacity if disk is not None and disk.writable else 0,
+                disk_path=config.kv_disk_path,
+            )
         return KVOffload(self.kv_cache, host_blocks, disk)
 
     def _element_size(self) -> int:

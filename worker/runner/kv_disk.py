@@ -6,8 +6,10 @@ the block's bytes. It is written to a temporary name and renamed, so a crash lea
 or none; a file that is short, long, or fails its checksum is deleted and never served. Files written by a
 worker with the same model, config and KV layout (the same digest) are found again after a restart.
 
-The index is the engine thread's; the writes run on the offload thread (worker/runner/kv_offload.py),
-which reports a failed write back through `failed_writes`.
+Which hashes the tier holds is the scheduler's to know (worker/core/kv_tiers.py): this module finds the
+files a previous run left, and reads, writes and deletes them for the runner (worker/runner/kv_offload.py),
+whose offload thread reports a failed write back through `failed_writes`. With tensor parallelism each
+rank has its own directory (the digest names the rank) holding its share of each block.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import hashlib
 import json
 import os
 import struct
-from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ import xxhash
 
 from nanovllm.common.logging import get_logger
 from nanovllm.worker.config import EngineConfig
+from nanovllm.worker.layers.parallel import TPContext
 
 log = get_logger(__name__)
 
@@ -35,12 +37,17 @@ _SUFFIX = ".kv"
 
 
 def model_digest(
-    config: EngineConfig, kv_block_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    config: EngineConfig,
+    kv_block_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TPContext,
 ) -> bytes:
     """16 bytes naming everything a block's KV depends on: the model's configuration and weight files,
-    the weight format, the dtype, the block's layout, and the kernels' rounding (the device type and
-    --deterministic's batch-invariant kernels). A weight file is named by its name, size and first and last
-    MiB (hashing every byte of a large model at each start would cost a minute)."""
+    the weight format, the dtype, the block's layout, the kernels' rounding (the device type and
+    --deterministic's batch-invariant kernels), and the tensor-parallel rank whose share of the heads it
+    is. A weight file is named by its name, size and first and last MiB (hashing every byte of a large
+    model at each start would cost a minute)."""
     h = hashlib.sha256()
     cfg = config.hf_config
     facts = {
@@ -51,6 +58,7 @@ def model_digest(
         "block_shape": list(kv_block_shape),
         "device": device.type,
         "deterministic": config.deterministic,
+        "tensor_parallel": [tp.rank, tp.size],
     }
     h.update(json.dumps(facts, sort_keys=True).encode())
     model = Path(config.gguf_file or config.model)
@@ -88,12 +96,11 @@ class DiskTier:
         self.block_nbytes = block_nbytes
         self.file_bytes = _HEADER.size + block_nbytes
         self.capacity = capacity_bytes // self.file_bytes  # in blocks
-        self.index: OrderedDict[int, None] = OrderedDict()  # block hashes on disk, least recently used first
         self.faults = TierFaults("disk")
         self.failed_writes: collections.deque[int] = collections.deque()  # appended by the offload thread
         self.writable = self._prepare()
-        if self.writable:
-            self._scan()
+        # The hashes of the files a previous run left, least recently written first.
+        self.found: list[int] = self._scan() if self.writable else []
 
     def _prepare(self) -> bool:
         try:
@@ -106,9 +113,9 @@ class DiskTier:
             return False
         return True
 
-    def _scan(self) -> None:
-        """Index the files a previous run left, oldest first; a file of the wrong size, or a temporary one
-        a crash left, is deleted."""
+    def _scan(self) -> list[int]:
+        """The files a previous run left, oldest first, the oldest deleted beyond the capacity; a file of the
+        wrong size, or a temporary one a crash left, is deleted."""
         for leftover in self.directory.glob("*.tmp"):
             leftover.unlink(missing_ok=True)
         found = []
@@ -123,18 +130,18 @@ class DiskTier:
                 path.unlink(missing_ok=True)
                 continue
             found.append((stat.st_mtime_ns, block_hash))
-        for _, block_hash in sorted(found):
-            self.index[block_hash] = None
-        while len(self.index) > self.capacity:
-            self.remove(next(iter(self.index)))
-        if found:
-            log.info("kv_disk_tier_found", directory=str(self.directory), blocks=len(self.index))
+        hashes = [block_hash for _, block_hash in sorted(found)]
+        excess = max(len(hashes) - self.capacity, 0)
+        for block_hash in hashes[:excess]:
+            self.remove(block_hash)
+        if hashes:
+            log.info("kv_disk_tier_found", directory=str(self.directory), blocks=len(hashes) - excess)
+        return hashes[excess:]
 
     def path(self, block_hash: int) -> Path:
         return self.directory / f"{block_hash:016x}{_SUFFIX}"
 
     def remove(self, block_hash: int) -> None:
-        self.index.pop(block_hash, None)
         self.path(block_hash).unlink(missing_ok=True)
 
     def write(self, block_hash: int, block: torch.Tensor) -> None:
@@ -164,7 +171,6 @@ class DiskTier:
             data = path.read_bytes()
         except OSError as exc:
             self.faults.record("read", path=str(path), error=str(exc))
-            self.index.pop(block_hash, None)
             return None
         problem = self._check(data, block_hash)
         if problem is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,6 +16,8 @@ from nanovllm.worker.runner.build import ModelRunnerBase
 from nanovllm.worker.runner.lora_slots import BASE_ROW, lora_batch
 from nanovllm.worker.sample.sampler import SampledBatch
 from nanovllm.worker.step import (
+    KVLoad,
+    KVTransfers,
     ModelRunnerOutput,
     SamplerOutput,
     SamplingRow,
@@ -36,12 +38,17 @@ class LaunchedStep:
     prepare_s: float
     forward_s: float
     sample_s: float
+    kv_failed_loads: list[KVLoad] = field(default_factory=list)
+    kv_failed_writes: list[int] = field(default_factory=list)
 
     def result(self) -> ModelRunnerOutput:
         started = time.perf_counter()
         output = self.sampled.result() if self.sampled is not None else SamplerOutput([], [])
         wait_s = time.perf_counter() - started
-        return ModelRunnerOutput(output, self.prepare_s, self.forward_s, self.sample_s, wait_s)
+        return ModelRunnerOutput(
+            output, self.kv_failed_loads, self.kv_failed_writes, self.prepare_s, self.forward_s,
+            self.sample_s, wait_s,
+        )  # fmt: skip
 
 
 class ModelRunner(ModelRunnerBase):
@@ -51,6 +58,8 @@ class ModelRunner(ModelRunnerBase):
     def __init__(self, config: EngineConfig, tp: TPContext | None = None) -> None:
         # The last launched step's picks on the device, and each sampling sequence's row in them.
         self._picks: tuple[torch.Tensor, dict[int, int]] | None = None
+        # What the last step's copies to and from the lower tiers left undone: loads (on any rank), writes.
+        self._kv_failures: tuple[list[KVLoad], list[int]] = ([], [])
         super().__init__(config, tp)
 
     @torch.inference_mode()
@@ -59,6 +68,9 @@ class ModelRunner(ModelRunnerBase):
         the step launched before this one, Sequence.num_pending_tokens) is taken from that step's picks on
         the device."""
         t0 = time.perf_counter()
+        if not sched.scheduled:  # only copies to and from the lower tiers
+            self.forward(StepInputs([], [], [], [], [], [], [], kv_transfers=sched.kv_transfers))
+            return LaunchedStep(None, 0.0, time.perf_counter() - t0, 0.0, *self._kv_failures)
         inputs = self.step_inputs(sched, all_logits=False)
         plan = self.sampler.plan(rows)
         t1 = time.perf_counter()
@@ -66,7 +78,7 @@ class ModelRunner(ModelRunnerBase):
         t2 = time.perf_counter()
         if logits is None:
             self._picks = None
-            return LaunchedStep(None, t1 - t0, t2 - t1, 0.0)
+            return LaunchedStep(None, t1 - t0, t2 - t1, 0.0, *self._kv_failures)
         sampled = self.sampler.sample(logits, plan)
         # Each sampling sequence's last row is its pick (the one after any accepted proposals).
         last_rows, row = {}, -1
@@ -75,17 +87,24 @@ class ModelRunner(ModelRunnerBase):
                 row += 1 + len(item.spec_token_ids)
                 last_rows[item.seq.seq_id] = row
         self._picks = (sampled.token_ids, last_rows)
-        return LaunchedStep(sampled, t1 - t0, t2 - t1, time.perf_counter() - t2)
+        return LaunchedStep(sampled, t1 - t0, t2 - t1, time.perf_counter() - t2, *self._kv_failures)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
-        """The model on one step's inputs, on every tensor-parallel rank: fp32 logits of the requested
-        rows, or None when no row is requested (a prompt chunk that does not reach its end)."""
+        """The step's copies to and from the lower tiers, then the model on its inputs, on every
+        tensor-parallel rank: fp32 logits of the requested rows, or None when no row is requested (a prompt
+        chunk that does not reach its end, or a step of copies only)."""
         if self.cpu_share is not None:
             self.cpu_share.refresh()
         try:
             if self.tp_group is not None:
                 self.tp_group.send(inputs)
+            if self.kv_offload is not None:
+                self._kv_failures = self._copy_kv(inputs.kv_transfers)
+            elif inputs.kv_transfers:
+                raise RuntimeError("a step copies KV blocks to or from lower tiers this engine has none of")
+            if not inputs.input_ids:
+                return None
             input_ids, positions, meta, logits_index = self.inputs.tensors(inputs)
             self._take_pending(input_ids, inputs)
             if self.tp.rank > 0:  # rank 0 filled these slots as it laid the step out
@@ -112,6 +131,19 @@ class ModelRunner(ModelRunnerBase):
                 self.tp_group.raise_if_dead(exc)
             raise
 
+    def _copy_kv(self, transfers: KVTransfers) -> tuple[list[KVLoad], list[int]]:
+        """Make the step's copies to and from the lower tiers (worker/runner/kv_offload.py): the loads
+        that failed on any rank (every rank learns them: the request recomputes those blocks), and the
+        writes to disk that failed on this one since the last step."""
+        loads = transfers.loads
+        failed, failed_writes = self.kv_offload.run(transfers)
+        if self.tp.size > 1 and loads:
+            here = {id(load) for load in failed}
+            flags = self.tp.on_any_rank([id(load) in here for load in loads])
+            failed = [load for load, flag in zip(loads, flags) if flag]
+            self.kv_offload.forget(failed, here)
+        return failed, failed_writes
+
     def _take_pending(self, input_ids: torch.Tensor, inputs: StepInputs) -> None:
         """Write the previous step's picks into `input_ids` (on the device) where `inputs` defers them."""
         if not inputs.deferred:
@@ -131,20 +163,22 @@ class ModelRunner(ModelRunnerBase):
 
     def step_inputs(self, sched: SchedulerOutput, all_logits: bool) -> StepInputs:
         """The step as plain integers (worker/runner/inputs.py), pending tokens taken from the last picks,
-        each adapter of the step in a LoRA slot."""
+        each adapter of the step in a LoRA slot, and its copies to and from the lower tiers."""
         picked = self._picks[1] if self._picks is not None else None
         adapters = [s.seq.adapter for s in sched.scheduled if s.seq.adapter is not None]
         if not adapters:
-            return self.inputs.step_inputs(sched, all_logits, picked)
-        if self.adapter_slots is None:
-            raise RuntimeError("a step runs a LoRA adapter on a model built without LoRA slots")
-        slots = self.adapter_slots.assign(adapters)
-        inputs = self.inputs.step_inputs(
-            sched, all_logits, picked, lambda seq: BASE_ROW if seq.adapter is None else slots[seq.adapter]
-        )
-        inputs.lora_fills = [
-            (slot, adapter.name, adapter.path) for slot, adapter in self.adapter_slots.filled
-        ]
+            inputs = self.inputs.step_inputs(sched, all_logits, picked)
+        else:
+            if self.adapter_slots is None:
+                raise RuntimeError("a step runs a LoRA adapter on a model built without LoRA slots")
+            slots = self.adapter_slots.assign(adapters)
+            inputs = self.inputs.step_inputs(
+                sched, all_logits, picked, lambda seq: BASE_ROW if seq.adapter is None else slots[seq.adapter]
+            )
+            inputs.lora_fills = [
+                (slot, adapter.name, adapter.path) for slot, adapter in self.adapter_slots.filled
+            ]
+        inputs.kv_transfers = sched.kv_transfers
         return inputs
 
     def read_adapter(self, name: str, path: str) -> LoRAAdapter:

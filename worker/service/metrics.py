@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from nanovllm.common.metrics import LATENCY_BUCKETS
-from nanovllm.worker.runner.kv_offload import KVOffload
-from nanovllm.worker.step import EngineLoad, StepStats
+from nanovllm.worker.step import EngineLoad, KVTierStats, StepStats
 
 
 class _KVTierView:
-    """The prefix cache's lower tiers (worker/runner/kv_offload.py), read at scrape time: their counters
-    are plain numbers the engine thread adds to."""
+    """The prefix cache's lower tiers (EngineLoad.kv_tiers), read at scrape time from the engine's last
+    load."""
 
-    def __init__(self, tiers: KVOffload) -> None:
+    def __init__(self, tiers: Callable[[], dict[str, KVTierStats]]) -> None:
         self._tiers = tiers
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
@@ -36,16 +35,15 @@ class _KVTierView:
             name + "faults", "Faults by tier and kind, each served by recomputation", labels=["tier", "kind"]
         )
         blocks = GaugeMetricFamily(name + "blocks", "Blocks each tier holds", labels=["tier"])
-        held = self._tiers.num_blocks
-        for tier, stats in self._tiers.stats.items():
+        for tier, stats in self._tiers().items():
             hits.add_metric([tier], stats.hits)
             moved.add_metric([tier, "down"], stats.bytes_down)
             moved.add_metric([tier, "up"], stats.bytes_up)
             seconds.add_metric([tier, "down"], stats.seconds_down)
             seconds.add_metric([tier, "up"], stats.seconds_up)
-            for kind, count in list(stats.faults.counts.items()):
+            for kind, count in stats.faults.items():
                 faults.add_metric([tier, kind], count)
-            blocks.add_metric([tier], held[tier])
+            blocks.add_metric([tier], stats.blocks)
         yield from (hits, moved, seconds, faults, blocks)
 
 
@@ -78,10 +76,12 @@ class WorkerMetrics:
             "nanovllm:engine_step_seconds", "Time of one engine step", buckets=LATENCY_BUCKETS, registry=r
         )
         self._preemptions_seen = 0
+        self._kv_tiers: dict[str, KVTierStats] = {}
 
-    def watch_kv_tiers(self, tiers: KVOffload) -> None:
-        """Export the lower tiers' hits, traffic, faults and sizes (nanovllm:kv_tier_*)."""
-        self.registry.register(_KVTierView(tiers))
+    def watch_kv_tiers(self) -> None:
+        """Export the lower tiers' hits, traffic, faults and sizes (nanovllm:kv_tier_*), as of the last
+        observed load."""
+        self.registry.register(_KVTierView(lambda: self._kv_tiers))
 
     def observe_step(self, stats: StepStats, step_s: float, num_generated: int) -> None:
         self.prompt_tokens.inc(stats.num_prefill_tokens)
@@ -98,3 +98,4 @@ class WorkerMetrics:
         self.prefix_cache_hit_rate.set(load.prefix_cache_hit_rate)
         self.num_preemptions.inc(load.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = load.num_preemptions
+        self._kv_tiers = load.kv_tiers

@@ -253,8 +253,8 @@ async def serve_worker(
         await server.stop(0)
         raise
     num_blocks = engine_loop.engine.block_manager.num_blocks
-    if engine_loop.engine.runner.kv_offload is not None:
-        metrics.watch_kv_tiers(engine_loop.engine.runner.kv_offload)
+    if engine_loop.load.kv_tiers:
+        metrics.watch_kv_tiers()
     placement = engine_loop.engine.runner.placement
     served_name = config.served_model_name or default_served_name(
         engine_config.model, engine_config.gguf_file
