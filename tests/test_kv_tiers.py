@@ -327,6 +327,7 @@ def test_an_unwritable_directory_is_logged_once_and_the_engine_serves(qwen3_dir,
     [
         ({"kv_host_memory": "lots"}, "kv_host_memory 'lots' is not a size"),
         ({"kv_disk_path": "/tmp/x", "kv_disk_bytes": -1}, "kv_disk_bytes must be positive"),
+        ({"kv_disk_path": "/tmp/x", "kv_disk_bytes": 0.5}, "kv_disk_bytes takes a size like '16GiB'"),
         ({"kv_disk_path": "/tmp/x", "enable_prefix_caching": False}, "tiers of the prefix cache"),
     ],
 )

@@ -26,30 +26,49 @@ _SIZE_UNITS = {
 }
 
 
+@dataclass(frozen=True)
+class MemorySize:
+    """A memory setting resolved once: a number of bytes, or a fraction (0, 1] of what is available when it
+    is applied (free RAM, or a GPU's budget). `text` is the setting as given, for messages."""
+
+    text: str
+    nbytes: int | None = None
+    fraction: float | None = None
+
+    @classmethod
+    def parse(cls, value: str | float, name: str) -> MemorySize:
+        """Read "2GiB", "512MB", a byte count, or a fraction; errors name the setting `name`."""
+        if isinstance(value, bool):
+            raise ConfigError(f"{name} must be a size or a fraction, got {value!r}")
+        if isinstance(value, float) and 0.0 < value <= 1.0:
+            return cls(str(value), fraction=value)
+        if isinstance(value, (int, float)):
+            if value <= 0:
+                raise ConfigError(f"{name} must be positive, got {value}")
+            return cls(str(value), nbytes=int(value))
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if match is None or match.group(2).lower() not in _SIZE_UNITS:
+            raise ConfigError(f"{name} {value!r} is not a size like '2GiB', '512MB' or a byte count")
+        number = float(match.group(1))
+        if match.group(2) == "" and 0.0 < number <= 1.0 and "." in match.group(1):
+            return cls(value, fraction=number)
+        size = int(number * _SIZE_UNITS[match.group(2).lower()])
+        if size <= 0:
+            raise ConfigError(f"{name} must be positive, got {value!r}")
+        return cls(value, nbytes=size)
+
+    def of(self, available_bytes: int) -> int:
+        """The bytes this setting names where `available_bytes` are available."""
+        return self.nbytes if self.nbytes is not None else int(self.fraction * available_bytes)
+
+
 def parse_memory_size(value: str | float, available_bytes: int, name: str = "kv_cache_memory") -> int:
     """Turn "2GiB", "512MB", a byte count, or a fraction (0, 1] of `available_bytes` into bytes; errors
     name the setting `name`."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{name} must be a size or a fraction, got {value!r}")
-    if isinstance(value, float) and 0.0 < value <= 1.0:
-        return int(value * available_bytes)
-    if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ConfigError(f"{name} must be positive, got {value}")
-        return int(value)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-    if match is None or match.group(2).lower() not in _SIZE_UNITS:
-        raise ConfigError(f"{name} {value!r} is not a size like '2GiB', '512MB' or a byte count")
-    number = float(match.group(1))
-    if match.group(2) == "" and 0.0 < number <= 1.0 and "." in match.group(1):
-        return int(number * available_bytes)
-    size = int(number * _SIZE_UNITS[match.group(2).lower()])
-    if size <= 0:
-        raise ConfigError(f"{name} must be positive, got {value!r}")
-    return size
+    return MemorySize.parse(value, name).of(available_bytes)
 
 
-DEFAULT_CPU_KV_CACHE = "2GiB"
+DEFAULT_CPU_KV_CACHE = MemorySize("2GiB", nbytes=2 * 2**30)
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_kernel", "triton", "flash_attn")
 DETERMINISTIC_BACKENDS = ("auto", "cpu_kernel", "triton")  # those with batch-invariant kernels
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
@@ -191,6 +210,10 @@ class EngineConfig:
     draft_gguf_file: str | None = field(default=None, repr=False)  # the .gguf of speculative_model, if any
     hf_config: ModelConfig | None = field(default=None, repr=False)
     draft_hf_config: ModelConfig | None = field(default=None, repr=False)  # speculative_model's shape
+    # The memory settings above, read once (__post_init__): None where unset.
+    kv_cache_size: MemorySize | None = field(init=False, repr=False, default=None)
+    kv_host_size: MemorySize | None = field(init=False, repr=False, default=None)
+    kv_disk_capacity: int = field(init=False, repr=False, default=0)  # bytes
 
     def __post_init__(self) -> None:
         positive = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kvcache_block_size")
@@ -252,7 +275,8 @@ class EngineConfig:
                 f"quantization_group_size must be a positive multiple of 32, got {self.quantization_group_size}"
             )
         self._check_lora()
-
+        if self.kv_cache_memory is not None:
+            self.kv_cache_size = MemorySize.parse(self.kv_cache_memory, "kv_cache_memory")
         self._check_kv_tiers()
         if self.speculative_max_batch < 1:
             raise ConfigError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
@@ -304,9 +328,14 @@ class EngineConfig:
             return
         if not self.enable_prefix_caching:
             raise ConfigError("kv_host_memory and kv_disk_path are tiers of the prefix cache: turn it on")
-        parse_memory_size(self.kv_disk_bytes, 1, "kv_disk_bytes")
+        disk = MemorySize.parse(self.kv_disk_bytes, "kv_disk_bytes")
+        if disk.nbytes is None:
+            raise ConfigError(
+                f"kv_disk_bytes takes a size like '16GiB', got the fraction {self.kv_disk_bytes!r}"
+            )
+        self.kv_disk_capacity = disk.nbytes
         if self.kv_host_memory is not None:
-            parse_memory_size(self.kv_host_memory, 1, "kv_host_memory")
+            self.kv_host_size = MemorySize.parse(self.kv_host_memory, "kv_host_memory")
 
     def _check_draft(self) -> None:
         """speculative_model goes with speculative_method=draft, with the model's vocabulary."""

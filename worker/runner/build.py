@@ -17,7 +17,7 @@ from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.kernels.backends import CpuKernelAttention, TritonAttention, select_attention_backend
-from nanovllm.worker.config import EngineConfig, parse_memory_size
+from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.device import resolve_placement, usable_cpus
 from nanovllm.worker.layers.kernels import LayerKernels
 from nanovllm.worker.layers.lora import LoRAContext
@@ -373,12 +373,12 @@ class ModelRunnerBase:
         host_blocks = 0
         if config.kv_host_memory is not None:
             available = psutil.virtual_memory().available
-            host_bytes = parse_memory_size(config.kv_host_memory, available, "kv_host_memory")
+            host_bytes = config.kv_host_size.of(available)
             # A fraction of free RAM is read on each rank while the others allocate theirs: the least wins.
             host_blocks = self.tp.all_reduce_min(host_bytes // (block_nbytes * self.tp.size))
         disk = None
         if config.kv_disk_path is not None:
-            capacity = parse_memory_size(config.kv_disk_bytes, 1, "kv_disk_bytes") // self.tp.size
+            capacity = config.kv_disk_capacity // self.tp.size
             digest = model_digest(config, tuple(block.shape), self.dtype, self.device, self.tp)
             disk = DiskTier(config.kv_disk_path, capacity, digest, block_nbytes)
         if self.tp.rank == 0:

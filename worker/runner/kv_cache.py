@@ -4,7 +4,7 @@ of blocks that budget holds. Plain arithmetic on sizes the runner measures; the 
 from __future__ import annotations
 
 from nanovllm.common.errors import ConfigError
-from nanovllm.worker.config import DEFAULT_CPU_KV_CACHE, EngineConfig, parse_memory_size
+from nanovllm.worker.config import DEFAULT_CPU_KV_CACHE, EngineConfig
 from nanovllm.worker.model_config import ModelConfig
 
 GIB = 2**30
@@ -37,9 +37,9 @@ def gpu_kv_cache_bytes(
     """The KV cache's bytes on one GPU: `kv_cache_memory` when set (it must fit the budget), else all of
     the budget that gpu_memory_utilization leaves."""
     budget = gpu_kv_cache_budget(total, config.gpu_memory_utilization, weights, activation_peak)
-    if config.kv_cache_memory is None:
+    if config.kv_cache_size is None:
         return budget
-    size = parse_memory_size(config.kv_cache_memory, budget)
+    size = config.kv_cache_size.of(budget)
     if size > budget:
         raise ConfigError(
             f"kv_cache_memory={config.kv_cache_memory} asks for {size / GIB:.2f} GiB but "
@@ -52,11 +52,11 @@ def gpu_kv_cache_bytes(
 def cpu_kv_cache_bytes(config: EngineConfig, available: int, num_ranks: int) -> int:
     """One rank's KV cache bytes in RAM: `kv_cache_memory` (default 2 GiB, or a fraction of the available
     RAM) split between the ranks, which share this machine's memory."""
-    requested = config.kv_cache_memory or DEFAULT_CPU_KV_CACHE
-    budget = parse_memory_size(requested, available)
+    requested = config.kv_cache_size or DEFAULT_CPU_KV_CACHE
+    budget = requested.of(available)
     if budget > available:
         raise ConfigError(
-            f"kv_cache_memory={requested} asks for {budget / GIB:.2f} GiB but only "
+            f"kv_cache_memory={requested.text} asks for {budget / GIB:.2f} GiB but only "
             f"{available / GIB:.2f} GiB of RAM is available"
         )
     return budget // num_ranks
