@@ -9,7 +9,7 @@ and stay reusable until they are recycled, least recently freed first.
 With lower tiers (worker/core/kv_tiers.py), a freed cached block is also copied down to host memory or
 disk; a prompt's hash chain continues there past its last device hit, and those blocks are copied back up
 into fresh device blocks by the step that admits the request (`load_lower_hits`), joining the prefix cache
-once that step says they arrived (`finish_loads`).
+at once from host memory, and from disk once that step says they arrived (`finish_loads`).
 """
 
 from __future__ import annotations
@@ -130,12 +130,15 @@ class BlockManager:
             hashes.append(prev)
         return hashes
 
-    def load_lower_hits(self, seq: Sequence, hashes: list[int]) -> None:
+    def load_lower_hits(self, seq: Sequence, hashes: list[int]) -> bool:
         """Copy the blocks of `hashes` up, in the next step, into the blocks `seq` was just given after its
-        device hits (allocate_slots made room for them as new tokens)."""
+        device hits (allocate_slots made room for them as new tokens). Returns whether some come from disk,
+        where a load can fail (finish_loads then waits for the step's output)."""
         first = len(seq.block_hashes)
+        from_disk = False
         for i, block_hash in enumerate(hashes):
-            self.lower_tiers.load(block_hash, seq.block_table[first + i])
+            from_disk |= self.lower_tiers.load(block_hash, seq.block_table[first + i])
+        return from_disk
 
     def finish_loads(self, seq: Sequence, hashes: list[int], failed: set[int]) -> int:
         """The step made `seq`'s loads of `hashes` (load_lower_hits), all but those of the hashes in

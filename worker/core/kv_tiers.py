@@ -138,9 +138,9 @@ class KVTiers:
             self._copying.remove(block_id)
             self.transfers.fences.append(block_id)
 
-    def load(self, block_hash: int, block_id: int) -> None:
+    def load(self, block_hash: int, block_id: int) -> bool:
         """Copy the block of `block_hash` (held by a lower tier: see `where`) up into device block
-        `block_id` in the next step."""
+        `block_id` in the next step; returns whether it comes from disk."""
         if self.host is not None and block_hash in self.host.index:
             self.host.index.move_to_end(block_hash)
             slot = self.host.index[block_hash]
@@ -148,6 +148,7 @@ class KVTiers:
             self.disk.index.move_to_end(block_hash)
             slot = -1
         self.transfers.loads.append(KVLoad(block_hash, block_id, slot))
+        return slot < 0
 
     def loaded(self, loads: list[KVLoad], failed: list[KVLoad]) -> None:
         """A step made `loads`, all but `failed`: count the hits, forget the hashes that failed."""

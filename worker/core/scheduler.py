@@ -9,8 +9,9 @@ Policy, in order:
    device's blocks, then the lower tiers'), while the token budget, `max_num_seqs` and free blocks allow;
    one whose LoRA adapter would make the running requests' adapters more than `max_loras` waits, and those
    behind it may go first. A prompt longer than the remaining budget is chunked, so a long prompt never
-   holds running decodes back for more than one step's budget. A request with hits in the lower tiers is
-   loading for one step (its blocks are copied up) and runs from the next, from where its loads got to.
+   holds running decodes back for more than one step's budget. Hits in host memory are copied up before
+   the step's forward pass; a request with hits on disk, where a read can fail, is loading for one step
+   (its blocks are copied up) and runs from the next, from where its loads got to.
 The scheduler decides; the model runner executes its SchedulerOutput; the scheduler then applies the
 step's picks (`update_from_output`): new tokens, stop checks, finished requests, blocks for the prefix cache.
 """
@@ -128,17 +129,20 @@ class Scheduler:
                 continue
             computed = bm.get_computed_blocks(seq)
             lower = bm.lower_hits(seq, computed)
-            if lower:  # copied up by this step, taking device blocks but no budget; computed from the next
-                if not bm.allocate_slots(seq, len(lower) * bm.block_size, computed):
-                    break
-                bm.load_lower_hits(seq, lower)
+            # Blocks in the lower tiers take device blocks but no budget: they are copied, not computed.
+            num_lower = len(lower) * bm.block_size
+            num_new = min(seq.num_tokens - len(computed) * bm.block_size - num_lower, budget)
+            if not bm.allocate_slots(seq, num_lower + num_new, computed):
+                break
+            if lower and bm.load_lower_hits(seq, lower):
+                # Some come from disk, where a load can fail: it runs from the next step, from where its
+                # loads got to (the blocks for its first chunk are kept for it).
                 self.loading.append(seq)
                 loading.append(LoadingSequence(seq, lower))
-            else:
-                num_cached = len(computed) * bm.block_size
-                num_new = min(seq.num_tokens - num_cached, budget)
-                if not bm.allocate_slots(seq, num_new, computed):
-                    break
+            else:  # host memory's copies arrive before this step's forward pass, which computes after them
+                if lower:
+                    bm.finish_loads(seq, lower, set())
+                num_cached = len(seq.block_hashes) * bm.block_size
                 self._start_running(seq, num_cached)
                 (decodes if num_new == 1 else prefills).append(ScheduledSequence(seq, num_cached, num_new))
                 budget -= num_new
