@@ -20,6 +20,9 @@ class SamplingParams:
     returns the N most likely tokens. Logprobs come from the model's raw
     distribution (before penalties and temperature), as in vLLM; under a constraint,
     from that distribution restricted to the tokens the constraint allows.
+    prompt_logprobs: the same for each prompt token after the first (the logprob of
+    the actual token given those before it, and the N most likely), from the raw
+    distribution; the prompt is then computed whole, prefix-cache hits or not.
 
     Structured output: at most one of json_schema (a JSON Schema, as text or a dict),
     json_object (any JSON object), regex, grammar (a Lark grammar in llguidance's
@@ -45,6 +48,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     json_schema: str | None = None
     json_object: bool = False
     regex: str | None = None
@@ -110,6 +114,12 @@ class SamplingParams:
                 0 <= self.logprobs <= self.MAX_LOGPROBS,
                 "logprobs",
                 f"must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}",
+            )
+        if self.prompt_logprobs is not None:
+            self._check(
+                0 <= self.prompt_logprobs <= self.MAX_LOGPROBS,
+                "prompt_logprobs",
+                f"must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs}",
             )
         if self.seed is not None:
             self._check(0 <= self.seed < 2**63, "seed", f"must be in [0, 2**63), got {self.seed}")

@@ -38,14 +38,16 @@ def test_step_inputs_reach_the_other_ranks_whole() -> None:
     assert StepInputs.unpack(inputs.pack()) == inputs
 
 
-def test_kv_transfers_reach_the_other_ranks_whole() -> None:
+def test_kv_transfers_and_prompt_rows_reach_the_other_ranks_whole() -> None:
     """A step's copies to and from the lower tiers travel with its inputs, block hashes of all 64 bits
-    included (packed as signed integers)."""
+    included (packed as signed integers), and so do the rows whose logits score prompt tokens."""
     transfers = KVTransfers(
         stores=[KVStore(3, 2**64 - 1, 0, True), KVStore(4, 7, -1, True)], fences=[3, 9],
         loads=[KVLoad(2**63, 5, -1), KVLoad(2**63 - 1, 6, 2)], disk_drops=[2**63 + 5, 11],
     )  # fmt: skip
-    inputs = StepInputs([5], [0], [40], [], [SeqChunk(0, 1, [5])], [], [0], kv_transfers=transfers)
+    inputs = StepInputs(
+        [5, 6], [0, 1], [40, 41], [], [SeqChunk(0, 2, [5])], [], [1], kv_transfers=transfers, prompt_rows=[0]
+    )
     assert StepInputs.unpack(inputs.pack()) == inputs
     empty = StepInputs([], [], [], [], [], [], [], kv_transfers=transfers)
     assert StepInputs.unpack(empty.pack()) == empty

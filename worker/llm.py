@@ -73,7 +73,8 @@ class LLM:
         lora_name: str | list[str | None] | None = None,
     ) -> list[dict[str, Any]]:
         """Generate for every prompt; outputs come back in prompt order as nano-vllm's dicts
-        ({"text", "token_ids"}) plus finish_reason, logprobs and prompt/cached token counts. `lora_name`:
+        ({"text", "token_ids"}) plus finish_reason, logprobs, prompt/cached token counts, and
+        prompt_logprobs where SamplingParams.prompt_logprobs asks for them. `lora_name`:
         the LoRA adapter (loaded by `lora_adapters` or `add_lora`) of every prompt, or of each (None: the
         base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -141,6 +142,8 @@ class LLM:
                 )
                 entry["token_ids"].extend(out.new_token_ids)
                 entry["logprobs"].extend(out.new_logprobs)
+                if out.prompt_logprobs is not None:
+                    entry["prompt_logprobs"] = out.prompt_logprobs
                 entry["num_prompt_tokens"] = out.num_prompt_tokens
                 entry["num_cached_tokens"] = out.num_cached_tokens
                 if out.finished:

@@ -135,6 +135,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full, computed blocks
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: one per prompt token scored so far (the first token's is None).
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False  # with the first new token's output
     admitted: bool = False
     # Tokens proposed for the next step by speculative decoding (worker/sample/speculation.py): not part of the
     # sequence until the step verifies them.
@@ -156,6 +159,14 @@ class Sequence:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         if not self.max_num_tokens:
             self.max_num_tokens = self.num_prompt_tokens + self.params.max_tokens
+        if self.params.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs = [None]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt tokens' logprobs are asked for and some are still to compute (the prompt is
+        then computed, not served from the prefix cache)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -148,6 +148,17 @@ class SeqChunk:
     block_table: list[int]  # the blocks up to this chunk's end
 
 
+@dataclass(slots=True)
+class PromptScoring:
+    """Rows of a step whose logits score a sequence's prompt (SamplingParams.prompt_logprobs): the k-th
+    scores the next prompt token not scored yet after k others, `targets[k]`, with `num_top`
+    alternatives."""
+
+    seq_id: int
+    targets: list[int]
+    num_top: int
+
+
 @dataclass
 class StepInputs:
     input_ids: list[int]
@@ -167,10 +178,15 @@ class StepInputs:
     # ranks read it and fill the same slot with their share.
     lora_fills: list[tuple[int, str, str]] = field(default_factory=list)
     kv_transfers: KVTransfers = field(default_factory=KVTransfers)
+    # Rows of the flat arrays whose logits score prompt tokens (every rank computes them: the vocabulary
+    # is split between the ranks), and, on rank 0 alone, what each sequence's rows score.
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_scoring: list[PromptScoring] = field(default_factory=list)
 
     def pack(self) -> torch.Tensor:
         """[counts..., input_ids, positions, slot_mapping, (start, n, len, *table) per chunk, logits_index,
-        lora_slots, the UTF-8 bytes of lora_fills as JSON, kv_transfers]"""
+        lora_slots, the UTF-8 bytes of lora_fills as JSON, prompt_rows, kv_transfers] (not
+        prompt_scoring: rank 0's)"""
         if self.deferred:
             raise RuntimeError("a step whose tokens are still on rank 0's device cannot go to other ranks")
         groups = (self.decodes, self.fresh, self.cached)
@@ -181,7 +197,8 @@ class StepInputs:
         for group in groups:
             for chunk in group:
                 values += [chunk.start, chunk.num_new_tokens, len(chunk.block_table), *chunk.block_table]
-        values += self.logits_index + self.lora_slots + fills + self.kv_transfers.pack()
+        values += self.logits_index + self.lora_slots + fills + [len(self.prompt_rows), *self.prompt_rows]
+        values += self.kv_transfers.pack()
         return host_tensor(values)
 
     @classmethod
@@ -205,10 +222,12 @@ class StepInputs:
             groups.append(chunks)
         logits_index, lora_slots, fills = take(nl), take(ns), take(nb)
         lora_fills = [tuple(fill) for fill in json.loads(bytes(fills))] if fills else []
+        (num_prompt_rows,) = take(1)
+        prompt_rows = take(num_prompt_rows)
         kv_transfers, _ = KVTransfers.unpack(values[pos:])
         return cls(
             input_ids, positions, slot_mapping, *groups, logits_index=logits_index, lora_slots=lora_slots,
-            lora_fills=lora_fills, kv_transfers=kv_transfers,
+            lora_fills=lora_fills, kv_transfers=kv_transfers, prompt_rows=prompt_rows,
         )  # fmt: skip
 
 
@@ -243,6 +262,8 @@ class ModelRunnerOutput:
     # and the hashes whose copy down to disk failed on rank 0 since the last step.
     kv_failed_loads: list[KVLoad] = field(default_factory=list)
     kv_failed_writes: list[int] = field(default_factory=list)
+    # By seq_id: the logprobs of the prompt tokens the step scored, following those scored before.
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
@@ -263,6 +284,9 @@ class RequestOutput:
     # A request refused after it was queued (its constraint did not compile): its only output, terminal.
     error: str | None = None
     timeline: RequestTimeline | None = None  # on a finished request's last output
+    # SamplingParams.prompt_logprobs: on the output that brings the first token, one per prompt token
+    # (None for the first, which nothing precedes).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

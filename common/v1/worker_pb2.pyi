@@ -34,7 +34,7 @@ ERROR_CODE_UNAVAILABLE: ErrorCode
 ERROR_CODE_NOT_FOUND: ErrorCode
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos", "logprobs", "json_schema", "json_object", "regex", "grammar", "choice", "json_free_whitespace")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos", "logprobs", "json_schema", "json_object", "regex", "grammar", "choice", "json_free_whitespace", "prompt_logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class SamplingParams(_message.Message):
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
     JSON_FREE_WHITESPACE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -73,7 +74,8 @@ class SamplingParams(_message.Message):
     grammar: str
     choice: Choice
     json_free_whitespace: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., choice: _Optional[_Union[Choice, _Mapping]] = ..., json_free_whitespace: _Optional[bool] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., choice: _Optional[_Union[Choice, _Mapping]] = ..., json_free_whitespace: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class Choice(_message.Message):
     __slots__ = ("choices",)
@@ -143,7 +145,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RequestUpdate(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "error_code", "error_message", "timings")
+    __slots__ = ("request_id", "new_token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "error_code", "error_message", "timings", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +155,7 @@ class RequestUpdate(_message.Message):
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
@@ -162,7 +165,8 @@ class RequestUpdate(_message.Message):
     error_code: ErrorCode
     error_message: str
     timings: WorkerTimings
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error_code: _Optional[_Union[ErrorCode, str]] = ..., error_message: _Optional[str] = ..., timings: _Optional[_Union[WorkerTimings, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error_code: _Optional[_Union[ErrorCode, str]] = ..., error_message: _Optional[str] = ..., timings: _Optional[_Union[WorkerTimings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class WorkerTimings(_message.Message):
     __slots__ = ("queue_s", "prefill_s")

@@ -12,7 +12,7 @@ from nanovllm.kernels.attention import AttentionMetadata, ChunkBatch, DecodeBatc
 from nanovllm.worker.device import host_tensor, to_device
 from nanovllm.worker.runner.block_table_rows import BlockTableRows
 from nanovllm.worker.sequence import Sequence
-from nanovllm.worker.step import ScheduledSequence, SchedulerOutput, SeqChunk, StepInputs
+from nanovllm.worker.step import PromptScoring, ScheduledSequence, SchedulerOutput, SeqChunk, StepInputs
 
 
 class InputBuilder:
@@ -47,6 +47,8 @@ class InputBuilder:
         deferred: list[tuple[int, int]] = []
         lora_slots: list[int] = []
         logits_index: list[int] = []
+        prompt_rows: list[int] = []
+        prompt_scoring: list[PromptScoring] = []
         # Decodes first, one row each: the bulk of a step at a large batch, so written without the general
         # path's slices and generators (a decode's table is the sequence's own list, which BlockTableRows
         # keeps as a row).
@@ -65,6 +67,8 @@ class InputBuilder:
                 deferred.append((row, self._pending_row(item, picked)))
             if item.samples:
                 logits_index.append(row)
+            elif seq.scores_prompt:  # a one-token chunk of a prompt
+                _score_prompt(item, row, prompt_rows, prompt_scoring)
         rest = sched.scheduled[nd:]
         verifying = [s for s in rest if s.spec_token_ids]
         chunks = [s for s in rest if not s.spec_token_ids]
@@ -77,6 +81,8 @@ class InputBuilder:
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             last_row[seq.seq_id] = len(input_ids) - 1
+            if seq.scores_prompt:
+                _score_prompt(item, len(input_ids) - item.num_new_tokens, prompt_rows, prompt_scoring)
             if lora_slot is not None:
                 lora_slots.extend([lora_slot(seq)] * item.num_new_tokens)
             if seq.num_pending_tokens:
@@ -106,6 +112,8 @@ class InputBuilder:
             logits_index=logits_index,
             deferred=deferred,
             lora_slots=lora_slots,
+            prompt_rows=prompt_rows,
+            prompt_scoring=prompt_scoring,
         )
 
     @staticmethod
@@ -180,3 +188,18 @@ class InputBuilder:
 
     def long(self, values: list[int]) -> torch.Tensor:
         return to_device(host_tensor(values), self.device)
+
+
+def _score_prompt(
+    item: ScheduledSequence, first_row: int, rows: list[int], scoring: list[PromptScoring]
+) -> None:
+    """The rows of `item`'s chunk (the first at `first_row`) whose logits score prompt tokens not yet
+    scored: position p's logits score token p + 1, up to the prompt's last token (whose logits pick)."""
+    seq = item.seq
+    begin = max(item.start, len(seq.prompt_logprobs) - 1)
+    end = min(item.start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+    if begin >= end:
+        return
+    rows.extend(range(first_row + begin - item.start, first_row + end - item.start))
+    targets = seq.token_ids[begin + 1 : end + 1]
+    scoring.append(PromptScoring(seq.seq_id, targets, seq.params.prompt_logprobs))

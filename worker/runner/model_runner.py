@@ -15,6 +15,8 @@ from nanovllm.worker.models.lora_adapter import LoRAAdapter, read_adapter
 from nanovllm.worker.runner.build import ModelRunnerBase
 from nanovllm.worker.runner.lora_slots import BASE_ROW, lora_batch
 from nanovllm.worker.sample.sampler import SampledBatch
+from nanovllm.worker.sample.scoring import PromptScorer, slice_rows
+from nanovllm.worker.sequence import TokenLogprobs
 from nanovllm.worker.step import (
     KVLoad,
     KVTransfers,
@@ -40,14 +42,15 @@ class LaunchedStep:
     sample_s: float
     kv_failed_loads: list[KVLoad] = field(default_factory=list)
     kv_failed_writes: list[int] = field(default_factory=list)
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
     def result(self) -> ModelRunnerOutput:
         started = time.perf_counter()
         output = self.sampled.result() if self.sampled is not None else SamplerOutput([], [])
         wait_s = time.perf_counter() - started
         return ModelRunnerOutput(
-            output, self.kv_failed_loads, self.kv_failed_writes, self.prepare_s, self.forward_s,
-            self.sample_s, wait_s,
+            output, self.kv_failed_loads, self.kv_failed_writes, self.prompt_logprobs, self.prepare_s,
+            self.forward_s, self.sample_s, wait_s,
         )  # fmt: skip
 
 
@@ -60,6 +63,7 @@ class ModelRunner(ModelRunnerBase):
         self._picks: tuple[torch.Tensor, dict[int, int]] | None = None
         # What the last step's copies to and from the lower tiers left undone: loads (on any rank), writes.
         self._kv_failures: tuple[list[KVLoad], list[int]] = ([], [])
+        self._prompt_logprobs: dict[int, list[TokenLogprobs]] = {}  # the last step's, by seq_id
         super().__init__(config, tp)
 
     @torch.inference_mode()
@@ -70,7 +74,9 @@ class ModelRunner(ModelRunnerBase):
         t0 = time.perf_counter()
         if not sched.scheduled:  # only copies to and from the lower tiers
             self.forward(StepInputs([], [], [], [], [], [], [], kv_transfers=sched.kv_transfers))
-            return LaunchedStep(None, 0.0, time.perf_counter() - t0, 0.0, *self._kv_failures)
+            return LaunchedStep(
+                None, 0.0, time.perf_counter() - t0, 0.0, *self._kv_failures, self._prompt_logprobs
+            )
         inputs = self.step_inputs(sched, all_logits=False)
         plan = self.sampler.plan(rows)
         t1 = time.perf_counter()
@@ -78,7 +84,7 @@ class ModelRunner(ModelRunnerBase):
         t2 = time.perf_counter()
         if logits is None:
             self._picks = None
-            return LaunchedStep(None, t1 - t0, t2 - t1, 0.0, *self._kv_failures)
+            return LaunchedStep(None, t1 - t0, t2 - t1, 0.0, *self._kv_failures, self._prompt_logprobs)
         sampled = self.sampler.sample(logits, plan)
         # Each sampling sequence's last row is its pick (the one after any accepted proposals).
         last_rows, row = {}, -1
@@ -87,7 +93,9 @@ class ModelRunner(ModelRunnerBase):
                 row += 1 + len(item.spec_token_ids)
                 last_rows[item.seq.seq_id] = row
         self._picks = (sampled.token_ids, last_rows)
-        return LaunchedStep(sampled, t1 - t0, t2 - t1, time.perf_counter() - t2, *self._kv_failures)
+        return LaunchedStep(
+            sampled, t1 - t0, t2 - t1, time.perf_counter() - t2, *self._kv_failures, self._prompt_logprobs
+        )
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -99,6 +107,7 @@ class ModelRunner(ModelRunnerBase):
         try:
             if self.tp_group is not None:
                 self.tp_group.send(inputs)
+            self._prompt_logprobs = {}
             if self.kv_offload is not None:
                 self._kv_failures = self._copy_kv(inputs.kv_transfers)
             elif inputs.kv_transfers:
@@ -121,6 +130,8 @@ class ModelRunner(ModelRunnerBase):
                         inputs.lora_slots, self.lora.num_slots, self.inputs.long, self.dtype
                     )
                 hidden = self.model(input_ids, positions, meta)
+            if inputs.prompt_rows:
+                self._prompt_logprobs = self._score_prompts(hidden, inputs)
             if not inputs.logits_index:
                 return None
             if inputs.logits_index != list(range(len(inputs.input_ids))):
@@ -130,6 +141,18 @@ class ModelRunner(ModelRunnerBase):
             if self.tp_group is not None:
                 self.tp_group.raise_if_dead(exc)
             raise
+
+    def _score_prompts(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[int, list[TokenLogprobs]]:
+        """The logprobs of the prompt tokens the step's rows score (worker/sample/scoring.py), their logits
+        computed a slice of rows at a time on every rank (the vocabulary is split between them)."""
+        scorer = PromptScorer(inputs.prompt_scoring) if self.tp.rank == 0 else None
+        step = slice_rows(self.config.hf_config.vocab_size)
+        for begin in range(0, len(inputs.prompt_rows), step):
+            rows = self.inputs.long(inputs.prompt_rows[begin : begin + step])
+            logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
+            if scorer is not None:
+                scorer.add(logits)
+        return scorer.result() if scorer is not None else {}
 
     def _copy_kv(self, transfers: KVTransfers) -> tuple[list[KVLoad], list[int]]:
         """Make the step's copies to and from the lower tiers (worker/runner/kv_offload.py): the loads

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 from opentelemetry.trace import Tracer
 
 from nanovllm.common.errors import EngineDeadError, UnknownAdapterError
@@ -30,6 +31,7 @@ from nanovllm.common.v1 import worker_pb2
 from nanovllm.common.wire import fields_to_message, sampling_from_wire
 from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.core.engine import LLMEngine
+from nanovllm.worker.sequence import TokenLogprobs
 from nanovllm.worker.service.metrics import WorkerMetrics
 from nanovllm.worker.service.request_span import record_request_span
 from nanovllm.worker.step import EngineLoad, RequestOutput
@@ -423,10 +425,17 @@ def _update(wire_id: str, out: RequestOutput) -> worker_pb2.RequestUpdate:
         if timeline.first_token_ns:
             update.timings.prefill_s = (timeline.first_token_ns - timeline.scheduled_ns) / 1e9
     for lp in out.new_logprobs:
-        update.logprobs.add(
-            token_id=lp.token_id,
-            logprob=lp.logprob,
-            top_token_ids=[t for t, _ in lp.top],
-            top_logprobs=[v for _, v in lp.top],
-        )
+        _add_logprobs(update.logprobs, lp)
+    if out.prompt_logprobs is not None:
+        for lp in out.prompt_logprobs[1:]:  # the first prompt token has none
+            _add_logprobs(update.prompt_logprobs, lp)
     return update
+
+
+def _add_logprobs(field: RepeatedCompositeFieldContainer, lp: TokenLogprobs) -> None:
+    field.add(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top_token_ids=[t for t, _ in lp.top],
+        top_logprobs=[v for _, v in lp.top],
+    )
