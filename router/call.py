@@ -4,6 +4,7 @@ it has produced, and how it moves to another worker, fails or cuts off a client 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import uuid
 from collections.abc import Awaitable, Callable
@@ -23,7 +24,13 @@ from nanovllm.router.limits import Lease
 from nanovllm.router.metrics import RouterMetrics
 from nanovllm.router.pool import WorkerPool
 from nanovllm.router.reasoning import ReasoningSplit, prompt_opens_reasoning, reasoning_format
-from nanovllm.router.responses import build_response, error_response, finish_name, merge_responses
+from nanovllm.router.responses import (
+    add_prompt_logprobs,
+    build_response,
+    error_response,
+    finish_name,
+    merge_responses,
+)
 from nanovllm.router.routing import Decision
 from nanovllm.router.text_stream import TextStream
 from nanovllm.router.tokenizer import ModelTokenizer
@@ -156,6 +163,7 @@ class GenerateCall:
         self.refusal = "client_cancelled"  # the outcome if the call ends before its trace starts
         self.trace: RequestTrace | None = None
         self.generated: list[int] = []
+        self.prompt_scored = False  # its prompt's logprobs went to the client
         self.worker_running = True  # until the worker reports the request ended there
         self.model: ModelChoice | None = None  # what request.model selected (set by admit)
 
@@ -297,7 +305,7 @@ class GenerateCall:
         trace.on_tokens(len(update.new_token_ids), update.num_cached_tokens)
         if update.HasField("timings"):
             trace.on_worker_timings(update.timings)
-        return build_response(
+        response = build_response(
             update,
             self.completion,
             self.request_id,
@@ -305,6 +313,11 @@ class GenerateCall:
             trace.num_tokens,
             trace.cached_tokens,
         )
+        if update.prompt_logprobs and not self.prompt_scored:  # once, even if a stream moves
+            response = response or generate_pb2.GenerateResponse(request_id=self.request_id)
+            add_prompt_logprobs(response, update, self.valid.prompt_token_ids)
+            self.prompt_scored = True
+        return response
 
     def submit(self, decision: Decision, tried: frozenset[str], kind: str) -> Attempt:
         """Send the request, with the tokens generated so far, to the worker `decision` chose; `kind`:
@@ -322,10 +335,13 @@ class GenerateCall:
             candidates=decision.candidates,
         )
         wire_id = uuid.uuid4().hex  # unique on the worker link whatever ids clients choose
+        params = self.valid.params
+        if self.prompt_scored:  # a resumed stream: its prompt's logprobs went with its first response
+            params = dataclasses.replace(params, prompt_logprobs=None)
         events = worker.submit(
             wire_id,
             self.valid.prompt_token_ids,
-            self.valid.params,
+            params,
             self.request.priority,
             self.request_id,
             self.generated,

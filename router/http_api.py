@@ -236,6 +236,7 @@ class HttpApi:
         """Server-sent events: a chunk per Generate response, usage last when asked, then [DONE]."""
         choices = [Choice(i) for i in range(len(parsed.generate))]
         started: set[int] = set()
+        streamed = [0] * len(choices)  # each choice's text length sent so far (completions' text_offset)
         decode = self._decoder(parsed.model)
         try:
             event = first
@@ -250,7 +251,11 @@ class HttpApi:
                     break
                 calls_before = len(choices[index].tool_calls)
                 choices[index].add(item)
-                yield f"data: {json.dumps(chunk_body(parsed, index, item, index not in started, calls_before, decode))}\n\n"
+                chunk = chunk_body(
+                    parsed, index, item, index not in started, calls_before, decode, streamed[index]
+                )
+                streamed[index] += len(chunk["choices"][0].get("text", ""))
+                yield f"data: {json.dumps(chunk)}\n\n"
                 started.add(index)
                 event = await anext(events, None)
             if parsed.include_usage:

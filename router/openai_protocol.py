@@ -50,7 +50,6 @@ _JSON_NAMES = {
 
 # OpenAI's fields not served yet, each with the values that ask for nothing (those pass) and what is missing.
 UNSERVED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "echo": ((False, None), "the prompt is not returned before the completion (nor its tokens' logprobs)"),
     "suffix": ((None, ""), "text after the completion (insertion) is not supported"),
     "logit_bias": ((None, {}), "per-token logit biases are not supported"),
 }
@@ -140,6 +139,12 @@ class OpenAIRequest:
     chat: bool
     model: str
     logprobs: int | None = None  # top logprobs per token, when asked
+    # Completions with echo: the prompt comes back before the completion (its text as sent, or its
+    # tokens' text), with its tokens' logprobs when logprobs are asked for; `score_only`: max_tokens 0,
+    # the prompt scored and nothing generated (one token is, and dropped).
+    echo: bool = False
+    echo_text: str | None = None
+    score_only: bool = False
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -302,6 +307,13 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
     model = _typed(body, "model", str, "")
     n = _integer(body, "n", (1, MAX_N), 1)
     _refuse_unserved(body, n)
+    echo = not chat and _typed(body, "echo", bool, False)
+    score_only = echo and sampling.HasField("max_tokens") and sampling.max_tokens == 0
+    if echo:
+        if logprobs is not None:
+            sampling.prompt_logprobs = logprobs
+        if score_only:
+            sampling.max_tokens = 1
     requests = []
     for i in range(n):
         choice_sampling = generate_pb2.SamplingParams()
@@ -317,6 +329,9 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
         chat=chat,
         model=model,
         logprobs=logprobs,
+        echo=echo,
+        echo_text=prompt.get("text") if echo else None,
+        score_only=score_only,
     )
 
 
@@ -332,6 +347,8 @@ class Choice:
     reasoning: str = ""
     tool_calls: list[generate_pb2.ToolCall] = field(default_factory=list)
     logprobs: list[generate_pb2.TokenLogprob] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[generate_pb2.TokenLogprob] = field(default_factory=list)
     finish: int = 0
     usage: generate_pb2.Usage | None = None
     timings: generate_pb2.Timings | None = None
@@ -341,6 +358,8 @@ class Choice:
         self.reasoning += response.reasoning_text
         self.tool_calls.extend(response.tool_calls)
         self.logprobs.extend(response.logprobs)
+        self.prompt_token_ids.extend(response.prompt_token_ids)
+        self.prompt_logprobs.extend(response.prompt_logprobs)
         if response.finish_reason:
             self.finish, self.usage = response.finish_reason, response.usage
             self.timings = response.timings if response.HasField("timings") else None
@@ -357,8 +376,9 @@ def _tool_call(call: generate_pb2.ToolCall, index: int | None = None) -> dict[st
     return entry if index is None else {"index": index, **entry}
 
 
-def _logprobs(entries, decode, chat: bool) -> dict[str, Any]:
-    """OpenAI's logprobs object; `decode(token_id)` gives a token's text."""
+def _logprobs(entries, decode, chat: bool, offset: int = 0) -> dict[str, Any]:
+    """OpenAI's logprobs object; `decode(token_id)` gives a token's text; `offset`: where the first token's
+    text starts in the choice's text (completions' text_offset)."""
     if chat:
         content = [
             {
@@ -369,11 +389,49 @@ def _logprobs(entries, decode, chat: bool) -> dict[str, Any]:
             for e in entries
         ]
         return {"content": content}
+    tokens = [decode(e.token_id) for e in entries]
     return {
-        "tokens": [decode(e.token_id) for e in entries],
+        "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],
         "top_logprobs": [{decode(t.token_id): t.logprob for t in e.top} for e in entries],
+        "text_offset": _offsets(tokens, offset),
     }
+
+
+def _offsets(tokens: list[str], start: int) -> list[int]:
+    """Where each token's text starts, the first at `start` (each token decoded alone)."""
+    offsets = []
+    for token in tokens:
+        offsets.append(start)
+        start += len(token)
+    return offsets
+
+
+def _echo(
+    request: OpenAIRequest, choice_prompt_ids: list[int], prompt_logprobs, decode
+) -> tuple[str, dict | None]:
+    """A completion's echoed prompt: its text, and (with logprobs) its tokens' logprobs object, whose
+    first token has none (nothing precedes it)."""
+    tokens = [decode(t) for t in choice_prompt_ids]
+    text = request.echo_text if request.echo_text is not None else "".join(tokens)
+    if request.logprobs is None:
+        return text, None
+    scored = [None, *prompt_logprobs]
+    return text, {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob if e is not None else None for e in scored],
+        "top_logprobs": [
+            {decode(t.token_id): t.logprob for t in e.top} if e is not None else None for e in scored
+        ],
+        "text_offset": _offsets(tokens, 0),
+    }
+
+
+def _joined(first: dict | None, later: dict | None) -> dict | None:
+    """Two completions logprobs objects one after the other."""
+    if first is None or later is None:
+        return later if first is None else first
+    return {key: first[key] + later[key] for key in first}
 
 
 def _header(request: OpenAIRequest, chat_object: str) -> dict[str, Any]:
@@ -386,9 +444,9 @@ def _header(request: OpenAIRequest, chat_object: str) -> dict[str, Any]:
     }
 
 
-def usage_dict(choices: list[Choice]) -> dict[str, int]:
+def usage_dict(choices: list[Choice], score_only: bool = False) -> dict[str, int]:
     prompt = max((c.usage.prompt_tokens for c in choices if c.usage), default=0)
-    completion = sum(c.usage.completion_tokens for c in choices if c.usage)
+    completion = 0 if score_only else sum(c.usage.completion_tokens for c in choices if c.usage)
     cached = max((c.usage.cached_prompt_tokens for c in choices if c.usage), default=0)
     return {
         "prompt_tokens": prompt,
@@ -415,10 +473,18 @@ def completion_body(request: OpenAIRequest, choices: list[Choice], decode) -> di
         entry["logprobs"] = (
             _logprobs(c.logprobs, decode, request.chat) if request.logprobs is not None else None
         )
+        if request.echo:
+            echoed, logprobs = _echo(request, c.prompt_token_ids, c.prompt_logprobs, decode)
+            generated = "" if request.score_only else c.text
+            entry["text"] = echoed + generated
+            if request.logprobs is not None:
+                after = None if request.score_only else _logprobs(c.logprobs, decode, False, len(echoed))
+                entry["logprobs"] = _joined(logprobs, after)
         if c.timings is not None:
             entry["timings"] = timings_dict(c.timings)
         rendered.append(entry)
-    return {**_header(request, "chat.completion"), "choices": rendered, "usage": usage_dict(choices)}
+    usage = usage_dict(choices, request.score_only)
+    return {**_header(request, "chat.completion"), "choices": rendered, "usage": usage}
 
 
 def chunk_body(
@@ -428,9 +494,11 @@ def chunk_body(
     first: bool,
     calls_before: int,
     decode,
+    text_before: int = 0,
 ) -> dict[str, Any]:
     """One stream chunk for one Generate response of choice `index`; `first`: the choice's first chunk
-    (which carries the role); `calls_before`: tool calls this choice streamed before."""
+    (which carries the role); `calls_before`: tool calls this choice streamed before; `text_before`: the
+    length of the text it streamed before (completions' text_offset)."""
     finish = _FINISH.get(response.finish_reason) if response.finish_reason else None
     if request.chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
@@ -444,7 +512,22 @@ def chunk_body(
     else:
         choice = {"index": index, "text": response.text, "finish_reason": finish}
     if request.logprobs is not None:
-        choice["logprobs"] = _logprobs(response.logprobs, decode, request.chat) if response.logprobs else None
+        choice["logprobs"] = (
+            _logprobs(response.logprobs, decode, request.chat, text_before) if response.logprobs else None
+        )
+    if request.echo:
+        echoed, logprobs = "", None
+        if response.prompt_token_ids:  # the choice's first response: the prompt goes first
+            echoed, logprobs = _echo(
+                request, list(response.prompt_token_ids), response.prompt_logprobs, decode
+            )
+        generated = "" if request.score_only else response.text
+        choice["text"] = echoed + generated
+        if request.logprobs is not None:
+            after = None
+            if response.logprobs and not request.score_only:
+                after = _logprobs(response.logprobs, decode, False, text_before + len(echoed))
+            choice["logprobs"] = _joined(logprobs, after)
     if response.HasField("timings"):
         choice["timings"] = timings_dict(response.timings)
     return {**_header(request, "chat.completion.chunk"), "choices": [choice]}
@@ -452,4 +535,5 @@ def chunk_body(
 
 def usage_chunk(request: OpenAIRequest, choices: list[Choice]) -> dict[str, Any]:
     """The last chunk with stream_options.include_usage: no choices, the usage."""
-    return {**_header(request, "chat.completion.chunk"), "choices": [], "usage": usage_dict(choices)}
+    usage = usage_dict(choices, request.score_only)
+    return {**_header(request, "chat.completion.chunk"), "choices": [], "usage": usage}

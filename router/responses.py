@@ -43,10 +43,7 @@ def build_response(
     )
     if with_token_ids:
         response.token_ids.extend(update.new_token_ids)
-    for lp in update.logprobs:
-        entry = response.logprobs.add(token_id=lp.token_id, logprob=lp.logprob)
-        for token_id, value in zip(lp.top_token_ids, lp.top_logprobs):
-            entry.top.add(token_id=token_id, logprob=value)
+    _add_logprobs(response.logprobs, update.logprobs)
     if finish is not None:
         response.finish_reason = finish
         response.usage.prompt_tokens = update.num_prompt_tokens
@@ -54,6 +51,23 @@ def build_response(
         response.usage.cached_prompt_tokens = cached_tokens
         return response
     return response if delta or response.token_ids or response.logprobs else None
+
+
+def add_prompt_logprobs(
+    response: generate_pb2.GenerateResponse, update: worker_pb2.RequestUpdate, prompt_token_ids: list[int]
+) -> None:
+    """The prompt's tokens and their logprobs (SamplingParams.prompt_logprobs), on the call's first
+    response."""
+    response.prompt_token_ids.extend(prompt_token_ids)
+    _add_logprobs(response.prompt_logprobs, update.prompt_logprobs)
+
+
+def _add_logprobs(field, entries) -> None:
+    """Worker TokenLogprobs into public TokenLogprob entries of `field`."""
+    for lp in entries:
+        entry = field.add(token_id=lp.token_id, logprob=lp.logprob)
+        for token_id, value in zip(lp.top_token_ids, lp.top_logprobs):
+            entry.top.add(token_id=token_id, logprob=value)
 
 
 def merge_responses(

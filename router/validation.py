@@ -205,6 +205,7 @@ def _sampling_params(s: generate_pb2.SamplingParams, room: int) -> SamplingParam
         stop_token_ids=list(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
         json_schema=s.json_schema if s.HasField("json_schema") else None,
         json_object=s.json_object,
         regex=s.regex if s.HasField("regex") else None,

@@ -177,10 +177,44 @@ def test_bad_requests_are_400_in_openais_shape(http: Http) -> None:
     wrong_type = json.dumps({"messages": MESSAGES, "max_tokens": "ten"}).encode()
     status, body = raw(http, "/v1/chat/completions", wrong_type)
     assert status == 400 and body["error"]["param"] == "max_tokens"
-    # lm-evaluation-harness scores a choice with echo and logprobs: refused, not answered without the prompt.
-    with pytest.raises(openai.BadRequestError, match="echo=true is not served here") as caught:
-        http.client.completions.create(model=http.model, prompt="Hi", echo=True, logprobs=1, max_tokens=1)
-    assert caught.value.body["param"] == "echo"
+
+
+def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(http: Http) -> None:
+    """lm-evaluation-harness (local-completions) scores a choice with echo, logprobs=1 and max_tokens 1 or
+    0: the text is the prompt, then the completion; the logprobs cover the prompt's tokens first (the
+    first has none), then the completion's, text_offset placing each in the text; they are the worker's
+    prompt logprobs as gRPC returns them, and streaming says the same."""
+    prompt = "The capital of France is Paris"
+    asked = {"model": http.model, "prompt": prompt, "echo": True, "logprobs": 1, "temperature": 0}
+    answer = http.client.completions.create(**asked, max_tokens=1)
+    choice, n = answer.choices[0], answer.usage.prompt_tokens
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt) and len(lp.tokens) == n + 1 == len(lp.token_logprobs)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens[:n]) == prompt and "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(n + 1)]
+    assert all(
+        len(top) == 1 and max(top.values()) >= value
+        for top, value in zip(lp.top_logprobs[1:], lp.token_logprobs[1:])
+    )
+    sampling = generate_pb2.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    responses, error = collect(
+        http.router.address, generate_pb2.GenerateRequest(text=prompt, sampling=sampling)
+    )
+    assert error is None, error
+    assert [e.logprob for r in responses for e in r.prompt_logprobs] == lp.token_logprobs[1:n]
+    assert len(responses[0].prompt_token_ids) == n
+
+    scored = http.client.completions.create(**asked, max_tokens=0)  # the prompt scored, nothing generated
+    assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
+    assert scored.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n]
+    assert scored.choices[0].finish_reason == "length"
+
+    chunks = list(http.client.completions.create(**asked, max_tokens=1, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_kv_blocks(http: Http) -> None:
@@ -241,7 +275,6 @@ def test_fields_whose_effect_is_not_served_are_refused_naming_them() -> None:
     it; the values that ask for nothing pass."""
     prompt = {"prompt": "Hi"}
     for body, param in [
-        ({**prompt, "echo": True}, "echo"),
         ({**prompt, "suffix": " end"}, "suffix"),
         ({**prompt, "best_of": 3}, "best_of"),
         ({**prompt, "n": 2, "best_of": 3}, "best_of"),
