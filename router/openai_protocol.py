@@ -48,11 +48,57 @@ _JSON_NAMES = {
 }
 
 
-# OpenAI's fields not served yet, each with the values that ask for nothing (those pass) and what is missing.
+# Every field of a request body, by endpoint (docs/api.md#request-fields has the table): those served,
+# OpenAI's that the official client sends and that change nothing in an answer (identifiers, billing and
+# caching hints: accepted), and OpenAI's not served (UNSERVED). Any other name is refused: a field nobody
+# reads is an answer that silently ignores what was asked.
+SERVED_COMMON = {
+    "model", "n", "temperature", "top_p", "frequency_penalty", "presence_penalty", "seed", "stop", "stream",
+    "stream_options", "max_tokens", "logprobs",
+    # vLLM's extensions
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
+}  # fmt: skip
+SERVED = {
+    "chat": SERVED_COMMON | {
+        "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
+        "chat_template_kwargs",
+    },
+    "completions": SERVED_COMMON | {"prompt", "echo", "best_of"},
+}  # fmt: skip
+WITHOUT_EFFECT = {
+    "chat": {
+        "user", "metadata", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+        "prompt_cache_options", "service_tier", "store", "parallel_tool_calls",
+    },
+    "completions": {"user"},
+}  # fmt: skip
+# OpenAI's fields not served, each with the values that ask for nothing (those pass) and what is missing.
 UNSERVED: dict[str, tuple[tuple[Any, ...], str]] = {
     "suffix": ((None, ""), "text after the completion (insertion) is not supported"),
     "logit_bias": ((None, {}), "per-token logit biases are not supported"),
+    "audio": ((None,), "audio output is not supported"),
+    "modalities": ((None, ["text"]), "only text comes out"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "functions": ((None, []), "the deprecated functions field is not served: give tools"),
+    "function_call": ((None,), "the deprecated function_call field is not served: give tool_choice"),
+    "reasoning_effort": ((None,), "reasoning effort is not served: chat_template_kwargs.enable_thinking is"),
+    "verbosity": ((None,), "verbosity is not served"),
+    "moderation": ((None,), "moderation is not served"),
+    # Values of accepted fields that would ask for something.
+    "store": ((None, False), "responses are not stored"),
+    "parallel_tool_calls": ((None, True), "several tool calls in one answer cannot be turned off"),
+    "service_tier": ((None, "auto", "default"), "one service tier is served"),
 }
+
+
+def _refuse_unknown(body: dict[str, Any], chat: bool) -> None:
+    endpoint = "chat" if chat else "completions"
+    known = SERVED[endpoint] | WITHOUT_EFFECT[endpoint] | UNSERVED.keys()
+    for name in body:
+        if name not in known:
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            raise ProtocolError(name, f"{name} is not a field of {path} here (docs/api.md#request-fields)")
 
 
 def _refuse_unserved(body: dict[str, Any], n: int) -> None:
@@ -286,6 +332,7 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
     if not isinstance(body, dict):
         raise ProtocolError("body", "the request body must be a JSON object")
     _check_unicode(body)
+    _refuse_unknown(body, chat)
     sampling, logprobs = _sampling(body, chat)
     if chat:
         prompt = {"chat": _chat(body)}

@@ -279,6 +279,18 @@ def test_fields_whose_effect_is_not_served_are_refused_naming_them() -> None:
         ({**prompt, "best_of": 3}, "best_of"),
         ({**prompt, "n": 2, "best_of": 3}, "best_of"),
         ({"messages": MESSAGES, "logit_bias": {"5": 10}}, "logit_bias"),
+        ({"messages": MESSAGES, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ({"messages": MESSAGES, "modalities": ["text", "audio"]}, "modalities"),
+        ({"messages": MESSAGES, "prediction": {"type": "content", "content": "x"}}, "prediction"),
+        ({"messages": MESSAGES, "web_search_options": {}}, "web_search_options"),
+        ({"messages": MESSAGES, "functions": [{"name": "f"}]}, "functions"),
+        ({"messages": MESSAGES, "function_call": "auto"}, "function_call"),
+        ({"messages": MESSAGES, "reasoning_effort": "low"}, "reasoning_effort"),
+        ({"messages": MESSAGES, "verbosity": "low"}, "verbosity"),
+        ({"messages": MESSAGES, "moderation": {}}, "moderation"),
+        ({"messages": MESSAGES, "store": True}, "store"),
+        ({"messages": MESSAGES, "parallel_tool_calls": False}, "parallel_tool_calls"),
+        ({"messages": MESSAGES, "service_tier": "flex"}, "service_tier"),
     ]:
         with pytest.raises(ProtocolError, match="is not served here") as caught:
             parse_request(body, chat="messages" in body)
@@ -289,8 +301,36 @@ def test_fields_whose_effect_is_not_served_are_refused_naming_them() -> None:
         {**prompt, "best_of": 1},
         {**prompt, "n": 2, "best_of": 2},
         {"messages": MESSAGES, "logit_bias": {}},
+        {"messages": MESSAGES, "modalities": ["text"], "store": False, "parallel_tool_calls": True},
+        {"messages": MESSAGES, "service_tier": "auto", "functions": [], "reasoning_effort": None},
     ]:
         parse_request(body, chat="messages" in body)
+
+
+def test_a_field_no_endpoint_reads_is_refused_naming_it() -> None:
+    """A name that is neither served, nor one of OpenAI's accepted without effect, nor one of its refused
+    ones (a typo, another server's extension) is a 400 naming it, not an answer that ignored it."""
+    for body, chat, param in [
+        ({"prompt": "Hi", "max_token": 5}, False, "max_token"),
+        ({"messages": MESSAGES, "temprature": 0}, True, "temprature"),
+        ({"messages": MESSAGES, "echo": True}, True, "echo"),  # completions' field, not chat's
+        ({"prompt": "Hi", "tools": []}, False, "tools"),
+    ]:
+        with pytest.raises(ProtocolError, match="is not a field of") as caught:
+            parse_request(body, chat=chat)
+        assert caught.value.param == param
+
+
+def test_the_official_client_passes_every_field_that_changes_nothing(http: Http) -> None:
+    """openai's identifiers, metadata and caching hints are accepted (they change nothing in an answer)."""
+    answer = http.client.chat.completions.create(
+        model=http.model, messages=MESSAGES, max_tokens=2, temperature=0, user="u1", metadata={"k": "v"},
+        safety_identifier="s1", prompt_cache_key="conversation-1", store=False, service_tier="auto",
+        parallel_tool_calls=True,
+    )  # fmt: skip
+    assert answer.choices[0].finish_reason == "length"
+    completion = http.client.completions.create(model=http.model, prompt="Hi", max_tokens=2, user="u1")
+    assert completion.choices[0].finish_reason == "length"
 
 
 def test_tokens_are_checked_as_on_grpc(kernels, tmp_path) -> None:
