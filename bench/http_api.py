@@ -25,7 +25,7 @@ import grpc
 import openai
 
 from bench.report import machine_description
-from nanovllm.processes import spawn, wait_until_serving
+from nanovllm.server_process import spawn, wait_until_serving
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from nanovllm.worker.models.gguf.cache import embedded_model_path
 

@@ -18,7 +18,7 @@ import statistics
 
 from bench.http_api import parse_arguments, prompts, throughput, ttft_p50
 from bench.report import machine_description
-from nanovllm.processes import ServerProcess, spawn, wait_until_serving
+from nanovllm.server_process import ServerProcess, spawn, wait_until_serving
 from nanovllm.worker.models.gguf.cache import embedded_model_path
 from tests.otlp_collector import running_collector
 

@@ -10,9 +10,9 @@ from nanovllm.common.errors import ConfigError
 from nanovllm.common.options import flag_name, option
 from nanovllm.common.tls import TlsFiles
 
-# --reasoning-parser's values (router/reasoning.py): auto, none, or a model family's marker format.
+# --reasoning-parser's values (router/calls/reasoning.py): auto, none, or a model family's marker format.
 REASONING_PARSERS = ("auto", "none", "qwen3")
-# --tool-call-parser's values (router/tool_calls.py).
+# --tool-call-parser's values (router/calls/tool_calls.py).
 TOOL_CALL_PARSERS = ("auto", "none", "hermes")
 
 HEALTH_PORT_HELP = (
@@ -104,7 +104,7 @@ class RequestLimits:
 
 
 class RoutingPolicy(str, Enum):
-    """How the router picks a worker (router/routing.py)."""
+    """How the router picks a worker (router/fleet/routing.py)."""
 
     COST = "cost"
     LEAST_LOADED = "least-loaded"
@@ -113,7 +113,7 @@ class RoutingPolicy(str, Enum):
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    """How the router picks a worker (router/routing.py): the policy and its cost function's weights.
+    """How the router picks a worker (router/fleet/routing.py): the policy and its cost function's weights.
     `policy` is given as its name (a flag's string) and kept as the RoutingPolicy it names."""
 
     policy: str = option(

@@ -137,7 +137,7 @@ class GrpcServer:
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         share_port: bool = False,
     ) -> None:
-        """`share_port`: SO_REUSEPORT, for several processes of one server (router/processes.py). Without
+        """`share_port`: SO_REUSEPORT, for several processes of one server (router/faces/process_group.py). Without
         it (gRPC's default is on) a second server on a port in use fails to start instead of silently
         sharing the port with the first."""
         options = [

@@ -35,7 +35,7 @@ from nanovllm.common.server_config import (
     WorkerServerConfig,
 )
 from nanovllm.flags import Flag, build, flags_of, resolve_all
-from nanovllm.processes import LISTENING, spawn, wait_until_serving
+from nanovllm.server_process import LISTENING, spawn, wait_until_serving
 from nanovllm.worker.config import EngineConfig
 
 LOG_FLAGS = flags_of(LogConfig)
@@ -131,7 +131,7 @@ def run_worker(options: dict[str, Any]) -> int:
 
 
 def run_router(options: dict[str, Any]) -> int:
-    from nanovllm.router.processes import shared_metrics
+    from nanovllm.router.faces.process_group import shared_metrics
 
     log_config = build(LogConfig, options)
     log_config.apply()
@@ -149,7 +149,7 @@ def run_router(options: dict[str, Any]) -> int:
 
 
 def _serve_router(config: RouterConfig, log_config: LogConfig) -> int:
-    from nanovllm.router.server import serve_router
+    from nanovllm.router.faces.server import serve_router
 
     return _run_server("router", serve_router, config, log_config)
 

@@ -23,7 +23,7 @@ import pytest
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.v1 import worker_pb2
 from nanovllm.kernels.cpu_kernels import load_cpu_kernels
-from nanovllm.router.tokenizer import ModelTokenizer
+from nanovllm.router.fleet.tokenizer import ModelTokenizer
 from nanovllm.worker.device import usable_cpus
 from nanovllm.worker.models.gguf.cache import embedded_model_path, prepare_gguf
 from tests.chat_templates import QWEN3

@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nanovllm.common.v1 import worker_pb2, worker_pb2_grpc
-from nanovllm.processes import ServerProcess, spawn
+from nanovllm.server_process import ServerProcess, spawn
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 
 START_TIMEOUT_S = 180.0  # the first worker of a session may compile the C++ kernels

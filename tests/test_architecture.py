@@ -91,6 +91,9 @@ WORKER_ROOMS = (
     {"layers"},
     {"step", "sequence", "model_config", "config", "device"},
 )
+# The router's wings, top to bottom (docs/architecture.md#the-routers-wings): the public faces, one call's
+# life, the fleet of workers; a module imports its own wing and those below it.
+ROUTER_WINGS = ({"faces"}, {"calls"}, {"fleet"})
 # Outside the worker: the router never imports it, and what both sides share imports neither side.
 FORBIDDEN = {
     "nanovllm.router": ("nanovllm.worker",),
@@ -99,15 +102,17 @@ FORBIDDEN = {
 }
 
 
-def _room(module: str) -> int | None:
-    """The index in WORKER_ROOMS of a worker module's room (0 is the top), None outside the worker."""
+def _room(module: str) -> tuple[str, int] | None:
+    """The side (worker or router) of a worker or router module and the index of its room or wing there
+    (0 is the top), None elsewhere."""
     parts = module.split(".")
-    if parts[:2] != ["nanovllm", "worker"] or len(parts) < 3:
+    if parts[:2] not in (["nanovllm", "worker"], ["nanovllm", "router"]) or len(parts) < 3:
         return None
-    for level, rooms in enumerate(WORKER_ROOMS):
+    side = parts[1]
+    for level, rooms in enumerate(WORKER_ROOMS if side == "worker" else ROUTER_WINGS):
         if parts[2] in rooms:
-            return level
-    raise AssertionError(f"{module} is in no room of WORKER_ROOMS")
+            return side, level
+    raise AssertionError(f"{module} is in no room of WORKER_ROOMS or wing of ROUTER_WINGS")
 
 
 def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
@@ -116,7 +121,7 @@ def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
     for module, targets in sorted(graph.items()):
         for target in sorted(targets):
             here, there = _room(module), _room(target)
-            if here is not None and there is not None and there < here:
+            if here is not None and there is not None and here[0] == there[0] and there[1] < here[1]:
                 wrong.append(f"{module} imports {target}, a room above it")
             for side, banned in FORBIDDEN.items():
                 if module.startswith(side + ".") and target.startswith(banned):
@@ -127,23 +132,30 @@ def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
 def test_rooms_import_only_downwards() -> None:
     modules = _modules()
     graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
-    assert sum(_room(m) is not None for m in graph) > 30  # the walk found the worker's modules
+    assert sum(_room(m) is not None and _room(m)[0] == "worker" for m in graph) > 30  # the walk found them
+    assert sum(_room(m) is not None and _room(m)[0] == "router" for m in graph) > 20
     assert _upward_imports(graph) == []
 
 
 def test_an_upward_import_is_noticed() -> None:
-    """The check itself: a sampler importing the scheduler, a layer importing a model, the router importing
-    the worker and common importing the router are each reported; imports downwards are not."""
+    """The check itself: a sampler importing the scheduler, a layer importing a model, the fleet importing
+    a call's module, a call's module importing a face, the router importing the worker and common importing
+    the router are each reported; imports downwards are not."""
     graph = {
         "nanovllm.worker.sample.sampler": {"nanovllm.worker.core.scheduler", "nanovllm.worker.step"},
         "nanovllm.worker.layers.linear": {"nanovllm.worker.models.loader"},
         "nanovllm.worker.core.engine": {"nanovllm.worker.runner.model_runner", "nanovllm.worker.sequence"},
-        "nanovllm.router.call": {"nanovllm.worker.step", "nanovllm.common.v1.worker_pb2"},
-        "nanovllm.common.wire": {"nanovllm.router.validation"},
+        "nanovllm.router.calls.call": {"nanovllm.worker.step", "nanovllm.common.v1.worker_pb2"},
+        "nanovllm.router.fleet.pool": {"nanovllm.router.calls.limits", "nanovllm.router.fleet.routing"},
+        "nanovllm.router.calls.validation": {"nanovllm.router.faces.auth", "nanovllm.router.fleet.tokenizer"},
+        "nanovllm.router.faces.server": {"nanovllm.router.calls.call", "nanovllm.router.fleet.pool"},
+        "nanovllm.common.wire": {"nanovllm.router.calls.validation"},
     }
     assert _upward_imports(graph) == [
-        "nanovllm.common.wire imports nanovllm.router.validation",
-        "nanovllm.router.call imports nanovllm.worker.step",
+        "nanovllm.common.wire imports nanovllm.router.calls.validation",
+        "nanovllm.router.calls.call imports nanovllm.worker.step",
+        "nanovllm.router.calls.validation imports nanovllm.router.faces.auth, a room above it",
+        "nanovllm.router.fleet.pool imports nanovllm.router.calls.limits, a room above it",
         "nanovllm.worker.layers.linear imports nanovllm.worker.models.loader, a room above it",
         "nanovllm.worker.sample.sampler imports nanovllm.worker.core.scheduler, a room above it",
     ]

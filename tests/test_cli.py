@@ -18,7 +18,7 @@ from nanovllm.cli import (
 )
 from nanovllm.common.server_config import RequestLimits, RouterConfig
 from nanovllm.flags import Flag, build, resolve_all
-from nanovllm.processes import LISTENING_RE
+from nanovllm.server_process import LISTENING_RE
 from nanovllm.worker.config import EngineConfig
 
 COMMANDS = {"serve": SERVE_FLAGS, "worker": WORKER_FLAGS, "router": ROUTER_FLAGS, "client": CLIENT_FLAGS}

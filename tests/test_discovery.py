@@ -19,8 +19,8 @@ import grpc
 import pytest
 
 from nanovllm.common.server_config import RoutingConfig
-from nanovllm.router.discovery import WorkerTarget
-from nanovllm.router.pool import WorkerPool
+from nanovllm.router.fleet.discovery import WorkerTarget
+from nanovllm.router.fleet.pool import WorkerPool
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from tests.metrics import by_label, scrape
 from tests.model_factory import build_model

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from nanovllm.cli import COMMANDS
-from nanovllm.router.metrics import RouterMetrics
+from nanovllm.router.calls.metrics import RouterMetrics
 from nanovllm.worker.service.metrics import WorkerMetrics
 
 REPO = Path(__file__).resolve().parent.parent

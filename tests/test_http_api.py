@@ -1,4 +1,4 @@
-"""The router's OpenAI-compatible HTTP face (router/http_api.py), driven by the official `openai` client:
+"""The router's OpenAI-compatible HTTP face (router/faces/http_api.py), driven by the official `openai` client:
 the same answers as gRPC, streaming and not, usage, stop, seeds, logprobs, n, typed errors, and a client
 that leaves mid-stream freeing its KV blocks."""
 
@@ -15,7 +15,7 @@ import grpc
 import openai
 import pytest
 
-from nanovllm.router.openai_protocol import ProtocolError, parse_request
+from nanovllm.router.faces.openai_protocol import ProtocolError, parse_request
 from nanovllm.v1 import generate_pb2
 from tests.metrics import scrape, total
 from tests.services import (

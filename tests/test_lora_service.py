@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from nanovllm import LLM
-from nanovllm.processes import ServerProcess
+from nanovllm.server_process import ServerProcess
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from tests.helpers import greedy
 from tests.model_factory import ALL_LORA_TARGETS, build_model, make_adapter

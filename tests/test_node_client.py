@@ -18,7 +18,7 @@ NODE_DIR = REPO / "tests" / "node"
 PROTO_ROOT = REPO / "protos"
 PROMPT = "The quick brown fox"
 # Enough tokens that the router would have to stall for the whole generation (hundreds of ms even on a fast
-# host) to merge them into one response (router/call.py joins updates that wait behind a write).
+# host) to merge them into one response (router/calls/call.py joins updates that wait behind a write).
 MAX_TOKENS = 128
 TIMEOUT_S = 120.0
 

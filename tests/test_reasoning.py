@@ -1,4 +1,4 @@
-"""Reasoning kept apart from the answer (router/reasoning.py): the split on scripted text and token streams
+"""Reasoning kept apart from the answer (router/calls/reasoning.py): the split on scripted text and token streams
 (no model), Qwen3's real chat template with thinking on and off, and the router's responses end to end."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from google.protobuf import struct_pb2
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.server_config import RouterConfig
 from nanovllm.common.v1 import worker_pb2
-from nanovllm.router.completion import CompletionText
-from nanovllm.router.reasoning import ReasoningSplit, prompt_opens_reasoning, reasoning_format
-from nanovllm.router.responses import build_response, error_response, merge_responses
-from nanovllm.router.text_stream import TextStream
-from nanovllm.router.tokenizer import ModelTokenizer
-from nanovllm.router.validation import prompt_token_ids
+from nanovllm.router.calls.completion import CompletionText
+from nanovllm.router.calls.reasoning import ReasoningSplit, prompt_opens_reasoning, reasoning_format
+from nanovllm.router.calls.responses import build_response, error_response, merge_responses
+from nanovllm.router.calls.text_stream import TextStream
+from nanovllm.router.calls.validation import prompt_token_ids
+from nanovllm.router.fleet.tokenizer import ModelTokenizer
 from nanovllm.v1 import generate_pb2
 from tests.helpers import cuts
 from tests.model_factory import build_tokenizer

@@ -1,4 +1,4 @@
-"""A router of several processes on its ports (`--processes`, router/processes.py), in front of the shared
+"""A router of several processes on its ports (`--processes`, router/faces/process_group.py), in front of the shared
 test worker: every process serves gRPC and HTTP calls, /metrics sums them all, a process that dies is
 started again, and none outlives the first."""
 

@@ -1,4 +1,4 @@
-"""The routing cost function (router/routing.py) on its own: cache hits against queues, the hotspot guard."""
+"""The routing cost function (router/fleet/routing.py) on its own: cache hits against queues, the hotspot guard."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from nanovllm.common.block_hash import prefix_hashes
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.server_config import RouterConfig, RoutingConfig
-from nanovllm.router.routing import choose
+from nanovllm.router.fleet.routing import choose
 
 BLOCK = 16
 WEIGHTS = RoutingConfig(queued_request_cost=256.0, hotspot_ratio=1.25, hotspot_slack=2)

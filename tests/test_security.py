@@ -29,10 +29,10 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.tls import ReloadingChannel, TlsFiles
 from nanovllm.common.v1 import worker_pb2, worker_pb2_grpc
-from nanovllm.processes import ServerProcess
-from nanovllm.router.auth import AuthError, TokenTable, parse_tokens, token_name
-from nanovllm.router.limits import TokenLimits
-from nanovllm.router.workers import CHANNEL_OPTIONS
+from nanovllm.router.calls.limits import TokenLimits
+from nanovllm.router.faces.auth import AuthError, TokenTable, parse_tokens, token_name
+from nanovllm.router.fleet.workers import CHANNEL_OPTIONS
+from nanovllm.server_process import ServerProcess
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from tests.certs import CertificateAuthority, Issued
 from tests.metrics import exposition, scrape, value

@@ -1,4 +1,4 @@
-"""Incremental detokenization (router/text_stream.py): UTF-8 characters split across tokens, special
+"""Incremental detokenization (router/calls/text_stream.py): UTF-8 characters split across tokens, special
 tokens, and stop strings that must never reach the client, not even partially."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nanovllm.router.text_stream import TextStream
+from nanovllm.router.calls.text_stream import TextStream
 from tests.model_factory import EOS_ID, build_tokenizer
 
 PAD_ID = 0

@@ -1,4 +1,4 @@
-"""Tools and tool calls (router/tool_calls.py): the parser on scripted streams (no model), the request's
+"""Tools and tool calls (router/calls/tool_calls.py): the parser on scripted streams (no model), the request's
 checks, Qwen3's real template rendering tools and their results, and forced calls through the router."""
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ import pytest
 from llguidance import LLMatcher
 
 from nanovllm.common.v1 import worker_pb2
-from nanovllm.router.completion import CompletionText
-from nanovllm.router.reasoning import ReasoningSplit, reasoning_format
-from nanovllm.router.responses import build_response
-from nanovllm.router.text_stream import TextStream
-from nanovllm.router.tool_calls import (
+from nanovllm.router.calls.completion import CompletionText
+from nanovllm.router.calls.reasoning import ReasoningSplit, reasoning_format
+from nanovllm.router.calls.responses import build_response
+from nanovllm.router.calls.text_stream import TextStream
+from nanovllm.router.calls.tool_calls import (
     ToolCallParser,
     check_tools,
     forced_call_grammar,
     tool_call_format,
 )
-from nanovllm.router.validation import prompt_token_ids
+from nanovllm.router.calls.validation import prompt_token_ids
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from tests.helpers import cuts
 from tests.model_factory import build_model, build_tokenizer

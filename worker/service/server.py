@@ -39,7 +39,7 @@ TOKENIZER_FILES = (
 
 MAX_ROUTER_MESSAGE_BYTES = 64 * 1024 * 1024
 # Updates in one coalesced StepOutputs at most: a few MB even with top logprobs, far below what a router
-# takes in one message (router/workers.py, 64 MiB), however long it stalled.
+# takes in one message (router/fleet/workers.py, 64 MiB), however long it stalled.
 MAX_COALESCED_UPDATES = 16_384
 
 

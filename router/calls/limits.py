@@ -1,5 +1,5 @@
 """Per-token limits on the router's public API: Generate streams open at once, and prompt plus completion
-tokens within any 60 s, per token name (router/auth.py; every caller is `anonymous` without auth).
+tokens within any 60 s, per token name (router/faces/auth.py; every caller is `anonymous` without auth).
 
 A call over either limit gets RESOURCE_EXHAUSTED, with the seconds to wait in the message and in the
 `retry-after` trailing metadata. A stream already admitted is never cut off: its tokens count against the

@@ -16,7 +16,7 @@ import grpc
 
 from nanovllm.common.logging import get_logger
 from nanovllm.common.v1 import worker_pb2
-from nanovllm.router.workers import WorkerConnection
+from nanovllm.router.fleet.workers import WorkerConnection
 
 log = get_logger(__name__)
 

@@ -4,7 +4,7 @@ finish and usage."""
 from __future__ import annotations
 
 from nanovllm.common.v1 import worker_pb2
-from nanovllm.router.completion import CompletionText
+from nanovllm.router.calls.completion import CompletionText
 from nanovllm.v1 import generate_pb2
 
 _FINISH_REASONS = {

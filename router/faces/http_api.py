@@ -29,10 +29,9 @@ from starlette.routing import Route
 from nanovllm.common.logging import get_logger
 from nanovllm.common.serving import MAX_MESSAGE_BYTES
 from nanovllm.common.tracing import CARRIER_KEYS
-from nanovllm.router.auth import Access, AuthError
-from nanovllm.router.catalog import NoModelYet
-from nanovllm.router.limits import RETRY_AFTER_KEY
-from nanovllm.router.openai_protocol import (
+from nanovllm.router.calls.limits import RETRY_AFTER_KEY
+from nanovllm.router.faces.auth import Access, AuthError
+from nanovllm.router.faces.openai_protocol import (
     Choice,
     OpenAIRequest,
     ProtocolError,
@@ -41,12 +40,13 @@ from nanovllm.router.openai_protocol import (
     parse_request,
     usage_chunk,
 )
-from nanovllm.router.pool import WorkerPool
+from nanovllm.router.fleet.catalog import NoModelYet
+from nanovllm.router.fleet.pool import WorkerPool
 from nanovllm.v1 import generate_pb2
 
 
 class Service(Protocol):
-    """What the HTTP face needs of router/server.py's GenerationService."""
+    """What the HTTP face needs of router/faces/server.py's GenerationService."""
 
     pool: WorkerPool
     access: Access
@@ -341,7 +341,7 @@ async def start_http(
     api: HttpApi, host: str, port: int, tls: ssl.SSLContext | None, share_port: bool = False
 ) -> tuple[_Server, str]:
     """Serve the API on host:port (0 picks a free one), over TLS with `tls`; returns the server and its
-    bound address. `share_port`: SO_REUSEPORT, for several router processes (router/processes.py)."""
+    bound address. `share_port`: SO_REUSEPORT, for several router processes (router/faces/process_group.py)."""
     config = uvicorn.Config(api.app, host=host, port=port, log_config=None, access_log=False, lifespan="off")
     config.load()
     config.ssl = tls  # uvicorn builds its context from files once; this one reloads them (common/tls.py)

@@ -1,7 +1,7 @@
-"""All workers of one router: found through the --worker targets (router/discovery.py), one
-WorkerConnection each, and the choice of one for each request (router/routing.py).
+"""All workers of one router: found through the --worker targets (router/fleet/discovery.py), one
+WorkerConnection each, and the choice of one for each request (router/fleet/routing.py).
 
-Workers may serve several base models, each with its LoRA adapters (router/catalog.py); a request goes to
+Workers may serve several base models, each with its LoRA adapters (router/fleet/catalog.py); a request goes to
 a worker that serves the model it names. A worker whose address stops resolving is retired: it takes
 nothing new, its streams finish, and then its connection closes.
 """
@@ -11,15 +11,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 
+import grpc
+
 from nanovllm.common.logging import get_logger
 from nanovllm.common.server_config import RoutingConfig
 from nanovllm.common.tls import TlsFiles
 from nanovllm.common.v1 import worker_pb2
-from nanovllm.router.adapter_registry import AdapterRegistry
-from nanovllm.router.catalog import Catalog, ModelChoice
-from nanovllm.router.discovery import RESOLVE_ERRORS, WorkerTarget, resolve
-from nanovllm.router.routing import Decision, choose
-from nanovllm.router.workers import WorkerConnection
+from nanovllm.router.fleet.adapter_registry import AdapterRegistry
+from nanovllm.router.fleet.catalog import Catalog, ModelChoice, NoModelYet, UnknownModelError
+from nanovllm.router.fleet.discovery import RESOLVE_ERRORS, WorkerTarget, resolve
+from nanovllm.router.fleet.routing import Decision, choose
+from nanovllm.router.fleet.workers import WorkerConnection
 
 log = get_logger(__name__)
 
@@ -88,7 +90,7 @@ class WorkerPool:
     def pick(
         self, model: ModelChoice, token_ids: Sequence[int], exclude: frozenset[str] = frozenset()
     ) -> Decision | None:
-        """Where a request for `model` whose tokens are `token_ids` costs least (router/routing.py), among
+        """Where a request for `model` whose tokens are `token_ids` costs least (router/fleet/routing.py), among
         the available workers that serve the model, other than the addresses in `exclude` (those it
         already failed on); None if there is none."""
         candidates = [w for w in self.available if w.address not in exclude and model.served_by(w)]
@@ -171,3 +173,28 @@ class WorkerPool:
         self._change.set()
         self._change = asyncio.Event()
         self._on_change(bool(self.available))
+
+
+def never_reached(pool: WorkerPool) -> str:
+    return f"no worker has been reachable yet ({pool.addresses})"
+
+
+class ModelRefused(Exception):
+    """A request's model name selects nothing: the status that says why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def resolve_model(pool: WorkerPool, name: str) -> ModelChoice:
+    """What `name` selects (router/fleet/catalog.py), or ModelRefused: UNAVAILABLE before any worker connected,
+    NOT_FOUND for a name nothing serves, INVALID_ARGUMENT for no name among several base models."""
+    try:
+        return pool.catalog.resolve(name)
+    except NoModelYet:
+        raise ModelRefused(grpc.StatusCode.UNAVAILABLE, never_reached(pool)) from None
+    except UnknownModelError as exc:
+        raise ModelRefused(grpc.StatusCode.NOT_FOUND, str(exc)) from None
+    except ValueError as exc:
+        raise ModelRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None

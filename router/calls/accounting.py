@@ -8,8 +8,8 @@ from prometheus_client import Gauge
 
 from nanovllm.common.logging import get_logger
 from nanovllm.common.v1 import worker_pb2
-from nanovllm.router.limits import Lease
-from nanovllm.router.metrics import RouterMetrics
+from nanovllm.router.calls.limits import Lease
+from nanovllm.router.calls.metrics import RouterMetrics
 from nanovllm.v1 import generate_pb2
 
 log = get_logger(__name__)

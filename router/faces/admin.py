@@ -5,7 +5,7 @@ Every call needs a bearer token from --admin-tokens-file (a file apart from the 
 that may generate may not change what is served); without that file admin calls are refused. A load goes
 to every available worker of the base model at once and holds only if each of them loaded it: otherwise it
 is unloaded from those that did, and the call fails with the first worker's error. A load that held is
-remembered, and workers of the base model that join later get it (router/adapter_registry.py).
+remembered, and workers of the base model that join later get it (router/fleet/adapter_registry.py).
 """
 
 from __future__ import annotations
@@ -16,12 +16,11 @@ import grpc
 
 from nanovllm.common.logging import get_logger
 from nanovllm.common.v1 import worker_pb2
-from nanovllm.router.adapter_registry import ADMIN_TIMEOUT_S
-from nanovllm.router.auth import AuthError, TokenTable
-from nanovllm.router.call import ModelRefused, resolve_model
-from nanovllm.router.catalog import NoModelYet, UnknownModelError
-from nanovllm.router.pool import WorkerPool
-from nanovllm.router.workers import WorkerConnection
+from nanovllm.router.faces.auth import AuthError, TokenTable
+from nanovllm.router.fleet.adapter_registry import ADMIN_TIMEOUT_S
+from nanovllm.router.fleet.catalog import NoModelYet, UnknownModelError
+from nanovllm.router.fleet.pool import ModelRefused, WorkerPool, resolve_model
+from nanovllm.router.fleet.workers import WorkerConnection
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 
 log = get_logger(__name__)

@@ -10,7 +10,7 @@ health service, the Admin service (which checks its own tokens) and reflection (
 or not a bearer token, and PERMISSION_DENIED when the token is not in the file. Tokens are looked up by
 their SHA-256 digest (`TokenTable`), and never logged: logs and metrics see the name only.
 
-`Access` puts the two together for the service: who the caller is, and whether its limits (router/limits.py)
+`Access` puts the two together for the service: who the caller is, and whether its limits (router/calls/limits.py)
 allow one more stream.
 """
 
@@ -26,7 +26,7 @@ import grpc
 
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
-from nanovllm.router.limits import Lease, LimitExceeded, TokenLimits, retry_metadata
+from nanovllm.router.calls.limits import Lease, LimitExceeded, TokenLimits, retry_metadata
 
 log = get_logger(__name__)
 
@@ -34,7 +34,7 @@ MIN_TOKEN_CHARS = 16
 ANONYMOUS = "anonymous"  # every caller's name when auth is off (limits then apply to all callers together)
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 REFLECTION_PREFIX = "/grpc.reflection."
-ADMIN_PREFIX = "/nanovllm.v1.Admin/"  # checked against the admin tokens instead (router/admin.py)
+ADMIN_PREFIX = "/nanovllm.v1.Admin/"  # checked against the admin tokens instead (router/faces/admin.py)
 
 
 class AuthError(Exception):

@@ -23,7 +23,7 @@ from typing import Any
 
 import jsonschema
 
-from nanovllm.router.markers import Markers, choose_markers, marker_prefix_length
+from nanovllm.router.calls.markers import Markers, choose_markers, marker_prefix_length
 from nanovllm.v1 import generate_pb2
 
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")

@@ -16,7 +16,7 @@ from typing import Protocol
 
 from nanovllm.common.logging import get_logger
 from nanovllm.common.v1 import worker_pb2
-from nanovllm.router.tokenizer import ModelTokenizer, has_tokenizer
+from nanovllm.router.fleet.tokenizer import ModelTokenizer, has_tokenizer
 
 log = get_logger(__name__)
 
@@ -30,7 +30,7 @@ class NoModelYet(Exception):
 
 
 class ServingWorker(Protocol):
-    """What the catalog reads of a worker connection (router/workers.py)."""
+    """What the catalog reads of a worker connection (router/fleet/workers.py)."""
 
     info: worker_pb2.WorkerInfo | None
     adapters: dict[str, int]  # loaded LoRA adapters: name -> cache salt

@@ -7,9 +7,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from nanovllm.router.reasoning import ReasoningSplit
-from nanovllm.router.text_stream import TextStream
-from nanovllm.router.tool_calls import ToolCallParser
+from nanovllm.router.calls.reasoning import ReasoningSplit, prompt_opens_reasoning
+from nanovllm.router.calls.text_stream import TextStream
+from nanovllm.router.calls.tool_calls import ToolCallParser
+from nanovllm.router.calls.validation import ChatFormats, ValidRequest
+from nanovllm.router.fleet.tokenizer import ModelTokenizer
 from nanovllm.v1 import generate_pb2
 
 
@@ -32,6 +34,26 @@ class CompletionText:
         self.stream = stream
         self.split = split
         self.tools = tools
+
+    @classmethod
+    def for_request(
+        cls, valid: ValidRequest, tokenizer: ModelTokenizer | None, formats: ChatFormats
+    ) -> CompletionText:
+        """Detokenization with the request's stop strings; for a model that reasons, the reasoning split
+        (open from the start when the prompt ends inside a reasoning block); for a chat with tools, the
+        tool-call parser."""
+        stream = TextStream(tokenizer.backend if tokenizer else None, valid.stop)
+        if tokenizer is None:
+            return cls(stream)
+        split, tools = None, None
+        if formats.reasoning is not None:
+            tail = tokenizer.decode_tail(valid.prompt_token_ids)
+            split = ReasoningSplit(
+                formats.reasoning, in_reasoning=prompt_opens_reasoning(tail, formats.reasoning)
+            )
+        if formats.tool_calls is not None and valid.tools is not None:
+            tools = ToolCallParser(formats.tool_calls, list(valid.tools.schemas))
+        return cls(stream, split, tools)
 
     @property
     def stopped(self) -> bool:

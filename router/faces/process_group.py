@@ -23,25 +23,30 @@ import os
 import signal
 import sys
 import tempfile
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event as EventType
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+import structlog
 
 from nanovllm.common.logging import LogConfig, get_logger
 from nanovllm.common.server_config import RouterConfig
 
+if TYPE_CHECKING:  # at run time, not before shared_metrics: it imports prometheus_client
+    from nanovllm.common.serving import GrpcServer
+
 log = get_logger(__name__)
 
-METRICS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's switch to its multiprocess mode
 FIRST_RESTART_DELAY_S = 1.0  # a process that exits is started again after this, doubling while it fails
 MAX_RESTART_DELAY_S = 30.0
 STEADY_S = 60.0  # a process that ran this long before exiting is started again after the first delay
 LISTEN_POLL_S = 0.02  # how often the first process looks whether the others listen yet, while they start
 KILL_AFTER_S = 5.0  # past the drain timeout, a process that has not exited is killed
+METRICS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's switch to its multiprocess mode
 
-Serve = Callable[..., Coroutine[Any, Any, None]]  # router/server.py serve_router
+Serve = Callable[..., Coroutine[Any, Any, None]]  # router/faces/server.py serve_router
 
 
 @contextmanager
@@ -56,6 +61,76 @@ def shared_metrics() -> Iterator[str]:
             yield directory
         finally:
             del os.environ[METRICS_DIR_VARIABLE]
+
+
+class ProcessRole:
+    """This process's part in the router's group (`--processes N`; alone, it is the first with nobody to
+    wait for). The first process (index 0) serves health and /metrics, starts the others once it listens,
+    and is SERVING only once they listen too, so that clients connecting then are dealt to all of them;
+    the others listen on the public port alone, and only once they reach a worker."""
+
+    def __init__(self, config: RouterConfig, log_config: LogConfig, serve: Serve) -> None:
+        self.config, self._log_config, self._serve = config, log_config, serve
+        self.first = config.process_index == 0
+        self.shares_port = config.processes > 1
+        self._others: RouterProcesses | None = None
+        if self.shares_port:  # each log line says which process wrote it
+            structlog.contextvars.bind_contextvars(router_process=config.process_index)
+
+    @property
+    def all_listening(self) -> bool:
+        """Whether every process of the group listens (health may say SERVING)."""
+        return self._others is None or self._others.listening
+
+    @property
+    def health_and_metrics_ports(self) -> tuple[int | None, int | None]:
+        return (self.config.health_port, self.config.metrics_port) if self.first else (None, None)
+
+    async def before_listening(self, pool: Pool, reached: asyncio.Event, stop: asyncio.Event) -> None:
+        """Another process than the first waits for a worker (or the stop) before it listens."""
+        if not self.first:
+            pool.start()
+            await first_of(reached.wait(), stop.wait())
+
+    async def after_listening(
+        self, server: GrpcServer, pool: Pool, ports: dict[str, int | None], stop: asyncio.Event
+    ) -> None:
+        """The first process starts the others on the ports it bound, connects to the workers, and says
+        SERVING once the others listen; another says SERVING once it has a worker."""
+        if not self.first:
+            await server.set_serving(bool(pool.available))
+            return
+        if self.shares_port:
+            self._others = RouterProcesses(self._serve, self.config, self._log_config, ports)
+            self._others.start()
+        pool.start()
+        if self._others is not None:
+            await first_of(self._others.all_listening(), stop.wait())
+            await server.set_serving(bool(pool.available) and self._others.listening)
+
+    def stop_others(self) -> None:
+        if self._others is not None:
+            self._others.stop()
+
+    async def wait_for_others_to_exit(self, drain_s: float) -> None:
+        if self._others is not None:
+            await self._others.wait(drain_s + KILL_AFTER_S)
+
+
+class Pool(Protocol):
+    """What the role needs of the worker pool (router/fleet/pool.py WorkerPool)."""
+
+    available: Sequence[object]
+
+    def start(self) -> None: ...
+
+
+async def first_of(*waits: Coroutine[Any, Any, object]) -> None:
+    """Return when any of `waits` is done; the rest are cancelled."""
+    tasks = [asyncio.ensure_future(wait) for wait in waits]
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for task in tasks:
+        task.cancel()
 
 
 class RouterProcesses:

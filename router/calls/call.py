@@ -17,33 +17,32 @@ from opentelemetry.trace import Tracer
 from nanovllm.common.logging import get_logger
 from nanovllm.common.server_config import RouterConfig
 from nanovllm.common.v1 import worker_pb2
-from nanovllm.router.call_spans import call_spans
-from nanovllm.router.catalog import ModelChoice, NoModelYet, UnknownModelError
-from nanovllm.router.completion import CompletionText
-from nanovllm.router.limits import Lease
-from nanovllm.router.metrics import RouterMetrics
-from nanovllm.router.pool import WorkerPool
-from nanovllm.router.reasoning import ReasoningSplit, prompt_opens_reasoning, reasoning_format
-from nanovllm.router.responses import (
+from nanovllm.router.calls.accounting import RequestTrace, request_content
+from nanovllm.router.calls.completion import CompletionText
+from nanovllm.router.calls.limits import Lease
+from nanovllm.router.calls.metrics import RouterMetrics
+from nanovllm.router.calls.reasoning import reasoning_format
+from nanovllm.router.calls.responses import (
     add_prompt_logprobs,
     build_response,
     error_response,
     finish_name,
     merge_responses,
 )
-from nanovllm.router.routing import Decision
-from nanovllm.router.text_stream import TextStream
-from nanovllm.router.tokenizer import ModelTokenizer
-from nanovllm.router.tool_calls import ToolCallParser, tool_call_format
-from nanovllm.router.trace import RequestTrace, request_content
-from nanovllm.router.validation import (
+from nanovllm.router.calls.spans import call_spans
+from nanovllm.router.calls.tool_calls import tool_call_format
+from nanovllm.router.calls.validation import (
     ChatFormats,
     NoTokenizerError,
     ValidRequest,
     check_request,
     validate_generate,
 )
-from nanovllm.router.workers import RequestEvent, WorkerConnection, WorkerLost
+from nanovllm.router.fleet.catalog import ModelChoice
+from nanovllm.router.fleet.pool import ModelRefused, WorkerPool, resolve_model
+from nanovllm.router.fleet.routing import Decision
+from nanovllm.router.fleet.tokenizer import ModelTokenizer
+from nanovllm.router.fleet.workers import RequestEvent, WorkerConnection, WorkerLost
 from nanovllm.v1 import generate_pb2
 
 log = get_logger(__name__)
@@ -75,31 +74,6 @@ async def reject(
     """End a Generate call that never reached a worker; `api` is the face it came through (grpc, http)."""
     metrics.requests.labels(status=code.name.lower(), api=api).inc()
     await context.abort(code, message)
-
-
-def never_reached(pool: WorkerPool) -> str:
-    return f"no worker has been reachable yet ({pool.addresses})"
-
-
-class ModelRefused(Exception):
-    """A request's model name selects nothing: the status that says why."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def resolve_model(pool: WorkerPool, name: str) -> ModelChoice:
-    """What `name` selects (router/catalog.py), or ModelRefused: UNAVAILABLE before any worker connected,
-    NOT_FOUND for a name nothing serves, INVALID_ARGUMENT for no name among several base models."""
-    try:
-        return pool.catalog.resolve(name)
-    except NoModelYet:
-        raise ModelRefused(grpc.StatusCode.UNAVAILABLE, never_reached(pool)) from None
-    except UnknownModelError as exc:
-        raise ModelRefused(grpc.StatusCode.NOT_FOUND, str(exc)) from None
-    except ValueError as exc:
-        raise ModelRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
 
 @dataclass
@@ -202,7 +176,7 @@ class GenerateCall:
                 f"no worker serving {self.model.name!r} is reachable ({self.pool.addresses})",
             )
         self.attempt = self.submit(decision, frozenset(), "first")
-        self.completion = self._completion_text(tokenizer)
+        self.completion = CompletionText.for_request(self.valid, tokenizer, self._formats())
         # Without a tokenizer, token ids are all there is.
         self.with_ids = request.return_token_ids or tokenizer is None
         try:
@@ -227,23 +201,6 @@ class GenerateCall:
             reasoning_format(self.config.reasoning_parser, architectures),
             tool_call_format(self.config.tool_call_parser, architectures),
         )
-
-    def _completion_text(self, tokenizer: ModelTokenizer | None) -> CompletionText:
-        """Detokenization with the request's stop strings; for a model that reasons, the reasoning split
-        (open from the start when the prompt ends inside a reasoning block); for a chat with tools, the
-        tool-call parser."""
-        stream = TextStream(tokenizer.backend if tokenizer else None, self.valid.stop)
-        if tokenizer is None:
-            return CompletionText(stream)
-        formats, split, tools = self._formats(), None, None
-        if formats.reasoning is not None:
-            tail = tokenizer.decode_tail(self.valid.prompt_token_ids)
-            split = ReasoningSplit(
-                formats.reasoning, in_reasoning=prompt_opens_reasoning(tail, formats.reasoning)
-            )
-        if formats.tool_calls is not None and self.valid.tools is not None:
-            tools = ToolCallParser(formats.tool_calls, list(self.valid.tools.schemas))
-        return CompletionText(stream, split, tools)
 
     async def admit(self) -> tuple[ValidRequest, ModelTokenizer | None]:
         """The request checked and tokenized with its tokenizer, or the call ended with the status that

@@ -10,7 +10,6 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from nanovllm.common.metrics import LATENCY_BUCKETS
-from nanovllm.router.processes import METRICS_DIR_VARIABLE
 
 
 class _WorkerView:
@@ -45,7 +44,7 @@ class _WorkerView:
 
 class RouterMetrics:
     """The metrics this process counts into; `registry` is what its /metrics serves: these, or with several
-    router processes (router/processes.py) the sum of every process's."""
+    router processes (router/faces/process_group.py) the sum of every process's."""
 
     def __init__(self) -> None:
         counted = CollectorRegistry()
@@ -119,7 +118,7 @@ class RouterMetrics:
             multiprocess_mode="livesum",
         )
         self.registry = counted
-        shared = os.environ.get(METRICS_DIR_VARIABLE)
+        shared = os.environ.get("PROMETHEUS_MULTIPROC_DIR")  # set by router/faces/process_group.py
         if shared:
             self.registry = CollectorRegistry()
             MultiProcessCollector(self.registry, shared)

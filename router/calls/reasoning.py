@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from enum import Enum
 
-from nanovllm.router.markers import Markers, choose_markers, marker_prefix_length
+from nanovllm.router.calls.markers import Markers, choose_markers, marker_prefix_length
 
 _FORMATS = {"qwen3": Markers("qwen3", "<think>", "</think>")}
 # Model families whose chat templates reason in <think> markers, by Hugging Face architecture.

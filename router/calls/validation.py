@@ -17,15 +17,15 @@ from nanovllm.common.request_checks import check_prompt
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.common.server_config import RequestLimits
 from nanovllm.common.v1 import worker_pb2
-from nanovllm.router.markers import Markers
-from nanovllm.router.reasoning import prompt_opens_reasoning
-from nanovllm.router.tokenizer import ModelTokenizer
-from nanovllm.router.tool_calls import (
+from nanovllm.router.calls.markers import Markers
+from nanovllm.router.calls.reasoning import prompt_opens_reasoning
+from nanovllm.router.calls.tool_calls import (
     ChatTools,
     check_tools,
     forced_call_grammar,
     template_message,
 )
+from nanovllm.router.fleet.tokenizer import ModelTokenizer
 from nanovllm.v1 import generate_pb2
 
 

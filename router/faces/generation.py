@@ -1,0 +1,132 @@
+"""The public Generation service (nanovllm.v1.Generation): Generate, Tokenize, GetModelInfo, ListModels,
+for the gRPC face and the HTTP face alike."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+from opentelemetry.trace import Tracer
+
+from nanovllm.common.server_config import RouterConfig
+from nanovllm.common.wire import fields_to_message
+from nanovllm.router.calls.call import GenerateCall, reject
+from nanovllm.router.calls.metrics import RouterMetrics
+from nanovllm.router.calls.tool_calls import check_tools
+from nanovllm.router.calls.validation import NoTokenizerError, check_prompt_size, prompt_token_ids
+from nanovllm.router.faces.auth import Access
+from nanovllm.router.fleet.catalog import ModelChoice
+from nanovllm.router.fleet.pool import ModelRefused, WorkerPool, resolve_model
+from nanovllm.v1 import generate_pb2, generate_pb2_grpc
+
+T = TypeVar("T")
+
+
+class GenerationService(generate_pb2_grpc.GenerationServicer):
+    def __init__(
+        self,
+        pool: WorkerPool,
+        metrics: RouterMetrics,
+        config: RouterConfig,
+        access: Access,
+        tracer: Tracer | None = None,
+    ) -> None:
+        """`tracer`: the calls' spans go there (None: tracing is off)."""
+        self.pool = pool
+        self.tracer = tracer
+        self.metrics = metrics
+        self.config = config
+        self.access = access  # who calls (auth) and whether their limits allow another stream
+        self.draining = False
+        self._in_flight = 0
+        self.idle = asyncio.Event()  # set while no Generate call is in flight
+        self.idle.set()
+        self._tokenizers = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
+
+    def close(self) -> None:
+        self._tokenizers.shutdown(wait=False, cancel_futures=True)
+
+    async def _model(self, name: str, context: grpc.aio.ServicerContext) -> ModelChoice:
+        """What `name` selects, or the call ended with the status that says why (router/calls/call.py)."""
+        try:
+            return resolve_model(self.pool, name)
+        except ModelRefused as exc:
+            await context.abort(exc.code, str(exc))
+        raise AssertionError("context.abort returns only by raising")
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    async def _off_loop(self, fn: Callable[..., T], *args) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizers, fn, *args)
+
+    async def Generate(
+        self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        await self.generate(request, context, "grpc")
+
+    async def generate(self, request: generate_pb2.GenerateRequest, context: Any, api: str) -> None:
+        """One Generate call, for either face: `context` is the gRPC call's, or the HTTP face's stand-in
+        (router/faces/http_api.py CallContext); `api` names the face (grpc, http) in metrics and logs."""
+        if self.draining:
+            message = "the router is shutting down; retry"
+            await reject(context, self.metrics, api, grpc.StatusCode.UNAVAILABLE, message)
+        lease = await self.access.admit(context)
+        self._in_flight += 1
+        self.idle.clear()
+        try:
+            call = GenerateCall(
+                request,
+                context,
+                lease,
+                self.pool,
+                self.metrics,
+                self.config,
+                self._off_loop,
+                api,
+                self.tracer,
+            )
+            await call.run()
+        finally:
+            lease.close()
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self.idle.set()
+
+    async def Tokenize(
+        self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.TokenizeResponse:
+        model = await self._model(request.model, context)
+        tokenizer, info = model.base.tokenizer, model.base.info
+        try:
+            check_prompt_size(request, self.config.limits, info.max_model_len)
+            tools = check_tools(request.chat) if request.WhichOneof("prompt") == "chat" else None
+            ids = await self._off_loop(prompt_token_ids, request, tokenizer, info.model, tools)
+        except NoTokenizerError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return generate_pb2.TokenizeResponse(token_ids=ids)
+
+    async def GetModelInfo(
+        self, request: generate_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.ModelInfo:
+        model = await self._model(request.model, context)
+        workers = sum(model.served_by(w) for w in self.pool.available)
+        return fields_to_message(
+            model.base.info, generate_pb2.ModelInfo, num_workers=workers, model=model.name
+        )
+
+    async def ListModels(
+        self, request: generate_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.ModelList:
+        return generate_pb2.ModelList(
+            models=[
+                generate_pb2.ServedModel(name=s.name, parent=s.parent, num_workers=s.num_workers)
+                for s in self.pool.catalog.served()
+            ]
+        )
