@@ -14,5 +14,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> str:
     """Serve /metrics on a daemon thread (port 0 picks a free one); returns the address bound."""
-    server, _ = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, _ = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise OSError(f"cannot serve /metrics on {host}:{port}: {exc.strerror}") from exc
     return f"{host}:{server.server_port}"

@@ -174,9 +174,13 @@ class GrpcServer:
         """Start the API port (NOT_SERVING), the plaintext health port and the /metrics endpoint when
         each is asked for, then report and return the API's and the metrics' addresses ("" for none)."""
         address = await self.start(host, port)
-        if health_port is not None:
-            log.info("health_listening", address=await self.start_health(host, health_port))
-        metrics_address = "" if metrics_port is None else serve_metrics(registry, host, metrics_port)
+        try:
+            if health_port is not None:
+                log.info("health_listening", address=await self.start_health(host, health_port))
+            metrics_address = "" if metrics_port is None else serve_metrics(registry, host, metrics_port)
+        except BaseException:  # a port taken: stop what started, while the event loop still runs
+            await self.stop(0)
+            raise
         on_listening(address, metrics_address)
         return address, metrics_address
 

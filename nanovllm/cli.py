@@ -35,7 +35,7 @@ from nanovllm.common.server_config import (
     WorkerServerConfig,
 )
 from nanovllm.flags import Flag, build, flags_of, resolve_all
-from nanovllm.server_process import LISTENING, spawn, wait_until_serving
+from nanovllm.server_process import LISTENING, ServerExited, spawn, wait_until_serving
 from nanovllm.worker.config import EngineConfig
 
 LOG_FLAGS = flags_of(LogConfig)
@@ -173,7 +173,9 @@ def command_line(flags: Sequence[Flag], options: dict[str, Any]) -> list[str]:
 def serve_commands(options: dict[str, Any]) -> tuple[list[str], list[str]]:
     """`serve`'s worker command, and its router's without the worker's address (known once it listens)."""
     worker_flags = [flag for flag in WORKER_FLAGS if flag.name not in SERVE_ROUTER_ONLY]
-    worker = ["worker", "--host", "127.0.0.1", "--port", "0", *command_line(worker_flags, options)]
+    # The worker is serve's own: its ports are picked free, so that two serves (or tests) never collide.
+    worker = ["worker", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
+    worker += command_line(worker_flags, options)
     return worker, ["router", *command_line(ROUTER_FLAGS, options)]
 
 
@@ -194,7 +196,11 @@ def run_serve(options: dict[str, Any]) -> int:
         router = spawn([*router_args, "--worker", worker.address])
         procs["router"] = router.proc
         model = options["model"] or "the embedded SmolLM2-135M-Instruct"
-        print(f"nanovllm loading {model}: router at {router.address}, worker at {worker.address}", flush=True)
+        print(
+            f"nanovllm loading {model}: router at {router.address}, worker at {worker.address} "
+            f"(its metrics on {worker.metrics_address})",
+            flush=True,
+        )
         # Only say "try" once a request would be answered: the worker may load for a while.
         if wait_until_serving(router.address, alive=lambda: all(p.poll() is None for p in procs.values())):
             print(f"nanovllm serving {model}")
@@ -218,6 +224,9 @@ def run_serve(options: dict[str, Any]) -> int:
         return 1
     except _Stop:
         return 0
+    except ServerExited as exc:  # one exited before it listened: its own message on stderr says why
+        print(f"nanovllm serve: {exc}; stopping", file=sys.stderr)
+        return 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the clean-up short
         signal.signal(signal.SIGINT, signal.SIG_IGN)

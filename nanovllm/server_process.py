@@ -19,6 +19,10 @@ LISTENING = "listening on"
 LISTENING_RE = re.compile(r"listening on (\S+?),? ")
 
 
+class ServerExited(RuntimeError):
+    """A server exited before it listened (its own message, on its stderr, says why)."""
+
+
 @dataclass
 class ServerProcess:
     proc: subprocess.Popen
@@ -79,7 +83,7 @@ def spawn(args: list[str], log_path: Path | None = None, cpus: set[int] | None =
         proc.kill()
         proc.wait()
         where = f" (log: {log_path})" if log_path else ""
-        raise RuntimeError(f"nanovllm {args[0]} exited with {proc.returncode} before listening{where}")
+        raise ServerExited(f"nanovllm {args[0]} exited with {proc.returncode} before listening{where}")
     metrics = re.search(r"metrics on ([^,\s]+)", line)
     http = re.search(r"http on ([^,\s]+)", line)
     return ServerProcess(proc, match.group(1), metrics.group(1) if metrics else "", http and http.group(1))

@@ -680,6 +680,24 @@ def test_cli_serve_exits_with_its_workers_error(qwen3_dir: Path, kernels) -> Non
     assert "nanovllm serve: the worker exited with 1; stopping" in serve.stderr, serve.stderr
 
 
+def test_cli_serve_whose_router_cannot_listen_exits_naming_the_port(kernels) -> None:
+    """A process of `nanovllm serve` that cannot even listen (the router's metrics port taken) ends it at
+    once: exit status 1, the message naming the port, no traceback, its worker stopped."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        serve = subprocess.run(
+            [sys.executable, "-m", "nanovllm.cli", "serve", "--port", "0", "--http-port", "0",
+             "--metrics-port", str(port), "--log-level", "error"],
+            check=False, capture_output=True, text=True, timeout=CALL_TIMEOUT_S,
+        )  # fmt: skip
+    assert serve.returncode == 1
+    assert f"cannot serve /metrics on 127.0.0.1:{port}" in serve.stderr, serve.stderr
+    assert "nanovllm serve: nanovllm router exited with 1 before listening" in serve.stderr, serve.stderr
+    assert "Traceback" not in serve.stderr and "Exception ignored" not in serve.stderr, serve.stderr
+
+
 def test_port_in_use_is_a_clear_error(service, logs) -> None:
     """A second server on a port in use exits with a message instead of sharing the port."""
     port = service.router.address.rsplit(":", 1)[1]
