@@ -63,11 +63,12 @@ def _engine(model_dir: Path, **settings: object) -> LLM:
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
-@pytest.mark.parametrize("how", ["whole", "chunks-of-7", "behind-a-cached-prefix"])
+@pytest.mark.parametrize("how", ["whole", "chunks-of-7", "behind-a-cached-prefix", "speculating"])
 def test_prompt_logprobs_are_transformers_teacher_forced_ones(model_dirs, arch, how) -> None:
     model_dir = model_dirs[arch]
     prompts = _prompts()
-    llm = _engine(model_dir, max_num_batched_tokens=7 if how == "chunks-of-7" else 8192)
+    settings = {"speculative_method": "ngram", "num_speculative_tokens": 3} if how == "speculating" else {}
+    llm = _engine(model_dir, max_num_batched_tokens=7 if how == "chunks-of-7" else 8192, **settings)
     if how == "behind-a-cached-prefix":  # the device holds the first 32 tokens of the first two prompts
         llm.generate([p[:33] for p in prompts[:2]], SamplingParams(max_tokens=1), use_tqdm=False)
     for prompt, scored in zip(prompts, _scored(llm, prompts)):
