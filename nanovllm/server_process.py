@@ -5,6 +5,7 @@ listening on HOST:PORT, metrics on HOST:PORT", and ", http on HOST:PORT" for a r
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
@@ -62,10 +63,20 @@ def wait_until_serving(address: str, alive: Callable[[], bool], poll_s: float = 
     return False
 
 
+def _in_child(cpus: set[int] | None) -> None:
+    """In the started server, before it runs: SIGTERM (it drains) when the process that started it dies,
+    even by SIGKILL, so that no server outlives it; and its CPUs, when given."""
+    if sys.platform == "linux":
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+
+
 def spawn(args: list[str], log_path: Path | None = None, cpus: set[int] | None = None) -> ServerProcess:
-    """Run `nanovllm <args>` and return once it listens (not necessarily serving yet). Its stderr goes to
-    `log_path` (appended) when given, else to this process's stderr; with `cpus`, it may run on those
-    CPUs only (its affinity mask)."""
+    """Run `nanovllm <args>` and return once it listens (not necessarily serving yet); it stops when this
+    process dies. Its stderr goes to `log_path` (appended) when given, else to this process's stderr; with
+    `cpus`, it may run on those CPUs only (its affinity mask)."""
     log = open(log_path, "ab") if log_path else None  # noqa: SIM115 - the child's stderr
     proc = subprocess.Popen(
         [sys.executable, "-m", "nanovllm.cli", *args],
@@ -73,7 +84,7 @@ def spawn(args: list[str], log_path: Path | None = None, cpus: set[int] | None =
         stderr=log,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),  # noqa: PLW1509
+        preexec_fn=lambda: _in_child(cpus),  # noqa: PLW1509
     )
     if log is not None:
         log.close()  # the child holds its own copy

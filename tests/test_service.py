@@ -698,6 +698,24 @@ def test_cli_serve_whose_router_cannot_listen_exits_naming_the_port(kernels) -> 
     assert "Traceback" not in serve.stderr and "Exception ignored" not in serve.stderr, serve.stderr
 
 
+def test_cli_serve_killed_leaves_no_process(qwen3_dir: Path, kernels) -> None:
+    """`nanovllm serve` SIGKILLed (it cannot stop its worker and router itself): they stop, told by the
+    kernel that their parent died (nanovllm/server_process.py)."""
+    command = [sys.executable, "-m", "nanovllm.cli", "serve", "--model", str(qwen3_dir), "--port", "0"]
+    serve = subprocess.Popen(
+        [*command, "--http-port", "0", "--log-level", "error"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert serve.stdout.readline().startswith("nanovllm loading")  # both listen
+        children = psutil.Process(serve.pid).children()
+        assert len(children) == 2
+    finally:
+        serve.kill()
+        serve.wait()
+    _, alive = psutil.wait_procs(children, timeout=CALL_TIMEOUT_S)
+    assert alive == []
+
+
 def test_port_in_use_is_a_clear_error(service, logs) -> None:
     """A second server on a port in use exits with a message instead of sharing the port."""
     port = service.router.address.rsplit(":", 1)[1]
