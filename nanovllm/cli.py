@@ -35,7 +35,7 @@ from nanovllm.common.server_config import (
     WorkerServerConfig,
 )
 from nanovllm.flags import Flag, build, flags_of, resolve_all
-from nanovllm.server_process import LISTENING, ServerExited, spawn, wait_until_serving
+from nanovllm.server_process import LISTENING, ServerExited, spawn, stop_with_parent, wait_until_serving
 from nanovllm.worker.config import EngineConfig
 
 LOG_FLAGS = flags_of(LogConfig)
@@ -265,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    stop_with_parent()
     args = build_parser().parse_args(argv)
     try:
         if args.command == "worker":

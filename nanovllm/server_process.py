@@ -63,14 +63,22 @@ def wait_until_serving(address: str, alive: Callable[[], bool], poll_s: float = 
     return False
 
 
-def _in_child(cpus: set[int] | None) -> None:
-    """In the started server, before it runs: SIGTERM (it drains) when the process that started it dies,
-    even by SIGKILL, so that no server outlives it; and its CPUs, when given."""
-    if sys.platform == "linux":
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
-    if cpus is not None:
-        os.sched_setaffinity(0, cpus)
+# Set by `spawn` to its own pid: the server started stops when that process dies (stop_with_parent).
+PARENT_VARIABLE = "NANOVLLM_STOP_WITH_PID"
+
+
+def stop_with_parent() -> None:
+    """In a server `spawn` started (the `nanovllm` command calls this first): SIGTERM (it drains) when the
+    process that started it dies, even by SIGKILL, so that no server outlives it. Set here, not in a
+    preexec_fn: forking a process that runs gRPC threads without exec'ing at once aborts in gRPC's fork
+    handlers."""
+    parent = os.environ.pop(PARENT_VARIABLE, None)
+    if parent is None or sys.platform != "linux":
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != int(parent):  # it died before the line above took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def spawn(args: list[str], log_path: Path | None = None, cpus: set[int] | None = None) -> ServerProcess:
@@ -83,8 +91,8 @@ def spawn(args: list[str], log_path: Path | None = None, cpus: set[int] | None =
         stdout=subprocess.PIPE,
         stderr=log,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        preexec_fn=lambda: _in_child(cpus),  # noqa: PLW1509
+        env={**os.environ, "PYTHONUNBUFFERED": "1", PARENT_VARIABLE: str(os.getpid())},
+        preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),  # noqa: PLW1509
     )
     if log is not None:
         log.close()  # the child holds its own copy

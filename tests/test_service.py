@@ -680,7 +680,7 @@ def test_cli_serve_exits_with_its_workers_error(qwen3_dir: Path, kernels) -> Non
     assert "nanovllm serve: the worker exited with 1; stopping" in serve.stderr, serve.stderr
 
 
-def test_cli_serve_whose_router_cannot_listen_exits_naming_the_port(kernels) -> None:
+def test_cli_serve_whose_router_cannot_listen_exits_naming_the_port(qwen3_dir: Path, kernels) -> None:
     """A process of `nanovllm serve` that cannot even listen (the router's metrics port taken) ends it at
     once: exit status 1, the message naming the port, no traceback, its worker stopped."""
     with socket.socket() as taken:
@@ -688,8 +688,8 @@ def test_cli_serve_whose_router_cannot_listen_exits_naming_the_port(kernels) -> 
         taken.listen()
         port = taken.getsockname()[1]
         serve = subprocess.run(
-            [sys.executable, "-m", "nanovllm.cli", "serve", "--port", "0", "--http-port", "0",
-             "--metrics-port", str(port), "--log-level", "error"],
+            [sys.executable, "-m", "nanovllm.cli", "serve", "--model", str(qwen3_dir), "--port", "0",
+             "--http-port", "0", "--metrics-port", str(port), "--log-level", "error"],
             check=False, capture_output=True, text=True, timeout=CALL_TIMEOUT_S,
         )  # fmt: skip
     assert serve.returncode == 1
