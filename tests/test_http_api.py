@@ -307,6 +307,41 @@ def test_fields_whose_effect_is_not_served_are_refused_naming_them() -> None:
         parse_request(body, chat="messages" in body)
 
 
+def test_vllms_prompt_logprobs_on_both_endpoints(http: Http) -> None:
+    """vLLM's `prompt_logprobs` extension: per prompt token (the first null) the actual token and the most
+    likely ones by id, each with its logprob, rank and text; the gRPC call's values, in a completion's
+    choice, beside a chat's choices, and in a stream's first chunk."""
+    prompt = "The capital of France is Paris"
+    sampling = generate_pb2.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+    responses, error = collect(
+        http.router.address, generate_pb2.GenerateRequest(text=prompt, sampling=sampling)
+    )
+    assert error is None, error
+    ids, scored = list(responses[0].prompt_token_ids), [e for r in responses for e in r.prompt_logprobs]
+    extra = {"prompt_logprobs": 2}
+    completion = http.client.completions.create(
+        model=http.model, prompt=prompt, max_tokens=1, temperature=0, extra_body=extra
+    )
+    entries = completion.choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids)
+    for entry, token_id, grpc_entry in zip(entries[1:], ids[1:], scored):
+        actual = entry[str(token_id)]
+        assert actual["logprob"] == grpc_entry.logprob and actual["rank"] == grpc_entry.rank >= 1
+        assert sorted(v["rank"] for v in entry.values())[:2] == [
+            1,
+            2,
+        ]  # the top two, the actual among them or not
+        assert all(isinstance(v["decoded_token"], str) for v in entry.values())
+    chat = http.client.chat.completions.create(
+        model=http.model, messages=MESSAGES, max_tokens=1, temperature=0, extra_body=extra
+    )
+    assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) > 1
+    chunks = list(http.client.completions.create(
+        model=http.model, prompt=prompt, max_tokens=1, temperature=0, extra_body=extra, stream=True
+    ))  # fmt: skip
+    assert chunks[0].choices[0].model_extra["prompt_logprobs"] == entries
+
+
 def test_a_field_no_endpoint_reads_is_refused_naming_it() -> None:
     """A name that is neither served, nor one of OpenAI's accepted without effect, nor one of its refused
     ones (a typo, another server's extension) is a 400 naming it, not an answer that ignored it."""

@@ -55,6 +55,10 @@ def _assert_matches(
         best = reference[i].topk(TOP).values.tolist()
         assert all(abs(v - b) <= tolerance for (_, v), b in zip(entry.top, best)), i
         assert all(abs(v - reference[i, t].item()) <= tolerance for t, v in entry.top), i
+        # Its rank: the tokens above it in transformers' distribution, up to the tolerance.
+        target = reference[i, prompt[i + 1]]
+        above = int((reference[i] > target + tolerance).sum()), int((reference[i] > target - tolerance).sum())
+        assert above[0] + 1 <= entry.rank <= above[1] + 1, (i, entry.rank, above)
 
 
 def _engine(model_dir: Path, **settings: object) -> LLM:

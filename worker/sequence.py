@@ -19,6 +19,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token_id, logprob), most likely first; empty when logprobs == 0
+    rank: int | None = None  # the token's place in the distribution (1: the most likely); prompt tokens'
 
 
 class GrammarState(Protocol):

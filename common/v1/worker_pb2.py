@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fnanovllm/common/v1/worker.proto\x12\x12nanovllm.worker.v1\"\x95\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x02\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x0e \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x0f \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x10 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x11 \x01(\tH\x00\x12,\n\x06\x63hoice\x18\x12 \x01(\x0b\x32\x1a.nanovllm.worker.v1.ChoiceH\x00\x12\x1c\n\x14json_free_whitespace\x18\x13 \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\x14 \x01(\x05H\x03\x88\x01\x01\x42\x0c\n\nconstraintB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x19\n\x06\x43hoice\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xc0\x02\n\x06Submit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x34\n\x08sampling\x18\x03 \x01(\x0b\x32\".nanovllm.worker.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x19\n\x11\x63lient_request_id\x18\x05 \x01(\t\x12\x18\n\x10output_token_ids\x18\x06 \x03(\r\x12\x43\n\rtrace_context\x18\x07 \x03(\x0b\x32,.nanovllm.worker.v1.Submit.TraceContextEntry\x12\x11\n\tlora_name\x18\x08 \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1c\n\x05\x41\x62ort\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"!\n\tSubscribe\x12\x14\n\x0cprefix_cache\x18\x01 \x01(\x08\"\xa5\x01\n\rRouterMessage\x12,\n\x06submit\x18\x01 \x01(\x0b\x32\x1a.nanovllm.worker.v1.SubmitH\x00\x12*\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x19.nanovllm.worker.v1.AbortH\x00\x12\x32\n\tsubscribe\x18\x03 \x01(\x0b\x32\x1d.nanovllm.worker.v1.SubscribeH\x00\x42\x06\n\x04kind\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x98\x03\n\rRequestUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x33\n\x08logprobs\x18\x03 \x03(\x0b\x32!.nanovllm.worker.v1.TokenLogprobs\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .nanovllm.worker.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x31\n\nerror_code\x18\x07 \x01(\x0e\x32\x1d.nanovllm.worker.v1.ErrorCode\x12\x15\n\rerror_message\x18\x08 \x01(\t\x12\x32\n\x07timings\x18\t \x01(\x0b\x32!.nanovllm.worker.v1.WorkerTimings\x12:\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32!.nanovllm.worker.v1.TokenLogprobs\"3\n\rWorkerTimings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\"p\n\x11PrefixCacheEvents\x12\r\n\x05reset\x18\x01 \x01(\x08\x12\x0e\n\x06stored\x18\x02 \x03(\x04\x12\x0f\n\x07\x65victed\x18\x03 \x03(\x04\x12\x14\n\x0clower_stored\x18\x04 \x03(\x04\x12\x15\n\rlower_evicted\x18\x05 \x03(\x04\"\xf2\x01\n\x0bStepOutputs\x12\x32\n\x07updates\x18\x01 \x03(\x0b\x32!.nanovllm.worker.v1.RequestUpdate\x12\x10\n\x08\x64raining\x18\x02 \x01(\x08\x12,\n\x04load\x18\x03 \x01(\x0b\x32\x1e.nanovllm.worker.v1.WorkerLoad\x12;\n\x0cprefix_cache\x18\x04 \x01(\x0b\x32%.nanovllm.worker.v1.PrefixCacheEvents\x12\x32\n\x08\x61\x64\x61pters\x18\x05 \x01(\x0b\x32 .nanovllm.worker.v1.LoRAAdapters\"=\n\x0bLoRAAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\ncache_salt\x18\x03 \x01(\x04\"A\n\x0cLoRAAdapters\x12\x31\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1f.nanovllm.worker.v1.LoRAAdapter\"4\n\x16LoadLoRAAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"(\n\x18UnloadLoRAAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoRAAdapterResponse\"\x10\n\x0eGetInfoRequest\"\xaa\x03\n\nWorkerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rarchitectures\x18\x02 \x03(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x1a\n\x12kvcache_block_size\x18\x06 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\x12K\n\x0ftokenizer_files\x18\t \x03(\x0b\x32\x32.nanovllm.worker.v1.WorkerInfo.TokenizerFilesEntry\x12\x15\n\rchat_template\x18\n \x01(\t\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x31\n\x08\x61\x64\x61pters\x18\r \x03(\x0b\x32\x1f.nanovllm.worker.v1.LoRAAdapter\x1a\x35\n\x13TokenizerFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"\x10\n\x0eGetLoadRequest\"\xe7\x01\n\nWorkerLoad\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x02\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\x17\n\x0fnum_connections\x18\x07 \x01(\r\x12\x16\n\x0ekv_host_blocks\x18\x08 \x01(\r\x12\x16\n\x0ekv_disk_blocks\x18\t \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\xba\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x01\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x02\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x03\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x04\x12\x18\n\x14\x45RROR_CODE_NOT_FOUND\x10\x05\x32\xcb\x03\n\x06Worker\x12Q\n\x07\x43onnect\x12!.nanovllm.worker.v1.RouterMessage\x1a\x1f.nanovllm.worker.v1.StepOutputs(\x01\x30\x01\x12M\n\x07GetInfo\x12\".nanovllm.worker.v1.GetInfoRequest\x1a\x1e.nanovllm.worker.v1.WorkerInfo\x12M\n\x07GetLoad\x12\".nanovllm.worker.v1.GetLoadRequest\x1a\x1e.nanovllm.worker.v1.WorkerLoad\x12^\n\x0fLoadLoRAAdapter\x12*.nanovllm.worker.v1.LoadLoRAAdapterRequest\x1a\x1f.nanovllm.worker.v1.LoRAAdapter\x12p\n\x11UnloadLoRAAdapter\x12,.nanovllm.worker.v1.UnloadLoRAAdapterRequest\x1a-.nanovllm.worker.v1.UnloadLoRAAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fnanovllm/common/v1/worker.proto\x12\x12nanovllm.worker.v1\"\x95\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x02\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x0e \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x0f \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x10 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x11 \x01(\tH\x00\x12,\n\x06\x63hoice\x18\x12 \x01(\x0b\x32\x1a.nanovllm.worker.v1.ChoiceH\x00\x12\x1c\n\x14json_free_whitespace\x18\x13 \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\x14 \x01(\x05H\x03\x88\x01\x01\x42\x0c\n\nconstraintB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x19\n\x06\x43hoice\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xc0\x02\n\x06Submit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x34\n\x08sampling\x18\x03 \x01(\x0b\x32\".nanovllm.worker.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x19\n\x11\x63lient_request_id\x18\x05 \x01(\t\x12\x18\n\x10output_token_ids\x18\x06 \x03(\r\x12\x43\n\rtrace_context\x18\x07 \x03(\x0b\x32,.nanovllm.worker.v1.Submit.TraceContextEntry\x12\x11\n\tlora_name\x18\x08 \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1c\n\x05\x41\x62ort\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"!\n\tSubscribe\x12\x14\n\x0cprefix_cache\x18\x01 \x01(\x08\"\xa5\x01\n\rRouterMessage\x12,\n\x06submit\x18\x01 \x01(\x0b\x32\x1a.nanovllm.worker.v1.SubmitH\x00\x12*\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x19.nanovllm.worker.v1.AbortH\x00\x12\x32\n\tsubscribe\x18\x03 \x01(\x0b\x32\x1d.nanovllm.worker.v1.SubscribeH\x00\x42\x06\n\x04kind\"{\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\x11\n\x04rank\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_rank\"\x98\x03\n\rRequestUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x33\n\x08logprobs\x18\x03 \x03(\x0b\x32!.nanovllm.worker.v1.TokenLogprobs\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .nanovllm.worker.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x31\n\nerror_code\x18\x07 \x01(\x0e\x32\x1d.nanovllm.worker.v1.ErrorCode\x12\x15\n\rerror_message\x18\x08 \x01(\t\x12\x32\n\x07timings\x18\t \x01(\x0b\x32!.nanovllm.worker.v1.WorkerTimings\x12:\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32!.nanovllm.worker.v1.TokenLogprobs\"3\n\rWorkerTimings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\"p\n\x11PrefixCacheEvents\x12\r\n\x05reset\x18\x01 \x01(\x08\x12\x0e\n\x06stored\x18\x02 \x03(\x04\x12\x0f\n\x07\x65victed\x18\x03 \x03(\x04\x12\x14\n\x0clower_stored\x18\x04 \x03(\x04\x12\x15\n\rlower_evicted\x18\x05 \x03(\x04\"\xf2\x01\n\x0bStepOutputs\x12\x32\n\x07updates\x18\x01 \x03(\x0b\x32!.nanovllm.worker.v1.RequestUpdate\x12\x10\n\x08\x64raining\x18\x02 \x01(\x08\x12,\n\x04load\x18\x03 \x01(\x0b\x32\x1e.nanovllm.worker.v1.WorkerLoad\x12;\n\x0cprefix_cache\x18\x04 \x01(\x0b\x32%.nanovllm.worker.v1.PrefixCacheEvents\x12\x32\n\x08\x61\x64\x61pters\x18\x05 \x01(\x0b\x32 .nanovllm.worker.v1.LoRAAdapters\"=\n\x0bLoRAAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\ncache_salt\x18\x03 \x01(\x04\"A\n\x0cLoRAAdapters\x12\x31\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1f.nanovllm.worker.v1.LoRAAdapter\"4\n\x16LoadLoRAAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"(\n\x18UnloadLoRAAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoRAAdapterResponse\"\x10\n\x0eGetInfoRequest\"\xaa\x03\n\nWorkerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rarchitectures\x18\x02 \x03(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x1a\n\x12kvcache_block_size\x18\x06 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\x12K\n\x0ftokenizer_files\x18\t \x03(\x0b\x32\x32.nanovllm.worker.v1.WorkerInfo.TokenizerFilesEntry\x12\x15\n\rchat_template\x18\n \x01(\t\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x31\n\x08\x61\x64\x61pters\x18\r \x03(\x0b\x32\x1f.nanovllm.worker.v1.LoRAAdapter\x1a\x35\n\x13TokenizerFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"\x10\n\x0eGetLoadRequest\"\xe7\x01\n\nWorkerLoad\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x02\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\x17\n\x0fnum_connections\x18\x07 \x01(\r\x12\x16\n\x0ekv_host_blocks\x18\x08 \x01(\r\x12\x16\n\x0ekv_disk_blocks\x18\t \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\xba\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x01\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x02\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x03\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x04\x12\x18\n\x14\x45RROR_CODE_NOT_FOUND\x10\x05\x32\xcb\x03\n\x06Worker\x12Q\n\x07\x43onnect\x12!.nanovllm.worker.v1.RouterMessage\x1a\x1f.nanovllm.worker.v1.StepOutputs(\x01\x30\x01\x12M\n\x07GetInfo\x12\".nanovllm.worker.v1.GetInfoRequest\x1a\x1e.nanovllm.worker.v1.WorkerInfo\x12M\n\x07GetLoad\x12\".nanovllm.worker.v1.GetLoadRequest\x1a\x1e.nanovllm.worker.v1.WorkerLoad\x12^\n\x0fLoadLoRAAdapter\x12*.nanovllm.worker.v1.LoadLoRAAdapterRequest\x1a\x1f.nanovllm.worker.v1.LoRAAdapter\x12p\n\x11UnloadLoRAAdapter\x12,.nanovllm.worker.v1.UnloadLoRAAdapterRequest\x1a-.nanovllm.worker.v1.UnloadLoRAAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,10 +35,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SUBMIT_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_WORKERINFO_TOKENIZERFILESENTRY']._loaded_options = None
   _globals['_WORKERINFO_TOKENIZERFILESENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=3048
-  _globals['_FINISHREASON']._serialized_end=3168
-  _globals['_ERRORCODE']._serialized_start=3171
-  _globals['_ERRORCODE']._serialized_end=3357
+  _globals['_FINISHREASON']._serialized_start=3076
+  _globals['_FINISHREASON']._serialized_end=3196
+  _globals['_ERRORCODE']._serialized_start=3199
+  _globals['_ERRORCODE']._serialized_end=3385
   _globals['_SAMPLINGPARAMS']._serialized_start=56
   _globals['_SAMPLINGPARAMS']._serialized_end=589
   _globals['_CHOICE']._serialized_start=591
@@ -54,35 +54,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROUTERMESSAGE']._serialized_start=1007
   _globals['_ROUTERMESSAGE']._serialized_end=1172
   _globals['_TOKENLOGPROBS']._serialized_start=1174
-  _globals['_TOKENLOGPROBS']._serialized_end=1269
-  _globals['_REQUESTUPDATE']._serialized_start=1272
-  _globals['_REQUESTUPDATE']._serialized_end=1680
-  _globals['_WORKERTIMINGS']._serialized_start=1682
-  _globals['_WORKERTIMINGS']._serialized_end=1733
-  _globals['_PREFIXCACHEEVENTS']._serialized_start=1735
-  _globals['_PREFIXCACHEEVENTS']._serialized_end=1847
-  _globals['_STEPOUTPUTS']._serialized_start=1850
-  _globals['_STEPOUTPUTS']._serialized_end=2092
-  _globals['_LORAADAPTER']._serialized_start=2094
-  _globals['_LORAADAPTER']._serialized_end=2155
-  _globals['_LORAADAPTERS']._serialized_start=2157
-  _globals['_LORAADAPTERS']._serialized_end=2222
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=2224
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=2276
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=2278
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=2318
-  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=2320
-  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=2347
-  _globals['_GETINFOREQUEST']._serialized_start=2349
-  _globals['_GETINFOREQUEST']._serialized_end=2365
-  _globals['_WORKERINFO']._serialized_start=2368
-  _globals['_WORKERINFO']._serialized_end=2794
-  _globals['_WORKERINFO_TOKENIZERFILESENTRY']._serialized_start=2741
-  _globals['_WORKERINFO_TOKENIZERFILESENTRY']._serialized_end=2794
-  _globals['_GETLOADREQUEST']._serialized_start=2796
-  _globals['_GETLOADREQUEST']._serialized_end=2812
-  _globals['_WORKERLOAD']._serialized_start=2815
-  _globals['_WORKERLOAD']._serialized_end=3046
-  _globals['_WORKER']._serialized_start=3360
-  _globals['_WORKER']._serialized_end=3819
+  _globals['_TOKENLOGPROBS']._serialized_end=1297
+  _globals['_REQUESTUPDATE']._serialized_start=1300
+  _globals['_REQUESTUPDATE']._serialized_end=1708
+  _globals['_WORKERTIMINGS']._serialized_start=1710
+  _globals['_WORKERTIMINGS']._serialized_end=1761
+  _globals['_PREFIXCACHEEVENTS']._serialized_start=1763
+  _globals['_PREFIXCACHEEVENTS']._serialized_end=1875
+  _globals['_STEPOUTPUTS']._serialized_start=1878
+  _globals['_STEPOUTPUTS']._serialized_end=2120
+  _globals['_LORAADAPTER']._serialized_start=2122
+  _globals['_LORAADAPTER']._serialized_end=2183
+  _globals['_LORAADAPTERS']._serialized_start=2185
+  _globals['_LORAADAPTERS']._serialized_end=2250
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=2252
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=2304
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=2306
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=2346
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=2348
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=2375
+  _globals['_GETINFOREQUEST']._serialized_start=2377
+  _globals['_GETINFOREQUEST']._serialized_end=2393
+  _globals['_WORKERINFO']._serialized_start=2396
+  _globals['_WORKERINFO']._serialized_end=2822
+  _globals['_WORKERINFO_TOKENIZERFILESENTRY']._serialized_start=2769
+  _globals['_WORKERINFO_TOKENIZERFILESENTRY']._serialized_end=2822
+  _globals['_GETLOADREQUEST']._serialized_start=2824
+  _globals['_GETLOADREQUEST']._serialized_end=2840
+  _globals['_WORKERLOAD']._serialized_start=2843
+  _globals['_WORKERLOAD']._serialized_end=3074
+  _globals['_WORKER']._serialized_start=3388
+  _globals['_WORKER']._serialized_end=3847
 # @@protoc_insertion_point(module_scope)

@@ -68,6 +68,8 @@ def _add_logprobs(field, entries) -> None:
         entry = field.add(token_id=lp.token_id, logprob=lp.logprob)
         for token_id, value in zip(lp.top_token_ids, lp.top_logprobs):
             entry.top.add(token_id=token_id, logprob=value)
+        if lp.HasField("rank"):
+            entry.rank = lp.rank
 
 
 def merge_responses(

@@ -56,7 +56,7 @@ SERVED_COMMON = {
     "model", "n", "temperature", "top_p", "frequency_penalty", "presence_penalty", "seed", "stop", "stream",
     "stream_options", "max_tokens", "logprobs",
     # vLLM's extensions
-    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "prompt_logprobs",
 }  # fmt: skip
 SERVED = {
     "chat": SERVED_COMMON | {
@@ -191,6 +191,7 @@ class OpenAIRequest:
     echo: bool = False
     echo_text: str | None = None
     score_only: bool = False
+    prompt_logprobs: int | None = None  # vLLM's extension: the prompt's logprobs in vLLM's shape
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -356,9 +357,12 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
     _refuse_unserved(body, n)
     echo = not chat and _typed(body, "echo", bool, False)
     score_only = echo and sampling.HasField("max_tokens") and sampling.max_tokens == 0
+    prompt_logprobs = _integer(body, "prompt_logprobs")  # vLLM's extension: its own object, below
+    if prompt_logprobs is not None:
+        sampling.prompt_logprobs = prompt_logprobs
     if echo:
         if logprobs is not None:
-            sampling.prompt_logprobs = logprobs
+            sampling.prompt_logprobs = max(logprobs, prompt_logprobs or 0)
         if score_only:
             sampling.max_tokens = 1
     requests = []
@@ -379,6 +383,7 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
         echo=echo,
         echo_text=prompt.get("text") if echo else None,
         score_only=score_only,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -474,6 +479,20 @@ def _echo(
     }
 
 
+def _vllm_prompt_logprobs(prompt_logprobs, decode) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs` object: per prompt token (the first None), the actual token and the most
+    likely ones, keyed by token id, each with its logprob, rank and text."""
+    out: list[dict[str, Any] | None] = [None]
+    for e in prompt_logprobs:
+        entry = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": decode(e.token_id)}}
+        for rank, t in enumerate(e.top, start=1):
+            entry.setdefault(
+                str(t.token_id), {"logprob": t.logprob, "rank": rank, "decoded_token": decode(t.token_id)}
+            )
+        out.append(entry)
+    return out
+
+
 def _joined(first: dict | None, later: dict | None) -> dict | None:
     """Two completions logprobs objects one after the other."""
     if first is None or later is None:
@@ -529,9 +548,13 @@ def completion_body(request: OpenAIRequest, choices: list[Choice], decode) -> di
                 entry["logprobs"] = _joined(logprobs, after)
         if c.timings is not None:
             entry["timings"] = timings_dict(c.timings)
+        if request.prompt_logprobs is not None and not request.chat:
+            entry["prompt_logprobs"] = _vllm_prompt_logprobs(c.prompt_logprobs, decode)
         rendered.append(entry)
-    usage = usage_dict(choices, request.score_only)
-    return {**_header(request, "chat.completion"), "choices": rendered, "usage": usage}
+    body = {**_header(request, "chat.completion"), "choices": rendered}
+    if request.prompt_logprobs is not None and request.chat:  # vLLM puts it beside the choices
+        body["prompt_logprobs"] = _vllm_prompt_logprobs(choices[0].prompt_logprobs, decode)
+    return {**body, "usage": usage_dict(choices, request.score_only)}
 
 
 def chunk_body(
@@ -577,7 +600,11 @@ def chunk_body(
             choice["logprobs"] = _joined(logprobs, after)
     if response.HasField("timings"):
         choice["timings"] = timings_dict(response.timings)
-    return {**_header(request, "chat.completion.chunk"), "choices": [choice]}
+    chunk = {**_header(request, "chat.completion.chunk"), "choices": [choice]}
+    if request.prompt_logprobs is not None and response.prompt_token_ids:  # a choice's first response
+        scored = _vllm_prompt_logprobs(response.prompt_logprobs, decode)
+        (chunk if request.chat else choice)["prompt_logprobs"] = scored
+    return chunk
 
 
 def usage_chunk(request: OpenAIRequest, choices: list[Choice]) -> dict[str, Any]:

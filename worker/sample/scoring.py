@@ -35,9 +35,11 @@ class PromptScorer:
         logp = logits.log_softmax(dim=-1)
         targets = torch.tensor(self.targets[self._done : self._done + len(logits)], device=logits.device)
         chosen = logp.gather(1, targets.unsqueeze(1))
+        rank = (logp > chosen).sum(dim=1, keepdim=True) + 1
         values, ids = logp.topk(min(self.num_top, logp.shape[1]), dim=-1)
-        # float64 holds the token ids exactly: one tensor, one wait for the device at the end.
-        self._parts.append(torch.cat([chosen, values, ids.float()], dim=1).double())
+        # float64 holds token ids and ranks exactly: one tensor, one wait for the device at the end.
+        parts = [chosen.double(), rank.double(), values.double(), ids.double()]
+        self._parts.append(torch.cat(parts, dim=1))
         self._done += len(logits)
 
     def result(self) -> dict[int, list[TokenLogprobs]]:
@@ -49,8 +51,10 @@ class PromptScorer:
         for s in self.scoring:
             entries = []
             for target, row in zip(s.targets, rows[done : done + len(s.targets)]):
-                alternatives = zip(row[1 + top : 1 + top + s.num_top], row[1 : 1 + s.num_top])
-                entries.append(TokenLogprobs(target, row[0], [(int(t), v) for t, v in alternatives]))
+                alternatives = zip(row[2 + top : 2 + top + s.num_top], row[2 : 2 + s.num_top])
+                entries.append(
+                    TokenLogprobs(target, row[0], [(int(t), v) for t, v in alternatives], int(row[1]))
+                )
             out[s.seq_id] = entries
             done += len(s.targets)
         return out

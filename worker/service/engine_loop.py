@@ -433,9 +433,11 @@ def _update(wire_id: str, out: RequestOutput) -> worker_pb2.RequestUpdate:
 
 
 def _add_logprobs(field: RepeatedCompositeFieldContainer, lp: TokenLogprobs) -> None:
-    field.add(
+    entry = field.add(
         token_id=lp.token_id,
         logprob=lp.logprob,
         top_token_ids=[t for t, _ in lp.top],
         top_logprobs=[v for _, v in lp.top],
     )
+    if lp.rank is not None:
+        entry.rank = lp.rank
