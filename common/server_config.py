@@ -206,6 +206,14 @@ class RouterConfig:
             raise ConfigError(f"--stall-timeout must be more than 0 seconds, got {self.stall_timeout_s:g}")
         if not self.resume_wait_s >= 0:
             raise ConfigError(f"--resume-wait must be 0 seconds or more, got {self.resume_wait_s:g}")
+        if not self.retry_backoff_s >= 0:
+            raise ConfigError(f"--retry-backoff must be 0 seconds or more, got {self.retry_backoff_s:g}")
+        for flag, value in (
+            ("--max-buffered-responses", self.max_buffered_responses),
+            ("--tokenizer-threads", self.tokenizer_threads),
+        ):
+            if value < 1:
+                raise ConfigError(f"{flag} must be at least 1, got {value}")
         for name, allowed in (
             ("reasoning_parser", REASONING_PARSERS),
             ("tool_call_parser", TOOL_CALL_PARSERS),
@@ -232,17 +240,25 @@ class RouterConfig:
         help="seconds a stream whose worker failed mid-generation waits for another worker to take it "
         "before it ends UNAVAILABLE",
     )
-    # Between tries, a jittered backoff from this, doubling.
-    retry_backoff_s: float = 0.02
+    retry_backoff_s: float = option(
+        0.02,
+        flag="--retry-backoff",
+        help="seconds before a request's second try on another worker, jittered and doubling with each "
+        "further try",
+    )
     stall_timeout_s: float = option(
         30.0,
         flag="--stall-timeout",
         help="seconds a client may take no response before its stream is cut off and its request aborted",
     )
-    # A client that leaves more than this many responses waiting behind one it does not take is cut off too.
-    max_buffered_responses: int = 4096
-    # Threads that tokenize and render chat templates, off the event loop; more prompts wait their turn.
-    tokenizer_threads: int = 2
+    max_buffered_responses: int = option(
+        4096,
+        help="worker updates a stream may leave queued behind a response its client does not take before "
+        "it is cut off",
+    )
+    tokenizer_threads: int = option(
+        2, help="threads that tokenize prompts and render chat templates off the event loop"
+    )
     keepalive_time_s: float = option(
         20.0, flag="--keepalive-time", help="seconds between HTTP/2 pings to each client connection"
     )

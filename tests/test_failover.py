@@ -203,3 +203,17 @@ def test_a_resume_wait_must_not_be_negative(wait: float) -> None:
     with pytest.raises(ConfigError, match=f"--resume-wait must be 0 seconds or more, got {wait:g}"):
         RouterConfig(workers=["w:1"], resume_wait_s=wait)
     assert RouterConfig(workers=["w:1"], resume_wait_s=0.0).resume_wait_s == 0.0
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"retry_backoff_s": -0.5}, "--retry-backoff must be 0 seconds or more, got -0.5"),
+        ({"retry_backoff_s": float("nan")}, "--retry-backoff must be 0 seconds or more, got nan"),
+        ({"max_buffered_responses": 0}, "--max-buffered-responses must be at least 1, got 0"),
+        ({"tokenizer_threads": 0}, "--tokenizer-threads must be at least 1, got 0"),
+    ],
+)
+def test_retry_backoff_buffer_and_tokenizer_threads_are_checked(settings: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        RouterConfig(workers=["w:1"], **settings)
