@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from nanovllm.worker.layers.kernels import LayerKernels
 from nanovllm.worker.layers.linear import linear
 
 
@@ -30,7 +31,9 @@ class MatmulCeiling:
 
     ALL_LAYERS_UP_TO = 256
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, kernels: LayerKernels | None = None) -> None:
+        """`kernels`: run the matmuls on these instead of the model's (PYTORCH: the fastest GEMM, the
+        hardware's bound rather than the engine's kernels')."""
         self.layer_weights = [
             [
                 layer.self_attn.qkv_proj.weight,
@@ -41,7 +44,7 @@ class MatmulCeiling:
             for layer in model.model.layers
         ]
         self.lm_head = model.lm_head.weight
-        self.kernels = model.lm_head.kernels
+        self.kernels = model.lm_head.kernels if kernels is None else kernels
         self._stack: dict[int, float] = {}
         self._head: dict[int, float] = {}
 

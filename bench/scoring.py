@@ -5,8 +5,13 @@ weights in one process, the runs alternating; prompt tokens per second and their
 the largest difference between the two engines' logprobs says they scored the same thing.
 
 transformers runs in float32 and in bfloat16 where the engine's dtype is bfloat16 (the faster counts).
+Scoring is bound by arithmetic (every position goes through every layer and the LM head), so beside the
+ratio the script prints a matmul ceiling measured in the same run (bench/ceiling.py: the model's own
+linear layers and LM head alone, in the engine's dtype, at the engine's step size, on PyTorch's GEMM, the
+fastest here) and each run's fraction of it.
 
-Usage:  .venv/bin/python -m bench.scoring [--shape smollm2-135m] [--embedded] [--dtype auto] [--rounds 3]
+Usage:  .venv/bin/python -m bench.scoring [--shape smollm2-135m] [--embedded] [--dtype auto]
+            [--deterministic auto] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from bench.ceiling import MatmulCeiling
 from bench.models import SHAPES, build_random_model
 from bench.report import load_average, machine_description
 from nanovllm import LLM, SamplingParams
 from nanovllm.worker.device import DTYPES
+from nanovllm.worker.layers.kernels import PYTORCH
 from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.models.gguf.cache import embedded_model_path, prepare_gguf
 
@@ -39,6 +46,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--embedded", action="store_true", help="the embedded SmolLM2 (its real weights)")
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
+    parser.add_argument(
+        "--deterministic",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="the engine's batch-invariant kernels (auto: its default on this machine)",
+    )
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--top", type=int, default=1, help="alternatives per position (lm-eval asks for 1)")
@@ -84,8 +97,18 @@ def main(argv: list[str] | None = None) -> None:
         [rng.randrange(3, cfg.vocab_size) for _ in range(args.prompt_len)] for _ in range(args.prompts)
     ]
     num_tokens = args.prompts * args.prompt_len
-    llm = LLM(str(model_dir), dtype=args.dtype, max_model_len=args.prompt_len + 8, kv_cache_memory="2GiB")
+    deterministic = {"auto": None, "on": True, "off": False}[args.deterministic]
+    llm = LLM(
+        str(model_dir),
+        dtype=args.dtype,
+        deterministic=deterministic,
+        max_model_len=args.prompt_len + 8,
+        kv_cache_memory="2GiB",
+    )
     dtype = llm.engine.runner.dtype
+    step_tokens = min(llm.config.max_num_batched_tokens, num_tokens)
+    ceiling = MatmulCeiling(llm.engine.runner.model, PYTORCH)
+    ceiling_s = num_tokens / step_tokens * ceiling.step_time(step_tokens, step_tokens)
     hf_dtypes = [torch.float32] + ([torch.bfloat16] if dtype == torch.bfloat16 else [])
     peers = {
         str(d).removeprefix("torch."): AutoModelForCausalLM.from_pretrained(Path(model_dir), dtype=d).eval()
@@ -95,8 +118,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"date: {datetime.datetime.now().isoformat(timespec='seconds')}")
     print(f"machine: {machine_description()}")
     print(f"load average at start: {load_average()}")
-    print(f"model: {model}; engine dtype {str(dtype).removeprefix('torch.')}; {args.prompts} prompts of "
-          f"{args.prompt_len} tokens ({num_tokens:,}), top {args.top}")  # fmt: skip
+    print(f"model: {model}; engine dtype {str(dtype).removeprefix('torch.')}, deterministic "
+          f"{llm.config.deterministic}; {args.prompts} prompts of {args.prompt_len} tokens ({num_tokens:,}), "
+          f"top {args.top}")  # fmt: skip
     score_nanovllm(llm, prompts[:2], args.top)  # warm-up
     seconds: dict[str, list[float]] = {"nanovllm": [], **{name: [] for name in peers}}
     scores = {}
@@ -116,13 +140,19 @@ def main(argv: list[str] | None = None) -> None:
     ours = torch.tensor(scores["nanovllm"])
     rate = {name: num_tokens / statistics.median(s) for name, s in seconds.items()}
     print(
-        f"\n| {model}, {args.prompts} x {args.prompt_len} tokens | prompt tok/s | max abs logprob difference from nanovllm |"
+        f"\n| {model}, {args.prompts} x {args.prompt_len} tokens | prompt tok/s | of the matmul ceiling "
+        "| max abs logprob difference from nanovllm |"
     )
-    print("|---|---:|---:|")
+    print("|---|---:|---:|---:|")
+    ceiling_rate = num_tokens / ceiling_s
     for name, r in rate.items():
         label = "nanovllm (prompt_logprobs)" if name == "nanovllm" else f"transformers forward, {name}"
         diff = (torch.tensor(scores[name]) - ours).abs().max().item()
-        print(f"| {label} | {r:,.0f} | {diff:.2e} |")
+        print(f"| {label} | {r:,.0f} | {r / ceiling_rate:.0%} | {diff:.2e} |")
+    print(
+        f"| matmul ceiling ({str(dtype).removeprefix('torch.')} linear layers and LM head at "
+        f"{step_tokens:,} tokens a step) | {ceiling_rate:,.0f} | 100% | |"
+    )
     best = max((n for n in rate if n != "nanovllm"), key=rate.get)
     print(f"\nnanovllm / transformers ({best}, the faster): **{rate['nanovllm'] / rate[best]:.2f}x**")
     llm.shutdown()

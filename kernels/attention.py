@@ -102,6 +102,20 @@ class ChunkBatch:
 
 
 @dataclass
+class StateBatch:
+    """A hybrid model's per-request state for one step (worker/models/qwen3_5.py): each sequence's slot
+    in the linear-attention layers' state tensors and its token count, in the step's layout order (the
+    first `num_decodes` run one token each), and the slots of the sequences that start from the zero state
+    this step (their first token is at position 0)."""
+
+    slots: torch.Tensor  # [num_seqs] long, on the device
+    slot_list: list[int]
+    num_tokens: list[int]
+    num_decodes: int
+    fresh_slots: torch.Tensor | None  # long, on the device; None when no sequence starts here
+
+
+@dataclass
 class AttentionMetadata:
     """How one step's tokens map onto sequences and cache slots; built once per step by the model
     runner and shared by every layer."""
@@ -110,6 +124,7 @@ class AttentionMetadata:
     decode: DecodeBatch | None = None
     fresh: ChunkBatch | None = None
     cached: ChunkBatch | None = None
+    states: StateBatch | None = None  # hybrid models only
 
     def segments(self) -> list[tuple[str, int, int]]:
         """(kind, first token, end token) of each present segment, in layout order."""

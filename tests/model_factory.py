@@ -15,6 +15,7 @@ from transformers import (
     LlamaConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
 )
@@ -48,6 +49,17 @@ _CONFIGS = {
     ),
     "llama": (LlamaConfig, {"head_dim": 16}),
     "qwen2": (Qwen2Config, {}),
+    # Qwen3.5's hybrid: 2 key and 4 value heads of 16 in the linear layers, 3 linear to 1 full by default
+    "qwen3_5": (
+        Qwen3_5TextConfig,
+        {
+            "head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+        },
+    ),
 }
 
 
@@ -107,7 +119,9 @@ def build_model(
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name and arch == "qwen3_5" and "linear_attn" not in name:
+                param.uniform_(-0.2, 0.2)  # zero-centred: applied as 1 + w
+            elif "norm" in name:
                 param.uniform_(0.8, 1.2)
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)
@@ -115,6 +129,12 @@ def build_model(
                 param.normal_(0.0, 1.0 / param.shape[-1] ** 0.5)
         if not tie:
             model.lm_head.weight.mul_(4.0)
+        for name, param in model.named_parameters():
+            # Linear attention's q/k/v into the delta rule at about unit scale: at the plain init they are
+            # ~0.06 and the heads' outputs ~0.015 rms, which the gated norm divides rounding by (a 1e-6
+            # change of the embeddings moved the logits by 2.7e-4, 17x a Qwen3 model's; 4.9e-5 after this).
+            if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+                param.mul_(4.0)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     if tokenizer:

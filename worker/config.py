@@ -9,8 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nanovllm.common.errors import ConfigError
+from nanovllm.common.logging import get_logger
 from nanovllm.common.options import option
 from nanovllm.worker.model_config import ModelConfig
+
+log = get_logger(__name__)
 
 _SIZE_UNITS = {
     "": 1,
@@ -283,9 +286,31 @@ class EngineConfig:
         if self.hf_config is None:
             self.hf_config = ModelConfig.from_pretrained_dir(self.model)
         self._check_draft()
+        if self.hf_config.hybrid is not None:
+            self._check_hybrid()
         # Positions beyond the model's trained range are meaningless; clamp (as nano-vllm does) so the
         # 4096 default works for small models. `LLM.config.max_model_len` holds the effective value.
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+
+    def _check_hybrid(self) -> None:
+        """What a hybrid model (linear-attention layers with a per-request state) does not run with yet:
+        refused by name; the prefix cache is turned off (its blocks would skip the state's tokens)."""
+        refused = {
+            "speculative_method": self.speculative_method != "none",
+            "lora": bool(self.lora_adapters or self.max_loras),
+            "kv_host_memory / kv_disk_path": self.kv_tiers,
+            "gguf": self.gguf_file is not None,
+            "quantization": self.quantization not in ("auto", "none"),
+        }
+        named = [name for name, on in refused.items() if on]
+        if named:
+            raise ConfigError(
+                f"{', '.join(named)}: not supported with {self.hf_config.architecture} (a hybrid model's "
+                "linear-attention state) yet"
+            )
+        if self.enable_prefix_caching:
+            log.info("prefix_caching_off", reason="not yet over a hybrid model's linear-attention state")
+            self.enable_prefix_caching = False
 
     def _deterministic_by_default(self) -> bool:
         """deterministic=None (auto): on where the batch-invariant kernels cost nothing measurable, the

@@ -26,7 +26,86 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "Qwen2ForCausalLM": ArchitectureSpec(qk_norm=False, qkv_bias=True),
     "LlamaForCausalLM": ArchitectureSpec(qk_norm=False, qkv_bias=False),
     "Qwen3MoeForCausalLM": ArchitectureSpec(qk_norm=True, qkv_bias=False),
+    "Qwen3_5ForCausalLM": ArchitectureSpec(qk_norm=True, qkv_bias=False),
 }
+
+# Published multimodal checkpoints whose language model is one of the above: served text-only, from
+# their `text_config` and the language model's weights (worker/models/loader.py skips the rest).
+TEXT_ONLY = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}
+
+# The layer kinds of a hybrid model's `layer_types`.
+LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class HybridSpec:
+    """A hybrid model (transformers' Qwen3_5ForCausalLM): `layer_types` mixes Gated DeltaNet layers
+    (linear attention: a causal depthwise convolution over the projected q/k/v, then the gated delta rule
+    over a recurrent state of [value heads, key dim, value dim] per request) with full-attention layers
+    whose output is gated per channel (`sigmoid` of a second half of q_proj) and whose RoPE turns only
+    the first `rotary_dim` dimensions of each head. Every RMSNorm outside the linear layers is
+    zero-centred: its weight is stored as w and applied as (1 + w)."""
+
+    layer_types: tuple[str, ...]
+    num_key_heads: int  # linear attention's
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel_size: int
+    rotary_dim: int  # full attention's rotated dimensions per head
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i, kind in enumerate(self.layer_types) if kind == LINEAR_ATTENTION]
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: q, k and v of the linear attention."""
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+
+    def state_bytes(self, element_size: int) -> int:
+        """One request's state across every linear layer: the convolution's last inputs (in the model's
+        dtype) and the recurrent state (fp32)."""
+        conv = self.conv_dim * (self.conv_kernel_size - 1) * element_size
+        recurrent = self.num_value_heads * self.key_head_dim * self.value_head_dim * 4
+        return len(self.linear_layers) * (conv + recurrent)
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], head_dim: int, rope: dict[str, Any]) -> HybridSpec:
+        layers = cfg["num_hidden_layers"]
+        kinds = cfg.get("layer_types")
+        if kinds is None:  # transformers' default: every `full_attention_interval`-th layer is full
+            interval = int(cfg.get("full_attention_interval", 4))
+            kinds = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers)]
+        unknown = sorted(set(kinds) - {LINEAR_ATTENTION, FULL_ATTENTION})
+        if len(kinds) != layers or unknown:
+            raise UnsupportedModelError(
+                f"layer_types must name {layers} layers, each {LINEAR_ATTENTION!r} or {FULL_ATTENTION!r}; "
+                f"got {len(kinds)}" + (f" with {unknown}" if unknown else "")
+            )
+        if cfg.get("attn_output_gate", True) is not True:
+            raise UnsupportedModelError("attn_output_gate=false is not supported (Qwen3.5 gates every head)")
+        key_heads, value_heads = cfg.get("linear_num_key_heads", 16), cfg.get("linear_num_value_heads", 32)
+        if value_heads % key_heads:
+            raise UnsupportedModelError(
+                f"linear_num_value_heads={value_heads} must be a multiple of linear_num_key_heads={key_heads}"
+            )
+        factor = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+        rotary_dim = int(head_dim * factor)
+        if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+            raise UnsupportedModelError(
+                f"partial_rotary_factor={factor} turns {rotary_dim} of head_dim={head_dim} dimensions; "
+                "it must turn an even number, at least 2"
+            )
+        return cls(
+            tuple(kinds),
+            key_heads,
+            value_heads,
+            int(cfg.get("linear_key_head_dim", 128)),
+            int(cfg.get("linear_value_head_dim", 128)),
+            int(cfg.get("linear_conv_kernel_dim", 4)),
+            rotary_dim,
+        )
 
 
 @dataclass(frozen=True)
@@ -147,11 +226,32 @@ class ModelConfig:
     spec: ArchitectureSpec
     rope_scaling: RopeScaling | None = None
     moe: MoeSpec | None = None
+    hybrid: HybridSpec | None = None
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers with a paged KV cache: all of them but a hybrid model's linear-attention layers."""
+        if self.hybrid is None:
+            return self.num_hidden_layers
+        return self.num_hidden_layers - len(self.hybrid.linear_layers)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         architectures = cfg.get("architectures") or []
-        arch = next((a for a in architectures if a in ARCHITECTURES), None)
+        text_only = next((TEXT_ONLY[a] for a in architectures if a in TEXT_ONLY), None)
+        if text_only is not None:
+            text = cfg.get("text_config")
+            if not isinstance(text, dict):
+                raise UnsupportedModelError(f"{architectures} without a text_config is not supported")
+            cfg = {
+                **text,
+                "architectures": [text_only],
+                "eos_token_id": cfg.get("eos_token_id", text.get("eos_token_id")),
+            }
+            cfg["tie_word_embeddings"] = cfg.get(
+                "tie_word_embeddings", text.get("tie_word_embeddings", False)
+            )
+        arch = next((a for a in architectures if a in ARCHITECTURES), text_only)
         if arch is None:
             raise UnsupportedModelError(
                 f"architectures {architectures} not supported; nanovllm implements {sorted(ARCHITECTURES)}"
@@ -168,9 +268,19 @@ class ModelConfig:
             )
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         max_position = int(cfg.get("max_position_embeddings", 32768))
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        hybrid = None
+        if arch == "Qwen3_5ForCausalLM":
+            hybrid = HybridSpec.from_hf_dict(cfg, head_dim, rope)
+            # Multimodal RoPE (mrope) turns text positions as plain RoPE: every axis holds the position.
+            rope = {
+                k: v
+                for k, v in rope.items()
+                if k not in ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+            }
         rope_scaling = RopeScaling.from_hf_dict(rope, max_position)
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -179,7 +289,7 @@ class ModelConfig:
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             intermediate_size=cfg["intermediate_size"],
             vocab_size=cfg["vocab_size"],
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -190,6 +300,7 @@ class ModelConfig:
             spec=spec,
             rope_scaling=rope_scaling,
             moe=MoeSpec.from_hf_dict(cfg) if arch == "Qwen3MoeForCausalLM" else None,
+            hybrid=hybrid,
         )
 
     @property
@@ -201,6 +312,12 @@ class ModelConfig:
         mlp = 3 * self.hidden_size * self.intermediate_size
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         total = self.num_hidden_layers * (attention + mlp) + embeddings
+        if self.hybrid is not None:  # the gate half of q_proj; the linear layers instead of attention
+            h = self.hybrid
+            value_dim = h.num_value_heads * h.value_head_dim
+            linear = self.hidden_size * (h.conv_dim + 2 * value_dim + 2 * h.num_value_heads)
+            total += self.num_attention_layers * self.hidden_size * self.num_attention_heads * self.head_dim
+            total += len(h.linear_layers) * (linear - attention)
         if self.moe is not None:  # sparse layers: the router and every expert instead of the dense MLP
             experts = self.moe.num_experts * (3 * self.moe.intermediate_size + 1) * self.hidden_size
             total += len(self.moe.sparse_layers) * (experts - mlp)

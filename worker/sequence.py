@@ -144,6 +144,8 @@ class Sequence:
     # sequence until the step verifies them.
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0  # tokens whose KV the draft model holds (worker/sample/draft.py)
+    # A hybrid model's: the slot of the linear layers' state the sequence holds while it has blocks (-1: none).
+    state_slot: int = -1
     grammar: GrammarState | None = None  # structured output: where the request is in its constraint
     adapter: Adapter | None = None  # LoRA: None runs the base model
     timeline: RequestTimeline = field(default_factory=RequestTimeline)

@@ -146,6 +146,9 @@ class SeqChunk:
     start: int
     num_new_tokens: int
     block_table: list[int]  # the blocks up to this chunk's end
+    state_slot: int = (
+        -1
+    )  # a hybrid model's: the sequence's slot in the linear layers' state (Sequence.state_slot)
 
 
 @dataclass(slots=True)
@@ -184,7 +187,7 @@ class StepInputs:
     prompt_scoring: list[PromptScoring] = field(default_factory=list)
 
     def pack(self) -> torch.Tensor:
-        """[counts..., input_ids, positions, slot_mapping, (start, n, len, *table) per chunk, logits_index,
+        """[counts..., input_ids, positions, slot_mapping, (start, n, state slot, len, *table) per chunk, logits_index,
         lora_slots, the UTF-8 bytes of lora_fills as JSON, prompt_rows, kv_transfers] (not
         prompt_scoring: rank 0's)"""
         if self.deferred:
@@ -196,7 +199,8 @@ class StepInputs:
         values += self.input_ids + self.positions + self.slot_mapping
         for group in groups:
             for chunk in group:
-                values += [chunk.start, chunk.num_new_tokens, len(chunk.block_table), *chunk.block_table]
+                values += [chunk.start, chunk.num_new_tokens, chunk.state_slot, len(chunk.block_table)]
+                values += chunk.block_table
         values += self.logits_index + self.lora_slots + fills + [len(self.prompt_rows), *self.prompt_rows]
         values += self.kv_transfers.pack()
         return host_tensor(values)
@@ -217,8 +221,8 @@ class StepInputs:
         for count in (nd, nf, nc):
             chunks = []
             for _ in range(count):
-                start, num_new, table_len = take(3)
-                chunks.append(SeqChunk(start, num_new, take(table_len)))
+                start, num_new, state_slot, table_len = take(4)
+                chunks.append(SeqChunk(start, num_new, take(table_len), state_slot))
             groups.append(chunks)
         logits_index, lora_slots, fills = take(nl), take(ns), take(nb)
         lora_fills = [tuple(fill) for fill in json.loads(bytes(fills))] if fills else []

@@ -10,6 +10,9 @@ With lower tiers (worker/core/kv_tiers.py), a freed cached block is also copied 
 disk; a prompt's hash chain continues there past its last device hit, and those blocks are copied back up
 into fresh device blocks by the step that admits the request (`load_lower_hits`), joining the prefix cache
 at once from host memory, and from disk once that step says they arrived (`finish_loads`).
+
+A hybrid model's sequence also holds a state slot (the linear-attention layers' per-request state) from
+its first blocks until it frees them: admission needs a free slot as it needs free blocks.
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         lower_tiers: KVTiers | None = None,
+        num_state_slots: int = 0,
     ) -> None:
+        """`num_state_slots`: a hybrid model's state slots (0: the model has no per-request state)."""
         if num_blocks < 1 or block_size < 1:
             raise ConfigError(f"need at least one block of one token, got {num_blocks} x {block_size}")
         self.block_size = block_size
@@ -61,6 +66,8 @@ class BlockManager:
         # Blocks with ref_count 0, oldest-freed first; cached ones among them are still hits until recycled.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cache_events = CacheEvents()  # changes to `cached` not yet reported (see take_cache_events)
+        self.has_state_slots = num_state_slots > 0
+        self.free_state_slots = list(range(num_state_slots - 1, -1, -1))  # popped lowest first
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -190,6 +197,10 @@ class BlockManager:
         revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
         if needed > self.num_free_blocks - revived:
             return False
+        if self.has_state_slots and seq.state_slot < 0:
+            if not self.free_state_slots:
+                return False
+            seq.state_slot = self.free_state_slots.pop()
         if not seq.admitted:  # a request's prompt, once: a preempted one's recomputation is no new query
             self.prefix_queried_tokens += seq.num_tokens
             self.prefix_hit_tokens += len(computed_blocks) * self.block_size
@@ -245,3 +256,6 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+        if seq.state_slot >= 0:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = -1

@@ -84,6 +84,7 @@ class LLMEngine:
             config.kvcache_block_size,
             config.enable_prefix_caching,
             self._lower_tiers(),
+            self.runner.num_state_slots,
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.scheduler = Scheduler(

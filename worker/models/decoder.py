@@ -174,6 +174,7 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
+    model_class: ClassVar[type[nn.Module]] = DecoderModel  # the layers between the embedding and the head
     # Checkpoint tensors that are fused into one parameter here: name -> (fused name, shard id).
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
         "q_proj": ("qkv_proj", "q"),
@@ -190,7 +191,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp
-        self.model = DecoderModel(cfg, tp, quant)
+        self.model = self.model_class(cfg, tp, quant)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, quant, "lm_head")
         if cfg.tie_word_embeddings:
             del self.lm_head.weight  # the head is the embedding, float parameter or PackedWeight

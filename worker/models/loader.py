@@ -100,8 +100,19 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, LoadableTensor]]
         name: m for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, PackedWeight)
     }
     packed: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
+    # A model whose checkpoints name its tensors otherwise (a multimodal layout served text-only) says how
+    # each maps to its own names, None for a tensor it does not run.
+    rename = getattr(model, "checkpoint_name", None)
     loaded: set[str] = set()
+    skipped: dict[str, int] = {}
     for name, tensor in tensors:
+        if rename is not None:
+            own = rename(name)
+            if own is None:
+                part = name.split(".")[0] if not name.startswith("model.") else ".".join(name.split(".")[:2])
+                skipped[part] = skipped.get(part, 0) + 1
+                continue
+            name = own
         target, shard_id = _target(name, packed)
         weight = weights.get(target)
         if weight is None:
@@ -113,4 +124,6 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, LoadableTensor]]
     missing = sorted(set(weights) - loaded - tied)
     if missing:
         raise ConfigError(f"checkpoint in {source} lacks {len(missing)} parameters, e.g. {missing[:3]}")
+    if skipped:
+        log.info("checkpoint_tensors_not_served", source=source, tensors_by_prefix=skipped)
     log.debug("weights_loaded", source=source, tensors=len(loaded))

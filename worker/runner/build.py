@@ -25,9 +25,9 @@ from nanovllm.worker.layers.moe import SparseMoeBlock
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, QuantScheme
 from nanovllm.worker.model_config import ModelConfig
-from nanovllm.worker.models.decoder import DecoderForCausalLM
 from nanovllm.worker.models.gguf.tensors import gguf_quant_plan, gguf_tensors
 from nanovllm.worker.models.loader import load_safetensors, load_tensors
+from nanovllm.worker.models.registry import causal_lm_class
 from nanovllm.worker.runner.block_table_rows import BlockTableRows
 from nanovllm.worker.runner.cpu_share import CpuShare
 from nanovllm.worker.runner.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
@@ -151,14 +151,14 @@ class ModelRunnerBase:
         weight_format: str,
         tp: TPContext | None = None,
         gguf_file: str | None = None,
-    ) -> DecoderForCausalLM:
+    ) -> torch.nn.Module:
         """The model of `path` with its linear layers in `weight_format` (EngineConfig.weight_format), this
         rank's shard of it (or as `tp` cuts it). A model converted from `gguf_file` is read from the file in
         every format: its tensors as they ship for the gguf format, dequantized (and requantized for
         int8/int4) otherwise."""
         plan = self._quant_plan(weight_format)
         with _default_dtype(self.dtype), self.device:
-            model = DecoderForCausalLM(cfg, tp or self.tp, plan)
+            model = causal_lm_class(cfg)(cfg, tp or self.tp, plan)
         if gguf_file is not None:
             load_tensors(model, gguf_tensors(Path(gguf_file), cfg, packed=weight_format == "gguf"), gguf_file)
         else:
@@ -167,7 +167,8 @@ class ModelRunnerBase:
 
     def _quant_plan(self, weight_format: str) -> QuantPlan | None:
         if weight_format == "gguf" and self.config.gguf_file is not None:
-            return gguf_quant_plan(Path(self.config.gguf_file), DecoderForCausalLM.packed_modules_mapping)
+            mapping = causal_lm_class(self.config.hf_config).packed_modules_mapping
+            return gguf_quant_plan(Path(self.config.gguf_file), mapping)
         if weight_format == "int8":
             return QuantPlan(every_linear=QuantScheme("int8", 8, None))
         if weight_format == "int4":
@@ -205,6 +206,9 @@ class ModelRunnerBase:
             return False
         if self.tp.size > 1:
             log.info("decode_graphs_off", reason="not yet captured with tensor_parallel_size > 1")
+            return False
+        if self.config.hf_config.hybrid is not None:
+            log.info("decode_graphs_off", reason="not yet captured with a hybrid model's state slots")
             return False
         if any(isinstance(m, SparseMoeBlock) and not m.grouped for m in self.model.modules()):
             reason = "mixture-of-experts layers run expert by expert (packed experts, or --deterministic)"
@@ -334,6 +338,38 @@ class ModelRunnerBase:
         heaviest = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=SamplingParams.MAX_LOGPROBS)
         self.sampler(logits, [SamplingRow(heaviest, [0], [], None)] * num_rows)
 
+    def _allocate_states(self, budget: int) -> int:
+        """A hybrid model's state slots, one per request that may run (max_num_seqs), taken from the KV
+        cache's budget: each linear-attention layer's share bound to it. Returns the bytes they took."""
+        layers = getattr(self.model, "linear_attention_layers", list)()
+        self.num_state_slots = self.config.max_num_seqs if layers else 0
+        if not layers:
+            return 0
+        slots = self.num_state_slots
+        k = self.config.hf_config.hybrid.conv_kernel_size
+        shapes = [
+            ((slots, layer.split_sizes[0], k - 1), (slots, layer.num_heads, layer.key_dim, layer.value_dim))
+            for layer in layers
+        ]
+        per_slot = sum(c[1] * c[2] * self._element_size() + r[1] * r[2] * r[3] * 4 for c, r in shapes)
+        if slots * per_slot >= budget:
+            raise ConfigError(
+                f"the linear-attention state of max_num_seqs={slots} requests needs "
+                f"{slots * per_slot / 2**30:.3f} GiB ({per_slot / 2**20:.2f} MiB each), more than this rank's "
+                f"KV cache budget of {budget / 2**30:.3f} GiB; lower max_num_seqs or raise kv_cache_memory"
+            )
+        for layer, (conv, recurrent) in zip(layers, shapes):
+            layer.conv_state = torch.zeros(conv, dtype=self.dtype, device=self.device)
+            layer.recurrent_state = torch.zeros(recurrent, dtype=torch.float32, device=self.device)
+        if self.tp.rank == 0:
+            log.info(
+                "state_slots_allocated",
+                slots=slots,
+                mib_per_slot=round(per_slot / 2**20, 3),
+                gib=round(slots * per_slot / 2**30, 3),
+            )
+        return slots * per_slot
+
     def _allocate_kv_cache(self) -> int:
         cfg = self.config.hf_config
         kv_heads = self.tp.kv_heads(cfg.num_key_value_heads)[1]
@@ -344,12 +380,14 @@ class ModelRunnerBase:
                 draft, self.block_size, draft.num_key_value_heads, self._element_size()
             )
         # Every rank must hold the same blocks: the scheduler on rank 0 hands out block ids for all.
-        num_blocks = self.tp.all_reduce_min(self._kv_cache_bytes() // per_block)
+        budget = self._kv_cache_bytes()
+        budget -= self._allocate_states(budget)
+        num_blocks = self.tp.all_reduce_min(budget // per_block)
         check_num_blocks(self.config, num_blocks, per_block)
         # One block more than the scheduler hands out: the pad block, which padded rows of a replayed decode
         # step write to (worker/runner/decode_graphs.py).
         self.pad_block = num_blocks
-        shape = (2, cfg.num_hidden_layers, num_blocks + 1, self.block_size, kv_heads, cfg.head_dim)
+        shape = (2, cfg.num_attention_layers, num_blocks + 1, self.block_size, kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
@@ -359,6 +397,7 @@ class ModelRunnerBase:
             "kv_cache_allocated",
             num_blocks=num_blocks,
             block_size=self.block_size,
+            tokens=num_blocks * self.block_size,
             gib=round(num_blocks * per_block / 2**30, 3),
         )
         return num_blocks

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from nanovllm.kernels.attention import AttentionMetadata, ChunkBatch, DecodeBatch
+from nanovllm.kernels.attention import AttentionMetadata, ChunkBatch, DecodeBatch, StateBatch
 from nanovllm.worker.device import host_tensor, to_device
 from nanovllm.worker.runner.block_table_rows import BlockTableRows
 from nanovllm.worker.sequence import Sequence
@@ -60,7 +60,9 @@ class InputBuilder:
             positions.append(position)
             slots.append(table[position // bs] * bs + position % bs)
             needed = position // bs + 1
-            decodes.append(SeqChunk(position, 1, table if len(table) == needed else table[:needed]))
+            decodes.append(
+                SeqChunk(position, 1, table if len(table) == needed else table[:needed], seq.state_slot)
+            )
             if lora_slot is not None:
                 lora_slots.append(lora_slot(seq))
             if seq.num_pending_tokens:
@@ -99,7 +101,9 @@ class InputBuilder:
         def chunk(item: ScheduledSequence, start: int, num_new_tokens: int) -> SeqChunk:
             # The sequence's own list where it is the whole table (BlockTableRows keeps its row).
             table, needed = item.seq.block_table, -(-(start + num_new_tokens) // bs)
-            return SeqChunk(start, num_new_tokens, table if len(table) == needed else table[:needed])
+            return SeqChunk(
+                start, num_new_tokens, table if len(table) == needed else table[:needed], item.seq.state_slot
+            )
 
         decodes += [chunk(s, p, 1) for s in verifying for p in range(s.start, s.start + s.num_new_tokens)]
         return StepInputs(
@@ -183,8 +187,21 @@ class InputBuilder:
             decode=DecodeBatch(decode_tables, context_lens, self.block_size) if inputs.decodes else None,
             fresh=chunk_batch(inputs.fresh, fresh_tables) if inputs.fresh else None,
             cached=chunk_batch(inputs.cached, cached_tables) if inputs.cached else None,
+            states=self._state_batch(inputs, chunks) if chunks and chunks[0].state_slot >= 0 else None,
         )
         return input_ids, positions, meta, logits_index
+
+    def _state_batch(self, inputs: StepInputs, chunks: list[SeqChunk]) -> StateBatch:
+        """A hybrid model's state slots for the step's sequences, in layout order."""
+        slot_list = [c.state_slot for c in chunks]
+        fresh = [c.state_slot for c in chunks if c.start == 0]
+        return StateBatch(
+            slots=self.long(slot_list),
+            slot_list=slot_list,
+            num_tokens=[c.num_new_tokens for c in chunks],
+            num_decodes=len(inputs.decodes),
+            fresh_slots=self.long(fresh) if fresh else None,
+        )
 
     def long(self, values: list[int]) -> torch.Tensor:
         return to_device(host_tensor(values), self.device)

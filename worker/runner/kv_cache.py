@@ -12,7 +12,7 @@ GIB = 2**30
 
 def kv_bytes_per_block(model: ModelConfig, block_size: int, kv_heads: int, element_size: int) -> int:
     """Bytes of one block of keys and values across every layer, for a rank holding `kv_heads` heads."""
-    return 2 * model.num_hidden_layers * block_size * kv_heads * model.head_dim * element_size
+    return 2 * model.num_attention_layers * block_size * kv_heads * model.head_dim * element_size
 
 
 def gpu_kv_cache_budget(total: int, utilization: float, weights: int, activation_peak: int) -> int:

@@ -1,0 +1,318 @@
+"""Qwen3.5 (transformers' Qwen3_5ForCausalLM): a hybrid of Gated DeltaNet layers (linear attention over a
+recurrent state per request) and gated full-attention layers (paged KV cache, as the other decoders).
+
+The full-attention layers differ from Qwen3's in three ways: q_proj also yields a gate per channel
+(interleaved per head as [q | gate]) that multiplies the attention's output through a sigmoid; RoPE turns
+only the first `rotary_dim` dimensions of each head; the q/k norms, like every RMSNorm of the model but the
+linear layers' output norm, are zero-centred (1 + w, folded into the weight as it loads).
+
+A linear-attention layer projects q, k, v (through a causal depthwise convolution with SiLU), the output
+gate z, and per value head the write strength b and the decay a; runs the gated delta rule
+(worker/layers/gated_delta_rule.py) from the request's state; normalises each head's output and gates it
+with SiLU(z). Its state (the convolution's last inputs and the recurrent state) lives in per-request
+slots the model runner binds (`conv_state`, `recurrent_state`); the step's StateBatch says which slot
+each sequence has and which start from zero. Tensor parallelism splits key and value heads across ranks
+as attention heads are split.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.kernels.attention import AttentionBackend, AttentionMetadata
+from nanovllm.worker.layers.attention import Attention
+from nanovllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.worker.layers.gated_delta_rule import causal_conv, causal_conv_step, chunked, recurrent_step
+from nanovllm.worker.layers.kernels import LayerKernels
+from nanovllm.worker.layers.linear import (
+    MergedColumnParallelLinear,
+    ParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from nanovllm.worker.layers.loadable import LoadableTensor
+from nanovllm.worker.layers.moe import SparseMoeBlock
+from nanovllm.worker.layers.norm import HeadRMSNorm, RMSNorm
+from nanovllm.worker.layers.parallel import TPContext
+from nanovllm.worker.layers.quantization import QuantPlan, assign
+from nanovllm.worker.layers.rotary import RotaryEmbedding, apply_rotary
+from nanovllm.worker.model_config import FULL_ATTENTION, HybridSpec, ModelConfig
+from nanovllm.worker.models.decoder import DecoderForCausalLM, DecoderMLP
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, quant: QuantPlan | None, prefix: str) -> None:
+        super().__init__()
+        d = cfg.head_dim
+        tp.shard(cfg.num_attention_heads, "num_attention_heads")
+        # q_proj's rows are [q | gate] per head: as 2 * heads heads of head_dim, a rank's share of them
+        # is its heads' q and gate.
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, d, 2 * cfg.num_attention_heads, cfg.num_key_value_heads, cfg.spec.qkv_bias,
+            tp, quant, f"{prefix}.qkv_proj",
+        )  # fmt: skip
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads // 2, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * d, cfg.hidden_size, cfg.spec.o_bias, tp, quant, f"{prefix}.o_proj"
+        )
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d)
+        self.qk_norm = HeadRMSNorm(self.num_heads, self.num_kv_heads, d, cfg.rms_norm_eps, weight_offset=1.0)
+        self.head_dim = d
+        self.rotary_dim = cfg.hybrid.rotary_dim
+
+    def forward(
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        tokens, d, heads = x.shape[0], self.head_dim, self.num_heads
+        qkv = self.qkv_proj(x)
+        q, gate = qkv[:, : 2 * heads * d].view(tokens, heads, 2 * d).split(d, dim=-1)
+        k, v = qkv[:, 2 * heads * d :].view(tokens, 2 * self.num_kv_heads, d).chunk(2, dim=1)
+        qk = self.qk_norm(torch.cat([q, k], dim=1))
+        turned = apply_rotary(qk[..., : self.rotary_dim], *rope)
+        qk = torch.cat([turned, qk[..., self.rotary_dim :]], dim=-1)
+        q, k = qk.split([heads, self.num_kv_heads], dim=1)
+        out = self.attn(q, k, v.contiguous(), meta)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, heads * d)))
+
+
+def _split_rows(whole_sizes: list[int], tp: TPContext) -> list[tuple[int, int, int]]:
+    """(offset here, offset in the checkpoint, rows) of this rank's share of each consecutive part."""
+    parts, here, there = [], 0, 0
+    for size in whole_sizes:
+        local = size // tp.size
+        parts.append((here, there + tp.rank * local, local))
+        here, there = here + local, there + size
+    return parts
+
+
+class LinearAttentionInProj(MergedColumnParallelLinear):
+    """q, k, v, z, b and a in one matmul. The checkpoint holds q, k and v as one tensor (in_proj_qkv,
+    loaded as shard "qkv"), z, b and a as three (shards 3, 4, 5)."""
+
+    def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
+        if shard_id != "qkv":
+            super().weight_loader(param, loaded, shard_id)
+            return
+        for here, there, rows in _split_rows(self.output_sizes[:3], self.tp):
+            assign(param.narrow(0, here, rows), loaded.narrow(0, there, rows))
+
+
+class GatedRMSNorm(nn.Module):
+    """Each head's output normalised (fp32, rounded to the dtype), times the weight, times SiLU(gate)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), x.shape[-1:], None, self.eps).to(x.dtype)
+        return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, quant: QuantPlan | None, prefix: str) -> None:
+        super().__init__()
+        h: HybridSpec = cfg.hybrid
+        self.tp = tp
+        self.num_key_heads = tp.shard(h.num_key_heads, "linear_num_key_heads")
+        self.num_heads = tp.shard(h.num_value_heads, "linear_num_value_heads")
+        self.key_dim, self.value_dim = h.key_head_dim, h.value_head_dim
+        key_size, value_size = h.num_key_heads * h.key_head_dim, h.num_value_heads * h.value_head_dim
+        self.conv_sizes = [key_size, key_size, value_size]
+        sizes = [*self.conv_sizes, value_size, h.num_value_heads, h.num_value_heads]
+        self.in_proj = LinearAttentionInProj(cfg.hidden_size, sizes, False, tp, quant, f"{prefix}.in_proj")
+        self.split_sizes = [sum(sizes[:3]) // tp.size, *(s // tp.size for s in sizes[3:])]
+        channels = self.split_sizes[0]
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(channels, h.conv_kernel_size), requires_grad=False)
+        self.conv1d.weight.weight_loader = self._load_conv
+        self.A_log = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+        self.A_log.weight_loader = self.dt_bias.weight_loader = self._load_per_head
+        self.norm = GatedRMSNorm(h.value_head_dim, cfg.rms_norm_eps)
+        self.out_proj = RowParallelLinear(value_size, cfg.hidden_size, False, tp, quant, f"{prefix}.out_proj")
+        # Bound by the model runner to this layer's share of the state slots: [slots, channels, K - 1] in the
+        # model's dtype and [slots, heads, key dim, value dim] in fp32.
+        self.conv_state = torch.empty(0)
+        self.recurrent_state = torch.empty(0)
+
+    def _load_conv(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
+        for here, there, rows in _split_rows(self.conv_sizes, self.tp):
+            assign(param.narrow(0, here, rows), loaded.narrow(0, there, rows).reshape(rows, -1))
+
+    def _load_per_head(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
+        assign(param, loaded.narrow(0, self.tp.rank * self.num_heads, self.num_heads))
+
+    def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The convolution's output [T, channels] as q, k [T, key heads, dk] and v [T, heads, dv]."""
+        key_size = self.num_key_heads * self.key_dim
+        q, k, v = mixed.split([key_size, key_size, self.num_heads * self.value_dim], dim=-1)
+        tokens = mixed.shape[0]
+        return (
+            q.reshape(tokens, -1, self.key_dim),
+            k.reshape(tokens, -1, self.key_dim),
+            v.reshape(tokens, -1, self.value_dim),
+        )
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        mixed, z, b, a = self.in_proj(x).split(self.split_sizes, dim=-1)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        weight = self.conv1d.weight
+        out = torch.empty(x.shape[0], self.num_heads, self.value_dim, dtype=x.dtype, device=x.device)
+        states = meta.states
+        if states is None or not self.conv_state.numel():
+            # No state slots (the runner measuring a step's memory): every sequence from the zero state.
+            begin = 0
+            for n in _sequence_lengths(meta):
+                rows = slice(begin, begin + n)
+                mixed_rows, _ = causal_conv(mixed[rows], weight, None)
+                out[rows] = chunked(*self._heads(mixed_rows), g[rows], beta[rows], None)[0]
+                begin += n
+        else:
+            self._run_with_states(mixed, g, beta, weight, states, out)
+        normed = self.norm(out.view(-1, self.value_dim), z.reshape(-1, self.value_dim))
+        return self.out_proj(normed.view(x.shape[0], -1))
+
+    def _run_with_states(self, mixed, g, beta, weight, states, out) -> None:
+        conv_state, recurrent_state = self.conv_state, self.recurrent_state
+        if states.fresh_slots is not None:  # a sequence's first chunk starts from the zero state
+            conv_state.index_fill_(0, states.fresh_slots, 0)
+            recurrent_state.index_fill_(0, states.fresh_slots, 0)
+        nd = states.num_decodes
+        if nd:  # one token each: the recurrent form, all at once
+            slots = states.slots[:nd]
+            mixed_rows, conv = causal_conv_step(mixed[:nd], weight, conv_state.index_select(0, slots))
+            conv_state.index_copy_(0, slots, conv)
+            o, s = recurrent_step(
+                *self._heads(mixed_rows), g[:nd], beta[:nd], recurrent_state.index_select(0, slots)
+            )
+            recurrent_state.index_copy_(0, slots, s)
+            out[:nd] = o
+        begin = nd
+        for slot, n in zip(states.slot_list[nd:], states.num_tokens[nd:]):  # chunks: the chunked form
+            rows = slice(begin, begin + n)
+            mixed_rows, conv_state[slot] = causal_conv(mixed[rows], weight, conv_state[slot])
+            out[rows], recurrent_state[slot] = chunked(
+                *self._heads(mixed_rows), g[rows], beta[rows], recurrent_state[slot]
+            )
+            begin += n
+
+
+def _sequence_lengths(meta: AttentionMetadata) -> list[int]:
+    """Each sequence's token count in the step's layout order, from the attention metadata."""
+    lengths = [1] * meta.decode.context_lens.shape[0] if meta.decode is not None else []
+    for batch in (meta.fresh, meta.cached):
+        if batch is not None:
+            lengths += batch.query_lens.tolist()
+    return lengths
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, tp: TPContext, quant: QuantPlan | None, prefix: str, index: int
+    ) -> None:
+        super().__init__()
+        self.is_full_attention = cfg.hybrid.layer_types[index] == FULL_ATTENTION
+        if self.is_full_attention:
+            self.self_attn = GatedAttention(cfg, tp, quant, f"{prefix}.self_attn")
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, tp, quant, f"{prefix}.linear_attn")
+        self.mlp: DecoderMLP | SparseMoeBlock
+        if cfg.moe is not None and index in cfg.moe.sparse_layers:
+            self.mlp = SparseMoeBlock(cfg, tp, quant, f"{prefix}.mlp")
+        else:
+            self.mlp = DecoderMLP(cfg, tp, quant, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weight_offset=1.0)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weight_offset=1.0)
+
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x = self.self_attn(rope, x, meta) if self.is_full_attention else self.linear_attn(x, meta)
+        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
+        return self.mlp(x), residual
+
+
+class HybridModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, quant: QuantPlan | None) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden_size, tp, quant, "model.embed_tokens"
+        )
+        dtype = torch.get_default_dtype()  # the runner builds the model in its dtype
+        self.rotary = RotaryEmbedding(
+            cfg.hybrid.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, dtype, cfg.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            HybridDecoderLayer(cfg, tp, quant, f"model.layers.{i}", i) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weight_offset=1.0)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary.lookup(positions)
+        for layer in self.layers:
+            x, residual = layer(rope, x, residual, meta)
+        x, _ = self.norm.add_and_norm(x, residual)
+        return x
+
+
+class Qwen3_5ForCausalLM(DecoderForCausalLM):
+    """The decoder's embedding, head and loading, over the hybrid's layers."""
+
+    model_class = HybridModel
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
+        **DecoderForCausalLM.packed_modules_mapping,
+        "in_proj_qkv": ("in_proj", "qkv"),
+        "in_proj_z": ("in_proj", 3),
+        "in_proj_b": ("in_proj", 4),
+        "in_proj_a": ("in_proj", 5),
+    }
+    lora_targets: ClassVar[dict[str, tuple[str, object]]] = {}  # LoRA is refused at start (worker/config.py)
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str | None:
+        """The published checkpoints' multimodal layout (Qwen3_5ForConditionalGeneration) served text-only:
+        the language model's tensors under this model's names; the vision tower's and the multi-token
+        prediction head's not loaded (None)."""
+        if name.startswith(("model.visual.", "mtp.")):
+            return None
+        return (
+            "model." + name.removeprefix("model.language_model.")
+            if name.startswith("model.language_model.")
+            else name
+        )
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers if layer.is_full_attention]
+
+    def linear_attention_layers(self) -> list[GatedDeltaNet]:
+        return [layer.linear_attn for layer in self.model.layers if not layer.is_full_attention]
+
+    def bind_kernels(self, attention: AttentionBackend, kernels: LayerKernels) -> None:
+        """Attention layers on `attention`; RMSNorm, the SwiGLU gate and the projections on `kernels`
+        (the C++ CPU kernels or PyTorch; the fused Triton layer kernels are the other decoders')."""
+        for attn in self.attention_layers():
+            attn.backend = attention
+        kernels = LayerKernels(cpu=kernels.cpu, deterministic=kernels.deterministic)
+        for module in self.modules():
+            if isinstance(
+                module, (RMSNorm, HeadRMSNorm, DecoderMLP, SparseMoeBlock, ParallelLinear, ParallelLMHead)
+            ):
+                module.kernels = kernels
