@@ -6,6 +6,7 @@ layout served text-only; what it does not run refused at start, naming it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from pathlib import Path
@@ -19,8 +20,11 @@ from nanovllm.common.errors import ConfigError, UnsupportedModelError
 from nanovllm.worker.layers.gated_delta_rule import chunked, recurrent_step
 from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.runner.kv_cache import kv_bytes_per_block
-from tests.helpers import greedy, hf_greedy, hf_model, teacher_forced_logits
+from tests.helpers import compare_tp, greedy, hf_greedy, hf_model, teacher_forced_logits
 from tests.model_factory import build_model
+from tests.services import held_streams, wait_idle
+from tests.test_resume import MAX_TOKENS as RESUME_MAX_TOKENS
+from tests.test_resume import _run as resume_run
 from tests.top5 import assert_close, random_prompts, run_case
 
 MAX_NEW = 16
@@ -209,6 +213,7 @@ def test_a_config_it_does_not_implement_fails_at_start_naming_it(tmp_path: Path,
     ("options", "words"),
     [
         ({"speculative_method": "ngram"}, ["speculative_method"]),
+        ({"deterministic": True}, ["deterministic"]),
         ({"max_loras": 1}, ["lora"]),
         ({"quantization": "int8"}, ["quantization"]),
         ({"kv_host_memory": "64MiB"}, ["kv_host_memory"]),
@@ -227,9 +232,31 @@ def test_state_that_cannot_fit_fails_at_start_with_the_numbers(default_model: Pa
     assert "max_num_seqs=256" in message and "MiB each" in message and "kv_cache_memory" in message
 
 
-def test_the_prefix_cache_is_off_and_said_so(default_model: Path):
+def test_the_prefix_cache_and_auto_determinism_are_off(default_model: Path):
     llm = LLM(str(default_model), **ENGINE)
-    assert not llm.engine.block_manager.enable_prefix_caching
+    assert not llm.engine.block_manager.enable_prefix_caching and not llm.config.deterministic
     prompt = _prompts()[4]
     first, again = llm.generate([prompt, prompt], greedy(4), use_tqdm=False)
     assert first["token_ids"] == again["token_ids"]
+
+
+def test_two_ranks_equal_one(default_model: Path):
+    """Key and value heads of the linear layers split across the ranks as attention heads are, each rank
+    with its share of every state slot: tokens equal, logits within 1e-4 (tests/helpers.py)."""
+    compare_tp(default_model)
+
+
+@pytest.mark.slow
+def test_streams_resume_token_identical_when_their_worker_is_killed(
+    default_model: Path, kernels, tmp_path: Path
+):
+    """tests/test_resume.py's case on the hybrid, float32: eight streams (greedy, and seeded sampling with
+    penalties) on worker A, A SIGKILLed mid-stream; on B each request recomputes its state from its prompt
+    and the tokens so far, and every stream equals its unbroken run token for token."""
+    flags = ("--dtype", "float32")
+    with held_streams(default_model, tmp_path, worker_flags=flags) as (_, b, router, kill_a):
+        results, at_kill = asyncio.run(resume_run(router.address, kill_when=4, kill=kill_a))
+        assert all(4 <= n < RESUME_MAX_TOKENS for n in at_kill), at_kill
+        unbroken, _ = asyncio.run(resume_run(router.address))
+        assert results == unbroken
+        wait_idle(b.address)

@@ -250,6 +250,7 @@ class EngineConfig:
             raise ConfigError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
             )
+        deterministic_asked = self.deterministic  # None: auto (a hybrid model turns auto off, below)
         if self.deterministic is None:
             self.deterministic = self._deterministic_by_default()
         if self.deterministic and self.attention_backend not in DETERMINISTIC_BACKENDS:
@@ -287,15 +288,18 @@ class EngineConfig:
             self.hf_config = ModelConfig.from_pretrained_dir(self.model)
         self._check_draft()
         if self.hf_config.hybrid is not None:
-            self._check_hybrid()
+            self._check_hybrid(deterministic_asked)
         # Positions beyond the model's trained range are meaningless; clamp (as nano-vllm does) so the
         # 4096 default works for small models. `LLM.config.max_model_len` holds the effective value.
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
 
-    def _check_hybrid(self) -> None:
+    def _check_hybrid(self, deterministic_asked: bool | None) -> None:
         """What a hybrid model (linear-attention layers with a per-request state) does not run with yet:
-        refused by name; the prefix cache is turned off (its blocks would skip the state's tokens)."""
+        refused by name; the prefix cache is turned off (its blocks would skip the state's tokens), and
+        `deterministic` where it was auto (the delta rule's chunked form rounds by where a step's chunk
+        starts, so a request's tokens may depend on its chunking)."""
         refused = {
+            "deterministic": bool(deterministic_asked),
             "speculative_method": self.speculative_method != "none",
             "lora": bool(self.lora_adapters or self.max_loras),
             "kv_host_memory / kv_disk_path": self.kv_tiers,
@@ -311,6 +315,9 @@ class EngineConfig:
         if self.enable_prefix_caching:
             log.info("prefix_caching_off", reason="not yet over a hybrid model's linear-attention state")
             self.enable_prefix_caching = False
+        if self.deterministic:
+            log.info("deterministic_off", reason="not yet batch-invariant over a hybrid model's linear attention")
+            self.deterministic = False
 
     def _deterministic_by_default(self) -> bool:
         """deterministic=None (auto): on where the batch-invariant kernels cost nothing measurable, the
