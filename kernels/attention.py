@@ -17,6 +17,7 @@ masks) is derived on first use, once per step, since every layer shares the step
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -106,13 +107,18 @@ class StateBatch:
     """A hybrid model's per-request state for one step (worker/models/qwen3_5.py): each sequence's slot
     in the linear-attention layers' state tensors and its token count, in the step's layout order (the
     first `num_decodes` run one token each), and the slots of the sequences that start from the zero state
-    this step (their first token is at position 0)."""
+    this step (their first token is at position 0), the prefix-cache hits' snapshots to resume from, and
+    the copies of the state to make at block boundaries (worker/core/block_manager.py)."""
 
     slots: torch.Tensor  # [num_seqs] long, on the device
     slot_list: list[int]
     num_tokens: list[int]
     num_decodes: int
     fresh_slots: torch.Tensor | None  # long, on the device; None when no sequence starts here
+    # (snapshot row, slot): a prefix-cache hit's state copied into its sequence's slot before the step.
+    restores: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # Per sequence, (tokens into its chunk, snapshot row): the state after those tokens copied to the row.
+    saves: list[list[tuple[int, int]]] = dataclasses.field(default_factory=list)
 
 
 @dataclass

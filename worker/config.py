@@ -136,6 +136,18 @@ class EngineConfig:
     enable_prefix_caching: bool = option(
         True, flag="--no-prefix-caching", negate=True, help="turn off reuse of cached prompt prefixes"
     )
+    state_cache_fraction: float = option(
+        0.25,
+        help="a hybrid model's (Qwen3.5): the share of the KV cache budget, past its requests' state slots, "
+        "kept for snapshots of the linear-attention state at block boundaries, which prefix-cache hits resume from (0: no prefix "
+        "cache for hybrid models)",
+    )
+    state_snapshot_interval: int = option(
+        512,
+        help="a hybrid model's: tokens between the state snapshots taken inside a prompt (a multiple of "
+        "--block-size), so requests sharing a long prefix hit it; every request also leaves a snapshot at "
+        "its last block boundary when it finishes, so a conversation's next turn hits all of it",
+    )
     attention_backend: str = option(
         "auto",
         help="auto (the fastest the device runs), torch, cpu_kernel, triton (CUDA) or flash_attn (CUDA)",
@@ -295,11 +307,11 @@ class EngineConfig:
 
     def _check_hybrid(self, deterministic_asked: bool | None) -> None:
         """What a hybrid model (linear-attention layers with a per-request state) does not run with yet:
-        refused by name; the prefix cache is turned off (its blocks would skip the state's tokens), and
-        `deterministic` where it was auto (the delta rule's chunked form rounds by where a step's chunk
+        refused by name, and `deterministic` turned off where it was auto (the delta rule's chunked form rounds by where a step's chunk
         starts, so a request's tokens may depend on its chunking)."""
         refused = {
             "deterministic": bool(deterministic_asked),
+            "async_scheduling=on": self.async_scheduling == "on",
             "speculative_method": self.speculative_method != "none",
             "lora": bool(self.lora_adapters or self.max_loras),
             "kv_host_memory / kv_disk_path": self.kv_tiers,
@@ -312,11 +324,21 @@ class EngineConfig:
                 f"{', '.join(named)}: not supported with {self.hf_config.architecture} (a hybrid model's "
                 "linear-attention state) yet"
             )
-        if self.enable_prefix_caching:
-            log.info("prefix_caching_off", reason="not yet over a hybrid model's linear-attention state")
+        if not 0.0 <= self.state_cache_fraction < 1.0:
+            raise ConfigError(f"state_cache_fraction must be in [0, 1), got {self.state_cache_fraction}")
+        block = self.kvcache_block_size
+        if self.state_snapshot_interval < block or self.state_snapshot_interval % block:
+            raise ConfigError(
+                f"state_snapshot_interval must be a positive multiple of the block size {block}, got "
+                f"{self.state_snapshot_interval}"
+            )
+        if self.enable_prefix_caching and self.state_cache_fraction == 0:
+            log.info("prefix_caching_off", reason="state_cache_fraction=0 keeps no linear-attention state")
             self.enable_prefix_caching = False
         if self.deterministic:
-            log.info("deterministic_off", reason="not yet batch-invariant over a hybrid model's linear attention")
+            log.info(
+                "deterministic_off", reason="not yet batch-invariant over a hybrid model's linear attention"
+            )
             self.deterministic = False
 
     def _deterministic_by_default(self) -> bool:

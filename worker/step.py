@@ -27,6 +27,11 @@ class ScheduledSequence:
     num_new_tokens: int
     # Proposed tokens computed after the sequence's last one (counted in num_new_tokens), to be verified.
     spec_token_ids: list[int] = field(default_factory=list)
+    # A hybrid model's state (Sequence.state_slot): the snapshot row it starts from (a prefix-cache hit;
+    # -1: none), and (position, snapshot row) where the step keeps a copy of it, at block boundaries the
+    # chunk reaches (worker/core/block_manager.py decides both).
+    state_restore: int = -1
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
     # True when this chunk reaches the end of the sequence's tokens as scheduled, so its last logits pick a
     # new token (with proposals: the logits at the last token and at each proposal pick one each). Fixed
     # here: the step appends its pick's place to the sequence when it is launched.
@@ -146,9 +151,12 @@ class SeqChunk:
     start: int
     num_new_tokens: int
     block_table: list[int]  # the blocks up to this chunk's end
-    state_slot: int = (
-        -1
-    )  # a hybrid model's: the sequence's slot in the linear layers' state (Sequence.state_slot)
+    # A hybrid model's: the sequence's slot in the linear layers' state (Sequence.state_slot), the snapshot
+    # row copied into it before the chunk (-1: none), and (tokens into the chunk, snapshot row) where the
+    # state after those tokens is copied to.
+    state_slot: int = -1
+    state_restore: int = -1
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -187,7 +195,8 @@ class StepInputs:
     prompt_scoring: list[PromptScoring] = field(default_factory=list)
 
     def pack(self) -> torch.Tensor:
-        """[counts..., input_ids, positions, slot_mapping, (start, n, state slot, len, *table) per chunk, logits_index,
+        """[counts..., input_ids, positions, slot_mapping, (start, n, state slot, restore, saves, *saves, len,
+        *table) per chunk, logits_index,
         lora_slots, the UTF-8 bytes of lora_fills as JSON, prompt_rows, kv_transfers] (not
         prompt_scoring: rank 0's)"""
         if self.deferred:
@@ -199,8 +208,9 @@ class StepInputs:
         values += self.input_ids + self.positions + self.slot_mapping
         for group in groups:
             for chunk in group:
-                values += [chunk.start, chunk.num_new_tokens, chunk.state_slot, len(chunk.block_table)]
-                values += chunk.block_table
+                values += [chunk.start, chunk.num_new_tokens, chunk.state_slot, chunk.state_restore]
+                values += [len(chunk.state_saves), *(v for save in chunk.state_saves for v in save)]
+                values += [len(chunk.block_table), *chunk.block_table]
         values += self.logits_index + self.lora_slots + fills + [len(self.prompt_rows), *self.prompt_rows]
         values += self.kv_transfers.pack()
         return host_tensor(values)
@@ -221,8 +231,11 @@ class StepInputs:
         for count in (nd, nf, nc):
             chunks = []
             for _ in range(count):
-                start, num_new, state_slot, table_len = take(4)
-                chunks.append(SeqChunk(start, num_new, take(table_len), state_slot))
+                start, num_new, state_slot, restore, num_saves = take(5)
+                flat = take(2 * num_saves)
+                saves = list(zip(flat[::2], flat[1::2]))
+                (table_len,) = take(1)
+                chunks.append(SeqChunk(start, num_new, take(table_len), state_slot, restore, saves))
             groups.append(chunks)
         logits_index, lora_slots, fills = take(nl), take(ns), take(nb)
         lora_fills = [tuple(fill) for fill in json.loads(bytes(fills))] if fills else []

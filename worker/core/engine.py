@@ -85,6 +85,8 @@ class LLMEngine:
             config.enable_prefix_caching,
             self._lower_tiers(),
             self.runner.num_state_slots,
+            self.runner.num_state_snapshots,
+            config.state_snapshot_interval,
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.scheduler = Scheduler(
@@ -110,6 +112,9 @@ class LLMEngine:
             and self.runner.device.type == "cuda"
             and config.tensor_parallel_size == 1
             and config.speculative_method == "none"
+            # A hybrid model's state snapshots are published as a step is applied: the next step must not
+            # have run yet (worker/core/block_manager.py).
+            and config.hf_config.hybrid is None
         )
         self._inflight: _InFlight | None = None  # a launched step not yet applied (overlapped loop)
         # The step loop, chosen once (vLLM v1's step / step_with_batch_queue). The function, not the bound

@@ -104,7 +104,12 @@ class Scheduler:
         if not preempted:
             self._admit_waiting(budget, decodes, prefills, loading)
         transfers = self.block_manager.take_transfers()
-        return SchedulerOutput(decodes + prefills, len(decodes), transfers, loading)
+        scheduled = decodes + prefills
+        if self.block_manager.caches_state:  # a hybrid model's state copies at block boundaries
+            for item in scheduled:
+                end = item.start + item.num_new_tokens
+                item.state_saves = self.block_manager.plan_state_saves(item.seq, item.start, end)
+        return SchedulerOutput(scheduled, len(decodes), transfers, loading)
 
     def _admit_waiting(
         self,
@@ -145,7 +150,8 @@ class Scheduler:
                     bm.finish_loads(seq, lower, set())
                 num_cached = len(seq.block_hashes) * bm.block_size
                 self._start_running(seq, num_cached)
-                (decodes if num_new == 1 else prefills).append(ScheduledSequence(seq, num_cached, num_new))
+                item = ScheduledSequence(seq, num_cached, num_new, state_restore=bm.state_restore(seq))
+                (decodes if num_new == 1 else prefills).append(item)
                 budget -= num_new
             self.waiting.pop(index)
             if seq.adapter is not None:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.kernels.attention import AttentionBackend, AttentionMetadata
+from nanovllm.kernels.attention import AttentionBackend, AttentionMetadata, StateBatch
 from nanovllm.worker.layers.attention import Attention
 from nanovllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.worker.layers.gated_delta_rule import causal_conv, causal_conv_step, chunked, recurrent_step
@@ -179,29 +179,56 @@ class GatedDeltaNet(nn.Module):
         normed = self.norm(out.view(-1, self.value_dim), z.reshape(-1, self.value_dim))
         return self.out_proj(normed.view(x.shape[0], -1))
 
-    def _run_with_states(self, mixed, g, beta, weight, states, out) -> None:
+    def _run_with_states(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        weight: torch.Tensor,
+        states: StateBatch,
+        out: torch.Tensor,
+    ) -> None:
+        """The step's sequences from their slots' state, which they leave updated: decodes all at once
+        (the recurrent form), chunks one by one (the chunked form), each cut where a copy of its state is
+        kept (a block boundary the block manager chose)."""
         conv_state, recurrent_state = self.conv_state, self.recurrent_state
         if states.fresh_slots is not None:  # a sequence's first chunk starts from the zero state
             conv_state.index_fill_(0, states.fresh_slots, 0)
             recurrent_state.index_fill_(0, states.fresh_slots, 0)
+        for row, slot in states.restores:  # a prefix-cache hit resumes from its snapshot
+            conv_state[slot], recurrent_state[slot] = conv_state[row], recurrent_state[row]
         nd = states.num_decodes
         if nd:  # one token each: the recurrent form, all at once
             slots = states.slots[:nd]
             mixed_rows, conv = causal_conv_step(mixed[:nd], weight, conv_state.index_select(0, slots))
             conv_state.index_copy_(0, slots, conv)
-            o, s = recurrent_step(
-                *self._heads(mixed_rows), g[:nd], beta[:nd], recurrent_state.index_select(0, slots)
-            )
+            recurrent = recurrent_state.index_select(0, slots)
+            o, s = recurrent_step(*self._heads(mixed_rows), g[:nd], beta[:nd], recurrent)
             recurrent_state.index_copy_(0, slots, s)
             out[:nd] = o
+            for slot, saves in zip(states.slot_list[:nd], states.saves[:nd]):
+                for _, row in saves:  # a decode's copy is after its token
+                    self._keep(slot, row)
         begin = nd
-        for slot, n in zip(states.slot_list[nd:], states.num_tokens[nd:]):  # chunks: the chunked form
-            rows = slice(begin, begin + n)
-            mixed_rows, conv_state[slot] = causal_conv(mixed[rows], weight, conv_state[slot])
-            out[rows], recurrent_state[slot] = chunked(
-                *self._heads(mixed_rows), g[rows], beta[rows], recurrent_state[slot]
-            )
+        for slot, n, saves in zip(states.slot_list[nd:], states.num_tokens[nd:], states.saves[nd:]):
+            done = 0
+            for end in sorted({offset for offset, _ in saves} | {n}):
+                if end > done:
+                    rows = slice(begin + done, begin + end)
+                    mixed_rows, conv_state[slot] = causal_conv(mixed[rows], weight, conv_state[slot])
+                    out[rows], recurrent_state[slot] = chunked(
+                        *self._heads(mixed_rows), g[rows], beta[rows], recurrent_state[slot]
+                    )
+                    done = end
+                for offset, row in saves:
+                    if offset == end:
+                        self._keep(slot, row)
             begin += n
+
+    def _keep(self, slot: int, row: int) -> None:
+        """Copy slot's state into snapshot row `row`."""
+        self.conv_state[row] = self.conv_state[slot]
+        self.recurrent_state[row] = self.recurrent_state[slot]
 
 
 def _sequence_lengths(meta: AttentionMetadata) -> list[int]:

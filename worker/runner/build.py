@@ -339,36 +339,47 @@ class ModelRunnerBase:
         self.sampler(logits, [SamplingRow(heaviest, [0], [], None)] * num_rows)
 
     def _allocate_states(self, budget: int) -> int:
-        """A hybrid model's state slots, one per request that may run (max_num_seqs), taken from the KV
-        cache's budget: each linear-attention layer's share bound to it. Returns the bytes they took."""
+        """A hybrid model's state rows, taken from the KV cache's budget: a slot for each request that may
+        run (max_num_seqs), then, with the prefix cache, snapshot rows (state_cache_fraction of what is left)
+        that hits resume from (worker/core/block_manager.py); each linear-attention layer's share bound to
+        it. Returns the bytes they took."""
         layers = getattr(self.model, "linear_attention_layers", list)()
-        self.num_state_slots = self.config.max_num_seqs if layers else 0
+        config = self.config
+        self.num_state_slots = config.max_num_seqs if layers else 0
+        self.num_state_snapshots = 0
         if not layers:
             return 0
         slots = self.num_state_slots
-        k = self.config.hf_config.hybrid.conv_kernel_size
+        k = config.hf_config.hybrid.conv_kernel_size
         shapes = [
-            ((slots, layer.split_sizes[0], k - 1), (slots, layer.num_heads, layer.key_dim, layer.value_dim))
+            ((layer.split_sizes[0], k - 1), (layer.num_heads, layer.key_dim, layer.value_dim))
             for layer in layers
         ]
-        per_slot = sum(c[1] * c[2] * self._element_size() + r[1] * r[2] * r[3] * 4 for c, r in shapes)
+        per_slot = sum(c[0] * c[1] * self._element_size() + r[0] * r[1] * r[2] * 4 for c, r in shapes)
         if slots * per_slot >= budget:
             raise ConfigError(
                 f"the linear-attention state of max_num_seqs={slots} requests needs "
                 f"{slots * per_slot / 2**30:.3f} GiB ({per_slot / 2**20:.2f} MiB each), more than this rank's "
                 f"KV cache budget of {budget / 2**30:.3f} GiB; lower max_num_seqs or raise kv_cache_memory"
             )
+        if config.enable_prefix_caching:
+            left = budget - slots * per_slot
+            self.num_state_snapshots = self.tp.all_reduce_min(
+                int(left * config.state_cache_fraction) // per_slot
+            )
+        rows = slots + self.num_state_snapshots
         for layer, (conv, recurrent) in zip(layers, shapes):
-            layer.conv_state = torch.zeros(conv, dtype=self.dtype, device=self.device)
-            layer.recurrent_state = torch.zeros(recurrent, dtype=torch.float32, device=self.device)
+            layer.conv_state = torch.zeros((rows, *conv), dtype=self.dtype, device=self.device)
+            layer.recurrent_state = torch.zeros((rows, *recurrent), dtype=torch.float32, device=self.device)
         if self.tp.rank == 0:
             log.info(
                 "state_slots_allocated",
                 slots=slots,
+                snapshots=self.num_state_snapshots,
                 mib_per_slot=round(per_slot / 2**20, 3),
-                gib=round(slots * per_slot / 2**30, 3),
+                gib=round(rows * per_slot / 2**30, 3),
             )
-        return slots * per_slot
+        return rows * per_slot
 
     def _allocate_kv_cache(self) -> int:
         cfg = self.config.hf_config

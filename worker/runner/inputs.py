@@ -60,9 +60,11 @@ class InputBuilder:
             positions.append(position)
             slots.append(table[position // bs] * bs + position % bs)
             needed = position // bs + 1
-            decodes.append(
-                SeqChunk(position, 1, table if len(table) == needed else table[:needed], seq.state_slot)
-            )
+            decode = SeqChunk(position, 1, table if len(table) == needed else table[:needed], seq.state_slot)
+            if item.state_saves or item.state_restore >= 0:  # a hybrid model's, at a block boundary
+                decode.state_restore = item.state_restore
+                decode.state_saves = [(boundary - position, row) for boundary, row in item.state_saves]
+            decodes.append(decode)
             if lora_slot is not None:
                 lora_slots.append(lora_slot(seq))
             if seq.num_pending_tokens:
@@ -101,9 +103,11 @@ class InputBuilder:
         def chunk(item: ScheduledSequence, start: int, num_new_tokens: int) -> SeqChunk:
             # The sequence's own list where it is the whole table (BlockTableRows keeps its row).
             table, needed = item.seq.block_table, -(-(start + num_new_tokens) // bs)
+            saves = [(boundary - start, row) for boundary, row in item.state_saves]
             return SeqChunk(
-                start, num_new_tokens, table if len(table) == needed else table[:needed], item.seq.state_slot
-            )
+                start, num_new_tokens, table if len(table) == needed else table[:needed], item.seq.state_slot,
+                item.state_restore, saves,
+            )  # fmt: skip
 
         decodes += [chunk(s, p, 1) for s in verifying for p in range(s.start, s.start + s.num_new_tokens)]
         return StepInputs(
@@ -201,6 +205,8 @@ class InputBuilder:
             num_tokens=[c.num_new_tokens for c in chunks],
             num_decodes=len(inputs.decodes),
             fresh_slots=self.long(fresh) if fresh else None,
+            restores=[(c.state_restore, c.state_slot) for c in chunks if c.state_restore >= 0],
+            saves=[c.state_saves for c in chunks],
         )
 
     def long(self, values: list[int]) -> torch.Tensor:
