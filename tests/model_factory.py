@@ -15,6 +15,7 @@ from transformers import (
     LlamaConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
@@ -61,6 +62,17 @@ _CONFIGS = {
         },
     ),
 }
+# Qwen3.5-MoE: the hybrid's layers, 8 experts of 32 features (2 per token) and a shared expert of 48
+_CONFIGS["qwen3_5_moe"] = (
+    Qwen3_5MoeTextConfig,
+    {
+        **_CONFIGS["qwen3_5"][1],
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+    },
+)
 
 
 def build_tokenizer(chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
@@ -114,12 +126,14 @@ def build_model(
         rms_norm_eps=1e-6,
         **({"rope_parameters": rope} if rope else {}),
     )
+    if arch == "qwen3_5_moe":  # every layer sparse: no dense MLP size
+        del fields["intermediate_size"]
     config = config_cls(**{**fields, **extra, **(overrides or {})})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name and arch == "qwen3_5" and "linear_attn" not in name:
+            if "norm" in name and arch.startswith("qwen3_5") and "linear_attn" not in name:
                 param.uniform_(-0.2, 0.2)  # zero-centred: applied as 1 + w
             elif "norm" in name:
                 param.uniform_(0.8, 1.2)

@@ -27,11 +27,16 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "LlamaForCausalLM": ArchitectureSpec(qk_norm=False, qkv_bias=False),
     "Qwen3MoeForCausalLM": ArchitectureSpec(qk_norm=True, qkv_bias=False),
     "Qwen3_5ForCausalLM": ArchitectureSpec(qk_norm=True, qkv_bias=False),
+    "Qwen3_5MoeForCausalLM": ArchitectureSpec(qk_norm=True, qkv_bias=False),
 }
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 
 # Published multimodal checkpoints whose language model is one of the above: served text-only, from
 # their `text_config` and the language model's weights (worker/models/loader.py skips the rest).
-TEXT_ONLY = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}
+TEXT_ONLY = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
 
 # The layer kinds of a hybrid model's `layer_types`.
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
@@ -112,17 +117,25 @@ class HybridSpec:
 class MoeSpec:
     """A mixture-of-experts MLP (transformers' Qwen3MoeForCausalLM): in each layer of `sparse_layers` a
     router picks `top_k` of `num_experts` SwiGLU experts per token (its softmax in float32, the top-k
-    weights renormalised to sum to 1 when `norm_topk_prob`); the other layers keep a dense MLP."""
+    weights renormalised to sum to 1 when `norm_topk_prob`); the other layers keep a dense MLP. Qwen3.5-MoE
+    adds a shared expert every token runs (`shared_expert_intermediate_size`), its output scaled by a
+    sigmoid gate of the token."""
 
     num_experts: int
     top_k: int
     intermediate_size: int  # each expert's
     norm_topk_prob: bool
     sparse_layers: frozenset[int]
+    shared_expert_intermediate_size: int = 0  # 0: none
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> MoeSpec:
-        for name in ("shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace"):
+    def from_hf_dict(cls, cfg: dict[str, Any], hybrid: bool = False) -> MoeSpec:
+        """`hybrid`: Qwen3.5-MoE's, whose every layer is sparse, with a shared expert, and whose router
+        always renormalises its top-k weights."""
+        if hybrid:
+            cfg = {**cfg, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+        unsupported = ("n_shared_experts", "first_k_dense_replace")
+        for name in unsupported if hybrid else ("shared_expert_intermediate_size", *unsupported):
             if cfg.get(name):
                 raise UnsupportedModelError(f"mixture-of-experts with {name}={cfg[name]} is not supported")
         experts = cfg.get("num_experts", cfg.get("num_local_experts"))
@@ -142,7 +155,12 @@ class MoeSpec:
             i for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0
         )
         return cls(
-            experts, top_k, int(cfg["moe_intermediate_size"]), bool(cfg.get("norm_topk_prob", False)), layers
+            experts,
+            top_k,
+            int(cfg["moe_intermediate_size"]),
+            bool(cfg.get("norm_topk_prob", False)),
+            layers,
+            int(cfg.get("shared_expert_intermediate_size") or 0),
         )
 
 
@@ -271,7 +289,7 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         hybrid = None
-        if arch == "Qwen3_5ForCausalLM":
+        if arch in HYBRID_ARCHITECTURES:
             hybrid = HybridSpec.from_hf_dict(cfg, head_dim, rope)
             # Multimodal RoPE (mrope) turns text positions as plain RoPE: every axis holds the position.
             rope = {
@@ -290,7 +308,8 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
-            intermediate_size=cfg["intermediate_size"],
+            # Qwen3.5-MoE has no dense MLP and no intermediate_size: its experts' size stands in.
+            intermediate_size=cfg.get("intermediate_size") or cfg["moe_intermediate_size"],
             vocab_size=cfg["vocab_size"],
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
@@ -299,7 +318,9 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             spec=spec,
             rope_scaling=rope_scaling,
-            moe=MoeSpec.from_hf_dict(cfg) if arch == "Qwen3MoeForCausalLM" else None,
+            moe=MoeSpec.from_hf_dict(cfg, hybrid=hybrid is not None)
+            if arch.endswith("MoeForCausalLM")
+            else None,
             hybrid=hybrid,
         )
 
@@ -320,6 +341,7 @@ class ModelConfig:
             total += len(h.linear_layers) * (linear - attention)
         if self.moe is not None:  # sparse layers: the router and every expert instead of the dense MLP
             experts = self.moe.num_experts * (3 * self.moe.intermediate_size + 1) * self.hidden_size
+            experts += (3 * self.moe.shared_expert_intermediate_size + 1) * self.hidden_size
             total += len(self.moe.sparse_layers) * (experts - mlp)
         return total
 

@@ -25,7 +25,7 @@ from torch import nn
 from nanovllm.common.errors import ConfigError
 from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX
 from nanovllm.worker.layers.kernels import PYTORCH
-from nanovllm.worker.layers.linear import linear
+from nanovllm.worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear, linear
 from nanovllm.worker.layers.loadable import LoadableTensor
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, assign, make_weight
@@ -118,6 +118,19 @@ class Experts(nn.Module):
             assign(weight.narrow(0, half * size, size), loaded.narrow(0, start, size))
 
 
+class SharedExpert(nn.Module):
+    """Qwen3.5-MoE's expert that every token runs: a SwiGLU MLP, split across ranks as a dense one."""
+
+    def __init__(
+        self, hidden_size: int, size: int, tp: TPContext, quant: QuantPlan | None, prefix: str
+    ) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [size, size], False, tp, quant, f"{prefix}.gate_up_proj"
+        )
+        self.down_proj = RowParallelLinear(size, hidden_size, False, tp, quant, f"{prefix}.down_proj")
+
+
 class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext, quant: QuantPlan | None, prefix: str) -> None:
         super().__init__()
@@ -128,6 +141,11 @@ class SparseMoeBlock(nn.Module):
         self.tp = tp
         self.gate = Router(spec.num_experts, cfg.hidden_size)
         self.experts = Experts(spec, cfg.hidden_size, tp, quant, f"{prefix}.experts")
+        self.shared_expert: SharedExpert | None = None
+        if spec.shared_expert_intermediate_size:
+            size = spec.shared_expert_intermediate_size
+            self.shared_expert = SharedExpert(cfg.hidden_size, size, tp, quant, f"{prefix}.shared_expert")
+            self.shared_expert_gate = Router(1, cfg.hidden_size)  # [1, hidden]: the token's gate logit
         self.kernels = PYTORCH  # see DecoderForCausalLM.bind_kernels
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -217,4 +235,9 @@ class SparseMoeBlock(nn.Module):
             out = fused_experts(x, experts.w13_stacked, experts.w2_stacked, chosen, weights)
         else:
             out = self.experts_one_by_one(x, chosen, weights)
-        return self.tp.all_reduce(out)
+        out = self.tp.all_reduce(out)
+        if self.shared_expert is not None:  # as transformers: experts + sigmoid(gate) * shared, in the dtype
+            shared = self.shared_expert
+            shared_out = shared.down_proj(self._silu_and_mul(shared.gate_up_proj(x)))
+            out = out + torch.sigmoid(self._linear(x, self.shared_expert_gate.weight)) * shared_out
+        return out

@@ -93,6 +93,43 @@ def _target(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, obje
     return name, None
 
 
+class ExpertPart:
+    """Rows [first, first + rows) of expert `expert`'s matrix in a checkpoint's fused expert tensor
+    ([experts, out, in], transformers' layout for Qwen3.5-MoE's published checkpoints), read as the
+    per-expert tensor it stands for."""
+
+    def __init__(self, fused: LoadableTensor, name: str, expert: int, first: int, rows: int) -> None:
+        self._fused, self.name, self._expert, self._first = fused, name, expert, first
+        self.shape = torch.Size([rows, fused.shape[2]])
+
+    def read(self) -> torch.Tensor:
+        return self._fused.narrow(0, self._expert, 1)[0].narrow(0, self._first, self.shape[0])
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self.read().narrow(dim, start, length)
+
+
+_FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+
+
+def _per_expert(tensors: Iterable[tuple[str, LoadableTensor]]) -> Iterator[tuple[str, LoadableTensor]]:
+    """Fused expert tensors (...experts.gate_up_proj [E, 2I, H], ...experts.down_proj [E, H, I]) as the
+    per-expert projections they hold; every other tensor as it is."""
+    for name, tensor in tensors:
+        fused = _FUSED_EXPERTS.search(name)
+        if fused is None or len(tensor.shape) != 3:
+            yield name, tensor
+            continue
+        base = name[: fused.start()]
+        for e in range(tensor.shape[0]):
+            if fused.group(1) == "down_proj":
+                yield f"{base}.experts.{e}.down_proj.weight", ExpertPart(tensor, name, e, 0, tensor.shape[1])
+            else:
+                half = tensor.shape[1] // 2
+                yield f"{base}.experts.{e}.gate_proj.weight", ExpertPart(tensor, name, e, 0, half)
+                yield f"{base}.experts.{e}.up_proj.weight", ExpertPart(tensor, name, e, half, half)
+
+
 def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, LoadableTensor]], source: str) -> None:
     """Copy every checkpoint tensor into its weight; every weight must be covered."""
     weights: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False))
@@ -105,7 +142,7 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, LoadableTensor]]
     rename = getattr(model, "checkpoint_name", None)
     loaded: set[str] = set()
     skipped: dict[str, int] = {}
-    for name, tensor in tensors:
+    for name, tensor in _per_expert(tensors):
         if rename is not None:
             own = rename(name)
             if own is None:
