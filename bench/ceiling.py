@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from nanovllm.worker.layers.kernels import LayerKernels
-from nanovllm.worker.layers.linear import linear
+from nanovllm.worker.layers.linear import ParallelLinear, linear
 
 
 def bracket(m: int) -> tuple[int, int]:
@@ -34,13 +34,9 @@ class MatmulCeiling:
     def __init__(self, model: torch.nn.Module, kernels: LayerKernels | None = None) -> None:
         """`kernels`: run the matmuls on these instead of the model's (PYTORCH: the fastest GEMM, the
         hardware's bound rather than the engine's kernels')."""
+        # Every projection of each layer (attention or linear attention, and the MLP), in module order.
         self.layer_weights = [
-            [
-                layer.self_attn.qkv_proj.weight,
-                layer.self_attn.o_proj.weight,
-                layer.mlp.gate_up_proj.weight,
-                layer.mlp.down_proj.weight,
-            ]
+            [m.weight for m in layer.modules() if isinstance(m, ParallelLinear)]
             for layer in model.model.layers
         ]
         self.lm_head = model.lm_head.weight
@@ -63,18 +59,25 @@ class MatmulCeiling:
         return min(times)
 
     def _measure_stack(self, m: int) -> float:
-        in_dims = {w.shape[1] for w in self.layer_weights[0]}
-        dtype = self.lm_head.dtype
-        inputs = {d: torch.randn(m, d, dtype=dtype) for d in in_dims}
-        layers = self.layer_weights if m <= self.ALL_LAYERS_UP_TO else self.layer_weights[:1]
+        in_dims = {w.shape[1] for weights in self.layer_weights for w in weights}
+        inputs = {d: torch.randn(m, d, dtype=self.lm_head.dtype) for d in in_dims}
 
-        def run() -> None:
-            for weights in layers:
-                for w in weights:
-                    linear(inputs[w.shape[1]], w, None, self.kernels)
+        def time_layers(layers: list[list[torch.Tensor]]) -> float:
+            def run() -> None:
+                for weights in layers:
+                    for w in weights:
+                        linear(inputs[w.shape[1]], w, None, self.kernels)
+
+            return self._time(run)
 
         with torch.inference_mode():
-            return self._time(run) * len(self.layer_weights) / len(layers)
+            if m <= self.ALL_LAYERS_UP_TO:
+                return time_layers(self.layer_weights)
+            # One layer of each kind (a hybrid model has two), times its kind's count.
+            kinds: dict[tuple, list] = {}
+            for weights in self.layer_weights:
+                kinds.setdefault(tuple(tuple(w.shape) for w in weights), []).append(weights)
+            return sum(time_layers(group[:1]) * len(group) for group in kinds.values())
 
     def _measure_head(self, m: int) -> float:
         x = torch.randn(m, self.lm_head.shape[1], dtype=self.lm_head.dtype)

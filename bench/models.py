@@ -18,6 +18,8 @@ from transformers import (
     LlamaConfig,
     PretrainedConfig,
     PreTrainedTokenizerFast,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
 )
@@ -115,6 +117,40 @@ SHAPES["qwen3-30b-a3b"] = (
         "mlp_only_layers": [],
         "tie_word_embeddings": False,
     },
+)
+
+# Qwen3.5-0.8B (the model card's figures: 24 layers, 3 Gated DeltaNet to 1 gated attention, hidden 1024,
+# 8 query and 2 KV heads of 256, FFN 3584, vocabulary 248,320; linear layers of 16 heads of 128). The BOS/EOS
+# ids are placeholders: the benchmarks ignore EOS.
+SHAPES["qwen3.5-0.8b"] = (
+    Qwen3_5TextConfig,
+    {
+        "hidden_size": 1024,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "intermediate_size": 3584,
+        "vocab_size": 248320,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 16,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": 248044,
+        "eos_token_id": 248044,
+    },
+)
+# Qwen3.5-35B-A3B: transformers' Qwen3_5MoeTextConfig defaults are its shape (40 layers, hidden 2048, 256
+# experts of 512 with 8 chosen and a shared expert of 512; linear layers of 16 key and 32 value heads).
+# Benchmarks on a CPU take fewer layers (`layers`).
+SHAPES["qwen3.5-35b-a3b"] = (
+    Qwen3_5MoeTextConfig,
+    {"tie_word_embeddings": False, "bos_token_id": 248044, "eos_token_id": 248044},
 )
 
 

@@ -45,6 +45,7 @@ _SOURCES = [
         "linear_cpu.cpp",
         "linear_quantized_cpu.cpp",
         "token_bitmask_cpu.cpp",
+        "gated_delta_cpu.cpp",
         "sampling_cpu.cpp",
         "lora_cpu.cpp",
     )

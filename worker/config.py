@@ -136,6 +136,12 @@ class EngineConfig:
     enable_prefix_caching: bool = option(
         True, flag="--no-prefix-caching", negate=True, help="turn off reuse of cached prompt prefixes"
     )
+    state_memory_fraction: float = option(
+        0.5,
+        help="a hybrid model's (Qwen3.5): the largest share of the KV cache budget its requests' state "
+        "slots take: one for each of max_num_seqs requests, fewer where they would take more (a request "
+        "then waits for a free slot)",
+    )
     state_cache_fraction: float = option(
         0.25,
         help="a hybrid model's (Qwen3.5): the share of the KV cache budget, past its requests' state slots, "
@@ -324,6 +330,8 @@ class EngineConfig:
                 f"{', '.join(named)}: not supported with {self.hf_config.architecture} (a hybrid model's "
                 "linear-attention state) yet"
             )
+        if not 0.0 < self.state_memory_fraction < 1.0:
+            raise ConfigError(f"state_memory_fraction must be in (0, 1), got {self.state_memory_fraction}")
         if not 0.0 <= self.state_cache_fraction < 1.0:
             raise ConfigError(f"state_cache_fraction must be in [0, 1), got {self.state_cache_fraction}")
         block = self.kvcache_block_size

@@ -34,6 +34,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bfloat16, float16; fp32 accumulation; in place)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, weight [D] or one row per head [H, D] for x [T, H, D] "
         "(CPU; float32, bfloat16, float16)");
+  m.def("causal_conv_decode_", &causal_conv_decode_, "a hybrid model's causal convolution for one token of B "
+        "sequences, SiLU applied, each on its state row (updated in place) (CPU; float32, bfloat16, float16)");
+  m.def("gated_delta_decode_", &gated_delta_decode_, "the gated delta rule's recurrent step for one token of B "
+        "sequences, each on its float32 state row (updated in place); returns the float32 output (CPU)");
   m.def("add_rms_norm_", &add_rms_norm_,
         "residual += x; x = RMSNorm(residual) (CPU; float32, bfloat16, float16; in place)");
 }

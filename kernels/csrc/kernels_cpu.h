@@ -34,5 +34,10 @@ void lora_add_(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor b, at::Tenso
 // token_bitmask_cpu.cpp
 void apply_token_bitmask_(at::Tensor logits, at::Tensor bitmask, at::Tensor rows);
 
+// gated_delta_cpu.cpp
+at::Tensor causal_conv_decode_(at::Tensor x, at::Tensor state, at::Tensor weight, at::Tensor slots);
+at::Tensor gated_delta_decode_(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
+                               at::Tensor state, at::Tensor slots);
+
 // sampling_cpu.cpp
 at::Tensor sample_rows(at::Tensor logits, at::Tensor spec);

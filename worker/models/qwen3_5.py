@@ -27,7 +27,7 @@ from nanovllm.kernels.attention import AttentionBackend, AttentionMetadata, Stat
 from nanovllm.worker.layers.attention import Attention
 from nanovllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.worker.layers.gated_delta_rule import causal_conv, causal_conv_step, chunked, recurrent_step
-from nanovllm.worker.layers.kernels import LayerKernels
+from nanovllm.worker.layers.kernels import PYTORCH, LayerKernels
 from nanovllm.worker.layers.linear import (
     MergedColumnParallelLinear,
     ParallelLinear,
@@ -140,6 +140,9 @@ class GatedDeltaNet(nn.Module):
         # model's dtype and [slots, heads, key dim, value dim] in fp32.
         self.conv_state = torch.empty(0)
         self.recurrent_state = torch.empty(0)
+        # The C++ CPU kernels when bound (Qwen3_5ForCausalLM.bind_kernels): a decode step's convolution and
+        # recurrent step on the state rows in place.
+        self.kernels = PYTORCH
 
     def _load_conv(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
         for here, there, rows in _split_rows(self.conv_sizes, self.tp):
@@ -198,7 +201,12 @@ class GatedDeltaNet(nn.Module):
         for row, slot in states.restores:  # a prefix-cache hit resumes from its snapshot
             conv_state[slot], recurrent_state[slot] = conv_state[row], recurrent_state[row]
         nd = states.num_decodes
-        if nd:  # one token each: the recurrent form, all at once
+        cpu = self.kernels.cpu
+        if nd and cpu is not None:  # the recurrent form on each sequence's state row, in place
+            slots = states.slots[:nd]
+            q, k, v = self._heads(cpu.causal_conv_decode_(mixed[:nd], conv_state, weight, slots))
+            out[:nd] = cpu.gated_delta_decode_(q, k, v, g[:nd], beta[:nd].float(), recurrent_state, slots)
+        elif nd:  # the recurrent form, all at once
             slots = states.slots[:nd]
             mixed_rows, conv = causal_conv_step(mixed[:nd], weight, conv_state.index_select(0, slots))
             conv_state.index_copy_(0, slots, conv)
@@ -206,9 +214,9 @@ class GatedDeltaNet(nn.Module):
             o, s = recurrent_step(*self._heads(mixed_rows), g[:nd], beta[:nd], recurrent)
             recurrent_state.index_copy_(0, slots, s)
             out[:nd] = o
-            for slot, saves in zip(states.slot_list[:nd], states.saves[:nd]):
-                for _, row in saves:  # a decode's copy is after its token
-                    self._keep(slot, row)
+        for slot, saves in zip(states.slot_list[:nd], states.saves[:nd]):
+            for _, row in saves:  # a decode's copy is after its token
+                self._keep(slot, row)
         begin = nd
         for slot, n, saves in zip(states.slot_list[nd:], states.num_tokens[nd:], states.saves[nd:]):
             done = 0
@@ -339,7 +347,14 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
             attn.backend = attention
         kernels = LayerKernels(cpu=kernels.cpu, deterministic=kernels.deterministic)
         for module in self.modules():
-            if isinstance(
-                module, (RMSNorm, HeadRMSNorm, DecoderMLP, SparseMoeBlock, ParallelLinear, ParallelLMHead)
-            ):
+            kernel_users = (
+                RMSNorm,
+                HeadRMSNorm,
+                DecoderMLP,
+                SparseMoeBlock,
+                ParallelLinear,
+                ParallelLMHead,
+                GatedDeltaNet,
+            )
+            if isinstance(module, kernel_users):
                 module.kernels = kernels

@@ -340,28 +340,30 @@ class ModelRunnerBase:
 
     def _allocate_states(self, budget: int) -> int:
         """A hybrid model's state rows, taken from the KV cache's budget: a slot for each request that may
-        run (max_num_seqs), then, with the prefix cache, snapshot rows (state_cache_fraction of what is left)
-        that hits resume from (worker/core/block_manager.py); each linear-attention layer's share bound to
-        it. Returns the bytes they took."""
+        run (max_num_seqs, or as many as state_memory_fraction of the budget holds), then, with the prefix
+        cache, snapshot rows (state_cache_fraction of what is left) that hits resume from
+        (worker/core/block_manager.py); each linear-attention layer's share bound to it. Returns the bytes
+        they took."""
         layers = getattr(self.model, "linear_attention_layers", list)()
         config = self.config
-        self.num_state_slots = config.max_num_seqs if layers else 0
-        self.num_state_snapshots = 0
+        self.num_state_slots = self.num_state_snapshots = 0
         if not layers:
             return 0
-        slots = self.num_state_slots
         k = config.hf_config.hybrid.conv_kernel_size
         shapes = [
             ((layer.split_sizes[0], k - 1), (layer.num_heads, layer.key_dim, layer.value_dim))
             for layer in layers
         ]
         per_slot = sum(c[0] * c[1] * self._element_size() + r[0] * r[1] * r[2] * 4 for c, r in shapes)
-        if slots * per_slot >= budget:
+        share = int(budget * config.state_memory_fraction)
+        slots = self.tp.all_reduce_min(min(config.max_num_seqs, share // per_slot))
+        if slots < 1:
             raise ConfigError(
-                f"the linear-attention state of max_num_seqs={slots} requests needs "
-                f"{slots * per_slot / 2**30:.3f} GiB ({per_slot / 2**20:.2f} MiB each), more than this rank's "
-                f"KV cache budget of {budget / 2**30:.3f} GiB; lower max_num_seqs or raise kv_cache_memory"
+                f"one request's linear-attention state needs {per_slot / 2**20:.2f} MiB, more than "
+                f"state_memory_fraction={config.state_memory_fraction} of this rank's KV cache budget of "
+                f"{budget / 2**20:.1f} MiB allows; raise kv_cache_memory or state_memory_fraction"
             )
+        self.num_state_slots = slots
         if config.enable_prefix_caching:
             left = budget - slots * per_slot
             self.num_state_snapshots = self.tp.all_reduce_min(
@@ -375,6 +377,7 @@ class ModelRunnerBase:
             log.info(
                 "state_slots_allocated",
                 slots=slots,
+                max_num_seqs=config.max_num_seqs,
                 snapshots=self.num_state_snapshots,
                 mib_per_slot=round(per_slot / 2**20, 3),
                 gib=round(rows * per_slot / 2**30, 3),
