@@ -323,7 +323,7 @@ def test_a_config_it_does_not_implement_fails_at_start_naming_it(tmp_path: Path,
     ("options", "words"),
     [
         ({"speculative_method": "ngram"}, ["speculative_method"]),
-        ({"deterministic": True}, ["deterministic"]),
+        ({"deterministic": True, "attention_backend": "torch"}, ["deterministic"]),
         ({"max_loras": 1}, ["lora"]),
         ({"quantization": "int8"}, ["quantization"]),
         ({"kv_host_memory": "64MiB"}, ["kv_host_memory"]),
@@ -358,8 +358,35 @@ def test_requests_wait_for_a_state_slot_when_fewer_fit_than_max_num_seqs(default
     assert _all_back(llm)
 
 
-def test_auto_determinism_is_off(default_model: Path):
-    assert not LLM(str(default_model), **ENGINE).config.deterministic
+def test_deterministic_bf16_gives_a_request_what_it_gives_it_alone(default_model: Path):
+    """--deterministic in bf16 (on by default on a CPU): a 150-token request's tokens and logprobs are
+    bit-identical alone, in a batch of five cut into 7-token steps, after a prefix-cache hit (its linear
+    layers resumed from the snapshot another request left at 96 tokens), and preempted and recomputed.
+    Prompt chunks run the decode step's arithmetic token by token (kernels/csrc/gated_delta_cpu.cpp)."""
+    params = greedy(16)
+    params.logprobs = 2
+    options = {**ENGINE, "dtype": "bfloat16", "deterministic": True}
+    target = _prompts()[4]
+    alone = LLM(str(default_model), **options).generate([target], params, use_tqdm=False)[0]
+    want = (alone["token_ids"], alone["logprobs"])
+    chunked_llm = LLM(str(default_model), **options, max_num_batched_tokens=7)
+    batch = chunked_llm.generate([*_prompts()[:4], target], params, use_tqdm=False)
+    assert (batch[4]["token_ids"], batch[4]["logprobs"]) == want
+    cached = LLM(str(default_model), **options, state_snapshot_interval=32)
+    cached.generate([target[:100] + [3, 4, 5]], params, use_tqdm=False)
+    hit = cached.generate([target], params, use_tqdm=False)[0]
+    assert hit["num_cached_tokens"] == 96 and (hit["token_ids"], hit["logprobs"]) == want
+    rng = random.Random(8)
+    crowd = [[rng.randrange(2, 500) for _ in range(rng.randrange(20, 60))] for _ in range(6)]
+    model = ModelConfig.from_pretrained_dir(default_model)
+    state, block = model.hybrid.state_bytes(2), kv_bytes_per_block(model, 4, model.num_key_value_heads, 2)
+    memory = 7 * state + 56 * block  # 7 slots, 56 blocks of 4 tokens for 7 requests of up to 166 tokens
+    options.update(max_model_len=192, kvcache_block_size=4)
+    tight = LLM(str(default_model), **{**options, "kv_cache_memory": memory}, max_num_seqs=7,
+                state_memory_fraction=(7 * state + 1) / memory, enable_prefix_caching=False)  # fmt: skip
+    crowded = tight.generate([*crowd, target], params, use_tqdm=False)[-1]
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert (crowded["token_ids"], crowded["logprobs"]) == want
 
 
 def test_a_repeated_prefix_resumes_from_its_state_snapshot(default_model: Path):
@@ -435,13 +462,18 @@ def test_two_ranks_equal_one(default_model: Path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "flags",
+    [("--dtype", "float32"), ("--dtype", "bfloat16", "--deterministic")],
+    ids=["float32", "bf16-deterministic"],
+)
 def test_streams_resume_token_identical_when_their_worker_is_killed(
-    default_model: Path, kernels, tmp_path: Path
+    default_model: Path, kernels, tmp_path: Path, flags: tuple[str, ...]
 ):
     """tests/test_resume.py's case on the hybrid, float32: eight streams (greedy, and seeded sampling with
     penalties) on worker A, A SIGKILLed mid-stream; on B each request recomputes its state from its prompt
-    and the tokens so far, and every stream equals its unbroken run token for token."""
-    flags = ("--dtype", "float32")
+    and the tokens so far, and every stream equals its unbroken run token for token: in float32, and in
+    bf16 with --deterministic (the resumed streams run in other batches, their prompts chunked otherwise)."""
     with held_streams(default_model, tmp_path, worker_flags=flags) as (_, b, router, kill_a):
         results, at_kill = asyncio.run(resume_run(router.address, kill_when=4, kill=kill_a))
         assert all(4 <= n < RESUME_MAX_TOKENS for n in at_kill), at_kill

@@ -268,7 +268,6 @@ class EngineConfig:
             raise ConfigError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
             )
-        deterministic_asked = self.deterministic  # None: auto (a hybrid model turns auto off, below)
         if self.deterministic is None:
             self.deterministic = self._deterministic_by_default()
         if self.deterministic and self.attention_backend not in DETERMINISTIC_BACKENDS:
@@ -306,17 +305,19 @@ class EngineConfig:
             self.hf_config = ModelConfig.from_pretrained_dir(self.model)
         self._check_draft()
         if self.hf_config.hybrid is not None:
-            self._check_hybrid(deterministic_asked)
+            self._check_hybrid()
         # Positions beyond the model's trained range are meaningless; clamp (as nano-vllm does) so the
         # 4096 default works for small models. `LLM.config.max_model_len` holds the effective value.
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
 
-    def _check_hybrid(self, deterministic_asked: bool | None) -> None:
-        """What a hybrid model (linear-attention layers with a per-request state) does not run with yet:
-        refused by name, and `deterministic` turned off where it was auto (the delta rule's chunked form rounds by where a step's chunk
-        starts, so a request's tokens may depend on its chunking)."""
+    def _check_hybrid(self) -> None:
+        """What a hybrid model (linear-attention layers with a per-request state) does not run with yet,
+        refused by name: `deterministic` without the C++ CPU kernels (its prompt chunks run token by token
+        on them), speculation, LoRA, the KV tiers, quantized weights, async scheduling."""
         refused = {
-            "deterministic": bool(deterministic_asked),
+            # its batch-invariant path runs the linear layers' prompt chunks on the C++ decode arithmetic
+            "deterministic (needs the C++ CPU kernels for a hybrid model)": bool(self.deterministic)
+            and not self._deterministic_by_default(),
             "async_scheduling=on": self.async_scheduling == "on",
             "speculative_method": self.speculative_method != "none",
             "lora": bool(self.lora_adapters or self.max_loras),
@@ -343,11 +344,6 @@ class EngineConfig:
         if self.enable_prefix_caching and self.state_cache_fraction == 0:
             log.info("prefix_caching_off", reason="state_cache_fraction=0 keeps no linear-attention state")
             self.enable_prefix_caching = False
-        if self.deterministic:
-            log.info(
-                "deterministic_off", reason="not yet batch-invariant over a hybrid model's linear attention"
-            )
-            self.deterministic = False
 
     def _deterministic_by_default(self) -> bool:
         """deterministic=None (auto): on where the batch-invariant kernels cost nothing measurable, the

@@ -38,6 +38,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "sequences, SiLU applied, each on its state row (updated in place) (CPU; float32, bfloat16, float16)");
   m.def("gated_delta_decode_", &gated_delta_decode_, "the gated delta rule's recurrent step for one token of B "
         "sequences, each on its float32 state row (updated in place); returns the float32 output (CPU)");
+  m.def("causal_conv_chunk_", &causal_conv_chunk_, "a prompt chunk of one sequence through the causal "
+        "convolution token by token, as causal_conv_decode_ computes each (CPU; in place on the state row)");
+  m.def("gated_delta_chunk_", &gated_delta_chunk_, "a prompt chunk of one sequence through the gated delta "
+        "rule token by token, as gated_delta_decode_ computes each (CPU; in place on the state row)");
+  m.def("delta_gates", &delta_gates, "Qwen3.5's (g, beta) of each token and value head, float32 (CPU)");
+  m.def("gated_rms_norm", &gated_rms_norm, "RMSNorm of each row times weight times SiLU(gate) (CPU; float32, "
+        "bfloat16, float16)");
+  m.def("sigmoid_mul", &sigmoid_mul, "x * sigmoid(gate), the sigmoid rounded to the dtype (CPU; float32, bfloat16, "
+        "float16)");
+  m.def("rms_norm_fp32_weight", &rms_norm_fp32_weight, "RMSNorm with a float32 weight, multiplied in float32 and "
+        "rounded once (CPU; float32, bfloat16, float16)");
   m.def("add_rms_norm_", &add_rms_norm_,
         "residual += x; x = RMSNorm(residual) (CPU; float32, bfloat16, float16; in place)");
 }

@@ -13,6 +13,65 @@
 
 namespace {
 
+// One channel's convolution step: the dot of weight [K] with the last K - 1 inputs (row) and `newest`,
+// the row shifted to take `newest`; the sum rounded to T, then SiLU, as transformers rounds.
+template <typename T>
+inline T conv_step(T* row, const T* weight, int64_t keep, T newest) {
+  float acc = 0.f;
+  for (int64_t t = 0; t < keep; ++t) acc += load(weight[t]) * load(row[t]);
+  acc += load(weight[keep]) * load(newest);
+  for (int64_t t = 0; t + 1 < keep; ++t) row[t] = row[t + 1];
+  if (keep > 0) row[keep - 1] = newest;
+  const float y = rounded<T>(acc);
+  return to<T>(y / (1.f + exp_simd(-y)));
+}
+
+// One token of one value head: q, k (dk) normalised here, v (dv), the head's state s [dk, dv] updated in
+// place, the output into o (dv); `work` holds 2 dk + dv floats. Every kernel below runs a token through
+// this, so a token's arithmetic is the same in a decode step and in a prompt chunk.
+template <typename T>
+inline void delta_step(const T* q, const T* k, const T* v, float g, float beta, float* s, float* o, int64_t dk,
+                       int64_t dv, float scale, float* work) {
+  float* qn = work;
+  float* kn = work + dk;
+  float* delta = work + 2 * dk;
+  float qq = 0.f, kk = 0.f;
+  for (int64_t d = 0; d < dk; ++d) {
+    qn[d] = load(q[d]);
+    kn[d] = load(k[d]);
+    qq += qn[d] * qn[d];
+    kk += kn[d] * kn[d];
+  }
+  const float qs = scale / std::sqrt(qq + 1e-6f), ks = 1.f / std::sqrt(kk + 1e-6f);
+  for (int64_t d = 0; d < dk; ++d) {
+    qn[d] *= qs;
+    kn[d] *= ks;
+  }
+  const float decay = std::exp(g);
+  // read = k^T S: what the state predicts for k (decayed below)
+  for (int64_t j = 0; j < dv; ++j) delta[j] = 0.f;
+  for (int64_t d = 0; d < dk; ++d) {
+    const float kd = kn[d];
+    const float* row = s + d * dv;
+#pragma omp simd
+    for (int64_t j = 0; j < dv; ++j) delta[j] += row[j] * kd;
+  }
+  // delta = beta (v - decay read); S = decay S + k delta^T; o = q^T S
+  for (int64_t j = 0; j < dv; ++j) {
+    delta[j] = (load(v[j]) - delta[j] * decay) * beta;
+    o[j] = 0.f;
+  }
+  for (int64_t d = 0; d < dk; ++d) {
+    const float kd = kn[d], qd = qn[d];
+    float* row = s + d * dv;
+#pragma omp simd
+    for (int64_t j = 0; j < dv; ++j) {
+      row[j] = row[j] * decay + kd * delta[j];
+      o[j] += row[j] * qd;
+    }
+  }
+}
+
 void check_slots(const char* op, const at::Tensor& slots, int64_t batch, int64_t rows) {
   TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.size(0) == batch, op,
               ": slots must be int64 [", batch, "], got ", slots.sizes(), " ", slots.scalar_type());
@@ -47,16 +106,8 @@ at::Tensor causal_conv_decode_(at::Tensor x, at::Tensor state, at::Tensor weight
     at::parallel_for(0, batch * channels, 1024, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i / channels, c = i % channels;
-        T* row = st + (slot[b] * channels + c) * keep;
-        const T* wc = w + c * width;
-        const T newest = xp[b * x_stride + c];
-        float acc = 0.f;
-        for (int64_t t = 0; t < keep; ++t) acc += load(wc[t]) * load(row[t]);
-        acc += load(wc[keep]) * load(newest);
-        for (int64_t t = 0; t + 1 < keep; ++t) row[t] = row[t + 1];
-        if (keep > 0) row[keep - 1] = newest;
-        const float y = rounded<T>(acc);
-        op[b * channels + c] = to<T>(y / (1.f + exp_simd(-y)));
+        op[b * channels + c] =
+            conv_step(st + (slot[b] * channels + c) * keep, w + c * width, keep, xp[b * x_stride + c]);
       }
     });
   });
@@ -102,49 +153,227 @@ at::Tensor gated_delta_decode_(at::Tensor q, at::Tensor k, at::Tensor v, at::Ten
     float* op = out.data_ptr<float>();
     const int64_t* slot = slots.data_ptr<int64_t>();
     at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> qn(dk), kn(dk), read(dv);
+      std::vector<float> work(2 * dk + dv);
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i / heads, h = i % heads, kh = h / group;
-        const T* qh = qp + (b * key_heads + kh) * dk;
-        const T* khp = kp + (b * key_heads + kh) * dk;
-        float qq = 0.f, kk = 0.f;
-        for (int64_t d = 0; d < dk; ++d) {
-          qn[d] = load(qh[d]);
-          kn[d] = load(khp[d]);
-          qq += qn[d] * qn[d];
-          kk += kn[d] * kn[d];
+        delta_step(qp + (b * key_heads + kh) * dk, kp + (b * key_heads + kh) * dk, vp + (b * heads + h) * dv,
+                   gp[b * heads + h], bp[b * heads + h], st + (slot[b] * heads + h) * dk * dv,
+                   op + (b * heads + h) * dv, dk, dv, scale, work.data());
+      }
+    });
+  });
+  return out;
+}
+
+// A prompt chunk of T tokens of one sequence, token after token on its state row `slot`: the decode
+// kernels' arithmetic (conv_step, delta_step) for each token, so a token's result does not depend on how
+// the prompt was cut into chunks or steps (--deterministic). x [T, C] -> SiLU(conv) [T, C].
+at::Tensor causal_conv_chunk_(at::Tensor x, at::Tensor state, at::Tensor weight, int64_t slot) {
+  check_one_dtype("causal_conv_chunk_", {{"x", &x}, {"state", &state}, {"weight", &weight}});
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && state.dim() == 3 && state.is_contiguous() &&
+                  state.size(1) == x.size(1) && weight.dim() == 2 && weight.is_contiguous() &&
+                  weight.size(0) == x.size(1) && weight.size(1) == state.size(2) + 1,
+              "causal_conv_chunk_: x [T, C], state contiguous [rows, C, K - 1], weight contiguous [C, K], got ",
+              x.sizes(), " ", state.sizes(), " ", weight.sizes());
+  TORCH_CHECK(0 <= slot && slot < state.size(0), "causal_conv_chunk_: slot ", slot, " is outside the state's ",
+              state.size(0), " rows");
+  const int64_t tokens = x.size(0), channels = x.size(1), width = weight.size(1), keep = width - 1;
+  auto out = at::empty({tokens, channels}, x.options());
+  dispatch("causal_conv_chunk_", x.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    const T* xp = x.data_ptr<T>();
+    const T* w = weight.data_ptr<T>();
+    T* st = state.data_ptr<T>() + slot * channels * keep;
+    T* op = out.data_ptr<T>();
+    const int64_t x_stride = x.stride(0);
+    at::parallel_for(0, channels, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c)
+        for (int64_t t = 0; t < tokens; ++t)
+          op[t * channels + c] = conv_step(st + c * keep, w + c * width, keep, xp[t * x_stride + c]);
+    });
+  });
+  return out;
+}
+
+// q, k [T, key_heads, dk], v [T, heads, dv], g and beta [T, heads] fp32: the output [T, heads, dv] fp32.
+at::Tensor gated_delta_chunk_(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
+                              at::Tensor state, int64_t slot) {
+  check_one_dtype("gated_delta_chunk_", {{"q", &q}, {"k", &k}, {"v", &v}});
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0) &&
+                  state.dim() == 4 && state.scalar_type() == at::kFloat && state.is_contiguous() &&
+                  state.size(1) == v.size(1) && state.size(2) == q.size(2) && state.size(3) == v.size(2) &&
+                  v.size(1) % q.size(1) == 0,
+              "gated_delta_chunk_: q, k [T, key_heads, dk], v [T, heads, dv], state contiguous float32 [rows, "
+              "heads, dk, dv], got ", q.sizes(), " ", k.sizes(), " ", v.sizes(), " ", state.sizes());
+  TORCH_CHECK(0 <= slot && slot < state.size(0), "gated_delta_chunk_: slot ", slot, " is outside the state's ",
+              state.size(0), " rows");
+  const int64_t tokens = q.size(0), key_heads = q.size(1), dk = q.size(2), heads = v.size(1), dv = v.size(2);
+  for (const at::Tensor* t : {&g, &beta})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == tokens && t->size(1) == heads,
+                "gated_delta_chunk_: g and beta must be float32 [T, heads], got ", t->sizes());
+  q = q.contiguous();
+  k = k.contiguous();
+  v = v.contiguous();
+  g = g.contiguous();
+  beta = beta.contiguous();
+  auto out = at::empty({tokens, heads, dv}, q.options().dtype(at::kFloat));
+  const int64_t group = heads / key_heads;
+  const float scale = 1.f / std::sqrt(static_cast<float>(dk));
+  dispatch("gated_delta_chunk_", q.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    const T* qp = q.data_ptr<T>();
+    const T* kp = k.data_ptr<T>();
+    const T* vp = v.data_ptr<T>();
+    const float* gp = g.data_ptr<float>();
+    const float* bp = beta.data_ptr<float>();
+    float* st = state.data_ptr<float>() + slot * heads * dk * dv;
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> work(2 * dk + dv);
+      for (int64_t h = begin; h < end; ++h) {
+        const int64_t kh = h / group;
+        for (int64_t t = 0; t < tokens; ++t)  // the head's state stays in cache from token to token
+          delta_step(qp + (t * key_heads + kh) * dk, kp + (t * key_heads + kh) * dk, vp + (t * heads + h) * dv,
+                     gp[t * heads + h], bp[t * heads + h], st + h * dk * dv, op + (t * heads + h) * dv, dk, dv,
+                     scale, work.data());
+      }
+    });
+  });
+  return out;
+}
+
+// ---- Qwen3.5's elementwise and row-wise steps, row by row in a fixed order: PyTorch can compute the last
+// elements of a tensor whose size is not a multiple of its vector width with scalar functions (exp,
+// sigmoid, softplus) that round otherwise than its vector ones, so an element's result depends on the size
+// of the step it was computed in. With these a token's result does not (--deterministic).
+
+namespace {
+
+inline float sigmoid_f(float x) { return 1.f / (1.f + std::exp(-x)); }
+
+}  // namespace
+
+// The write strength and decay of each token and value head: beta = sigmoid(b) (rounded to the dtype, as
+// transformers computes it there), g = -exp(A_log) softplus(a + dt_bias) in float32. a, b [T, heads];
+// a_log, dt_bias [heads]. Returns (g, beta) float32 [T, heads].
+std::vector<at::Tensor> delta_gates(at::Tensor a, at::Tensor b, at::Tensor a_log, at::Tensor dt_bias) {
+  check_one_dtype("delta_gates", {{"a", &a}, {"b", &b}, {"a_log", &a_log}, {"dt_bias", &dt_bias}});
+  TORCH_CHECK(a.dim() == 2 && b.sizes() == a.sizes() && a.stride(1) == 1 && b.stride(1) == 1 &&
+                  a_log.dim() == 1 && a_log.size(0) == a.size(1) && dt_bias.sizes() == a_log.sizes(),
+              "delta_gates: a, b [T, heads] with contiguous rows, a_log and dt_bias [heads], got ", a.sizes(), " ",
+              b.sizes(), " ", a_log.sizes(), " ", dt_bias.sizes());
+  a_log = a_log.contiguous();
+  dt_bias = dt_bias.contiguous();
+  const int64_t tokens = a.size(0), heads = a.size(1);
+  auto g = at::empty({tokens, heads}, a.options().dtype(at::kFloat));
+  auto beta = at::empty({tokens, heads}, a.options().dtype(at::kFloat));
+  dispatch("delta_gates", a.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    const T* ap = a.data_ptr<T>();
+    const T* bp = b.data_ptr<T>();
+    const T* al = a_log.data_ptr<T>();
+    const T* dt = dt_bias.data_ptr<T>();
+    float* gp = g.data_ptr<float>();
+    float* betap = beta.data_ptr<float>();
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t h = 0; h < heads; ++h) {
+        const float x = load(ap[t * a.stride(0) + h]) + load(dt[h]);
+        const float softplus = x > 20.f ? x : std::log1p(std::exp(x));
+        gp[t * heads + h] = -std::exp(load(al[h])) * softplus;
+        betap[t * heads + h] = rounded<T>(sigmoid_f(load(bp[t * b.stride(0) + h])));
+      }
+  });
+  return {g, beta};
+}
+
+// Each row of x [N, d] RMS-normalised in float32 and rounded to the dtype, times weight [d] (rounded), times
+// SiLU(gate) in float32, rounded: transformers' RMSNormGated.
+at::Tensor gated_rms_norm(at::Tensor x, at::Tensor gate, at::Tensor weight, double eps) {
+  check_one_dtype("gated_rms_norm", {{"x", &x}, {"gate", &gate}, {"weight", &weight}});
+  TORCH_CHECK(x.dim() == 2 && gate.sizes() == x.sizes() && weight.dim() == 1 && weight.size(0) == x.size(1),
+              "gated_rms_norm: x and gate [N, d], weight [d], got ", x.sizes(), " ", gate.sizes(), " ",
+              weight.sizes());
+  x = x.contiguous();
+  gate = gate.contiguous();
+  weight = weight.contiguous();
+  const int64_t rows = x.size(0), d = x.size(1);
+  auto out = at::empty_like(x);
+  dispatch("gated_rms_norm", x.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    const T* xp = x.data_ptr<T>();
+    const T* gp = gate.data_ptr<T>();
+    const T* w = weight.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* xr = xp + r * d;
+        float ss = 0.f;
+        for (int64_t i = 0; i < d; ++i) ss += load(xr[i]) * load(xr[i]);
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + static_cast<float>(eps));
+        for (int64_t i = 0; i < d; ++i) {
+          const float normed = rounded<T>(rounded<T>(load(xr[i]) * inv) * load(w[i]));
+          const float g = load(gp[r * d + i]);
+          op[r * d + i] = to<T>(normed * (g * sigmoid_f(g)));
         }
-        const float qs = scale / std::sqrt(qq + 1e-6f), ks = 1.f / std::sqrt(kk + 1e-6f);
-        for (int64_t d = 0; d < dk; ++d) {
-          qn[d] *= qs;
-          kn[d] *= ks;
+      }
+    });
+  });
+  return out;
+}
+
+// x [T, n] times sigmoid(gate) rounded to the dtype (gate [T, n], or [T, 1] for one gate a row).
+at::Tensor sigmoid_mul(at::Tensor x, at::Tensor gate) {
+  check_one_dtype("sigmoid_mul", {{"x", &x}, {"gate", &gate}});
+  TORCH_CHECK(x.dim() == 2 && gate.dim() == 2 && gate.size(0) == x.size(0) &&
+                  (gate.size(1) == x.size(1) || gate.size(1) == 1),
+              "sigmoid_mul: x [T, n] and gate [T, n] or [T, 1], got ", x.sizes(), " ", gate.sizes());
+  x = x.contiguous();
+  gate = gate.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1), per_row = gate.size(1);
+  auto out = at::empty_like(x);
+  dispatch("sigmoid_mul", x.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    const T* xp = x.data_ptr<T>();
+    const T* gp = gate.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t i = 0; i < n; ++i) {
+          const float s = rounded<T>(sigmoid_f(load(gp[r * per_row + (per_row == 1 ? 0 : i)])));
+          op[r * n + i] = to<T>(load(xp[r * n + i]) * s);
         }
-        const float decay = std::exp(gp[b * heads + h]), beta_h = bp[b * heads + h];
-        float* s = st + (slot[b] * heads + h) * dk * dv;
-        const T* vh = vp + (b * heads + h) * dv;
-        float* o = op + (b * heads + h) * dv;
-        // read = k^T (decay S): what the decayed state predicts for k
-        for (int64_t j = 0; j < dv; ++j) read[j] = 0.f;
-        for (int64_t d = 0; d < dk; ++d) {
-          const float kd = kn[d];
-          const float* row = s + d * dv;
-#pragma omp simd
-          for (int64_t j = 0; j < dv; ++j) read[j] += row[j] * kd;
-        }
-        // delta = beta (v - read); S = decay S + k delta^T; o = q^T S
-        for (int64_t j = 0; j < dv; ++j) {
-          read[j] = (load(vh[j]) - read[j] * decay) * beta_h;  // read now holds delta
-          o[j] = 0.f;
-        }
-        for (int64_t d = 0; d < dk; ++d) {
-          const float kd = kn[d], qd = qn[d];
-          float* row = s + d * dv;
-#pragma omp simd
-          for (int64_t j = 0; j < dv; ++j) {
-            row[j] = row[j] * decay + kd * read[j];
-            o[j] += row[j] * qd;
-          }
-        }
+    });
+  });
+  return out;
+}
+
+// RMSNorm over the last dimension with a float32 weight ([d], or [H, d] for x [T, H, d]) of a 16-bit x:
+// normalised and multiplied in float32, rounded once (Qwen3.5's zero-centred norms, their 1 + w kept in
+// float32).
+at::Tensor rms_norm_fp32_weight(at::Tensor x, at::Tensor weight, double eps) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "rms_norm_fp32_weight: weight must be contiguous float32, got ", weight.scalar_type());
+  const int64_t d = x.size(-1);
+  TORCH_CHECK(weight.size(-1) == d && (weight.dim() == 1 || (weight.dim() == 2 && x.dim() == 3 &&
+                                                             weight.size(0) == x.size(1))),
+              "rms_norm_fp32_weight: weight [d] or [H, d] for x [T, H, d], got ", weight.sizes(), " for ",
+              x.sizes());
+  x = x.contiguous();
+  const int64_t rows = x.numel() / d, heads = weight.dim() == 2 ? weight.size(0) : 1;
+  auto out = at::empty_like(x);
+  dispatch("rms_norm_fp32_weight", x.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    const T* xp = x.data_ptr<T>();
+    const float* w = weight.data_ptr<float>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* xr = xp + r * d;
+        const float* wr = w + (r % heads) * d;
+        float ss = 0.f;
+        for (int64_t i = 0; i < d; ++i) ss += load(xr[i]) * load(xr[i]);
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + static_cast<float>(eps));
+        for (int64_t i = 0; i < d; ++i) op[r * d + i] = to<T>(load(xr[i]) * inv * wr[i]);
       }
     });
   });

@@ -239,5 +239,9 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:  # as transformers: experts + sigmoid(gate) * shared, in the dtype
             shared = self.shared_expert
             shared_out = shared.down_proj(self._silu_and_mul(shared.gate_up_proj(x)))
-            out = out + torch.sigmoid(self._linear(x, self.shared_expert_gate.weight)) * shared_out
+            gate = self._linear(x, self.shared_expert_gate.weight)
+            cpu = self.kernels.cpu
+            out = out + (
+                cpu.sigmoid_mul(shared_out, gate) if cpu is not None else torch.sigmoid(gate) * shared_out
+            )
         return out

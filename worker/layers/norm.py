@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,7 +30,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype != x.dtype:  # a zero-centred norm in a 16-bit model
-            return _fp32_norm(x, self.weight, self.eps)
+            return _fp32_norm(x, self.weight, self.eps, self.kernels.cpu)
         if self.kernels.triton is not None:
             return self.kernels.triton.rms_norm(x, self.weight, self.eps)
         if self.kernels.cpu is not None:
@@ -53,7 +55,11 @@ def _norm_weight(shape: tuple[int, ...], offset: float) -> torch.Tensor:
     return torch.ones(shape, dtype=torch.float32 if offset else None)
 
 
-def _fp32_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _fp32_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cpu: ModuleType | None) -> torch.Tensor:
+    """x normalised and multiplied by the float32 weight in float32, rounded once: on the C++ kernels
+    when bound (row by row in a fixed order, whatever the rows beside it)."""
+    if cpu is not None:
+        return cpu.rms_norm_fp32_weight(x, weight, eps)
     return (F.rms_norm(x.float(), x.shape[-1:], None, eps) * weight).to(x.dtype)
 
 
@@ -93,7 +99,7 @@ class HeadRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype != x.dtype:  # a zero-centred norm in a 16-bit model (see RMSNorm)
-            return _fp32_norm(x, self.weight, self.eps)
+            return _fp32_norm(x, self.weight, self.eps, self.kernels.cpu)
         if self.kernels.cpu is not None:
             return self.kernels.cpu.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, x.shape[-1:], None, self.eps).mul_(self.weight)

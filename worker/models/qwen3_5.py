@@ -63,6 +63,7 @@ class GatedAttention(nn.Module):
         self.qk_norm = HeadRMSNorm(self.num_heads, self.num_kv_heads, d, cfg.rms_norm_eps, weight_offset=1.0)
         self.head_dim = d
         self.rotary_dim = cfg.hybrid.rotary_dim
+        self.kernels = PYTORCH  # see Qwen3_5ForCausalLM.bind_kernels
 
     def forward(
         self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata
@@ -76,7 +77,9 @@ class GatedAttention(nn.Module):
         qk = torch.cat([turned, qk[..., self.rotary_dim :]], dim=-1)
         q, k = qk.split([heads, self.num_kv_heads], dim=1)
         out = self.attn(q, k, v.contiguous(), meta)
-        return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, heads * d)))
+        gate = gate.reshape(tokens, heads * d)
+        cpu = self.kernels.cpu
+        return self.o_proj(cpu.sigmoid_mul(out, gate) if cpu is not None else out * torch.sigmoid(gate))
 
 
 def _split_rows(whole_sizes: list[int], tp: TPContext) -> list[tuple[int, int, int]]:
@@ -108,8 +111,11 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.kernels = PYTORCH  # see Qwen3_5ForCausalLM.bind_kernels
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.kernels.cpu is not None:
+            return self.kernels.cpu.gated_rms_norm(x, gate, self.weight, self.eps)
         normed = F.rms_norm(x.float(), x.shape[-1:], None, self.eps).to(x.dtype)
         return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
 
@@ -164,8 +170,11 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         mixed, z, b, a = self.in_proj(x).split(self.split_sizes, dim=-1)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if self.kernels.cpu is not None:
+            g, beta = self.kernels.cpu.delta_gates(a, b, self.A_log, self.dt_bias)
+        else:
+            beta = b.sigmoid()
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         weight = self.conv1d.weight
         out = torch.empty(x.shape[0], self.num_heads, self.value_dim, dtype=x.dtype, device=x.device)
         states = meta.states
@@ -217,16 +226,26 @@ class GatedDeltaNet(nn.Module):
         for slot, saves in zip(states.slot_list[:nd], states.saves[:nd]):
             for _, row in saves:  # a decode's copy is after its token
                 self._keep(slot, row)
+        # --deterministic: chunks token by token through the decode step's own arithmetic, so a token's
+        # result does not depend on how its prompt was cut into steps (the chunked form's sums follow its
+        # 64-token blocks, which start where the chunk does).
+        token_by_token = cpu is not None and self.kernels.deterministic
         begin = nd
         for slot, n, saves in zip(states.slot_list[nd:], states.num_tokens[nd:], states.saves[nd:]):
             done = 0
             for end in sorted({offset for offset, _ in saves} | {n}):
                 if end > done:
                     rows = slice(begin + done, begin + end)
-                    mixed_rows, conv_state[slot] = causal_conv(mixed[rows], weight, conv_state[slot])
-                    out[rows], recurrent_state[slot] = chunked(
-                        *self._heads(mixed_rows), g[rows], beta[rows], recurrent_state[slot]
-                    )
+                    if token_by_token:
+                        q, k, v = self._heads(cpu.causal_conv_chunk_(mixed[rows], conv_state, weight, slot))
+                        out[rows] = cpu.gated_delta_chunk_(
+                            q, k, v, g[rows], beta[rows].float(), recurrent_state, slot
+                        )
+                    else:
+                        mixed_rows, conv_state[slot] = causal_conv(mixed[rows], weight, conv_state[slot])
+                        out[rows], recurrent_state[slot] = chunked(
+                            *self._heads(mixed_rows), g[rows], beta[rows], recurrent_state[slot]
+                        )
                     done = end
                 for offset, row in saves:
                     if offset == end:
