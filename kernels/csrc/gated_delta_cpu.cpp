@@ -80,6 +80,36 @@ void check_slots(const char* op, const at::Tensor& slots, int64_t batch, int64_t
     TORCH_CHECK(0 <= s[b] && s[b] < rows, op, ": slot ", s[b], " is outside the state's ", rows, " rows");
 }
 
+struct DeltaShape {
+  int64_t rows, key_heads, dk, heads, dv;  // rows: B sequences (decode) or T tokens (a chunk)
+};
+
+// The rule's inputs checked (q, k [rows, key_heads, dk] and v [rows, heads, dv] of one dtype; g, beta
+// float32 [rows, heads]; state contiguous float32 [slots, heads, dk, dv]) and made contiguous.
+DeltaShape delta_inputs(const char* op, at::Tensor& q, at::Tensor& k, at::Tensor& v, at::Tensor& g,
+                        at::Tensor& beta, const at::Tensor& state) {
+  check_one_dtype(op, {{"q", &q}, {"k", &k}, {"v", &v}});
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0) &&
+                  v.size(1) % q.size(1) == 0,
+              op, ": q, k must be [rows, key_heads, dk] and v [rows, heads, dv] with heads a multiple of "
+              "key_heads, got ", q.sizes(), " ", k.sizes(), " ", v.sizes());
+  TORCH_CHECK(state.dim() == 4 && state.scalar_type() == at::kFloat && state.is_contiguous() &&
+                  state.size(1) == v.size(1) && state.size(2) == q.size(2) && state.size(3) == v.size(2),
+              op, ": state must be contiguous float32 [slots, heads, dk, dv], got ", state.sizes(), " ",
+              state.scalar_type());
+  const DeltaShape shape{q.size(0), q.size(1), q.size(2), v.size(1), v.size(2)};
+  for (const at::Tensor* t : {&g, &beta})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == shape.rows &&
+                    t->size(1) == shape.heads,
+                op, ": g and beta must be float32 [rows, heads], got ", t->sizes(), " ", t->scalar_type());
+  q = q.contiguous();
+  k = k.contiguous();
+  v = v.contiguous();
+  g = g.contiguous();
+  beta = beta.contiguous();
+  return shape;
+}
+
 }  // namespace
 
 // x [B, C] -> SiLU(depthwise conv of each channel's last K - 1 inputs (state[slots[b], c]) and x[b, c] with
@@ -120,25 +150,9 @@ at::Tensor causal_conv_decode_(at::Tensor x, at::Tensor state, at::Tensor weight
 // key_heads) serves value head h. Returns the output [B, heads, dv] fp32.
 at::Tensor gated_delta_decode_(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
                                at::Tensor state, at::Tensor slots) {
-  check_one_dtype("gated_delta_decode_", {{"q", &q}, {"k", &k}, {"v", &v}});
-  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0),
-              "gated_delta_decode_: q, k must be [B, key_heads, dk] and v [B, heads, dv], got ", q.sizes(), " ",
-              k.sizes(), " ", v.sizes());
-  TORCH_CHECK(state.dim() == 4 && state.scalar_type() == at::kFloat && state.is_contiguous() &&
-                  state.size(1) == v.size(1) && state.size(2) == q.size(2) && state.size(3) == v.size(2),
-              "gated_delta_decode_: state must be contiguous float32 [rows, heads, dk, dv], got ", state.sizes(),
-              " ", state.scalar_type());
-  const int64_t batch = q.size(0), key_heads = q.size(1), dk = q.size(2), heads = v.size(1), dv = v.size(2);
-  TORCH_CHECK(heads % key_heads == 0, "gated_delta_decode_: ", heads, " value heads for ", key_heads, " key heads");
-  for (const at::Tensor* t : {&g, &beta})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == batch && t->size(1) == heads,
-                "gated_delta_decode_: g and beta must be float32 [B, heads], got ", t->sizes(), " ", t->scalar_type());
+  const DeltaShape shape = delta_inputs("gated_delta_decode_", q, k, v, g, beta, state);
+  const int64_t batch = shape.rows, key_heads = shape.key_heads, dk = shape.dk, heads = shape.heads, dv = shape.dv;
   check_slots("gated_delta_decode_", slots, batch, state.size(0));
-  q = q.contiguous();
-  k = k.contiguous();
-  v = v.contiguous();
-  g = g.contiguous();
-  beta = beta.contiguous();
   auto out = at::empty({batch, heads, dv}, q.options().dtype(at::kFloat));
   const int64_t group = heads / key_heads;
   const float scale = 1.f / std::sqrt(static_cast<float>(dk));
@@ -198,24 +212,10 @@ at::Tensor causal_conv_chunk_(at::Tensor x, at::Tensor state, at::Tensor weight,
 // q, k [T, key_heads, dk], v [T, heads, dv], g and beta [T, heads] fp32: the output [T, heads, dv] fp32.
 at::Tensor gated_delta_chunk_(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
                               at::Tensor state, int64_t slot) {
-  check_one_dtype("gated_delta_chunk_", {{"q", &q}, {"k", &k}, {"v", &v}});
-  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0) &&
-                  state.dim() == 4 && state.scalar_type() == at::kFloat && state.is_contiguous() &&
-                  state.size(1) == v.size(1) && state.size(2) == q.size(2) && state.size(3) == v.size(2) &&
-                  v.size(1) % q.size(1) == 0,
-              "gated_delta_chunk_: q, k [T, key_heads, dk], v [T, heads, dv], state contiguous float32 [rows, "
-              "heads, dk, dv], got ", q.sizes(), " ", k.sizes(), " ", v.sizes(), " ", state.sizes());
+  const DeltaShape shape = delta_inputs("gated_delta_chunk_", q, k, v, g, beta, state);
+  const int64_t tokens = shape.rows, key_heads = shape.key_heads, dk = shape.dk, heads = shape.heads, dv = shape.dv;
   TORCH_CHECK(0 <= slot && slot < state.size(0), "gated_delta_chunk_: slot ", slot, " is outside the state's ",
               state.size(0), " rows");
-  const int64_t tokens = q.size(0), key_heads = q.size(1), dk = q.size(2), heads = v.size(1), dv = v.size(2);
-  for (const at::Tensor* t : {&g, &beta})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == tokens && t->size(1) == heads,
-                "gated_delta_chunk_: g and beta must be float32 [T, heads], got ", t->sizes());
-  q = q.contiguous();
-  k = k.contiguous();
-  v = v.contiguous();
-  g = g.contiguous();
-  beta = beta.contiguous();
   auto out = at::empty({tokens, heads, dv}, q.options().dtype(at::kFloat));
   const int64_t group = heads / key_heads;
   const float scale = 1.f / std::sqrt(static_cast<float>(dk));
