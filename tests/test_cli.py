@@ -225,7 +225,7 @@ def _sample_value(flag: Flag) -> list[str]:
     """A command-line value for `flag` that parses and differs from its default (none for a switch)."""
     if flag.kind in ("switch", "tristate"):
         return []
-    value = {int: "7", float: "0.5"}.get(flag.type, "sample")
+    value = {int: "7", float: "0.25" if flag.default == 0.5 else "0.5"}.get(flag.type, "sample")
     assert str(flag.default) != value, flag.name
     return [value]
 
