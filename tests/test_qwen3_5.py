@@ -157,6 +157,70 @@ def test_the_cpu_decode_kernels_compute_the_recurrent_step(kernels, dtype: torch
     torch.testing.assert_close(state[slots], want_rows, atol=1e-5, rtol=1e-5)
 
 
+TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_the_triton_kernels_compute_the_recurrent_step():
+    """kernels/triton_gated_delta.py (in Triton's interpreter on a CPU, compiled on a GPU) against
+    worker/layers/gated_delta_rule.py in float32: 5 sequences in rows 3, 0, 7, 5, 1 of 8 (float32 rounding
+    apart), and a 9-token chunk of one sequence equal bit for bit to its tokens as 9 decode steps."""
+    from nanovllm.kernels import triton_gated_delta as tgd
+
+    gen = torch.Generator().manual_seed(2)
+    batch, key_heads, heads, dk, dv, channels, width = 5, 2, 4, 16, 64, 40, 4
+    slots = torch.tensor([3, 0, 7, 5, 1])
+
+    def dev(t: torch.Tensor) -> torch.Tensor:
+        return t.to(TRITON_DEVICE)
+
+    conv_state = torch.randn(8, channels, width - 1, generator=gen)
+    weight = torch.randn(channels, width, generator=gen)
+    x = torch.randn(batch, channels, generator=gen)
+    want, want_state = causal_conv_step(x, weight, conv_state[slots])
+    state_dev = dev(conv_state)
+    got = tgd.causal_conv_decode_(dev(x), state_dev, dev(weight), dev(slots))
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(state_dev[dev(slots)].cpu(), want_state)
+    q, k = (torch.randn(batch, key_heads, dk, generator=gen) for _ in range(2))
+    v = torch.randn(batch, heads, dv, generator=gen)
+    g, beta = -torch.rand(batch, heads, generator=gen), torch.rand(batch, heads, generator=gen)
+    state = torch.randn(8, heads, dk, dv, generator=gen)
+    want_out, want_rows = recurrent_step(q, k, v, g, beta, state[slots])
+    state_dev = dev(state)
+    out = tgd.gated_delta_decode_(dev(q), dev(k), dev(v), dev(g), dev(beta), state_dev, dev(slots))
+    torch.testing.assert_close(out.cpu(), want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state_dev[dev(slots)].cpu(), want_rows, atol=1e-5, rtol=1e-5)
+    # a chunk against the same tokens one decode step at a time, on another row each
+    n = 9
+    q, k = (dev(torch.randn(n, key_heads, dk, generator=gen)) for _ in range(2))
+    v, x = dev(torch.randn(n, heads, dv, generator=gen)), dev(torch.randn(n, channels, generator=gen))
+    g, beta = dev(-torch.rand(n, heads, generator=gen)), dev(torch.rand(n, heads, generator=gen))
+    states, convs = dev(torch.zeros(2, heads, dk, dv)), dev(torch.zeros(2, channels, width - 1))
+    chunk = tgd.gated_delta_chunk_(q, k, v, g, beta, states, 0)
+    conv_chunk = tgd.causal_conv_chunk_(x, convs, dev(weight), 0)
+    one = dev(torch.tensor([1]))
+    steps = [
+        tgd.gated_delta_decode_(
+            q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], states, one
+        )
+        for t in range(n)
+    ]
+    conv_steps = [tgd.causal_conv_decode_(x[t : t + 1], convs, dev(weight), one) for t in range(n)]
+    assert torch.equal(chunk, torch.cat(steps)) and torch.equal(states[0], states[1])
+    assert torch.equal(conv_chunk, torch.cat(conv_steps)) and torch.equal(convs[0], convs[1])
+
+
+def test_the_triton_path_gives_transformers_tokens(default_model: Path):
+    """The model on the Triton attention backend (in the interpreter on a CPU): its linear layers on
+    kernels/triton_gated_delta.py, prompts token by token, decode steps on the state rows; float32
+    greedy tokens equal transformers', prompts shorter and longer than a 16-token step."""
+    llm = LLM(str(default_model), attention_backend="triton", max_num_batched_tokens=16, **ENGINE)
+    prompts = _prompts()[:3]
+    for prompt, out in zip(prompts, llm.generate(prompts, greedy(6), use_tqdm=False)):
+        assert out["token_ids"] == hf_greedy(default_model, prompt, 6)
+    assert _all_back(llm)
+
+
 def test_chunked_and_recurrent_forms_agree():
     """The rule's two forms on one sequence of 150 tokens from a state: float32 rounding apart (the
     engine's prefill uses one, its decode the other)."""

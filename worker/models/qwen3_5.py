@@ -210,11 +210,12 @@ class GatedDeltaNet(nn.Module):
         for row, slot in states.restores:  # a prefix-cache hit resumes from its snapshot
             conv_state[slot], recurrent_state[slot] = conv_state[row], recurrent_state[row]
         nd = states.num_decodes
-        cpu = self.kernels.cpu
-        if nd and cpu is not None:  # the recurrent form on each sequence's state row, in place
+        # The C++ kernels on a CPU, the Triton ones on CUDA (kernels/triton_gated_delta.py): the same calls.
+        rule = self.kernels.cpu or self.kernels.triton
+        if nd and rule is not None:  # the recurrent form on each sequence's state row, in place
             slots = states.slots[:nd]
-            q, k, v = self._heads(cpu.causal_conv_decode_(mixed[:nd], conv_state, weight, slots))
-            out[:nd] = cpu.gated_delta_decode_(q, k, v, g[:nd], beta[:nd].float(), recurrent_state, slots)
+            q, k, v = self._heads(rule.causal_conv_decode_(mixed[:nd], conv_state, weight, slots))
+            out[:nd] = rule.gated_delta_decode_(q, k, v, g[:nd], beta[:nd].float(), recurrent_state, slots)
         elif nd:  # the recurrent form, all at once
             slots = states.slots[:nd]
             mixed_rows, conv = causal_conv_step(mixed[:nd], weight, conv_state.index_select(0, slots))
@@ -226,10 +227,11 @@ class GatedDeltaNet(nn.Module):
         for slot, saves in zip(states.slot_list[:nd], states.saves[:nd]):
             for _, row in saves:  # a decode's copy is after its token
                 self._keep(slot, row)
-        # --deterministic: chunks token by token through the decode step's own arithmetic, so a token's
+        # Chunks token by token through the decode step's own arithmetic under --deterministic, so a token's
         # result does not depend on how its prompt was cut into steps (the chunked form's sums follow its
-        # 64-token blocks, which start where the chunk does).
-        token_by_token = cpu is not None and self.kernels.deterministic
+        # 64-token blocks, which start where the chunk does), and on CUDA, where the chunked form's many
+        # small ops per sequence would each be a launch.
+        token_by_token = rule is not None and (self.kernels.deterministic or self.kernels.triton is not None)
         begin = nd
         for slot, n, saves in zip(states.slot_list[nd:], states.num_tokens[nd:], states.saves[nd:]):
             done = 0
@@ -237,8 +239,8 @@ class GatedDeltaNet(nn.Module):
                 if end > done:
                     rows = slice(begin + done, begin + end)
                     if token_by_token:
-                        q, k, v = self._heads(cpu.causal_conv_chunk_(mixed[rows], conv_state, weight, slot))
-                        out[rows] = cpu.gated_delta_chunk_(
+                        q, k, v = self._heads(rule.causal_conv_chunk_(mixed[rows], conv_state, weight, slot))
+                        out[rows] = rule.gated_delta_chunk_(
                             q, k, v, g[rows], beta[rows].float(), recurrent_state, slot
                         )
                     else:
@@ -364,8 +366,15 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         (the C++ CPU kernels or PyTorch; the fused Triton layer kernels are the other decoders')."""
         for attn in self.attention_layers():
             attn.backend = attention
+        if kernels.triton is not None:  # the linear layers' rule and convolution on Triton
+            from nanovllm.kernels import triton_gated_delta  # Triton is imported only where it runs
+
+            for layer in self.linear_attention_layers():
+                layer.kernels = LayerKernels(triton=triton_gated_delta, deterministic=kernels.deterministic)
         kernels = LayerKernels(cpu=kernels.cpu, deterministic=kernels.deterministic)
         for module in self.modules():
+            if isinstance(module, GatedDeltaNet) and module.kernels.triton is not None:
+                continue
             kernel_users = (
                 RMSNorm,
                 HeadRMSNorm,
