@@ -17,7 +17,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM
+from nanovllm.common.block_hash import prefix_hashes
 from nanovllm.common.errors import ConfigError, UnsupportedModelError
+from nanovllm.common.v1 import worker_pb2
+from nanovllm.router.fleet.workers import WorkerConnection
 from nanovllm.worker.layers.gated_delta_rule import causal_conv_step, chunked, recurrent_step
 from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.runner.kv_cache import kv_bytes_per_block
@@ -468,6 +471,32 @@ def test_a_repeated_prefix_resumes_from_its_state_snapshot(default_model: Path):
     plain = LLM(str(default_model), **ENGINE, enable_prefix_caching=False)
     assert out["token_ids"] == plain.generate([second], greedy(MAX_NEW), use_tqdm=False)[0]["token_ids"]
     assert _all_back(llm)
+
+
+def test_the_router_counts_a_hybrid_workers_hit_to_its_last_snapshot(default_model: Path):
+    """A hybrid worker reports the blocks that end at a state snapshot (resume points) beside its cached
+    blocks; the router's link counts a prompt's cached prefix only up to the last of them: a 230-token
+    shared prefix (blocks of 16, snapshots every 64) has 14 blocks of KV cached but resumes at 192, the
+    hit the engine makes."""
+    rng = random.Random(7)
+    shared = [rng.randrange(2, 512) for _ in range(230)]
+    llm = LLM(str(default_model), **ENGINE, state_snapshot_interval=64)
+    llm.generate([shared + [rng.randrange(2, 512) for _ in range(40)]], greedy(4), use_tqdm=False)
+    bm = llm.engine.block_manager
+    changes = bm.take_cache_events()
+    assert changes.state.stored == set(bm.state_cache) and bm.state_cache
+    link = WorkerConnection("127.0.0.1:9", prepare=None)
+    link._apply(
+        worker_pb2.PrefixCacheEvents(
+            reset=True, stored=sorted(bm.cached), resume_points=True, state_stored=sorted(bm.state_cache)
+        )
+    )
+    second = shared + [9, 10, 11]
+    expected = link.cached_prefix_blocks(prefix_hashes(second, 16))
+    assert expected * 16 == llm.generate([second], greedy(4), use_tqdm=False)[0]["num_cached_tokens"] == 192
+    assert (
+        len([h for h in prefix_hashes(second, 16) if h in link.cached_blocks]) > expected
+    )  # KV goes further
 
 
 def _conversation_hit_rate(model_dir: Path, turns: int, **options) -> tuple[float, list[list[int]]]:

@@ -179,18 +179,24 @@ class WorkerTimings(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ...) -> None: ...
 
 class PrefixCacheEvents(_message.Message):
-    __slots__ = ("reset", "stored", "evicted", "lower_stored", "lower_evicted")
+    __slots__ = ("reset", "stored", "evicted", "lower_stored", "lower_evicted", "resume_points", "state_stored", "state_evicted")
     RESET_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     LOWER_STORED_FIELD_NUMBER: _ClassVar[int]
     LOWER_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    RESUME_POINTS_FIELD_NUMBER: _ClassVar[int]
+    STATE_STORED_FIELD_NUMBER: _ClassVar[int]
+    STATE_EVICTED_FIELD_NUMBER: _ClassVar[int]
     reset: bool
     stored: _containers.RepeatedScalarFieldContainer[int]
     evicted: _containers.RepeatedScalarFieldContainer[int]
     lower_stored: _containers.RepeatedScalarFieldContainer[int]
     lower_evicted: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, reset: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., evicted: _Optional[_Iterable[int]] = ..., lower_stored: _Optional[_Iterable[int]] = ..., lower_evicted: _Optional[_Iterable[int]] = ...) -> None: ...
+    resume_points: bool
+    state_stored: _containers.RepeatedScalarFieldContainer[int]
+    state_evicted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, reset: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., evicted: _Optional[_Iterable[int]] = ..., lower_stored: _Optional[_Iterable[int]] = ..., lower_evicted: _Optional[_Iterable[int]] = ..., resume_points: _Optional[bool] = ..., state_stored: _Optional[_Iterable[int]] = ..., state_evicted: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepOutputs(_message.Message):
     __slots__ = ("updates", "draining", "load", "prefix_cache", "adapters")

@@ -86,6 +86,9 @@ class WorkerConnection:
         # The block hashes the worker's prefix cache holds, exactly as it reported them.
         self.cached_blocks: set[int] = set()
         self.offloaded_blocks: set[int] = set()  # those its host-memory and disk tiers hold
+        # A hybrid model's worker resumes a hit only where a block ends at a snapshot of its state: those
+        # blocks' hashes (None: every cached block is a place a hit can end).
+        self.resume_points: set[int] | None = None
         # The prompt blocks of this router's requests in flight there, which it is computing or has cached
         # (the reports lag): a burst sharing a prefix then finds its first request's worker at once.
         self._in_flight_blocks: Counter[int] = Counter()
@@ -123,12 +126,14 @@ class WorkerConnection:
     def cached_prefix_blocks(self, hashes: Sequence[int]) -> int:
         """How many of a prompt's leading blocks (given by their hashes) the worker has cached, or has in
         a request of this router's in flight."""
-        count = 0
+        count = resumable = 0
         for block_hash in hashes:
             if block_hash not in self.cached_blocks and not self._in_flight_blocks[block_hash]:
                 break
             count += 1
-        return count
+            if self.resume_points is not None and block_hash in self.resume_points:
+                resumable = count
+        return count if self.resume_points is None else resumable
 
     def offloaded_prefix_blocks(self, hashes: Sequence[int]) -> int:
         """How many of a prompt's blocks after those `cached_prefix_blocks` counts the worker holds in its
@@ -278,11 +283,15 @@ class WorkerConnection:
         if events.reset:
             self.cached_blocks = set(events.stored)
             self.offloaded_blocks = set(events.lower_stored)
+            self.resume_points = set(events.state_stored) if events.resume_points else None
             return
         self.cached_blocks.difference_update(events.evicted)
         self.cached_blocks.update(events.stored)
         self.offloaded_blocks.difference_update(events.lower_evicted)
         self.offloaded_blocks.update(events.lower_stored)
+        if self.resume_points is not None:
+            self.resume_points.difference_update(events.state_evicted)
+            self.resume_points.update(events.state_stored)
 
     @staticmethod
     async def _outgoing(

@@ -41,9 +41,11 @@ class CacheEvents(HashChanges):
 
     lower_stored: set[int] = field(default_factory=set)
     lower_evicted: set[int] = field(default_factory=set)
+    # A hybrid model's: the hashes of blocks that end at a state snapshot (a hit may resume there).
+    state: HashChanges = field(default_factory=HashChanges)
 
     def __bool__(self) -> bool:
-        return bool(self.stored or self.evicted or self.lower_stored or self.lower_evicted)
+        return bool(self.stored or self.evicted or self.lower_stored or self.lower_evicted or self.state)
 
 
 @dataclass
@@ -179,7 +181,9 @@ class BlockManager:
         if self.free_snapshots:
             return self.free_snapshots.pop()
         if self.state_cache:
-            return self.state_cache.popitem(last=False)[1]
+            block_hash, row = self.state_cache.popitem(last=False)
+            self.cache_events.state.evict(block_hash)
+            return row
         return -1
 
     def _publish_snapshots(self, seq: Sequence) -> None:
@@ -198,6 +202,7 @@ class BlockManager:
             self.free_snapshots.append(row)
         else:
             self.state_cache[block_hash] = row
+            self.cache_events.state.store(block_hash)
 
     def lower_hits(self, seq: Sequence, device_hits: list[int]) -> list[int]:
         """The hashes of the blocks that continue `seq`'s prefix in the lower tiers past its device hits

@@ -224,6 +224,8 @@ class EngineLoop:
                 evicted=sorted(events.evicted),
                 lower_stored=sorted(events.lower_stored),
                 lower_evicted=sorted(events.lower_evicted),
+                state_stored=sorted(events.state.stored),
+                state_evicted=sorted(events.state.evicted),
             )
             with_cache = worker_pb2.StepOutputs(load=load.load, prefix_cache=cache)
         for conn in self._connections:
@@ -257,7 +259,11 @@ class EngineLoop:
         conn.prefix_cache_subscribed = True
         bm = self.engine.block_manager
         cache = worker_pb2.PrefixCacheEvents(
-            reset=True, stored=sorted(bm.cached), lower_stored=bm.lower_cached()
+            reset=True,
+            stored=sorted(bm.cached),
+            lower_stored=bm.lower_cached(),
+            resume_points=bm.has_state_slots,
+            state_stored=sorted(bm.state_cache),
         )
         conn.deliver(worker_pb2.StepOutputs(prefix_cache=cache))
 
