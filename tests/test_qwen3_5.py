@@ -27,6 +27,7 @@ from nanovllm.worker.runner.kv_cache import kv_bytes_per_block
 from tests.helpers import compare_tp, greedy, hf_greedy, hf_model, teacher_forced_logits
 from tests.model_factory import build_model
 from tests.services import held_streams, wait_idle
+from tests.test_decode_graphs import CountingReplay
 from tests.test_resume import MAX_TOKENS as RESUME_MAX_TOKENS
 from tests.test_resume import _run as resume_run
 from tests.top5 import assert_close, random_prompts, run_case
@@ -224,6 +225,34 @@ def test_the_triton_path_gives_transformers_tokens(default_model: Path):
     assert _all_back(llm)
 
 
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_decode_steps_replay_from_graphs_with_their_state_slots(default_model: Path, backend: str):
+    """Decode steps through worker/runner/decode_graphs.py (EagerReplay: its static buffers and padding
+    without a CUDA graph): each row's state slot from the static buffer, padding rows on the pad state
+    row, zeroing, restores and the copies at block boundaries (snapshots every 16 tokens here) around the
+    replay; five sequences ending one after another pass through buckets 8 to 1. Tokens equal the eager
+    engine's, the second round's prefix hits included, and the pad row is the only other row written."""
+    prompts = [[5, 6, 7], list(range(40, 75)), [9] * 17, list(range(100, 130)), [11, 12]]
+    params = [greedy(n) for n in (3, 9, 5, 7, 12)]
+    options = {**ENGINE, "attention_backend": backend, "max_num_seqs": 8, "state_snapshot_interval": 16}
+
+    def two_rounds(llm: LLM) -> list[list[int]]:
+        """The prompts, then each prompt with its answer and one more token: the second round resumes
+        from the snapshots the first left at the boundaries its decode steps crossed."""
+        first = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+        follow = [p + out + [3] for p, out in zip(prompts, first)]
+        second = llm.generate(follow, params, use_tqdm=False)
+        assert sum(o["num_cached_tokens"] for o in second) > 0
+        return first + [o["token_ids"] for o in second]
+
+    want = two_rounds(LLM(str(default_model), **options))
+    llm = LLM(str(default_model), **options)
+    replay = CountingReplay()
+    llm.engine.runner.use_decode_graphs(replay)
+    assert two_rounds(llm) == want and sum(replay.replayed.values()) > 0
+    assert _all_back(llm)
+
+
 def test_chunked_and_recurrent_forms_agree():
     """The rule's two forms on one sequence of 150 tokens from a state: float32 rounding apart (the
     engine's prefill uses one, its decode the other)."""
@@ -267,7 +296,8 @@ def test_preempted_requests_recompute_their_state(default_model: Path):
     roomy = LLM(str(default_model), **ENGINE)
     expected = [o["token_ids"] for o in roomy.generate(prompts, greedy(30), use_tqdm=False)]
     model = ModelConfig.from_pretrained_dir(default_model)
-    memory = 8 * model.hybrid.state_bytes(4) + 20 * kv_bytes_per_block(model, 4, model.num_key_value_heads, 4)
+    # 8 slots and the pad row (worker/runner/decode_graphs.py), 20 blocks
+    memory = 9 * model.hybrid.state_bytes(4) + 20 * kv_bytes_per_block(model, 4, model.num_key_value_heads, 4)
     options = {**ENGINE, "max_model_len": 64, "kvcache_block_size": 4, "kv_cache_memory": memory}
     options.update(state_memory_fraction=(8 * model.hybrid.state_bytes(4) + 1) / memory)
     tight = LLM(str(default_model), **options, max_num_seqs=8, max_num_batched_tokens=32)
@@ -447,7 +477,7 @@ def test_deterministic_bf16_gives_a_request_what_it_gives_it_alone(default_model
     crowd = [[rng.randrange(2, 500) for _ in range(rng.randrange(20, 60))] for _ in range(6)]
     model = ModelConfig.from_pretrained_dir(default_model)
     state, block = model.hybrid.state_bytes(2), kv_bytes_per_block(model, 4, model.num_key_value_heads, 2)
-    memory = 7 * state + 56 * block  # 7 slots, 56 blocks of 4 tokens for 7 requests of up to 166 tokens
+    memory = 8 * state + 56 * block  # 7 slots, the pad row, 56 blocks of 4 tokens for 7 requests of up to 166
     options.update(max_model_len=192, kvcache_block_size=4)
     tight = LLM(str(default_model), **{**options, "kv_cache_memory": memory}, max_num_seqs=7,
                 state_memory_fraction=(7 * state + 1) / memory, enable_prefix_caching=False)  # fmt: skip
@@ -532,10 +562,10 @@ def test_preempted_requests_resume_from_their_snapshots(default_model: Path):
     expected = [o["token_ids"] for o in roomy.generate(prompts, greedy(30), use_tqdm=False)]
     model = ModelConfig.from_pretrained_dir(default_model)
     state, block = model.hybrid.state_bytes(4), kv_bytes_per_block(model, 4, model.num_key_value_heads, 4)
-    left = 20 * block + 16 * state  # past the 8 slots: 20 blocks and 16 snapshots
-    options = {**ENGINE, "max_model_len": 64, "kvcache_block_size": 4, "kv_cache_memory": 8 * state + left}
+    left = 20 * block + 16 * state  # past the 8 slots and the pad row: 20 blocks and 16 snapshots
+    options = {**ENGINE, "max_model_len": 64, "kvcache_block_size": 4, "kv_cache_memory": 9 * state + left}
     options.update(max_num_seqs=8, max_num_batched_tokens=32, state_cache_fraction=(16 * state + 1) / left)
-    options.update(state_memory_fraction=(8 * state + 1) / (8 * state + left))
+    options.update(state_memory_fraction=(8 * state + 1) / (9 * state + left))
     tight = LLM(str(default_model), **options)
     bm = tight.engine.block_manager
     restores = []

@@ -204,11 +204,7 @@ class GatedDeltaNet(nn.Module):
         (the recurrent form), chunks one by one (the chunked form), each cut where a copy of its state is
         kept (a block boundary the block manager chose)."""
         conv_state, recurrent_state = self.conv_state, self.recurrent_state
-        if states.fresh_slots is not None:  # a sequence's first chunk starts from the zero state
-            conv_state.index_fill_(0, states.fresh_slots, 0)
-            recurrent_state.index_fill_(0, states.fresh_slots, 0)
-        for row, slot in states.restores:  # a prefix-cache hit resumes from its snapshot
-            conv_state[slot], recurrent_state[slot] = conv_state[row], recurrent_state[row]
+        self.prepare_states(states)
         nd = states.num_decodes
         # The C++ kernels on a CPU, the Triton ones on CUDA (kernels/triton_gated_delta.py): the same calls.
         rule = self.kernels.cpu or self.kernels.triton
@@ -224,9 +220,7 @@ class GatedDeltaNet(nn.Module):
             o, s = recurrent_step(*self._heads(mixed_rows), g[:nd], beta[:nd], recurrent)
             recurrent_state.index_copy_(0, slots, s)
             out[:nd] = o
-        for slot, saves in zip(states.slot_list[:nd], states.saves[:nd]):
-            for _, row in saves:  # a decode's copy is after its token
-                self._keep(slot, row)
+        self.keep_decode_states(states)
         # Chunks token by token through the decode step's own arithmetic under --deterministic, so a token's
         # result does not depend on how its prompt was cut into steps (the chunked form's sums follow its
         # 64-token blocks, which start where the chunk does), and on CUDA, where the chunked form's many
@@ -253,6 +247,25 @@ class GatedDeltaNet(nn.Module):
                     if offset == end:
                         self._keep(slot, row)
             begin += n
+
+    def prepare_states(self, states: StateBatch) -> None:
+        """Before the step: sequences that start here from the zero state, prefix-cache hits from their
+        snapshot. (A replayed decode graph has this done outside it: worker/runner/decode_graphs.py.)"""
+        if states.fresh_slots is not None:
+            self.conv_state.index_fill_(0, states.fresh_slots, 0)
+            self.recurrent_state.index_fill_(0, states.fresh_slots, 0)
+        for row, slot in states.restores:
+            self.conv_state[slot], self.recurrent_state[slot] = (
+                self.conv_state[row],
+                self.recurrent_state[row],
+            )
+
+    def keep_decode_states(self, states: StateBatch) -> None:
+        """After the decode rows: the copies of their state the step keeps (each after its token)."""
+        nd = states.num_decodes
+        for slot, saves in zip(states.slot_list[:nd], states.saves[:nd]):
+            for _, row in saves:
+                self._keep(slot, row)
 
     def _keep(self, slot: int, row: int) -> None:
         """Copy slot's state into snapshot row `row`."""
@@ -360,6 +373,16 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
 
     def linear_attention_layers(self) -> list[GatedDeltaNet]:
         return [layer.linear_attn for layer in self.model.layers if not layer.is_full_attention]
+
+    def prepare_states(self, states: StateBatch) -> None:
+        """A decode step's state work outside a replayed graph: before it (GatedDeltaNet.prepare_states)."""
+        for layer in self.linear_attention_layers():
+            layer.prepare_states(states)
+
+    def keep_decode_states(self, states: StateBatch) -> None:
+        """... and after it (GatedDeltaNet.keep_decode_states)."""
+        for layer in self.linear_attention_layers():
+            layer.keep_decode_states(states)
 
     def bind_kernels(self, attention: AttentionBackend, kernels: LayerKernels) -> None:
         """Attention layers on `attention`; RMSNorm, the SwiGLU gate and the projections on `kernels`

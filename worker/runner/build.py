@@ -207,9 +207,6 @@ class ModelRunnerBase:
         if self.tp.size > 1:
             log.info("decode_graphs_off", reason="not yet captured with tensor_parallel_size > 1")
             return False
-        if self.config.hf_config.hybrid is not None:
-            log.info("decode_graphs_off", reason="not yet captured with a hybrid model's state slots")
-            return False
         if any(isinstance(m, SparseMoeBlock) and not m.grouped for m in self.model.modules()):
             reason = "mixture-of-experts layers run expert by expert (packed experts, or --deterministic)"
             log.info("decode_graphs_off", reason=reason)
@@ -230,6 +227,7 @@ class ModelRunnerBase:
                 device=self.device,
                 # Adapter steps replay too where the adapters run on the Triton kernels.
                 lora=self.lora if self.kernel_backend == "triton" else None,
+                pad_state_row=self.pad_state_row,
             )
 
     def _max_blocks_per_seq(self) -> int:
@@ -347,6 +345,7 @@ class ModelRunnerBase:
         layers = getattr(self.model, "linear_attention_layers", list)()
         config = self.config
         self.num_state_slots = self.num_state_snapshots = 0
+        self.pad_state_row: int | None = None
         if not layers:
             return 0
         k = config.hf_config.hybrid.conv_kernel_size
@@ -365,11 +364,14 @@ class ModelRunnerBase:
             )
         self.num_state_slots = slots
         if config.enable_prefix_caching:
-            left = budget - slots * per_slot
+            left = budget - (slots + 1) * per_slot  # the slots and the pad row (below)
             self.num_state_snapshots = self.tp.all_reduce_min(
-                int(left * config.state_cache_fraction) // per_slot
+                max(0, int(left * config.state_cache_fraction)) // per_slot
             )
-        rows = slots + self.num_state_snapshots
+        # The slots, the snapshot rows (worker/core/block_manager.py numbers them after the slots), and one
+        # row more, which a replayed decode graph's padding rows run on.
+        rows = slots + self.num_state_snapshots + 1
+        self.pad_state_row = rows - 1
         for layer, (conv, recurrent) in zip(layers, shapes):
             layer.conv_state = torch.zeros((rows, *conv), dtype=self.dtype, device=self.device)
             layer.recurrent_state = torch.zeros((rows, *recurrent), dtype=torch.float32, device=self.device)

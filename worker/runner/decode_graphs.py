@@ -11,6 +11,10 @@ With LoRA on the Triton kernels, each bucket has a second graph for steps with a
 the adapter kernels with its slot from a static buffer, -1 (none) for base and padding rows, which the
 kernels skip, so one graph serves any mix of adapters. Steps without adapters replay the plain graph.
 
+A hybrid model's decode step (Qwen3.5) also takes each row's state slot from a static buffer, padding rows
+a pad state row no sequence owns; what the step does to the state outside the kernels (zeroing a fresh
+sequence's slot, a prefix hit's restore, the copies kept at block boundaries) runs eagerly around the replay.
+
 Capturing is behind `GraphCapture`: `CudaGraphCapture` on CUDA, and `EagerReplay`, which runs the same static
 buffers and padding eagerly. The CPU tests use the latter to check everything but the capture itself.
 """
@@ -26,7 +30,7 @@ import torch
 from torch import nn
 
 from nanovllm.common.logging import get_logger
-from nanovllm.kernels.attention import AttentionMetadata, DecodeBatch
+from nanovllm.kernels.attention import AttentionMetadata, DecodeBatch, StateBatch
 from nanovllm.worker.layers.lora import LoRABatch, LoRAContext
 from nanovllm.worker.step import StepInputs
 
@@ -108,9 +112,11 @@ class DecodeGraphs:
         pad_block: int,
         device: torch.device,
         lora: LoRAContext | None = None,
+        pad_state_row: int | None = None,
     ) -> None:
         """`lora`: the model's LoRA context, where its adapters run on the Triton kernels (the only ones
-        that take a graph's every-row batch); then adapter steps replay too."""
+        that take a graph's every-row batch); then adapter steps replay too. `pad_state_row`: a hybrid
+        model's state row for padding rows (None: the model has no per-request state)."""
         self.buckets = batch_buckets(max_num_seqs)
         self.block_size = block_size
         self.device = device
@@ -124,6 +130,9 @@ class DecodeGraphs:
         self.pad = (0, 0, pad_block * block_size, 1, pad_block)  # a padding row's id, position, slot, ...
         self.lora = lora
         self.lora_slots = torch.full((rows,), -1, dtype=torch.long, device=device)  # each row's adapter
+        self.model = model
+        self.pad_state_row = pad_state_row
+        self.state_slots = torch.full((rows,), pad_state_row or 0, dtype=torch.long, device=device)
 
         started, before = time.perf_counter(), _reserved(device)
         self.replays: dict[int, Forward] = {}
@@ -148,6 +157,8 @@ class DecodeGraphs:
             # be computed inside the capture, not reused from the warm-up.
             decode = DecodeBatch(self.block_tables[:size], self.context_lens[:size], self.block_size)
             meta = AttentionMetadata(slot_mapping=self.slot_mapping[:size], decode=decode)
+            if self.pad_state_row is not None:  # the state's own work runs around the replay (run)
+                meta.states = StateBatch(self.state_slots[:size], [], [1] * size, size, None)
             if self.lora is not None:
                 self.lora.batch = LoRABatch.every_row(self.lora_slots[:size]) if adapters else None
             return model(self.input_ids[:size], self.positions[:size], meta)
@@ -192,8 +203,17 @@ class DecodeGraphs:
         # masks them out.
         self.block_tables[:n, :width].copy_(meta.decode.block_tables[:, :width])
         self.block_tables[n:size, :width].fill_(pad_block)
+        states = meta.states
+        if states is not None:
+            self.state_slots[:n].copy_(states.slots)
+            self.state_slots[n:size].fill_(self.pad_state_row)
+            self.model.prepare_states(states)
         if lora_slots is None:
-            return self.replays[size]()[:n]
-        self.lora_slots[:n].copy_(lora_slots)
-        self.lora_slots[n:size].fill_(-1)
-        return self.adapter_replays[size]()[:n]
+            hidden = self.replays[size]()[:n]
+        else:
+            self.lora_slots[:n].copy_(lora_slots)
+            self.lora_slots[n:size].fill_(-1)
+            hidden = self.adapter_replays[size]()[:n]
+        if states is not None:
+            self.model.keep_decode_states(states)
+        return hidden
