@@ -26,10 +26,10 @@ from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.runner.kv_cache import kv_bytes_per_block
 from tests.helpers import compare_tp, greedy, hf_greedy, hf_model, teacher_forced_logits
 from tests.model_factory import build_model
+from tests.resume_streams import MAX_TOKENS as RESUME_MAX_TOKENS
+from tests.resume_streams import run as resume_run
 from tests.services import held_streams, wait_idle
 from tests.test_decode_graphs import CountingReplay
-from tests.test_resume import MAX_TOKENS as RESUME_MAX_TOKENS
-from tests.test_resume import _run as resume_run
 from tests.top5 import assert_close, random_prompts, run_case
 
 MAX_NEW = 16
