@@ -110,38 +110,80 @@ DeltaShape delta_inputs(const char* op, at::Tensor& q, at::Tensor& k, at::Tensor
   return shape;
 }
 
+
+// The sequences' tokens through the convolution: sequence i's `tokens` consecutive rows of x [rows, C]
+// (contiguous rows), in order, on state row slots[i]; the sequences and channels in parallel.
+at::Tensor conv_rows(const char* op, at::Tensor x, at::Tensor state, at::Tensor weight, const int64_t* slots,
+                     int64_t sequences, int64_t tokens) {
+  check_one_dtype(op, {{"x", &x}, {"state", &state}, {"weight", &weight}});
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && state.dim() == 3 && state.is_contiguous() &&
+                  state.size(1) == x.size(1) && weight.dim() == 2 && weight.is_contiguous() &&
+                  weight.size(0) == x.size(1) && weight.size(1) == state.size(2) + 1,
+              op, ": x [rows, C] with contiguous rows, state contiguous [slots, C, K - 1], weight contiguous [C, K], "
+              "got ", x.sizes(), " ", state.sizes(), " ", weight.sizes());
+  const int64_t channels = x.size(1), width = weight.size(1), keep = width - 1;
+  auto out = at::empty({sequences * tokens, channels}, x.options());
+  dispatch(op, x.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    const T* xp = x.data_ptr<T>();
+    const T* w = weight.data_ptr<T>();
+    T* st = state.data_ptr<T>();
+    T* out_p = out.data_ptr<T>();
+    const int64_t x_stride = x.stride(0);
+    at::parallel_for(0, sequences * channels, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t seq = i / channels, c = i % channels;
+        T* row = st + (slots[seq] * channels + c) * keep;
+        for (int64_t r = seq * tokens; r < (seq + 1) * tokens; ++r)
+          out_p[r * channels + c] = conv_step(row, w + c * width, keep, xp[r * x_stride + c]);
+      }
+    });
+  });
+  return out;
+}
+
+// The sequences' tokens through the rule: sequence i's `tokens` consecutive rows, in order, on state row
+// slots[i] (each head's state stays in cache from token to token); the sequences and heads in parallel.
+at::Tensor delta_rows(const char* op, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
+                      at::Tensor state, const int64_t* slots, int64_t sequences, int64_t tokens) {
+  const DeltaShape shape = delta_inputs(op, q, k, v, g, beta, state);
+  TORCH_CHECK(shape.rows == sequences * tokens, op, ": ", shape.rows, " rows for ", sequences, " sequences of ",
+              tokens, " tokens");
+  const int64_t key_heads = shape.key_heads, dk = shape.dk, heads = shape.heads, dv = shape.dv;
+  auto out = at::empty({shape.rows, heads, dv}, q.options().dtype(at::kFloat));
+  const int64_t group = heads / key_heads;
+  const float scale = 1.f / std::sqrt(static_cast<float>(dk));
+  dispatch(op, q.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    const T* qp = q.data_ptr<T>();
+    const T* kp = k.data_ptr<T>();
+    const T* vp = v.data_ptr<T>();
+    const float* gp = g.data_ptr<float>();
+    const float* bp = beta.data_ptr<float>();
+    float* st = state.data_ptr<float>();
+    float* out_p = out.data_ptr<float>();
+    at::parallel_for(0, sequences * heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> work(2 * dk + dv);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t seq = i / heads, h = i % heads, kh = h / group;
+        float* s = st + (slots[seq] * heads + h) * dk * dv;
+        for (int64_t r = seq * tokens; r < (seq + 1) * tokens; ++r)
+          delta_step(qp + (r * key_heads + kh) * dk, kp + (r * key_heads + kh) * dk, vp + (r * heads + h) * dv,
+                     gp[r * heads + h], bp[r * heads + h], s, out_p + (r * heads + h) * dv, dk, dv, scale,
+                     work.data());
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 // x [B, C] -> SiLU(depthwise conv of each channel's last K - 1 inputs (state[slots[b], c]) and x[b, c] with
 // weight [C, K]); the state rows shift in x. As transformers: the sum rounded to the dtype, then SiLU.
 at::Tensor causal_conv_decode_(at::Tensor x, at::Tensor state, at::Tensor weight, at::Tensor slots) {
-  check_one_dtype("causal_conv_decode_", {{"x", &x}, {"state", &state}, {"weight", &weight}});
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "causal_conv_decode_: x must be [B, C] with contiguous rows");
-  TORCH_CHECK(state.dim() == 3 && state.is_contiguous() && state.size(1) == x.size(1),
-              "causal_conv_decode_: state must be contiguous [rows, C, K - 1], got ", state.sizes());
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
-                  weight.size(1) == state.size(2) + 1,
-              "causal_conv_decode_: weight must be contiguous [C, K], got ", weight.sizes());
-  const int64_t batch = x.size(0), channels = x.size(1), width = weight.size(1), keep = width - 1;
-  check_slots("causal_conv_decode_", slots, batch, state.size(0));
-  auto out = at::empty({batch, channels}, x.options());
-  dispatch("causal_conv_decode_", x.scalar_type(), [&](auto zero) {
-    using T = decltype(zero);
-    const T* xp = x.data_ptr<T>();
-    const T* w = weight.data_ptr<T>();
-    T* st = state.data_ptr<T>();
-    T* op = out.data_ptr<T>();
-    const int64_t* slot = slots.data_ptr<int64_t>();
-    const int64_t x_stride = x.stride(0);
-    at::parallel_for(0, batch * channels, 1024, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / channels, c = i % channels;
-        op[b * channels + c] =
-            conv_step(st + (slot[b] * channels + c) * keep, w + c * width, keep, xp[b * x_stride + c]);
-      }
-    });
-  });
-  return out;
+  check_slots("causal_conv_decode_", slots, x.size(0), state.size(0));
+  return conv_rows("causal_conv_decode_", x, state, weight, slots.data_ptr<int64_t>(), x.size(0), 1);
 }
 
 // One token of B sequences through the gated delta rule, each on state[slots[b]] ([heads, dk, dv] fp32,
@@ -150,96 +192,25 @@ at::Tensor causal_conv_decode_(at::Tensor x, at::Tensor state, at::Tensor weight
 // key_heads) serves value head h. Returns the output [B, heads, dv] fp32.
 at::Tensor gated_delta_decode_(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
                                at::Tensor state, at::Tensor slots) {
-  const DeltaShape shape = delta_inputs("gated_delta_decode_", q, k, v, g, beta, state);
-  const int64_t batch = shape.rows, key_heads = shape.key_heads, dk = shape.dk, heads = shape.heads, dv = shape.dv;
-  check_slots("gated_delta_decode_", slots, batch, state.size(0));
-  auto out = at::empty({batch, heads, dv}, q.options().dtype(at::kFloat));
-  const int64_t group = heads / key_heads;
-  const float scale = 1.f / std::sqrt(static_cast<float>(dk));
-  dispatch("gated_delta_decode_", q.scalar_type(), [&](auto zero) {
-    using T = decltype(zero);
-    const T* qp = q.data_ptr<T>();
-    const T* kp = k.data_ptr<T>();
-    const T* vp = v.data_ptr<T>();
-    const float* gp = g.data_ptr<float>();
-    const float* bp = beta.data_ptr<float>();
-    float* st = state.data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    const int64_t* slot = slots.data_ptr<int64_t>();
-    at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> work(2 * dk + dv);
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / heads, h = i % heads, kh = h / group;
-        delta_step(qp + (b * key_heads + kh) * dk, kp + (b * key_heads + kh) * dk, vp + (b * heads + h) * dv,
-                   gp[b * heads + h], bp[b * heads + h], st + (slot[b] * heads + h) * dk * dv,
-                   op + (b * heads + h) * dv, dk, dv, scale, work.data());
-      }
-    });
-  });
-  return out;
+  check_slots("gated_delta_decode_", slots, q.size(0), state.size(0));
+  return delta_rows("gated_delta_decode_", q, k, v, g, beta, state, slots.data_ptr<int64_t>(), q.size(0), 1);
 }
 
 // A prompt chunk of T tokens of one sequence, token after token on its state row `slot`: the decode
 // kernels' arithmetic (conv_step, delta_step) for each token, so a token's result does not depend on how
 // the prompt was cut into chunks or steps (--deterministic). x [T, C] -> SiLU(conv) [T, C].
 at::Tensor causal_conv_chunk_(at::Tensor x, at::Tensor state, at::Tensor weight, int64_t slot) {
-  check_one_dtype("causal_conv_chunk_", {{"x", &x}, {"state", &state}, {"weight", &weight}});
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && state.dim() == 3 && state.is_contiguous() &&
-                  state.size(1) == x.size(1) && weight.dim() == 2 && weight.is_contiguous() &&
-                  weight.size(0) == x.size(1) && weight.size(1) == state.size(2) + 1,
-              "causal_conv_chunk_: x [T, C], state contiguous [rows, C, K - 1], weight contiguous [C, K], got ",
-              x.sizes(), " ", state.sizes(), " ", weight.sizes());
   TORCH_CHECK(0 <= slot && slot < state.size(0), "causal_conv_chunk_: slot ", slot, " is outside the state's ",
               state.size(0), " rows");
-  const int64_t tokens = x.size(0), channels = x.size(1), width = weight.size(1), keep = width - 1;
-  auto out = at::empty({tokens, channels}, x.options());
-  dispatch("causal_conv_chunk_", x.scalar_type(), [&](auto zero) {
-    using T = decltype(zero);
-    const T* xp = x.data_ptr<T>();
-    const T* w = weight.data_ptr<T>();
-    T* st = state.data_ptr<T>() + slot * channels * keep;
-    T* op = out.data_ptr<T>();
-    const int64_t x_stride = x.stride(0);
-    at::parallel_for(0, channels, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t c = begin; c < end; ++c)
-        for (int64_t t = 0; t < tokens; ++t)
-          op[t * channels + c] = conv_step(st + c * keep, w + c * width, keep, xp[t * x_stride + c]);
-    });
-  });
-  return out;
+  return conv_rows("causal_conv_chunk_", x, state, weight, &slot, 1, x.size(0));
 }
 
 // q, k [T, key_heads, dk], v [T, heads, dv], g and beta [T, heads] fp32: the output [T, heads, dv] fp32.
 at::Tensor gated_delta_chunk_(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
                               at::Tensor state, int64_t slot) {
-  const DeltaShape shape = delta_inputs("gated_delta_chunk_", q, k, v, g, beta, state);
-  const int64_t tokens = shape.rows, key_heads = shape.key_heads, dk = shape.dk, heads = shape.heads, dv = shape.dv;
   TORCH_CHECK(0 <= slot && slot < state.size(0), "gated_delta_chunk_: slot ", slot, " is outside the state's ",
               state.size(0), " rows");
-  auto out = at::empty({tokens, heads, dv}, q.options().dtype(at::kFloat));
-  const int64_t group = heads / key_heads;
-  const float scale = 1.f / std::sqrt(static_cast<float>(dk));
-  dispatch("gated_delta_chunk_", q.scalar_type(), [&](auto zero) {
-    using T = decltype(zero);
-    const T* qp = q.data_ptr<T>();
-    const T* kp = k.data_ptr<T>();
-    const T* vp = v.data_ptr<T>();
-    const float* gp = g.data_ptr<float>();
-    const float* bp = beta.data_ptr<float>();
-    float* st = state.data_ptr<float>() + slot * heads * dk * dv;
-    float* op = out.data_ptr<float>();
-    at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> work(2 * dk + dv);
-      for (int64_t h = begin; h < end; ++h) {
-        const int64_t kh = h / group;
-        for (int64_t t = 0; t < tokens; ++t)  // the head's state stays in cache from token to token
-          delta_step(qp + (t * key_heads + kh) * dk, kp + (t * key_heads + kh) * dk, vp + (t * heads + h) * dv,
-                     gp[t * heads + h], bp[t * heads + h], st + h * dk * dv, op + (t * heads + h) * dv, dk, dv,
-                     scale, work.data());
-      }
-    });
-  });
-  return out;
+  return delta_rows("gated_delta_chunk_", q, k, v, g, beta, state, &slot, 1, q.size(0));
 }
 
 // ---- Qwen3.5's elementwise and row-wise steps, row by row in a fixed order: PyTorch can compute the last

@@ -125,9 +125,15 @@ class DecoderLayer(nn.Module):
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm.add_and_norm(x, residual)
-        x = self.self_attn(rope, x, meta)
+        x = self.mix(rope, x, meta)
         x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
         return self.mlp(x), residual
+
+    def mix(
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The token mixer: attention here (a hybrid model's layers may mix otherwise)."""
+        return self.self_attn(rope, x, meta)
 
 
 class DecoderModel(nn.Module):

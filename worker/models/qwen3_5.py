@@ -41,7 +41,7 @@ from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.quantization import QuantPlan, assign
 from nanovllm.worker.layers.rotary import RotaryEmbedding, apply_rotary
 from nanovllm.worker.model_config import FULL_ATTENTION, HybridSpec, ModelConfig
-from nanovllm.worker.models.decoder import DecoderForCausalLM, DecoderMLP
+from nanovllm.worker.models.decoder import DecoderForCausalLM, DecoderLayer, DecoderMLP, DecoderModel
 
 
 class GatedAttention(nn.Module):
@@ -282,11 +282,13 @@ def _sequence_lengths(meta: AttentionMetadata) -> list[int]:
     return lengths
 
 
-class HybridDecoderLayer(nn.Module):
+class HybridDecoderLayer(DecoderLayer):
+    """The decoder's layer with Qwen3.5's token mixer: gated attention or Gated DeltaNet by `layer_types`."""
+
     def __init__(
         self, cfg: ModelConfig, tp: TPContext, quant: QuantPlan | None, prefix: str, index: int
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.is_full_attention = cfg.hybrid.layer_types[index] == FULL_ATTENTION
         if self.is_full_attention:
             self.self_attn = GatedAttention(cfg, tp, quant, f"{prefix}.self_attn")
@@ -300,25 +302,18 @@ class HybridDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weight_offset=1.0)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weight_offset=1.0)
 
-    def forward(
-        self,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm.add_and_norm(x, residual)
-        x = self.self_attn(rope, x, meta) if self.is_full_attention else self.linear_attn(x, meta)
-        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
-        return self.mlp(x), residual
+    def mix(
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.self_attn(rope, x, meta) if self.is_full_attention else self.linear_attn(x, meta)
 
 
-class HybridModel(nn.Module):
+class HybridModel(DecoderModel):
+    """The decoder's embedding, layer loop and final norm (DecoderModel.forward) over hybrid layers; RoPE
+    turns `rotary_dim` dimensions; no one-call decode step."""
+
     def __init__(self, cfg: ModelConfig, tp: TPContext, quant: QuantPlan | None) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.embed_tokens = VocabParallelEmbedding(
             cfg.vocab_size, cfg.hidden_size, tp, quant, "model.embed_tokens"
         )
@@ -330,16 +325,8 @@ class HybridModel(nn.Module):
             HybridDecoderLayer(cfg, tp, quant, f"model.layers.{i}", i) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weight_offset=1.0)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        rope = self.rotary.lookup(positions)
-        for layer in self.layers:
-            x, residual = layer(rope, x, residual, meta)
-        x, _ = self.norm.add_and_norm(x, residual)
-        return x
+        self.decode_layers = None
+        self.lora = None
 
 
 class Qwen3_5ForCausalLM(DecoderForCausalLM):
