@@ -13,7 +13,9 @@ weights do not change the work; a random model of a shape costs what the real on
                  only the tokens each request asked for counted) on the first 64 requests, against
                  nanovllm's LLM.generate on the same 64 requests; both in nanovllm's dtype;
   4. one stream  prompt 128, 256 new tokens, greedy: decode tok/s of both (prefill not timed);
-  5. sampler     one sampler step at batch 256 over the model's vocabulary, temperature 0.6, in ms.
+  5. sampler     one sampler step at batch 256 over the model's vocabulary, temperature 0.6, in ms;
+  6. KV dtype    with --kv-cache-dtype fp8: 1, 2's busy share and 4 again on an FP8 KV cache of the same
+                 bytes, beside auto's.
 
 Prefix caching is off: the workload shares no prefixes (no hits either way), and steps 2-4 repeat its
 prompts, which must not be served from the cache. The KV cache is sized to hold the whole workload, so
@@ -56,6 +58,7 @@ from bench.engine_run import nanovllm_single_stream, record_steps
 from bench.models import SHAPES
 from bench.report import machine_description
 from nanovllm import LLM, SamplingParams
+from nanovllm.kernels.fp8_kv import KV_CACHE_DTYPES
 from nanovllm.worker.config import ATTENTION_BACKENDS
 from nanovllm.worker.device import DTYPES, resolve_placement
 from nanovllm.worker.model_config import ModelConfig
@@ -180,7 +183,13 @@ def sync(device: torch.device) -> None:
 # nanovllm
 
 
-def build_llm(args: argparse.Namespace, model_dir: Path, workload: Workload, dtype: torch.dtype) -> LLM:
+def build_llm(
+    args: argparse.Namespace,
+    model_dir: Path,
+    workload: Workload,
+    dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
+) -> LLM:
     """nano-vllm bench.py's LLM(...) (max_model_len 4096, nano-vllm's batch limits), warmed up."""
     llm = LLM(
         str(model_dir),
@@ -195,6 +204,7 @@ def build_llm(args: argparse.Namespace, model_dir: Path, workload: Workload, dty
         attention_backend=args.attention_backend,
         async_scheduling=args.async_scheduling,
         deterministic=args.deterministic,
+        kv_cache_dtype=kv_cache_dtype,
     )
     # Prefill lengths 16..816, sampled decode at batch 8 down to 1, one greedy request; then the workload's
     # own prompts, two tokens each: its prefill steps' shapes, so that no Triton kernel is compiled inside
@@ -436,6 +446,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--deterministic", action="store_true", help="batch-invariant kernels (EngineConfig)")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", *KV_CACHE_DTYPES],
+        help="also run [1], the decode window's busy share and [4] with this KV cache, after auto's [6]",
+    )
     p.add_argument("--num-seqs", type=int, default=DEFAULT_SIZES[0])
     p.add_argument("--max-input-len", type=int, default=DEFAULT_SIZES[1])
     p.add_argument("--max-output-len", type=int, default=DEFAULT_SIZES[2])
@@ -520,6 +536,21 @@ def main(argv: list[str] | None = None) -> None:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        if args.kv_cache_dtype != "auto":
+            kv_llm = build_llm(args, model_dir, workload, dtype, args.kv_cache_dtype)
+            kv_tps = timed_generate(kv_llm, workload, device)
+            kv_window = decode_window(kv_llm, workload, args.profile_steps, device, False, 0)
+            kv_single = nanovllm_single_stream(kv_llm, single_prompt, args.single_new_tokens)
+            blocks = kv_llm.engine.block_manager.num_blocks
+            print(
+                f"[6] --kv-cache-dtype {args.kv_cache_dtype} ({blocks:,} blocks in the same memory): "
+                f"LLM.generate {kv_tps:,.1f} tok/s ({kv_tps / tps:.2f}x auto's); decode busy {kv_window.busy}; "
+                f"one stream {kv_single:,.1f} tok/s ({kv_single / nano_single:.2f}x auto's)"
+            )
+            del kv_llm
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
         hf_tps = hf_single = None
         hf_note = "transformers skipped"

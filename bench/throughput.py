@@ -48,6 +48,7 @@ from bench.models import SHAPES, build_random_model
 from bench.report import load_average, machine_description, print_summary, report_steps
 from bench.workload import GREEDY, Sampling, Workload, make_workload
 from nanovllm import LLM
+from nanovllm.kernels.fp8_kv import KV_CACHE_DTYPES
 from nanovllm.worker.device import DTYPES
 from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.models.gguf.cache import embedded_model_path, prepare_gguf
@@ -78,6 +79,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--hf-dtypes", nargs="+", choices=list(DTYPES), default=["float32", "bfloat16"], help="transformers'"
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", *KV_CACHE_DTYPES],
+        help="also run nanovllm with this KV cache (same bytes), after auto's, and print the ratio",
+    )
     single = parser.add_argument_group("single stream")
     single.add_argument("--single-stream", action="store_true", help="also measure one-request decode speed")
     single.add_argument("--single-prompt", type=int, default=128)
@@ -186,6 +193,18 @@ def main(argv: list[str] | None = None) -> None:
     if args.single_stream:
         nano_single = nanovllm_single_stream(llm, single_prompt, args.single_new_tokens)
         print(f"  single stream decode: {nano_single:,.1f} tok/s")
+
+    if args.kv_cache_dtype != "auto":
+        kv_llm = build_llm(model_dir, workload, args, kv_cache_dtype=args.kv_cache_dtype)
+        warm_up_nanovllm(kv_llm, cfg.vocab_size)
+        kv_run = run_nanovllm(kv_llm, workload)
+        print(
+            f"\n[nanovllm, --kv-cache-dtype {args.kv_cache_dtype}] {kv_llm.engine.block_manager.num_blocks:,} blocks "
+            f"(auto: {llm.engine.block_manager.num_blocks:,}): {kv_run.tokens_per_s:,.1f} output tok/s = "
+            f"{kv_run.tokens_per_s / nano.tokens_per_s:.2f}x auto's"
+        )
+        del kv_llm
+        gc.collect()
 
     print(f"\n[ceiling] {nano_dtype} linear layers only, at the engine's per-step token counts")
     ceiling = MatmulCeiling(llm.engine.runner.model)

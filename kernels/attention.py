@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nanovllm.kernels.fp8_kv import KVScales, dequantize, fake_quantize, is_fp8, quantize
+
 
 @dataclass
 class DecodeBatch:
@@ -145,10 +147,30 @@ class AttentionMetadata:
         return spans
 
 
-def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[B, max_blocks] block ids -> [B, kv_heads, max_blocks * block_size, head_dim] (a strided view)."""
-    blocks = cache.index_select(0, block_tables.flatten())
-    return blocks.view(block_tables.shape[0], -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
+def _gather_kv(
+    cache: torch.Tensor, block_tables: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """[B, max_blocks] block ids -> [B, kv_heads, max_blocks * block_size, head_dim] in `dtype` (a strided
+    view of the gathered blocks; dequantized with the heads' `scale` from an FP8 cache)."""
+    if is_fp8(cache.dtype):  # index_select has no FP8 kernels: gather the bytes
+        blocks = cache.view(torch.uint8).index_select(0, block_tables.flatten()).view(cache.dtype)
+    else:
+        blocks = cache.index_select(0, block_tables.flatten())
+    blocks = blocks.view(block_tables.shape[0], -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
+    return blocks if scale is None else dequantize(blocks, scale, dtype, heads_axis=1)
+
+
+def _gather_pair(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    kv_scales: KVScales | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales.key, kv_scales.value)
+    return _gather_kv(k_cache, block_tables, k_scale, dtype), _gather_kv(
+        v_cache, block_tables, v_scale, dtype
+    )
 
 
 def _pad(x: torch.Tensor, batch: ChunkBatch) -> torch.Tensor:
@@ -176,8 +198,15 @@ class AttentionBackend:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        kv_scales: KVScales | None = None,
     ) -> None:
-        """Write new tokens' K/V into their cache slots."""
+        """Write new tokens' K/V into their cache slots (quantized with `kv_scales` into an FP8 cache)."""
+        if kv_scales is not None:
+            key, value = (
+                quantize(key, kv_scales.key, k_cache.dtype),
+                quantize(value, kv_scales.value, v_cache.dtype),
+            )
+            key, value, k_cache, v_cache = (x.view(torch.uint8) for x in (key, value, k_cache, v_cache))
         k_cache.view(-1, *key.shape[1:]).index_copy_(0, slot_mapping, key)
         v_cache.view(-1, *value.shape[1:]).index_copy_(0, slot_mapping, value)
 
@@ -188,10 +217,10 @@ class AttentionBackend:
         v_cache: torch.Tensor,
         batch: DecodeBatch,
         scale: float,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
         """One query per sequence over its cached context (gather, then SDPA)."""
-        k = _gather_kv(k_cache, batch.block_tables)
-        v = _gather_kv(v_cache, batch.block_tables)
+        k, v = _gather_pair(k_cache, v_cache, batch.block_tables, kv_scales, query.dtype)
         out = F.scaled_dot_product_attention(
             query.unsqueeze(2), k, v, attn_mask=batch.mask, scale=scale, enable_gqa=True
         )
@@ -206,13 +235,20 @@ class AttentionBackend:
         v_cache: torch.Tensor,
         batch: ChunkBatch,
         scale: float,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
-        """Causal attention of each prompt over its own new K/V.
+        """Causal attention of each prompt over its own new K/V (as an FP8 cache holds them: a prompt sees
+        what its later tokens and a prefix-cache hit on it will read).
 
         Several prompts go through one SDPA call, padded to the longest. One call per prompt computes less
         and is faster on one thread, but on 2 threads its thousands of small parallel regions a step made
         W64's prefill several times slower (docs/performance.md#measurements-behind-choices-in-the-code): each region waits for both threads, and
         any other load on the machine stretches every wait."""
+        if kv_scales is not None:
+            key, value = (
+                fake_quantize(key, kv_scales.key, k_cache.dtype),
+                fake_quantize(value, kv_scales.value, v_cache.dtype),
+            )
         if batch.num_seqs == 1:
             q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -228,10 +264,10 @@ class AttentionBackend:
         v_cache: torch.Tensor,
         batch: ChunkBatch,
         scale: float,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
         """Chunks continuing a sequence, over its cached K/V (their own already stored)."""
-        k = _gather_kv(k_cache, batch.block_tables)
-        v = _gather_kv(v_cache, batch.block_tables)
+        k, v = _gather_pair(k_cache, v_cache, batch.block_tables, kv_scales, query.dtype)
         o = F.scaled_dot_product_attention(
             _pad(query, batch), k, v, attn_mask=batch.mask, scale=scale, enable_gqa=True
         )
@@ -246,20 +282,22 @@ class AttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
         """Causal attention for a step's queries; this step's K/V are already in the cache. key and value
-        may be None where the backend's fresh() reads them from the cache too (TritonAttention)."""
+        may be None where the backend's fresh() reads them from the cache too (TritonAttention).
+        kv_scales: an FP8 cache's (kernels/fp8_kv.py), None for a cache in the model's dtype."""
         spans = meta.segments()
         out = None if len(spans) == 1 else torch.empty_like(query)
         for kind, begin, end in spans:
             q = query[begin:end]
             if kind == "decode":
-                o = self.decode(q, k_cache, v_cache, meta.decode, scale)
+                o = self.decode(q, k_cache, v_cache, meta.decode, scale, kv_scales)
             elif kind == "fresh":
                 k, v = (None, None) if key is None else (key[begin:end], value[begin:end])
-                o = self.fresh(q, k, v, k_cache, v_cache, meta.fresh, scale)
+                o = self.fresh(q, k, v, k_cache, v_cache, meta.fresh, scale, kv_scales)
             else:
-                o = self.cached(q, k_cache, v_cache, meta.cached, scale)
+                o = self.cached(q, k_cache, v_cache, meta.cached, scale, kv_scales)
             if out is None:
                 return o  # a one-segment step: nothing to place
             out[begin:end] = o

@@ -27,6 +27,7 @@ import torch
 from nanovllm.common.errors import ConfigError
 from nanovllm.kernels.attention import AttentionBackend, ChunkBatch, DecodeBatch
 from nanovllm.kernels.cpu_kernels import SUPPORTED_DTYPES, load_cpu_kernels
+from nanovllm.kernels.fp8_kv import KVScales, is_fp8
 
 # flash-attn reads a paged cache only in blocks of a multiple of this many tokens.
 FLASH_ATTN_BLOCK_MULTIPLE = 256
@@ -39,8 +40,8 @@ class CpuKernelAttention(AttentionBackend):
         self.kernels = kernels
         self.batch_invariant = batch_invariant
 
-    def store(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        self.kernels.store_kv_(key, value, k_cache, v_cache, slot_mapping)
+    def store(self, key, value, k_cache, v_cache, slot_mapping, kv_scales: KVScales | None = None) -> None:
+        self.kernels.store_kv_(key, value, k_cache, v_cache, slot_mapping, *_scale_pair(kv_scales))
 
     def decode(
         self,
@@ -49,20 +50,25 @@ class CpuKernelAttention(AttentionBackend):
         v_cache: torch.Tensor,
         batch: DecodeBatch,
         scale: float,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
         return self.kernels.paged_decode_attention(
-            query, k_cache, v_cache, batch.block_tables, batch.context_lens, scale
+            query, k_cache, v_cache, batch.block_tables, batch.context_lens, scale, *_scale_pair(kv_scales)
         )
 
-    def fresh(self, query, key, value, k_cache, v_cache, batch: ChunkBatch, scale: float) -> torch.Tensor:
+    def fresh(
+        self, query, key, value, k_cache, v_cache, batch: ChunkBatch, scale: float, kv_scales=None
+    ) -> torch.Tensor:
         if self.batch_invariant:  # the prompt's K/V is in the cache already
-            return self.decode(query, k_cache, v_cache, batch.per_token, scale)
-        return super().fresh(query, key, value, k_cache, v_cache, batch, scale)
+            return self.decode(query, k_cache, v_cache, batch.per_token, scale, kv_scales)
+        return super().fresh(query, key, value, k_cache, v_cache, batch, scale, kv_scales)
 
-    def cached(self, query, k_cache, v_cache, batch: ChunkBatch, scale: float) -> torch.Tensor:
+    def cached(
+        self, query, k_cache, v_cache, batch: ChunkBatch, scale: float, kv_scales=None
+    ) -> torch.Tensor:
         if self.batch_invariant:
-            return self.decode(query, k_cache, v_cache, batch.per_token, scale)
-        return super().cached(query, k_cache, v_cache, batch, scale)
+            return self.decode(query, k_cache, v_cache, batch.per_token, scale, kv_scales)
+        return super().cached(query, k_cache, v_cache, batch, scale, kv_scales)
 
 
 class TritonAttention(AttentionBackend):
@@ -75,8 +81,8 @@ class TritonAttention(AttentionBackend):
         self.num_sms = num_sms
         self.batch_invariant = batch_invariant
 
-    def store(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        self.ops.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+    def store(self, key, value, k_cache, v_cache, slot_mapping, kv_scales: KVScales | None = None) -> None:
+        self.ops.store_kvcache(key, value, k_cache, v_cache, slot_mapping, scales=kv_scales)
 
     def decode(
         self,
@@ -85,18 +91,22 @@ class TritonAttention(AttentionBackend):
         v_cache: torch.Tensor,
         batch: DecodeBatch,
         scale: float,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
         if self.batch_invariant:
-            return self.cached(query, k_cache, v_cache, batch.one_token_chunks, scale)
+            return self.cached(query, k_cache, v_cache, batch.one_token_chunks, scale, kv_scales)
         splits = self.ops.decode_num_splits(
             query.shape[0], k_cache.shape[2], batch.block_tables.shape[1] * batch.block_size, self.num_sms
         )
         return self.ops.paged_decode_attention(
-            query, k_cache, v_cache, batch.block_tables, batch.context_lens, scale, splits
+            query, k_cache, v_cache, batch.block_tables, batch.context_lens, scale, splits, scales=kv_scales
         )
 
-    def fresh(self, query, key, value, k_cache, v_cache, batch: ChunkBatch, scale: float) -> torch.Tensor:
-        return self.cached(query, k_cache, v_cache, batch, scale)  # the prompt's K/V is in the cache already
+    def fresh(
+        self, query, key, value, k_cache, v_cache, batch: ChunkBatch, scale: float, kv_scales=None
+    ) -> torch.Tensor:
+        # the prompt's K/V is in the cache already
+        return self.cached(query, k_cache, v_cache, batch, scale, kv_scales)
 
     def cached(
         self,
@@ -105,10 +115,11 @@ class TritonAttention(AttentionBackend):
         v_cache: torch.Tensor,
         batch: ChunkBatch,
         scale: float,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
         return self.ops.paged_prefill_attention(
             query, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.start_positions,
-            batch.max_query_len, scale,
+            batch.max_query_len, scale, scales=kv_scales,
         )  # fmt: skip
 
 
@@ -169,6 +180,10 @@ class FlashAttention(AttentionBackend):
         )  # fmt: skip
 
 
+def _scale_pair(kv_scales: KVScales | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    return (None, None) if kv_scales is None else (kv_scales.key, kv_scales.value)
+
+
 @dataclass
 class BackendChoice:
     backend: AttentionBackend
@@ -220,11 +235,18 @@ def _cpu_kernels_unavailable(device: torch.device, dtype: torch.dtype) -> str | 
 
 
 def select_attention_backend(
-    name: str, device: torch.device, dtype: torch.dtype, block_size: int, batch_invariant: bool = False
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int,
+    batch_invariant: bool = False,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> BackendChoice:
     """The backend `name` on `device`, or for "auto" the fastest one available, with why. `name` is one of
     ATTENTION_BACKENDS: EngineConfig refuses any other (and, batch-invariant, any but auto, cpu_kernel and
-    triton). Batch-invariant with none of those able to run is a ConfigError naming why."""
+    triton; with an FP8 cache, flash_attn). Batch-invariant with none of those able to run is a
+    ConfigError naming why."""
+    fp8 = kv_cache_dtype is not None and is_fp8(kv_cache_dtype)
 
     def build(candidate: str) -> AttentionBackend:
         if candidate == "cpu_kernel":
@@ -242,7 +264,11 @@ def select_attention_backend(
         "torch": lambda: None,  # runs anywhere
         "cpu_kernel": lambda: _cpu_kernels_unavailable(device, dtype),
         "triton": lambda: _triton_unavailable(device),
-        "flash_attn": lambda: _flash_attn_unavailable(device, block_size),
+        "flash_attn": lambda: (
+            "flash-attn 2 reads only 16-bit KV caches, this one is FP8"
+            if fp8
+            else _flash_attn_unavailable(device, block_size)
+        ),
     }
     if name != "auto":
         why_not = checks[name]()

@@ -9,6 +9,12 @@ a tile of keys gathers each token's block id from the table, so tiles need not l
 Inputs may be float32, bfloat16 or float16; products accumulate in fp32. On a CPU the kernels run only in
 Triton's interpreter (TRITON_INTERPRET=1 set before this module is imported, as the tests do). The
 interpreter mis-computes 16-bit dots, so there the tiles are upcast to fp32 first.
+
+An fp8 cache (kernels/fp8_kv.py) is written and read as bytes through a uint8 view: the store rounds in
+integer arithmetic and attention widens each byte with fp8_kv's bit trick, in registers. A tile holds the
+fp8 values themselves (exact in every dot dtype); the head's K scale multiplies the scores and its V scale
+the output, exactly, as scales are powers of two: the result is bit for bit that of the float kernels on
+the dequantized cache.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
+
+from nanovllm.kernels import fp8_kv
 
 # Decode: keys per tile, and the least context worth a split of its own (fewer tokens and the extra
 # reduction pass costs more than the parallelism gains).
@@ -45,11 +53,65 @@ def _pow2(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(n))
 
 
+def fp8_launch_args(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, scales: fp8_kv.KVScales | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """The caches as the kernels take them (an fp8 cache as its bytes), the K and V scales (the caches in
+    their place when unused) and the format's constexprs: FP8_MANTISSA 0 for a float cache."""
+    dtype = k_cache.dtype
+    if not fp8_kv.is_fp8(dtype):
+        return k_cache, v_cache, k_cache, v_cache, {"FP8_MANTISSA": 0, "FP8_BIAS": 0, "FP8_MAX": 0.0}
+    if scales is None:
+        raise ValueError(f"a {dtype} KV cache needs its per-head scales")
+    mantissa = fp8_kv.MANTISSA_BITS[dtype]
+    constexprs = {
+        "FP8_MANTISSA": mantissa,
+        "FP8_BIAS": 2 ** (6 - mantissa) - 1,  # 7 for e4m3, 15 for e5m2
+        "FP8_MAX": torch.finfo(dtype).max,
+    }
+    return k_cache.view(torch.uint8), v_cache.view(torch.uint8), scales.key, scales.value, constexprs
+
+
+@triton.jit
+def quantize_fp8(x, scale, MANTISSA: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr):
+    """The byte fp8_kv.quantize stores for fp32 `x` and its head's `scale`: x / scale clamped to +-MAX,
+    rounded to nearest, ties to even. The rounding is integer arithmetic on the float32's bits, as
+    PyTorch's conversion does it: Triton's interpreter converts to fp8 without ties to even, carries into
+    the exponent or subnormals, and a GPU converts natively to e4m3 only from sm_89."""
+    # For a power of two, x / scale correctly rounded is the reference's x * (1 / scale) (Triton's `/` may
+    # be approximate on a GPU); a flushed fp32 subnormal changes nothing, it quantizes to zero either way.
+    x = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -MAX), MAX)
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    exponent = a >> 23
+    SHIFT: tl.constexpr = 23 - MANTISSA
+    # A normal fp8 value: rebias the exponent, then round the mantissa's dropped bits (a carry into the
+    # exponent is right, and |x| <= MAX never carries past it).
+    normal = (a + ((BIAS - 127) << 23) + ((1 << (SHIFT - 1)) - 1) + ((a >> SHIFT) & 1)) >> SHIFT
+    # Below fp8's least normal: the significand counted in units of the least subnormal, rounded the same
+    # way; the shift is capped where every significand rounds to 0 (fp32 zeros and subnormals do).
+    significand = (a & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(tl.maximum(151 - BIAS - MANTISSA - exponent, SHIFT + 1), 31)
+    subnormal = (significand + (1 << (shift - 1)) - 1 + ((significand >> shift) & 1)) >> shift
+    return (tl.where(exponent > 127 - BIAS, normal, subnormal) | sign).to(tl.uint8)
+
+
+@triton.jit
+def widen_fp8(byte, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
+    """fp8 bytes -> their fp32 values, exactly (fp8_kv's bit trick, subnormals included)."""
+    b = byte.to(tl.uint32)
+    bits = ((b & 0x80) << 24) | ((b & 0x7F) << (23 - MANTISSA))
+    WIDEN: tl.constexpr = 2.0 ** (127 - BIAS)  # fp8_kv.WIDEN_FACTOR
+    return bits.to(tl.float32, bitcast=True) * WIDEN
+
+
 @triton.jit
 def _store_kernel(
-    key, value, k_cache, v_cache, slot_mapping,
+    key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, WIDTH: tl.constexpr,
+    FP8_MANTISSA: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     slot = tl.load(slot_mapping + t)
@@ -60,6 +122,11 @@ def _store_kernel(
     head, dim = offs // HEAD_DIM, offs % HEAD_DIM
     k = tl.load(key + t * stride_kt + head * stride_kh + dim, mask=mask)
     v = tl.load(value + t * stride_vt + head * stride_vh + dim, mask=mask)
+    if FP8_MANTISSA:
+        k_s = tl.load(k_scale + head, mask=mask, other=1.0)
+        v_s = tl.load(v_scale + head, mask=mask, other=1.0)
+        k = quantize_fp8(k.to(tl.float32), k_s, FP8_MANTISSA, FP8_BIAS, FP8_MAX)
+        v = quantize_fp8(v.to(tl.float32), v_s, FP8_MANTISSA, FP8_BIAS, FP8_MAX)
     tl.store(k_cache + slot * (NUM_KV_HEADS * HEAD_DIM) + offs, k, mask=mask)
     tl.store(v_cache + slot * (NUM_KV_HEADS * HEAD_DIM) + offs, v, mask=mask)
 
@@ -85,15 +152,18 @@ def store_kvcache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    scales: fp8_kv.KVScales | None = None,
 ) -> None:
-    """Write new tokens' K/V ([T, kv_heads, head_dim], last dim contiguous) into their slots; slot -1 skips."""
+    """Write new tokens' K/V ([T, kv_heads, head_dim], last dim contiguous) into their slots; slot -1 skips.
+    An fp8 cache gets the bytes fp8_kv.quantize gives with `scales`."""
     num_tokens, kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    k_cache, v_cache, k_scale, v_scale, fp8 = fp8_launch_args(k_cache, v_cache, scales)
     _store_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, WIDTH=triton.next_power_of_2(kv_heads * head_dim),
+        NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, WIDTH=triton.next_power_of_2(kv_heads * head_dim), **fp8,
     )  # fmt: skip
 
 
@@ -101,11 +171,31 @@ def store_kvcache(
 def _load_kv_tile(
     cache, table_row, pos, valid, kv_head, dims, dim_mask,
     stride_b, stride_t, stride_h, BLOCK_SIZE: tl.constexpr, DOT: tl.constexpr,
+    FP8_MANTISSA: tl.constexpr, FP8_BIAS: tl.constexpr,
 ):  # fmt: skip
-    """[BLOCK_N, D] keys or values of positions `pos`, each looked up through the block table."""
+    """[BLOCK_N, D] keys or values of positions `pos`, each looked up through the block table; from an fp8
+    cache, the fp8 values unscaled."""
     block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0)
     ptrs = cache + block[:, None] * stride_b + (pos % BLOCK_SIZE)[:, None] * stride_t + kv_head * stride_h
-    return tl.load(ptrs + dims[None, :], mask=valid[:, None] & dim_mask[None, :], other=0.0).to(DOT)
+    mask = valid[:, None] & dim_mask[None, :]
+    if FP8_MANTISSA:
+        tile = widen_fp8(tl.load(ptrs + dims[None, :], mask=mask, other=0), FP8_MANTISSA, FP8_BIAS)
+    else:
+        tile = tl.load(ptrs + dims[None, :], mask=mask, other=0.0)
+    return tile.to(DOT)
+
+
+@triton.jit
+def _head_scales(k_scale, v_scale, kv_head, scale_log2, FP8_MANTISSA: tl.constexpr):
+    """The factor of a head's raw scores (K scale folded into the softmax scale) and of its summed values:
+    powers of two, so folding them in is exact."""
+    if FP8_MANTISSA:
+        qk_scale = scale_log2 * tl.load(k_scale + kv_head)
+        v_factor = tl.load(v_scale + kv_head)
+    else:
+        qk_scale = scale_log2
+        v_factor = 1.0
+    return qk_scale, v_factor
 
 
 @triton.jit
@@ -124,12 +214,13 @@ def _online_softmax_step(s, v, acc, l_i, m_i, DOT: tl.constexpr, PRECISION: tl.c
 # second of compiling in nano-vllm's bench.py workload).
 @triton.jit(do_not_specialize=["stride_table", "tokens_per_split"])
 def _decode_kernel(
-    query, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, scale_log2,
+    query, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, scale_log2, k_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_b, stride_t, stride_h, stride_table,
     tokens_per_split,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT: tl.constexpr, PRECISION: tl.constexpr,
+    FP8_MANTISSA: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
 ):  # fmt: skip
     """One sequence, one KV head (all its GROUP query heads at once), one split of the context."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -143,6 +234,7 @@ def _decode_kernel(
     q = tl.load(query + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(DOT)  # fmt: skip
     table_row = block_tables + seq * stride_table
+    qk_scale, v_factor = _head_scales(k_scale, v_scale, kv_head, scale_log2, FP8_MANTISSA)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -150,12 +242,14 @@ def _decode_kernel(
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < hi
         k = _load_kv_tile(k_cache, table_row, pos, valid, kv_head, dims, d_mask,
-                          stride_b, stride_t, stride_h, BLOCK_SIZE, DOT)  # fmt: skip
-        s = dot(q, tl.trans(k), PRECISION) * scale_log2
+                          stride_b, stride_t, stride_h, BLOCK_SIZE, DOT, FP8_MANTISSA, FP8_BIAS)  # fmt: skip
+        s = dot(q, tl.trans(k), PRECISION) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         v = _load_kv_tile(v_cache, table_row, pos, valid, kv_head, dims, d_mask,
-                          stride_b, stride_t, stride_h, BLOCK_SIZE, DOT)  # fmt: skip
+                          stride_b, stride_t, stride_h, BLOCK_SIZE, DOT, FP8_MANTISSA, FP8_BIAS)  # fmt: skip
         acc, l_i, m_i = _online_softmax_step(s, v, acc, l_i, m_i, DOT, PRECISION)
+    if FP8_MANTISSA:  # before the division: the float kernel divides these very sums
+        acc = acc * v_factor
     mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
         o = acc / l_i[:, None]
@@ -205,8 +299,10 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     num_splits: int = 1,
+    scales: fp8_kv.KVScales | None = None,
 ) -> torch.Tensor:
-    """One query per sequence [B, heads, D] over its cached context (context_lens tokens, >= 1)."""
+    """One query per sequence [B, heads, D] over its cached context (context_lens tokens, >= 1); an fp8
+    cache is read with its `scales`."""
     batch, num_heads, head_dim = query.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // kv_heads
@@ -221,14 +317,16 @@ def paged_decode_attention(
         part_lse = torch.empty(batch * num_heads * num_splits, dtype=torch.float32, device=query.device)
     else:
         part_out = part_lse = out  # unused
+    k_cache, v_cache, k_scale, v_scale, fp8 = fp8_launch_args(k_cache, v_cache, scales)
     _decode_kernel[(batch, kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, scale * math.log2(math.e),
+        k_scale, v_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         tokens_per_split,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_G=_pow2(group), BLOCK_D=_pow2(head_dim),
         BLOCK_N=_DECODE_BLOCK_N, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-        DOT=_dot_dtype(query.dtype), PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT=_dot_dtype(query.dtype), PRECISION="ieee" if query.dtype == torch.float32 else "tf32", **fp8,
     )  # fmt: skip
     if num_splits > 1:
         _combine_splits_kernel[(batch, num_heads)](
@@ -241,11 +339,12 @@ def paged_decode_attention(
 
 @triton.jit(do_not_specialize=["stride_table"])
 def _prefill_kernel(
-    query, k_cache, v_cache, block_tables, query_start_loc, start_positions, out, scale_log2,
+    query, k_cache, v_cache, block_tables, query_start_loc, start_positions, out, scale_log2, k_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_b, stride_t, stride_h, stride_table,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     DOT: tl.constexpr, PRECISION: tl.constexpr,
+    FP8_MANTISSA: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
 ):  # fmt: skip
     """BLOCK_M queries of one chunk and one head, causal over the chunk's cached context (earlier chunks
     and cached prefixes included, its own K/V already stored)."""
@@ -262,6 +361,7 @@ def _prefill_kernel(
                 mask=r_mask[:, None] & d_mask[None, :], other=0.0).to(DOT)  # fmt: skip
     kv_head = head // GROUP
     table_row = block_tables + seq * stride_table
+    qk_scale, v_factor = _head_scales(k_scale, v_scale, kv_head, scale_log2, FP8_MANTISSA)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -270,13 +370,15 @@ def _prefill_kernel(
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < end
         k = _load_kv_tile(k_cache, table_row, pos, valid, kv_head, dims, d_mask,
-                          stride_b, stride_t, stride_h, BLOCK_SIZE, DOT)  # fmt: skip
-        s = dot(q, tl.trans(k), PRECISION) * scale_log2
+                          stride_b, stride_t, stride_h, BLOCK_SIZE, DOT, FP8_MANTISSA, FP8_BIAS)  # fmt: skip
+        s = dot(q, tl.trans(k), PRECISION) * qk_scale
         # Causal: the row max stays finite, since key 0 precedes every query.
         s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         v = _load_kv_tile(v_cache, table_row, pos, valid, kv_head, dims, d_mask,
-                          stride_b, stride_t, stride_h, BLOCK_SIZE, DOT)  # fmt: skip
+                          stride_b, stride_t, stride_h, BLOCK_SIZE, DOT, FP8_MANTISSA, FP8_BIAS)  # fmt: skip
         acc, l_i, m_i = _online_softmax_step(s, v, acc, l_i, m_i, DOT, PRECISION)
+    if FP8_MANTISSA:
+        acc = acc * v_factor
     o = acc / l_i[:, None]
     tl.store(out + (first + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
              o.to(out.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])  # fmt: skip
@@ -291,22 +393,25 @@ def paged_prefill_attention(
     start_positions: torch.Tensor,
     max_query_len: int,
     scale: float,
+    scales: fp8_kv.KVScales | None = None,
 ) -> torch.Tensor:
     """Causal attention of chunks laid back to back in `query` [T, heads, D]: chunk i holds
     query_start_loc[i + 1] - query_start_loc[i] tokens at positions start_positions[i] onwards, and
-    attends to every cached token of its sequence up to each query's position."""
+    attends to every cached token of its sequence up to each query's position (an fp8 cache read with
+    its `scales`)."""
     num_heads, head_dim = query.shape[1:]
     num_seqs = block_tables.shape[0]
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     out = torch.empty_like(query)
     grid = (num_seqs, num_heads, triton.cdiv(max_query_len, _PREFILL_BLOCK_M))
+    k_cache, v_cache, k_scale, v_scale, fp8 = fp8_launch_args(k_cache, v_cache, scales)
     _prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, query_start_loc, start_positions, out,
-        scale * math.log2(math.e),
+        scale * math.log2(math.e), k_scale, v_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim),
         BLOCK_M=_PREFILL_BLOCK_M, BLOCK_N=_PREFILL_BLOCK_N, BLOCK_SIZE=block_size,
-        DOT=_dot_dtype(query.dtype), PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT=_dot_dtype(query.dtype), PRECISION="ieee" if query.dtype == torch.float32 else "tf32", **fp8,
     )  # fmt: skip
     return out

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 # Importing the attention kernels first defines every kernel under the same interpreter setting.
-from nanovllm.kernels import triton_attention
+from nanovllm.kernels import fp8_kv, triton_attention
 
 _INTERPRETED = tl.constexpr(triton_attention.interpreted())
 
@@ -139,14 +139,16 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _qk_rope_store_kernel(
-    qkv, norm_weight, cos, sin, q_out, k_cache, v_cache, slot_mapping,
+    qkv, norm_weight, cos, sin, q_out, k_cache, v_cache, slot_mapping, k_scale, v_scale,
     stride_qkv, stride_cos, stride_q, eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
     NORM: tl.constexpr, ROUND: tl.constexpr,
+    FP8_MANTISSA: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
 ):  # fmt: skip
     """One token: its q and k heads normalised per head (NORM) and rotated, q written to q_out, k and v
-    to the token's cache slot (a negative slot stores nothing)."""
+    to the token's cache slot (a negative slot stores nothing); into an fp8 cache, k as rounded to the
+    dtype and v quantized as store_kvcache quantizes them."""
     t = tl.program_id(0)
     dtype = q_out.dtype.element_ty
     head = tl.arange(0, HEADS_PAD)[:, None]
@@ -178,10 +180,18 @@ def _qk_rope_store_kernel(
     if slot >= 0:
         width = NUM_KV_HEADS * HEAD_DIM
         k_mask = mask & (head >= NUM_HEADS)
-        tl.store(k_cache + slot * width + (head - NUM_HEADS) * HEAD_DIM + dim, rotated, mask=k_mask)
+        k = rotated
+        if FP8_MANTISSA:
+            k_rows = (head >= NUM_HEADS) & (head < NUM_HEADS + NUM_KV_HEADS)
+            k_s = tl.load(k_scale + (head - NUM_HEADS), mask=k_rows, other=1.0)
+            k = triton_attention.quantize_fp8(k.to(tl.float32), k_s, FP8_MANTISSA, FP8_BIAS, FP8_MAX)
+        tl.store(k_cache + slot * width + (head - NUM_HEADS) * HEAD_DIM + dim, k, mask=k_mask)
         kv_head = tl.arange(0, KV_PAD)[:, None]
         v_mask = (kv_head < NUM_KV_HEADS) & (dim < HEAD_DIM)
         v = tl.load(qkv + t * stride_qkv + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + dim, mask=v_mask)
+        if FP8_MANTISSA:
+            v_s = tl.load(v_scale + kv_head, mask=kv_head < NUM_KV_HEADS, other=1.0)
+            v = triton_attention.quantize_fp8(v.to(tl.float32), v_s, FP8_MANTISSA, FP8_BIAS, FP8_MAX)
         tl.store(v_cache + slot * width + kv_head * HEAD_DIM + dim, v, mask=v_mask)
 
 
@@ -197,20 +207,23 @@ def qk_norm_rope_store(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    scales: fp8_kv.KVScales | None = None,
 ) -> torch.Tensor:
     """From the QKV projection's output [T, (heads + 2 kv_heads) * head_dim]: q [T, heads, head_dim]
     normalised per head (Qwen3's q/k norm, with `norm_weight` [heads + kv_heads, head_dim]; None: no norm)
     and rotated (cos and signed sin [T, 1, head_dim], RotaryEmbedding.lookup); k, likewise, and v stored in
-    the KV cache at `slot_mapping`."""
+    the KV cache at `slot_mapping` (an fp8 cache: the bytes store_kvcache writes with `scales`)."""
     tokens = qkv.shape[0]
     q = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if tokens:
+        k_cache, v_cache, k_scale, v_scale, fp8 = triton_attention.fp8_launch_args(k_cache, v_cache, scales)
         _qk_rope_store_kernel[(tokens,)](
             qkv, norm_weight if norm_weight is not None else qkv, cos, sin, q, k_cache, v_cache, slot_mapping,
-            qkv.stride(0), cos.stride(0), q.stride(0), eps,
+            k_scale, v_scale, qkv.stride(0), cos.stride(0), q.stride(0), eps,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
             HEADS_PAD=triton.next_power_of_2(num_heads + num_kv_heads), KV_PAD=triton.next_power_of_2(num_kv_heads),
             DIM_PAD=triton.next_power_of_2(head_dim), NORM=norm_weight is not None, ROUND=qkv.dtype != torch.float32,
+            **fp8,
             # In 16-bit no fused multiply-add: the compiler narrows RoPE's products and sum, whose operands
             # are exact in the dtype, to 16-bit operations and may fuse one product into the sum, one
             # rounding where transformers rounds twice (an H200 differed in a quarter of the elements).

@@ -253,3 +253,35 @@ TEXTS_WITH_DIGITS = [
     "x =   42\n    y = 7",
     "In 2024, 50% of ½ is ¼; ٣ and Ⅻ are numerals too.",
 ]
+
+
+def kv_fidelity(
+    reference: LLM, other: LLM, batch: list[list[int]], chunk: int, pair: int = 2
+) -> tuple[float, float, int]:
+    """Teacher-forced over every position of `batch` (`chunk` tokens a step, `pair` sequences at a time, so
+    that no more than their logits are held): the share of positions whose top-1 token `other` agrees with
+    `reference` on, the mean KL(reference || other) per position in nats, and the number of positions."""
+    agree, kl, positions = 0, 0.0, 0
+    for i in range(0, len(batch), pair):
+        part = batch[i : i + pair]
+        for ref, got in zip(
+            teacher_forced_logits(reference, part, chunk), teacher_forced_logits(other, part, chunk)
+        ):
+            ref, got = ref.float().log_softmax(-1), got.float().log_softmax(-1)
+            agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+            kl += float((ref.exp() * (ref - got)).sum(-1).sum())
+            positions += ref.shape[0]
+    return agree / positions, kl / positions, positions
+
+
+def text_windows(model_dir: Path, count: int, length: int) -> list[list[int]]:
+    """`count` windows of `length` tokens of English prose (this repository's docs, tokenized by the
+    model's tokenizer), for measurements on real weights that random token ids would not exercise."""
+    from transformers import AutoTokenizer
+
+    root = Path(__file__).parent.parent
+    text = "\n\n".join(p.read_text() for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
+    ids = AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"]
+    if len(ids) < count * length:
+        raise ValueError(f"the docs hold {len(ids)} tokens, fewer than {count} windows of {length}")
+    return [ids[i * length : (i + 1) * length] for i in range(count)]

@@ -124,7 +124,7 @@ def test_decode_kernel_rejects_mixed_dtypes(kernels):
     cache = torch.randn(4, 16, 2, 32)
     query = torch.randn(1, 4, 32, dtype=torch.bfloat16)
     tables, lens = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
-    with pytest.raises(RuntimeError, match="got query BFloat16, k_cache Float, v_cache Float"):
+    with pytest.raises(RuntimeError, match="the cache is Float, the queries BFloat16"):
         kernels.paged_decode_attention(query, cache, cache, tables, lens, 1.0)
 
 

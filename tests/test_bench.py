@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_gpu_bench_runs_on_a_cpu():
     args = "--device cpu --tiny --layers 2 --num-seqs 4 --max-input-len 64 --max-output-len 16 "
     args += "--profile-steps 2 --single-prompt 16 --single-new-tokens 4 --sampler-batch 8 --sampler-steps 2"
+    args += " --kv-cache-dtype fp8"
     run = subprocess.run(
         [sys.executable, "-m", "bench.gpu", *args.split()],
         check=False,
@@ -24,7 +25,7 @@ def test_gpu_bench_runs_on_a_cpu():
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout
     assert "total output tokens 64" in out
-    for n in range(1, 6):
+    for n in range(1, 7):
         assert f"\n[{n}] " in out, out
     assert "GPU busy (kernels / wall): n/a (no GPU)" in out
     header, rule, row = out.strip().splitlines()[-3:]

@@ -25,6 +25,11 @@ from tests.model_factory import build_model
 
 DTYPES = ("bfloat16", "float16")
 ARCHS = ("qwen3", "llama", "qwen2")
+# (arch, dtype, kv_cache_dtype): every arch in every 16-bit dtype, and an FP8 KV cache (kernels/fp8_kv.py)
+CASES = [(a, d, "auto") for a in ARCHS for d in DTYPES] + [
+    ("qwen3", "bfloat16", "fp8"),
+    ("llama", "float16", "fp8_e5m2"),
+]
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
 SEEDED = SamplingParams(
@@ -72,10 +77,16 @@ def _others(n: int, seed: int = 11) -> tuple[list[list[int]], list[SamplingParam
 class Case:
     model: Path
     dtype: str
+    kv_cache_dtype: str
     alone: list[dict]  # GREEDY, SEEDED and CONSTRAINED on TARGET, each alone
 
     def llm(self, **options) -> LLM:
-        defaults = {"max_model_len": 256, "kv_cache_memory": "16MiB", "deterministic": True}
+        defaults = {
+            "max_model_len": 256,
+            "kv_cache_memory": "16MiB",
+            "deterministic": True,
+            "kv_cache_dtype": self.kv_cache_dtype,
+        }
         return LLM(str(self.model), dtype=self.dtype, **{**defaults, **options})
 
 
@@ -92,10 +103,10 @@ def _assert_identical(got: dict, want: dict) -> None:
     assert got["finish_reason"] == want["finish_reason"]
 
 
-@pytest.fixture(scope="module", params=[(a, d) for a in ARCHS for d in DTYPES], ids=lambda p: "-".join(p))
+@pytest.fixture(scope="module", params=CASES, ids=lambda p: "-".join(x for x in p if x != "auto"))
 def case(request, model_dirs, kernels) -> Case:
-    arch, dtype = request.param
-    case = Case(model_dirs[arch], dtype, [])
+    arch, dtype, kv_cache_dtype = request.param
+    case = Case(model_dirs[arch], dtype, kv_cache_dtype, [])
     llm = case.llm(enable_prefix_caching=False)
     case.alone = [_generate(llm, [TARGET], [p])[0] for p in (GREEDY, SEEDED, CONSTRAINED)]
     return case
@@ -138,9 +149,8 @@ def test_preemption_does_not_change_the_request(case: Case):
     """A KV cache of 40 four-token blocks (one sequence of 128 tokens fits, eight do not): requests are
     preempted and recomputed."""
     shape = ModelConfig.from_pretrained_dir(case.model)
-    per_block = kv_bytes_per_block(
-        shape, 4, shape.num_key_value_heads, torch.finfo(getattr(torch, case.dtype)).bits // 8
-    )
+    element_size = 1 if case.kv_cache_dtype != "auto" else torch.finfo(getattr(torch, case.dtype)).bits // 8
+    per_block = kv_bytes_per_block(shape, 4, shape.num_key_value_heads, element_size)
     llm = case.llm(
         max_model_len=128, kvcache_block_size=4, kv_cache_memory=40 * per_block, max_num_batched_tokens=64
     )
@@ -198,7 +208,7 @@ def test_quantized_projections_give_the_request_what_they_give_it_alone(model_di
     """Weight-only int8 and int4 in bfloat16: the quantized matmul never leaves its fixed order (no dequantized
     GEMM for many rows, no int8 dot products for few). The target alone, then in a batch of 8 with its
     prompt in 7-token chunks."""
-    case = Case(model_dirs["qwen3"], "bfloat16", [])
+    case = Case(model_dirs["qwen3"], "bfloat16", "auto", [])
     alone = _generate(case.llm(quantization=quantization, enable_prefix_caching=False), [TARGET], [GREEDY])[0]
     llm = case.llm(quantization=quantization, max_num_batched_tokens=7, enable_prefix_caching=False)
     prompts, params = _others(7)
@@ -279,7 +289,7 @@ def test_triton_engine_gives_the_request_what_it_gives_it_alone(model_dirs):
     """The engine on the Triton kernels (attention, fused layers, projections) in bfloat16, in the
     interpreter: 40 tokens of the target alone, then beside two others with its prompt in 16-token chunks."""
     options = {"attention_backend": "triton", "enforce_eager": True, "device": TRITON_DEVICE.type}
-    case = Case(model_dirs["qwen3"], "bfloat16", [])
+    case = Case(model_dirs["qwen3"], "bfloat16", "auto", [])
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
     prompt = TARGET[:40]
     alone = _generate(case.llm(enable_prefix_caching=False, **options), [prompt], [params])[0]
@@ -294,7 +304,7 @@ def test_four_tensor_parallel_ranks_give_the_request_what_they_give_it_alone(mod
     """Four ranks (two of them per kv head) in bfloat16 sum their partial projections in rank order: a
     ring all-reduce adds an element's parts in an order set by where it falls in the ring's chunks, which
     moves with the batch's size. The target alone, then in a batch of 8, on one engine."""
-    case = Case(model_dirs["qwen3"], "bfloat16", [])
+    case = Case(model_dirs["qwen3"], "bfloat16", "auto", [])
     llm = case.llm(tensor_parallel_size=4, device="cpu", enable_prefix_caching=False)
     try:
         alone = _generate(llm, [TARGET], [GREEDY])[0]

@@ -26,6 +26,11 @@ REASONING_REGEX = "<think>\n[a-z ]{150}\n</think>\n\n[a-z ]{50}"
 NGRAM = ("--speculative-method", "ngram", "--speculative-max-batch", str(STREAMS))
 # bf16 resumes exactly only with batch-invariant kernels: the resumed streams run on B in other batches.
 BF16 = ("--dtype", "bfloat16", "--deterministic")
+BF16_FP8 = (
+    *BF16,
+    "--kv-cache-dtype",
+    "fp8",
+)  # an FP8 KV cache: the resumed prompt is stored in the same bytes
 # A CPU worker as it starts by default: its dtype (bf16 on a CPU with native bf16) and deterministic kernels.
 CPU_DEFAULT = ("--dtype", "auto")
 
@@ -33,8 +38,24 @@ CPU_DEFAULT = ("--dtype", "auto")
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("flags", "regex"),
-    [((), None), (NGRAM, None), ((), REGEX), ((), REASONING_REGEX), (BF16, None), (CPU_DEFAULT, None)],
-    ids=["plain", "ngram", "regex", "reasoning", "bf16-deterministic", "cpu-default"],
+    [
+        ((), None),
+        (NGRAM, None),
+        ((), REGEX),
+        ((), REASONING_REGEX),
+        (BF16, None),
+        (BF16_FP8, None),
+        (CPU_DEFAULT, None),
+    ],
+    ids=[
+        "plain",
+        "ngram",
+        "regex",
+        "reasoning",
+        "bf16-deterministic",
+        "bf16-deterministic-fp8",
+        "cpu-default",
+    ],
 )
 def test_streams_resume_token_identical_when_their_worker_is_killed(
     qwen3_dir: Path, kernels, tmp_path: Path, flags: tuple[str, ...], regex: str | None

@@ -100,6 +100,12 @@ class EngineConfig:
         "--gpu-memory-utilization leaves after weights and activations (CUDA); default 2GiB on CPU, all of "
         "that share on CUDA",
     )
+    kv_cache_dtype: str = option(
+        "auto",
+        help="what the KV cache holds: auto (the model's dtype), fp8 or fp8_e4m3 (e4m3: 3 mantissa bits), "
+        "fp8_e5m2 (2 bits, a wider range): twice the tokens in the same memory and half the bytes read "
+        "by decode attention, with per-head scales calibrated at start (docs/architecture.md#fp8-kv-cache)",
+    )
     kv_host_memory: str | int | float | None = option(
         None,
         help="a second prefix-cache tier in host memory (pinned on CUDA): bytes, 4GiB, or a fraction of free "
@@ -268,6 +274,7 @@ class EngineConfig:
             raise ConfigError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
             )
+        self._check_kv_cache_dtype()
         if self.deterministic is None:
             self.deterministic = self._deterministic_by_default()
         if self.deterministic and self.attention_backend not in DETERMINISTIC_BACKENDS:
@@ -344,6 +351,20 @@ class EngineConfig:
         if self.enable_prefix_caching and self.state_cache_fraction == 0:
             log.info("prefix_caching_off", reason="state_cache_fraction=0 keeps no linear-attention state")
             self.enable_prefix_caching = False
+
+    def _check_kv_cache_dtype(self) -> None:
+        from nanovllm.kernels.fp8_kv import KV_CACHE_DTYPES
+
+        choices = ("auto", *KV_CACHE_DTYPES)
+        if self.kv_cache_dtype not in choices:
+            raise ConfigError(
+                f"kv_cache_dtype must be one of {', '.join(choices)}, got {self.kv_cache_dtype!r}"
+            )
+        if self.kv_cache_dtype != "auto" and self.attention_backend == "flash_attn":
+            raise ConfigError(
+                f"kv_cache_dtype={self.kv_cache_dtype} needs an attention backend that reads an FP8 cache "
+                "(auto, torch, cpu_kernel, triton): flash-attn 2 reads only 16-bit caches"
+            )
 
     def _deterministic_by_default(self) -> bool:
         """deterministic=None (auto): on where the batch-invariant kernels cost nothing measurable, the

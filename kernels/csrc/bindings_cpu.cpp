@@ -24,12 +24,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "logits[rows[j], t] = -inf where bit t of bitmask[j] is clear (CPU; float32; in place)");
   m.def("sample_rows", &sample_rows, "one token per row of float32 logits, drawn by inversion with spec's "
         "[temperature, top_k, top_p, min_p, uniform] rows (CPU)");
-  m.def("store_kv_", &store_kv_, "new tokens' K and V into their cache slots, as index_copy_ (CPU; float32, "
-        "bfloat16, float16)");
+  m.def("store_kv_", &store_kv_, "new tokens' K and V into their cache slots, as index_copy_, or quantized with "
+        "per-kv-head scales into an FP8 cache (CPU; float32, bfloat16, float16)", py::arg("key"), py::arg("value"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :n]) * x[:, n:] (CPU; float32, bfloat16, float16)");
   m.def("rotary", &rotary, "rotate-half RoPE with precomputed cos / signed sin rows (CPU; float32, bfloat16, float16)");
   m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention over a paged KV cache (CPU; float32, bfloat16, float16; fp32 accumulation)");
+        "Decode attention over a paged KV cache in the queries' dtype or FP8 with per-kv-head scales (CPU; "
+        "float32, bfloat16, float16; fp32 accumulation)", py::arg("query"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none());
   m.def("lora_add_", &lora_add_, "y += each row group's LoRA adapter applied to x, part by part (CPU; float32, "
         "bfloat16, float16; fp32 accumulation; in place)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, weight [D] or one row per head [H, D] for x [T, H, D] "

@@ -11,6 +11,7 @@
 #include <initializer_list>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 namespace {
@@ -57,6 +58,17 @@ inline float load(float x) { return x; }
 // bf16 is the upper half of an fp32: widening is a shift.
 inline float load(c10::BFloat16 x) { return bits_to_float(static_cast<uint32_t>(x.x) << 16); }
 inline float load(c10::Half x) { return half_bits_to_float(x.x); }
+// An FP8 KV cache's bytes (kernels/fp8_kv.py) as fp16 bits: e5m2 is the top byte of an fp16, and e4m3's
+// bits moved into fp16's places make an fp16 kFp8Factor (2^8) times smaller than the value. The fp16 is
+// then widened by the CPU's conversion (or the portable one above), which handles subnormals without a
+// branch or a microcode assist; callers fold the factor into their scales (a power of two: exact).
+inline uint16_t fp8_half_bits(c10::Float8_e4m3fn x) {
+  const uint32_t b = x.x;
+  return static_cast<uint16_t>(((b & 0x80u) << 8) | ((b & 0x7Fu) << 7));
+}
+inline uint16_t fp8_half_bits(c10::Float8_e5m2 x) { return static_cast<uint16_t>(x.x << 8); }
+template <typename C>
+constexpr float kFp8Factor = std::is_same_v<C, c10::Float8_e4m3fn> ? 256.f : 1.f;
 
 // Round an fp32 to T.
 template <typename T>

@@ -83,6 +83,7 @@ struct Layer {
   c10::optional<Projection> gate_up, down;  // a dense MLP's, or
   c10::optional<SparseMoe> moe;             // a sparse layer's experts
   at::Tensor k_cache, v_cache;  // [num_blocks, block_size, kv_heads, head_dim]
+  c10::optional<at::Tensor> k_scale, v_scale;  // an FP8 cache's, per kv head
 };
 
 class DecodeLayers {
@@ -115,9 +116,9 @@ class DecodeLayers {
       if (layer.qk_norm.has_value()) qk = rms_norm(qk, *layer.qk_norm, eps_);
       const auto rotated = rotary(qk, cos, sin).split({heads_, kv_heads_}, 1);
       const at::Tensor v = qkv.slice(1, qk_size).view({tokens, kv_heads_, dim_});
-      store_kv_(rotated[1], v, layer.k_cache, layer.v_cache, slot_mapping);
-      const at::Tensor attended =
-          paged_decode_attention(rotated[0], layer.k_cache, layer.v_cache, block_tables, context_lens, scale_);
+      store_kv_(rotated[1], v, layer.k_cache, layer.v_cache, slot_mapping, layer.k_scale, layer.v_scale);
+      const at::Tensor attended = paged_decode_attention(rotated[0], layer.k_cache, layer.v_cache, block_tables,
+                                                         context_lens, scale_, layer.k_scale, layer.v_scale);
       x = layer.o(attended.flatten(1));
       add_rms_norm_(x, residual, layer.post_attention_norm, eps_);
       x = layer.moe.has_value() ? (*layer.moe)(x) : (*layer.down)(silu_and_mul((*layer.gate_up)(x)));
@@ -160,13 +161,16 @@ void register_decode_layers(pybind11::module& m) {
       .def(py::init([](at::Tensor input_norm, at::Tensor post_attention_norm,
                        c10::optional<at::Tensor> qk_norm, Projection qkv, Projection o,
                        c10::optional<Projection> gate_up, c10::optional<Projection> down,
-                       c10::optional<SparseMoe> moe, at::Tensor k_cache, at::Tensor v_cache) {
+                       c10::optional<SparseMoe> moe, at::Tensor k_cache, at::Tensor v_cache,
+                       c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale) {
              TORCH_CHECK(moe.has_value() != (gate_up.has_value() && down.has_value()),
                          "DecoderLayerWeights: a dense MLP's gate_up and down, or a sparse layer's moe");
-             return Layer{input_norm, post_attention_norm, qk_norm, qkv, o, gate_up, down, moe, k_cache, v_cache};
+             return Layer{input_norm, post_attention_norm, qk_norm, qkv, o, gate_up, down, moe,
+                          k_cache, v_cache, k_scale, v_scale};
            }),
            py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("qk_norm"), py::arg("qkv"), py::arg("o"),
-           py::arg("gate_up"), py::arg("down"), py::arg("moe"), py::arg("k_cache"), py::arg("v_cache"));
+           py::arg("gate_up"), py::arg("down"), py::arg("moe"), py::arg("k_cache"), py::arg("v_cache"),
+           py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   py::class_<DecodeLayers>(m, "DecodeLayers", "A decode step's decoder layers in one call (CPU kernels)")
       .def(py::init<std::vector<Layer>, int64_t, int64_t, int64_t, double, double>(), py::arg("layers"),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"))

@@ -10,10 +10,12 @@
 
 // paged_attention_cpu.cpp
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
-                                  at::Tensor block_tables, at::Tensor context_lens, double scale);
+                                  at::Tensor block_tables, at::Tensor context_lens, double scale,
+                                  c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
-void store_kv_(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping);
+void store_kv_(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
+               c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale);
 at::Tensor silu_and_mul(at::Tensor x);
 at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin);
 

@@ -72,14 +72,18 @@ inline void prefetch_row(const T* row, int64_t bytes) {
   }
 }
 
-// One thread's buffers for one call, resized per task.
-template <typename T>
+// One thread's buffers for one call, resized per task. T: the queries' dtype; C: the cache's, T or an FP8
+// format.
+template <typename T, typename C = T>
 struct DecodeScratch {
-  std::vector<const T*> stream;  // [2, padded len]: the task's K rows then its V rows, padded with `zeros`
+  std::vector<const C*> stream;  // [2, padded len]: the task's K rows then its V rows, padded with `zeros`
   std::vector<float> scores;     // [group, padded len]: scores, then probabilities
   std::vector<float> q, acc;     // [group, dim]: fp32 queries and output sums, in the row math's order
   std::vector<float> rows;       // [kRows, dim]: widened rows
   std::vector<float> zeros;      // [dim]: the padding row (all-zero bits are 0 in every dtype)
+  // An FP8 cache's scales for the task's kv head (powers of two, 1 otherwise): the key's folded into the
+  // scores' scale and the value's into the output, both exact, so the rows are read without them.
+  float k_scale = 1.f, v_scale = 1.f;
 };
 
 #ifdef __AVX512F__
@@ -138,32 +142,73 @@ inline void axpy_rows(const float* p, const float* const* v, float* y, int64_t n
            p7 * v7[i];
 }
 
-// Row math for any dtype and head dim: fp32 rows read in place, 16-bit rows widened once into an fp32
-// buffer that every query head of the group then reads from L1 (widening per head cost more than the
+template <typename C>
+constexpr bool kIsFp8 = std::is_same_v<C, c10::Float8_e4m3fn> || std::is_same_v<C, c10::Float8_e5m2>;
+
+// dst[0..n) = an FP8 row as fp32, kFp8Factor<C> times smaller than its values: bytes to fp16 bits in
+// 16-bit lanes, then the CPU's fp16 conversion, 16 (AVX-512) or 8 (F16C) at a time.
+template <typename C>
+inline void widen_fp8(const C* src, float* dst, int64_t n) {
+  [[maybe_unused]] const auto* bytes = reinterpret_cast<const uint8_t*>(src);
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + i)));
+    if constexpr (std::is_same_v<C, c10::Float8_e5m2>) {
+      h = _mm256_slli_epi16(h, 8);
+    } else {
+      h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
+                          _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7));
+    }
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(h));
+  }
+#elif defined(__F16C__) && defined(__AVX2__)
+  for (; i + 8 <= n; i += 8) {
+    __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + i)));
+    if constexpr (std::is_same_v<C, c10::Float8_e5m2>) {
+      h = _mm_slli_epi16(h, 8);
+    } else {
+      h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8),
+                       _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7F)), 7));
+    }
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = half_bits_to_float(fp8_half_bits(src[i]));
+}
+
+// Row math for any dtype and head dim: fp32 rows read in place, 16-bit and FP8 rows widened once into an
+// fp32 buffer that every query head of the group then reads from L1 (widening per head cost more than the
 // arithmetic it feeds).
-template <typename T>
+template <typename T, typename C = T>
 struct WidenedRows {
-  static void begin(const T* q, int64_t group, int64_t dim, DecodeScratch<T>& w) {
+  static constexpr float kFactor = kIsFp8<C> ? kFp8Factor<C> : 1.f;  // what widened rows lack
+
+  static void begin(const T* q, int64_t group, int64_t dim, DecodeScratch<T, C>& w) {
 #pragma omp simd
     for (int64_t i = 0; i < group * dim; ++i) w.q[i] = load(q[i]);
   }
 
-  static void widen(const T* const* in, int64_t dim, DecodeScratch<T>& w, const float** out) {
+  static void widen(const C* const* in, int64_t dim, DecodeScratch<T, C>& w, const float** out) {
     for (int64_t r = 0; r < kRows; ++r) {
-      if constexpr (std::is_same_v<T, float>) {
+      if constexpr (std::is_same_v<C, float>) {
         out[r] = in[r];
       } else {
         float* dst = w.rows.data() + r * dim;
+        if constexpr (kIsFp8<C>) {
+          widen_fp8(in[r], dst, dim);
+        } else {
 #pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) dst[i] = load(in[r][i]);
+          for (int64_t i = 0; i < dim; ++i) dst[i] = load(in[r][i]);
+        }
         out[r] = dst;
       }
     }
   }
 
   // s[g * stride + r] = q_g . k[r]
-  static void scores(const T*, const T* const* k, int64_t group, int64_t dim, float* s, int64_t stride,
-                     DecodeScratch<T>& w) {
+  static void scores(const T*, const C* const* k, int64_t group, int64_t dim, float* s, int64_t stride,
+                     DecodeScratch<T, C>& w) {
     const float* rows[kRows];
     widen(k, dim, w, rows);
     for (int64_t g = 0; g < group; ++g) {
@@ -173,47 +218,97 @@ struct WidenedRows {
   }
 
   // acc_g += sum_r p[g * stride + r] v[r]
-  static void accumulate(const float* p, int64_t stride, const T* const* v, int64_t group, int64_t dim,
-                         DecodeScratch<T>& w) {
+  static void accumulate(const float* p, int64_t stride, const C* const* v, int64_t group, int64_t dim,
+                         DecodeScratch<T, C>& w) {
     const float* rows[kRows];
     widen(v, dim, w, rows);
     for (int64_t g = 0; g < group; ++g) axpy_rows(p + g * stride, rows, w.acc.data() + g * dim, dim);
   }
 
-  static void finish(int64_t group, int64_t dim, const DecodeScratch<T>& w, T* o) {
+  static void finish(int64_t group, int64_t dim, const DecodeScratch<T, C>& w, T* o) {
+    const float v_scale = w.v_scale * kFactor;
 #pragma omp simd
-    for (int64_t i = 0; i < group * dim; ++i) o[i] = to<T>(w.acc[i]);
+    for (int64_t i = 0; i < group * dim; ++i) o[i] = to<T>(w.acc[i] * v_scale);
   }
 };
 
 #ifdef __AVX512F__
+#if defined(__AVX512BW__) && defined(__AVX512BF16__)
+// 32 FP8 bytes as bf16 words: the exponent rebiased and the mantissa moved up, exactly, for normal values;
+// the few subnormal codes (exponent 0) looked up in a table of their bf16 words.
+template <typename C>
+inline __m512i fp8_bf16_words(const C* p) {
+  constexpr int mantissa = std::is_same_v<C, c10::Float8_e4m3fn> ? 3 : 2;
+  constexpr int bias = mantissa == 3 ? 7 : 15;
+  // m * 2^(1 - bias - mantissa) as bf16 bits, for m < 2^mantissa
+  alignas(64) static constexpr uint16_t kSubnormals[32] = {
+      0, mantissa == 3 ? 0x3B00 : 0x3780, mantissa == 3 ? 0x3B80 : 0x3800, mantissa == 3 ? 0x3BC0 : 0x3840,
+      0x3C00, 0x3C20, 0x3C40, 0x3C60};
+  const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i magnitude = _mm512_and_si512(b, _mm512_set1_epi16(0x7F));
+  __m512i bits = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 7 - mantissa),
+                                  _mm512_set1_epi16(static_cast<int16_t>((127 - bias) << 7)));
+  const __mmask32 subnormal = _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(1 << mantissa));
+  if (subnormal) bits = _mm512_mask_permutexvar_epi16(bits, subnormal, magnitude, _mm512_load_si512(kSubnormals));
+  return _mm512_or_si512(bits, _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x80)), 8));
+}
+#endif
+
 // Row math for bfloat16 rows, head dim a multiple of 32, read in place. A bf16 is the upper half of an
 // fp32, so 64 bytes of a row, as 16 32-bit words, are its 16 odd elements once the low halves are masked
 // off and its 16 even elements once shifted up: two instructions for 32 elements, where widening takes
 // four shuffles and a store. The output sums are kept in that order (per 32 elements: the 16 even, then
 // the 16 odd), and so are fp32 queries; `paired` maps an element to its place in it.
+//
+// With dpbf16 (AVX512-BF16), rows of an FP8 cache take this path too: 32 bytes become 32 bf16 words in
+// registers (every FP8 value is exact in bf16), so the cache is read in place at half the bytes.
+template <typename C = c10::BFloat16>
 struct Bf16Rows {
   using T = c10::BFloat16;
+  static constexpr float kFactor = 1.f;  // the words are the values themselves
 
   static bool fits(int64_t dim) { return dim % 32 == 0; }
   static int64_t paired(int64_t i) { return (i & ~int64_t{31}) + (i & 1) * 16 + ((i & 31) >> 1); }
-  static void split(const T* p, __m512& even, __m512& odd) {
-    const __m512i words = _mm512_loadu_si512(p);
+  // 32 elements of a row as bf16 words.
+  static __m512i words(const C* p) {
+    if constexpr (std::is_same_v<C, T>) {
+      return _mm512_loadu_si512(p);
+    } else {
+      return fp8_bf16_words(p);
+    }
+  }
+  static void split(__m512i words, __m512& even, __m512& odd) {
     even = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
     odd = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
   }
 
   // (the parameters are unused with dpbf16, which reads the bf16 queries as they are)
   static void begin([[maybe_unused]] const T* q, [[maybe_unused]] int64_t group, [[maybe_unused]] int64_t dim,
-                    [[maybe_unused]] DecodeScratch<T>& w) {
+                    [[maybe_unused]] DecodeScratch<T, C>& w) {
 #ifndef __AVX512BF16__
     for (int64_t i = 0; i < group * dim; ++i) w.q[paired(i)] = load(q[i]);
 #endif
   }
 
-  // s[g * stride + r] = q_g . k[r], four keys at a time.
-  static void scores([[maybe_unused]] const T* q, const T* const* k, int64_t group, int64_t dim, float* s,
-                     int64_t stride, [[maybe_unused]] DecodeScratch<T>& w) {
+  // s[g * stride + r] = q_g . k[r], four keys at a time. FP8 rows are turned into bf16 words once, into
+  // the scratch rows, which every query head then reads from L1.
+  static void scores(const T* q, const C* const* k, int64_t group, int64_t dim, float* s, int64_t stride,
+                     DecodeScratch<T, C>& w) {
+    if constexpr (std::is_same_v<C, T>) {
+      scores_bf16(q, k, group, dim, s, stride, w);
+    } else {
+      auto* words_out = reinterpret_cast<T*>(w.rows.data());  // kRows * dim bf16 in kRows * dim floats
+      const T* rows[kRows];
+      for (int64_t r = 0; r < kRows; ++r) {
+        rows[r] = words_out + r * dim;
+        for (int64_t i = 0; i < dim; i += 32) _mm512_storeu_si512(words_out + r * dim + i, words(k[r] + i));
+      }
+      scores_bf16(q, rows, group, dim, s, stride, w);
+    }
+  }
+
+  static void scores_bf16([[maybe_unused]] const T* q, const T* const* k, int64_t group, int64_t dim, float* s,
+                          int64_t stride, [[maybe_unused]] DecodeScratch<T, C>& w) {
     for (int64_t g = 0; g < group; ++g)
       for (int64_t r = 0; r < kRows; r += 4) {
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -229,10 +324,10 @@ struct Bf16Rows {
           const float* qg = w.q.data() + g * dim + i;
           const __m512 xe = _mm512_loadu_ps(qg), xo = _mm512_loadu_ps(qg + 16);
           __m512 e, o;
-          split(k[r] + i, e, o), a0 = _mm512_fmadd_ps(xo, o, _mm512_fmadd_ps(xe, e, a0));
-          split(k[r + 1] + i, e, o), a1 = _mm512_fmadd_ps(xo, o, _mm512_fmadd_ps(xe, e, a1));
-          split(k[r + 2] + i, e, o), a2 = _mm512_fmadd_ps(xo, o, _mm512_fmadd_ps(xe, e, a2));
-          split(k[r + 3] + i, e, o), a3 = _mm512_fmadd_ps(xo, o, _mm512_fmadd_ps(xe, e, a3));
+          split(_mm512_loadu_si512(k[r] + i), e, o), a0 = _mm512_fmadd_ps(xo, o, _mm512_fmadd_ps(xe, e, a0));
+          split(_mm512_loadu_si512(k[r + 1] + i), e, o), a1 = _mm512_fmadd_ps(xo, o, _mm512_fmadd_ps(xe, e, a1));
+          split(_mm512_loadu_si512(k[r + 2] + i), e, o), a2 = _mm512_fmadd_ps(xo, o, _mm512_fmadd_ps(xe, e, a2));
+          split(_mm512_loadu_si512(k[r + 3] + i), e, o), a3 = _mm512_fmadd_ps(xo, o, _mm512_fmadd_ps(xe, e, a3));
 #endif
         }
         _mm_storeu_ps(s + g * stride + r, hsum4(a0, a1, a2, a3));
@@ -241,11 +336,11 @@ struct Bf16Rows {
 
   // acc_g += sum_r p[g * stride + r] v[r]: each 32 elements of the kRows rows split once, then used by
   // every query head.
-  static void accumulate(const float* p, int64_t stride, const T* const* v, int64_t group, int64_t dim,
-                         DecodeScratch<T>& w) {
+  static void accumulate(const float* p, int64_t stride, const C* const* v, int64_t group, int64_t dim,
+                         DecodeScratch<T, C>& w) {
     for (int64_t i = 0; i < dim; i += 32) {
       __m512 even[kRows], odd[kRows];
-      for (int64_t r = 0; r < kRows; ++r) split(v[r] + i, even[r], odd[r]);
+      for (int64_t r = 0; r < kRows; ++r) split(words(v[r] + i), even[r], odd[r]);
       for (int64_t g = 0; g < group; ++g) {
         float* y = w.acc.data() + g * dim + i;
         __m512 ye = _mm512_loadu_ps(y), yo = _mm512_loadu_ps(y + 16);
@@ -260,8 +355,8 @@ struct Bf16Rows {
     }
   }
 
-  static void finish(int64_t group, int64_t dim, const DecodeScratch<T>& w, T* o) {
-    for (int64_t i = 0; i < group * dim; ++i) o[i] = to<T>(w.acc[paired(i)]);
+  static void finish(int64_t group, int64_t dim, const DecodeScratch<T, C>& w, T* o) {
+    for (int64_t i = 0; i < group * dim; ++i) o[i] = to<T>(w.acc[paired(i)] * w.v_scale);
   }
 };
 #endif
@@ -288,15 +383,15 @@ inline void softmax(float* s, int64_t n, float scale) {
 
 // Attention of the `group` query heads q [group, dim] that share one kv head, over the `len` tokens that
 // `table` lists (kc/vc point at that kv head's first row), into o [group, dim].
-template <typename Rows, typename T>
-void attend_group(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t len, T* o, int64_t group,
-                  int64_t dim, int64_t block_size, int64_t token_stride, float scale, DecodeScratch<T>& w) {
+template <typename Rows, typename T, typename C>
+void attend_group(const T* q, const C* kc, const C* vc, const int64_t* table, int64_t len, T* o, int64_t group,
+                  int64_t dim, int64_t block_size, int64_t token_stride, float scale, DecodeScratch<T, C>& w) {
   const int64_t padded = (len + kRows - 1) / kRows * kRows;
   w.zeros.assign(dim, 0.f);
   // The rows this task reads, in order, found once by walking the block table: the loops below then take
   // them kRows at a time across block boundaries, and prefetch ahead in one stream (so the first values
   // are on their way while the last scores are computed).
-  w.stream.assign(2 * padded, reinterpret_cast<const T*>(w.zeros.data()));
+  w.stream.assign(2 * padded, reinterpret_cast<const C*>(w.zeros.data()));
   for (int64_t t = 0, j = 0; t < len; ++j)
     for (int64_t slot = table[j] * block_size, end = std::min(len, t + block_size); t < end; ++t, ++slot) {
       w.stream[t] = kc + slot * token_stride;
@@ -307,7 +402,7 @@ void attend_group(const T* q, const T* kc, const T* vc, const int64_t* table, in
   w.acc.assign(group * dim, 0.f);
   w.rows.resize(kRows * dim);
   Rows::begin(q, group, dim, w);
-  const int64_t row_bytes = dim * sizeof(T);
+  const int64_t row_bytes = dim * sizeof(C);
   auto prefetch = [&](int64_t at) {  // before the kRows rows from stream position `at` are read
     for (int64_t r = at + kPrefetchNear; r < std::min(at + kPrefetchNear + kRows, 2 * padded); ++r)
       prefetch_row<0>(w.stream[r], row_bytes);
@@ -320,9 +415,11 @@ void attend_group(const T* q, const T* kc, const T* vc, const int64_t* table, in
     prefetch(t);
     Rows::scores(q, w.stream.data() + t, group, dim, w.scores.data() + t, padded, w);
   }
+  // An FP8 cache's key scale (and what the row math's widened rows lack) scales the scores: a power of two
+  const float score_scale = scale * w.k_scale * Rows::kFactor;
   for (int64_t g = 0; g < group; ++g) {
     float* s = w.scores.data() + g * padded;
-    softmax(s, len, scale);
+    softmax(s, len, score_scale);
     std::fill(s + len, s + padded, 0.f);  // the padding rows' probability
   }
 
@@ -334,17 +431,23 @@ void attend_group(const T* q, const T* kc, const T* vc, const int64_t* table, in
   Rows::finish(group, dim, w, o);
 }
 
-template <typename T>
-void decode_attention_impl(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, T* o,
+// k_scales, v_scales: an FP8 cache's per kv head, else null.
+template <typename T, typename C>
+void decode_attention_impl(const T* q, const C* kc, const C* vc, const int64_t* tables, const int64_t* lens, T* o,
                            int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
-                           int64_t max_blocks, float scale) {
+                           int64_t max_blocks, float scale, const float* k_scales, const float* v_scales) {
   const int64_t group = heads / kv_heads;
   const int64_t token_stride = kv_heads * dim;  // between consecutive tokens of one block
-  auto attend = attend_group<WidenedRows<T>, T>;
+  auto attend = attend_group<WidenedRows<T, C>, T, C>;
 #ifdef __AVX512F__
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (Bf16Rows::fits(dim)) attend = attend_group<Bf16Rows, T>;
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T>) {
+    if (Bf16Rows<C>::fits(dim)) attend = attend_group<Bf16Rows<C>, T, C>;
   }
+#if defined(__AVX512BW__) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && kIsFp8<C>) {
+    if (Bf16Rows<C>::fits(dim)) attend = attend_group<Bf16Rows<C>, T, C>;
+  }
+#endif
 #endif
   // Contiguous ranges of tasks of about equal work (rows read), one per thread: at::parallel_for alone
   // splits by task count, which leaves a thread idle at the end when the long contexts sit together in
@@ -362,10 +465,11 @@ void decode_attention_impl(const T* q, const T* kc, const T* vc, const int64_t* 
     return std::lower_bound(mid.begin(), mid.end(), 2 * total * chunk / chunks) - mid.begin();
   };
   at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-    DecodeScratch<T> scratch;
+    DecodeScratch<T, C> scratch;
     for (int64_t task = first_task(chunk_begin); task < first_task(chunk_end); ++task) {
       const int64_t b = task / kv_heads, kvh = task % kv_heads;
       const int64_t first = (b * heads + kvh * group) * dim;  // the group's first query row
+      if (k_scales != nullptr) scratch.k_scale = k_scales[kvh], scratch.v_scale = v_scales[kvh];
       attend(q + first, kc + kvh * dim, vc + kvh * dim, tables + b * max_blocks, lens[b], o + first, group, dim,
              block_size, token_stride, scale, scratch);
     }
@@ -397,11 +501,45 @@ void rms_norm_rows(const T* x, int64_t token_stride, const T* w, bool per_head, 
 
 }  // namespace
 
+namespace {
+
+bool is_fp8(at::ScalarType type) { return type == at::kFloat8_e4m3fn || type == at::kFloat8_e5m2; }
+
+// An FP8 cache's scales: float32 [kv_heads], one pair for K and V, present exactly when the cache is FP8.
+void check_kv_scales(const char* op, const at::Tensor& cache, const c10::optional<at::Tensor>& k_scale,
+                     const c10::optional<at::Tensor>& v_scale) {
+  if (!is_fp8(cache.scalar_type())) {
+    TORCH_CHECK(!k_scale.has_value() && !v_scale.has_value(), op, ": scales are for an FP8 cache, this one is ",
+                cache.scalar_type());
+    return;
+  }
+  for (const auto* s : {&k_scale, &v_scale})
+    TORCH_CHECK(s->has_value() && (*s)->scalar_type() == at::kFloat && (*s)->is_contiguous() &&
+                    (*s)->numel() == cache.size(2),
+                op, ": an FP8 cache needs contiguous float32 k_scale and v_scale of ", cache.size(2),
+                " kv heads");
+}
+
+// Runs f(C{}) for an FP8 cache's element type, or f(T{}) for a cache in the queries' dtype T.
+template <typename T, typename F>
+void dispatch_cache(const char* op, at::ScalarType cache, F&& f) {
+  if (cache == at::kFloat8_e4m3fn) return f(c10::Float8_e4m3fn{});
+  if (cache == at::kFloat8_e5m2) return f(c10::Float8_e5m2{});
+  TORCH_CHECK(cache == c10::CppTypeToScalarType<T>::value, op, ": the cache is ", cache, ", the queries ",
+              c10::CppTypeToScalarType<T>::value, ": a cache holds the model's dtype or FP8");
+  f(T{});
+}
+
+}  // namespace
+
 // query [B, H, D], caches [num_blocks, block_size, KV, D], block_tables [B, max_blocks] (int64),
-// context_lens [B] (int64). Returns [B, H, D] in the query's dtype.
+// context_lens [B] (int64); an FP8 cache's k_scale and v_scale [KV] (float32). Returns [B, H, D] in the
+// query's dtype.
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
-                                  at::Tensor block_tables, at::Tensor context_lens, double scale) {
-  check_one_dtype("paged_decode_attention", {{"query", &query}, {"k_cache", &k_cache}, {"v_cache", &v_cache}});
+                                  at::Tensor block_tables, at::Tensor context_lens, double scale,
+                                  c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale) {
+  check_one_dtype("paged_decode_attention", {{"k_cache", &k_cache}, {"v_cache", &v_cache}});
+  check_kv_scales("paged_decode_attention", k_cache, k_scale, v_scale);
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode_attention: caches must be contiguous");
   query = query.contiguous();
   block_tables = block_tables.contiguous();
@@ -410,12 +548,17 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tens
   const int64_t kv_heads = k_cache.size(2);
   TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == dim, "paged_decode_attention: shape mismatch");
   auto out = at::empty_like(query);
+  const float* k_scales = k_scale.has_value() ? k_scale->data_ptr<float>() : nullptr;
+  const float* v_scales = v_scale.has_value() ? v_scale->data_ptr<float>() : nullptr;
   dispatch("paged_decode_attention", query.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
-    decode_attention_impl(query.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
-                          block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
-                          out.data_ptr<T>(), batch, heads, kv_heads, dim, k_cache.size(1),
-                          block_tables.size(1), static_cast<float>(scale));
+    dispatch_cache<T>("paged_decode_attention", k_cache.scalar_type(), [&](auto cache_zero) {
+      using C = decltype(cache_zero);
+      decode_attention_impl(query.data_ptr<T>(), static_cast<const C*>(k_cache.data_ptr()),
+                            static_cast<const C*>(v_cache.data_ptr()), block_tables.data_ptr<int64_t>(),
+                            context_lens.data_ptr<int64_t>(), out.data_ptr<T>(), batch, heads, kv_heads, dim,
+                            k_cache.size(1), block_tables.size(1), static_cast<float>(scale), k_scales, v_scales);
+    });
   });
   return out;
 }
@@ -468,9 +611,17 @@ void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double 
 // rows any stride apart: k and v are column slices of the QKV output) to slot slot_mapping[t] of the
 // caches [num_blocks, block_size, kv_heads, D]. What index_copy_ does, as one memcpy a row: PyTorch's
 // index_copy_ is several times slower on a long prompt (docs/performance.md#measurements-behind-choices-in-the-code).
-void store_kv_(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache,
-               at::Tensor slot_mapping) {
-  check_one_dtype("store_kv_", {{"key", &key}, {"value", &value}, {"k_cache", &k_cache}, {"v_cache", &v_cache}});
+// Into an FP8 cache, each value is divided by its head's scale (a power of two: exact), clamped to the
+// format's range and rounded to nearest even by c10's conversion, which is PyTorch's: the bytes
+// kernels/fp8_kv.py's quantize stores.
+void store_kv_(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
+               c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale) {
+  check_one_dtype("store_kv_", {{"key", &key}, {"value", &value}});
+  check_one_dtype("store_kv_", {{"k_cache", &k_cache}, {"v_cache", &v_cache}});
+  check_kv_scales("store_kv_", k_cache, k_scale, v_scale);
+  const bool fp8 = is_fp8(k_cache.scalar_type());
+  TORCH_CHECK(fp8 || key.scalar_type() == k_cache.scalar_type(), "store_kv_: key is ", key.scalar_type(),
+              ", the cache ", k_cache.scalar_type());
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.dim() == 4,
               "store_kv_: k_cache and v_cache must be contiguous [num_blocks, block_size, kv_heads, D] of one shape");
@@ -490,12 +641,38 @@ void store_kv_(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor 
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "store_kv_: slot ", slots[t], " of token ", t,
                 " is outside the cache's ", num_slots, " slots");
   const int64_t bytes = row * key.element_size();
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(bytes, 1));
+  if (fp8) {
+    const int64_t dim = k_cache.size(3);
+    dispatch("store_kv_", key.scalar_type(), [&](auto zero) {
+      using T = decltype(zero);
+      dispatch_cache<T>("store_kv_", k_cache.scalar_type(), [&](auto cache_zero) {
+        using C = decltype(cache_zero);
+        const float bound = static_cast<float>(std::numeric_limits<C>::max());
+        auto quantize = [&](const T* src, const float* scales, C* dst) {
+          for (int64_t i = 0; i < row; ++i) {
+            const float x = load(src[i]) * (1.f / scales[i / dim]);
+            dst[i] = static_cast<C>(x > bound ? bound : (x < -bound ? -bound : x));  // NaN stays NaN
+          }
+        };
+        const T *k_src = key.data_ptr<T>(), *v_src = value.data_ptr<T>();
+        C *k_dst = static_cast<C*>(k_cache.data_ptr()), *v_dst = static_cast<C*>(v_cache.data_ptr());
+        at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+          for (int64_t t = begin; t < end; ++t) {
+            quantize(k_src + t * key.stride(0), k_scale->data_ptr<float>(), k_dst + slots[t] * row);
+            quantize(v_src + t * value.stride(0), v_scale->data_ptr<float>(), v_dst + slots[t] * row);
+          }
+        });
+      });
+    });
+    return;
+  }
   const auto* k_src = static_cast<const char*>(key.data_ptr());
   const auto* v_src = static_cast<const char*>(value.data_ptr());
   auto* k_dst = static_cast<char*>(k_cache.data_ptr());
   auto* v_dst = static_cast<char*>(v_cache.data_ptr());
   const int64_t k_stride = key.stride(0) * key.element_size(), v_stride = value.stride(0) * value.element_size();
-  at::parallel_for(0, tokens, std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(bytes, 1)), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       std::memcpy(k_dst + slots[t] * bytes, k_src + t * k_stride, bytes);
       std::memcpy(v_dst + slots[t] * bytes, v_src + t * v_stride, bytes);

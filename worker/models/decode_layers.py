@@ -73,6 +73,8 @@ def build_decode_layers(model: nn.Module, kernels: ModuleType, deterministic: bo
                 _linear(kernels, attn.o_proj, deterministic),
                 k_cache=attn.attn.k_cache,
                 v_cache=attn.attn.v_cache,
+                k_scale=None if attn.attn.kv_scales is None else attn.attn.kv_scales.key,
+                v_scale=None if attn.attn.kv_scales is None else attn.attn.kv_scales.value,
                 **_mlp(kernels, mlp, deterministic),
             )
         )

@@ -68,7 +68,7 @@ class DecoderAttention(nn.Module):
             q = self.kernels.triton.qk_norm_rope_store(
                 qkv, self.num_heads, self.num_kv_heads, self.head_dim,
                 self.qk_norm.weight if self.qk_norm is not None else None, self.eps, *rope,
-                attn.k_cache, attn.v_cache, meta.slot_mapping,
+                attn.k_cache, attn.v_cache, meta.slot_mapping, scales=attn.kv_scales,
             )  # fmt: skip
             return self.o_proj(attn.attend_cached(q, meta))
         tokens, d = qkv.shape[0], self.head_dim

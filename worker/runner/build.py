@@ -17,6 +17,7 @@ from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.kernels.backends import CpuKernelAttention, TritonAttention, select_attention_backend
+from nanovllm.kernels.fp8_kv import KV_CACHE_DTYPES, KVScales, is_fp8, scale_for
 from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.device import resolve_placement, usable_cpus
 from nanovllm.worker.layers.kernels import LayerKernels
@@ -46,6 +47,10 @@ from nanovllm.worker.runner.tensor_parallel import TensorParallelGroup
 from nanovllm.worker.sample.draft import DraftModel
 from nanovllm.worker.sample.sampler import Sampler
 from nanovllm.worker.step import SamplingRow, SeqChunk, StepInputs
+
+# An FP8 cache's calibration prompt (_calibrate_kv_scales): long enough for every position's RoPE phase
+# mix and the first tokens' large activations to show, short enough to cost a fraction of a second.
+KV_CALIBRATION_TOKENS = 256
 
 log = get_logger(__name__)
 
@@ -111,6 +116,7 @@ class ModelRunnerBase:
                 if self.tp.rank == 0:
                     log.info("freed_memory_kept_for_reuse" if kept else "freed_memory_returned", glibc=kept)
         self.dtype = self.placement.dtype
+        self.kv_cache_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, self.dtype)
         self.block_size = config.kvcache_block_size
         cfg = config.hf_config
         self._check_weights_fit()
@@ -136,6 +142,8 @@ class ModelRunnerBase:
         self.sampler = Sampler(generator)
         self.block_rows = BlockTableRows(self._max_blocks_per_seq(), 2 * config.max_num_seqs)
         self.inputs = InputBuilder(self.block_size, self.device, self.block_rows)
+        if is_fp8(self.kv_cache_dtype):
+            self._calibrate_kv_scales()
         self.num_blocks = self._allocate_kv_cache()
         self.kv_offload = self._kv_offload() if config.kv_tiers else None
         self._bind_kernels()
@@ -269,8 +277,9 @@ class ModelRunnerBase:
         other layers' C++ variants, with Triton's its fused layer kernels (worker/layers/kernels.py)."""
         deterministic = self.config.deterministic
         choice = select_attention_backend(
-            self.config.attention_backend, self.device, self.dtype, self.block_size, deterministic
-        )
+            self.config.attention_backend, self.device, self.dtype, self.block_size, deterministic,
+            self.kv_cache_dtype,
+        )  # fmt: skip
         self.kernel_backend = choice.backend.name  # reported by the bench and logs
         if self.tp.rank == 0:
             log.info("attention_backend_selected", backend=self.kernel_backend, reason=choice.reason)
@@ -336,6 +345,45 @@ class ModelRunnerBase:
         heaviest = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=SamplingParams.MAX_LOGPROBS)
         self.sampler(logits, [SamplingRow(heaviest, [0], [], None)] * num_rows)
 
+    @torch.inference_mode()
+    def _calibrate_kv_scales(self) -> None:
+        """An FP8 cache's scales (kernels/fp8_kv.py), per layer and kv head: from the largest |K| and |V| of
+        a fixed pseudo-random prompt, run before the cache exists (so nothing is stored and every layer
+        sees the K/V in the model's dtype). The same weights and kernels give every worker and every start
+        the same scales, which exact failover and the disk tier's files need; every rank calibrates its own
+        heads, all together (the forward's collectives pair up)."""
+        layers = self.model.attention_layers()
+        vocab = self.config.hf_config.vocab_size
+        n = min(KV_CALIBRATION_TOKENS, self.config.max_model_len)
+        ids = torch.randint(vocab, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+        for attn in layers:
+            attn.kv_amax = torch.zeros(2, attn.num_kv_heads, device=self.device)
+        inputs = StepInputs(
+            input_ids=ids,
+            positions=list(range(n)),
+            slot_mapping=[],
+            decodes=[],
+            fresh=[SeqChunk(0, n, [])],
+            cached=[],
+            logits_index=[n - 1],
+        )
+        input_ids, positions, meta, _ = self.inputs.tensors(inputs)
+        self.model(input_ids, positions, meta)
+        for attn in layers:
+            amax, attn.kv_amax = attn.kv_amax, None
+            attn.kv_scales = KVScales(
+                scale_for(amax[0], self.kv_cache_dtype), scale_for(amax[1], self.kv_cache_dtype)
+            )
+        if self.tp.rank == 0:
+            scales = torch.stack([torch.stack([a.kv_scales.key, a.kv_scales.value]) for a in layers])
+            log.info(
+                "kv_scales_calibrated",
+                kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."),
+                tokens=n,
+                log2_scale_min=int(scales.log2().min()),
+                log2_scale_max=int(scales.log2().max()),
+            )
+
     def _allocate_states(self, budget: int) -> int:
         """A hybrid model's state rows, taken from the KV cache's budget: a slot for each request that may
         run (max_num_seqs, or as many as state_memory_fraction of the budget holds), then, with the prefix
@@ -389,8 +437,9 @@ class ModelRunnerBase:
     def _allocate_kv_cache(self) -> int:
         cfg = self.config.hf_config
         kv_heads = self.tp.kv_heads(cfg.num_key_value_heads)[1]
-        per_block = kv_bytes_per_block(cfg, self.block_size, kv_heads, self._element_size())
+        per_block = kv_bytes_per_block(cfg, self.block_size, kv_heads, self.kv_cache_dtype.itemsize)
         if self.draft is not None:  # the draft's KV of a block's tokens lives in a block of its own cache
+            # (in the model's dtype: a draft's KV is small, and it keeps speculation's proposals unchanged)
             draft = self.draft.config
             per_block += kv_bytes_per_block(
                 draft, self.block_size, draft.num_key_value_heads, self._element_size()
@@ -404,13 +453,14 @@ class ModelRunnerBase:
         # step write to (worker/runner/decode_graphs.py).
         self.pad_block = num_blocks
         shape = (2, cfg.num_attention_layers, num_blocks + 1, self.block_size, kv_heads, cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         if self.draft is not None:
             self.draft.allocate_cache(num_blocks + 1, self.dtype, self.device)
         log.info(
             "kv_cache_allocated",
+            kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."),
             num_blocks=num_blocks,
             block_size=self.block_size,
             tokens=num_blocks * self.block_size,
@@ -434,7 +484,9 @@ class ModelRunnerBase:
         disk = None
         if config.kv_disk_path is not None:
             capacity = config.kv_disk_capacity // self.tp.size
-            digest = model_digest(config, tuple(block.shape), self.dtype, self.device, self.tp)
+            digest = model_digest(
+                config, tuple(block.shape), self.dtype, self.device, self.tp, self._kv_scales()
+            )
             disk = DiskTier(config.kv_disk_path, capacity, digest, block_nbytes)
         if self.tp.rank == 0:
             log.info(
@@ -444,6 +496,15 @@ class ModelRunnerBase:
                 disk_path=config.kv_disk_path,
             )
         return KVOffload(self.kv_cache, host_blocks, disk)
+
+    def _kv_scales(self) -> list[float]:
+        """Every layer's FP8 scales in one list (empty for a cache in the model's dtype)."""
+        return [
+            float(x)
+            for attn in self.model.attention_layers()
+            if attn.kv_scales is not None
+            for x in torch.cat([attn.kv_scales.key, attn.kv_scales.value]).tolist()
+        ]
 
     def _element_size(self) -> int:
         return torch.tensor([], dtype=self.dtype).element_size()

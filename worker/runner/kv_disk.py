@@ -42,9 +42,10 @@ def model_digest(
     dtype: torch.dtype,
     device: torch.device,
     tp: TPContext,
+    kv_scales: list[float],
 ) -> bytes:
     """16 bytes naming everything a block's KV depends on: the model's configuration and weight files,
-    the weight format, the dtype, the block's layout, the kernels' rounding (the device type and
+    the weight format, the dtype, the KV cache's dtype and an FP8 cache's scales, the block's layout, the kernels' rounding (the device type and
     --deterministic's batch-invariant kernels), and the tensor-parallel rank whose share of the heads it
     is. A weight file is named by its name, size and first and last MiB (hashing every byte of a large
     model at each start would cost a minute)."""
@@ -55,6 +56,8 @@ def model_digest(
         "weight_format": config.weight_format,
         "group_size": config.quantization_group_size,
         "dtype": str(dtype),
+        "kv_cache_dtype": config.kv_cache_dtype,
+        "kv_scales": kv_scales,
         "block_shape": list(kv_block_shape),
         "device": device.type,
         "deterministic": config.deterministic,
