@@ -21,7 +21,7 @@ from nanovllm.kernels.backends import CpuKernelAttention
 from nanovllm.kernels.fp8_kv import KVScales, scale_for
 from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.runner.kv_cache import kv_bytes_per_block
-from tests.helpers import compare_tp, greedy, kv_fidelity, text_windows
+from tests.helpers import compare_tp, greedy, kv_fidelity, teacher_forced_logits, text_windows
 from tests.model_factory import build_model
 
 FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -225,3 +225,25 @@ def test_a_hybrid_model_keeps_its_attention_layers_in_fp8(tmp_path, kernels):
     top1, kl, _ = kv_fidelity(reference, llm, _random_windows()[:2], chunk=128)
     least_top1, most_kl = BOUNDS[("qwen3", "fp8")]
     assert top1 >= least_top1 and kl <= most_kl, f"top-1 {top1:.4f}, KL {kl:.5f}"
+
+
+@pytest.mark.parametrize("attention_backend", ["torch", "cpu_kernel"])
+def test_a_prompt_attends_to_the_values_the_cache_holds(qwen3_dir, kernels, attention_backend):
+    """Without --deterministic a whole prompt attends to its own new K/V (SDPA), not the cache: rounded
+    as the cache holds them, its logits are those of the same tokens fed one at a time through the cache
+    (float32: within the sums' order, 1e-4), where FP8's own error is some 1e-2."""
+    llm = LLM(
+        str(qwen3_dir),
+        dtype="float32",
+        deterministic=False,
+        attention_backend=attention_backend,
+        kv_cache_dtype="fp8",
+        max_model_len=256,
+        kv_cache_memory="16MiB",
+    )
+    prompts = _random_windows()[:2]
+    prompts = [p[:100] for p in prompts]
+    for whole, one_by_one in zip(
+        teacher_forced_logits(llm, prompts, 1000), teacher_forced_logits(llm, prompts, 1)
+    ):
+        torch.testing.assert_close(whole, one_by_one, atol=1e-4, rtol=0)
