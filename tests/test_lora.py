@@ -112,7 +112,12 @@ def test_greedy_tokens_and_logits_equal_peft(models, arch: str, backend: str):
 @pytest.mark.parametrize(
     ("backend", "count", "max_new"),
     # Triton's interpreter runs a step's kernels in Python: fewer and shorter requests there.
-    [("auto", 8, MAX_NEW), ("torch", 8, MAX_NEW), pytest.param("triton", 3, 4, marks=pytest.mark.slow)],
+    [
+        ("auto", 8, MAX_NEW),
+        ("torch", 8, MAX_NEW),
+        ("auto-fp8", 8, MAX_NEW),  # an FP8 KV cache (kernels/fp8_kv.py)
+        pytest.param("triton", 3, 4, marks=pytest.mark.slow),
+    ],
 )
 def test_a_mixed_batch_equals_each_request_alone(models, backend: str, count: int, max_new: int):
     """Three adapters and the base, requests of each, in one batch with chunked prefill; then each
@@ -124,6 +129,8 @@ def test_a_mixed_batch_equals_each_request_alone(models, backend: str, count: in
     batch = prompts(3, count)
     names = ([None, "r8-all", "r64-subset", "r8-subset"] * 2)[:count]
     options = TRITON if backend == "triton" else {"attention_backend": backend}
+    if backend == "auto-fp8":
+        options = {"kv_cache_dtype": "fp8"}
     graphs = {"max_num_seqs": 4, "enforce_eager": not torch.cuda.is_available()}  # buckets 1, 2, 4
     llm = engine(
         base, adapters, max_num_batched_tokens=32, **{**options, **(graphs if backend == "triton" else {})}
