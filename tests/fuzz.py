@@ -248,15 +248,76 @@ HTTP_FIELDS: dict[str, st.SearchStrategy] = {
 }
 
 
+RESPONSES_ITEM = st.one_of(
+    MESSAGE,
+    st.fixed_dictionaries(
+        {
+            "type": st.just("message"),
+            "role": st.sampled_from(["user", "developer"]),
+            "content": st.just([{"type": "input_text", "text": "hi"}]),
+        }
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call"), "call_id": TEXT, "name": st.just("f"), "arguments": st.just("{}")}
+    ),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": TEXT, "output": TEXT}),
+    st.fixed_dictionaries({"type": JSON_VALUES, "role": JSON_VALUES, "content": JSON_VALUES}),
+)
+RESPONSES_FIELDS: dict[str, st.SearchStrategy] = {
+    "model": TEXT,
+    "instructions": st.one_of(TEXT, JSON_VALUES),
+    "temperature": HTTP_FIELDS["temperature"],
+    "top_p": HTTP_FIELDS["top_p"],
+    "stream": st.booleans(),
+    "tools": st.lists(
+        st.fixed_dictionaries(
+            {
+                "type": st.just("function"),
+                "name": st.sampled_from(["f", "g"]),
+                "parameters": st.just({"type": "object"}),
+            }
+        ),
+        max_size=2,
+    ),
+    "tool_choice": st.sampled_from(
+        ["auto", "none", "required", {"type": "function", "name": "f"}, {"name": 3}]
+    ),
+    "text": st.sampled_from(
+        [
+            {"format": {"type": "text"}},
+            {"format": {"type": "json_object"}},
+            {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
+            {"format": []},
+        ]
+    ),
+    "reasoning": st.sampled_from([{"effort": "none"}, {"effort": "high"}, {}]),
+    "metadata": st.just({"k": "v"}),
+    "store": st.booleans(),
+    "previous_response_id": TEXT,
+    "background": st.booleans(),
+    "unknown_field": JSON_VALUES,
+}
+
+
 @st.composite
 def http_json(draw: st.DrawFn) -> tuple[str, object]:
     """A path and a JSON value for it: mostly an object with a prompt and some fields, each valid or
     hostile; the length fields are always set and never valid and long."""
-    chat = draw(st.booleans())
-    path = "/v1/chat/completions" if chat else "/v1/completions"
+    path = draw(st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/responses"]))
+    chat = path == "/v1/chat/completions"
     if draw(st.integers(0, 19)) == 0:
         return path, draw(JSON_VALUES)  # not an object at all, most of the time
     lengths = _valid_or_hostile(st.integers(1, MAX_HTTP_TOKENS)).filter(_small_length)
+    if path == "/v1/responses":
+        body = {
+            "max_output_tokens": draw(lengths),
+            "input": draw(st.one_of(TEXT, st.lists(RESPONSES_ITEM, min_size=1, max_size=3), JSON_VALUES)),
+        }
+        for name in draw(st.lists(st.sampled_from(sorted(RESPONSES_FIELDS)), max_size=5, unique=True)):
+            body[name] = draw(RESPONSES_FIELDS[name])
+        for name in draw(st.lists(st.sampled_from(sorted(RESPONSES_FIELDS)), max_size=2, unique=True)):
+            body[name] = draw(HOSTILE)
+        return path, body
     body: dict[str, object] = {"max_tokens": draw(lengths)}
     if chat:
         body["messages"] = draw(
@@ -322,7 +383,8 @@ def run_http(address: str, path: str, body: bytes) -> HttpOutcome:
         if response.getheader("content-type", "").startswith("text/event-stream"):
             return HttpOutcome(200, _read_events(response))
         answer = json.loads(response.read())
-        return HttpOutcome(200, "" if answer.get("choices") else f"no choices in {answer}")
+        answered = answer.get("output") if path == "/v1/responses" else answer.get("choices")
+        return HttpOutcome(200, "" if answered else f"no choices or output in {answer}")
     finally:
         connection.close()
 
@@ -337,8 +399,10 @@ def _read_events(response: http.client.HTTPResponse) -> str:
         if data == b"[DONE]":
             return ""
         chunk = json.loads(data)
-        if "error" in chunk:
+        if "error" in chunk or chunk.get("type") == "response.failed":
             return f"error event: {chunk}"
+        if chunk.get("type") in ("response.completed", "response.incomplete"):  # a Responses stream's end
+            return ""
         events += 1
         if events >= MAX_RESPONSES:
             return ""

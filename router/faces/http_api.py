@@ -1,5 +1,5 @@
-"""The router's OpenAI-compatible HTTP face: /v1/chat/completions, /v1/completions, /v1/models and /health,
-served by Starlette on uvicorn in the router's own event loop.
+"""The router's OpenAI-compatible HTTP face: /v1/chat/completions, /v1/completions, /v1/responses (stateless),
+/v1/models and /health, served by Starlette on uvicorn in the router's own event loop.
 
 Each choice of an HTTP request is a Generate request run by the same GenerationService.generate as a gRPC
 call: validation, limits and auth, routing, retries and failover are the gRPC path's. CallContext stands
@@ -16,6 +16,7 @@ import dataclasses
 import json
 import socket
 import ssl
+import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -39,6 +40,11 @@ from nanovllm.router.faces.openai_protocol import (
     completion_body,
     parse_request,
     usage_chunk,
+)
+from nanovllm.router.faces.responses_protocol import (
+    ResponseBuilder,
+    ResponsesRequest,
+    parse_responses_request,
 )
 from nanovllm.router.fleet.catalog import NoModelYet
 from nanovllm.router.fleet.pool import WorkerPool
@@ -130,6 +136,7 @@ class HttpApi:
             routes=[
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/responses", self.responses, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
             ]
@@ -168,6 +175,15 @@ class HttpApi:
         return await self._complete(request, chat=False)
 
     async def _complete(self, request: Request, chat: bool) -> Response:
+        return await self._answer(request, lambda body: parse_request(body, chat), self._sse, self._whole)
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API: a chat call underneath (router/faces/responses_protocol.py)."""
+        return await self._answer(request, parse_responses_request, self._response_sse, self._response_whole)
+
+    async def _answer(self, request: Request, parse, stream, whole) -> Response:
+        """Read and parse the body (`parse`: to an OpenAIRequest, or a ResponsesRequest around one), run
+        its calls, and answer with `stream` (server-sent events) or `whole`."""
         data = await _read_body(request)
         if data is None:
             return error_response(413, f"the request body is over {MAX_MESSAGE_BYTES} bytes", "body")
@@ -178,17 +194,22 @@ class HttpApi:
         except RecursionError:
             return error_response(400, "the request body nests too deeply", "body")
         try:
-            parsed = parse_request(body, chat)
+            parsed = parse(body)
         except ProtocolError as exc:
             return error_response(400, str(exc), exc.param)
+        calls = parsed if isinstance(parsed, OpenAIRequest) else parsed.chat
         bases = self.service.pool.catalog.bases
-        if not parsed.model and len(bases) == 1:  # answers name the model served
-            parsed = dataclasses.replace(parsed, model=next(iter(bases)))
-        queue: asyncio.Queue = asyncio.Queue(maxsize=2 * len(parsed.generate))
+        if not calls.model and len(bases) == 1:  # answers name the model served
+            calls = dataclasses.replace(calls, model=next(iter(bases)))
+            if isinstance(parsed, OpenAIRequest):
+                parsed = calls
+            else:
+                parsed.chat = calls
+        queue: asyncio.Queue = asyncio.Queue(maxsize=2 * len(calls.generate))
         metadata = _metadata(request)
         tasks = [
             asyncio.create_task(self._run(r, CallContext(metadata, i, queue), i, queue))
-            for i, r in enumerate(parsed.generate)
+            for i, r in enumerate(calls.generate)
         ]
         events = _events(queue, len(tasks))
         try:
@@ -199,10 +220,10 @@ class HttpApi:
         if isinstance(first[1], CallAborted):  # refused before any token: a plain HTTP error
             await _cancel(tasks)
             return _aborted(first[1])
-        if parsed.stream:
-            return StreamingResponse(self._sse(parsed, first, events, tasks), media_type="text/event-stream")
+        if calls.stream:
+            return StreamingResponse(stream(parsed, first, events, tasks), media_type="text/event-stream")
         try:
-            return await self._whole(parsed, first, events)
+            return await whole(parsed, first, events)
         finally:
             await _cancel(tasks)
 
@@ -264,6 +285,37 @@ class HttpApi:
         finally:
             await _cancel(tasks)  # a client gone: its requests are aborted on the workers
 
+    async def _response_whole(self, parsed: ResponsesRequest, first, events: AsyncIterator) -> Response:
+        builder = ResponseBuilder(parsed, int(time.time()))
+        event = first
+        while event is not None:
+            _, item = event
+            if isinstance(item, CallAborted):
+                return _aborted(item)
+            builder.add(item)
+            event = await anext(events, None)
+        return JSONResponse(builder.response(builder.status))
+
+    async def _response_sse(
+        self, parsed: ResponsesRequest, first, events: AsyncIterator, tasks
+    ) -> AsyncIterator[str]:
+        """The Responses stream: semantic events, each named in its SSE `event:` line too, as OpenAI sends them."""
+        builder = ResponseBuilder(parsed, int(time.time()))
+        try:
+            for started in builder.start():
+                yield _sse_event(started)
+            event = first
+            while event is not None:
+                _, item = event
+                if isinstance(item, CallAborted):  # mid-stream: the response fails
+                    yield _sse_event(builder.fail(str(item)))
+                    break
+                for out in builder.add(item):
+                    yield _sse_event(out)
+                event = await anext(events, None)
+        finally:
+            await _cancel(tasks)
+
     def _decoder(self, model: str):
         """Token id -> its text, with the tokenizer of the model the request named; ids as text where it
         has none, or where the name went since the call started (its adapter unloaded everywhere)."""
@@ -277,6 +329,10 @@ class HttpApi:
 
 
 _DONE = object()
+
+
+def _sse_event(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
 
 
 async def _read_body(request: Request) -> bytes | None:

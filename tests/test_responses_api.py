@@ -1,0 +1,235 @@
+"""OpenAI's Responses API on the router (router/faces/responses_protocol.py), stateless: driven by the official
+`openai` client against a router and a worker (random Qwen3 with Qwen3's chat template): a plain response
+equal to the chat completion it stands for, a stream whose semantic events come in the order the client's
+own accumulator checks, input items and instructions, a function call and its output round trip, a JSON
+schema; the events of reasoning, text and calls built without a model; bad bodies refused naming the field."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from nanovllm.router.faces.openai_protocol import ProtocolError
+from nanovllm.router.faces.responses_protocol import ResponseBuilder, parse_responses_request
+from nanovllm.v1 import generate_pb2
+from tests.services import router_and_worker
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def client(qwen3_dir: Path, kernels, tmp_path_factory) -> Iterator[openai.OpenAI]:
+    """The official client, its `model` argument bound to the served name (the model directory's)."""
+    logs = tmp_path_factory.mktemp("responses-logs")
+    flags = (
+        "--max-model-len",
+        "1024",
+    )  # the model's whole context: Qwen3's template writes tools in ~550 tokens
+    with router_and_worker(qwen3_dir, logs, worker_flags=flags, router_flags=("--http-port", "0")) as (
+        _,
+        router,
+    ):
+        client = openai.OpenAI(base_url=f"http://{router.http_address}/v1", api_key="none", max_retries=0)
+        client.responses.create = functools.partial(client.responses.create, model=qwen3_dir.name)
+        client.responses.stream = functools.partial(client.responses.stream, model=qwen3_dir.name)
+        yield client
+
+
+def test_a_response_is_the_chat_completion_it_stands_for(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(
+        model="",  # the one model served
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "The quick brown fox"},
+        ],
+        max_completion_tokens=16,
+        temperature=0,
+    )
+    response = client.responses.create(
+        instructions="Be brief.", input="The quick brown fox", max_output_tokens=16, temperature=0
+    )
+    assert response.id.startswith("resp_") and response.object == "response"
+    assert response.output_text == chat.choices[0].message.content
+    assert response.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    assert response.instructions == "Be brief." and response.max_output_tokens == 16
+    items = client.responses.create(
+        input=[
+            {"role": "developer", "content": "Be brief."},
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "The quick brown fox"}],
+            },
+        ],
+        max_output_tokens=16,
+        temperature=0,
+    )
+    assert items.output_text == response.output_text  # developer = system, text parts joined
+
+
+def test_a_stream_sends_the_events_in_order_and_the_same_text(client: openai.OpenAI) -> None:
+    whole = client.responses.create(input="The quick brown fox", max_output_tokens=24, temperature=0)
+    events = list(
+        client.responses.create(input="The quick brown fox", max_output_tokens=24, temperature=0, stream=True)
+    )
+    kinds = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        f"response.{whole.status}",
+    ]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    with client.responses.stream(input="The quick brown fox", max_output_tokens=24, temperature=0) as stream:
+        last = list(stream)[-1]  # the client's accumulator checked each event against those before
+    assert last.type == f"response.{whole.status}" and last.response.id != whole.id
+    assert last.response.output_text == whole.output_text
+
+
+def test_a_function_call_and_its_output_round_trip(client: openai.OpenAI) -> None:
+    first = client.responses.create(
+        input="What is the weather in Paris?",
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=128,
+        temperature=0,
+    )
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert calls, first.output and calls[0].name == "get_weather" and first.status == "completed"
+    assert isinstance(json.loads(calls[0].arguments)["city"], str)  # the grammar made it valid
+    second = client.responses.create(
+        input=[
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {
+                "type": "function_call",
+                "call_id": calls[0].call_id,
+                "name": "get_weather",
+                "arguments": calls[0].arguments,
+            },
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"sky": "clear"}'},
+        ],
+        tools=[WEATHER],
+        tool_choice="none",
+        max_output_tokens=8,
+        temperature=0,
+    )
+    alone = client.responses.create(
+        input="What is the weather in Paris?",
+        tools=[WEATHER],
+        tool_choice="none",
+        max_output_tokens=8,
+        temperature=0,
+    )
+    assert second.output[-1].type == "message"
+    assert second.usage.input_tokens > alone.usage.input_tokens  # the call and its output are in the prompt
+
+
+def test_a_json_schema_answer_validates(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}},
+        "required": ["name"],
+    }
+    response = client.responses.create(
+        input="A name, please",
+        text={"format": {"type": "json_schema", "name": "person", "schema": schema, "strict": True}},
+        max_output_tokens=64,
+        temperature=0,
+    )
+    assert isinstance(json.loads(response.output_text)["name"], str)
+
+
+def test_bad_bodies_are_400_naming_the_field(client: openai.OpenAI) -> None:
+    cases = [
+        ({"input": "hi", "store": True}, "store"),
+        ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": "hi", "background": True}, "background"),
+        ({"input": [{"type": "image", "url": "x"}]}, "input[0].type"),
+        ({"input": [{"role": "user", "content": 3}]}, "input[0].content"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
+        ({"input": "hi", "extra_body": {"frobnicate": 1}}, "frobnicate"),
+        ({"input": []}, "input"),
+    ]
+    for body, field in cases:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(**body)
+        assert caught.value.body["param"] == field, (body, caught.value.body)
+        assert field.split("[")[0] in caught.value.body["message"]
+
+
+def _responses(*parts: dict) -> list[generate_pb2.GenerateResponse]:
+    return [generate_pb2.GenerateResponse(**p) for p in parts]
+
+
+def test_reasoning_text_and_calls_become_items_in_order() -> None:
+    """Qwen3's reasoning, then the answer, then a call: three output items, each opened, filled and closed
+    before the next, and the whole response equal to what the events built."""
+    request = parse_responses_request({"input": "hi", "reasoning": {"effort": "high"}, "tools": [WEATHER]})
+    assert request.chat.generate[0].chat.template_kwargs["enable_thinking"] is True
+    builder = ResponseBuilder(request, 0)
+    call = generate_pb2.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris"}')
+    usage = generate_pb2.Usage(prompt_tokens=5, completion_tokens=9, cached_prompt_tokens=2)
+    events = builder.start()
+    for update in _responses(
+        {"reasoning_text": "The user "},
+        {"reasoning_text": "asks."},
+        {"text": "Let me look."},
+        {"tool_calls": [call], "finish_reason": generate_pb2.FINISH_REASON_TOOL_CALLS, "usage": usage},
+    ):
+        events += builder.add(update)
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.reasoning_text.delta", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed",
+    ]  # fmt: skip
+    final = events[-1]["response"]
+    assert [item["type"] for item in final["output"]] == ["reasoning", "message", "function_call"]
+    assert final["output"][0]["content"][0]["text"] == "The user asks."
+    assert final["output"][2]["arguments"] == '{"city": "Paris"}'
+    assert (
+        final["usage"]["input_tokens_details"]["cached_tokens"] == 2 and final["usage"]["total_tokens"] == 14
+    )
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] == [0, 1, 2]
+
+
+def test_a_response_cut_by_max_output_tokens_is_incomplete() -> None:
+    builder = ResponseBuilder(parse_responses_request({"input": "hi", "max_output_tokens": 2}), 0)
+    events = builder.add(
+        generate_pb2.GenerateResponse(text="ab", finish_reason=generate_pb2.FINISH_REASON_LENGTH)
+    )
+    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def test_errors_of_the_chat_fields_say_they_came_from_the_responses_body() -> None:
+    with pytest.raises(ProtocolError, match="from this /v1/responses body"):
+        parse_responses_request({"input": "hi", "temperature": "hot"})
