@@ -188,6 +188,19 @@ class RouterConfig:
         help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
         "/health) on this port, with --tls-cert and --tls-key when given (0 picks a free one); unset: off",
     )
+    response_store: str = option(
+        "auto",
+        help="where the HTTP API keeps stored responses (the Responses API's `store`, `previous_response_id`): "
+        "auto (an SQLite file in the user's cache directory, which every router process on this machine "
+        "shares), the path of an SQLite file, or off",
+    )
+    response_store_ttl_s: float = option(
+        30 * 24 * 3600.0, flag="--response-store-ttl", help="seconds a stored response is kept (30 days)"
+    )
+    response_store_max_bytes: int = option(
+        2**30,
+        help="the most bytes the response store's file may hold; past them, store true is refused (507)",
+    )
     reasoning_parser: str = option(
         "auto",
         help="how responses split a model's reasoning from its answer: auto (from the model: Qwen3's "
@@ -208,6 +221,14 @@ class RouterConfig:
             raise ConfigError(f"--resume-wait must be 0 seconds or more, got {self.resume_wait_s:g}")
         if not self.retry_backoff_s >= 0:
             raise ConfigError(f"--retry-backoff must be 0 seconds or more, got {self.retry_backoff_s:g}")
+        if not self.response_store_ttl_s > 0:
+            raise ConfigError(
+                f"--response-store-ttl must be more than 0 seconds, got {self.response_store_ttl_s:g}"
+            )
+        if self.response_store_max_bytes < 2**20:
+            raise ConfigError(
+                f"--response-store-max-bytes must be at least 1 MiB (1048576), got {self.response_store_max_bytes}"
+            )
         for flag, value in (
             ("--max-buffered-responses", self.max_buffered_responses),
             ("--tokenizer-threads", self.tokenizer_threads),

@@ -91,6 +91,9 @@ def start_router(
     args = ["router", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
     for worker in workers:
         args += ["--worker", worker]
+    if "--response-store" not in extra:  # a test's stored responses beside its logs, never in ~/.cache
+        store = "off" if log_path is None else str(log_path.with_suffix(".responses.sqlite"))
+        args += ["--response-store", store]
     return start([*args, *extra], log_path, cpus)
 
 

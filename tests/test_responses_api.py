@@ -9,15 +9,17 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import openai
 import pytest
 
 from nanovllm.router.faces.openai_protocol import ProtocolError
+from nanovllm.router.faces.response_store import ResponseStore, StoreFull
 from nanovllm.router.faces.responses_protocol import ResponseBuilder, parse_responses_request
 from nanovllm.v1 import generate_pb2
-from tests.services import router_and_worker
+from tests.services import ServerProcess, router_and_worker, start_router, wait_serving
 
 WEATHER = {
     "type": "function",
@@ -31,22 +33,45 @@ WEATHER = {
 }
 
 
+TOKENS = {"alice": "alice-0123456789abcdef", "bob": "bob-0123456789abcdef0"}
+
+
+def _bound(client: openai.OpenAI, model: str) -> openai.OpenAI:
+    """The client with its `model` argument bound to the served name (the model directory's)."""
+    client.responses.create = functools.partial(client.responses.create, model=model)
+    client.responses.stream = functools.partial(client.responses.stream, model=model)
+    return client
+
+
+@dataclass
+class Served:
+    worker: ServerProcess
+    router: ServerProcess
+    store: Path
+    tokens: Path
+    model: str
+
+    def client(self, name: str = "alice", router: ServerProcess | None = None) -> openai.OpenAI:
+        base = f"http://{(router or self.router).http_address}/v1"
+        return _bound(openai.OpenAI(base_url=base, api_key=TOKENS[name], max_retries=0), self.model)
+
+
 @pytest.fixture(scope="module")
-def client(qwen3_dir: Path, kernels, tmp_path_factory) -> Iterator[openai.OpenAI]:
-    """The official client, its `model` argument bound to the served name (the model directory's)."""
-    logs = tmp_path_factory.mktemp("responses-logs")
-    flags = (
-        "--max-model-len",
-        "1024",
-    )  # the model's whole context: Qwen3's template writes tools in ~550 tokens
-    with router_and_worker(qwen3_dir, logs, worker_flags=flags, router_flags=("--http-port", "0")) as (
-        _,
-        router,
-    ):
-        client = openai.OpenAI(base_url=f"http://{router.http_address}/v1", api_key="none", max_retries=0)
-        client.responses.create = functools.partial(client.responses.create, model=qwen3_dir.name)
-        client.responses.stream = functools.partial(client.responses.stream, model=qwen3_dir.name)
-        yield client
+def served(qwen3_dir: Path, kernels, tmp_path_factory) -> Iterator[Served]:
+    """A worker (the model's whole context: Qwen3's template writes tools in ~550 tokens) behind a router
+    with two tokens and a response store of its own."""
+    root = tmp_path_factory.mktemp("responses")
+    tokens, store = root / "tokens", root / "responses.sqlite"
+    tokens.write_text("".join(f"{name}:{token}\n" for name, token in TOKENS.items()))
+    router_flags = ("--http-port", "0", "--auth-tokens-file", str(tokens), "--response-store", str(store))
+    worker_flags = ("--max-model-len", "1024")
+    with router_and_worker(qwen3_dir, root, worker_flags, router_flags) as (worker, router):
+        yield Served(worker, router, store, tokens, qwen3_dir.name)
+
+
+@pytest.fixture(scope="module")
+def client(served: Served) -> openai.OpenAI:
+    return served.client()
 
 
 def test_a_response_is_the_chat_completion_it_stands_for(client: openai.OpenAI) -> None:
@@ -165,8 +190,7 @@ def test_a_json_schema_answer_validates(client: openai.OpenAI) -> None:
 
 def test_bad_bodies_are_400_naming_the_field(client: openai.OpenAI) -> None:
     cases = [
-        ({"input": "hi", "store": True}, "store"),
-        ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": "hi", "store": "yes"}, "store"),
         ({"input": "hi", "background": True}, "background"),
         ({"input": [{"type": "image", "url": "x"}]}, "input[0].type"),
         ({"input": [{"role": "user", "content": 3}]}, "input[0].content"),
@@ -179,6 +203,12 @@ def test_bad_bodies_are_400_naming_the_field(client: openai.OpenAI) -> None:
             client.responses.create(**body)
         assert caught.value.body["param"] == field, (body, caught.value.body)
         assert field.split("[")[0] in caught.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.responses.create(input="hi", previous_response_id="resp_unknown")
+    assert (
+        caught.value.body["param"] == "previous_response_id"
+        and "resp_unknown" in caught.value.body["message"]
+    )
 
 
 def _responses(*parts: dict) -> list[generate_pb2.GenerateResponse]:
@@ -233,3 +263,93 @@ def test_a_response_cut_by_max_output_tokens_is_incomplete() -> None:
 def test_errors_of_the_chat_fields_say_they_came_from_the_responses_body() -> None:
     with pytest.raises(ProtocolError, match="from this /v1/responses body"):
         parse_responses_request({"input": "hi", "temperature": "hot"})
+
+
+def test_a_conversation_continues_from_its_stored_response(served: Served, client: openai.OpenAI) -> None:
+    """The second turn names the first: its prompt is the first's with the answer and the new input after
+    it (its tokens equal a stateless request's that sends it all), and the first turn's blocks are cached."""
+    opening = "Tell me about the quick brown fox that jumps over the lazy dog, in a few words please."
+    first = client.responses.create(input=opening, max_output_tokens=8, temperature=0)
+    assert first.store is True
+    second = client.responses.create(
+        previous_response_id=first.id, input="And the dog?", max_output_tokens=8, temperature=0
+    )
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens_details.cached_tokens >= 16  # the first turn's prompt, from the cache
+    stateless = client.responses.create(
+        input=[
+            {"role": "user", "content": opening},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And the dog?"},
+        ],
+        max_output_tokens=8,
+        temperature=0,
+        store=False,
+    )
+    assert stateless.output_text == second.output_text and stateless.store is False
+    assert stateless.usage.input_tokens == second.usage.input_tokens
+    # retrieve, the input items (earlier turns' first, newest first by default), delete
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+    items = client.responses.input_items.list(second.id)
+    texts = [item.content[0].text for item in items.data]
+    assert texts == ["And the dog?", opening]
+    assert [
+        i.content[0].text for i in client.responses.input_items.list(second.id, order="asc").data
+    ] == texts[::-1]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(stateless.id)  # store false: not kept
+    with pytest.raises(openai.NotFoundError):
+        served.client("bob").responses.retrieve(first.id)  # another token's
+    with pytest.raises(openai.NotFoundError):
+        served.client("bob").responses.create(previous_response_id=first.id, input="hi")
+    with pytest.raises(openai.BadRequestError, match="background"):
+        client.responses.cancel(first.id)
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(previous_response_id=first.id, input="hi")
+
+
+def test_a_stored_stream_continues_on_another_router_sharing_the_store(served: Served, tmp_path) -> None:
+    """Two routers (as --processes N are, and with the same file) share the SQLite store: a streamed
+    response stored by one is continued and retrieved through the other."""
+    other = start_router(
+        [served.worker.address],
+        "--http-port", "0", "--auth-tokens-file", str(served.tokens), "--response-store", str(served.store),
+        log_path=tmp_path / "router-b.log",
+    )  # fmt: skip
+    try:
+        wait_serving(other.address)
+        with served.client().responses.stream(
+            input="The quick brown fox", max_output_tokens=8, temperature=0
+        ) as stream:
+            first = list(stream)[-1].response
+        there = served.client(router=other)
+        assert there.responses.retrieve(first.id).output_text == first.output_text
+        second = there.responses.create(
+            previous_response_id=first.id, input="More.", max_output_tokens=4, temperature=0
+        )
+        assert served.client().responses.retrieve(second.id).previous_response_id == first.id
+    finally:
+        other.stop()
+
+
+def test_the_store_refuses_past_its_size_and_forgets_past_its_time(tmp_path) -> None:
+    import asyncio
+
+    async def run() -> None:
+        store = ResponseStore(tmp_path / "full.sqlite", ttl_s=60, max_bytes=2**20)
+        for i in range(8):  # 8 x 200 KB: past 1 MiB
+            await store.put("alice", f"resp_{i}", {"blob": "x" * 200_000})
+        with pytest.raises(StoreFull, match=r"the response store is full: .* MiB of its 1 MiB"):
+            await store.check_space()
+        assert await store.get("bob", "resp_0") is None  # another owner's
+        await store.delete("alice", "resp_0")
+        expired = ResponseStore(tmp_path / "expired.sqlite", ttl_s=-1, max_bytes=2**20)
+        await expired.put("alice", "resp_x", {"a": 1})
+        assert await expired.get("alice", "resp_x") is None  # past its time to live
+        await expired.check_space()  # which also deletes it
+        assert await store.get("alice", "resp_1") == {"blob": "x" * 200_000}
+
+    asyncio.run(run())

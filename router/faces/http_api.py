@@ -1,5 +1,5 @@
-"""The router's OpenAI-compatible HTTP face: /v1/chat/completions, /v1/completions, /v1/responses (stateless),
-/v1/models and /health, served by Starlette on uvicorn in the router's own event loop.
+"""The router's OpenAI-compatible HTTP face: /v1/chat/completions, /v1/completions, /v1/responses (and its
+stored responses), /v1/models and /health, served by Starlette on uvicorn in the router's own event loop.
 
 Each choice of an HTTP request is a Generate request run by the same GenerationService.generate as a gRPC
 call: validation, limits and auth, routing, retries and failover are the gRPC path's. CallContext stands
@@ -36,11 +36,13 @@ from nanovllm.router.faces.openai_protocol import (
     Choice,
     OpenAIRequest,
     ProtocolError,
+    check_unicode,
     chunk_body,
     completion_body,
     parse_request,
     usage_chunk,
 )
+from nanovllm.router.faces.response_store import ResponseStore, StoreFull
 from nanovllm.router.faces.responses_protocol import (
     ResponseBuilder,
     ResponsesRequest,
@@ -129,14 +131,26 @@ def _aborted(exc: CallAborted) -> Response:
     return error_response(status, str(exc), headers=headers)
 
 
+class HttpError(Exception):
+    """A request refused before it runs with an HTTP status of its own (404, 401, 507...)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
 class HttpApi:
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: Service, store: ResponseStore | None = None) -> None:
         self.service = service
+        self.store = store  # stored responses (the Responses API's `store`); None: --response-store off
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/responses", self.responses, methods=["POST"]),
+                Route("/v1/responses/{id}", self.stored_response, methods=["GET", "DELETE"]),
+                Route("/v1/responses/{id}/input_items", self.input_items, methods=["GET"]),
+                Route("/v1/responses/{id}/cancel", self.cancel_response, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
             ]
@@ -175,11 +189,103 @@ class HttpApi:
         return await self._complete(request, chat=False)
 
     async def _complete(self, request: Request, chat: bool) -> Response:
-        return await self._answer(request, lambda body: parse_request(body, chat), self._sse, self._whole)
+        async def parse(body: Any) -> OpenAIRequest:
+            return parse_request(body, chat)
+
+        return await self._answer(request, parse, self._sse, self._whole)
 
     async def responses(self, request: Request) -> Response:
-        """OpenAI's Responses API: a chat call underneath (router/faces/responses_protocol.py)."""
-        return await self._answer(request, parse_responses_request, self._response_sse, self._response_whole)
+        """OpenAI's Responses API: a chat call underneath (router/faces/responses_protocol.py), continuing
+        the stored conversation its previous_response_id names, kept in the store when `store`."""
+
+        async def parse(body: Any) -> ResponsesRequest:
+            owner = self._owner(request)
+            previous = None
+            if isinstance(body, dict):
+                check_unicode(body)  # before the id is looked up and named in an error
+            previous_id = body.get("previous_response_id") if isinstance(body, dict) else None
+            if previous_id is not None:
+                if not isinstance(previous_id, str):
+                    raise ProtocolError("previous_response_id", "previous_response_id must be a string")
+                previous = await self._record(owner, previous_id, "previous_response_id")
+            parsed = parse_responses_request(body, previous, can_store=self.store is not None)
+            if parsed.store:
+                try:
+                    await self.store.check_space()
+                except StoreFull as exc:
+                    raise HttpError(507, str(exc), "store") from None
+            parsed.owner = owner
+            return parsed
+
+        return await self._answer(request, parse, self._response_sse, self._response_whole)
+
+    def _owner(self, request: Request) -> str:
+        """The caller's token name (every stored response is its owner's alone), or HttpError."""
+        try:
+            return self.service.access.identify(_metadata(request))
+        except AuthError as exc:
+            raise HttpError(_HTTP_STATUS[exc.code], str(exc)) from None
+
+    async def _record(self, owner: str, response_id: str, param: str | None = None) -> dict[str, Any]:
+        record = None if self.store is None else await self.store.get(owner, response_id)
+        if record is None:
+            why = (
+                f"never stored, deleted, past its time to live ({self.store.ttl_s:g} s) or another token's"
+                if self.store is not None
+                else "this router keeps no responses (--response-store off)"
+            )
+            raise HttpError(404, f"no stored response {response_id!r}: {why}", param)
+        return record
+
+    async def stored_response(self, request: Request) -> Response:
+        """GET: a stored Response object; DELETE: forget it."""
+        response_id = request.path_params["id"]
+        try:
+            owner = self._owner(request)
+            record = await self._record(owner, response_id)
+        except HttpError as exc:
+            return error_response(exc.status, str(exc), exc.param)
+        if request.method == "DELETE":
+            await self.store.delete(owner, response_id)
+            return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+        return JSONResponse(record["response"])
+
+    async def input_items(self, request: Request) -> Response:
+        """The input items a stored response was asked with, its conversation's earlier turns' included:
+        `order` desc (the default, as OpenAI's) or asc, `limit` 1 to 100 (20), `after` an item id."""
+        try:
+            record = await self._record(self._owner(request), request.path_params["id"])
+        except HttpError as exc:
+            return error_response(exc.status, str(exc), exc.param)
+        order, limit = request.query_params.get("order", "desc"), request.query_params.get("limit", "20")
+        if order not in ("asc", "desc") or not limit.isdigit() or not 1 <= int(limit) <= 100:
+            return error_response(
+                400, f"order must be asc or desc and limit 1 to 100, got {order!r}, {limit!r}"
+            )
+        items = record["input_items"][:: -1 if order == "desc" else 1]
+        after = request.query_params.get("after")
+        if after is not None:
+            ids = [item["id"] for item in items]
+            items = items[ids.index(after) + 1 :] if after in ids else []
+        page = items[: int(limit)]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": len(items) > len(page),
+            }
+        )
+
+    async def cancel_response(self, request: Request) -> Response:
+        try:
+            await self._record(self._owner(request), request.path_params["id"])
+        except HttpError as exc:
+            return error_response(exc.status, str(exc), exc.param)
+        return error_response(
+            400, "only a background response can be cancelled, and background is not served yet"
+        )
 
     async def _answer(self, request: Request, parse, stream, whole) -> Response:
         """Read and parse the body (`parse`: to an OpenAIRequest, or a ResponsesRequest around one), run
@@ -194,9 +300,11 @@ class HttpApi:
         except RecursionError:
             return error_response(400, "the request body nests too deeply", "body")
         try:
-            parsed = parse(body)
+            parsed = await parse(body)
         except ProtocolError as exc:
             return error_response(400, str(exc), exc.param)
+        except HttpError as exc:
+            return error_response(exc.status, str(exc), exc.param)
         calls = parsed if isinstance(parsed, OpenAIRequest) else parsed.chat
         bases = self.service.pool.catalog.bases
         if not calls.model and len(bases) == 1:  # answers name the model served
@@ -294,7 +402,13 @@ class HttpApi:
                 return _aborted(item)
             builder.add(item)
             event = await anext(events, None)
-        return JSONResponse(builder.response(builder.status))
+        response = builder.response(builder.status)
+        await self._keep(parsed, response)
+        return JSONResponse(response)
+
+    async def _keep(self, parsed: ResponsesRequest, response: dict[str, Any]) -> None:
+        if parsed.store:
+            await self.store.put(parsed.owner, parsed.id, parsed.record(response))
 
     async def _response_sse(
         self, parsed: ResponsesRequest, first, events: AsyncIterator, tasks
@@ -311,6 +425,8 @@ class HttpApi:
                     yield _sse_event(builder.fail(str(item)))
                     break
                 for out in builder.add(item):
+                    if out["type"] in ("response.completed", "response.incomplete"):
+                        await self._keep(parsed, out["response"])  # stored before the client hears it ended
                     yield _sse_event(out)
                 event = await anext(events, None)
         finally:

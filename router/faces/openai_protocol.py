@@ -153,7 +153,7 @@ def _number(body: dict[str, Any], name: str) -> float | None:
         raise ProtocolError(name, f"{name} must be a finite number, got {_shown(value)}") from None
 
 
-def _check_unicode(body: dict[str, Any]) -> None:
+def check_unicode(body: dict[str, Any]) -> None:
     """Refuse a string anywhere in the body that holds an unpaired surrogate: JSON's \\u escapes can
     write one, Python's json reads it, and it is not Unicode (protobuf and the tokenizer cannot take it).
     Iterative: the body may nest deeply."""
@@ -332,7 +332,7 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
     """The Generate requests for a /v1/chat/completions (chat) or /v1/completions body."""
     if not isinstance(body, dict):
         raise ProtocolError("body", "the request body must be a JSON object")
-    _check_unicode(body)
+    check_unicode(body)
     _refuse_unknown(body, chat)
     sampling, logprobs = _sampling(body, chat)
     if chat:

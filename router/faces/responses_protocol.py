@@ -1,10 +1,10 @@
-"""OpenAI's Responses API (`POST /v1/responses`), stateless: a body becomes the chat completion it asks for
-(router/faces/openai_protocol.py parses and validates that, once for both), and the chat call's Generate
-responses become a Response object, or its stream of semantic events (`response.created` ... `response.completed`,
-each with its `sequence_number`).
+"""OpenAI's Responses API (`POST /v1/responses`): a body becomes the chat completion it asks for
+(router/faces/openai_protocol.py parses and validates that, once for both), continuing a stored
+conversation (`previous_response_id`: router/faces/response_store.py) when it names one; the chat call's
+Generate responses become a Response object, or its stream of semantic events (`response.created` ...
+`response.completed`, each with its `sequence_number`).
 
-Not served yet (each refused by name): stored responses (`store`, `previous_response_id`, retrieval) and
-`background`.
+Not served yet (each refused by name): `background`.
 """
 
 from __future__ import annotations
@@ -14,19 +14,23 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from nanovllm.router.faces.openai_protocol import Choice, OpenAIRequest, ProtocolError, parse_request
+from nanovllm.router.faces.openai_protocol import (
+    Choice,
+    OpenAIRequest,
+    ProtocolError,
+    check_unicode,
+    parse_request,
+)
 from nanovllm.v1 import generate_pb2
 
 # Fields of a Responses body: those served, those accepted without effect, and those refused with the
 # values that ask for nothing.
 SERVED = {
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
-    "text", "reasoning", "stream", "metadata", "user",
+    "text", "reasoning", "stream", "metadata", "user", "store", "previous_response_id",
 }  # fmt: skip
 WITHOUT_EFFECT = {"safety_identifier", "prompt_cache_key", "service_tier", "truncation", "include"}
 UNSERVED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "store": ((None, False), "responses are not stored yet: send store false"),
-    "previous_response_id": ((None,), "stored responses are not served yet: send the conversation as input"),
     "background": ((None, False), "background responses are not served yet"),
     "parallel_tool_calls": ((None, True), "several tool calls in one answer cannot be turned off"),
     "conversation": ((None,), "conversations are not served"),
@@ -42,7 +46,21 @@ class ResponsesRequest:
 
     chat: OpenAIRequest
     echoed: dict[str, Any]
+    items: list[dict[str, Any]]  # this request's input, as items with ids
+    history: list[dict[str, Any]]  # the conversation it continues, as input items (outputs included)
+    earlier_inputs: list[dict[str, Any]]  # the input items of the conversation's earlier turns
+    store: bool
     id: str = field(default_factory=lambda: "resp_" + uuid.uuid4().hex)
+    owner: str = ""  # the caller's token name, set by the HTTP face
+
+    def record(self, response: dict[str, Any]) -> dict[str, Any]:
+        """What the store keeps of this finished response (router/faces/response_store.py)."""
+        outputs = [_as_input(item) for item in response["output"]]
+        return {
+            "response": response,
+            "input_items": [*self.earlier_inputs, *self.items],
+            "conversation": [*self.history, *self.items, *(o for o in outputs if o is not None)],
+        }
 
 
 def _item_text(content: Any, where: str) -> str:
@@ -55,23 +73,56 @@ def _item_text(content: Any, where: str) -> str:
     raise ProtocolError(f"{where}.content", f"{where}.content must be a string or input_text parts")
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """`instructions` and `input` as chat messages; consecutive function calls become one assistant turn."""
+def _as_input(item: dict[str, Any]) -> dict[str, Any] | None:
+    """An output item as the input item a later turn sends back (reasoning is not: Qwen3's template drops
+    earlier turns' reasoning)."""
+    if item["type"] == "message":
+        text = "".join(part["text"] for part in item["content"])
+        return {
+            "type": "message",
+            "id": item["id"],
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": text}],
+        }
+    if item["type"] == "function_call":
+        return {k: item[k] for k in ("type", "id", "call_id", "name", "arguments")}
+    return None
+
+
+def _items(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """`input` as a list of items, each with an id (as input_items lists them)."""
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": items}]}]
+    if not isinstance(items, list) or not items:
+        raise ProtocolError("input", "input must be a string or a non-empty list of items")
+    prefixes = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_"}
+    with_ids = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise ProtocolError(f"input[{i}]", f"input[{i}] must be an object")
+        kind = item.get("type", "message")
+        if kind not in (*prefixes, "reasoning"):
+            raise ProtocolError(
+                f"input[{i}].type",
+                f"input[{i}].type {kind!r} is not message, function_call or function_call_output",
+            )
+        with_ids.append(
+            item if "id" in item else {"id": prefixes.get(kind, "rs_") + uuid.uuid4().hex, **item}
+        )
+    return with_ids
+
+
+def _messages(instructions: Any, items: list[dict[str, Any]], first: int) -> list[dict[str, Any]]:
+    """`instructions` and the conversation's items as chat messages; consecutive function calls become one
+    assistant turn. Items before `first` are earlier turns' (errors name this request's `input[i]`)."""
     messages: list[dict[str, Any]] = []
-    instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
             raise ProtocolError("instructions", "instructions must be a string")
         messages.append({"role": "system", "content": instructions})
-    items = body.get("input")
-    if isinstance(items, str):
-        return [*messages, {"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
-        raise ProtocolError("input", "input must be a string or a non-empty list of items")
     for i, item in enumerate(items):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise ProtocolError(where, f"{where} must be an object")
+        where = f"input[{i - first}]" if i >= first else f"previous_response_id's input[{i}]"
         kind = item.get("type", "message")
         if kind == "message":
             role = _ROLES.get(item.get("role"))
@@ -162,10 +213,15 @@ def _response_format(text: Any) -> dict[str, Any] | None:
     )
 
 
-def parse_responses_request(body: Any) -> ResponsesRequest:
-    """The chat completion a /v1/responses body asks for, and the fields its answer echoes."""
+def parse_responses_request(
+    body: Any, previous: dict[str, Any] | None = None, can_store: bool = False
+) -> ResponsesRequest:
+    """The chat completion a /v1/responses body asks for, continuing `previous` (the stored record of its
+    previous_response_id), and the fields its answer echoes. `can_store`: whether a store is configured
+    (without one, `store` true is refused; absent, it means true only with one)."""
     if not isinstance(body, dict):
         raise ProtocolError("body", "the request body must be a JSON object")
+    check_unicode(body)  # every field, names included: those echoed and stored too
     for name, value in body.items():
         if name in UNSERVED:
             allowed, why = UNSERVED[name]
@@ -173,7 +229,24 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
                 raise ProtocolError(name, f"{name}={json.dumps(value)[:80]}: {why}")
         elif name not in SERVED | WITHOUT_EFFECT:
             raise ProtocolError(name, f"unknown field {name!r} for /v1/responses")
-    chat: dict[str, Any] = {"messages": _messages(body), "stream": body.get("stream", False)}
+    metadata = body.get("metadata")
+    if metadata is not None and not (
+        isinstance(metadata, dict)
+        and all(isinstance(v, str) for v in metadata.values())
+        and len(metadata) <= 16
+    ):
+        raise ProtocolError("metadata", "metadata must be an object of at most 16 string values")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise ProtocolError("user", "user must be a string")
+    store = body.get("store")
+    if store is not None and not isinstance(store, bool):
+        raise ProtocolError("store", "store must be a boolean")
+    if store and not can_store:
+        raise ProtocolError("store", "store=true: this router keeps no responses (--response-store off)")
+    items = _items(body)
+    history = previous["conversation"] if previous else []
+    messages = _messages(body.get("instructions"), [*history, *items], len(history))
+    chat: dict[str, Any] = {"messages": messages, "stream": body.get("stream", False)}
     for ours, theirs in (("model", "model"), ("temperature", "temperature"), ("top_p", "top_p")):
         if theirs in body:
             chat[ours] = body[theirs]
@@ -205,8 +278,11 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         "text": body.get("text") or {"format": {"type": "text"}},
         "reasoning": body.get("reasoning") or {"effort": None, "summary": None},
         "user": body.get("user"),
+        "store": can_store and store is not False,
+        "previous_response_id": body.get("previous_response_id"),
     }
-    return ResponsesRequest(parsed, echoed)
+    earlier = previous["input_items"] if previous else []
+    return ResponsesRequest(parsed, echoed, items, history, earlier, echoed["store"])
 
 
 def _usage(choice: Choice) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from nanovllm.router.faces.auth import Access, AuthInterceptor, TokenTable
 from nanovllm.router.faces.generation import GenerationService
 from nanovllm.router.faces.http_api import HttpApi, start_http
 from nanovllm.router.faces.process_group import ProcessRole
+from nanovllm.router.faces.response_store import open_response_store
 from nanovllm.router.fleet.pool import WorkerPool
 from nanovllm.router.fleet.tokenizer import auto_tokenizer
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
@@ -105,8 +106,9 @@ class _Router:
                 if config.tls.enabled
                 else None
             )
+            api = HttpApi(self.service, open_response_store(config))
             self.http, http_address = await start_http(
-                HttpApi(self.service), config.host, config.http_port, tls, share_port=role.shares_port
+                api, config.host, config.http_port, tls, share_port=role.shares_port
             )
 
             def announce(address: str, metrics_address: str) -> None:

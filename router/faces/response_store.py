@@ -1,0 +1,107 @@
+"""Stored responses (OpenAI's Responses API, `store`): a record per response id and owner (the caller's token
+name), kept for a time to live, that every router process of one machine shares (SQLite in WAL mode, one
+file: `--processes N` all open it).
+
+A record is JSON: the Response object, the input items the response was asked with (its conversation's
+earlier turns first, for `input_items`), and the conversation as input items, outputs included, which a
+later request's `previous_response_id` continues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+from nanovllm.common.errors import ConfigError
+from nanovllm.common.server_config import RouterConfig
+
+# --response-store auto: one file per user and machine, which every router process opens.
+DEFAULT_PATH = Path.home() / ".cache" / "nanovllm" / "responses.sqlite"
+
+
+class StoreFull(Exception):
+    """The store is at its size limit."""
+
+
+class ResponseStore:
+    """SQLite in WAL mode: readers never wait for the writer, and each process opens its own connection.
+    Calls run in a thread (sqlite3 blocks); `ttl_s` bounds a record's life, `max_bytes` the file's size."""
+
+    def __init__(self, path: Path, ttl_s: float, max_bytes: int) -> None:
+        self.path, self.ttl_s, self.max_bytes = path, ttl_s, max_bytes
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with self._connect() as db:
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute(
+                    "CREATE TABLE IF NOT EXISTS responses (owner TEXT, id TEXT, expires REAL, record TEXT, "
+                    "PRIMARY KEY (owner, id))"
+                )
+        except (OSError, sqlite3.Error) as exc:
+            raise ConfigError(
+                f"--response-store {path}: cannot open it as an SQLite database: {exc}"
+            ) from None
+
+    def _connect(self) -> sqlite3.Connection:
+        return sqlite3.connect(self.path, timeout=30, isolation_level=None)
+
+    def _used(self, db: sqlite3.Connection) -> int:
+        return db.execute("PRAGMA page_count").fetchone()[0] * db.execute("PRAGMA page_size").fetchone()[0]
+
+    def _check_space(self) -> None:
+        with self._connect() as db:
+            db.execute("DELETE FROM responses WHERE expires < ?", (time.time(),))
+            used = self._used(db)
+        if used >= self.max_bytes:
+            raise StoreFull(
+                f"the response store is full: {used / 2**20:.1f} MiB of its {self.max_bytes / 2**20:.0f} MiB "
+                "(--response-store-max-bytes); send store false, or delete stored responses"
+            )
+
+    def _put(self, owner: str, response_id: str, record: str) -> None:
+        with self._connect() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?)",
+                (owner, response_id, time.time() + self.ttl_s, record),
+            )
+
+    def _get(self, owner: str, response_id: str) -> str | None:
+        with self._connect() as db:
+            row = db.execute(
+                "SELECT record FROM responses WHERE owner = ? AND id = ? AND expires >= ?",
+                (owner, response_id, time.time()),
+            ).fetchone()
+        return None if row is None else row[0]
+
+    def _delete(self, owner: str, response_id: str) -> bool:
+        with self._connect() as db:
+            gone = db.execute("DELETE FROM responses WHERE owner = ? AND id = ?", (owner, response_id))
+            return gone.rowcount > 0
+
+    async def check_space(self) -> None:
+        """StoreFull when the store is at its size limit (checked before a response that will be stored
+        runs, so that no answer is generated and then lost; a response may take the store a little past)."""
+        await asyncio.to_thread(self._check_space)
+
+    async def put(self, owner: str, response_id: str, record: dict[str, Any]) -> None:
+        await asyncio.to_thread(self._put, owner, response_id, json.dumps(record))
+
+    async def get(self, owner: str, response_id: str) -> dict[str, Any] | None:
+        """The record, or None: unknown, deleted, past its time to live, or another owner's."""
+        text = await asyncio.to_thread(self._get, owner, response_id)
+        return None if text is None else json.loads(text)
+
+    async def delete(self, owner: str, response_id: str) -> bool:
+        return await asyncio.to_thread(self._delete, owner, response_id)
+
+
+def open_response_store(config: RouterConfig) -> ResponseStore | None:
+    """The store --response-store names, or None when it is off."""
+    if config.response_store == "off":
+        return None
+    path = DEFAULT_PATH if config.response_store == "auto" else Path(config.response_store).expanduser()
+    return ResponseStore(path, config.response_store_ttl_s, config.response_store_max_bytes)
