@@ -383,7 +383,8 @@ def run_http(address: str, path: str, body: bytes) -> HttpOutcome:
         if response.getheader("content-type", "").startswith("text/event-stream"):
             return HttpOutcome(200, _read_events(response))
         answer = json.loads(response.read())
-        answered = answer.get("output") if path == "/v1/responses" else answer.get("choices")
+        # a Response object (a background one is answered queued, before any output)
+        answered = answer.get("object") == "response" if path == "/v1/responses" else answer.get("choices")
         return HttpOutcome(200, "" if answered else f"no choices or output in {answer}")
     finally:
         connection.close()

@@ -7,6 +7,7 @@ schema; the events of reasoning, text and calls built without a model; bad bodie
 from __future__ import annotations
 
 import functools
+import http.client
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,9 +18,10 @@ import pytest
 
 from nanovllm.router.faces.openai_protocol import ProtocolError
 from nanovllm.router.faces.response_store import ResponseStore, StoreFull
-from nanovllm.router.faces.responses_protocol import ResponseBuilder, parse_responses_request
+from nanovllm.router.faces.responses_protocol import TERMINAL_EVENTS, ResponseBuilder, parse_responses_request
 from nanovllm.v1 import generate_pb2
-from tests.services import ServerProcess, router_and_worker, start_router, wait_serving
+from tests.metrics import scrape, total
+from tests.services import ServerProcess, router_and_worker, start_router, wait_idle, wait_serving
 
 WEATHER = {
     "type": "function",
@@ -191,7 +193,7 @@ def test_a_json_schema_answer_validates(client: openai.OpenAI) -> None:
 def test_bad_bodies_are_400_naming_the_field(client: openai.OpenAI) -> None:
     cases = [
         ({"input": "hi", "store": "yes"}, "store"),
-        ({"input": "hi", "background": True}, "background"),
+        ({"input": "hi", "background": "yes"}, "background"),
         ({"input": [{"type": "image", "url": "x"}]}, "input[0].type"),
         ({"input": [{"role": "user", "content": 3}]}, "input[0].content"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
@@ -302,7 +304,7 @@ def test_a_conversation_continues_from_its_stored_response(served: Served, clien
         served.client("bob").responses.retrieve(first.id)  # another token's
     with pytest.raises(openai.NotFoundError):
         served.client("bob").responses.create(previous_response_id=first.id, input="hi")
-    with pytest.raises(openai.BadRequestError, match="background"):
+    with pytest.raises(openai.BadRequestError, match="not a background response"):
         client.responses.cancel(first.id)
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
@@ -353,3 +355,76 @@ def test_the_store_refuses_past_its_size_and_forgets_past_its_time(tmp_path) -> 
         assert await store.get("alice", "resp_1") == {"blob": "x" * 200_000}
 
     asyncio.run(run())
+
+
+def _sse(
+    address: str, method: str, path: str, body: dict | None = None, limit: int | None = None
+) -> list[bytes]:
+    """The `data:` payloads of a server-sent event stream, as sent; the connection closed after `limit`."""
+    host, port = address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    headers = {"Authorization": f"Bearer {TOKENS['alice']}", "Content-Type": "application/json"}
+    try:
+        connection.request(method, path, json.dumps(body) if body else None, headers)
+        response = connection.getresponse()
+        assert response.status == 200, response.read()
+        events = []
+        for line in response:
+            if line.startswith(b"data: "):
+                events.append(line[len(b"data: ") :].rstrip(b"\n"))
+                if len(events) == limit or json.loads(events[-1])["type"] in TERMINAL_EVENTS:
+                    break
+        return events
+    finally:
+        connection.close()  # before its end: the client is gone
+
+
+def test_a_background_response_resumes_on_another_router(served: Served, tmp_path) -> None:
+    """Started on one router, its client gone after 5 events; resumed on another from event 6: the events
+    are byte for byte those the response kept (an uninterrupted stream of it), and the prompt was computed
+    once."""
+    other = start_router(
+        [served.worker.address],
+        "--http-port", "0", "--auth-tokens-file", str(served.tokens), "--response-store", str(served.store),
+        log_path=tmp_path / "router-b.log",
+    )  # fmt: skip
+    try:
+        wait_serving(other.address)
+        prompt_before = total(scrape(served.worker.metrics_address), "nanovllm:prompt_tokens_total")
+        body = {
+            "model": served.model, "input": "The quick brown fox", "max_output_tokens": 24, "temperature": 0,
+            "background": True, "stream": True,
+        }  # fmt: skip
+        head = _sse(served.router.http_address, "POST", "/v1/responses", body, limit=5)
+        response_id = json.loads(head[0])["response"]["id"]
+        assert [json.loads(e)["sequence_number"] for e in head] == [0, 1, 2, 3, 4]
+        path = f"/v1/responses/{response_id}?stream=true"
+        tail = _sse(other.http_address, "GET", path + "&starting_after=4")
+        whole = _sse(other.http_address, "GET", path)
+        assert head + tail == whole
+        assert json.loads(whole[-1])["type"] in ("response.completed", "response.incomplete")
+        final = served.client(router=other).responses.retrieve(response_id)
+        deltas = [json.loads(e) for e in whole if json.loads(e)["type"] == "response.output_text.delta"]
+        assert final.background and final.output_text == "".join(d["delta"] for d in deltas)
+        prompt_after = total(scrape(served.worker.metrics_address), "nanovllm:prompt_tokens_total")
+        computed = final.usage.input_tokens - final.usage.input_tokens_details.cached_tokens
+        assert prompt_after - prompt_before == computed  # once: the resumed stream ran nothing
+    finally:
+        other.stop()
+
+
+def test_a_background_response_cancelled_stops_its_request(served: Served, client: openai.OpenAI) -> None:
+    started = client.responses.create(input="The quick brown fox", max_output_tokens=400, background=True)
+    assert started.status == "queued" and started.background
+    cancelled = client.responses.cancel(started.id)
+    assert cancelled.status == "cancelled"
+    assert client.responses.retrieve(started.id).status == "cancelled"
+    assert cancelled.usage.output_tokens < 400
+    wait_idle(served.worker.address)  # the worker's request was aborted: nothing runs
+    with pytest.raises(openai.BadRequestError, match="background=true needs a stored response"):
+        client.responses.create(input="hi", background=True, store=False)
+    plain = client.responses.create(input="hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="only a background response's events"):
+        list(client.responses.retrieve(plain.id, stream=True))
+    with pytest.raises(openai.BadRequestError, match="not a background response"):
+        client.responses.cancel(plain.id)

@@ -44,6 +44,7 @@ from nanovllm.router.faces.openai_protocol import (
 )
 from nanovllm.router.faces.response_store import ResponseStore, StoreFull
 from nanovllm.router.faces.responses_protocol import (
+    TERMINAL_EVENTS,
     ResponseBuilder,
     ResponsesRequest,
     parse_responses_request,
@@ -143,6 +144,7 @@ class HttpApi:
     def __init__(self, service: Service, store: ResponseStore | None = None) -> None:
         self.service = service
         self.store = store  # stored responses (the Responses API's `store`); None: --response-store off
+        self._background: set[asyncio.Task] = set()  # background responses running in this process
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -238,7 +240,8 @@ class HttpApi:
         return record
 
     async def stored_response(self, request: Request) -> Response:
-        """GET: a stored Response object; DELETE: forget it."""
+        """GET: a stored Response object, or (`stream=true`) a background response's events after
+        `starting_after`, then live; DELETE: forget it."""
         response_id = request.path_params["id"]
         try:
             owner = self._owner(request)
@@ -248,7 +251,16 @@ class HttpApi:
         if request.method == "DELETE":
             await self.store.delete(owner, response_id)
             return JSONResponse({"id": response_id, "object": "response", "deleted": True})
-        return JSONResponse(record["response"])
+        if request.query_params.get("stream") != "true":
+            return JSONResponse(record["response"])
+        after = request.query_params.get("starting_after", "-1")
+        if not record["response"].get("background"):
+            return error_response(
+                400, "only a background response's events are kept to stream again", "stream"
+            )
+        if not after.lstrip("-").isdigit():
+            return error_response(400, f"starting_after must be an event's sequence_number, got {after!r}")
+        return StreamingResponse(self._follow(owner, response_id, int(after)), media_type="text/event-stream")
 
     async def input_items(self, request: Request) -> Response:
         """The input items a stored response was asked with, its conversation's earlier turns' included:
@@ -279,13 +291,22 @@ class HttpApi:
         )
 
     async def cancel_response(self, request: Request) -> Response:
+        """Stop a background response (its process sees the request at its next event and aborts the
+        worker's request); answers with the response once it ended, cancelled or not."""
+        response_id = request.path_params["id"]
         try:
-            await self._record(self._owner(request), request.path_params["id"])
+            owner = self._owner(request)
+            record = await self._record(owner, response_id)
         except HttpError as exc:
             return error_response(exc.status, str(exc), exc.param)
-        return error_response(
-            400, "only a background response can be cancelled, and background is not served yet"
-        )
+        if not record["response"].get("background"):
+            return error_response(
+                400, f"{response_id} is not a background response: only those can be cancelled"
+            )
+        await self.store.request_cancel(owner, response_id)
+        async for _ in self._follow(owner, response_id, -1):  # until its last event is kept
+            pass
+        return JSONResponse((await self._record(owner, response_id))["response"])
 
     async def _answer(self, request: Request, parse, stream, whole) -> Response:
         """Read and parse the body (`parse`: to an OpenAIRequest, or a ResponsesRequest around one), run
@@ -328,6 +349,8 @@ class HttpApi:
         if isinstance(first[1], CallAborted):  # refused before any token: a plain HTTP error
             await _cancel(tasks)
             return _aborted(first[1])
+        if getattr(parsed, "background", False):  # runs on without the client: it owns the calls now
+            return await self._start_background(parsed, first, events, tasks)
         if calls.stream:
             return StreamingResponse(stream(parsed, first, events, tasks), media_type="text/event-stream")
         try:
@@ -422,15 +445,77 @@ class HttpApi:
             while event is not None:
                 _, item = event
                 if isinstance(item, CallAborted):  # mid-stream: the response fails
-                    yield _sse_event(builder.fail(str(item)))
+                    for out in builder.fail(str(item)):
+                        yield _sse_event(out)
                     break
                 for out in builder.add(item):
-                    if out["type"] in ("response.completed", "response.incomplete"):
+                    if out["type"] in TERMINAL_EVENTS:
                         await self._keep(parsed, out["response"])  # stored before the client hears it ended
                     yield _sse_event(out)
                 event = await anext(events, None)
         finally:
             await _cancel(tasks)
+
+    async def _start_background(
+        self, parsed: ResponsesRequest, first, events: AsyncIterator, tasks
+    ) -> Response:
+        """Store the response as queued, run it in a task of this process that keeps every event in the
+        store, and answer with the queued Response object, or (stream) with its events as they are kept."""
+        builder = ResponseBuilder(parsed, int(time.time()))
+        queued = builder.response("queued")
+        await self.store.put(parsed.owner, parsed.id, parsed.record(queued))
+        runner = asyncio.create_task(self._run_background(parsed, builder, first, events, tasks))
+        self._background.add(runner)  # held: the loop keeps only weak references to tasks
+        runner.add_done_callback(self._background.discard)
+        if parsed.chat.stream:
+            return StreamingResponse(
+                self._follow(parsed.owner, parsed.id, -1), media_type="text/event-stream"
+            )
+        return JSONResponse(queued)
+
+    async def _run_background(
+        self, parsed: ResponsesRequest, builder: ResponseBuilder, first, events, tasks
+    ) -> None:
+        """A background response's call to its end (or a cancel asked for through any process), each
+        update's events kept as they come, then the finished record."""
+        owner, response_id = parsed.owner, parsed.id
+        try:
+            pending, event = builder.start(), first
+            while event is not None:
+                _, item = event
+                if isinstance(item, CallAborted):
+                    pending += builder.fail(str(item))
+                    break
+                pending += builder.add(item)
+                if pending[-1]["type"] in TERMINAL_EVENTS:
+                    break
+                if await self.store.append_events(owner, response_id, pending):  # a cancel was asked for
+                    pending = builder.fail("cancelled by POST /v1/responses/{id}/cancel", "cancelled")
+                    break
+                pending, event = [], await anext(events, None)
+            await self.store.append_events(owner, response_id, pending)
+            await self.store.put(owner, response_id, parsed.record(pending[-1]["response"]))
+        except Exception:  # a bug: the response must still end, as failed
+            log.exception("background_response_failed", response_id=response_id)
+            failed = builder.fail("the router failed this response")
+            await self.store.append_events(owner, response_id, failed)
+            await self.store.put(owner, response_id, parsed.record(failed[-1]["response"]))
+        finally:
+            await _cancel(tasks)
+
+    async def _follow(self, owner: str, response_id: str, after: int) -> AsyncIterator[str]:
+        """A background response's kept events past `after`, then the new ones as they are kept, until its
+        last (polled: the process running it may be another)."""
+        while True:
+            new = await self.store.events_after(owner, response_id, after)
+            for event in new:
+                yield _sse_event(event)
+            if new:
+                after = new[-1]["sequence_number"]
+                if new[-1]["type"] in TERMINAL_EVENTS:
+                    return
+            else:
+                await asyncio.sleep(FOLLOW_POLL_S)
 
     def _decoder(self, model: str):
         """Token id -> its text, with the tokenizer of the model the request named; ids as text where it
@@ -445,6 +530,9 @@ class HttpApi:
 
 
 _DONE = object()
+# How often a background response's follower looks for new events in the store (the process running it may
+# be another): a token's delay at most, and a small query.
+FOLLOW_POLL_S = 0.02
 
 
 def _sse_event(event: dict[str, Any]) -> str:

@@ -4,7 +4,9 @@ file: `--processes N` all open it).
 
 A record is JSON: the Response object, the input items the response was asked with (its conversation's
 earlier turns first, for `input_items`), and the conversation as input items, outputs included, which a
-later request's `previous_response_id` continues.
+later request's `previous_response_id` continues. A background response also keeps its stream's events,
+which any process replays and follows (`GET /v1/responses/{id}?stream=true&starting_after=N`), and a
+cancel request, which the process running it sees between two of its events.
 """
 
 from __future__ import annotations
@@ -41,13 +43,24 @@ class ResponseStore:
                     "CREATE TABLE IF NOT EXISTS responses (owner TEXT, id TEXT, expires REAL, record TEXT, "
                     "PRIMARY KEY (owner, id))"
                 )
+                db.execute(
+                    "CREATE TABLE IF NOT EXISTS events (owner TEXT, id TEXT, seq INTEGER, expires REAL, "
+                    "event TEXT, PRIMARY KEY (owner, id, seq))"
+                )
+                db.execute(
+                    "CREATE TABLE IF NOT EXISTS cancels (owner TEXT, id TEXT, PRIMARY KEY (owner, id))"
+                )
         except (OSError, sqlite3.Error) as exc:
             raise ConfigError(
                 f"--response-store {path}: cannot open it as an SQLite database: {exc}"
             ) from None
 
     def _connect(self) -> sqlite3.Connection:
-        return sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        # WAL with NORMAL: a commit is not synced (a background stream commits each update); the file
+        # stays consistent, and a power loss may lose the last commits only.
+        db.execute("PRAGMA synchronous=NORMAL")
+        return db
 
     def _used(self, db: sqlite3.Connection) -> int:
         return db.execute("PRAGMA page_count").fetchone()[0] * db.execute("PRAGMA page_size").fetchone()[0]
@@ -55,6 +68,7 @@ class ResponseStore:
     def _check_space(self) -> None:
         with self._connect() as db:
             db.execute("DELETE FROM responses WHERE expires < ?", (time.time(),))
+            db.execute("DELETE FROM events WHERE expires < ?", (time.time(),))
             used = self._used(db)
         if used >= self.max_bytes:
             raise StoreFull(
@@ -80,7 +94,29 @@ class ResponseStore:
     def _delete(self, owner: str, response_id: str) -> bool:
         with self._connect() as db:
             gone = db.execute("DELETE FROM responses WHERE owner = ? AND id = ?", (owner, response_id))
+            for table in ("events", "cancels"):
+                db.execute(f"DELETE FROM {table} WHERE owner = ? AND id = ?", (owner, response_id))
             return gone.rowcount > 0
+
+    def _append(self, owner: str, response_id: str, events: list[dict[str, Any]]) -> bool:
+        expires = time.time() + self.ttl_s
+        rows = [(owner, response_id, e["sequence_number"], expires, json.dumps(e)) for e in events]
+        with self._connect() as db:
+            db.executemany("INSERT OR REPLACE INTO events VALUES (?, ?, ?, ?, ?)", rows)
+            cancel = "SELECT 1 FROM cancels WHERE owner = ? AND id = ?"
+            return db.execute(cancel, (owner, response_id)).fetchone() is not None
+
+    def _events_after(self, owner: str, response_id: str, after: int) -> list[str]:
+        with self._connect() as db:
+            rows = db.execute(
+                "SELECT event FROM events WHERE owner = ? AND id = ? AND seq > ? ORDER BY seq",
+                (owner, response_id, after),
+            ).fetchall()
+        return [row[0] for row in rows]
+
+    def _request_cancel(self, owner: str, response_id: str) -> None:
+        with self._connect() as db:
+            db.execute("INSERT OR IGNORE INTO cancels VALUES (?, ?)", (owner, response_id))
 
     async def check_space(self) -> None:
         """StoreFull when the store is at its size limit (checked before a response that will be stored
@@ -97,6 +133,17 @@ class ResponseStore:
 
     async def delete(self, owner: str, response_id: str) -> bool:
         return await asyncio.to_thread(self._delete, owner, response_id)
+
+    async def append_events(self, owner: str, response_id: str, events: list[dict[str, Any]]) -> bool:
+        """Keep a background response's stream events; whether a cancel was asked for since."""
+        return await asyncio.to_thread(self._append, owner, response_id, events)
+
+    async def events_after(self, owner: str, response_id: str, after: int) -> list[dict[str, Any]]:
+        """The kept events whose sequence_number is past `after`, in order."""
+        return [json.loads(e) for e in await asyncio.to_thread(self._events_after, owner, response_id, after)]
+
+    async def request_cancel(self, owner: str, response_id: str) -> None:
+        await asyncio.to_thread(self._request_cancel, owner, response_id)
 
 
 def open_response_store(config: RouterConfig) -> ResponseStore | None:

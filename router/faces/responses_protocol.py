@@ -4,7 +4,8 @@ conversation (`previous_response_id`: router/faces/response_store.py) when it na
 Generate responses become a Response object, or its stream of semantic events (`response.created` ...
 `response.completed`, each with its `sequence_number`).
 
-Not served yet (each refused by name): `background`.
+A background response runs to its end without its client (router/faces/http_api.py keeps its events in
+the store, where any process replays and follows them).
 """
 
 from __future__ import annotations
@@ -27,15 +28,17 @@ from nanovllm.v1 import generate_pb2
 # values that ask for nothing.
 SERVED = {
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
-    "text", "reasoning", "stream", "metadata", "user", "store", "previous_response_id",
+    "text", "reasoning", "stream", "metadata", "user", "store", "previous_response_id", "background",
 }  # fmt: skip
 WITHOUT_EFFECT = {"safety_identifier", "prompt_cache_key", "service_tier", "truncation", "include"}
 UNSERVED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "background": ((None, False), "background responses are not served yet"),
     "parallel_tool_calls": ((None, True), "several tool calls in one answer cannot be turned off"),
     "conversation": ((None,), "conversations are not served"),
     "prompt": ((None,), "prompt templates are not served"),
 }
+# A response's statuses once it ended; the stream's last events.
+TERMINAL = ("completed", "incomplete", "failed", "cancelled")
+TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = {"input_text", "output_text", "text"}
 
@@ -50,6 +53,7 @@ class ResponsesRequest:
     history: list[dict[str, Any]]  # the conversation it continues, as input items (outputs included)
     earlier_inputs: list[dict[str, Any]]  # the input items of the conversation's earlier turns
     store: bool
+    background: bool
     id: str = field(default_factory=lambda: "resp_" + uuid.uuid4().hex)
     owner: str = ""  # the caller's token name, set by the HTTP face
 
@@ -243,6 +247,13 @@ def parse_responses_request(
         raise ProtocolError("store", "store must be a boolean")
     if store and not can_store:
         raise ProtocolError("store", "store=true: this router keeps no responses (--response-store off)")
+    background = body.get("background")
+    if background is not None and not isinstance(background, bool):
+        raise ProtocolError("background", "background must be a boolean")
+    if background and (store is False or not can_store):
+        raise ProtocolError(
+            "background", "background=true needs a stored response (store true, a --response-store)"
+        )
     items = _items(body)
     history = previous["conversation"] if previous else []
     messages = _messages(body.get("instructions"), [*history, *items], len(history))
@@ -280,9 +291,10 @@ def parse_responses_request(
         "user": body.get("user"),
         "store": can_store and store is not False,
         "previous_response_id": body.get("previous_response_id"),
+        "background": bool(background),
     }
     earlier = previous["input_items"] if previous else []
-    return ResponsesRequest(parsed, echoed, items, history, earlier, echoed["store"])
+    return ResponsesRequest(parsed, echoed, items, history, earlier, echoed["store"], bool(background))
 
 
 def _usage(choice: Choice) -> dict[str, Any]:
@@ -308,7 +320,7 @@ class ResponseBuilder:
         self.sequence = 0
 
     def response(self, status: str) -> dict[str, Any]:
-        finished = status in ("completed", "incomplete", "failed")
+        finished = status in TERMINAL
         return {
             "id": self.request.id,
             "object": "response",
@@ -436,8 +448,10 @@ class ResponseBuilder:
             events += self._open("message") + self._close()
         return [*events, self._event(f"response.{self.status}", response=self.response(self.status))]
 
-    def fail(self, message: str) -> dict[str, Any]:
-        """The last event of a response whose call failed mid-stream."""
-        failed = self.response("failed")
-        failed["error"] = {"code": "server_error", "message": message}
-        return self._event("response.failed", response=failed)
+    def fail(self, message: str, status: str = "failed") -> dict[str, Any]:
+        """The last event of a response whose call failed mid-stream, or (status "cancelled") of a
+        background response cancelled: OpenAI's stream has no event of its own for that."""
+        events = self._close()
+        failed = self.response(status)
+        failed["error"] = {"code": "server_error" if status == "failed" else status, "message": message}
+        return [*events, self._event("response.failed", response=failed)]
