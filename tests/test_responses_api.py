@@ -6,6 +6,7 @@ schema; the events of reasoning, text and calls built without a model; bad bodie
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.client
 import json
@@ -313,9 +314,9 @@ def test_a_conversation_continues_from_its_stored_response(served: Served, clien
         client.responses.create(previous_response_id=first.id, input="hi")
 
 
-def test_a_stored_stream_continues_on_another_router_sharing_the_store(served: Served, tmp_path) -> None:
-    """Two routers (as --processes N are, and with the same file) share the SQLite store: a streamed
-    response stored by one is continued and retrieved through the other."""
+@contextlib.contextmanager
+def _another_router(served: Served, tmp_path: Path) -> Iterator[ServerProcess]:
+    """A second router on the same worker, tokens and store file (as --processes N share them)."""
     other = start_router(
         [served.worker.address],
         "--http-port", "0", "--auth-tokens-file", str(served.tokens), "--response-store", str(served.store),
@@ -323,6 +324,15 @@ def test_a_stored_stream_continues_on_another_router_sharing_the_store(served: S
     )  # fmt: skip
     try:
         wait_serving(other.address)
+        yield other
+    finally:
+        other.stop()
+
+
+def test_a_stored_stream_continues_on_another_router_sharing_the_store(served: Served, tmp_path) -> None:
+    """Two routers (as --processes N are, and with the same file) share the SQLite store: a streamed
+    response stored by one is continued and retrieved through the other."""
+    with _another_router(served, tmp_path) as other:
         with served.client().responses.stream(
             input="The quick brown fox", max_output_tokens=8, temperature=0
         ) as stream:
@@ -333,8 +343,6 @@ def test_a_stored_stream_continues_on_another_router_sharing_the_store(served: S
             previous_response_id=first.id, input="More.", max_output_tokens=4, temperature=0
         )
         assert served.client().responses.retrieve(second.id).previous_response_id == first.id
-    finally:
-        other.stop()
 
 
 def test_the_store_refuses_past_its_size_and_forgets_past_its_time(tmp_path) -> None:
@@ -383,13 +391,7 @@ def test_a_background_response_resumes_on_another_router(served: Served, tmp_pat
     """Started on one router, its client gone after 5 events; resumed on another from event 6: the events
     are byte for byte those the response kept (an uninterrupted stream of it), and the prompt was computed
     once."""
-    other = start_router(
-        [served.worker.address],
-        "--http-port", "0", "--auth-tokens-file", str(served.tokens), "--response-store", str(served.store),
-        log_path=tmp_path / "router-b.log",
-    )  # fmt: skip
-    try:
-        wait_serving(other.address)
+    with _another_router(served, tmp_path) as other:
         prompt_before = total(scrape(served.worker.metrics_address), "nanovllm:prompt_tokens_total")
         body = {
             "model": served.model, "input": "The quick brown fox", "max_output_tokens": 24, "temperature": 0,
@@ -409,8 +411,6 @@ def test_a_background_response_resumes_on_another_router(served: Served, tmp_pat
         prompt_after = total(scrape(served.worker.metrics_address), "nanovllm:prompt_tokens_total")
         computed = final.usage.input_tokens - final.usage.input_tokens_details.cached_tokens
         assert prompt_after - prompt_before == computed  # once: the resumed stream ran nothing
-    finally:
-        other.stop()
 
 
 def test_a_background_response_cancelled_stops_its_request(served: Served, client: openai.OpenAI) -> None:
