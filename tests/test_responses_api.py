@@ -10,6 +10,8 @@ import contextlib
 import functools
 import http.client
 import json
+import socket
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -315,12 +317,14 @@ def test_a_conversation_continues_from_its_stored_response(served: Served, clien
 
 
 @contextlib.contextmanager
-def _another_router(served: Served, tmp_path: Path) -> Iterator[ServerProcess]:
-    """A second router on the same worker, tokens and store file (as --processes N share them)."""
+def _another_router(served: Served, log: Path, store: str | None = None) -> Iterator[ServerProcess]:
+    """A router on the same worker and tokens, and on `store` (default: the same SQLite file, as the
+    processes of --processes N share it)."""
     other = start_router(
         [served.worker.address],
-        "--http-port", "0", "--auth-tokens-file", str(served.tokens), "--response-store", str(served.store),
-        log_path=tmp_path / "router-b.log",
+        "--http-port", "0", "--auth-tokens-file", str(served.tokens),
+        "--response-store", store or str(served.store),
+        log_path=log,
     )  # fmt: skip
     try:
         wait_serving(other.address)
@@ -332,7 +336,7 @@ def _another_router(served: Served, tmp_path: Path) -> Iterator[ServerProcess]:
 def test_a_stored_stream_continues_on_another_router_sharing_the_store(served: Served, tmp_path) -> None:
     """Two routers (as --processes N are, and with the same file) share the SQLite store: a streamed
     response stored by one is continued and retrieved through the other."""
-    with _another_router(served, tmp_path) as other:
+    with _another_router(served, tmp_path / "router-b.log") as other:
         with served.client().responses.stream(
             input="The quick brown fox", max_output_tokens=8, temperature=0
         ) as stream:
@@ -391,26 +395,73 @@ def test_a_background_response_resumes_on_another_router(served: Served, tmp_pat
     """Started on one router, its client gone after 5 events; resumed on another from event 6: the events
     are byte for byte those the response kept (an uninterrupted stream of it), and the prompt was computed
     once."""
-    with _another_router(served, tmp_path) as other:
-        prompt_before = total(scrape(served.worker.metrics_address), "nanovllm:prompt_tokens_total")
-        body = {
-            "model": served.model, "input": "The quick brown fox", "max_output_tokens": 24, "temperature": 0,
-            "background": True, "stream": True,
-        }  # fmt: skip
-        head = _sse(served.router.http_address, "POST", "/v1/responses", body, limit=5)
-        response_id = json.loads(head[0])["response"]["id"]
-        assert [json.loads(e)["sequence_number"] for e in head] == [0, 1, 2, 3, 4]
-        path = f"/v1/responses/{response_id}?stream=true"
-        tail = _sse(other.http_address, "GET", path + "&starting_after=4")
-        whole = _sse(other.http_address, "GET", path)
-        assert head + tail == whole
-        assert json.loads(whole[-1])["type"] in ("response.completed", "response.incomplete")
-        final = served.client(router=other).responses.retrieve(response_id)
-        deltas = [json.loads(e) for e in whole if json.loads(e)["type"] == "response.output_text.delta"]
-        assert final.background and final.output_text == "".join(d["delta"] for d in deltas)
-        prompt_after = total(scrape(served.worker.metrics_address), "nanovllm:prompt_tokens_total")
-        computed = final.usage.input_tokens - final.usage.input_tokens_details.cached_tokens
-        assert prompt_after - prompt_before == computed  # once: the resumed stream ran nothing
+    with _another_router(served, tmp_path / "router-b.log") as other:
+        _assert_a_background_stream_resumes(served, served.router, other)
+
+
+def _assert_a_background_stream_resumes(served: Served, first: ServerProcess, second: ServerProcess) -> None:
+    prompt_before = total(scrape(served.worker.metrics_address), "nanovllm:prompt_tokens_total")
+    body = {
+        "model": served.model, "input": "The quick brown fox", "max_output_tokens": 24, "temperature": 0,
+        "background": True, "stream": True,
+    }  # fmt: skip
+    head = _sse(first.http_address, "POST", "/v1/responses", body, limit=5)
+    response_id = json.loads(head[0])["response"]["id"]
+    assert [json.loads(e)["sequence_number"] for e in head] == [0, 1, 2, 3, 4]
+    path = f"/v1/responses/{response_id}?stream=true"
+    tail = _sse(second.http_address, "GET", path + "&starting_after=4")
+    whole = _sse(second.http_address, "GET", path)
+    assert head + tail == whole
+    assert json.loads(whole[-1])["type"] in ("response.completed", "response.incomplete")
+    final = served.client(router=second).responses.retrieve(response_id)
+    deltas = [json.loads(e) for e in whole if json.loads(e)["type"] == "response.output_text.delta"]
+    assert final.background and final.output_text == "".join(d["delta"] for d in deltas)
+    prompt_after = total(scrape(served.worker.metrics_address), "nanovllm:prompt_tokens_total")
+    computed = final.usage.input_tokens - final.usage.input_tokens_details.cached_tokens
+    assert prompt_after - prompt_before == computed  # once: the resumed stream ran nothing
+
+
+@contextlib.contextmanager
+def _redis_server(tmp_path: Path) -> Iterator[str]:
+    """A real redis-server on a free port (`make venv` installs it), persisting nothing; its URL."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(tmp_path)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        for line in server.stdout:  # its log: ready once it says so
+            if "Ready to accept connections" in line:
+                break
+        else:
+            raise AssertionError(f"redis-server exited with {server.wait()} before it was ready")
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_two_routers_share_a_redis_store(served: Served, tmp_path) -> None:
+    """Two router instances on a Redis store (as replicas on several machines are): a conversation
+    started on one continues on the other, and a background stream left on one resumes on the other."""
+    with (
+        _redis_server(tmp_path) as url,
+        _another_router(served, tmp_path / "router-a.log", url) as a,
+        _another_router(served, tmp_path / "router-b.log", url) as b,
+    ):
+        opening = "Tell me about the quick brown fox that jumps over the lazy dog, in a few words please."
+        first = served.client(router=a).responses.create(input=opening, max_output_tokens=8, temperature=0)
+        second = served.client(router=b).responses.create(
+            previous_response_id=first.id, input="And the dog?", max_output_tokens=8, temperature=0
+        )
+        assert second.usage.input_tokens_details.cached_tokens >= 16
+        assert served.client(router=a).responses.retrieve(second.id).output_text == second.output_text
+        with pytest.raises(openai.NotFoundError):
+            served.client(router=a).responses.retrieve(first.id.replace("resp_", "resp_0"))
+        _assert_a_background_stream_resumes(served, a, b)
 
 
 def test_a_background_response_cancelled_stops_its_request(served: Served, client: openai.OpenAI) -> None:

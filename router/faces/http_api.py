@@ -42,7 +42,7 @@ from nanovllm.router.faces.openai_protocol import (
     parse_request,
     usage_chunk,
 )
-from nanovllm.router.faces.response_store import ResponseStore, StoreFull
+from nanovllm.router.faces.response_store import Store, StoreFull, StoreUnavailable
 from nanovllm.router.faces.responses_protocol import (
     TERMINAL_EVENTS,
     ResponseBuilder,
@@ -141,7 +141,7 @@ class HttpError(Exception):
 
 
 class HttpApi:
-    def __init__(self, service: Service, store: ResponseStore | None = None) -> None:
+    def __init__(self, service: Service, store: Store | None = None) -> None:
         self.service = service
         self.store = store  # stored responses (the Responses API's `store`); None: --response-store off
         self._background: set[asyncio.Task] = set()  # background responses running in this process
@@ -216,6 +216,8 @@ class HttpApi:
                     await self.store.check_space()
                 except StoreFull as exc:
                     raise HttpError(507, str(exc), "store") from None
+                except StoreUnavailable as exc:
+                    raise HttpError(503, str(exc), "store") from None
             parsed.owner = owner
             return parsed
 
@@ -229,7 +231,10 @@ class HttpApi:
             raise HttpError(_HTTP_STATUS[exc.code], str(exc)) from None
 
     async def _record(self, owner: str, response_id: str, param: str | None = None) -> dict[str, Any]:
-        record = None if self.store is None else await self.store.get(owner, response_id)
+        try:
+            record = None if self.store is None else await self.store.get(owner, response_id)
+        except StoreUnavailable as exc:
+            raise HttpError(503, str(exc), param) from None
         if record is None:
             why = (
                 f"never stored, deleted, past its time to live ({self.store.ttl_s:g} s) or another token's"
@@ -430,8 +435,12 @@ class HttpApi:
         return JSONResponse(response)
 
     async def _keep(self, parsed: ResponsesRequest, response: dict[str, Any]) -> None:
+        """Store a finished response; a store that fails now costs the record, never the answer."""
         if parsed.store:
-            await self.store.put(parsed.owner, parsed.id, parsed.record(response))
+            try:
+                await self.store.put(parsed.owner, parsed.id, parsed.record(response))
+            except StoreUnavailable as exc:
+                log.error("response_not_stored", response_id=parsed.id, error=str(exc))
 
     async def _response_sse(
         self, parsed: ResponsesRequest, first, events: AsyncIterator, tasks
@@ -463,7 +472,11 @@ class HttpApi:
         store, and answer with the queued Response object, or (stream) with its events as they are kept."""
         builder = ResponseBuilder(parsed, int(time.time()))
         queued = builder.response("queued")
-        await self.store.put(parsed.owner, parsed.id, parsed.record(queued))
+        try:
+            await self.store.put(parsed.owner, parsed.id, parsed.record(queued))
+        except StoreUnavailable as exc:
+            await _cancel(tasks)
+            return error_response(503, str(exc), "store")
         runner = asyncio.create_task(self._run_background(parsed, builder, first, events, tasks))
         self._background.add(runner)  # held: the loop keeps only weak references to tasks
         runner.add_done_callback(self._background.discard)
@@ -495,11 +508,12 @@ class HttpApi:
                 pending, event = [], await anext(events, None)
             await self.store.append_events(owner, response_id, pending)
             await self.store.put(owner, response_id, parsed.record(pending[-1]["response"]))
-        except Exception:  # a bug: the response must still end, as failed
+        except Exception:  # the store failing, or a bug: the response must still end, as failed
             log.exception("background_response_failed", response_id=response_id)
             failed = builder.fail("the router failed this response")
-            await self.store.append_events(owner, response_id, failed)
-            await self.store.put(owner, response_id, parsed.record(failed[-1]["response"]))
+            with contextlib.suppress(StoreUnavailable):  # nothing more to do if it is the store
+                await self.store.append_events(owner, response_id, failed)
+                await self.store.put(owner, response_id, parsed.record(failed[-1]["response"]))
         finally:
             await _cancel(tasks)
 
