@@ -1,11 +1,13 @@
-"""The router's two faces against each other: 64 concurrent streams through gRPC and through the
-OpenAI-compatible HTTP API of the same router, in alternating rounds, and p50 time to first token of
-sequential short calls on each.
+"""The router's faces against each other: 64 concurrent streams through gRPC, through the OpenAI-compatible
+HTTP API's completions, and through its chat completions and Responses API on the same text, in
+alternating rounds, and p50 time to first token of sequential short calls on each.
 
 One worker (the embedded SmolLM2 unless --model) and one router with --http-port, started here. Each
 stream is a completion of a random token-id prompt (32-128 tokens), greedy, ignore_eos, --max-tokens new
 tokens: gRPC's Generate with token_ids through grpc.aio, HTTP's /v1/completions with the same ids through
-the official `openai` AsyncOpenAI client, `stream=True` (a chunk per response, as clients parse them).
+the official `openai` AsyncOpenAI client, `stream=True` (a chunk per response, as clients parse them);
+chat completions and /v1/responses (stored, as by default) with the same user message of random words,
+greedy (the two faces' prompts and so their tokens are the same; no ignore_eos in the Responses API).
 Throughput: all tokens / (last chunk - first send). TTFT: --ttft-calls sequential calls of max_tokens 1
 each, send to the first token-bearing response.
 
@@ -69,6 +71,49 @@ async def http_stream(client: openai.AsyncOpenAI, prompt: list[int], max_tokens:
     return first, usage
 
 
+def texts(workload: list[list[int]]) -> list[str]:
+    """A user message of as many random words as each prompt has tokens, for the chat-based faces."""
+    rng = random.Random(2)
+    words = ["river", "stone", "quiet", "market", "seven", "lantern", "north", "copper", "garden", "slow"]
+    return [" ".join(rng.choice(words) for _ in prompt) for prompt in workload]
+
+
+async def chat_stream(client: openai.AsyncOpenAI, text: str, max_tokens: int) -> tuple[float, int]:
+    """(seconds to the first text, tokens) of one /v1/chat/completions stream."""
+    start, first, usage = time.perf_counter(), 0.0, 0
+    stream = await client.chat.completions.create(
+        model="", messages=[{"role": "user", "content": text}], max_completion_tokens=max_tokens,
+        temperature=0, stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content and not first:
+            first = time.perf_counter() - start
+        if chunk.usage:
+            usage = chunk.usage.completion_tokens
+    return first, usage
+
+
+async def responses_stream(client: openai.AsyncOpenAI, text: str, max_tokens: int) -> tuple[float, int]:
+    """(seconds to the first text, tokens) of one /v1/responses stream."""
+    start, first, usage = time.perf_counter(), 0.0, 0
+    stream = await client.responses.create(
+        model="", input=text, max_output_tokens=max_tokens, temperature=0, stream=True
+    )
+    async for event in stream:
+        if event.type == "response.output_text.delta" and not first:
+            first = time.perf_counter() - start
+        if event.type in ("response.completed", "response.incomplete"):
+            usage = event.response.usage.output_tokens
+    return first, usage
+
+
+_HTTP_STREAMS = {"http": http_stream, "chat": chat_stream, "responses": responses_stream}
+
+
+def _inputs(face: str, workload: list[list[int]]) -> list:
+    return texts(workload) if face in ("chat", "responses") else workload
+
+
 async def throughput(face: str, router, workload: list[list[int]], max_tokens: int) -> float:
     if face == "grpc":
         async with grpc.aio.insecure_channel(router.address) as channel:
@@ -80,7 +125,9 @@ async def throughput(face: str, router, workload: list[list[int]], max_tokens: i
             base_url=f"http://{router.http_address}/v1", api_key="none", max_retries=0
         )
         start = time.perf_counter()
-        results = await asyncio.gather(*(http_stream(client, p, max_tokens) for p in workload))
+        results = await asyncio.gather(
+            *(_HTTP_STREAMS[face](client, p, max_tokens) for p in _inputs(face, workload))
+        )
         await client.close()
     return sum(tokens for _, tokens in results) / (time.perf_counter() - start)
 
@@ -94,9 +141,17 @@ async def ttft_p50(face: str, router, workload: list[list[int]]) -> float:
         client = openai.AsyncOpenAI(
             base_url=f"http://{router.http_address}/v1", api_key="none", max_retries=0
         )
-        firsts = [(await http_stream(client, p, 1))[0] for p in workload]
+        firsts = [(await _HTTP_STREAMS[face](client, p, 1))[0] for p in _inputs(face, workload)]
         await client.close()
     return statistics.median(firsts)
+
+
+FACES = {
+    "grpc": "gRPC",
+    "http": "HTTP completions (openai client, SSE)",
+    "chat": "HTTP chat completions (text)",
+    "responses": "HTTP Responses API (text, stored)",
+}
 
 
 def parse_arguments(doc: str) -> argparse.Namespace:
@@ -123,12 +178,12 @@ def main() -> None:
             raise SystemExit("the worker exited before serving")
         workload = prompts(args.streams, 49152)
         short = prompts(args.ttft_calls, 49152, seed=1)
-        asyncio.run(throughput("grpc", router, workload[:8], 8))  # warm-up: both faces, caches, imports
-        asyncio.run(throughput("http", router, workload[:8], 8))
-        rates: dict[str, list[float]] = {"grpc": [], "http": []}
-        firsts: dict[str, list[float]] = {"grpc": [], "http": []}
+        for face in FACES:  # warm-up: every face, caches, imports
+            asyncio.run(throughput(face, router, workload[:8], 8))
+        rates: dict[str, list[float]] = {face: [] for face in FACES}
+        firsts: dict[str, list[float]] = {face: [] for face in FACES}
         for _ in range(args.rounds):
-            for face in ("grpc", "http"):
+            for face in FACES:
                 rates[face].append(asyncio.run(throughput(face, router, workload, args.max_tokens)))
                 firsts[face].append(asyncio.run(ttft_p50(face, router, short)))
     finally:
@@ -143,7 +198,7 @@ def main() -> None:
     print("| face | tok/s (rounds) | median | vs gRPC | TTFT p50 ms (median of rounds) |")
     print("|---|---|---:|---:|---:|")
     base = statistics.median(rates["grpc"])
-    for face, name in (("grpc", "gRPC"), ("http", "HTTP (openai client, SSE)")):
+    for face, name in FACES.items():
         median = statistics.median(rates[face])
         cells = ", ".join(f"{r:.0f}" for r in rates[face])
         ttft = statistics.median(firsts[face]) * 1e3
@@ -151,6 +206,11 @@ def main() -> None:
     delta = (statistics.median(firsts["http"]) - statistics.median(firsts["grpc"])) * 1e3
     print(
         f"\nHTTP - gRPC: TTFT p50 {delta:+.2f} ms (target within 2 ms), throughput {statistics.median(rates['http']) / base:.1%} (target >= 90%)"
+    )
+    chat, responses = statistics.median(rates["chat"]), statistics.median(rates["responses"])
+    delta = (statistics.median(firsts["responses"]) - statistics.median(firsts["chat"])) * 1e3
+    print(
+        f"Responses / chat completions: throughput {responses / chat:.1%} (target >= 95%), TTFT p50 {delta:+.2f} ms"
     )
 
 

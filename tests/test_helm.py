@@ -72,6 +72,11 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "plaintext": {"tls": {"internal": {"enabled": False}}},
     "kv-disk": {"worker": {"kvDisk": {"enabled": True, "storageClassName": "fast-ssd"}}},
     "kv-disk-ephemeral": {"worker": {"kvDisk": {"enabled": True, "persistent": False, "size": "8Gi"}}},
+    "response-store-redis": {
+        "responseStore": {"redis": {"enabled": True}},
+        "networkPolicy": {"enabled": True},
+    },
+    "response-store-url": {"responseStore": {"url": "redis://redis.shared:6379/2"}},
 }
 
 # Kinds that are not in Kubernetes' own OpenAPI schemas (CRDs), checked structurally below instead.
@@ -832,3 +837,40 @@ def test_incomplete_tls_and_auth_values_fail_to_render(
 ) -> None:
     with pytest.raises(helm_python.HelmRenderError, match=re.escape(message)):
         render(chart, values)
+
+
+def test_the_response_store_is_each_pods_own_an_existing_redis_or_the_charts() -> None:
+    """Stored responses (docs/api.md#responses-api): by default each router pod's SQLite file (nothing set);
+    with a URL, that Redis; with responseStore.redis, a locked-down Redis only the routers reach, and the
+    routers' limit under its memory."""
+    assert "NANOVLLM_RESPONSE_STORE" not in config(rendered("cpu-default"), "router")
+    assert (
+        config(rendered("response-store-url"), "router")["NANOVLLM_RESPONSE_STORE"]
+        == "redis://redis.shared:6379/2"
+    )
+    assert not [o for o in rendered("response-store-url") if o["metadata"]["name"].endswith("-redis")]
+    objects = rendered("response-store-redis")
+    settings = config(objects, "router")
+    service = one(objects, "Service", "response-store")
+    assert settings["NANOVLLM_RESPONSE_STORE"] == (
+        f"redis://{service['metadata']['name']}.{NAMESPACE}.svc.cluster.local:6379/0"
+    )
+    assert int(settings["NANOVLLM_RESPONSE_STORE_MAX_BYTES"]) == 536870912 * 9 // 10
+    deployment = one(objects, "Deployment", "response-store")
+    spec = deployment["spec"]["template"]["spec"]
+    assert matches(service["spec"]["selector"], deployment["spec"]["template"]["metadata"]["labels"])
+    (redis,) = spec["containers"]
+    assert (
+        redis["securityContext"]["readOnlyRootFilesystem"] is True and spec["securityContext"]["runAsNonRoot"]
+    )
+    assert "--maxmemory" in redis["args"] and {"name": "data", "emptyDir": {}} in spec["volumes"]
+    policy = [
+        o
+        for o in objects
+        if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == service["metadata"]["name"]
+    ]
+    (peer,) = policy[0]["spec"]["ingress"][0]["from"]
+    router_labels = (
+        pod_spec and one(objects, "Deployment", "router")["spec"]["template"]["metadata"]["labels"]
+    )
+    assert matches(peer["podSelector"]["matchLabels"], router_labels)
