@@ -6,6 +6,7 @@ schema; the events of reasoning, text and calls built without a model; bad bodie
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import http.client
@@ -317,13 +318,15 @@ def test_a_conversation_continues_from_its_stored_response(served: Served, clien
 
 
 @contextlib.contextmanager
-def _another_router(served: Served, log: Path, store: str | None = None) -> Iterator[ServerProcess]:
+def _another_router(
+    served: Served, log: Path, store: str | None = None, *extra: str
+) -> Iterator[ServerProcess]:
     """A router on the same worker and tokens, and on `store` (default: the same SQLite file, as the
     processes of --processes N share it)."""
     other = start_router(
         [served.worker.address],
         "--http-port", "0", "--auth-tokens-file", str(served.tokens),
-        "--response-store", store or str(served.store),
+        "--response-store", store or str(served.store), *extra,
         log_path=log,
     )  # fmt: skip
     try:
@@ -350,8 +353,6 @@ def test_a_stored_stream_continues_on_another_router_sharing_the_store(served: S
 
 
 def test_the_store_refuses_past_its_size_and_forgets_past_its_time(tmp_path) -> None:
-    import asyncio
-
     async def run() -> None:
         store = ResponseStore(tmp_path / "full.sqlite", ttl_s=60, max_bytes=2**20)
         for i in range(8):  # 8 x 200 KB: past 1 MiB
@@ -479,3 +480,24 @@ def test_a_background_response_cancelled_stops_its_request(served: Served, clien
         list(client.responses.retrieve(plain.id, stream=True))
     with pytest.raises(openai.BadRequestError, match="not a background response"):
         client.responses.cancel(plain.id)
+
+
+def test_a_full_store_refuses_to_store_before_anything_runs(served: Served, tmp_path) -> None:
+    full = tmp_path / "full.sqlite"
+
+    async def fill() -> None:
+        store = ResponseStore(full, ttl_s=3600, max_bytes=2**20)
+        for i in range(6):
+            await store.put("alice", f"resp_{i}", {"blob": "x" * 200_000})
+
+    asyncio.run(fill())
+    with _another_router(
+        served, tmp_path / "router-full.log", str(full), "--response-store-max-bytes", "1048576"
+    ) as router:
+        client = served.client(router=router)
+        with pytest.raises(openai.APIStatusError) as caught:
+            client.responses.create(input="hi", max_output_tokens=2)
+        assert caught.value.status_code == 507 and "the response store is full" in caught.value.message
+        assert client.responses.create(
+            input="hi", max_output_tokens=2, store=False
+        ).status  # not stored: served
