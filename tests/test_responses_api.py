@@ -11,6 +11,7 @@ import contextlib
 import functools
 import http.client
 import json
+import shutil
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -24,8 +25,17 @@ from nanovllm.router.faces.openai_protocol import ProtocolError
 from nanovllm.router.faces.response_store import ResponseStore, StoreFull
 from nanovllm.router.faces.responses_protocol import TERMINAL_EVENTS, ResponseBuilder, parse_responses_request
 from nanovllm.v1 import generate_pb2
+from tests.chat_templates import QWEN3
 from tests.metrics import scrape, total
-from tests.services import ServerProcess, router_and_worker, start_router, wait_idle, wait_serving
+from tests.model_factory import build_tokenizer
+from tests.services import (
+    ServerProcess,
+    library_errors,
+    router_and_worker,
+    start_router,
+    wait_idle,
+    wait_serving,
+)
 
 WEATHER = {
     "type": "function",
@@ -501,3 +511,65 @@ def test_a_full_store_refuses_to_store_before_anything_runs(served: Served, tmp_
         assert client.responses.create(
             input="hi", max_output_tokens=2, store=False
         ).status  # not stored: served
+
+
+def test_a_router_stopping_stops_its_background_responses(served: Served, tmp_path) -> None:
+    """Past the drain, a background response still running stops with its router: the worker's request is
+    aborted, the router's log holds no error, and the record is failed (the drain's abort reached it) or,
+    when the router stopped first, queued, as last kept."""
+    log = tmp_path / "router-stopping.log"
+    with _another_router(served, log, None, "--drain-timeout", "0.1") as router:
+        started = served.client(router=router).responses.create(
+            input="The quick brown fox", max_output_tokens=400, background=True
+        )
+        assert started.status == "queued"
+    wait_idle(served.worker.address)
+    assert (
+        library_errors(log) == [] and "background_response_failed" not in log.read_text()
+    )  # no bug on the way
+    assert served.client().responses.retrieve(started.id).status in ("failed", "queued")
+
+
+THINKING = QWEN3.replace(
+    """    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}""",
+    """    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- else %}
+        {{- '<think>\\n' }}
+    {%- endif %}""",
+)
+
+
+def test_reasoning_items_with_thinking_on(qwen3_dir: Path, kernels, tmp_path) -> None:
+    """A thinking model's template (as Qwen3-Thinking's: the generation prompt opens the reasoning): with
+    thinking on, what the model writes is a reasoning item, streamed as reasoning_text deltas; with
+    reasoning.effort none, Qwen3's template closes the block and the answer is a message."""
+    assert THINKING != QWEN3
+    model = tmp_path / "thinking"
+    shutil.copytree(qwen3_dir, model)
+    build_tokenizer(THINKING).save_pretrained(model)
+    with router_and_worker(model, tmp_path, ("--max-model-len", "1024"), ("--http-port", "0")) as (_, router):
+        client = _bound(
+            openai.OpenAI(base_url=f"http://{router.http_address}/v1", api_key="none", max_retries=0),
+            "thinking",
+        )
+        thought = client.responses.create(
+            input="Why is the sky blue?", reasoning={"effort": "high"}, max_output_tokens=12, temperature=0
+        )
+        assert thought.output[0].type == "reasoning" and thought.output[0].content[0].text
+        assert 0 < thought.usage.output_tokens_details.reasoning_tokens <= thought.usage.output_tokens
+        events = list(
+            client.responses.create(
+                input="Why is the sky blue?", reasoning={"effort": "high"}, max_output_tokens=12, temperature=0,
+                stream=True,
+            )
+        )  # fmt: skip
+        deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        assert deltas == thought.output[0].content[0].text
+        plain = client.responses.create(
+            input="Why is the sky blue?", reasoning={"effort": "none"}, max_output_tokens=12, temperature=0
+        )
+        assert [item.type for item in plain.output] == ["message"]
+        assert plain.usage.output_tokens_details.reasoning_tokens == 0

@@ -223,6 +223,13 @@ class HttpApi:
 
         return await self._answer(request, parse, self._response_sse, self._response_whole)
 
+    async def close(self) -> None:
+        """Stop the background responses still running (past the drain): their worker requests are
+        aborted; their records stay as last kept."""
+        for runner in self._background:
+            runner.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
     def _owner(self, request: Request) -> str:
         """The caller's token name (every stored response is its owner's alone), or HttpError."""
         try:
@@ -500,7 +507,7 @@ class HttpApi:
                     pending += builder.fail(str(item))
                     break
                 pending += builder.add(item)
-                if pending[-1]["type"] in TERMINAL_EVENTS:
+                if pending and pending[-1]["type"] in TERMINAL_EVENTS:
                     break
                 if await self.store.append_events(owner, response_id, pending):  # a cancel was asked for
                     pending = builder.fail("cancelled by POST /v1/responses/{id}/cancel", "cancelled")
@@ -596,6 +603,7 @@ class _Server(uvicorn.Server):
     """uvicorn without its signal handlers: the router's own handle SIGTERM (drain) for both faces."""
 
     task: asyncio.Task
+    api: HttpApi
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -609,6 +617,7 @@ class _Server(uvicorn.Server):
             connection.transport.abort()
         self.should_exit = True
         await self.task
+        await self.api.close()
 
 
 async def start_http(
@@ -620,6 +629,7 @@ async def start_http(
     config.load()
     config.ssl = tls  # uvicorn builds its context from files once; this one reloads them (common/tls.py)
     server = _Server(config)
+    server.api = api
     sockets = [_shared_socket(host, port)] if share_port else None
     task = asyncio.create_task(server.serve(sockets), name="http-api")
     while not server.started:  # uvicorn has no event for it: look every 10 ms while it binds

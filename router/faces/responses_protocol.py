@@ -277,6 +277,7 @@ def parse_responses_request(
         parsed = parse_request(chat, chat=True)
     except ProtocolError as exc:  # named as the chat field: say which Responses field it came from
         raise ProtocolError(exc.param, f"{exc} (from this /v1/responses body)") from None
+    parsed.generate[0].return_token_ids = True  # counted for usage's reasoning_tokens (ResponseBuilder.add)
     echoed = {
         "instructions": body.get("instructions"),
         "metadata": body.get("metadata") or {},
@@ -297,13 +298,13 @@ def parse_responses_request(
     return ResponsesRequest(parsed, echoed, items, history, earlier, echoed["store"], bool(background))
 
 
-def _usage(choice: Choice) -> dict[str, Any]:
+def _usage(choice: Choice, reasoning_tokens: int) -> dict[str, Any]:
     usage = choice.usage or generate_pb2.Usage()
     return {
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
         "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
     }
 
@@ -317,6 +318,7 @@ class ResponseBuilder:
         self.choice = Choice(0)
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the reasoning or message item being streamed
+        self.reasoning_tokens = 0  # the tokens of responses that carried reasoning and no answer text
         self.sequence = 0
 
     def response(self, status: str) -> dict[str, Any]:
@@ -330,7 +332,7 @@ class ResponseBuilder:
             "output": self.output if finished else [],
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "error": None,
-            "usage": _usage(self.choice) if finished else None,
+            "usage": _usage(self.choice, self.reasoning_tokens) if finished else None,
             **self.request.echoed,
         }
 
@@ -414,6 +416,8 @@ class ResponseBuilder:
     def add(self, response: generate_pb2.GenerateResponse) -> list[dict[str, Any]]:
         """The events one Generate response makes (the final ones too, when it is the last)."""
         self.choice.add(response)
+        if response.reasoning_text and not response.text:
+            self.reasoning_tokens += len(response.token_ids)
         events: list[dict[str, Any]] = []
         if response.reasoning_text:
             events += self._delta("reasoning", response.reasoning_text)
