@@ -58,6 +58,14 @@ def scale_for(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     )  # within float32 and far from its edges, so scale * WIDEN_FACTOR stays finite
 
 
+def from_checkpoint(scale: float, num_kv_heads: int) -> torch.Tensor:
+    """A checkpoint's per-tensor scale for every head, rounded up to a power of two (the values it was
+    chosen for stay in range; quantizing stays exact)."""
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"a KV cache scale must be a positive number, got {scale}")
+    return torch.full((num_kv_heads,), 2.0 ** math.ceil(math.log2(scale)))
+
+
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x [T, kv_heads, D] in any float dtype -> `dtype` bytes of x / scale ([kv_heads] powers of two)."""
     bound = torch.finfo(dtype).max

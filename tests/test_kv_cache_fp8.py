@@ -9,10 +9,12 @@ tests/test_resume.py (bf16-deterministic-fp8)."""
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM
 from nanovllm.common.errors import ConfigError
@@ -247,3 +249,24 @@ def test_a_prompt_attends_to_the_values_the_cache_holds(qwen3_dir, kernels, atte
         teacher_forced_logits(llm, prompts, 1000), teacher_forced_logits(llm, prompts, 1)
     ):
         torch.testing.assert_close(whole, one_by_one, atol=1e-4, rtol=0)
+
+
+def test_an_fp8_checkpoints_scales_are_used_rounded_up_to_powers_of_two(qwen3_dir, kernels, tmp_path):
+    """A checkpoint with per-tensor `k_scale`/`v_scale` in every attention layer (as FP8 checkpoints ship):
+    an FP8 cache uses them (rounded up to powers of two: 0.3 -> 0.5, 0.05 -> 0.0625) instead of calibrating;
+    a cache in the model's dtype loads the checkpoint and ignores them."""
+    model = tmp_path / "scaled"
+    shutil.copytree(qwen3_dir, model)
+    tensors = load_file(model / "model.safetensors")
+    layers = ModelConfig.from_pretrained_dir(str(model)).num_hidden_layers
+    for i in range(layers):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.3)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.05)
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(str(model), kv_cache_dtype="fp8", max_model_len=256, kv_cache_memory="8MiB")
+    for attn in llm.engine.runner.model.attention_layers():
+        assert attn.kv_scales.key.tolist() == [0.5] * attn.num_kv_heads
+        assert attn.kv_scales.value.tolist() == [0.0625] * attn.num_kv_heads
+    assert llm.generate([[5, 6, 7]], greedy(4), use_tqdm=False)[0]["token_ids"]
+    auto = LLM(str(model), max_model_len=256, kv_cache_memory="8MiB")
+    assert all(attn.kv_scales is None for attn in auto.engine.runner.model.attention_layers())

@@ -21,6 +21,8 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
         # An FP8 cache's scales (kernels/fp8_kv.py), bound with it; None for a cache in the model's dtype.
         self.kv_scales: KVScales | None = None
+        # An FP8 checkpoint's per-tensor scales ("key", "value"), when it has them (worker/models/loader.py).
+        self.checkpoint_scales: dict[str, float] = {}
         # [2, kv_heads]: the largest |K| and |V| per head, recorded while the runner calibrates the scales.
         self.kv_amax: torch.Tensor | None = None
         # The reference until the model runner binds the configured one (after sizing the KV cache).

@@ -130,6 +130,18 @@ def _per_expert(tensors: Iterable[tuple[str, LoadableTensor]]) -> Iterator[tuple
                 yield f"{base}.experts.{e}.up_proj.weight", ExpertPart(tensor, name, e, half, half)
 
 
+def _keep_kv_scale(model: nn.Module, name: str, tensor: LoadableTensor, source: str) -> None:
+    """An FP8 checkpoint's per-tensor KV cache scale (value = stored byte x scale, vLLM's convention), kept on
+    its attention layer for an FP8 cache (worker/runner/build.py); a cache in the model's dtype ignores it."""
+    attention = model.get_submodule(name.rsplit(".", 1)[0] + ".attn")  # self_attn's Attention
+    value = tensor.read()
+    if value.numel() != 1:
+        raise ConfigError(
+            f"checkpoint tensor {name} in {source}: a per-tensor KV scale, got shape {tuple(value.shape)}"
+        )
+    attention.checkpoint_scales["key" if name.endswith("k_scale") else "value"] = float(value)
+
+
 def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, LoadableTensor]], source: str) -> None:
     """Copy every checkpoint tensor into its weight; every weight must be covered."""
     weights: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False))
@@ -150,6 +162,9 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, LoadableTensor]]
                 skipped[part] = skipped.get(part, 0) + 1
                 continue
             name = own
+        if name.endswith((".self_attn.k_scale", ".self_attn.v_scale")):
+            _keep_kv_scale(model, name, tensor, source)
+            continue
         target, shard_id = _target(name, packed)
         weight = weights.get(target)
         if weight is None:

@@ -17,7 +17,7 @@ from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.kernels.backends import CpuKernelAttention, TritonAttention, select_attention_backend
-from nanovllm.kernels.fp8_kv import KV_CACHE_DTYPES, KVScales, is_fp8, scale_for
+from nanovllm.kernels.fp8_kv import KV_CACHE_DTYPES, KVScales, from_checkpoint, is_fp8, scale_for
 from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.device import resolve_placement, usable_cpus
 from nanovllm.worker.layers.kernels import LayerKernels
@@ -347,12 +347,26 @@ class ModelRunnerBase:
 
     @torch.inference_mode()
     def _calibrate_kv_scales(self) -> None:
-        """An FP8 cache's scales (kernels/fp8_kv.py), per layer and kv head: from the largest |K| and |V| of
+        """An FP8 cache's scales (kernels/fp8_kv.py), per layer and kv head: an FP8 checkpoint's own
+        (`k_scale`, `v_scale` in every attention layer), rounded up to powers of two; otherwise from the largest |K| and |V| of
         a fixed pseudo-random prompt, run before the cache exists (so nothing is stored and every layer
         sees the K/V in the model's dtype). The same weights and kernels give every worker and every start
         the same scales, which exact failover and the disk tier's files need; every rank calibrates its own
         heads, all together (the forward's collectives pair up)."""
         layers = self.model.attention_layers()
+        if all(len(attn.checkpoint_scales) == 2 for attn in layers):  # an FP8 checkpoint's own
+            for attn in layers:
+                key, value = (
+                    from_checkpoint(attn.checkpoint_scales[kind], attn.num_kv_heads).to(self.device)
+                    for kind in ("key", "value")
+                )
+                attn.kv_scales = KVScales(key, value)
+            if self.tp.rank == 0:
+                log.info(
+                    "kv_scales_from_checkpoint",
+                    kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."),
+                )
+            return
         vocab = self.config.hf_config.vocab_size
         n = min(KV_CALIBRATION_TOKENS, self.config.max_model_len)
         ids = torch.randint(vocab, (n,), generator=torch.Generator().manual_seed(0)).tolist()
