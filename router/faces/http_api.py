@@ -513,14 +513,15 @@ class HttpApi:
                     pending = builder.fail("cancelled by POST /v1/responses/{id}/cancel", "cancelled")
                     break
                 pending, event = [], await anext(events, None)
-            await self.store.append_events(owner, response_id, pending)
+            # The finished record first: whoever sees the last event (a follower, a cancel) finds it final.
             await self.store.put(owner, response_id, parsed.record(pending[-1]["response"]))
+            await self.store.append_events(owner, response_id, pending)
         except Exception:  # the store failing, or a bug: the response must still end, as failed
             log.exception("background_response_failed", response_id=response_id)
             failed = builder.fail("the router failed this response")
             with contextlib.suppress(StoreUnavailable):  # nothing more to do if it is the store
-                await self.store.append_events(owner, response_id, failed)
                 await self.store.put(owner, response_id, parsed.record(failed[-1]["response"]))
+                await self.store.append_events(owner, response_id, failed)
         finally:
             await _cancel(tasks)
 
