@@ -150,9 +150,9 @@ class HttpApi:
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/responses", self.responses, methods=["POST"]),
-                Route("/v1/responses/{id}", self.stored_response, methods=["GET", "DELETE"]),
-                Route("/v1/responses/{id}/input_items", self.input_items, methods=["GET"]),
-                Route("/v1/responses/{id}/cancel", self.cancel_response, methods=["POST"]),
+                Route("/v1/responses/{id}", self._stored(self.stored_response), methods=["GET", "DELETE"]),
+                Route("/v1/responses/{id}/input_items", self._stored(self.input_items), methods=["GET"]),
+                Route("/v1/responses/{id}/cancel", self._stored(self.cancel_response), methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
             ]
@@ -251,15 +251,24 @@ class HttpApi:
             raise HttpError(404, f"no stored response {response_id!r}: {why}", param)
         return record
 
-    async def stored_response(self, request: Request) -> Response:
+    def _stored(self, handler):
+        """A route on one stored response: `handler(request, owner, response_id, record)` with the caller's
+        record, or the answer why there is none for them (401, 403, 404, 503)."""
+
+        async def route(request: Request) -> Response:
+            response_id = request.path_params["id"]
+            try:
+                owner = self._owner(request)
+                record = await self._record(owner, response_id)
+            except HttpError as exc:
+                return error_response(exc.status, str(exc), exc.param)
+            return await handler(request, owner, response_id, record)
+
+        return route
+
+    async def stored_response(self, request: Request, owner: str, response_id: str, record: dict) -> Response:
         """GET: a stored Response object, or (`stream=true`) a background response's events after
         `starting_after`, then live; DELETE: forget it."""
-        response_id = request.path_params["id"]
-        try:
-            owner = self._owner(request)
-            record = await self._record(owner, response_id)
-        except HttpError as exc:
-            return error_response(exc.status, str(exc), exc.param)
         if request.method == "DELETE":
             await self.store.delete(owner, response_id)
             return JSONResponse({"id": response_id, "object": "response", "deleted": True})
@@ -274,13 +283,9 @@ class HttpApi:
             return error_response(400, f"starting_after must be an event's sequence_number, got {after!r}")
         return StreamingResponse(self._follow(owner, response_id, int(after)), media_type="text/event-stream")
 
-    async def input_items(self, request: Request) -> Response:
+    async def input_items(self, request: Request, owner: str, response_id: str, record: dict) -> Response:
         """The input items a stored response was asked with, its conversation's earlier turns' included:
         `order` desc (the default, as OpenAI's) or asc, `limit` 1 to 100 (20), `after` an item id."""
-        try:
-            record = await self._record(self._owner(request), request.path_params["id"])
-        except HttpError as exc:
-            return error_response(exc.status, str(exc), exc.param)
         order, limit = request.query_params.get("order", "desc"), request.query_params.get("limit", "20")
         if order not in ("asc", "desc") or not limit.isdigit() or not 1 <= int(limit) <= 100:
             return error_response(
@@ -302,21 +307,15 @@ class HttpApi:
             }
         )
 
-    async def cancel_response(self, request: Request) -> Response:
+    async def cancel_response(self, request: Request, owner: str, response_id: str, record: dict) -> Response:
         """Stop a background response (its process sees the request at its next event and aborts the
         worker's request); answers with the response once it ended, cancelled or not."""
-        response_id = request.path_params["id"]
-        try:
-            owner = self._owner(request)
-            record = await self._record(owner, response_id)
-        except HttpError as exc:
-            return error_response(exc.status, str(exc), exc.param)
         if not record["response"].get("background"):
             return error_response(
                 400, f"{response_id} is not a background response: only those can be cancelled"
             )
         await self.store.request_cancel(owner, response_id)
-        async for _ in self._follow(owner, response_id, -1):  # until its last event is kept
+        async for _ in self._kept_events(owner, response_id, -1):  # until its last event is kept
             pass
         return JSONResponse((await self._record(owner, response_id))["response"])
 
@@ -526,12 +525,17 @@ class HttpApi:
             await _cancel(tasks)
 
     async def _follow(self, owner: str, response_id: str, after: int) -> AsyncIterator[str]:
+        """A background response's stream from past `after` (`_kept_events`), as server-sent events."""
+        async for event in self._kept_events(owner, response_id, after):
+            yield _sse_event(event)
+
+    async def _kept_events(self, owner: str, response_id: str, after: int) -> AsyncIterator[dict[str, Any]]:
         """A background response's kept events past `after`, then the new ones as they are kept, until its
         last (polled: the process running it may be another)."""
         while True:
             new = await self.store.events_after(owner, response_id, after)
             for event in new:
-                yield _sse_event(event)
+                yield event
             if new:
                 after = new[-1]["sequence_number"]
                 if new[-1]["type"] in TERMINAL_EVENTS:
