@@ -14,6 +14,7 @@ from bench.workload import GREEDY, Sampling, Workload, greedy, make_workload
 from nanovllm import LLM
 from nanovllm.worker.device import resolve_placement
 from nanovllm.worker.model_config import ModelConfig
+from nanovllm.worker.models.gguf.cache import resolve_model
 from nanovllm.worker.step import StepResult
 
 
@@ -86,8 +87,8 @@ def record_steps(llm: LLM) -> Iterator[list[StepRecord]]:
 
 def build_llm(model_dir: Path, workload: Workload, args: argparse.Namespace, **options: object) -> LLM:
     """An engine whose KV cache holds the whole workload at once, so nothing is preempted; `options` are
-    more EngineConfig fields."""
-    cfg = ModelConfig.from_pretrained_dir(model_dir)
+    more EngineConfig fields. `model_dir` may be a .gguf file, served as it ships."""
+    cfg = ModelConfig.from_pretrained_dir(Path(resolve_model(str(model_dir))[0]))
     longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens))
     max_model_len = max(1024, longest + 1)
     block = 16  # EngineConfig.kvcache_block_size default

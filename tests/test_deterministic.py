@@ -19,9 +19,11 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.model_config import ModelConfig
+from nanovllm.worker.models.gguf.cache import resolve_model
 from nanovllm.worker.runner.kv_cache import kv_bytes_per_block
-from tests.model_factory import build_model
+from tests.model_factory import build_model, write_gguf
 
 DTYPES = ("bfloat16", "float16")
 ARCHS = ("qwen3", "llama", "qwen2")
@@ -95,6 +97,20 @@ def _generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) 
     engine = llm.engine
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks  # every block back
     return outs
+
+
+def _count_proposals(llm: LLM) -> list[int]:
+    """A one-item list that counts the speculative tokens `llm`'s engine proposes from now on."""
+    proposed = [0]
+    step = llm.engine.step
+
+    def counting_step():
+        result = step()
+        proposed[0] += result.stats.num_spec_proposed
+        return result
+
+    llm.engine.step = counting_step
+    return proposed
 
 
 def _assert_identical(got: dict, want: dict) -> None:
@@ -178,18 +194,9 @@ def test_speculation_does_not_change_the_request(case: Case, draft_dir: Path, me
     if method == "draft":
         options["speculative_model"] = str(draft_dir)
     llm = case.llm(**options)
-    proposed = 0
-    step = llm.engine.step
-
-    def counting_step():
-        nonlocal proposed
-        result = step()
-        proposed += result.stats.num_spec_proposed
-        return result
-
-    llm.engine.step = counting_step
+    proposed = _count_proposals(llm)
     outs = _generate(llm, [TARGET, TARGET], [GREEDY, SEEDED])
-    assert proposed > 0
+    assert proposed[0] > 0
     _assert_identical(outs[0], case.alone[0])
     _assert_identical(outs[1], case.alone[1])
 
@@ -203,17 +210,46 @@ def test_a_json_schema_constraint_holds_and_the_request_does_not_change(case: Ca
     assert outs[4]["text"].startswith("{")
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_quantized_projections_give_the_request_what_they_give_it_alone(model_dirs, quantization: str):
-    """Weight-only int8 and int4 in bfloat16: the quantized matmul never leaves its fixed order (no dequantized
-    GEMM for many rows, no int8 dot products for few). The target alone, then in a batch of 8 with its
-    prompt in 7-token chunks."""
-    case = Case(model_dirs["qwen3"], "bfloat16", "auto", [])
-    alone = _generate(case.llm(quantization=quantization, enable_prefix_caching=False), [TARGET], [GREEDY])[0]
-    llm = case.llm(quantization=quantization, max_num_batched_tokens=7, enable_prefix_caching=False)
-    prompts, params = _others(7)
-    outs = _generate(llm, [*prompts[:3], TARGET, *prompts[3:]], [*params[:3], GREEDY, *params[3:]])
-    _assert_identical(outs[3], alone)
+@pytest.fixture(scope="module")
+def quantized_models(model_dirs, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict]]:
+    """Every quantized weight format the CPU runs, on the random Qwen3: int8 and int4 quantized as it loads,
+    Q8_0, Q4_0 and Q4_1 as a GGUF file ships them."""
+    root = tmp_path_factory.mktemp("quantized")
+    formats: dict[str, tuple[Path, dict]] = {
+        q: (model_dirs["qwen3"], {"quantization": q}) for q in ("int8", "int4")
+    }
+    for qtype in ("Q8_0", "Q4_0", "Q4_1"):
+        formats[qtype] = (write_gguf(model_dirs["qwen3"], root / f"{qtype}.gguf", qtype), {})
+    return formats
+
+
+@pytest.mark.parametrize(
+    ("weights", "dtype"),
+    [(w, "bfloat16") for w in ("int8", "int4", "Q8_0", "Q4_0", "Q4_1")]
+    + [("int8", "float32"), ("Q4_1", "float32")],
+)
+def test_quantized_weights_give_the_request_what_they_give_it_alone(
+    quantized_models, weights: str, dtype: str
+):
+    """Each quantized format in bf16 (the integer dots at every row count where the CPU has them), 8 and 4 bits
+    in float32 (the registers and the panels): the projections never leave their fixed order (never the
+    dequantized GEMM, which a prompt of more than 64 rows would take without the flag). The
+    target, greedy and seeded, alone; then on one engine with half its prompt from the prefix cache, among 6
+    others, its prompt in 7-token steps, n-gram speculation proposing once the batch is small."""
+    model, options = quantized_models[weights]
+    case = Case(model, dtype, "auto", [])
+    alone = case.llm(enable_prefix_caching=False, **options)
+    want = [_generate(alone, [TARGET], [p])[0] for p in (GREEDY, SEEDED)]
+    llm = case.llm(max_num_batched_tokens=7, speculative_method="ngram", num_speculative_tokens=4, **options)
+    proposed = _count_proposals(llm)
+    _generate(llm, [TARGET[:48] + _random_prompt(random.Random(3), 30)], [GREEDY])
+    prompts, params = _others(6)
+    outs = _generate(
+        llm, [*prompts[:3], TARGET, TARGET, *prompts[3:]], [*params[:3], GREEDY, SEEDED, *params[3:]]
+    )
+    assert outs[3]["num_cached_tokens"] == 48 and proposed[0] > 0
+    _assert_identical(outs[3], want[0])
+    _assert_identical(outs[4], want[1])
 
 
 # --- the Triton kernels, in the interpreter on a CPU (compiled on a GPU) ---------------------------------
@@ -313,3 +349,18 @@ def test_four_tensor_parallel_ranks_give_the_request_what_they_give_it_alone(mod
         _assert_identical(outs[3], alone)
     finally:
         llm.shutdown()
+
+
+def test_auto_is_on_for_float_weights_and_off_for_quantized_ones(model_dirs, quantized_models, kernels):
+    """deterministic=None: on for float weights on a CPU with the C++ kernels, off for every quantized and
+    GGUF format (their batch-invariant kernel keeps prompts off PyTorch's GEMM), with the reason the worker
+    logs at start; asked for, it is what was asked."""
+    float_weights = EngineConfig(model=str(model_dirs["qwen3"]))
+    assert float_weights.deterministic is True and float_weights.deterministic_reason.startswith("auto: on")
+    for weights, (model, options) in quantized_models.items():
+        model_dir, gguf_file = resolve_model(str(model))
+        config = EngineConfig(model=model_dir, gguf_file=gguf_file, **options)
+        assert config.deterministic is False, weights
+        assert f"off for {config.weight_format} weights" in config.deterministic_reason, weights
+    asked = EngineConfig(model=str(model_dirs["qwen3"]), quantization="int4", deterministic=True)
+    assert asked.deterministic is True and asked.deterministic_reason == "asked for"

@@ -368,6 +368,12 @@ def test_serve_without_model_answers_paris(gguf_path: Path, kernels, tmp_path: P
             json.loads(line) for line in log_path.read_text().splitlines() if "dtype_selected" in line
         ]
         assert [(e["dtype"], e["reason"]) for e in selected] == [(expected.dtype_name, expected.reason)]
+        # GGUF weights: the default kernels, not the batch-invariant ones (docs/architecture.md), and the log
+        # says why
+        (chosen,) = [
+            json.loads(line) for line in log_path.read_text().splitlines() if "deterministic_selected" in line
+        ]
+        assert chosen["deterministic"] is False and "off for gguf weights" in chosen["reason"], chosen
         # quantization=auto serves the GGUF as it ships: 30 layers x 4 Q4_1 projections, the Q8_0 embedding
         # (the tied LM head); 270 MB in bf16, under 110 MB as held
         (quantized,) = [

@@ -130,6 +130,31 @@ def test_a_row_does_not_depend_on_its_neighbours(kernels, dtype) -> None:
         assert torch.equal(_run(kernels, x[:rows], packed), alone[:rows]), rows
 
 
+@pytest.mark.parametrize("scheme", ["Q8_0", "int8", "int4-32", "int4-128"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_batch_invariant_rows_equal_each_row_alone_at_every_row_count(kernels, scheme, dtype) -> None:
+    """batch_invariant (--deterministic): one kernel at every row count, decode to prefill sizes (never the
+    GEMM), so every row equals that row alone, bit for bit. With 16-bit x on a CPU with integer dots it is
+    the integer dots in tiles of 8 rows (and at up to 8 rows exactly what the default mode runs, so a
+    deterministic decode step costs what a default one does); float32 x, or a CPU without them, the
+    registers and the panels. 130 rows: full tiles and a partial one; 37 weight rows: partial tiles."""
+    packed, _ = _packed(scheme, 37, 256)
+    gen = torch.Generator().manual_seed(3)
+    bias = torch.randn(37, generator=gen).to(dtype)
+    x = torch.randn(130, 256, generator=gen).to(dtype)
+
+    def run(rows: torch.Tensor, invariant: bool) -> torch.Tensor:
+        return kernels.linear_quantized(
+            rows, packed.qweight, packed.scales, packed.mins, packed.bits, packed.group_size, bias, invariant
+        )
+
+    alone = torch.cat([run(x[i : i + 1], True) for i in range(len(x))])
+    for rows in (2, 5, 8, 9, 17, 64, 65, 130):
+        assert torch.equal(run(x[:rows], True), alone[:rows]), (scheme, dtype, rows)
+    if dtype != torch.float32 and kernels.linear_quantized_int8_dots():
+        assert torch.equal(run(x[:8], False), alone[:8])  # the default mode's decode kernel
+
+
 def test_torch_fallback_computes_the_same_product(kernels) -> None:
     """Without the C++ kernels (another device, no compiler) a packed weight is dequantized per call."""
     packed, _ = _packed("int4-64", 64, 128)

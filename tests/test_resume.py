@@ -33,6 +33,9 @@ BF16_FP8 = (
 )  # an FP8 KV cache: the resumed prompt is stored in the same bytes
 # A CPU worker as it starts by default: its dtype (bf16 on a CPU with native bf16) and deterministic kernels.
 CPU_DEFAULT = ("--dtype", "auto")
+# 4-bit weights in the CPU's default dtype on the batch-invariant quantized kernel (with bf16 on a CPU with
+# AVX512-VNNI: the integer dots at every row count; with float32: the registers and the panels).
+INT4 = ("--dtype", "auto", "--quantization", "int4", "--deterministic")
 
 
 @pytest.mark.slow
@@ -46,6 +49,7 @@ CPU_DEFAULT = ("--dtype", "auto")
         (BF16, None),
         (BF16_FP8, None),
         (CPU_DEFAULT, None),
+        (INT4, None),
     ],
     ids=[
         "plain",
@@ -55,6 +59,7 @@ CPU_DEFAULT = ("--dtype", "auto")
         "bf16-deterministic",
         "bf16-deterministic-fp8",
         "cpu-default",
+        "int4-deterministic",
     ],
 )
 def test_streams_resume_token_identical_when_their_worker_is_killed(
@@ -64,8 +69,8 @@ def test_streams_resume_token_identical_when_their_worker_is_killed(
     token for token and in text, the same request run unbroken on B. With speculation on both workers too
     (a resumed request's proposals and picks are those of the unbroken one), under a regex (B replays
     the tokens through a fresh matcher; the text still matches), cut inside a Qwen3 reasoning block
-    (the router's reasoning split goes on where it was), in bfloat16 with --deterministic, and with the
-    workers' defaults (their dtype; deterministic on a CPU)."""
+    (the router's reasoning split goes on where it was), in bfloat16 with --deterministic, with the
+    workers' defaults (their dtype; deterministic on a CPU), and with int4 weights under --deterministic."""
     with held_streams(qwen3_dir, tmp_path, worker_flags=flags) as (_, b, router, kill_a):
         results, at_kill = asyncio.run(run(router.address, kill_when=4, kill=kill_a, regex=regex))
         assert all(4 <= n < MAX_TOKENS for n in at_kill), at_kill  # every stream was cut mid-generation

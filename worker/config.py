@@ -178,9 +178,10 @@ class EngineConfig:
         help="batch-invariant kernels in every dtype: a request's tokens and logprobs are bit-identical "
         "whatever else is in its batch, however its prompt is chunked, whether its prefix came from the "
         "cache, and when it is speculated, preempted or resumed on another worker (needs the C++ kernels "
-        "on a CPU, Triton on CUDA); auto: on on a CPU with the C++ kernels, where they cost nothing "
-        "measurable, off on CUDA, where they cost 44% of the throughput "
-        "(docs/architecture.md#deterministic-inference)",
+        "on a CPU, Triton on CUDA); auto: on for float weights on a CPU with the C++ kernels, where they "
+        "cost nothing measurable, off for quantized and GGUF weights (their prompts stay off PyTorch's "
+        "GEMM: up to 6% slower) and on CUDA (44% slower); the start log's deterministic_selected line "
+        "says which and why (docs/architecture.md#deterministic-inference)",
     )
     num_threads: int | None = option(
         None,
@@ -241,6 +242,8 @@ class EngineConfig:
     kv_cache_size: MemorySize | None = field(init=False, repr=False, default=None)
     kv_host_size: MemorySize | None = field(init=False, repr=False, default=None)
     kv_disk_capacity: int = field(init=False, repr=False, default=0)  # bytes
+    # Why `deterministic` is what it is (__post_init__; the worker logs it at start).
+    deterministic_reason: str = field(init=False, repr=False, default="asked for")
 
     def __post_init__(self) -> None:
         positive = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kvcache_block_size")
@@ -276,7 +279,7 @@ class EngineConfig:
             )
         self._check_kv_cache_dtype()
         if self.deterministic is None:
-            self.deterministic = self._deterministic_by_default()
+            self.deterministic, self.deterministic_reason = self._deterministic_by_default()
         if self.deterministic and self.attention_backend not in DETERMINISTIC_BACKENDS:
             raise ConfigError(
                 f"deterministic needs attention_backend {', '.join(DETERMINISTIC_BACKENDS)}, got "
@@ -324,7 +327,7 @@ class EngineConfig:
         refused = {
             # its batch-invariant path runs the linear layers' prompt chunks on the C++ decode arithmetic
             "deterministic (needs the C++ CPU kernels for a hybrid model)": bool(self.deterministic)
-            and not self._deterministic_by_default(),
+            and not self._runs_cpu_kernels(),
             "async_scheduling=on": self.async_scheduling == "on",
             "speculative_method": self.speculative_method != "none",
             "lora": bool(self.lora_adapters or self.max_loras),
@@ -366,15 +369,29 @@ class EngineConfig:
                 "(auto, torch, cpu_kernel, triton): flash-attn 2 reads only 16-bit caches"
             )
 
-    def _deterministic_by_default(self) -> bool:
-        """deterministic=None (auto): on where the batch-invariant kernels cost nothing measurable, the
-        C++ kernels of a CPU (docs/performance.md); off on CUDA."""
+    def _runs_cpu_kernels(self) -> bool:
+        """Whether this engine runs on a CPU's C++ kernels (which have a batch-invariant mode throughout)."""
         if self.attention_backend not in ("auto", "cpu_kernel"):
             return False
         from nanovllm.kernels.cpu_kernels import load_cpu_kernels
         from nanovllm.worker.device import resolve_device
 
         return resolve_device(self.device).type == "cpu" and load_cpu_kernels() is not None
+
+    def _deterministic_by_default(self) -> tuple[bool, str]:
+        """deterministic=None (auto), and why: on where bench/deterministic.py measured the batch-invariant
+        kernels no slower than the default ones (docs/architecture.md#deterministic-inference)."""
+        if not self._runs_cpu_kernels():
+            return False, (
+                "auto: off without a CPU's C++ kernels (on CUDA the batch-invariant kernels cost 44% of the "
+                "throughput)"
+            )
+        if self.weight_format != "none":
+            return False, (
+                f"auto: off for {self.weight_format} weights, whose batch-invariant kernel keeps prompts off "
+                "PyTorch's GEMM (measured at 0.94-1.00x of the throughput); --deterministic turns it on"
+            )
+        return True, "auto: on a CPU's C++ kernels, where the batch-invariant ones measured no slower"
 
     @property
     def weight_format(self) -> str:

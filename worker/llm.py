@@ -31,7 +31,7 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
 
 class LLM:
     def __init__(self, model: str, **kwargs: Any) -> None:
-        known = {f.name for f in fields(EngineConfig)} - {
+        known = {f.name for f in fields(EngineConfig) if f.init} - {
             "model",
             "gguf_file",
             "draft_gguf_file",

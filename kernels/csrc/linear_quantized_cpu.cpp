@@ -13,17 +13,18 @@
 //   on a CPU with AVX512-VNNI, x is quantized to int8 instead and meets the weights in integer dot products
 //   (linear_int8_dots.h: within a stated bound of the exact product, not bit-equal);
 // - with x in float32, up to kPanelMaxRows, each thread dequantizes a panel of kPanelRows weight rows into
-//   an fp32 scratch that stays in cache, and runs the float tile over every row of x against it
-//   (arithmetic-bound);
+//   an fp32 scratch that stays in cache, and runs the float tile over every row of x against it, six rows
+//   of x against two weight rows a pass (arithmetic-bound);
 // - above that (prefill, large decode batches), the whole weight is dequantized to x's dtype and PyTorch's
-//   GEMM multiplies it, summing in its own order (close to the panels, not bit-equal). With float32 x on
-//   SmolLM2's projections (bench/quantized_matmul.py, AVX2 EPYC) the panels took 0.6x the float GEMM's
-//   time at 24 rows, about 1.0x at 48-96, 1.27x at 128 and 1.57x at 512, where dequantizing first costs
-//   about 12% more than the float GEMM alone. With 16-bit x the GEMM starts right after the registers: a
-//   CPU with native bf16 runs it on AMX or AVX512_BF16, 3.1x the panels' speed at 64 rows (Xeon with AMX),
-//   and the float engine runs such batches in PyTorch's 16-bit GEMM too.
-// With batch_invariant (the engine's --deterministic) neither the GEMM nor the integer dots run: every row
-// count takes the registers or the panels, so each row's result is the same whatever rows are beside it.
+//   GEMM multiplies it, summing in its own order (close to the panels, not bit-equal). With 16-bit x the
+//   GEMM starts right after the registers: a CPU with native bf16 runs it on AMX or AVX512_BF16, and the
+//   float engine runs such batches in PyTorch's 16-bit GEMM too. What each path costs against the others:
+//   docs/performance.md (Weight-only quantized matmuls, Deterministic inference).
+// With batch_invariant (the engine's --deterministic) the GEMM never runs. 16-bit x on a CPU with the
+// integer dots takes them at every row count, in tiles of 8 rows of x: a row's int8 quantization, its int32
+// dots and the float work after them are the same instructions whatever the tile, so one kernel serves
+// decode and prefill. Otherwise every row count takes the registers or the panels. Either way each row's
+// result is the same whatever rows are beside it.
 #include <ATen/ATen.h>
 #include "kernels_cpu.h"
 #include <ATen/Parallel.h>
@@ -39,8 +40,14 @@ namespace {
 
 constexpr int64_t kBlock = 32;       // weights per 4-bit block (and the smallest group)
 constexpr int64_t kDirectRows = 8;   // rows of x up to which weights are dequantized in registers
-constexpr int64_t kPanelRows = 16;   // weight rows per fp32 panel above that (16 x K floats: L2-sized)
+constexpr int64_t kPanelRows = 48;   // weight rows per fp32 panel above that (48 x K floats: L2-sized)
+// A panel pass: 6 rows of x against 2 weight rows, 12 accumulators (linear_tile.h's widest tile; 8 x 1
+// reloads the weights' lanes for every row). The panel is in cache: no prefetch.
+constexpr int kPanelTileRows = 6, kPanelTileWeights = 2;
 constexpr int64_t kPanelMaxRows = 64;  // rows of x up to which the panels run, PyTorch's GEMM above
+// Bytes of weights the integer dots run every tile of x's rows over before the next (above 8 rows of x):
+// a block stays in L2 while x's tiles pass, instead of coming from memory once per tile.
+constexpr int64_t kDotBlockBytes = 256 * 1024;
 
 template <int BITS>
 inline QRow qrow(const uint8_t* q, const c10::Half* s, const c10::Half* m, int64_t n, int64_t K, int64_t groups) {
@@ -214,16 +221,25 @@ void linear_quantized_impl(const T* x, const uint8_t* q, const c10::Half* scales
   const int64_t groups = K / group;
 #ifdef NANOVLLM_INT8_DOTS
   if constexpr (!std::is_same_v<T, float>) {  // 16-bit x only: float32 x keeps the exact path
-    if (rows <= kDirectRows && !batch_invariant) {
+    if (rows <= kDirectRows || batch_invariant) {
       std::vector<QuantizedRow> xq;
       for (int64_t m = 0; m < rows; ++m) xq.push_back(quantize_row<BITS>(xf.data() + m * K, K, group));
       const std::vector<ChunkGroups> chunks = chunk_groups<BITS>(K, group);
+      // Weight rows a block: about kDotBlockBytes of them, which every tile of x rows reads from cache.
+      const int64_t block = std::max<int64_t>(4, kDotBlockBytes / (K * BITS / 8) / 4 * 4);
       // Ranges of whole 4-row tiles, 64 rows at least.
       at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
         const int64_t n_begin = begin * 4, n_end = std::min(N, end * 4);
         std::vector<QRow> w(n_end - n_begin);
         for (int64_t n = n_begin; n < n_end; ++n) w[n - n_begin] = qrow<BITS>(q, scales, mins, n, K, groups);
-        int8_dot_fn<BITS, T>(rows)(xq.data(), chunks, w.data(), bias, y, n_begin, n_end, N, K, group);
+        for (int64_t b = n_begin; b < n_end; b += block) {
+          const int64_t b_end = std::min(n_end, b + block);
+          for (int64_t m = 0; m < rows; m += kDirectRows) {
+            const int64_t tile = std::min(kDirectRows, rows - m);
+            int8_dot_fn<BITS, T>(tile)(xq.data() + m, chunks, w.data() + (b - n_begin), bias, y + m * N, b, b_end,
+                                       N, K, group);
+          }
+        }
       });
       return;
     }
@@ -248,10 +264,11 @@ void linear_quantized_impl(const T* x, const uint8_t* q, const c10::Half* scales
       const int64_t p_end = std::min(n_end, p + kPanelRows);
       for (int64_t n = p; n < p_end; ++n)
         dequantize_row<BITS>(qrow<BITS>(q, scales, mins, n, K, groups), K, group, panel.data() + (n - p) * K);
-      for (int64_t m = 0; m < rows; m += kTileRows) {
-        const int64_t tile = std::min(kTileRows, rows - m);
-        tile_fn<float, T>(tile)(xf.data() + m * K, panel.data(), bias, y + m * N, p, p_end, N, K);
-      }
+      int64_t m = 0;
+      for (; m + kPanelTileRows <= rows; m += kPanelTileRows)
+        tile_rows<kPanelTileRows, float, T, kPanelTileWeights, false>(xf.data() + m * K, panel.data(), bias,
+                                                                      y + m * N, p, p_end, N, K);
+      if (m < rows) tile_fn<float, T>(rows - m)(xf.data() + m * K, panel.data(), bias, y + m * N, p, p_end, N, K);
     }
   });
 }

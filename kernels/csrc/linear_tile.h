@@ -64,7 +64,7 @@ inline int64_t vector_end(int64_t K) {
 }
 
 // out[m][r] = x[m] . w[r] over k in [0, k_vec): the vector part.
-template <int M, int R, typename T>
+template <int M, int R, typename T, bool kPrefetch = true>
 inline void dot_tile(const float* x, int64_t K, const T* const* w, int64_t k_vec, float (*out)[R]) {
 #ifdef NANOVLLM_LINEAR_AVX2
   __m256 acc[M][R];
@@ -73,7 +73,7 @@ inline void dot_tile(const float* x, int64_t K, const T* const* w, int64_t k_vec
   for (int64_t k = 0; k < k_vec; k += 8) {
     __m256 wv[R];
     for (int r = 0; r < R; ++r) wv[r] = load8(w[r] + k);
-    for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w[r] + kPrefetchRows * K + k), _MM_HINT_T0);
+    if constexpr (kPrefetch) for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w[r] + kPrefetchRows * K + k), _MM_HINT_T0);
     for (int m = 0; m < M; ++m) {
       const __m256 xv = _mm256_loadu_ps(x + m * K + k);
       for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
@@ -91,7 +91,7 @@ inline void dot_tile(const float* x, int64_t K, const T* const* w, int64_t k_vec
 // Output columns [n_begin, n_end) for the M rows of x (fp32, [M, K]): weight row n is w_first + (n -
 // n_begin) * K; y is [rows, N], this tile's rows starting at y. R weight rows a pass: by default as many as
 // keep enough FMA chains in flight with the registers M rows of x leave.
-template <int M, typename T, typename Y, int R = (M <= 2 ? 4 : M <= 6 ? 2 : 1)>
+template <int M, typename T, typename Y, int R = (M <= 2 ? 4 : M <= 6 ? 2 : 1), bool kPrefetch = true>
 void tile_rows(const float* x, const T* w_first, const Y* bias, Y* y, int64_t n_begin, int64_t n_end, int64_t N,
                int64_t K) {
   const int64_t k_vec = vector_end(K);
@@ -100,7 +100,7 @@ void tile_rows(const float* x, const T* w_first, const Y* bias, Y* y, int64_t n_
     const T* w_rows[R];
     for (int r = 0; r < R; ++r) w_rows[r] = w_first + (n - n_begin + std::min(r, rows - 1)) * K;  // a missing row repeats the last
     float sums[M][R];
-    dot_tile<M, R>(x, K, w_rows, k_vec, sums);
+    dot_tile<M, R, T, kPrefetch>(x, K, w_rows, k_vec, sums);
     for (int r = 0; r < rows; ++r) {
       const T* wr = w_rows[r];
       for (int m = 0; m < M; ++m) {

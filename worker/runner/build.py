@@ -83,6 +83,11 @@ class ModelRunnerBase:
                 device=str(self.placement.device),
                 reason=self.placement.reason,
             )
+            log.info(
+                "deterministic_selected",
+                deterministic=config.deterministic,
+                reason=config.deterministic_reason,
+            )
             tp = TPContext(0, config.tensor_parallel_size, config.deterministic)
             if tp.size > 1:
                 self.tp_group = TensorParallelGroup(config, type(self))
@@ -203,7 +208,8 @@ class ModelRunnerBase:
         if kernels is None:
             return "dequantize + F.linear"
         if self.dtype != torch.float32 and kernels.linear_quantized_int8_dots():
-            return "linear_quantized (C++, int8 dots up to 8 rows)"
+            rows = "at every row count" if self.config.deterministic else "up to 8 rows"
+            return f"linear_quantized (C++, int8 dots {rows})"
         return "linear_quantized (C++)"
 
     def _wants_cuda_graphs(self) -> bool:
