@@ -83,8 +83,3 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor, cache_dtype: torch.dtype
     """What attention reads back for new K/V [T, kv_heads, D] once stored: for paths that attend over a
     prompt's own K/V without reading the cache."""
     return dequantize(quantize(x, scale, cache_dtype), scale, x.dtype)
-
-
-def scale_is_power_of_two(scale: torch.Tensor) -> bool:
-    mantissa, _ = torch.frexp(scale)
-    return bool((mantissa == 0.5).all()) and math.isfinite(float(scale.max()))

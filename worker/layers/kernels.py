@@ -5,6 +5,46 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Protocol
+
+import torch
+
+
+class GatedDeltaKernels(Protocol):
+    """A hybrid model's causal convolution and gated delta rule on its state rows, in place: a decode step's
+    B sequences of one token each (`slots` their rows), or one sequence's prompt chunk token by token
+    through the same arithmetic (`slot` its row). The C++ CPU kernels (kernels/csrc/gated_delta_cpu.cpp) and
+    kernels/triton_gated_delta.py export these four calls."""
+
+    def causal_conv_decode_(
+        self, x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor: ...
+
+    def gated_delta_decode_(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+    def causal_conv_chunk_(
+        self, x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, slot: int
+    ) -> torch.Tensor: ...
+
+    def gated_delta_chunk_(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        slot: int,
+    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -18,6 +58,9 @@ class LayerKernels:
     # EngineConfig.deterministic: the projections on kernels whose sums do not depend on the number of rows
     # (worker/layers/linear.py); the other layers work row by row.
     deterministic: bool = False
+    # A hybrid model's linear-attention state work: the C++ CPU kernels, the Triton ones with the Triton
+    # attention backend, or None for PyTorch (worker/models/qwen3_5.py's GatedDeltaNet).
+    gated_delta: GatedDeltaKernels | None = None
 
 
 PYTORCH = LayerKernels()

@@ -33,11 +33,6 @@ class QuantScheme:
     bits: int  # 8 or 4
     group_size: int | None  # input features per scale; None: one scale per row (per channel)
 
-    def bytes_per_weight(self, in_features: int) -> float:
-        group = self.group_size or in_features
-        planes = 2 if self.bits == 4 else 1  # scales, and mins at 4 bits
-        return self.bits / 8 + 2 * planes / group
-
 
 class PackedWeight(nn.Module):
     """A quantized [out_features, in_features] weight: the planes `qweight` (int8 [N, K] at 8 bits, uint8

@@ -146,9 +146,14 @@ class GatedDeltaNet(nn.Module):
         # model's dtype and [slots, heads, key dim, value dim] in fp32.
         self.conv_state = torch.empty(0)
         self.recurrent_state = torch.empty(0)
-        # The C++ CPU kernels when bound (Qwen3_5ForCausalLM.bind_kernels): a decode step's convolution and
-        # recurrent step on the state rows in place.
+        # Bound by Qwen3_5ForCausalLM.bind_kernels: the gates on the C++ CPU kernels, the state work on
+        # kernels.gated_delta (a decode step's convolution and recurrent step on the state rows in place).
         self.kernels = PYTORCH
+        # Prompt chunks token by token through the decode step's own arithmetic: under --deterministic, so a
+        # token's result does not depend on how its prompt was cut into steps (the chunked form's sums follow
+        # its 64-token blocks, which start where the chunk does), and on Triton, where the chunked form's
+        # many small ops per sequence would each be a launch.
+        self.prompts_token_by_token = False
 
     def _load_conv(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
         for here, there, rows in _split_rows(self.conv_sizes, self.tp):
@@ -206,8 +211,7 @@ class GatedDeltaNet(nn.Module):
         conv_state, recurrent_state = self.conv_state, self.recurrent_state
         self.prepare_states(states)
         nd = states.num_decodes
-        # The C++ kernels on a CPU, the Triton ones on CUDA (kernels/triton_gated_delta.py): the same calls.
-        rule = self.kernels.cpu or self.kernels.triton
+        rule = self.kernels.gated_delta
         if nd and rule is not None:  # the recurrent form on each sequence's state row, in place
             slots = states.slots[:nd]
             q, k, v = self._heads(rule.causal_conv_decode_(mixed[:nd], conv_state, weight, slots))
@@ -221,18 +225,13 @@ class GatedDeltaNet(nn.Module):
             recurrent_state.index_copy_(0, slots, s)
             out[:nd] = o
         self.keep_decode_states(states)
-        # Chunks token by token through the decode step's own arithmetic under --deterministic, so a token's
-        # result does not depend on how its prompt was cut into steps (the chunked form's sums follow its
-        # 64-token blocks, which start where the chunk does), and on CUDA, where the chunked form's many
-        # small ops per sequence would each be a launch.
-        token_by_token = rule is not None and (self.kernels.deterministic or self.kernels.triton is not None)
         begin = nd
         for slot, n, saves in zip(states.slot_list[nd:], states.num_tokens[nd:], states.saves[nd:]):
             done = 0
             for end in sorted({offset for offset, _ in saves} | {n}):
                 if end > done:
                     rows = slice(begin + done, begin + end)
-                    if token_by_token:
+                    if rule is not None and self.prompts_token_by_token:
                         q, k, v = self._heads(rule.causal_conv_chunk_(mixed[rows], conv_state, weight, slot))
                         out[rows] = rule.gated_delta_chunk_(
                             q, k, v, g[rows], beta[rows].float(), recurrent_state, slot
@@ -372,19 +371,20 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
             layer.keep_decode_states(states)
 
     def bind_kernels(self, attention: AttentionBackend, kernels: LayerKernels) -> None:
-        """Attention layers on `attention`; RMSNorm, the SwiGLU gate and the projections on `kernels`
-        (the C++ CPU kernels or PyTorch; the fused Triton layer kernels are the other decoders')."""
+        """Attention layers on `attention`; the linear layers' state work on `kernels.gated_delta`, its
+        prompt chunks token by token under --deterministic or on Triton (GatedDeltaNet._run_with_states);
+        RMSNorm, the SwiGLU gate and the projections on the C++ CPU kernels or PyTorch (the fused Triton
+        layer kernels are the other decoders')."""
         for attn in self.attention_layers():
             attn.backend = attention
-        if kernels.triton is not None:  # the linear layers' rule and convolution on Triton
-            from nanovllm.kernels import triton_gated_delta  # Triton is imported only where it runs
-
-            for layer in self.linear_attention_layers():
-                layer.kernels = LayerKernels(triton=triton_gated_delta, deterministic=kernels.deterministic)
-        kernels = LayerKernels(cpu=kernels.cpu, deterministic=kernels.deterministic)
+        for layer in self.linear_attention_layers():
+            layer.prompts_token_by_token = kernels.gated_delta is not None and (
+                kernels.deterministic or kernels.triton is not None
+            )
+        kernels = LayerKernels(
+            cpu=kernels.cpu, deterministic=kernels.deterministic, gated_delta=kernels.gated_delta
+        )
         for module in self.modules():
-            if isinstance(module, GatedDeltaNet) and module.kernels.triton is not None:
-                continue
             kernel_users = (
                 RMSNorm,
                 HeadRMSNorm,

@@ -290,10 +290,11 @@ class ModelRunnerBase:
         if self.tp.rank == 0:
             log.info("attention_backend_selected", backend=self.kernel_backend, reason=choice.reason)
         cpu = choice.backend.kernels if isinstance(choice.backend, CpuKernelAttention) else None
-        fused = None
-        if isinstance(choice.backend, TritonAttention):
-            from nanovllm.kernels import triton_layers as fused  # Triton is imported only where it runs
-        kernels = LayerKernels(cpu=cpu, triton=fused, deterministic=deterministic)
+        fused, gated_delta = None, cpu
+        if isinstance(choice.backend, TritonAttention):  # Triton is imported only where it runs
+            from nanovllm.kernels import triton_gated_delta as gated_delta
+            from nanovllm.kernels import triton_layers as fused
+        kernels = LayerKernels(cpu=cpu, triton=fused, deterministic=deterministic, gated_delta=gated_delta)
         self.model.bind_kernels(choice.backend, kernels)
         self.sampler.cpu_kernels = cpu
         if self.draft is not None:
