@@ -101,7 +101,7 @@ def run_offline(
 ) -> tuple[Result, list[list[int]], list[str]]:
     """Time LLM.generate; return the result, each request's token ids, and the engine's worker flags."""
     llm = build_llm(model_dir, workload, args)
-    warm_up_nanovllm(llm, llm.config.hf_config.vocab_size)
+    warm_up_nanovllm(llm, llm.config.model_config.vocab_size)
     params = [greedy(n) for n in workload.output_lens]
     t0 = time.perf_counter()
     outputs = llm.generate(workload.prompts, params, use_tqdm=False)

@@ -72,7 +72,7 @@ def source(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_an_f32_file_serves_the_checkpoints_tokens_and_logits(source: Path, tmp_path: Path):
     llm = _load(write_gguf(source, tmp_path / "model.gguf"), tmp_path, dtype="float32")
-    ours, theirs = llm.config.hf_config, ModelConfig.from_pretrained_dir(source)
+    ours, theirs = llm.config.model_config, ModelConfig.from_pretrained_dir(source)
     assert ours == theirs  # architecture, shape, experts, RoPE scaling: the file's metadata says it all
     outs = llm.generate(PROMPTS, greedy(MAX_NEW), use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):

@@ -23,6 +23,7 @@ from nanovllm.common.v1 import worker_pb2
 from nanovllm.router.fleet.workers import WorkerConnection
 from nanovllm.worker.layers.gated_delta_rule import causal_conv_step, chunked, recurrent_step
 from nanovllm.worker.model_config import ModelConfig
+from nanovllm.worker.models.qwen3_5 import Qwen3_5ForCausalLM
 from nanovllm.worker.runner.kv_cache import kv_bytes_per_block
 from tests.helpers import compare_tp, greedy, hf_greedy, hf_model, teacher_forced_logits
 from tests.model_factory import build_model
@@ -61,7 +62,7 @@ def hybrid_model(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _all_back(llm: LLM) -> bool:
     bm = llm.engine.block_manager
     return (
-        bm.num_free_blocks == bm.num_blocks and len(bm.free_state_slots) == llm.engine.runner.num_state_slots
+        bm.num_free_blocks == bm.num_blocks and len(bm.states.free_slots) == llm.engine.runner.num_state_slots
     )
 
 
@@ -297,9 +298,13 @@ def test_preempted_requests_recompute_their_state(default_model: Path):
     expected = [o["token_ids"] for o in roomy.generate(prompts, greedy(30), use_tqdm=False)]
     model = ModelConfig.from_pretrained_dir(default_model)
     # 8 slots and the pad row (worker/runner/decode_graphs.py), 20 blocks
-    memory = 9 * model.hybrid.state_bytes(4) + 20 * kv_bytes_per_block(model, 4, model.num_key_value_heads, 4)
+    memory = 9 * Qwen3_5ForCausalLM.state_layout(model, 1).bytes_per_slot(4) + 20 * kv_bytes_per_block(
+        model, 4, model.num_key_value_heads, 4
+    )
     options = {**ENGINE, "max_model_len": 64, "kvcache_block_size": 4, "kv_cache_memory": memory}
-    options.update(state_memory_fraction=(8 * model.hybrid.state_bytes(4) + 1) / memory)
+    options.update(
+        state_memory_fraction=(8 * Qwen3_5ForCausalLM.state_layout(model, 1).bytes_per_slot(4) + 1) / memory
+    )
     tight = LLM(str(default_model), **options, max_num_seqs=8, max_num_batched_tokens=32)
     got = [o["token_ids"] for o in tight.generate(prompts, greedy(30), use_tqdm=False)]
     assert tight.engine.scheduler.num_preemptions > 0
@@ -442,7 +447,9 @@ def test_a_state_that_cannot_fit_fails_at_start_with_the_numbers(default_model: 
 def test_requests_wait_for_a_state_slot_when_fewer_fit_than_max_num_seqs(default_model: Path):
     """Room for the state of 3 requests, max_num_seqs 8: three run at a time, the others wait for a
     slot, and all eight finish with the tokens of an engine that runs them all at once."""
-    state = ModelConfig.from_pretrained_dir(default_model).hybrid.state_bytes(4)
+    state = Qwen3_5ForCausalLM.state_layout(ModelConfig.from_pretrained_dir(default_model), 1).bytes_per_slot(
+        4
+    )
     memory = 2 * 2**20
     llm = LLM(str(default_model), **{**ENGINE, "kv_cache_memory": memory}, max_num_seqs=8,
               state_memory_fraction=(3 * state + 1) / memory, enable_prefix_caching=False)  # fmt: skip
@@ -476,7 +483,10 @@ def test_deterministic_bf16_gives_a_request_what_it_gives_it_alone(default_model
     rng = random.Random(8)
     crowd = [[rng.randrange(2, 500) for _ in range(rng.randrange(20, 60))] for _ in range(6)]
     model = ModelConfig.from_pretrained_dir(default_model)
-    state, block = model.hybrid.state_bytes(2), kv_bytes_per_block(model, 4, model.num_key_value_heads, 2)
+    state, block = (
+        Qwen3_5ForCausalLM.state_layout(model, 1).bytes_per_slot(2),
+        kv_bytes_per_block(model, 4, model.num_key_value_heads, 2),
+    )
     memory = 8 * state + 56 * block  # 7 slots, the pad row, 56 blocks of 4 tokens for 7 requests of up to 166
     options.update(max_model_len=192, kvcache_block_size=4)
     tight = LLM(str(default_model), **{**options, "kv_cache_memory": memory}, max_num_seqs=7,
@@ -514,11 +524,11 @@ def test_the_router_counts_a_hybrid_workers_hit_to_its_last_snapshot(default_mod
     llm.generate([shared + [rng.randrange(2, 512) for _ in range(40)]], greedy(4), use_tqdm=False)
     bm = llm.engine.block_manager
     changes = bm.take_cache_events()
-    assert changes.state.stored == set(bm.state_cache) and bm.state_cache
+    assert changes.state.stored == set(bm.states.cache) and bm.states.cache
     link = WorkerConnection("127.0.0.1:9", prepare=None)
     link._apply(
         worker_pb2.PrefixCacheEvents(
-            reset=True, stored=sorted(bm.cached), resume_points=True, state_stored=sorted(bm.state_cache)
+            reset=True, stored=sorted(bm.cached), resume_points=True, state_stored=bm.state_cached()
         )
     )
     second = shared + [9, 10, 11]
@@ -561,7 +571,10 @@ def test_preempted_requests_resume_from_their_snapshots(default_model: Path):
     roomy = LLM(str(default_model), **ENGINE)
     expected = [o["token_ids"] for o in roomy.generate(prompts, greedy(30), use_tqdm=False)]
     model = ModelConfig.from_pretrained_dir(default_model)
-    state, block = model.hybrid.state_bytes(4), kv_bytes_per_block(model, 4, model.num_key_value_heads, 4)
+    state, block = (
+        Qwen3_5ForCausalLM.state_layout(model, 1).bytes_per_slot(4),
+        kv_bytes_per_block(model, 4, model.num_key_value_heads, 4),
+    )
     left = 20 * block + 16 * state  # past the 8 slots and the pad row: 20 blocks and 16 snapshots
     options = {**ENGINE, "max_model_len": 64, "kvcache_block_size": 4, "kv_cache_memory": 9 * state + left}
     options.update(max_num_seqs=8, max_num_batched_tokens=32, state_cache_fraction=(16 * state + 1) / left)
@@ -569,8 +582,8 @@ def test_preempted_requests_resume_from_their_snapshots(default_model: Path):
     tight = LLM(str(default_model), **options)
     bm = tight.engine.block_manager
     restores = []
-    restore = bm.state_restore
-    bm.state_restore = lambda seq: restores.append(restore(seq)) or restores[-1]  # counts the hits
+    restore = bm.states.restore
+    bm.states.restore = lambda seq: restores.append(restore(seq)) or restores[-1]  # counts the hits
     got = [o["token_ids"] for o in tight.generate(prompts, greedy(30), use_tqdm=False)]
     assert tight.engine.scheduler.num_preemptions > 0
     assert any(row >= 0 for row in restores), restores

@@ -236,8 +236,8 @@ class EngineConfig:
     )
     gguf_file: str | None = field(default=None, repr=False)  # the .gguf `model` was converted from, if any
     draft_gguf_file: str | None = field(default=None, repr=False)  # the .gguf of speculative_model, if any
-    hf_config: ModelConfig | None = field(default=None, repr=False)
-    draft_hf_config: ModelConfig | None = field(default=None, repr=False)  # speculative_model's shape
+    model_config: ModelConfig | None = field(default=None, repr=False)
+    draft_model_config: ModelConfig | None = field(default=None, repr=False)  # speculative_model's shape
     # The memory settings above, read once (__post_init__): None where unset.
     kv_cache_size: MemorySize | None = field(init=False, repr=False, default=None)
     kv_host_size: MemorySize | None = field(init=False, repr=False, default=None)
@@ -311,14 +311,14 @@ class EngineConfig:
         self._check_kv_tiers()
         if self.speculative_max_batch < 1:
             raise ConfigError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
-        if self.hf_config is None:
-            self.hf_config = ModelConfig.from_pretrained_dir(self.model)
+        if self.model_config is None:
+            self.model_config = ModelConfig.from_pretrained_dir(self.model)
         self._check_draft()
-        if self.hf_config.hybrid is not None:
+        if self.model_config.hybrid is not None:
             self._check_hybrid()
         # Positions beyond the model's trained range are meaningless; clamp (as nano-vllm does) so the
         # 4096 default works for small models. `LLM.config.max_model_len` holds the effective value.
-        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        self.max_model_len = min(self.max_model_len, self.model_config.max_position_embeddings)
 
     def _check_hybrid(self) -> None:
         """What a hybrid model (linear-attention layers with a per-request state) does not run with yet,
@@ -338,7 +338,7 @@ class EngineConfig:
         named = [name for name, on in refused.items() if on]
         if named:
             raise ConfigError(
-                f"{', '.join(named)}: not supported with {self.hf_config.architecture} (a hybrid model's "
+                f"{', '.join(named)}: not supported with {self.model_config.architecture} (a hybrid model's "
                 "linear-attention state) yet"
             )
         if not 0.0 < self.state_memory_fraction < 1.0:
@@ -444,9 +444,9 @@ class EngineConfig:
             return
         if self.speculative_model is None:
             raise ConfigError("speculative_method=draft needs speculative_model (a draft model directory)")
-        if self.draft_hf_config is None:
-            self.draft_hf_config = ModelConfig.from_pretrained_dir(self.speculative_model)
-        check_same_vocabulary(self.model, self.hf_config, self.speculative_model, self.draft_hf_config)
+        if self.draft_model_config is None:
+            self.draft_model_config = ModelConfig.from_pretrained_dir(self.speculative_model)
+        check_same_vocabulary(self.model, self.model_config, self.speculative_model, self.draft_model_config)
 
 
 def check_same_vocabulary(model: str, config: ModelConfig, draft: str, draft_config: ModelConfig) -> None:

@@ -35,8 +35,8 @@ class LLM:
             "model",
             "gguf_file",
             "draft_gguf_file",
-            "hf_config",
-            "draft_hf_config",
+            "model_config",
+            "draft_model_config",
         }
         unknown = sorted(set(kwargs) - known)
         if unknown:

@@ -68,13 +68,6 @@ class HybridSpec:
         """Channels of the convolution: q, k and v of the linear attention."""
         return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
 
-    def state_bytes(self, element_size: int) -> int:
-        """One request's state across every linear layer: the convolution's last inputs (in the model's
-        dtype) and the recurrent state (fp32)."""
-        conv = self.conv_dim * (self.conv_kernel_size - 1) * element_size
-        recurrent = self.num_value_heads * self.key_head_dim * self.value_head_dim * 4
-        return len(self.linear_layers) * (conv + recurrent)
-
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], head_dim: int, rope: dict[str, Any]) -> HybridSpec:
         layers = cfg["num_hidden_layers"]

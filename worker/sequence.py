@@ -144,13 +144,9 @@ class Sequence:
     # sequence until the step verifies them.
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0  # tokens whose KV the draft model holds (worker/sample/draft.py)
-    # A hybrid model's: the slot of the linear layers' state the sequence holds while it has blocks (-1: none),
-    # its own snapshot row (the state at its last block boundary: `snapshot_tokens` tokens), and the
-    # (boundary, row, is its own row) copies a step in flight makes (worker/core/block_manager.py).
+    # A hybrid model's: the slot of the linear layers' state the sequence holds while it has blocks (-1: none;
+    # worker/core/recurrent_states.py).
     state_slot: int = -1
-    state_snapshot: int = -1
-    snapshot_tokens: int = 0
-    pending_snapshots: list[tuple[int, int, bool]] = field(default_factory=list)
     grammar: GrammarState | None = None  # structured output: where the request is in its constraint
     adapter: Adapter | None = None  # LoRA: None runs the base model
     timeline: RequestTimeline = field(default_factory=RequestTimeline)

@@ -11,15 +11,9 @@ disk; a prompt's hash chain continues there past its last device hit, and those 
 into fresh device blocks by the step that admits the request (`load_lower_hits`), joining the prefix cache
 at once from host memory, and from disk once that step says they arrived (`finish_loads`).
 
-A hybrid model's sequence also holds a state slot (the linear-attention layers' per-request state) from
-its first blocks until it frees them: admission needs a free slot as it needs free blocks. Its prefix
-cache needs the state too: a hit resumes the linear layers from a snapshot of the state at the hit's last
-block boundary, so hits end at the last block with one. Snapshot rows (beside the live slots in the same
-state tensors) are kept by block hash, least recently used recycled first. A step copies the state into
-them at the boundaries the scheduler asks for (`plan_state_saves`): every `snapshot_interval` tokens of a
-sequence (shared prefixes), and its last boundary, into the sequence's own row, which it leaves behind
-when it frees its blocks (a conversation's next turn). They join the cache once the step has run and
-their blocks' hashes are known (`cache_full_blocks`).
+A hybrid model's sequence also holds a state slot, and its prefix hits end where a snapshot of that state
+does: worker/core/recurrent_states.py, which the block manager calls where blocks are taken, hashed and
+freed.
 """
 
 from __future__ import annotations
@@ -30,6 +24,7 @@ from dataclasses import dataclass, field
 from nanovllm.common.block_hash import HashChanges, hash_block
 from nanovllm.common.errors import ConfigError
 from nanovllm.worker.core.kv_tiers import KVTiers
+from nanovllm.worker.core.recurrent_states import RecurrentStates
 from nanovllm.worker.sequence import Sequence
 from nanovllm.worker.step import KVLoad, KVTransfers
 
@@ -62,29 +57,20 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         lower_tiers: KVTiers | None = None,
-        num_state_slots: int = 0,
-        num_state_snapshots: int = 0,
-        snapshot_interval: int = 0,
+        states: RecurrentStates | None = None,
     ) -> None:
-        """`num_state_slots`: a hybrid model's state slots (0: the model has no per-request state), rows
-        0.. of its state tensors; `num_state_snapshots`: the snapshot rows after them, taken every
-        `snapshot_interval` tokens of a sequence and at its last block boundary."""
+        """`states`: a hybrid model's state slots and snapshots (None: the model has no per-request state)."""
         if num_blocks < 1 or block_size < 1:
             raise ConfigError(f"need at least one block of one token, got {num_blocks} x {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.lower_tiers = lower_tiers if enable_prefix_caching else None
+        self.states = states
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.cached: dict[int, int] = {}  # block hash -> block id
         # Blocks with ref_count 0, oldest-freed first; cached ones among them are still hits until recycled.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cache_events = CacheEvents()  # changes to `cached` not yet reported (see take_cache_events)
-        self.has_state_slots = num_state_slots > 0
-        self.free_state_slots = list(range(num_state_slots - 1, -1, -1))  # popped lowest first
-        self.caches_state = self.has_state_slots and enable_prefix_caching and num_state_snapshots > 0
-        self.snapshot_interval = snapshot_interval
-        self.free_snapshots = list(range(num_state_slots + num_state_snapshots - 1, num_state_slots - 1, -1))
-        self.state_cache: OrderedDict[int, int] = OrderedDict()  # block hash -> snapshot row, LRU first
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -108,7 +94,11 @@ class BlockManager:
     @property
     def has_cache_events(self) -> bool:
         """Whether the device's or a lower tier's cached hashes changed since the last take_cache_events."""
-        return bool(self.cache_events) or bool(self.lower_tiers is not None and self.lower_tiers.events)
+        return (
+            bool(self.cache_events)
+            or bool(self.lower_tiers is not None and self.lower_tiers.events)
+            or bool(self.states is not None and self.states.events)
+        )
 
     def take_cache_events(self) -> CacheEvents:
         """The changes to the cached hashes (the device's and the lower tiers') since the last call."""
@@ -116,11 +106,17 @@ class BlockManager:
         if self.lower_tiers is not None:
             lower = self.lower_tiers.take_events()
             events.lower_stored, events.lower_evicted = lower.stored, lower.evicted
+        if self.states is not None:
+            events.state = self.states.take_events()
         return events
 
     def lower_cached(self) -> list[int]:
         """Every hash the lower tiers hold."""
         return self.lower_tiers.held() if self.lower_tiers is not None else []
+
+    def state_cached(self) -> list[int]:
+        """The hashes of the blocks that end at a state snapshot (a hybrid model's resume points)."""
+        return sorted(self.states.cache) if self.states is not None else []
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -139,70 +135,9 @@ class BlockManager:
             if block_id is None:
                 break
             hits.append(block_id)
-            if prev in self.state_cache:
+            if self.states is not None and self.states.resumes_at(prev):
                 resumable = len(hits)
-        return hits[:resumable] if self.has_state_slots else hits
-
-    def state_restore(self, seq: Sequence) -> int:
-        """The snapshot row a hybrid sequence admitted on prefix hits resumes from (-1: none, no hits)."""
-        if not self.has_state_slots or not seq.block_hashes:
-            return -1
-        row = self.state_cache.get(seq.block_hashes[-1])
-        if row is None:
-            raise RuntimeError(f"request {seq.request_id!r} hit blocks past the last state snapshot")
-        self.state_cache.move_to_end(seq.block_hashes[-1])
-        return row
-
-    def plan_state_saves(self, seq: Sequence, start: int, end: int) -> list[tuple[int, int]]:
-        """(boundary, snapshot row) of the copies of `seq`'s state that the step computing its tokens
-        [start, end) makes: at each multiple of snapshot_interval it reaches, into a fresh row, and at the
-        last block boundary it reaches, into the sequence's own row. Rows run out only when every one is
-        some running sequence's own: those copies are then not made."""
-        last = end // self.block_size * self.block_size
-        if last <= start:
-            return []
-        saves = []
-        first_interval = (start // self.snapshot_interval + 1) * self.snapshot_interval
-        for boundary in range(first_interval, last + 1, self.snapshot_interval):
-            row = self._take_snapshot_row()
-            if row < 0:
-                break
-            saves.append((boundary, row))
-            seq.pending_snapshots.append((boundary, row, False))
-        if not saves or saves[-1][0] != last:
-            if seq.state_snapshot < 0:
-                seq.state_snapshot = self._take_snapshot_row()
-            if seq.state_snapshot >= 0:
-                saves.append((last, seq.state_snapshot))
-                seq.pending_snapshots.append((last, seq.state_snapshot, True))
-        return saves
-
-    def _take_snapshot_row(self) -> int:
-        if self.free_snapshots:
-            return self.free_snapshots.pop()
-        if self.state_cache:
-            block_hash, row = self.state_cache.popitem(last=False)
-            self.cache_events.state.evict(block_hash)
-            return row
-        return -1
-
-    def _publish_snapshots(self, seq: Sequence) -> None:
-        """The copies the last step made of `seq`'s state: its own row now holds its last boundary's
-        state; the others join the cache under their block's hash (a row whose hash is cached already
-        goes back to the free rows)."""
-        for boundary, row, own in seq.pending_snapshots:
-            if own:
-                seq.snapshot_tokens = boundary
-            else:
-                self._cache_snapshot(seq.block_hashes[boundary // self.block_size - 1], row)
-        seq.pending_snapshots = []
-
-    def _cache_snapshot(self, block_hash: int, row: int) -> None:
-        if block_hash in self.state_cache:
-            self.free_snapshots.append(row)
-        else:
-            self.state_cache[block_hash] = row
-            self.cache_events.state.store(block_hash)
+        return hits[:resumable] if self.states is not None else hits
 
     def lower_hits(self, seq: Sequence, device_hits: list[int]) -> list[int]:
         """The hashes of the blocks that continue `seq`'s prefix in the lower tiers past its device hits
@@ -278,10 +213,8 @@ class BlockManager:
         revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
         if needed > self.num_free_blocks - revived:
             return False
-        if self.has_state_slots and seq.state_slot < 0:
-            if not self.free_state_slots:
-                return False
-            seq.state_slot = self.free_state_slots.pop()
+        if self.states is not None and not self.states.take_slot(seq):
+            return False
         if not seq.admitted:  # a request's prompt, once: a preempted one's recomputation is no new query
             self.prefix_queried_tokens += seq.num_tokens
             self.prefix_hit_tokens += len(computed_blocks) * self.block_size
@@ -323,8 +256,8 @@ class BlockManager:
                 self.cached[block_hash] = block.block_id
                 block.block_hash = block_hash
                 self.cache_events.store(block_hash)
-        if seq.pending_snapshots:
-            self._publish_snapshots(seq)
+        if self.states is not None:
+            self.states.publish(seq)
 
     def free(self, seq: Sequence) -> None:
         """Release all of `seq`'s blocks. Tail blocks are freed first so that they are recycled before the
@@ -336,20 +269,8 @@ class BlockManager:
                 self.free_queue[block_id] = None
                 if self.lower_tiers is not None and block.block_hash is not None:
                     self.lower_tiers.offer(block_id, block.block_hash)
-        if seq.state_snapshot >= 0:  # its last boundary's state, left for a next turn's hit
-            boundary_blocks = seq.snapshot_tokens // self.block_size
-            if 0 < boundary_blocks <= len(seq.block_hashes):
-                self._cache_snapshot(seq.block_hashes[boundary_blocks - 1], seq.state_snapshot)
-            else:
-                self.free_snapshots.append(seq.state_snapshot)
-            seq.state_snapshot, seq.snapshot_tokens = -1, 0
-        for _, row, own in seq.pending_snapshots:  # made by no step that ran (aborted, or never launched)
-            if not own:
-                self.free_snapshots.append(row)
-        seq.pending_snapshots = []
+        if self.states is not None:
+            self.states.release(seq)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
-        if seq.state_slot >= 0:
-            self.free_state_slots.append(seq.state_slot)
-            seq.state_slot = -1

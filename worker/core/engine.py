@@ -20,6 +20,7 @@ from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.core.block_manager import BlockManager
 from nanovllm.worker.core.kv_tiers import DiskIndex, KVTiers
+from nanovllm.worker.core.recurrent_states import RecurrentStates
 from nanovllm.worker.core.scheduler import Scheduler, request_output
 from nanovllm.worker.models.lora_adapter import LoRAAdapter
 from nanovllm.worker.runner.model_runner import LaunchedStep, ModelRunner
@@ -77,16 +78,14 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_config = config.hf_config
+        self.model_config = config.model_config
         self.runner = ModelRunner(config)
         self.block_manager = BlockManager(
             self.runner.num_blocks,
             config.kvcache_block_size,
             config.enable_prefix_caching,
             self._lower_tiers(),
-            self.runner.num_state_slots,
-            self.runner.num_state_snapshots,
-            config.state_snapshot_interval,
+            self._recurrent_states(),
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.scheduler = Scheduler(
@@ -113,8 +112,8 @@ class LLMEngine:
             and config.tensor_parallel_size == 1
             and config.speculative_method == "none"
             # A hybrid model's state snapshots are published as a step is applied: the next step must not
-            # have run yet (worker/core/block_manager.py).
-            and config.hf_config.hybrid is None
+            # have run yet (worker/core/recurrent_states.py).
+            and config.model_config.hybrid is None
         )
         self._inflight: _InFlight | None = None  # a launched step not yet applied (overlapped loop)
         # The step loop, chosen once (vLLM v1's step / step_with_batch_queue). The function, not the bound
@@ -134,6 +133,19 @@ class LLMEngine:
         disk = offload.disk
         disk_index = DiskIndex(disk.capacity, disk.found) if disk is not None else None
         return KVTiers(offload.host_slots, disk_index, offload.block_nbytes)
+
+    def _recurrent_states(self) -> RecurrentStates | None:
+        """A hybrid model's state slots and snapshot rows, over the rows the runner allocated."""
+        runner, config = self.runner, self.config
+        if not runner.num_state_slots:
+            return None
+        return RecurrentStates(
+            runner.num_state_slots,
+            runner.num_state_snapshots,
+            config.state_snapshot_interval,
+            config.kvcache_block_size,
+            config.enable_prefix_caching,
+        )
 
     def add_request(
         self,

@@ -105,10 +105,10 @@ class Scheduler:
             self._admit_waiting(budget, decodes, prefills, loading)
         transfers = self.block_manager.take_transfers()
         scheduled = decodes + prefills
-        if self.block_manager.caches_state:  # a hybrid model's state copies at block boundaries
+        states = self.block_manager.states
+        if states is not None and states.caching:  # a hybrid model's state copies at block boundaries
             for item in scheduled:
-                end = item.start + item.num_new_tokens
-                item.state_saves = self.block_manager.plan_state_saves(item.seq, item.start, end)
+                item.state_saves = states.plan_saves(item.seq, item.start, item.start + item.num_new_tokens)
         return SchedulerOutput(scheduled, len(decodes), transfers, loading)
 
     def _admit_waiting(
@@ -150,7 +150,12 @@ class Scheduler:
                     bm.finish_loads(seq, lower, set())
                 num_cached = len(seq.block_hashes) * bm.block_size
                 self._start_running(seq, num_cached)
-                item = ScheduledSequence(seq, num_cached, num_new, state_restore=bm.state_restore(seq))
+                item = ScheduledSequence(
+                    seq,
+                    num_cached,
+                    num_new,
+                    state_restore=-1 if bm.states is None else bm.states.restore(seq),
+                )
                 (decodes if num_new == 1 else prefills).append(item)
                 budget -= num_new
             self.waiting.pop(index)

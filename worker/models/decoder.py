@@ -181,6 +181,9 @@ class DecoderModel(nn.Module):
 
 class DecoderForCausalLM(nn.Module):
     model_class: ClassVar[type[nn.Module]] = DecoderModel  # the layers between the embedding and the head
+    # Whether some layers keep a per-request state beside the KV cache (then the class declares its shapes,
+    # `state_layout`, and lists those layers, `linear_attention_layers`: worker/models/qwen3_5.py).
+    is_hybrid: ClassVar[bool] = False
     # Checkpoint tensors that are fused into one parameter here: name -> (fused name, shard id).
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
         "q_proj": ("qkv_proj", "q"),

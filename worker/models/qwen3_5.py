@@ -9,14 +9,17 @@ linear layers' output norm, are zero-centred (1 + w, folded into the weight as i
 A linear-attention layer projects q, k, v (through a causal depthwise convolution with SiLU), the output
 gate z, and per value head the write strength b and the decay a; runs the gated delta rule
 (worker/layers/gated_delta_rule.py) from the request's state; normalises each head's output and gates it
-with SiLU(z). Its state (the convolution's last inputs and the recurrent state) lives in per-request
-slots the model runner binds (`conv_state`, `recurrent_state`); the step's StateBatch says which slot
+with SiLU(z). Its state (the convolution's last inputs and the recurrent state, whose shapes the model
+declares: `Qwen3_5ForCausalLM.state_layout`) lives in per-request slots the model runner binds
+(`conv_state`, `recurrent_state`); the step's StateBatch says which slot
 each sequence has and which start from zero. Tensor parallelism splits key and value heads across ranks
 as attention heads are split.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -42,6 +45,23 @@ from nanovllm.worker.layers.quantization import QuantPlan, assign
 from nanovllm.worker.layers.rotary import RotaryEmbedding, apply_rotary
 from nanovllm.worker.model_config import FULL_ATTENTION, HybridSpec, ModelConfig
 from nanovllm.worker.models.decoder import DecoderForCausalLM, DecoderLayer, DecoderMLP, DecoderModel
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """One request's state on one rank: in each of `num_layers` linear-attention layers, the convolution's
+    last inputs ([channels, K - 1], in the model's dtype) and the recurrent state ([value heads, key dim,
+    value dim], in `recurrent_dtype`)."""
+
+    num_layers: int
+    conv: tuple[int, int]
+    recurrent: tuple[int, int, int]
+    recurrent_dtype: torch.dtype = torch.float32
+
+    def bytes_per_slot(self, element_size: int) -> int:
+        """One slot's bytes with the convolution's state at `element_size` (the model's dtype)."""
+        recurrent = math.prod(self.recurrent) * self.recurrent_dtype.itemsize
+        return self.num_layers * (math.prod(self.conv) * element_size + recurrent)
 
 
 class GatedAttention(nn.Module):
@@ -332,6 +352,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
     """The decoder's embedding, head and loading, over the hybrid's layers."""
 
     model_class = HybridModel
+    is_hybrid = True
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
         **DecoderForCausalLM.packed_modules_mapping,
         "in_proj_qkv": ("in_proj", "qkv"),
@@ -356,6 +377,17 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers if layer.is_full_attention]
+
+    @staticmethod
+    def state_layout(cfg: ModelConfig, tp_size: int) -> StateLayout:
+        """The per-request state of a rank's share of the linear layers (key and value heads split as
+        GatedDeltaNet splits them)."""
+        h: HybridSpec = cfg.hybrid
+        return StateLayout(
+            num_layers=len(h.linear_layers),
+            conv=(h.conv_dim // tp_size, h.conv_kernel_size - 1),
+            recurrent=(h.num_value_heads // tp_size, h.key_head_dim, h.value_head_dim),
+        )
 
     def linear_attention_layers(self) -> list[GatedDeltaNet]:
         return [layer.linear_attn for layer in self.model.layers if not layer.is_full_attention]

@@ -17,7 +17,7 @@ from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.kernels.backends import CpuKernelAttention, TritonAttention, select_attention_backend
-from nanovllm.kernels.fp8_kv import KV_CACHE_DTYPES, KVScales, from_checkpoint, is_fp8, scale_for
+from nanovllm.kernels.fp8_kv import KV_CACHE_DTYPES, is_fp8
 from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.device import resolve_placement, usable_cpus
 from nanovllm.worker.layers.kernels import LayerKernels
@@ -40,6 +40,7 @@ from nanovllm.worker.runner.kv_cache import (
     gpu_kv_cache_bytes,
     kv_bytes_per_block,
 )
+from nanovllm.worker.runner.kv_calibration import calibrate_kv_scales
 from nanovllm.worker.runner.kv_disk import DiskTier, model_digest
 from nanovllm.worker.runner.kv_offload import KVOffload
 from nanovllm.worker.runner.lora_slots import AdapterSlots
@@ -47,10 +48,6 @@ from nanovllm.worker.runner.tensor_parallel import TensorParallelGroup
 from nanovllm.worker.sample.draft import DraftModel
 from nanovllm.worker.sample.sampler import Sampler
 from nanovllm.worker.step import SamplingRow, SeqChunk, StepInputs
-
-# An FP8 cache's calibration prompt (_calibrate_kv_scales): long enough for every position's RoPE phase
-# mix and the first tokens' large activations to show, short enough to cost a fraction of a second.
-KV_CALIBRATION_TOKENS = 256
 
 log = get_logger(__name__)
 
@@ -105,6 +102,26 @@ class ModelRunnerBase:
             raise
 
     def _build(self) -> None:
+        """The runner's construction, a stage a line."""
+        config = self.config
+        self._place()
+        self._load_weights()
+        self._prepare_steps()
+        if is_fp8(self.kv_cache_dtype):
+            calibrate_kv_scales(
+                self.model, self.inputs, self.kv_cache_dtype, config.model_config.vocab_size,
+                config.max_model_len, logs=self.tp.rank == 0,
+            )  # fmt: skip
+        self.num_blocks = self._allocate_kv_cache()
+        self.kv_offload = self._kv_offload() if config.kv_tiers else None
+        self._bind_kernels()
+        if self.tp.rank == 0 and config.weight_format != "none":
+            self._log_quantized_weights()
+        if self._wants_cuda_graphs():
+            self.use_decode_graphs(CudaGraphCapture())
+
+    def _place(self) -> None:
+        """The device (one GPU per rank), the CPU threads, the dtypes and the block size."""
         config = self.config
         self.device = self.placement.device
         if self.device.type == "cuda":
@@ -123,19 +140,29 @@ class ModelRunnerBase:
         self.dtype = self.placement.dtype
         self.kv_cache_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, self.dtype)
         self.block_size = config.kvcache_block_size
-        cfg = config.hf_config
+
+    def _load_weights(self) -> None:
+        """The model's weights (this rank's shard, checked to fit first), a draft model's on rank 0, the
+        LoRA slots; `weights_bytes`: what they took on a GPU."""
+        config = self.config
         self._check_weights_fit()
         baseline = self._cuda_allocated()
-        self.model = self._load_model(cfg, config.model, config.weight_format, gguf_file=config.gguf_file)
+        self.model = self._load_model(
+            config.model_config, config.model, config.weight_format, gguf_file=config.gguf_file
+        )
         self.draft: DraftModel | None = None
-        if config.draft_hf_config is not None and config.speculative_model is not None and self.tp.rank == 0:
+        if (
+            config.draft_model_config is not None
+            and config.speculative_model is not None
+            and self.tp.rank == 0
+        ):
             # Whole, on rank 0 alone: it proposes between the target's steps, which the other ranks
             # run with rank 0; a small model gains nothing from a split that costs a collective per layer.
             whole = TPContext(0, 1, config.deterministic)
             draft = self._load_model(
-                config.draft_hf_config, config.speculative_model, "none", whole, config.draft_gguf_file
+                config.draft_model_config, config.speculative_model, "none", whole, config.draft_gguf_file
             )
-            self.draft = DraftModel(draft, config.draft_hf_config, self.block_size)
+            self.draft = DraftModel(draft, config.draft_model_config, self.block_size)
         self.lora: LoRAContext | None = None
         self.adapter_slots: AdapterSlots | None = None
         if config.max_loras:
@@ -143,19 +170,13 @@ class ModelRunnerBase:
                 self.lora = self.model.enable_lora(config.max_loras, config.max_lora_rank)
             self.adapter_slots = AdapterSlots(self.model, self.lora)
         self.weights_bytes = self._cuda_allocated() - baseline
-        generator = torch.Generator(self.device).manual_seed(config.seed)
+
+    def _prepare_steps(self) -> None:
+        """The sampler and the builder of each step's input tensors."""
+        generator = torch.Generator(self.device).manual_seed(self.config.seed)
         self.sampler = Sampler(generator)
-        self.block_rows = BlockTableRows(self._max_blocks_per_seq(), 2 * config.max_num_seqs)
+        self.block_rows = BlockTableRows(self._max_blocks_per_seq(), 2 * self.config.max_num_seqs)
         self.inputs = InputBuilder(self.block_size, self.device, self.block_rows)
-        if is_fp8(self.kv_cache_dtype):
-            self._calibrate_kv_scales()
-        self.num_blocks = self._allocate_kv_cache()
-        self.kv_offload = self._kv_offload() if config.kv_tiers else None
-        self._bind_kernels()
-        if self.tp.rank == 0 and config.weight_format != "none":
-            self._log_quantized_weights()
-        if self._wants_cuda_graphs():
-            self.use_decode_graphs(CudaGraphCapture())
 
     def _load_model(
         self,
@@ -180,7 +201,7 @@ class ModelRunnerBase:
 
     def _quant_plan(self, weight_format: str) -> QuantPlan | None:
         if weight_format == "gguf" and self.config.gguf_file is not None:
-            mapping = causal_lm_class(self.config.hf_config).packed_modules_mapping
+            mapping = causal_lm_class(self.config.model_config).packed_modules_mapping
             return gguf_quant_plan(Path(self.config.gguf_file), mapping)
         if weight_format == "int8":
             return QuantPlan(every_linear=QuantScheme("int8", 8, None))
@@ -263,7 +284,7 @@ class ModelRunnerBase:
     def _check_weights_fit(self) -> None:
         if self.device.type != "cpu":
             return  # on CUDA the allocator's own out-of-memory error already names the sizes
-        element, model, draft = self._element_size(), self.config.hf_config, self.config.draft_hf_config
+        element, model, draft = self._element_size(), self.config.model_config, self.config.draft_model_config
         needed = model.num_parameters * element
         if self.config.weight_format != "none":  # the projections at a byte a weight at most
             embeddings = model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)
@@ -352,77 +373,19 @@ class ModelRunnerBase:
         heaviest = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=SamplingParams.MAX_LOGPROBS)
         self.sampler(logits, [SamplingRow(heaviest, [0], [], None)] * num_rows)
 
-    @torch.inference_mode()
-    def _calibrate_kv_scales(self) -> None:
-        """An FP8 cache's scales (kernels/fp8_kv.py), per layer and kv head: an FP8 checkpoint's own
-        (`k_scale`, `v_scale` in every attention layer), rounded up to powers of two; otherwise from the largest |K| and |V| of
-        a fixed pseudo-random prompt, run before the cache exists (so nothing is stored and every layer
-        sees the K/V in the model's dtype). The same weights and kernels give every worker and every start
-        the same scales, which exact failover and the disk tier's files need; every rank calibrates its own
-        heads, all together (the forward's collectives pair up)."""
-        layers = self.model.attention_layers()
-        if all(len(attn.checkpoint_scales) == 2 for attn in layers):  # an FP8 checkpoint's own
-            for attn in layers:
-                key, value = (
-                    from_checkpoint(attn.checkpoint_scales[kind], attn.num_kv_heads).to(self.device)
-                    for kind in ("key", "value")
-                )
-                attn.kv_scales = KVScales(key, value)
-            if self.tp.rank == 0:
-                log.info(
-                    "kv_scales_from_checkpoint",
-                    kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."),
-                )
-            return
-        vocab = self.config.hf_config.vocab_size
-        n = min(KV_CALIBRATION_TOKENS, self.config.max_model_len)
-        ids = torch.randint(vocab, (n,), generator=torch.Generator().manual_seed(0)).tolist()
-        for attn in layers:
-            attn.kv_amax = torch.zeros(2, attn.num_kv_heads, device=self.device)
-        inputs = StepInputs(
-            input_ids=ids,
-            positions=list(range(n)),
-            slot_mapping=[],
-            decodes=[],
-            fresh=[SeqChunk(0, n, [])],
-            cached=[],
-            logits_index=[n - 1],
-        )
-        input_ids, positions, meta, _ = self.inputs.tensors(inputs)
-        self.model(input_ids, positions, meta)
-        for attn in layers:
-            amax, attn.kv_amax = attn.kv_amax, None
-            attn.kv_scales = KVScales(
-                scale_for(amax[0], self.kv_cache_dtype), scale_for(amax[1], self.kv_cache_dtype)
-            )
-        if self.tp.rank == 0:
-            scales = torch.stack([torch.stack([a.kv_scales.key, a.kv_scales.value]) for a in layers])
-            log.info(
-                "kv_scales_calibrated",
-                kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."),
-                tokens=n,
-                log2_scale_min=int(scales.log2().min()),
-                log2_scale_max=int(scales.log2().max()),
-            )
-
     def _allocate_states(self, budget: int) -> int:
         """A hybrid model's state rows, taken from the KV cache's budget: a slot for each request that may
         run (max_num_seqs, or as many as state_memory_fraction of the budget holds), then, with the prefix
         cache, snapshot rows (state_cache_fraction of what is left) that hits resume from
-        (worker/core/block_manager.py); each linear-attention layer's share bound to it. Returns the bytes
+        (worker/core/recurrent_states.py); each linear-attention layer's share bound to it. Returns the bytes
         they took."""
-        layers = getattr(self.model, "linear_attention_layers", list)()
         config = self.config
         self.num_state_slots = self.num_state_snapshots = 0
         self.pad_state_row: int | None = None
-        if not layers:
+        if not self.model.is_hybrid:
             return 0
-        k = config.hf_config.hybrid.conv_kernel_size
-        shapes = [
-            ((layer.split_sizes[0], k - 1), (layer.num_heads, layer.key_dim, layer.value_dim))
-            for layer in layers
-        ]
-        per_slot = sum(c[0] * c[1] * self._element_size() + r[0] * r[1] * r[2] * 4 for c, r in shapes)
+        layout = self.model.state_layout(config.model_config, self.tp.size)
+        per_slot = layout.bytes_per_slot(self._element_size())
         share = int(budget * config.state_memory_fraction)
         slots = self.tp.all_reduce_min(min(config.max_num_seqs, share // per_slot))
         if slots < 1:
@@ -437,13 +400,15 @@ class ModelRunnerBase:
             self.num_state_snapshots = self.tp.all_reduce_min(
                 max(0, int(left * config.state_cache_fraction)) // per_slot
             )
-        # The slots, the snapshot rows (worker/core/block_manager.py numbers them after the slots), and one
+        # The slots, the snapshot rows (worker/core/recurrent_states.py numbers them after the slots), and one
         # row more, which a replayed decode graph's padding rows run on.
         rows = slots + self.num_state_snapshots + 1
         self.pad_state_row = rows - 1
-        for layer, (conv, recurrent) in zip(layers, shapes):
-            layer.conv_state = torch.zeros((rows, *conv), dtype=self.dtype, device=self.device)
-            layer.recurrent_state = torch.zeros((rows, *recurrent), dtype=torch.float32, device=self.device)
+        for layer in self.model.linear_attention_layers():
+            layer.conv_state = torch.zeros((rows, *layout.conv), dtype=self.dtype, device=self.device)
+            layer.recurrent_state = torch.zeros(
+                (rows, *layout.recurrent), dtype=layout.recurrent_dtype, device=self.device
+            )
         if self.tp.rank == 0:
             log.info(
                 "state_slots_allocated",
@@ -456,7 +421,7 @@ class ModelRunnerBase:
         return rows * per_slot
 
     def _allocate_kv_cache(self) -> int:
-        cfg = self.config.hf_config
+        cfg = self.config.model_config
         kv_heads = self.tp.kv_heads(cfg.num_key_value_heads)[1]
         per_block = kv_bytes_per_block(cfg, self.block_size, kv_heads, self.kv_cache_dtype.itemsize)
         if self.draft is not None:  # the draft's KV of a block's tokens lives in a block of its own cache

@@ -50,7 +50,7 @@ def model_digest(
     is. A weight file is named by its name, size and first and last MiB (hashing every byte of a large
     model at each start would cost a minute)."""
     h = hashlib.sha256()
-    cfg = config.hf_config
+    cfg = config.model_config
     facts = {
         "config": repr(cfg),
         "weight_format": config.weight_format,

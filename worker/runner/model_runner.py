@@ -146,7 +146,7 @@ class ModelRunner(ModelRunnerBase):
         """The logprobs of the prompt tokens the step's rows score (worker/sample/scoring.py), their logits
         computed a slice of rows at a time on every rank (the vocabulary is split between them)."""
         scorer = PromptScorer(inputs.prompt_scoring) if self.tp.rank == 0 else None
-        step = slice_rows(self.config.hf_config.vocab_size)
+        step = slice_rows(self.config.model_config.vocab_size)
         for begin in range(0, len(inputs.prompt_rows), step):
             rows = self.inputs.long(inputs.prompt_rows[begin : begin + step])
             logits = self.model.compute_logits(hidden.index_select(0, rows)).float()

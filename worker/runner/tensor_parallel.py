@@ -85,7 +85,7 @@ class TensorParallelGroup:
 
     def __init__(self, config: EngineConfig, runner: type[ShardRunner]) -> None:
         size = config.tensor_parallel_size
-        check_shardable(config.hf_config, size)  # a clear error before any process starts
+        check_shardable(config.model_config, size)  # a clear error before any process starts
         self.size = size
         store = dist.TCPStore(
             HOST, 0, world_size=size, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False

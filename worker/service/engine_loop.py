@@ -262,8 +262,8 @@ class EngineLoop:
             reset=True,
             stored=sorted(bm.cached),
             lower_stored=bm.lower_cached(),
-            resume_points=bm.has_state_slots,
-            state_stored=sorted(bm.state_cache),
+            resume_points=bm.states is not None,
+            state_stored=bm.state_cached(),
         )
         conn.deliver(worker_pb2.StepOutputs(prefix_cache=cache))
 

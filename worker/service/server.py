@@ -66,13 +66,13 @@ def worker_info(
         name: (model_dir / name).read_bytes() for name in TOKENIZER_FILES if (model_dir / name).is_file()
     }
     chat_template = model_dir / "chat_template.jinja"
-    hf = config.hf_config
+    shape = config.model_config
     return worker_pb2.WorkerInfo(
         model=served_name,
-        architectures=[hf.architecture],
+        architectures=[shape.architecture],
         max_model_len=config.max_model_len,
-        vocab_size=hf.vocab_size,
-        eos_token_ids=list(hf.eos_token_ids),
+        vocab_size=shape.vocab_size,
+        eos_token_ids=list(shape.eos_token_ids),
         kvcache_block_size=config.kvcache_block_size,
         num_kv_blocks=num_kv_blocks,
         max_num_seqs=config.max_num_seqs,

@@ -1,0 +1,146 @@
+"""A hybrid model's per-request state beside the paged KV cache: state slots and snapshot rows.
+
+A hybrid model's linear-attention layers carry a recurrent state per request instead of a KV per token
+(the shapes are the model's to declare: `DecoderForCausalLM.state_layout`). Rows 0.. of those state
+tensors are slots: a sequence holds one from its first blocks until it frees them, so admission needs a
+free slot as it needs free blocks. The rows after them are snapshots, which the prefix cache needs: a hit
+resumes the linear layers from a snapshot of the state at the hit's last block boundary, so hits end at
+the last block with one. Snapshots are kept by the hash of the block they end, least recently used
+recycled first. A step copies the state into them at the boundaries the scheduler asks for
+(`plan_saves`): every `snapshot_interval` tokens of a sequence (shared prefixes), and its last boundary
+into the sequence's own row, which it leaves behind when it frees its blocks (a conversation's next
+turn). They join the cache once the step has run and their blocks' hashes are known (`publish`).
+
+The block manager (worker/core/block_manager.py) owns one of these for a hybrid model, as it owns the
+lower KV tiers, and calls it where blocks are taken, hashed and freed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from nanovllm.common.block_hash import HashChanges
+from nanovllm.worker.sequence import Sequence
+
+
+@dataclass
+class _PlannedSave:
+    boundary: int  # tokens of the sequence whose state the copy holds
+    row: int
+    own: bool  # into the sequence's own row (its last boundary), not a shared snapshot
+
+
+class RecurrentStates:
+    def __init__(
+        self, num_slots: int, num_snapshots: int, snapshot_interval: int, block_size: int, caching: bool
+    ) -> None:
+        """`num_slots` state slots, rows 0.. of the state tensors; `num_snapshots` snapshot rows after them,
+        kept only with the prefix cache on (`caching`)."""
+        self.num_slots = num_slots
+        self.block_size = block_size
+        self.snapshot_interval = snapshot_interval
+        self.caching = caching and num_snapshots > 0
+        self.free_slots = list(range(num_slots - 1, -1, -1))  # popped lowest first
+        self.free_snapshots = list(range(num_slots + num_snapshots - 1, num_slots - 1, -1))
+        self.cache: OrderedDict[int, int] = OrderedDict()  # block hash -> snapshot row, LRU first
+        self.events = HashChanges()  # changes to `cache` not yet reported (take_events)
+        # By seq_id: a sequence's own row and the tokens whose state it holds (its last block boundary),
+        # and the copies a step in flight makes for it.
+        self._own: dict[int, tuple[int, int]] = {}
+        self._planned: dict[int, list[_PlannedSave]] = {}
+
+    def take_events(self) -> HashChanges:
+        events, self.events = self.events, HashChanges()
+        return events
+
+    def resumes_at(self, block_hash: int) -> bool:
+        """Whether a prefix hit may end at the block of `block_hash` (a snapshot holds the state there)."""
+        return block_hash in self.cache
+
+    def take_slot(self, seq: Sequence) -> bool:
+        """Give `seq` a slot if it has none; False when none is free."""
+        if seq.state_slot < 0:
+            if not self.free_slots:
+                return False
+            seq.state_slot = self.free_slots.pop()
+        return True
+
+    def restore(self, seq: Sequence) -> int:
+        """The snapshot row a sequence admitted on prefix hits resumes from (-1: none, no hits)."""
+        if not seq.block_hashes:
+            return -1
+        row = self.cache.get(seq.block_hashes[-1])
+        if row is None:
+            raise RuntimeError(f"request {seq.request_id!r} hit blocks past the last state snapshot")
+        self.cache.move_to_end(seq.block_hashes[-1])
+        return row
+
+    def plan_saves(self, seq: Sequence, start: int, end: int) -> list[tuple[int, int]]:
+        """(boundary, snapshot row) of the copies of `seq`'s state that the step computing its tokens
+        [start, end) makes: at each multiple of snapshot_interval it reaches, into a fresh row, and at the
+        last block boundary it reaches, into the sequence's own row. Rows run out only when every one is
+        some running sequence's own: those copies are then not made."""
+        last = end // self.block_size * self.block_size
+        if last <= start:
+            return []
+        planned = self._planned.setdefault(seq.seq_id, [])
+        saves = []
+        first_interval = (start // self.snapshot_interval + 1) * self.snapshot_interval
+        for boundary in range(first_interval, last + 1, self.snapshot_interval):
+            row = self._take_snapshot_row()
+            if row < 0:
+                break
+            saves.append((boundary, row))
+            planned.append(_PlannedSave(boundary, row, own=False))
+        if not saves or saves[-1][0] != last:
+            own_row = self._own[seq.seq_id][0] if seq.seq_id in self._own else self._take_snapshot_row()
+            if own_row >= 0:
+                self._own.setdefault(seq.seq_id, (own_row, 0))
+                saves.append((last, own_row))
+                planned.append(_PlannedSave(last, own_row, own=True))
+        return saves
+
+    def publish(self, seq: Sequence) -> None:
+        """The copies the last step made of `seq`'s state: its own row now holds its last boundary's
+        state; the others join the cache under their block's hash (a row whose hash is cached already
+        goes back to the free rows)."""
+        for save in self._planned.pop(seq.seq_id, []):
+            if save.own:
+                self._own[seq.seq_id] = (save.row, save.boundary)
+            else:
+                self._cache_snapshot(seq.block_hashes[save.boundary // self.block_size - 1], save.row)
+
+    def release(self, seq: Sequence) -> None:
+        """`seq` frees its blocks (call before they are forgotten): its own row joins the cache under its
+        last boundary's block, for a next turn's hit; rows of copies no step made go back; so does the slot."""
+        own = self._own.pop(seq.seq_id, None)
+        if own is not None:
+            row, tokens = own
+            boundary_blocks = tokens // self.block_size
+            if 0 < boundary_blocks <= len(seq.block_hashes):
+                self._cache_snapshot(seq.block_hashes[boundary_blocks - 1], row)
+            else:
+                self.free_snapshots.append(row)
+        for save in self._planned.pop(seq.seq_id, []):  # made by no step that ran (aborted, never launched)
+            if not save.own:
+                self.free_snapshots.append(save.row)
+        if seq.state_slot >= 0:
+            self.free_slots.append(seq.state_slot)
+            seq.state_slot = -1
+
+    def _take_snapshot_row(self) -> int:
+        if self.free_snapshots:
+            return self.free_snapshots.pop()
+        if self.cache:
+            block_hash, row = self.cache.popitem(last=False)
+            self.events.evict(block_hash)
+            return row
+        return -1
+
+    def _cache_snapshot(self, block_hash: int, row: int) -> None:
+        if block_hash in self.cache:
+            self.free_snapshots.append(row)
+        else:
+            self.cache[block_hash] = row
+            self.events.store(block_hash)
