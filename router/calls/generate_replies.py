@@ -1,6 +1,6 @@
 """Worker updates turned into the public Generate call's GenerateResponse messages: text, reasoning and
 tool-call deltas, token ids, logprobs, finish and usage. (OpenAI's Responses API is
-router/faces/responses_protocol.py.)"""
+router/faces/responses.py.)"""
 
 from __future__ import annotations
 

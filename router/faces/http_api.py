@@ -42,13 +42,9 @@ from nanovllm.router.faces.openai_protocol import (
     parse_request,
     usage_chunk,
 )
+from nanovllm.router.faces.response_objects import TERMINAL_EVENTS
 from nanovllm.router.faces.response_store import Store, StoreFull, StoreUnavailable
-from nanovllm.router.faces.responses_protocol import (
-    TERMINAL_EVENTS,
-    ResponseBuilder,
-    ResponsesRequest,
-    parse_responses_request,
-)
+from nanovllm.router.faces.responses import ResponseBuilder, ResponsesRequest, parse_responses_request
 from nanovllm.router.fleet.catalog import NoModelYet
 from nanovllm.router.fleet.pool import WorkerPool
 from nanovllm.v1 import generate_pb2
@@ -197,7 +193,7 @@ class HttpApi:
         return await self._answer(request, parse, self._sse, self._whole)
 
     async def responses(self, request: Request) -> Response:
-        """OpenAI's Responses API: a chat call underneath (router/faces/responses_protocol.py), continuing
+        """OpenAI's Responses API: a chat call underneath (router/faces/responses.py), continuing
         the stored conversation its previous_response_id names, kept in the store when `store`."""
 
         async def parse(body: Any) -> ResponsesRequest:
