@@ -106,6 +106,22 @@ class StoredRecord(TypedDict):
     conversation: list[InputItem]  # outputs included: what a later previous_response_id continues
 
 
+class InputItemList(TypedDict):
+    """A page of a stored response's input items (`GET /v1/responses/{id}/input_items`)."""
+
+    object: Literal["list"]
+    data: list[InputItem]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class DeletedResponse(TypedDict):
+    id: str
+    object: Literal["response"]
+    deleted: bool
+
+
 StatusEventType = Literal[
     "response.created", "response.in_progress", "response.completed", "response.incomplete", "response.failed"
 ]

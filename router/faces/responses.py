@@ -4,8 +4,8 @@ conversation (`previous_response_id`: router/faces/response_store.py) when it na
 Generate responses become a Response object, or its stream of semantic events (`response.created` ...
 `response.completed`, each with its `sequence_number`), typed in router/faces/response_objects.py.
 
-A background response runs to its end without its client (router/faces/http_api.py keeps its events in
-the store, where any process replays and follows them).
+What happens to a response after that (stored, run in the background, followed, cancelled) is
+router/faces/response_service.py's.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class ResponsesRequest:
     store: bool
     background: bool
     id: str = field(default_factory=lambda: "resp_" + uuid.uuid4().hex)
-    owner: str = ""  # the caller's token name, set by the HTTP face
+    owner: str = ""  # the caller's token name, set by router/faces/response_service.py
 
     def record(self, response: ResponseObject) -> StoredRecord:
         """What the store keeps of this finished response (router/faces/response_store.py)."""
