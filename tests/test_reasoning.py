@@ -15,8 +15,8 @@ from nanovllm.common.errors import ConfigError
 from nanovllm.common.server_config import RouterConfig
 from nanovllm.common.v1 import worker_pb2
 from nanovllm.router.calls.completion import CompletionText
+from nanovllm.router.calls.generate_replies import build_response, failed_response, merge_responses
 from nanovllm.router.calls.reasoning import ReasoningSplit, prompt_opens_reasoning, reasoning_format
-from nanovllm.router.calls.responses import build_response, error_response, merge_responses
 from nanovllm.router.calls.text_stream import TextStream
 from nanovllm.router.calls.validation import prompt_token_ids
 from nanovllm.router.fleet.tokenizer import ModelTokenizer
@@ -153,7 +153,7 @@ def test_an_engine_error_inside_the_reasoning_releases_it_as_reasoning(backend) 
     ids = backend.encode("<think>\nhalf a tho").ids
     completion = CompletionText(TextStream(backend), ReasoningSplit(QWEN3_FORMAT))
     sent = build_response(worker_pb2.RequestUpdate(new_token_ids=ids), completion, "r", False, len(ids), 0)
-    last = error_response("r", completion, "boom")
+    last = failed_response("r", completion, "boom")
     assert (sent.reasoning_text if sent else "") + last.reasoning_text == "half a tho"
     assert last.text == "" and last.finish_reason == generate_pb2.FINISH_REASON_ERROR
 

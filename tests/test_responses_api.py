@@ -1,4 +1,4 @@
-"""OpenAI's Responses API on the router (router/faces/responses_protocol.py), stateless: driven by the official
+"""OpenAI's Responses API on the router (router/faces/responses.py), stateless: driven by the official
 `openai` client against a router and a worker (random Qwen3 with Qwen3's chat template): a plain response
 equal to the chat completion it stands for, a stream whose semantic events come in the order the client's
 own accumulator checks, input items and instructions, a function call and its output round trip, a JSON
@@ -22,8 +22,9 @@ import openai
 import pytest
 
 from nanovllm.router.faces.openai_protocol import ProtocolError
+from nanovllm.router.faces.response_objects import TERMINAL_EVENTS
 from nanovllm.router.faces.response_store import ResponseStore, StoreFull
-from nanovllm.router.faces.responses_protocol import TERMINAL_EVENTS, ResponseBuilder, parse_responses_request
+from nanovllm.router.faces.responses import ResponseBuilder, parse_responses_request
 from nanovllm.v1 import generate_pb2
 from tests.chat_templates import QWEN3
 from tests.metrics import scrape, total

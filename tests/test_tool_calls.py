@@ -14,8 +14,8 @@ from llguidance import LLMatcher
 
 from nanovllm.common.v1 import worker_pb2
 from nanovllm.router.calls.completion import CompletionText
+from nanovllm.router.calls.generate_replies import build_response
 from nanovllm.router.calls.reasoning import ReasoningSplit, reasoning_format
-from nanovllm.router.calls.responses import build_response
 from nanovllm.router.calls.text_stream import TextStream
 from nanovllm.router.calls.tool_calls import (
     ToolCallParser,

@@ -19,16 +19,16 @@ from nanovllm.common.server_config import RouterConfig
 from nanovllm.common.v1 import worker_pb2
 from nanovllm.router.calls.accounting import RequestTrace, request_content
 from nanovllm.router.calls.completion import CompletionText
-from nanovllm.router.calls.limits import Lease
-from nanovllm.router.calls.metrics import RouterMetrics
-from nanovllm.router.calls.reasoning import reasoning_format
-from nanovllm.router.calls.responses import (
+from nanovllm.router.calls.generate_replies import (
     add_prompt_logprobs,
     build_response,
-    error_response,
+    failed_response,
     finish_name,
     merge_responses,
 )
+from nanovllm.router.calls.limits import Lease
+from nanovllm.router.calls.metrics import RouterMetrics
+from nanovllm.router.calls.reasoning import reasoning_format
 from nanovllm.router.calls.spans import call_spans
 from nanovllm.router.calls.tool_calls import tool_call_format
 from nanovllm.router.calls.validation import (
@@ -353,7 +353,7 @@ class GenerateCall:
             await self.context.abort(grpc.StatusCode.UNAVAILABLE, message)
         if trace.num_tokens and event.error_code == worker_pb2.ERROR_CODE_INTERNAL:
             trace.on_finish("error")
-            response = error_response(trace.request_id, self.completion, event.error_message)
+            response = failed_response(trace.request_id, self.completion, event.error_message)
             response.timings.CopyFrom(trace.timings())
             await self.send(response)
             return

@@ -71,7 +71,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
 
     async def generate(self, request: generate_pb2.GenerateRequest, context: Any, api: str) -> None:
         """One Generate call, for either face: `context` is the gRPC call's, or the HTTP face's stand-in
-        (router/faces/http_api.py CallContext); `api` names the face (grpc, http) in metrics and logs."""
+        (router/faces/http_calls.py CallContext); `api` names the face (grpc, http) in metrics and logs."""
         if self.draining:
             message = "the router is shutting down; retry"
             await reject(context, self.metrics, api, grpc.StatusCode.UNAVAILABLE, message)

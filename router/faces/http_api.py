@@ -2,10 +2,11 @@
 stored responses), /v1/models and /health, served by Starlette on uvicorn in the router's own event loop.
 
 Each choice of an HTTP request is a Generate request run by the same GenerationService.generate as a gRPC
-call: validation, limits and auth, routing, retries and failover are the gRPC path's. CallContext stands
-in for the gRPC context: the responses it is handed go to the HTTP response, and an abort becomes an
-OpenAI-shaped error with the matching HTTP status. A client that disconnects cancels its calls, which
-aborts their requests on the workers, as a gRPC cancel does.
+call (router/faces/http_calls.py): validation, limits and auth, routing, retries and failover are the gRPC
+path's, and a call's abort becomes an OpenAI-shaped error with the matching HTTP status. A client that
+disconnects cancels its calls, which aborts their requests on the workers, as a gRPC cancel does. The
+Responses API's lifecycle (stored, background, followed and cancelled responses) is its service's
+(router/faces/response_service.py): here only its routes.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ import dataclasses
 import json
 import socket
 import ssl
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, Protocol
 
 import grpc
@@ -27,28 +27,23 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from nanovllm.common.logging import get_logger
 from nanovllm.common.serving import MAX_MESSAGE_BYTES
 from nanovllm.common.tracing import CARRIER_KEYS
-from nanovllm.router.calls.limits import RETRY_AFTER_KEY
 from nanovllm.router.faces.auth import Access, AuthError
+from nanovllm.router.faces.http_calls import CallAborted, Metadata, RunningCalls
 from nanovllm.router.faces.openai_protocol import (
+    ApiError,
     Choice,
     OpenAIRequest,
     ProtocolError,
-    check_unicode,
     chunk_body,
     completion_body,
     parse_request,
     usage_chunk,
 )
-from nanovllm.router.faces.response_store import Store, StoreFull, StoreUnavailable
-from nanovllm.router.faces.responses_protocol import (
-    TERMINAL_EVENTS,
-    ResponseBuilder,
-    ResponsesRequest,
-    parse_responses_request,
-)
+from nanovllm.router.faces.response_objects import ResponseEvent
+from nanovllm.router.faces.response_service import ResponsesService
+from nanovllm.router.faces.response_store import Store
 from nanovllm.router.fleet.catalog import NoModelYet
 from nanovllm.router.fleet.pool import WorkerPool
 from nanovllm.v1 import generate_pb2
@@ -64,8 +59,6 @@ class Service(Protocol):
     async def generate(self, request: generate_pb2.GenerateRequest, context: Any, api: str) -> None: ...
 
 
-log = get_logger(__name__)
-
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.FAILED_PRECONDITION: 400,
@@ -79,46 +72,16 @@ _HTTP_STATUS = {
 }
 
 
-class CallAborted(Exception):
-    """A call ended with a status instead of a last response."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after: str | None = None) -> None:
-        super().__init__(message)
-        self.code, self.retry_after = code, retry_after
-
-
-class CallContext:
-    """The part of grpc.aio.ServicerContext that a Generate call uses, for choice `index` of an HTTP
-    request: responses go into `queue` as (index, response); abort raises CallAborted."""
-
-    def __init__(self, metadata: tuple[tuple[str, str], ...], index: int, queue: asyncio.Queue) -> None:
-        self._metadata = metadata
-        self._index, self._queue = index, queue
-        self._retry_after: str | None = None
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return self._metadata
-
-    def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
-        self._retry_after = dict(metadata).get(RETRY_AFTER_KEY)
-
-    async def write(self, response: generate_pb2.GenerateResponse) -> None:
-        await self._queue.put((self._index, response))
-
-    async def abort(self, code: grpc.StatusCode, message: str) -> None:
-        raise CallAborted(code, message, self._retry_after)
-
-
 _FORWARDED_HEADERS = ("authorization", *CARRIER_KEYS)  # auth, and a caller's W3C trace context
 
 
-def _metadata(request: Request) -> tuple[tuple[str, str], ...]:
+def _metadata(request: Request) -> Metadata:
     """The request's headers that a gRPC call would carry as metadata: its token and trace context."""
     return tuple((name, request.headers[name]) for name in _FORWARDED_HEADERS if name in request.headers)
 
 
 def error_response(
-    status: int, message: str, param: str | None = None, headers: dict | None = None
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
 ) -> Response:
     """OpenAI's error shape."""
     kind = "invalid_request_error" if status < 500 else "server_error"
@@ -132,28 +95,23 @@ def _aborted(exc: CallAborted) -> Response:
     return error_response(status, str(exc), headers=headers)
 
 
-class HttpError(Exception):
-    """A request refused before it runs with an HTTP status of its own (404, 401, 507...)."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.param = status, param
-
-
 class HttpApi:
+    """The routes: each parses its HTTP request, runs its calls (router/faces/http_calls.py) or asks the
+    Responses API's service (router/faces/response_service.py), and answers with the result, or with the
+    error it raised in OpenAI's shape (`_answering`)."""
+
     def __init__(self, service: Service, store: Store | None = None) -> None:
         self.service = service
-        self.store = store  # stored responses (the Responses API's `store`); None: --response-store off
-        self._background: set[asyncio.Task] = set()  # background responses running in this process
+        self.responses = ResponsesService(store)  # store None: --response-store off
         self.app = Starlette(
             routes=[
-                Route("/v1/chat/completions", self.chat, methods=["POST"]),
-                Route("/v1/completions", self.completions, methods=["POST"]),
-                Route("/v1/responses", self.responses, methods=["POST"]),
-                Route("/v1/responses/{id}", self._stored(self.stored_response), methods=["GET", "DELETE"]),
-                Route("/v1/responses/{id}/input_items", self._stored(self.input_items), methods=["GET"]),
-                Route("/v1/responses/{id}/cancel", self._stored(self.cancel_response), methods=["POST"]),
-                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/chat/completions", _answering(self.chat), methods=["POST"]),
+                Route("/v1/completions", _answering(self.completions), methods=["POST"]),
+                Route("/v1/responses", _answering(self.create_response), methods=["POST"]),
+                Route("/v1/responses/{id}", _answering(self.stored_response), methods=["GET", "DELETE"]),
+                Route("/v1/responses/{id}/input_items", _answering(self.input_items), methods=["GET"]),
+                Route("/v1/responses/{id}/cancel", _answering(self.cancel_response), methods=["POST"]),
+                Route("/v1/models", _answering(self.models), methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
             ]
         )
@@ -165,13 +123,10 @@ class HttpApi:
         )
 
     async def models(self, request: Request) -> Response:
-        try:  # a token, as gRPC's GetModelInfo needs one (health stays open for probes)
-            self.service.access.identify(_metadata(request))
-        except AuthError as exc:
-            return error_response(_HTTP_STATUS[exc.code], str(exc))
+        self._owner(request)  # a token, as gRPC's GetModelInfo needs one (health stays open for probes)
         catalog = self.service.pool.catalog
         if not catalog.bases:
-            return error_response(503, "no worker has been reachable yet")
+            raise ApiError(503, "no worker has been reachable yet")
         cards = [
             {
                 "id": served.name,
@@ -191,220 +146,96 @@ class HttpApi:
         return await self._complete(request, chat=False)
 
     async def _complete(self, request: Request, chat: bool) -> Response:
-        async def parse(body: Any) -> OpenAIRequest:
-            return parse_request(body, chat)
+        parsed = self._named(parse_request(await _json_body(request), chat))
+        calls = await RunningCalls.start(self.service.generate, parsed.generate, _metadata(request))
+        if parsed.stream:
+            return StreamingResponse(self._sse(parsed, calls), media_type="text/event-stream")
+        try:
+            return await self._whole(parsed, calls)
+        finally:
+            await calls.cancel()
 
-        return await self._answer(request, parse, self._sse, self._whole)
+    async def create_response(self, request: Request) -> Response:
+        """OpenAI's Responses API: a chat call underneath, answered whole, streamed, or (background) run on
+        without the client, which gets the queued response or follows its kept events."""
+        body = await _json_body(request)
+        parsed = await self.responses.request(self._owner(request), body)
+        parsed.chat = self._named(parsed.chat)
+        calls = await RunningCalls.start(self.service.generate, parsed.chat.generate, _metadata(request))
+        if parsed.background:  # the service owns the calls now
+            queued = await self.responses.start_background(parsed, calls)
+            if not parsed.chat.stream:
+                return JSONResponse(queued)
+            events = self.responses.follow(parsed.owner, parsed.id, -1)
+        elif parsed.chat.stream:
+            events = self.responses.events(parsed, calls)
+        else:
+            try:
+                return JSONResponse(await self.responses.answer(parsed, calls))
+            finally:
+                await calls.cancel()
+        return StreamingResponse(_event_stream(events), media_type="text/event-stream")
 
-    async def responses(self, request: Request) -> Response:
-        """OpenAI's Responses API: a chat call underneath (router/faces/responses_protocol.py), continuing
-        the stored conversation its previous_response_id names, kept in the store when `store`."""
+    async def stored_response(self, request: Request) -> Response:
+        """GET: a stored Response object, or (`stream=true`) a background response's events after
+        `starting_after`, then live; DELETE: forget it."""
+        owner, response_id = self._owner(request), request.path_params["id"]
+        if request.method == "DELETE":
+            return JSONResponse(await self.responses.delete(owner, response_id))
+        if request.query_params.get("stream") != "true":
+            return JSONResponse(await self.responses.retrieve(owner, response_id))
+        after = request.query_params.get("starting_after", "-1")
+        events = await self.responses.replay(owner, response_id, after)
+        return StreamingResponse(_event_stream(events), media_type="text/event-stream")
 
-        async def parse(body: Any) -> ResponsesRequest:
-            owner = self._owner(request)
-            previous = None
-            if isinstance(body, dict):
-                check_unicode(body)  # before the id is looked up and named in an error
-            previous_id = body.get("previous_response_id") if isinstance(body, dict) else None
-            if previous_id is not None:
-                if not isinstance(previous_id, str):
-                    raise ProtocolError("previous_response_id", "previous_response_id must be a string")
-                previous = await self._record(owner, previous_id, "previous_response_id")
-            parsed = parse_responses_request(body, previous, can_store=self.store is not None)
-            if parsed.store:
-                try:
-                    await self.store.check_space()
-                except StoreFull as exc:
-                    raise HttpError(507, str(exc), "store") from None
-                except StoreUnavailable as exc:
-                    raise HttpError(503, str(exc), "store") from None
-            parsed.owner = owner
-            return parsed
+    async def input_items(self, request: Request) -> Response:
+        query = request.query_params
+        page = await self.responses.input_items(
+            self._owner(request),
+            request.path_params["id"],
+            query.get("order", "desc"),
+            query.get("limit", "20"),
+            query.get("after"),
+        )
+        return JSONResponse(page)
 
-        return await self._answer(request, parse, self._response_sse, self._response_whole)
+    async def cancel_response(self, request: Request) -> Response:
+        return JSONResponse(await self.responses.cancel(self._owner(request), request.path_params["id"]))
 
     async def close(self) -> None:
-        """Stop the background responses still running (past the drain): their worker requests are
-        aborted; their records stay as last kept."""
-        for runner in self._background:
-            runner.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        """Stop the background responses still running (ResponsesService.close)."""
+        await self.responses.close()
 
     def _owner(self, request: Request) -> str:
-        """The caller's token name (every stored response is its owner's alone), or HttpError."""
+        """The caller's token name (every stored response is its owner's alone), or ApiError."""
         try:
             return self.service.access.identify(_metadata(request))
         except AuthError as exc:
-            raise HttpError(_HTTP_STATUS[exc.code], str(exc)) from None
+            raise ApiError(_HTTP_STATUS[exc.code], str(exc)) from None
 
-    async def _record(self, owner: str, response_id: str, param: str | None = None) -> dict[str, Any]:
-        try:
-            record = None if self.store is None else await self.store.get(owner, response_id)
-        except StoreUnavailable as exc:
-            raise HttpError(503, str(exc), param) from None
-        if record is None:
-            why = (
-                f"never stored, deleted, past its time to live ({self.store.ttl_s:g} s) or another token's"
-                if self.store is not None
-                else "this router keeps no responses (--response-store off)"
-            )
-            raise HttpError(404, f"no stored response {response_id!r}: {why}", param)
-        return record
-
-    def _stored(self, handler):
-        """A route on one stored response: `handler(request, owner, response_id, record)` with the caller's
-        record, or the answer why there is none for them (401, 403, 404, 503)."""
-
-        async def route(request: Request) -> Response:
-            response_id = request.path_params["id"]
-            try:
-                owner = self._owner(request)
-                record = await self._record(owner, response_id)
-            except HttpError as exc:
-                return error_response(exc.status, str(exc), exc.param)
-            return await handler(request, owner, response_id, record)
-
-        return route
-
-    async def stored_response(self, request: Request, owner: str, response_id: str, record: dict) -> Response:
-        """GET: a stored Response object, or (`stream=true`) a background response's events after
-        `starting_after`, then live; DELETE: forget it."""
-        if request.method == "DELETE":
-            await self.store.delete(owner, response_id)
-            return JSONResponse({"id": response_id, "object": "response", "deleted": True})
-        if request.query_params.get("stream") != "true":
-            return JSONResponse(record["response"])
-        after = request.query_params.get("starting_after", "-1")
-        if not record["response"].get("background"):
-            return error_response(
-                400, "only a background response's events are kept to stream again", "stream"
-            )
-        if not after.lstrip("-").isdigit():
-            return error_response(400, f"starting_after must be an event's sequence_number, got {after!r}")
-        return StreamingResponse(self._follow(owner, response_id, int(after)), media_type="text/event-stream")
-
-    async def input_items(self, request: Request, owner: str, response_id: str, record: dict) -> Response:
-        """The input items a stored response was asked with, its conversation's earlier turns' included:
-        `order` desc (the default, as OpenAI's) or asc, `limit` 1 to 100 (20), `after` an item id."""
-        order, limit = request.query_params.get("order", "desc"), request.query_params.get("limit", "20")
-        if order not in ("asc", "desc") or not limit.isdigit() or not 1 <= int(limit) <= 100:
-            return error_response(
-                400, f"order must be asc or desc and limit 1 to 100, got {order!r}, {limit!r}"
-            )
-        items = record["input_items"][:: -1 if order == "desc" else 1]
-        after = request.query_params.get("after")
-        if after is not None:
-            ids = [item["id"] for item in items]
-            items = items[ids.index(after) + 1 :] if after in ids else []
-        page = items[: int(limit)]
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": page,
-                "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None,
-                "has_more": len(items) > len(page),
-            }
-        )
-
-    async def cancel_response(self, request: Request, owner: str, response_id: str, record: dict) -> Response:
-        """Stop a background response (its process sees the request at its next event and aborts the
-        worker's request); answers with the response once it ended, cancelled or not."""
-        if not record["response"].get("background"):
-            return error_response(
-                400, f"{response_id} is not a background response: only those can be cancelled"
-            )
-        await self.store.request_cancel(owner, response_id)
-        async for _ in self._kept_events(owner, response_id, -1):  # until its last event is kept
-            pass
-        return JSONResponse((await self._record(owner, response_id))["response"])
-
-    async def _answer(self, request: Request, parse, stream, whole) -> Response:
-        """Read and parse the body (`parse`: to an OpenAIRequest, or a ResponsesRequest around one), run
-        its calls, and answer with `stream` (server-sent events) or `whole`."""
-        data = await _read_body(request)
-        if data is None:
-            return error_response(413, f"the request body is over {MAX_MESSAGE_BYTES} bytes", "body")
-        try:
-            body = json.loads(data)
-        except ValueError as exc:  # not JSON, not UTF-8, or an integer of more than 4,300 digits
-            return error_response(400, f"the request body is not JSON: {exc}", "body")
-        except RecursionError:
-            return error_response(400, "the request body nests too deeply", "body")
-        try:
-            parsed = await parse(body)
-        except ProtocolError as exc:
-            return error_response(400, str(exc), exc.param)
-        except HttpError as exc:
-            return error_response(exc.status, str(exc), exc.param)
-        calls = parsed if isinstance(parsed, OpenAIRequest) else parsed.chat
+    def _named(self, chat: OpenAIRequest) -> OpenAIRequest:
+        """`chat`, naming the one base model served when it names none: answers name the model."""
         bases = self.service.pool.catalog.bases
-        if not calls.model and len(bases) == 1:  # answers name the model served
-            calls = dataclasses.replace(calls, model=next(iter(bases)))
-            if isinstance(parsed, OpenAIRequest):
-                parsed = calls
-            else:
-                parsed.chat = calls
-        queue: asyncio.Queue = asyncio.Queue(maxsize=2 * len(calls.generate))
-        metadata = _metadata(request)
-        tasks = [
-            asyncio.create_task(self._run(r, CallContext(metadata, i, queue), i, queue))
-            for i, r in enumerate(calls.generate)
-        ]
-        events = _events(queue, len(tasks))
-        try:
-            first = await anext(events)
-        except BaseException:
-            await _cancel(tasks)
-            raise
-        if isinstance(first[1], CallAborted):  # refused before any token: a plain HTTP error
-            await _cancel(tasks)
-            return _aborted(first[1])
-        if getattr(parsed, "background", False):  # runs on without the client: it owns the calls now
-            return await self._start_background(parsed, first, events, tasks)
-        if calls.stream:
-            return StreamingResponse(stream(parsed, first, events, tasks), media_type="text/event-stream")
-        try:
-            return await whole(parsed, first, events)
-        finally:
-            await _cancel(tasks)
+        if not chat.model and len(bases) == 1:
+            return dataclasses.replace(chat, model=next(iter(bases)))
+        return chat
 
-    async def _run(
-        self, request: generate_pb2.GenerateRequest, context: CallContext, index: int, queue: asyncio.Queue
-    ) -> None:
-        """Run one choice's call, then say how it ended on the queue. A cancelled one (its client gone, or
-        a sibling refused) says nothing: nobody reads the queue any more, and a full one would block."""
-        outcome: Any = _DONE
-        try:
-            await self.service.generate(request, context, "http")
-        except CallAborted as exc:
-            outcome = exc
-        except Exception as exc:  # a bug: the HTTP answer must still end
-            log.exception("http_call_failed", choice=index)
-            outcome = CallAborted(grpc.StatusCode.INTERNAL, f"the router failed this call: {exc}")
-        await queue.put((index, outcome))
-
-    async def _whole(self, parsed: OpenAIRequest, first, events: AsyncIterator) -> Response:
+    async def _whole(self, parsed: OpenAIRequest, calls: RunningCalls) -> Response:
         choices = [Choice(i) for i in range(len(parsed.generate))]
-        event = first
-        while event is not None:
-            index, item = event
+        async for index, item in calls:
             if isinstance(item, CallAborted):
                 return _aborted(item)
             choices[index].add(item)
-            event = await anext(events, None)
         return JSONResponse(completion_body(parsed, choices, self._decoder(parsed.model)))
 
-    async def _sse(self, parsed: OpenAIRequest, first, events: AsyncIterator, tasks) -> AsyncIterator[str]:
+    async def _sse(self, parsed: OpenAIRequest, calls: RunningCalls) -> AsyncIterator[str]:
         """Server-sent events: a chunk per Generate response, usage last when asked, then [DONE]."""
         choices = [Choice(i) for i in range(len(parsed.generate))]
         started: set[int] = set()
         streamed = [0] * len(choices)  # each choice's text length sent so far (completions' text_offset)
         decode = self._decoder(parsed.model)
         try:
-            event = first
-            while event is not None:
-                index, item = event
+            async for index, item in calls:
                 if isinstance(item, CallAborted):  # mid-stream: the status can no longer change
                     status = _HTTP_STATUS.get(item.code, 500)
                     error = {
@@ -420,130 +251,13 @@ class HttpApi:
                 streamed[index] += len(chunk["choices"][0].get("text", ""))
                 yield f"data: {json.dumps(chunk)}\n\n"
                 started.add(index)
-                event = await anext(events, None)
             if parsed.include_usage:
                 yield f"data: {json.dumps(usage_chunk(parsed, choices))}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            await _cancel(tasks)  # a client gone: its requests are aborted on the workers
+            await calls.cancel()  # a client gone: its requests are aborted on the workers
 
-    async def _response_whole(self, parsed: ResponsesRequest, first, events: AsyncIterator) -> Response:
-        builder = ResponseBuilder(parsed, int(time.time()))
-        event = first
-        while event is not None:
-            _, item = event
-            if isinstance(item, CallAborted):
-                return _aborted(item)
-            builder.add(item)
-            event = await anext(events, None)
-        response = builder.response(builder.status)
-        await self._keep(parsed, response)
-        return JSONResponse(response)
-
-    async def _keep(self, parsed: ResponsesRequest, response: dict[str, Any]) -> None:
-        """Store a finished response; a store that fails now costs the record, never the answer."""
-        if parsed.store:
-            try:
-                await self.store.put(parsed.owner, parsed.id, parsed.record(response))
-            except StoreUnavailable as exc:
-                log.error("response_not_stored", response_id=parsed.id, error=str(exc))
-
-    async def _response_sse(
-        self, parsed: ResponsesRequest, first, events: AsyncIterator, tasks
-    ) -> AsyncIterator[str]:
-        """The Responses stream: semantic events, each named in its SSE `event:` line too, as OpenAI sends them."""
-        builder = ResponseBuilder(parsed, int(time.time()))
-        try:
-            for started in builder.start():
-                yield _sse_event(started)
-            event = first
-            while event is not None:
-                _, item = event
-                if isinstance(item, CallAborted):  # mid-stream: the response fails
-                    for out in builder.fail(str(item)):
-                        yield _sse_event(out)
-                    break
-                for out in builder.add(item):
-                    if out["type"] in TERMINAL_EVENTS:
-                        await self._keep(parsed, out["response"])  # stored before the client hears it ended
-                    yield _sse_event(out)
-                event = await anext(events, None)
-        finally:
-            await _cancel(tasks)
-
-    async def _start_background(
-        self, parsed: ResponsesRequest, first, events: AsyncIterator, tasks
-    ) -> Response:
-        """Store the response as queued, run it in a task of this process that keeps every event in the
-        store, and answer with the queued Response object, or (stream) with its events as they are kept."""
-        builder = ResponseBuilder(parsed, int(time.time()))
-        queued = builder.response("queued")
-        try:
-            await self.store.put(parsed.owner, parsed.id, parsed.record(queued))
-        except StoreUnavailable as exc:
-            await _cancel(tasks)
-            return error_response(503, str(exc), "store")
-        runner = asyncio.create_task(self._run_background(parsed, builder, first, events, tasks))
-        self._background.add(runner)  # held: the loop keeps only weak references to tasks
-        runner.add_done_callback(self._background.discard)
-        if parsed.chat.stream:
-            return StreamingResponse(
-                self._follow(parsed.owner, parsed.id, -1), media_type="text/event-stream"
-            )
-        return JSONResponse(queued)
-
-    async def _run_background(
-        self, parsed: ResponsesRequest, builder: ResponseBuilder, first, events, tasks
-    ) -> None:
-        """A background response's call to its end (or a cancel asked for through any process), each
-        update's events kept as they come, then the finished record."""
-        owner, response_id = parsed.owner, parsed.id
-        try:
-            pending, event = builder.start(), first
-            while event is not None:
-                _, item = event
-                if isinstance(item, CallAborted):
-                    pending += builder.fail(str(item))
-                    break
-                pending += builder.add(item)
-                if pending and pending[-1]["type"] in TERMINAL_EVENTS:
-                    break
-                if await self.store.append_events(owner, response_id, pending):  # a cancel was asked for
-                    pending = builder.fail("cancelled by POST /v1/responses/{id}/cancel", "cancelled")
-                    break
-                pending, event = [], await anext(events, None)
-            # The finished record first: whoever sees the last event (a follower, a cancel) finds it final.
-            await self.store.put(owner, response_id, parsed.record(pending[-1]["response"]))
-            await self.store.append_events(owner, response_id, pending)
-        except Exception:  # the store failing, or a bug: the response must still end, as failed
-            log.exception("background_response_failed", response_id=response_id)
-            failed = builder.fail("the router failed this response")
-            with contextlib.suppress(StoreUnavailable):  # nothing more to do if it is the store
-                await self.store.put(owner, response_id, parsed.record(failed[-1]["response"]))
-                await self.store.append_events(owner, response_id, failed)
-        finally:
-            await _cancel(tasks)
-
-    async def _follow(self, owner: str, response_id: str, after: int) -> AsyncIterator[str]:
-        """A background response's stream from past `after` (`_kept_events`), as server-sent events."""
-        async for event in self._kept_events(owner, response_id, after):
-            yield _sse_event(event)
-
-    async def _kept_events(self, owner: str, response_id: str, after: int) -> AsyncIterator[dict[str, Any]]:
-        """A background response's kept events past `after`, then the new ones as they are kept, until its
-        last (polled: the process running it may be another)."""
-        while True:
-            new = await self.store.events_after(owner, response_id, after)
-            for event in new:
-                yield event
-            if new:
-                after = new[-1]["sequence_number"]
-                if new[-1]["type"] in TERMINAL_EVENTS:
-                    return
-            else:
-                await asyncio.sleep(FOLLOW_POLL_S)
-
-    def _decoder(self, model: str):
+    def _decoder(self, model: str) -> Callable[[int], str]:
         """Token id -> its text, with the tokenizer of the model the request named; ids as text where it
         has none, or where the name went since the call started (its adapter unloaded everywhere)."""
         try:
@@ -555,14 +269,45 @@ class HttpApi:
         return lambda token_id: tokenizer.backend.decode([token_id], skip_special_tokens=False)
 
 
-_DONE = object()
-# How often a background response's follower looks for new events in the store (the process running it may
-# be another): a token's delay at most, and a small query.
-FOLLOW_POLL_S = 0.02
+Handler = Callable[[Request], Awaitable[Response]]
 
 
-def _sse_event(event: dict[str, Any]) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+def _answering(handler: Handler) -> Handler:
+    """`handler`, answering what it refuses in OpenAI's error shape: an ApiError with its status, a
+    ProtocolError (a bad field) with 400, a call refused before any token with the matching status."""
+
+    async def route(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return error_response(exc.status, str(exc), exc.param)
+        except ProtocolError as exc:
+            return error_response(400, str(exc), exc.param)
+        except CallAborted as exc:
+            return _aborted(exc)
+
+    return route
+
+
+async def _json_body(request: Request) -> Any:
+    """The body as JSON, or ApiError: over MAX_MESSAGE_BYTES (413), or not JSON (400)."""
+    data = await _read_body(request)
+    if data is None:
+        raise ApiError(413, f"the request body is over {MAX_MESSAGE_BYTES} bytes", "body")
+    try:
+        return json.loads(data)
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer of more than 4,300 digits
+        raise ApiError(400, f"the request body is not JSON: {exc}", "body") from None
+    except RecursionError:
+        raise ApiError(400, "the request body nests too deeply", "body") from None
+
+
+async def _event_stream(events: AsyncGenerator[ResponseEvent, None]) -> AsyncIterator[str]:
+    """The Responses API's events as server-sent events, each named in its `event:` line too, as OpenAI
+    sends them; `events` closed with the stream (a client gone: the calls behind them cancelled)."""
+    async with contextlib.aclosing(events):
+        async for event in events:
+            yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
 
 
 async def _read_body(request: Request) -> bytes | None:
@@ -579,25 +324,6 @@ async def _read_body(request: Request) -> bytes | None:
     return b"".join(chunks)
 
 
-async def _events(queue: asyncio.Queue, calls: int) -> AsyncIterator[tuple[int, Any]]:
-    """(index, response or CallAborted) until every call ended."""
-    running = calls
-    while running:
-        index, item = await queue.get()
-        if item is _DONE:
-            running -= 1
-            continue
-        yield index, item
-        if isinstance(item, CallAborted):
-            running -= 1
-
-
-async def _cancel(tasks: list[asyncio.Task]) -> None:
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
 def _shared_socket(host: str, port: int) -> socket.socket:
     """A listening socket on host:port that other processes may bind too."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
@@ -607,11 +333,11 @@ def _shared_socket(host: str, port: int) -> socket.socket:
 class _Server(uvicorn.Server):
     """uvicorn without its signal handlers: the router's own handle SIGTERM (drain) for both faces."""
 
-    task: asyncio.Task
+    task: asyncio.Task[None]
     api: HttpApi
 
     @contextlib.contextmanager
-    def capture_signals(self):
+    def capture_signals(self) -> Iterator[None]:
         yield
 
     async def stop(self) -> None:

@@ -38,6 +38,15 @@ class ProtocolError(ValueError):
         self.param = param
 
 
+class ApiError(Exception):
+    """A request refused with an HTTP status of its own (401, 404, 413, 503, 507...), the status OpenAI's
+    API answers it with, and the parameter the message names if any. (A ProtocolError is a 400.)"""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
 _JSON_NAMES = {
     dict: "an object",
     list: "an array",

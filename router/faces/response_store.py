@@ -16,11 +16,15 @@ import json
 import math
 import sqlite3
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.server_config import RouterConfig
+from nanovllm.router.faces.response_objects import ResponseEvent, StoredRecord
+
+T = TypeVar("T")
 
 # --response-store auto: one file per user and machine, which every router process opens.
 DEFAULT_PATH = Path.home() / ".cache" / "nanovllm" / "responses.sqlite"
@@ -103,7 +107,7 @@ class ResponseStore:
                 db.execute(f"DELETE FROM {table} WHERE owner = ? AND id = ?", (owner, response_id))
             return gone.rowcount > 0
 
-    def _append(self, owner: str, response_id: str, events: list[dict[str, Any]]) -> bool:
+    def _append(self, owner: str, response_id: str, events: list[ResponseEvent]) -> bool:
         expires = time.time() + self.ttl_s
         rows = [(owner, response_id, e["sequence_number"], expires, json.dumps(e)) for e in events]
         with self._connect() as db:
@@ -123,7 +127,7 @@ class ResponseStore:
         with self._connect() as db:
             db.execute("INSERT OR IGNORE INTO cancels VALUES (?, ?)", (owner, response_id))
 
-    async def _run(self, method, *args):
+    async def _run(self, method: Callable[..., T], *args: Any) -> T:
         try:
             return await asyncio.to_thread(method, *args)
         except sqlite3.Error as exc:
@@ -134,10 +138,10 @@ class ResponseStore:
         runs, so that no answer is generated and then lost; a response may take the store a little past)."""
         await self._run(self._check_space)
 
-    async def put(self, owner: str, response_id: str, record: dict[str, Any]) -> None:
+    async def put(self, owner: str, response_id: str, record: StoredRecord) -> None:
         await self._run(self._put, owner, response_id, json.dumps(record))
 
-    async def get(self, owner: str, response_id: str) -> dict[str, Any] | None:
+    async def get(self, owner: str, response_id: str) -> StoredRecord | None:
         """The record, or None: unknown, deleted, past its time to live, or another owner's."""
         text = await self._run(self._get, owner, response_id)
         return None if text is None else json.loads(text)
@@ -145,11 +149,11 @@ class ResponseStore:
     async def delete(self, owner: str, response_id: str) -> bool:
         return await self._run(self._delete, owner, response_id)
 
-    async def append_events(self, owner: str, response_id: str, events: list[dict[str, Any]]) -> bool:
+    async def append_events(self, owner: str, response_id: str, events: list[ResponseEvent]) -> bool:
         """Keep a background response's stream events; whether a cancel was asked for since."""
         return await self._run(self._append, owner, response_id, events)
 
-    async def events_after(self, owner: str, response_id: str, after: int) -> list[dict[str, Any]]:
+    async def events_after(self, owner: str, response_id: str, after: int) -> list[ResponseEvent]:
         """The kept events whose sequence_number is past `after`, in order."""
         return [json.loads(e) for e in await self._run(self._events_after, owner, response_id, after)]
 
@@ -177,7 +181,7 @@ class RedisResponseStore:
     def _key(kind: str, owner: str, response_id: str) -> str:
         return f"nanovllm:{kind}:{owner}:{response_id}"
 
-    async def _call(self, command):
+    async def _call(self, command: Awaitable[T]) -> T:
         try:
             return await command
         except self._errors as exc:
@@ -191,12 +195,12 @@ class RedisResponseStore:
                 "(--response-store-max-bytes); send store false, or delete stored responses"
             )
 
-    async def put(self, owner: str, response_id: str, record: dict[str, Any]) -> None:
+    async def put(self, owner: str, response_id: str, record: StoredRecord) -> None:
         await self._call(
             self._redis.set(self._key("response", owner, response_id), json.dumps(record), ex=self._ttl)
         )
 
-    async def get(self, owner: str, response_id: str) -> dict[str, Any] | None:
+    async def get(self, owner: str, response_id: str) -> StoredRecord | None:
         text = await self._call(self._redis.get(self._key("response", owner, response_id)))
         return None if text is None else json.loads(text)
 
@@ -205,7 +209,7 @@ class RedisResponseStore:
         await self._call(self._redis.delete(*keys))
         return bool(await self._call(self._redis.delete(self._key("response", owner, response_id))))
 
-    async def append_events(self, owner: str, response_id: str, events: list[dict[str, Any]]) -> bool:
+    async def append_events(self, owner: str, response_id: str, events: list[ResponseEvent]) -> bool:
         key = self._key("events", owner, response_id)
         async with self._redis.pipeline(transaction=False) as pipe:
             if events:
@@ -215,7 +219,7 @@ class RedisResponseStore:
             results = await self._call(pipe.execute())
         return bool(results[-1])
 
-    async def events_after(self, owner: str, response_id: str, after: int) -> list[dict[str, Any]]:
+    async def events_after(self, owner: str, response_id: str, after: int) -> list[ResponseEvent]:
         texts = await self._call(self._redis.lrange(self._key("events", owner, response_id), after + 1, -1))
         return [json.loads(t) for t in texts]
 

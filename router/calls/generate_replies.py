@@ -1,7 +1,12 @@
-"""Worker updates turned into public responses: text, reasoning and tool-call deltas, token ids, logprobs,
-finish and usage."""
+"""Worker updates turned into the public Generate call's GenerateResponse messages: text, reasoning and
+tool-call deltas, token ids, logprobs, finish and usage. (OpenAI's Responses API is
+router/faces/responses.py.)"""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+
+from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 from nanovllm.common.v1 import worker_pb2
 from nanovllm.router.calls.completion import CompletionText
@@ -62,7 +67,10 @@ def add_prompt_logprobs(
     _add_logprobs(response.prompt_logprobs, update.prompt_logprobs)
 
 
-def _add_logprobs(field, entries) -> None:
+def _add_logprobs(
+    field: RepeatedCompositeFieldContainer[generate_pb2.TokenLogprob],
+    entries: Iterable[worker_pb2.TokenLogprobs],
+) -> None:
     """Worker TokenLogprobs into public TokenLogprob entries of `field`."""
     for lp in entries:
         entry = field.add(token_id=lp.token_id, logprob=lp.logprob)
@@ -85,7 +93,7 @@ def merge_responses(
     return first
 
 
-def error_response(
+def failed_response(
     request_id: str, completion: CompletionText, message: str
 ) -> generate_pb2.GenerateResponse:
     """The last response of a stream whose request failed after producing tokens: the text held back so

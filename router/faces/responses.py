@@ -2,10 +2,10 @@
 (router/faces/openai_protocol.py parses and validates that, once for both), continuing a stored
 conversation (`previous_response_id`: router/faces/response_store.py) when it names one; the chat call's
 Generate responses become a Response object, or its stream of semantic events (`response.created` ...
-`response.completed`, each with its `sequence_number`).
+`response.completed`, each with its `sequence_number`), typed in router/faces/response_objects.py.
 
-A background response runs to its end without its client (router/faces/http_api.py keeps its events in
-the store, where any process replays and follows them).
+What happens to a response after that (stored, run in the background, followed, cancelled) is
+router/faces/response_service.py's.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from nanovllm.router.faces.openai_protocol import (
     Choice,
@@ -21,6 +21,32 @@ from nanovllm.router.faces.openai_protocol import (
     ProtocolError,
     check_unicode,
     parse_request,
+)
+from nanovllm.router.faces.response_objects import (
+    TERMINAL,
+    ContentPartEvent,
+    Echoed,
+    FunctionCallArgumentsDeltaEvent,
+    FunctionCallArgumentsDoneEvent,
+    FunctionCallItem,
+    InputItem,
+    ItemEventType,
+    MessageItem,
+    OutputItem,
+    OutputItemEvent,
+    OutputText,
+    OutputTextDeltaEvent,
+    OutputTextDoneEvent,
+    ReasoningItem,
+    ReasoningText,
+    ReasoningTextDeltaEvent,
+    ReasoningTextDoneEvent,
+    ResponseEvent,
+    ResponseObject,
+    ResponseStatusEvent,
+    StatusEventType,
+    StoredRecord,
+    Usage,
 )
 from nanovllm.v1 import generate_pb2
 
@@ -36,9 +62,6 @@ UNSERVED: dict[str, tuple[tuple[Any, ...], str]] = {
     "conversation": ((None,), "conversations are not served"),
     "prompt": ((None,), "prompt templates are not served"),
 }
-# A response's statuses once it ended; the stream's last events.
-TERMINAL = ("completed", "incomplete", "failed", "cancelled")
-TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = {"input_text", "output_text", "text"}
 
@@ -48,16 +71,16 @@ class ResponsesRequest:
     """One /v1/responses call: the chat request it runs, and what its Response object echoes back."""
 
     chat: OpenAIRequest
-    echoed: dict[str, Any]
-    items: list[dict[str, Any]]  # this request's input, as items with ids
-    history: list[dict[str, Any]]  # the conversation it continues, as input items (outputs included)
-    earlier_inputs: list[dict[str, Any]]  # the input items of the conversation's earlier turns
+    echoed: Echoed
+    items: list[InputItem]  # this request's input, as items with ids
+    history: list[InputItem]  # the conversation it continues, as input items (outputs included)
+    earlier_inputs: list[InputItem]  # the input items of the conversation's earlier turns
     store: bool
     background: bool
     id: str = field(default_factory=lambda: "resp_" + uuid.uuid4().hex)
-    owner: str = ""  # the caller's token name, set by the HTTP face
+    owner: str = ""  # the caller's token name, set by router/faces/response_service.py
 
-    def record(self, response: dict[str, Any]) -> dict[str, Any]:
+    def record(self, response: ResponseObject) -> StoredRecord:
         """What the store keeps of this finished response (router/faces/response_store.py)."""
         outputs = [_as_input(item) for item in response["output"]]
         return {
@@ -77,7 +100,7 @@ def _item_text(content: Any, where: str) -> str:
     raise ProtocolError(f"{where}.content", f"{where}.content must be a string or input_text parts")
 
 
-def _as_input(item: dict[str, Any]) -> dict[str, Any] | None:
+def _as_input(item: OutputItem) -> InputItem | None:
     """An output item as the input item a later turn sends back (reasoning is not: Qwen3's template drops
     earlier turns' reasoning)."""
     if item["type"] == "message":
@@ -218,7 +241,7 @@ def _response_format(text: Any) -> dict[str, Any] | None:
 
 
 def parse_responses_request(
-    body: Any, previous: dict[str, Any] | None = None, can_store: bool = False
+    body: Any, previous: StoredRecord | None = None, can_store: bool = False
 ) -> ResponsesRequest:
     """The chat completion a /v1/responses body asks for, continuing `previous` (the stored record of its
     previous_response_id), and the fields its answer echoes. `can_store`: whether a store is configured
@@ -278,7 +301,7 @@ def parse_responses_request(
     except ProtocolError as exc:  # named as the chat field: say which Responses field it came from
         raise ProtocolError(exc.param, f"{exc} (from this /v1/responses body)") from None
     parsed.generate[0].return_token_ids = True  # counted for usage's reasoning_tokens (ResponseBuilder.add)
-    echoed = {
+    echoed: Echoed = {
         "instructions": body.get("instructions"),
         "metadata": body.get("metadata") or {},
         "max_output_tokens": body.get("max_output_tokens"),
@@ -298,7 +321,7 @@ def parse_responses_request(
     return ResponsesRequest(parsed, echoed, items, history, earlier, echoed["store"], bool(background))
 
 
-def _usage(choice: Choice, reasoning_tokens: int) -> dict[str, Any]:
+def _usage(choice: Choice, reasoning_tokens: int) -> Usage:
     usage = choice.usage or generate_pb2.Usage()
     return {
         "input_tokens": usage.prompt_tokens,
@@ -311,17 +334,18 @@ def _usage(choice: Choice, reasoning_tokens: int) -> dict[str, Any]:
 
 class ResponseBuilder:
     """A Response object and its output items, built as the chat call's Generate responses arrive; the
-    stream's events say what each step added (`events`), the whole object comes from `response`."""
+    stream's events say what each step added (`events`), the whole object comes from `response`. An event
+    carries copies of the items it shows, as they were then: the builder goes on changing its own."""
 
     def __init__(self, request: ResponsesRequest, created_at: int) -> None:
         self.request, self.created_at = request, created_at
         self.choice = Choice(0)
-        self.output: list[dict[str, Any]] = []
-        self.open: dict[str, Any] | None = None  # the reasoning or message item being streamed
+        self.output: list[OutputItem] = []
+        self.open: MessageItem | ReasoningItem | None = None  # the reasoning or message item being streamed
         self.reasoning_tokens = 0  # the tokens of responses that carried reasoning and no answer text
         self.sequence = 0
 
-    def response(self, status: str) -> dict[str, Any]:
+    def response(self, status: str) -> ResponseObject:
         finished = status in TERMINAL
         return {
             "id": self.request.id,
@@ -336,126 +360,120 @@ class ResponseBuilder:
             **self.request.echoed,
         }
 
-    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = {"type": kind, "sequence_number": self.sequence, **fields}
+    def _next(self) -> int:
+        """The next event's sequence_number."""
         self.sequence += 1
-        return event
+        return self.sequence - 1
 
-    def start(self) -> list[dict[str, Any]]:
+    def _status_event(self, kind: StatusEventType, response: ResponseObject) -> ResponseStatusEvent:
+        return ResponseStatusEvent(type=kind, sequence_number=self._next(), response=response)
+
+    def _item_event(self, kind: ItemEventType, index: int, item: OutputItem) -> OutputItemEvent:
+        return OutputItemEvent(type=kind, sequence_number=self._next(), output_index=index, item=item)
+
+    def start(self) -> list[ResponseEvent]:
         return [
-            self._event("response.created", response=self.response("in_progress")),
-            self._event("response.in_progress", response=self.response("in_progress")),
+            self._status_event("response.created", self.response("in_progress")),
+            self._status_event("response.in_progress", self.response("in_progress")),
         ]
 
-    def _open(self, kind: str) -> list[dict[str, Any]]:
+    def _open(
+        self, kind: Literal["reasoning", "message"]
+    ) -> tuple[list[ResponseEvent], MessageItem | ReasoningItem]:
+        """Close the item being streamed, and open a `kind` item (returned too) with one empty part."""
         events = self._close()
+        item: MessageItem | ReasoningItem
         if kind == "reasoning":
-            item = {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "summary": [], "content": []}
+            item = {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "summary": [], "content": [], "status": "in_progress"}  # fmt: skip
         else:
-            item = {"type": "message", "id": "msg_" + uuid.uuid4().hex, "role": "assistant", "content": []}
-        item["status"] = "in_progress"
+            item = {"type": "message", "id": "msg_" + uuid.uuid4().hex, "role": "assistant", "content": [], "status": "in_progress"}  # fmt: skip
         self.output.append(item)
         self.open = item
         index = len(self.output) - 1
-        events.append(
-            self._event("response.output_item.added", output_index=index, item=dict(item, content=[]))
-        )
-        part = (
-            {"type": "reasoning_text", "text": ""}
-            if kind == "reasoning"
-            else {"type": "output_text", "text": "", "annotations": []}
-        )
-        item["content"].append(part)
-        if kind == "message":
-            events.append(
-                self._event(
-                    "response.content_part.added",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    part=dict(part),
-                )
-            )
-        return events
+        events.append(self._item_event("response.output_item.added", index, item.copy()))
+        # The part goes into a new list: the event's copy of the item keeps the empty one.
+        if item["type"] == "reasoning":
+            item["content"] = [ReasoningText(type="reasoning_text", text="")]
+        else:
+            part = OutputText(type="output_text", text="", annotations=[])
+            item["content"] = [part]
+            events.append(ContentPartEvent(type="response.content_part.added", sequence_number=self._next(), item_id=item["id"], output_index=index, content_index=0, part=part.copy()))  # fmt: skip
+        return events, item
 
-    def _delta(self, kind: str, text: str) -> list[dict[str, Any]]:
-        events = [] if self.open is not None and self.open["type"] == kind else self._open(kind)
-        item = self.open
+    def _delta(self, kind: Literal["reasoning", "message"], text: str) -> list[ResponseEvent]:
+        item, events = self.open, list[ResponseEvent]()
+        if item is None or item["type"] != kind:
+            events, item = self._open(kind)
+        index = len(self.output) - 1
         item["content"][0]["text"] += text
-        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
-        events.append(
-            self._event(
-                name,
-                item_id=item["id"],
-                output_index=len(self.output) - 1,
-                content_index=0,
-                delta=text,
-                **extra,
-            )
-        )
+        if item["type"] == "reasoning":
+            events.append(ReasoningTextDeltaEvent(type="response.reasoning_text.delta", sequence_number=self._next(), item_id=item["id"], output_index=index, content_index=0, delta=text))  # fmt: skip
+        else:
+            events.append(OutputTextDeltaEvent(type="response.output_text.delta", sequence_number=self._next(), item_id=item["id"], output_index=index, content_index=0, delta=text, logprobs=[]))  # fmt: skip
         return events
 
-    def _close(self) -> list[dict[str, Any]]:
+    def _close(self) -> list[ResponseEvent]:
         item, self.open = self.open, None
         if item is None:
             return []
         index = self.output.index(item)
-        part, at = item["content"][0], {"item_id": item["id"], "output_index": index, "content_index": 0}
         item["status"] = "completed"
+        events: list[ResponseEvent] = []
         if item["type"] == "reasoning":
-            events = [self._event("response.reasoning_text.done", **at, text=part["text"])]
+            text = item["content"][0]["text"]
+            events.append(ReasoningTextDoneEvent(type="response.reasoning_text.done", sequence_number=self._next(), item_id=item["id"], output_index=index, content_index=0, text=text))  # fmt: skip
         else:
-            events = [
-                self._event("response.output_text.done", **at, text=part["text"], logprobs=[]),
-                self._event("response.content_part.done", **at, part=dict(part)),
-            ]
-        events.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
+            part = item["content"][0]
+            events.append(OutputTextDoneEvent(type="response.output_text.done", sequence_number=self._next(), item_id=item["id"], output_index=index, content_index=0, text=part["text"], logprobs=[]))  # fmt: skip
+            events.append(ContentPartEvent(type="response.content_part.done", sequence_number=self._next(), item_id=item["id"], output_index=index, content_index=0, part=part.copy()))  # fmt: skip
+        events.append(self._item_event("response.output_item.done", index, item.copy()))
         return events
 
-    def add(self, response: generate_pb2.GenerateResponse) -> list[dict[str, Any]]:
+    def add(self, response: generate_pb2.GenerateResponse) -> list[ResponseEvent]:
         """The events one Generate response makes (the final ones too, when it is the last)."""
         self.choice.add(response)
         if response.reasoning_text and not response.text:
             self.reasoning_tokens += len(response.token_ids)
-        events: list[dict[str, Any]] = []
+        events: list[ResponseEvent] = []
         if response.reasoning_text:
             events += self._delta("reasoning", response.reasoning_text)
         if response.text:
             events += self._delta("message", response.text)
         for call in response.tool_calls:
             events += self._close()
-            item = {
+            item: FunctionCallItem = {
                 "type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": call.id, "name": call.name,
                 "arguments": call.arguments, "status": "completed",
             }  # fmt: skip
             self.output.append(item)
             index = len(self.output) - 1
             events += [
-                self._event("response.output_item.added", output_index=index, item=dict(item, arguments="", status="in_progress")),
-                self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=call.arguments),
-                self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index, name=call.name, arguments=call.arguments),
-                self._event("response.output_item.done", output_index=index, item=dict(item)),
+                self._item_event("response.output_item.added", index, {**item, "arguments": "", "status": "in_progress"}),
+                FunctionCallArgumentsDeltaEvent(type="response.function_call_arguments.delta", sequence_number=self._next(), item_id=item["id"], output_index=index, delta=call.arguments),
+                FunctionCallArgumentsDoneEvent(type="response.function_call_arguments.done", sequence_number=self._next(), item_id=item["id"], output_index=index, name=call.name, arguments=call.arguments),
+                self._item_event("response.output_item.done", index, item.copy()),
             ]  # fmt: skip
         if response.finish_reason:
             events += self.finish()
         return events
 
     @property
-    def status(self) -> str:
+    def status(self) -> Literal["completed", "incomplete"]:
         """The finished response's: incomplete when it ran out of max_output_tokens."""
         return "incomplete" if self.choice.finish == generate_pb2.FINISH_REASON_LENGTH else "completed"
 
-    def finish(self) -> list[dict[str, Any]]:
+    def finish(self) -> list[ResponseEvent]:
         events = self._close()
         if not self.output:  # nothing generated: still one (empty) message, as OpenAI answers
-            events += self._open("message") + self._close()
-        return [*events, self._event(f"response.{self.status}", response=self.response(self.status))]
+            events += self._open("message")[0] + self._close()
+        status = self.status
+        kind: StatusEventType = "response.incomplete" if status == "incomplete" else "response.completed"
+        return [*events, self._status_event(kind, self.response(status))]
 
-    def fail(self, message: str, status: str = "failed") -> dict[str, Any]:
-        """The last event of a response whose call failed mid-stream, or (status "cancelled") of a
+    def fail(self, message: str, status: Literal["failed", "cancelled"] = "failed") -> list[ResponseEvent]:
+        """The last events of a response whose call failed mid-stream, or (status "cancelled") of a
         background response cancelled: OpenAI's stream has no event of its own for that."""
         events = self._close()
         failed = self.response(status)
         failed["error"] = {"code": "server_error" if status == "failed" else status, "message": message}
-        return [*events, self._event("response.failed", response=failed)]
+        return [*events, self._status_event("response.failed", failed)]
