@@ -198,9 +198,36 @@ def _small_length(value: object) -> bool:
     return not (isinstance(value, int) and not isinstance(value, bool) and MAX_HTTP_TOKENS < value < 2**31)
 
 
+def _nested_fields(value: object) -> list[tuple[list | dict, object]]:
+    """(container, key) of every field at any depth under `value`."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else []
+    found: list[tuple[list | dict, object]] = []
+    for key, inner in items:
+        found += [(value, key), *_nested_fields(inner)]
+    return found
+
+
+@st.composite
+def _one_field_hostile(draw: st.DrawFn, valid: st.SearchStrategy) -> object:
+    """A valid value (an item, a tool, a message) with one field at any depth hostile: a wrong JSON type
+    where a nested field's reader expects another."""
+    value = json.loads(json.dumps(draw(valid)))
+    fields = _nested_fields(value)
+    if fields:
+        container, key = draw(st.sampled_from(fields))
+        container[key] = draw(HOSTILE)
+    return value
+
+
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "user", "assistant", "tool"]), "content": TEXT}
 )
+
+
+def _valid_or_nested_hostile(valid: st.SearchStrategy) -> st.SearchStrategy:
+    return st.one_of(valid, _one_field_hostile(valid))
+
+
 TOOL = st.fixed_dictionaries(
     {
         "type": st.just("function"),
@@ -208,6 +235,18 @@ TOOL = st.fixed_dictionaries(
             {"name": st.sampled_from(["f", "get_weather"]), "parameters": st.just({"type": "object"})}
         ),
     }
+)
+# A chat message of each shape the chat face reads: text parts, an assistant's tool calls, a tool's answer.
+CHAT_MESSAGE = st.sampled_from(
+    [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
 )
 HTTP_FIELDS: dict[str, st.SearchStrategy] = {
     "model": TEXT,
@@ -232,7 +271,10 @@ HTTP_FIELDS: dict[str, st.SearchStrategy] = {
     ),
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
-    "tools": st.one_of(st.lists(TOOL, max_size=2), _huge({"type": "function", "function": {"name": "f"}})),
+    "tools": st.one_of(
+        st.lists(_valid_or_nested_hostile(TOOL), max_size=2),
+        _huge({"type": "function", "function": {"name": "f"}}),
+    ),
     "tool_choice": st.sampled_from(
         ["auto", "none", "required", {"type": "function", "function": {"name": "f"}}, {"function": "f"}]
     ),
@@ -263,6 +305,7 @@ RESPONSES_ITEM = st.one_of(
     st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": TEXT, "output": TEXT}),
     st.fixed_dictionaries({"type": JSON_VALUES, "role": JSON_VALUES, "content": JSON_VALUES}),
 )
+RESPONSES_ITEM = st.one_of(RESPONSES_ITEM, _one_field_hostile(RESPONSES_ITEM))
 RESPONSES_FIELDS: dict[str, st.SearchStrategy] = {
     "model": TEXT,
     "instructions": st.one_of(TEXT, JSON_VALUES),
@@ -270,28 +313,33 @@ RESPONSES_FIELDS: dict[str, st.SearchStrategy] = {
     "top_p": HTTP_FIELDS["top_p"],
     "stream": st.booleans(),
     "tools": st.lists(
-        st.fixed_dictionaries(
-            {
-                "type": st.just("function"),
-                "name": st.sampled_from(["f", "g"]),
-                "parameters": st.just({"type": "object"}),
-            }
+        _valid_or_nested_hostile(
+            st.fixed_dictionaries(
+                {
+                    "type": st.just("function"),
+                    "name": st.sampled_from(["f", "g"]),
+                    "description": TEXT,
+                    "parameters": st.just({"type": "object"}),
+                }
+            )
         ),
         max_size=2,
     ),
     "tool_choice": st.sampled_from(
         ["auto", "none", "required", {"type": "function", "name": "f"}, {"name": 3}]
     ),
-    "text": st.sampled_from(
-        [
-            {"format": {"type": "text"}},
-            {"format": {"type": "json_object"}},
-            {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
-            {"format": []},
-        ]
+    "text": _valid_or_nested_hostile(
+        st.sampled_from(
+            [
+                {"format": {"type": "text"}},
+                {"format": {"type": "json_object"}},
+                {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
+                {"format": []},
+            ]
+        )
     ),
-    "reasoning": st.sampled_from([{"effort": "none"}, {"effort": "high"}, {}]),
-    "metadata": st.just({"k": "v"}),
+    "reasoning": _valid_or_nested_hostile(st.sampled_from([{"effort": "none"}, {"effort": "high"}, {}])),
+    "metadata": _valid_or_nested_hostile(st.just({"k": "v"})),
     "store": st.booleans(),
     "previous_response_id": TEXT,
     "background": st.booleans(),
@@ -326,6 +374,7 @@ def http_json(draw: st.DrawFn) -> tuple[str, object]:
                 JSON_VALUES,
                 _huge({"role": "user", "content": "hi"}),
                 st.lists(st.fixed_dictionaries({"role": JSON_VALUES, "content": JSON_VALUES}), max_size=2),
+                st.lists(_one_field_hostile(CHAT_MESSAGE), min_size=1, max_size=3),
             )
         )
         if draw(st.booleans()):

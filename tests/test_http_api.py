@@ -217,6 +217,16 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(http: Ht
     assert [o for s in streamed for o in s.text_offset] == lp.text_offset
 
 
+def test_a_completion_without_max_tokens_stops_at_16_as_openais(http: Http) -> None:
+    """OpenAI's legacy completions default max_tokens to 16 (a chat runs to the end of the context); with
+    echo and max_tokens 0 the prompt is scored and nothing generated, as before."""
+    asked = {"model": http.model, "prompt": "The capital of France is", "echo": True, "logprobs": 1}
+    answer = http.client.completions.create(**asked, extra_body={"ignore_eos": True})
+    assert answer.usage.completion_tokens == 16 and answer.choices[0].finish_reason == "length"
+    scored = http.client.completions.create(**asked, max_tokens=0)
+    assert scored.usage.completion_tokens == 0 and scored.choices[0].text == asked["prompt"]
+
+
 def test_a_client_that_leaves_mid_stream_frees_its_kv_blocks(http: Http) -> None:
     stream = http.client.chat.completions.create(
         model=http.model,

@@ -214,6 +214,11 @@ def test_bad_bodies_are_400_naming_the_field(client: openai.OpenAI) -> None:
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
         ({"input": "hi", "extra_body": {"frobnicate": 1}}, "frobnicate"),
         ({"input": []}, "input"),
+        (
+            {"input": [{"role": [1, 2, 3], "content": [{"type": "input_text", "text": "Hi"}]}]},
+            "input[0].role",
+        ),
+        ({"input": [{"role": [], "content": [{"type": "input_text", "text": "Hi"}]}]}, "input[0].role"),
     ]
     for body, field in cases:
         with pytest.raises(openai.BadRequestError) as caught:
@@ -226,6 +231,79 @@ def test_bad_bodies_are_400_naming_the_field(client: openai.OpenAI) -> None:
         caught.value.body["param"] == "previous_response_id"
         and "resp_unknown" in caught.value.body["message"]
     )
+
+
+# A body with one item of each kind, a tool, a text format and reasoning, every field set.
+_EVERY_FIELD = {
+    "input": [
+        {"type": "message", "id": "msg_1", "role": "user", "content": "Hi"},
+        {
+            "type": "message",
+            "id": "msg_2",
+            "role": "developer",
+            "content": [{"type": "input_text", "text": "Be brief"}],
+        },
+        {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "id": "fco_1", "call_id": "c1", "output": "sunny"},
+        {"type": "reasoning", "id": "rs_1"},
+    ],
+    "instructions": "Answer",
+    "tools": [WEATHER],
+    "text": {"format": {"type": "json_schema", "name": "answer", "schema": {"type": "object"}}},
+    "reasoning": {"effort": "high"},
+    "metadata": {"k": "v"},
+    "user": "u",
+    "previous_response_id": None,
+}
+_JSON_VALUES = [{}, [], "text", 3, 2.5, True]  # one of each JSON type but null
+# Fields that take a second JSON type: `input` a string (one user message), content as a string or parts.
+_ALSO_VALID = {"input": "text", "input[0].content": [], "input[1].content": "text"}
+
+
+def _same_json_type(a: object, b: object) -> bool:
+    kinds = (bool, int, float, str, list, dict)
+    return next(k for k in kinds if isinstance(a, k)) is next(k for k in kinds if isinstance(b, k))
+
+
+def _fields(value: object, path: str) -> Iterator[tuple[str, list | dict, object]]:
+    """(path, container, key) of every field under `value`, JSON schemas (tool parameters, text formats')
+    not entered: they are the model's to read."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else []
+    for key, inner in items:
+        here = f"{path}[{key}]" if isinstance(value, list) else f"{path}.{key}" if path else key
+        yield here, value, key
+        if key not in ("parameters", "schema"):
+            yield from _fields(inner, here)
+
+
+def test_every_field_of_every_item_kind_refuses_each_wrong_json_type() -> None:
+    """Each field of each input item kind, of a tool, the text format, reasoning and metadata, set in turn
+    to every JSON type it is not: a ProtocolError (a 400) naming that field, or the item it belongs to
+    where the item's kind is what is wrong; never another exception (a 500)."""
+    assert parse_responses_request(_EVERY_FIELD).chat.generate  # the body itself is valid
+    walked = 0
+    for path, container, key in list(_fields(_EVERY_FIELD, "")):
+        valid = container[key]
+        if valid is None or path.startswith("input[4].") and path != "input[4].type":
+            continue  # a reasoning item is context the template drops: only its kind is read
+        for wrong in _JSON_VALUES:
+            if (
+                _same_json_type(wrong, valid)
+                or path in _ALSO_VALID
+                and _same_json_type(wrong, _ALSO_VALID[path])
+            ):
+                continue
+            body = json.loads(json.dumps(_EVERY_FIELD))
+            target = body
+            for part in path.replace("]", "").replace("[", ".").split(".")[:-1]:
+                target = target[int(part)] if isinstance(target, list) else target[part]
+            target[int(key) if isinstance(target, list) else key] = wrong
+            with pytest.raises(ProtocolError) as caught:
+                parse_responses_request(body)
+            owner = path.rsplit(".", 1)[0]
+            assert caught.value.param in (path, owner), (path, wrong, caught.value.param, str(caught.value))
+            walked += 1
+    assert walked > 100, walked
 
 
 def _responses(*parts: dict) -> list[generate_pb2.GenerateResponse]:

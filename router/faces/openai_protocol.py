@@ -47,6 +47,10 @@ class ApiError(Exception):
         self.status, self.param = status, param
 
 
+# A legacy completion's max_tokens when the body has none: OpenAI's default (and vLLM's); a chat runs to
+# the end of the context.
+COMPLETIONS_MAX_TOKENS = 16
+
 _JSON_NAMES = {
     dict: "an object",
     list: "an array",
@@ -124,16 +128,26 @@ def _refuse_unserved(body: dict[str, Any], n: int) -> None:
         )
 
 
-def _typed(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any = None) -> Any:
+def typed_field(
+    body: dict[str, Any],
+    name: str,
+    kinds: type | tuple[type, ...],
+    default: Any = None,
+    param: str | None = None,
+) -> Any:
+    """`body[name]` if it is of one of the JSON types of `kinds`, `default` if absent or null; otherwise a
+    ProtocolError naming the field (`param`, a path such as input[0].role; `name` by default) and the type
+    it needs."""
+    param = param or name
     value = body.get(name, default)
     if value is None:
         return default
     # bool is an int in Python; OpenAI's schema keeps them apart.
     if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
-        raise ProtocolError(name, f"{name} must be a number, got a boolean")
+        raise ProtocolError(param, f"{param} must be a number, got a boolean")
     if not isinstance(value, kinds):
         expected = " or ".join(_JSON_NAMES[k] for k in (kinds if isinstance(kinds, tuple) else (kinds,)))
-        raise ProtocolError(name, f"{name} must be {expected}, got {_JSON_NAMES.get(type(value), 'null')}")
+        raise ProtocolError(param, f"{param} must be {expected}, got {_JSON_NAMES.get(type(value), 'null')}")
     return value
 
 
@@ -148,14 +162,14 @@ def _integer(
     body: dict[str, Any], name: str, bounds: tuple[int, int] = INT32, default: int | None = None
 ) -> int | None:
     """An integer field within the range its protobuf field holds (or a tighter one)."""
-    value = _typed(body, name, int, default)
+    value = typed_field(body, name, int, default)
     if value is not None and not bounds[0] <= value <= bounds[1]:
         raise ProtocolError(name, f"{name} must be in [{bounds[0]}, {bounds[1]}], got {_shown(value)}")
     return value
 
 
 def _number(body: dict[str, Any], name: str) -> float | None:
-    value = _typed(body, name, (int, float))
+    value = typed_field(body, name, (int, float))
     try:
         return None if value is None else float(value)
     except OverflowError:  # an integer past float's range
@@ -223,22 +237,24 @@ def _sampling(body: dict[str, Any], chat: bool) -> tuple[generate_pb2.SamplingPa
         value = _integer(body, name)
         if value is not None:
             setattr(sampling, name, value)
-    sampling.ignore_eos = _typed(body, "ignore_eos", bool, False)
+    sampling.ignore_eos = typed_field(body, "ignore_eos", bool, False)
     max_tokens = _integer(body, "max_completion_tokens") if chat else None
     max_tokens = max_tokens if max_tokens is not None else _integer(body, "max_tokens")
+    if max_tokens is None and not chat:
+        max_tokens = COMPLETIONS_MAX_TOKENS
     if max_tokens is not None:
         sampling.max_tokens = max_tokens
     seed = _integer(body, "seed", SEEDS)
     if seed is not None:
         sampling.seed = seed
-    stop = _typed(body, "stop", (str, list))
+    stop = typed_field(body, "stop", (str, list))
     stops = [stop] if isinstance(stop, str) else (stop or [])
     if not all(isinstance(s, str) for s in stops):
         raise ProtocolError("stop", "stop must be a string or a list of strings")
     sampling.stop.extend(stops)
     logprobs = None
     if chat:
-        if _typed(body, "logprobs", bool, False):
+        if typed_field(body, "logprobs", bool, False):
             logprobs = _integer(body, "top_logprobs", default=0)
     else:
         logprobs = _integer(body, "logprobs")
@@ -249,7 +265,7 @@ def _sampling(body: dict[str, Any], chat: bool) -> tuple[generate_pb2.SamplingPa
 
 
 def _response_format(body: dict[str, Any], sampling: generate_pb2.SamplingParams) -> None:
-    response_format = _typed(body, "response_format", dict)
+    response_format = typed_field(body, "response_format", dict)
     if response_format is None:
         return
     kind = response_format.get("type")
@@ -278,7 +294,7 @@ def _content(message: dict[str, Any], i: int) -> str:
 
 
 def _chat(body: dict[str, Any]) -> generate_pb2.Chat:
-    messages = _typed(body, "messages", list)
+    messages = typed_field(body, "messages", list)
     if not messages:
         raise ProtocolError("messages", "messages must be a non-empty list")
     chat = generate_pb2.Chat()
@@ -300,7 +316,7 @@ def _chat(body: dict[str, Any]) -> generate_pb2.Chat:
             )
         if isinstance(message.get("tool_call_id"), str):
             entry.tool_call_id = message["tool_call_id"]
-    for i, tool in enumerate(_typed(body, "tools", list, [])):
+    for i, tool in enumerate(typed_field(body, "tools", list, [])):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise ProtocolError(
@@ -326,7 +342,7 @@ def _chat(body: dict[str, Any]) -> generate_pb2.Chat:
                 "tool_choice", "tool_choice must name a function: {'function': {'name': ...}}"
             )
         chat.tool_choice.function = name
-    kwargs = _typed(body, "chat_template_kwargs", dict)  # vLLM's extension: Qwen3's enable_thinking
+    kwargs = typed_field(body, "chat_template_kwargs", dict)  # vLLM's extension: Qwen3's enable_thinking
     if kwargs:
         try:
             chat.template_kwargs.update(kwargs)
@@ -347,7 +363,7 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
     if chat:
         prompt = {"chat": _chat(body)}
     else:
-        text = _typed(body, "prompt", (str, list))
+        text = typed_field(body, "prompt", (str, list))
         if isinstance(text, list):
             if all(isinstance(t, int) and not isinstance(t, bool) for t in text) and text:
                 if not all(TOKEN_IDS[0] <= t <= TOKEN_IDS[1] for t in text):
@@ -361,10 +377,10 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
             raise ProtocolError("prompt", "prompt is required")
         else:
             prompt = {"text": text}
-    model = _typed(body, "model", str, "")
+    model = typed_field(body, "model", str, "")
     n = _integer(body, "n", (1, MAX_N), 1)
     _refuse_unserved(body, n)
-    echo = not chat and _typed(body, "echo", bool, False)
+    echo = not chat and typed_field(body, "echo", bool, False)
     score_only = echo and sampling.HasField("max_tokens") and sampling.max_tokens == 0
     prompt_logprobs = _integer(body, "prompt_logprobs")  # vLLM's extension: its own object, below
     if prompt_logprobs is not None:
@@ -381,10 +397,10 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
         if n > 1 and sampling.HasField("seed"):
             choice_sampling.seed = sampling.seed + i  # distinct choices, each reproducible
         requests.append(generate_pb2.GenerateRequest(sampling=choice_sampling, model=model, **prompt))
-    options = _typed(body, "stream_options", dict, {})
+    options = typed_field(body, "stream_options", dict, {})
     return OpenAIRequest(
         generate=requests,
-        stream=_typed(body, "stream", bool, False),
+        stream=typed_field(body, "stream", bool, False),
         include_usage=bool(options.get("include_usage")),
         chat=chat,
         model=model,

@@ -21,6 +21,7 @@ from nanovllm.router.faces.openai_protocol import (
     ProtocolError,
     check_unicode,
     parse_request,
+    typed_field,
 )
 from nanovllm.router.faces.response_objects import (
     TERMINAL,
@@ -93,11 +94,17 @@ class ResponsesRequest:
 def _item_text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") in _TEXT_PARTS for p in content
-    ):
-        return "".join(str(p.get("text", "")) for p in content)
-    raise ProtocolError(f"{where}.content", f"{where}.content must be a string or input_text parts")
+    if not isinstance(content, list):
+        raise ProtocolError(f"{where}.content", f"{where}.content must be a string or input_text parts")
+    texts = []
+    for j, part in enumerate(content):
+        if (
+            not isinstance(part, dict)
+            or typed_field(part, "type", str, param=f"{where}.content[{j}].type") not in _TEXT_PARTS
+        ):
+            raise ProtocolError(f"{where}.content[{j}]", f"{where}.content[{j}] must be an input_text part")
+        texts.append(typed_field(part, "text", str, "", param=f"{where}.content[{j}].text"))
+    return "".join(texts)
 
 
 def _as_input(item: OutputItem) -> InputItem | None:
@@ -128,7 +135,8 @@ def _items(body: dict[str, Any]) -> list[dict[str, Any]]:
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise ProtocolError(f"input[{i}]", f"input[{i}] must be an object")
-        kind = item.get("type", "message")
+        kind = typed_field(item, "type", str, "message", param=f"input[{i}].type")
+        typed_field(item, "id", str, param=f"input[{i}].id")
         if kind not in (*prefixes, "reasoning"):
             raise ProtocolError(
                 f"input[{i}].type",
@@ -138,6 +146,13 @@ def _items(body: dict[str, Any]) -> list[dict[str, Any]]:
             item if "id" in item else {"id": prefixes.get(kind, "rs_") + uuid.uuid4().hex, **item}
         )
     return with_ids
+
+
+def _required_string(item: dict[str, Any], key: str, where: str) -> str:
+    value = typed_field(item, key, str, param=f"{where}.{key}")
+    if value is None:
+        raise ProtocolError(f"{where}.{key}", f"{where}.{key} is required: a string")
+    return value
 
 
 def _messages(instructions: Any, items: list[dict[str, Any]], first: int) -> list[dict[str, Any]]:
@@ -152,22 +167,17 @@ def _messages(instructions: Any, items: list[dict[str, Any]], first: int) -> lis
         where = f"input[{i - first}]" if i >= first else f"previous_response_id's input[{i}]"
         kind = item.get("type", "message")
         if kind == "message":
-            role = _ROLES.get(item.get("role"))
+            role = _ROLES.get(typed_field(item, "role", str, "", param=f"{where}.role"))
             if role is None:
                 raise ProtocolError(
                     f"{where}.role", f"{where}.role must be user, assistant, system or developer"
                 )
             messages.append({"role": role, "content": _item_text(item.get("content"), where)})
         elif kind == "function_call":
-            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
-                raise ProtocolError(
-                    where, f"{where} (function_call) needs string call_id, name and arguments"
-                )
-            call = {
-                "id": item["call_id"],
-                "type": "function",
-                "function": {"name": item["name"], "arguments": item["arguments"]},
-            }
+            call_id, name, arguments = (
+                _required_string(item, k, where) for k in ("call_id", "name", "arguments")
+            )
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             if (
                 messages
                 and messages[-1]["role"] == "assistant"
@@ -177,10 +187,8 @@ def _messages(instructions: Any, items: list[dict[str, Any]], first: int) -> lis
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            output = item.get("output")
-            if not isinstance(item.get("call_id"), str) or not isinstance(output, str):
-                raise ProtocolError(where, f"{where} (function_call_output) needs string call_id and output")
-            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+            call_id, output = (_required_string(item, k, where) for k in ("call_id", "output"))
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
         elif kind == "reasoning":
             continue  # an earlier turn's reasoning: Qwen3's template drops it from the history anyway
         else:
@@ -192,9 +200,7 @@ def _messages(instructions: Any, items: list[dict[str, Any]], first: int) -> lis
 
 
 def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
-    tools = body.get("tools") or []
-    if not isinstance(tools, list):
-        raise ProtocolError("tools", "tools must be a list")
+    tools = typed_field(body, "tools", list, [])
     chat_tools = []
     for i, tool in enumerate(tools):
         if (
@@ -205,9 +211,13 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
             raise ProtocolError(
                 f"tools[{i}]", f"tools[{i}] must be a function tool: {{'type': 'function', 'name': ...}}"
             )
-        function = {"name": tool["name"], "description": tool.get("description") or ""}
-        if tool.get("parameters") is not None:
-            function["parameters"] = tool["parameters"]
+        function = {
+            "name": tool["name"],
+            "description": typed_field(tool, "description", str, "", param=f"tools[{i}].description"),
+        }
+        parameters = typed_field(tool, "parameters", dict, param=f"tools[{i}].parameters")
+        if parameters is not None:
+            function["parameters"] = parameters
         chat_tools.append({"type": "function", "function": function})
     return chat_tools
 
@@ -222,17 +232,17 @@ def _tool_choice(choice: Any) -> Any:
     )
 
 
-def _response_format(text: Any) -> dict[str, Any] | None:
-    if text is None:
-        return None
-    fmt = text.get("format") if isinstance(text, dict) else None
+def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    text = typed_field(body, "text", dict)
+    fmt = None if text is None else typed_field(text, "format", dict, param="text.format")
     if fmt is None:
         return None
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    kind = typed_field(fmt, "type", str, param="text.format.type")
     if kind == "json_schema":
         if not isinstance(fmt.get("schema"), dict):
             raise ProtocolError("text.format.schema", "text.format.schema must be an object")
-        return {"type": "json_schema", "json_schema": {"name": fmt.get("name", ""), "schema": fmt["schema"]}}
+        name = typed_field(fmt, "name", str, "", param="text.format.name")
+        return {"type": "json_schema", "json_schema": {"name": name, "schema": fmt["schema"]}}
     if kind in ("json_object", "text"):
         return {"type": kind}
     raise ProtocolError(
@@ -286,16 +296,18 @@ def parse_responses_request(
             chat[ours] = body[theirs]
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
-    if body.get("tools"):
-        chat["tools"] = _tools(body)
+    tools = _tools(body)
+    if tools:
+        chat["tools"] = tools
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
-    response_format = _response_format(body.get("text"))
+    response_format = _response_format(body)
     if response_format is not None:
         chat["response_format"] = response_format
-    reasoning = body.get("reasoning")
-    if isinstance(reasoning, dict) and reasoning.get("effort") is not None:  # Qwen3's thinking switch
-        chat["chat_template_kwargs"] = {"enable_thinking": reasoning["effort"] not in ("none", "minimal")}
+    reasoning = typed_field(body, "reasoning", dict)
+    effort = None if reasoning is None else typed_field(reasoning, "effort", str, param="reasoning.effort")
+    if effort is not None:  # Qwen3's thinking switch
+        chat["chat_template_kwargs"] = {"enable_thinking": effort not in ("none", "minimal")}
     try:
         parsed = parse_request(chat, chat=True)
     except ProtocolError as exc:  # named as the chat field: say which Responses field it came from
