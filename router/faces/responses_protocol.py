@@ -129,7 +129,7 @@ def _messages(instructions: Any, items: list[dict[str, Any]], first: int) -> lis
         where = f"input[{i - first}]" if i >= first else f"previous_response_id's input[{i}]"
         kind = item.get("type", "message")
         if kind == "message":
-            role = _ROLES.get(item.get("role"))
+            role = _ROLES.get(item.get("role", ""))
             if role is None:
                 raise ProtocolError(
                     f"{where}.role", f"{where}.role must be user, assistant, system or developer"
@@ -349,6 +349,7 @@ class ResponseBuilder:
 
     def _open(self, kind: str) -> list[dict[str, Any]]:
         events = self._close()
+        item: dict[str, Any]
         if kind == "reasoning":
             item = {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "summary": [], "content": []}
         else:
@@ -381,9 +382,10 @@ class ResponseBuilder:
     def _delta(self, kind: str, text: str) -> list[dict[str, Any]]:
         events = [] if self.open is not None and self.open["type"] == kind else self._open(kind)
         item = self.open
+        assert item is not None  # opened above
         item["content"][0]["text"] += text
         name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra: dict[str, Any] = {} if kind == "reasoning" else {"logprobs": []}
         events.append(
             self._event(
                 name,
@@ -452,7 +454,7 @@ class ResponseBuilder:
             events += self._open("message") + self._close()
         return [*events, self._event(f"response.{self.status}", response=self.response(self.status))]
 
-    def fail(self, message: str, status: str = "failed") -> dict[str, Any]:
+    def fail(self, message: str, status: str = "failed") -> list[dict[str, Any]]:
         """The last event of a response whose call failed mid-stream, or (status "cancelled") of a
         background response cancelled: OpenAI's stream has no event of its own for that."""
         events = self._close()
