@@ -33,10 +33,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "from nanovllm.kernels.cpu_kernels import load_cpu_kernels; load_cpu_kernels()"
 	touch $(STAMP)
 
-# One test process per usable CPU (tests/conftest.py), each file's tests in one of them (module fixtures
-# start once); `.venv/bin/pytest` alone runs them in this process, one after another. A test process that
-# dies (the kernel's OOM killer) ends the run: pytest-xdist's replacement for it left the run waiting forever.
+# `make lint` first (ruff, then mypy: docs/development.md#static-checks), then one test process per usable
+# CPU (tests/conftest.py), each file's tests in one of them (module fixtures start once); `.venv/bin/pytest`
+# alone runs them in this process, one after another. A test process that dies (the kernel's OOM killer)
+# ends the run: pytest-xdist's replacement for it left the run waiting forever.
 test: $(STAMP) $(NODE_DEPS)
+	$(MAKE) --no-print-directory lint
 	$(BIN)/pytest -n auto --dist loadfile --max-worker-restart 0
 
 # On a CUDA machine with CUDA torch and triton in its python3 and the wheels of `.ci/gpu wheels` in .whl/:
@@ -53,9 +55,11 @@ $(NODE_STAMP): tests/node/package.json tests/node/package-lock.json
 serve: $(STAMP)
 	$(BIN)/nanovllm serve $(if $(MODEL),--model $(MODEL))
 
+# mypy's settings are pyproject.toml's [tool.mypy]; its cache (.mypy_cache/) makes a second run take seconds.
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.throughput

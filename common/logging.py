@@ -33,10 +33,16 @@ def configure_logging(level: str = "INFO", json: bool | None = None, stdlib: boo
         # exc_info becomes an "exception" field: type, message and frames of each exception in the chain
         # (without the frames' local variables, which may hold prompts or whole tensors).
         exceptions = structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
-        renderers = [structlog.processors.ExceptionRenderer(exceptions), structlog.processors.JSONRenderer()]
+        renderers: list[structlog.typing.Processor] = [
+            structlog.processors.ExceptionRenderer(exceptions),
+            structlog.processors.JSONRenderer(),
+        ]
     else:
         renderers = [structlog.dev.ConsoleRenderer()]  # prints exc_info as a traceback itself
-    stamp = [structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso")]
+    stamp: list[structlog.typing.Processor] = [
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso"),
+    ]
     level_number = logging.getLevelName(level.upper())
     structlog.configure(
         processors=[structlog.contextvars.merge_contextvars, *stamp, *renderers],

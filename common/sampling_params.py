@@ -65,7 +65,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids)
         if isinstance(self.json_schema, dict):  # offline convenience; the wire carries text
-            self.json_schema = json.dumps(self.json_schema)
+            self.json_schema = json.dumps(self.json_schema)  # type: ignore[unreachable]  # typed as the wire's str
         if self.choice is not None:
             self.choice = list(self.choice)
         lo, hi = self.MIN_DIVISOR, self.MAX_DIVISOR

@@ -77,8 +77,9 @@ class WorkerServerConfig:
 def tls_files(config: object, cert: str, key: str, ca: str) -> TlsFiles:
     """The TLS files in `config`'s option fields `cert`, `key` and `ca`, named in errors by their flags."""
     names = (cert, key, ca)
-    paths = (getattr(config, name) for name in names)
-    return TlsFiles(*paths, tuple(flag_name(type(config), name) for name in names))
+    cert_path, key_path, ca_path = (getattr(config, name) for name in names)
+    flags = (flag_name(type(config), cert), flag_name(type(config), key), flag_name(type(config), ca))
+    return TlsFiles(cert_path, key_path, ca_path, flags)
 
 
 @dataclass(frozen=True)

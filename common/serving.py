@@ -105,17 +105,15 @@ class RejectUnparsable(grpc.aio.ServerInterceptor):
                 check_each(request, context) if handler.request_streaming else await check(request, context)
             )
 
-        if inspect.isasyncgenfunction(behavior):
+        async def streamed(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for response in behavior(await checked(request, context), context):
+                yield response
 
-            async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                async for response in behavior(await checked(request, context), context):
-                    yield response
+        # otherwise a coroutine (a unary response, or one written with context.write)
+        async def returned(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await behavior(await checked(request, context), context)
 
-        else:  # a coroutine (a unary response, or one written with context.write)
-
-            async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                return await behavior(await checked(request, context), context)
-
+        call = streamed if inspect.isasyncgenfunction(behavior) else returned
         return handler._replace(request_deserializer=lenient, **{kind: call})
 
 

@@ -71,7 +71,7 @@ class TlsFiles:
         files = PemFiles(
             *(_read(path, flag) for path, flag in zip((self.cert, self.key, self.ca), self.flags))
         )
-        if self.cert:
+        if self.cert and self.key:  # both or neither (checked above)
             _check_pair(self.cert, self.key)
         if self.ca:
             _check_ca(self.ca, ca_flag)
@@ -181,6 +181,7 @@ class ReloadingSslContext(ssl.SSLContext):
     def serving(cls, files: TlsFiles, require_client_cert: bool) -> ReloadingSslContext:
         def build() -> ssl.SSLContext:
             files.check(need_identity=True, need_ca=require_client_cert)
+            assert files.cert is not None  # check() raised without one
             built = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             built.load_cert_chain(files.cert, files.key)
             if require_client_cert:

@@ -12,7 +12,7 @@ structured-output constraints are one `oneof`, its unset members None (or False)
 from __future__ import annotations
 
 import dataclasses
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
@@ -40,7 +40,7 @@ def sampling_to_wire(params: SamplingParams, message_type: type[M]) -> M:
 
 def sampling_from_wire(message: Message) -> SamplingParams:
     """Raises ValueError naming the field when a value is out of range."""
-    values = {}
+    values: dict[str, Any] = {}
     for f in dataclasses.fields(SamplingParams):
         field = message.DESCRIPTOR.fields_by_name[f.name]
         if _in_constraint(field) and not message.HasField(f.name):

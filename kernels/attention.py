@@ -229,8 +229,8 @@ class AttentionBackend:
     def fresh(
         self,
         query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         batch: ChunkBatch,
@@ -243,7 +243,9 @@ class AttentionBackend:
         Several prompts go through one SDPA call, padded to the longest. One call per prompt computes less
         and is faster on one thread, but on 2 threads its thousands of small parallel regions a step made
         W64's prefill several times slower (docs/performance.md#measurements-behind-choices-in-the-code): each region waits for both threads, and
-        any other load on the machine stretches every wait."""
+        any other load on the machine stretches every wait. key and value are None only for a backend that
+        reads them from the cache (forward)."""
+        assert key is not None and value is not None
         if kv_scales is not None:
             key, value = (
                 fake_quantize(key, kv_scales.key, k_cache.dtype),
@@ -276,8 +278,8 @@ class AttentionBackend:
     def forward(
         self,
         query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
@@ -291,14 +293,19 @@ class AttentionBackend:
         out = None if len(spans) == 1 else torch.empty_like(query)
         for kind, begin, end in spans:
             q = query[begin:end]
+            # segments() lists only the batches that are present
             if kind == "decode":
+                assert meta.decode is not None
                 o = self.decode(q, k_cache, v_cache, meta.decode, scale, kv_scales)
             elif kind == "fresh":
-                k, v = (None, None) if key is None else (key[begin:end], value[begin:end])
+                assert meta.fresh is not None
+                k, v = (None, None) if key is None or value is None else (key[begin:end], value[begin:end])
                 o = self.fresh(q, k, v, k_cache, v_cache, meta.fresh, scale, kv_scales)
             else:
+                assert meta.cached is not None
                 o = self.cached(q, k_cache, v_cache, meta.cached, scale, kv_scales)
             if out is None:
                 return o  # a one-segment step: nothing to place
             out[begin:end] = o
+        assert out is not None  # more than one segment
         return out

@@ -141,6 +141,7 @@ class FlashAttention(AttentionBackend):
         v_cache: torch.Tensor,
         batch: DecodeBatch,
         scale: float,
+        kv_scales: KVScales | None = None,  # always None: flash_attn is refused with an FP8 cache
     ) -> torch.Tensor:
         out = self.fa.flash_attn_with_kvcache(
             query.unsqueeze(1), k_cache, v_cache,
@@ -149,7 +150,9 @@ class FlashAttention(AttentionBackend):
         )  # fmt: skip
         return out.squeeze(1)
 
-    def fresh(self, query, key, value, k_cache, v_cache, batch: ChunkBatch, scale: float) -> torch.Tensor:
+    def fresh(
+        self, query, key, value, k_cache, v_cache, batch: ChunkBatch, scale: float, kv_scales=None
+    ) -> torch.Tensor:
         cu = batch.query_start_loc.int()
         return self.fa.flash_attn_varlen_func(
             query,
@@ -170,6 +173,7 @@ class FlashAttention(AttentionBackend):
         v_cache: torch.Tensor,
         batch: ChunkBatch,
         scale: float,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
         ends = batch.start_positions + batch.query_lens
         cu_k = torch.nn.functional.pad(ends.cumsum(0), (1, 0)).int()
@@ -275,6 +279,7 @@ def select_attention_backend(
         if why_not is not None:
             raise ConfigError(f"attention_backend={name!r} cannot run on {device}: {why_not}")
         return BackendChoice(build(name), "asked for")
+    order: tuple[str, ...]
     if batch_invariant:
         order = ("triton",) if device.type == "cuda" else ("cpu_kernel",)
     else:

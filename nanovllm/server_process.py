@@ -96,6 +96,7 @@ def spawn(args: list[str], log_path: Path | None = None, cpus: set[int] | None =
     )
     if log is not None:
         log.close()  # the child holds its own copy
+    assert proc.stdout is not None  # stdout=PIPE
     line = proc.stdout.readline()
     match = LISTENING_RE.search(line)
     if match is None:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.kernels.attention import AttentionBackend, DecodeBatch
+from nanovllm.kernels.attention import AttentionBackend, AttentionMetadata, ChunkBatch, DecodeBatch
+from nanovllm.kernels.backends import FlashAttention
 from tests.helpers import top5_rule
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -50,6 +54,35 @@ def test_torch_decode_path_matches_the_float64_reference():
     )
     out = AttentionBackend().decode(query, k_cache, v_cache, DecodeBatch(tables, lens, 16), scale)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_flash_attn_backend_takes_the_kv_scales_forward_passes(monkeypatch):
+    """forward() hands kv_scales to every backend's decode, fresh and cached; FlashAttention's took no such
+    parameter, a TypeError at its first step (found by mypy, issue 79). flash-attn itself is faked here (it
+    runs only on CUDA): each call is recorded and its queries returned."""
+    calls = []
+
+    def with_kvcache(q, k_cache, v_cache, **kwargs):
+        calls.append("decode")
+        return q
+
+    def varlen(q, *args, **kwargs):
+        calls.append("varlen")
+        return q
+
+    fake = types.SimpleNamespace(flash_attn_with_kvcache=with_kvcache, flash_attn_varlen_func=varlen)
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    tables = torch.tensor([[0], [1]])
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(7),
+        decode=DecodeBatch(tables, torch.tensor([3, 5]), 16),
+        fresh=ChunkBatch(torch.tensor([0, 3]), torch.tensor([0]), tables[:1], 3, 3, 16),
+        cached=ChunkBatch(torch.tensor([0, 2]), torch.tensor([4]), tables[1:], 2, 2, 16),
+    )
+    query, cache = torch.randn(7, 4, 8), torch.zeros(2, 16, 2, 8)
+    out = FlashAttention().forward(query, query, query, cache, cache, meta, 8**-0.5)
+    assert calls == ["decode", "varlen", "varlen"]
+    torch.testing.assert_close(out, query)
 
 
 def _assert_matches(out, ref, dtype):

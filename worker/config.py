@@ -62,7 +62,10 @@ class MemorySize:
 
     def of(self, available_bytes: int) -> int:
         """The bytes this setting names where `available_bytes` are available."""
-        return self.nbytes if self.nbytes is not None else int(self.fraction * available_bytes)
+        if self.nbytes is not None:
+            return self.nbytes
+        assert self.fraction is not None  # one or the other
+        return int(self.fraction * available_bytes)
 
 
 def parse_memory_size(value: str | float, available_bytes: int, name: str = "kv_cache_memory") -> int:
@@ -236,7 +239,8 @@ class EngineConfig:
     )
     gguf_file: str | None = field(default=None, repr=False)  # the .gguf `model` was converted from, if any
     draft_gguf_file: str | None = field(default=None, repr=False)  # the .gguf of speculative_model, if any
-    model_config: ModelConfig | None = field(default=None, repr=False)
+    # None only until __post_init__ reads the model's config: typed as what every EngineConfig then has.
+    model_config: ModelConfig = field(default=None, repr=False)  # type: ignore[assignment]
     draft_model_config: ModelConfig | None = field(default=None, repr=False)  # speculative_model's shape
     # The memory settings above, read once (__post_init__): None where unset.
     kv_cache_size: MemorySize | None = field(init=False, repr=False, default=None)
@@ -312,7 +316,7 @@ class EngineConfig:
         if self.speculative_max_batch < 1:
             raise ConfigError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
         if self.model_config is None:
-            self.model_config = ModelConfig.from_pretrained_dir(self.model)
+            self.model_config = ModelConfig.from_pretrained_dir(self.model)  # type: ignore[unreachable]  # see its field
         self._check_draft()
         if self.model_config.hybrid is not None:
             self._check_hybrid()

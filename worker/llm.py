@@ -8,7 +8,7 @@ import time
 import weakref
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -77,22 +77,20 @@ class LLM:
         prompt_logprobs where SamplingParams.prompt_logprobs asks for them. `lora_name`:
         the LoRA adapter (loaded by `lora_adapters` or `add_lora`) of every prompt, or of each (None: the
         base model)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        one = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        batch = cast("list[str | list[int]]", [prompts] if one else prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if not isinstance(sampling_params, list):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
+            sampling_params = [sampling_params] * len(batch)
+        if len(sampling_params) != len(batch):
             raise ValueError(
-                f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; give one or one each"
+                f"got {len(sampling_params)} sampling_params for {len(batch)} prompts; give one or one each"
             )
         if not isinstance(lora_name, list):
-            lora_name = [lora_name] * len(prompts)
-        if len(lora_name) != len(prompts):
-            raise ValueError(
-                f"got {len(lora_name)} lora_name for {len(prompts)} prompts; give one or one each"
-            )
+            lora_name = [lora_name] * len(batch)
+        if len(lora_name) != len(batch):
+            raise ValueError(f"got {len(lora_name)} lora_name for {len(batch)} prompts; give one or one each")
         # Constraints compile before anything is queued, so one that does not compile raises here.
         timeout = self.config.grammar_compile_timeout_s
         for constraint in {p.constraint for p in sampling_params if p.constraint is not None}:
@@ -103,7 +101,7 @@ class LLM:
                     f"SamplingParams.{constraint[0]} did not compile within grammar_compile_timeout_s = {timeout} s"
                 ) from None
         ids = []
-        for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+        for i, (prompt, params) in enumerate(zip(batch, sampling_params)):
             request_id = str(next(self._request_ids))
             priority = priorities[i] if priorities else 0
             self.engine.add_request(

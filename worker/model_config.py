@@ -210,6 +210,7 @@ class RopeScaling:
             raise UnsupportedModelError("rope type 'yarn' needs original_max_position_embeddings")
         factor = rope.get("factor")
         if factor is None and rope_type == "yarn":  # as transformers: the stretch the config asks for
+            assert original is not None  # checked above
             factor = max_position_embeddings / original
         if factor is None or factor <= 0:
             raise UnsupportedModelError(f"rope type {rope_type!r} needs a positive factor, got {factor!r}")

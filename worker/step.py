@@ -11,6 +11,7 @@ a thousand of them, and a slotted instance is built and read faster than one wit
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
 import torch
@@ -227,7 +228,7 @@ class StepInputs:
             return values[pos - count : pos]
 
         input_ids, positions, slot_mapping = take(n), take(n), take(n)
-        groups = []
+        groups: list[list[SeqChunk]] = []
         for count in (nd, nf, nc):
             chunks = []
             for _ in range(count):
@@ -242,8 +243,10 @@ class StepInputs:
         (num_prompt_rows,) = take(1)
         prompt_rows = take(num_prompt_rows)
         kv_transfers, _ = KVTransfers.unpack(values[pos:])
+        decodes, fresh, cached = groups
         return cls(
-            input_ids, positions, slot_mapping, *groups, logits_index=logits_index, lora_slots=lora_slots,
+            input_ids, positions, slot_mapping, decodes, fresh, cached, logits_index=logits_index,
+            lora_slots=lora_slots,
             lora_fills=lora_fills, kv_transfers=kv_transfers, prompt_rows=prompt_rows,
         )  # fmt: skip
 
@@ -253,10 +256,10 @@ class SamplingRow:
     """One row of the logits batch: everything the sampler needs to know about its request."""
 
     params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
+    prompt_token_ids: SequenceABC[int]
+    output_token_ids: SequenceABC[int]
     # Logits forced to -inf this step (e.g. EOS/stop ids while below min_tokens).
-    banned_token_ids: Sequence[int] = ()
+    banned_token_ids: SequenceABC[int] = ()
     # Structured output: int32 [ceil(vocab / 32)], bit t % 32 of word t // 32 set where token t is allowed
     # (worker/sample/structured_output.py); None: every token is.
     token_bitmask: torch.Tensor | None = None

@@ -74,6 +74,7 @@ async def reject(
     """End a Generate call that never reached a worker; `api` is the face it came through (grpc, http)."""
     metrics.requests.labels(status=code.name.lower(), api=api).inc()
     await context.abort(code, message)
+    raise AssertionError("context.abort returns only by raising")
 
 
 @dataclass
@@ -139,7 +140,8 @@ class GenerateCall:
         self.generated: list[int] = []
         self.prompt_scored = False  # its prompt's logprobs went to the client
         self.worker_running = True  # until the worker reports the request ended there
-        self.model: ModelChoice | None = None  # what request.model selected (set by admit)
+        # What request.model selected: None until admit sets it, typed as what every later use finds.
+        self.model: ModelChoice = None  # type: ignore[assignment]
 
     async def run(self) -> None:
         try:
@@ -168,7 +170,9 @@ class GenerateCall:
         prompt_len = len(self.valid.prompt_token_ids)
         self.lease.charge(prompt_len)
         content = request_content(request) if self.config.log_request_content else None
-        self.trace = RequestTrace(self.metrics, self.request_id, prompt_len, self.lease, self.api, content)
+        self.trace = trace = RequestTrace(
+            self.metrics, self.request_id, prompt_len, self.lease, self.api, content
+        )
         decision = self.pool.pick(self.model, self.valid.prompt_token_ids)
         if decision is None:
             await self._refuse(
@@ -182,17 +186,17 @@ class GenerateCall:
         try:
             await self._stream()
         except StreamStalled as exc:
-            self.trace.outcome = "stalled"
+            trace.outcome = "stalled"
             log.warning("client_stalled", request_id=self.request_id[:64], reason=str(exc))
             # Free the worker's KV blocks first: the status below waits behind the data the client does
             # not read, until it reads or its connection dies.
             self.attempt.worker.release(self.attempt.wire_id, abort=self.worker_running)
-            self.trace.close()
+            trace.close()
             await self.context.abort(grpc.StatusCode.CANCELLED, f"the router cut this stream off: {exc}")
         finally:
             # Both no-ops when done above.
             self.attempt.worker.release(self.attempt.wire_id, abort=self.worker_running)
-            self.trace.close()
+            trace.close()
 
     def _formats(self) -> ChatFormats:
         """The model's reasoning and tool-call formats, as the router's flags choose them."""
@@ -250,6 +254,7 @@ class GenerateCall:
             if response.finish_reason:
                 # A stop string ends the call while the worker still runs the request.
                 self.worker_running = event.finish_reason == worker_pb2.FINISH_REASON_UNSPECIFIED
+                assert self.trace is not None  # set by _run before it streams
                 self.trace.on_finish(finish_name(response.finish_reason))
                 response.timings.CopyFrom(self.trace.timings())
             await self.send(response)
@@ -259,6 +264,7 @@ class GenerateCall:
     def _respond(self, update: worker_pb2.RequestUpdate) -> generate_pb2.GenerateResponse | None:
         self.generated.extend(update.new_token_ids)
         trace = self.trace
+        assert trace is not None  # set by _run before it streams
         trace.on_tokens(len(update.new_token_ids), update.num_cached_tokens)
         if update.HasField("timings"):
             trace.on_worker_timings(update.timings)
@@ -276,11 +282,12 @@ class GenerateCall:
             self.prompt_scored = True
         return response
 
-    def submit(self, decision: Decision, tried: frozenset[str], kind: str) -> Attempt:
+    def submit(self, decision: Decision[WorkerConnection], tried: frozenset[str], kind: str) -> Attempt:
         """Send the request, with the tokens generated so far, to the worker `decision` chose; `kind`:
         first, retry or resume (its span's attribute)."""
         worker = decision.worker
         carrier = self.spans.routed(worker.address, decision.expected_hit_tokens, decision.candidates, kind)
+        assert self.trace is not None  # set by _run before it submits
         self.trace.on_worker(worker.address, decision.expected_hit_tokens)
         log.debug(
             "request_routed",
@@ -347,10 +354,12 @@ class GenerateCall:
         """End a call whose worker failed it: a stream that has tokens ends with FINISH_REASON_ERROR on an
         engine error; otherwise the call ends with the status of the failure."""
         trace = self.trace
+        assert trace is not None  # set by _run before it streams
         if isinstance(event, WorkerLost):
             trace.outcome = "unavailable"
             message = f"worker {event.address} went away while serving this request ({event.reason})"
             await self.context.abort(grpc.StatusCode.UNAVAILABLE, message)
+            return  # not reached: abort raises
         if trace.num_tokens and event.error_code == worker_pb2.ERROR_CODE_INTERNAL:
             trace.on_finish("error")
             response = failed_response(trace.request_id, self.completion, event.error_message)
@@ -369,6 +378,7 @@ class GenerateCall:
         since a seeded sampler's draws depend only on the seed and the position, the client's stream goes
         on as if nothing had happened."""
         failed, trace, config, generated = self.attempt, self.trace, self.config, self.generated
+        assert trace is not None  # set by _run before it streams
         if not generated:
             if trace.attempts >= config.max_attempts:
                 return False

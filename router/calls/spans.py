@@ -36,14 +36,12 @@ class CallSpans:
     def routed(self, worker: str, expected_hit_tokens: int, candidates: int, attempt: str) -> dict[str, str]:
         """A routing decision and the attempt it starts (`attempt`: first, retry or resume); the previous
         attempt ends. Returns the carrier the worker continues the trace from."""
-        self.child(
-            "nanovllm.router.route",
-            **{
-                "nanovllm.worker": worker,
-                "nanovllm.expected_hit_tokens": expected_hit_tokens,
-                "nanovllm.candidates": candidates,
-            },
-        ).end()
+        route: dict[str, str | float | bool] = {
+            "nanovllm.worker": worker,
+            "nanovllm.expected_hit_tokens": expected_hit_tokens,
+            "nanovllm.candidates": candidates,
+        }
+        self.child("nanovllm.router.route", **route).end()
         self.end_attempt()
         self._attempt = self.child(
             "nanovllm.router.attempt", **{"nanovllm.worker": worker, "nanovllm.attempt": attempt}

@@ -141,6 +141,7 @@ def forced_call_grammar(
     """A Lark grammar (llguidance's dialect) for an answer of one or more calls of the forced tools, each
     call's arguments under its tool's schema. With a reasoning format the reasoning comes first: optional,
     or already open when the prompt opened it; it may not contain "<" (the grammar's way to find its end)."""
+    assert tools.forced is not None  # only a forced tool_choice has a grammar
     names = list(tools.schemas) if tools.forced == "*" else [tools.forced]
     calls = {
         # The JSON as Hermes writes it, one line: whitespace left free lets a model pad a call forever.
@@ -184,7 +185,8 @@ class ToolCallParser:
     def push(self, text: str) -> tuple[str, list[generate_pb2.ToolCall]]:
         """Feed answer text; returns the text now safe to send and the calls completed."""
         self._held += text
-        out, calls = "", []
+        out = ""
+        calls: list[generate_pb2.ToolCall] = []
         while True:
             if self._in_call:
                 end = self._held.find(self._fmt.end)

@@ -38,6 +38,7 @@ class AdminService(generate_pb2_grpc.AdminServicer):
                 grpc.StatusCode.PERMISSION_DENIED,
                 "admin calls are off on this router: start it with --admin-tokens-file",
             )
+            raise AssertionError("context.abort returns only by raising")
         try:
             return self.table.identify(context.invocation_metadata())
         except AuthError as exc:
@@ -74,7 +75,9 @@ class AdminService(generate_pb2_grpc.AdminServicer):
             await context.abort(code, f"worker {worker.address} could not load {request.name!r}: {detail}")
         for worker, adapter in loaded:  # before the workers' own news of it, so requests may name it now
             worker.adapters[adapter.name] = adapter.cache_salt
-        self.pool.admin_adapters.record(request.name, workers[0].info.model, request.path)
+        info = workers[0].info
+        assert info is not None  # an available worker's
+        self.pool.admin_adapters.record(request.name, info.model, request.path)
         log.info("lora_loaded", name=request.name, path=request.path, workers=len(loaded), caller=caller)
         return generate_pb2.LoadLoRAAdapterResponse(workers=[w.address for w, _ in loaded])
 

@@ -21,7 +21,7 @@ MAX_N = 8  # choices per request: each is a Generate call of its own, sharing th
 INT32 = (-(2**31), 2**31 - 1)
 SEEDS = (-(2**63), 2**63 - MAX_N)  # int64, with room for the seed + i of each choice
 TOKEN_IDS = (0, 2**32 - 1)
-_FINISH = {
+_FINISH: dict[int, str] = {
     generate_pb2.FINISH_REASON_STOP: "stop",
     generate_pb2.FINISH_REASON_LENGTH: "length",
     generate_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
@@ -330,7 +330,11 @@ def _chat(body: dict[str, Any]) -> generate_pb2.Chat:
         )
     choice = body.get("tool_choice")
     if isinstance(choice, str):
-        modes = {"auto": 1, "none": 2, "required": 3}
+        modes = {
+            "auto": generate_pb2.ToolChoice.MODE_AUTO,
+            "none": generate_pb2.ToolChoice.MODE_NONE,
+            "required": generate_pb2.ToolChoice.MODE_REQUIRED,
+        }
         if choice not in modes:
             raise ProtocolError("tool_choice", f"tool_choice {choice!r} is not auto, none or required")
         chat.tool_choice.mode = modes[choice]
@@ -360,6 +364,7 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
     check_unicode(body)
     _refuse_unknown(body, chat)
     sampling, logprobs = _sampling(body, chat)
+    prompt: dict[str, Any]  # GenerateRequest's prompt field
     if chat:
         prompt = {"chat": _chat(body)}
     else:
@@ -379,6 +384,7 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
             prompt = {"text": text}
     model = typed_field(body, "model", str, "")
     n = _integer(body, "n", (1, MAX_N), 1)
+    assert n is not None  # it has a default
     _refuse_unserved(body, n)
     echo = not chat and typed_field(body, "echo", bool, False)
     score_only = echo and sampling.HasField("max_tokens") and sampling.max_tokens == 0
@@ -535,7 +541,7 @@ def _header(request: OpenAIRequest, chat_object: str) -> dict[str, Any]:
     }
 
 
-def usage_dict(choices: list[Choice], score_only: bool = False) -> dict[str, int]:
+def usage_dict(choices: list[Choice], score_only: bool = False) -> dict[str, Any]:
     prompt = max((c.usage.prompt_tokens for c in choices if c.usage), default=0)
     completion = 0 if score_only else sum(c.usage.completion_tokens for c in choices if c.usage)
     cached = max((c.usage.cached_prompt_tokens for c in choices if c.usage), default=0)

@@ -120,7 +120,8 @@ class ProcessRole:
 class Pool(Protocol):
     """What the role needs of the worker pool (router/fleet/pool.py WorkerPool)."""
 
-    available: Sequence[object]
+    @property
+    def available(self) -> Sequence[object]: ...
 
     def start(self) -> None: ...
 
@@ -138,7 +139,7 @@ class RouterProcesses:
     with the same configuration on the ports the first one bound (`ports`: port, and http_port)."""
 
     def __init__(
-        self, serve: Serve, config: RouterConfig, log_config: LogConfig, ports: dict[str, int | None]
+        self, serve: Serve, config: RouterConfig, log_config: LogConfig, ports: dict[str, Any]
     ) -> None:
         self._serve, self._log_config = serve, log_config
         self._configs = [
@@ -191,6 +192,7 @@ class RouterProcesses:
             started = loop.time()
             log.info("router_process_started", index=config.process_index, pid=process.pid)
             await _exited(process)
+            assert process.pid is not None  # started
             _forget_metrics(process.pid)
             del self._running[config.process_index]
             if self._stopping.is_set():
@@ -239,7 +241,12 @@ async def _exited(process: BaseProcess) -> None:
     """Wait, without a thread, until `process` exits: its sentinel becomes readable then."""
     loop = asyncio.get_running_loop()
     done = loop.create_future()
-    loop.add_reader(process.sentinel, lambda: done.done() or done.set_result(None))
+
+    def wake() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    loop.add_reader(process.sentinel, wake)
     try:
         await done
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -24,6 +25,9 @@ from nanovllm.router.faces.response_store import open_response_store
 from nanovllm.router.fleet.pool import WorkerPool
 from nanovllm.router.fleet.tokenizer import auto_tokenizer
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
+
+if TYPE_CHECKING:
+    from nanovllm.router.faces.http_api import _Server
 
 log = get_logger(__name__)
 
@@ -85,15 +89,14 @@ class _Router:
         self.pool = _worker_pool(config, on_change)
         self.metrics.watch_workers(lambda: self.pool.workers)
         self.tracing = start_tracing(config.tracing, "nanovllm-router")
-        self.service = GenerationService(
-            self.pool, self.metrics, config, self.access, self.tracing and self.tracing.tracer
-        )
+        tracer = self.tracing.tracer if self.tracing is not None else None
+        self.service = GenerationService(self.pool, self.metrics, config, self.access, tracer)
         generate_pb2_grpc.add_GenerationServicer_to_server(self.service, self.server.server)
         generate_pb2_grpc.add_AdminServicer_to_server(
             AdminService(self.pool, admin_tokens), self.server.server
         )
         self.preloading = asyncio.create_task(asyncio.to_thread(auto_tokenizer))  # beside the workers' start
-        self.http = None
+        self.http: _Server | None = None
 
     async def listen(
         self, role: ProcessRole, on_listening: Callable[[str, str], None]
@@ -106,6 +109,7 @@ class _Router:
                 if config.tls.enabled
                 else None
             )
+            assert self.service is not None  # set in __init__
             api = HttpApi(self.service, open_response_store(config))
             self.http, http_address = await start_http(
                 api, config.host, config.http_port, tls, share_port=role.shares_port
@@ -135,6 +139,7 @@ class _Router:
         everything stops."""
         config = self.config
         role.stop_others()  # they drain alongside
+        assert self.service is not None  # set in __init__
         self.service.draining = True
         idle = self.service.idle.wait()
         await self.server.drain(

@@ -129,12 +129,12 @@ class Catalog:
     def served(self) -> list[ServedName]:
         """Every base model (connected or not), then every adapter loaded on a connected worker, each part
         by name."""
-        workers = [w for w in self._workers() if w.info is not None]
-        names = [ServedName(n, "", sum(w.info.model == n for w in workers)) for n in sorted(self.bases)]
+        workers = [(w, w.info) for w in self._workers() if w.info is not None]
+        names = [ServedName(n, "", sum(info.model == n for _, info in workers)) for n in sorted(self.bases)]
         adapters: dict[tuple[str, str], int] = {}
-        for worker in workers:
+        for worker, info in workers:
             for adapter in worker.adapters:
-                key = (adapter, worker.info.model)
+                key = (adapter, info.model)
                 adapters[key] = adapters.get(key, 0) + 1
         names += [ServedName(name, parent, count) for (name, parent), count in sorted(adapters.items())]
         return names

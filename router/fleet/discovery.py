@@ -78,7 +78,7 @@ async def resolve(target: WorkerTarget, timeout: float = 2.0) -> set[str]:
         infos = await asyncio.wait_for(
             asyncio.get_running_loop().getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM), timeout
         )
-        ips = {info[4][0] for info in infos}
+        ips = {str(info[4][0]) for info in infos}  # an IPv4 or IPv6 address (str already)
         # A name with both families (localhost) is one worker, not two: keep IPv4 when there is any.
         v4 = {ip for ip in ips if ":" not in ip}
         return {_join(ip, target.port) for ip in (v4 or ips)}

@@ -89,7 +89,7 @@ class WorkerPool:
 
     def pick(
         self, model: ModelChoice, token_ids: Sequence[int], exclude: frozenset[str] = frozenset()
-    ) -> Decision | None:
+    ) -> Decision[WorkerConnection] | None:
         """Where a request for `model` whose tokens are `token_ids` costs least (router/fleet/routing.py), among
         the available workers that serve the model, other than the addresses in `exclude` (those it
         already failed on); None if there is none."""
@@ -99,7 +99,7 @@ class WorkerPool:
 
     async def wait_for_worker(
         self, model: ModelChoice, token_ids: Sequence[int], exclude: frozenset[str], timeout: float
-    ) -> Decision | None:
+    ) -> Decision[WorkerConnection] | None:
         """pick(model, token_ids, exclude), or else any available worker of the model, waiting up to
         `timeout` seconds for one to connect (a worker restarting after a crash)."""
         loop = asyncio.get_running_loop()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from nanovllm.common.block_hash import prefix_hashes
 from nanovllm.common.server_config import RoutingConfig, RoutingPolicy
@@ -48,11 +48,14 @@ class Candidate(Protocol):
     def num_cached_blocks(self) -> int: ...
 
 
+C = TypeVar("C", bound=Candidate)  # the pool's workers (WorkerConnection), which the decision hands back
+
+
 @dataclass(frozen=True)
-class Decision:
+class Decision(Generic[C]):
     """The chosen worker and what the choice was based on (for the logs and metrics)."""
 
-    worker: Candidate
+    worker: C
     expected_hit_tokens: int
     cost: float
     candidates: int
@@ -60,12 +63,12 @@ class Decision:
 
 
 def choose(
-    candidates: Sequence[Candidate],
+    candidates: Sequence[C],
     token_ids: Sequence[int],
     config: RoutingConfig,
     turn: int = 0,
     cache_salt: int | None = None,
-) -> Decision | None:
+) -> Decision[C] | None:
     """The worker for a request whose prompt (plus any tokens it already generated) is `token_ids`, by
     the configured policy (`turn` counts the router's requests, for round-robin); None without
     candidates. `cache_salt`: where its block hashes start (its LoRA adapter's, common/block_hash.py)."""
@@ -79,15 +82,13 @@ def choose(
     return _cheapest(candidates, _HashesBySize(token_ids, cache_salt), config)
 
 
-def _cheapest(
-    candidates: Sequence[Candidate], hashes: _HashesBySize, weights: RoutingConfig
-) -> Decision | None:
+def _cheapest(candidates: Sequence[C], hashes: _HashesBySize, weights: RoutingConfig) -> Decision[C] | None:
     """The least cost; among equals, the emptiest prefix cache, so that new prefixes spread over the
     workers instead of all landing on the first (and evicting each other there)."""
     pool = _without_hotspots(candidates, weights)
     token_ids = hashes.token_ids
     best: tuple[float, int] | None = None
-    decision: Decision | None = None
+    decision: Decision[C] | None = None
     for worker in pool:
         blocks = hashes(worker.block_size)
         hit_blocks = worker.cached_prefix_blocks(blocks)
@@ -104,7 +105,7 @@ def _cheapest(
     return decision
 
 
-def _without_hotspots(candidates: Sequence[Candidate], weights: RoutingConfig) -> list[Candidate]:
+def _without_hotspots(candidates: Sequence[C], weights: RoutingConfig) -> list[C]:
     queues = [w.queue_estimate for w in candidates]
     mean = sum(queues) / len(queues)
     limit = max(weights.hotspot_ratio * mean, mean + weights.hotspot_slack)

@@ -36,7 +36,7 @@ def has_tokenizer(info: worker_pb2.WorkerInfo) -> bool:
 
 
 @functools.cache
-def _reserved_template_kwargs(tokenizer_class: type) -> frozenset[str]:
+def _reserved_template_kwargs(tokenizer_class: Any) -> frozenset[str]:  # a transformers tokenizer class
     """apply_chat_template's own parameters, which a template variable must not shadow."""
     parameters = inspect.signature(tokenizer_class.apply_chat_template).parameters
     return frozenset(name for name, p in parameters.items() if p.kind is not p.VAR_KEYWORD) | {"messages"}
@@ -81,7 +81,8 @@ class ModelTokenizer:
         variables (Qwen3's enable_thinking); `tools` its tools (chat.tools, in the OpenAI shape)."""
         if not self.has_chat_template:
             raise ValueError(f"the model {self.model} has no chat template; send text or token_ids instead")
-        reserved = sorted(set(template_kwargs or ()) & _reserved_template_kwargs(type(self._hf)))
+        tokenizer_class: type = type(self._hf)  # not type[Any], which mypy takes for unhashable
+        reserved = sorted(set(template_kwargs or ()) & _reserved_template_kwargs(tokenizer_class))
         if reserved:
             raise ValueError(
                 f"chat.template_kwargs.{reserved[0]} is not a template variable: the router sets it (the "

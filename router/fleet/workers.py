@@ -247,6 +247,7 @@ class WorkerConnection:
         return False
 
     async def _stream(self, on_change: Callable[[], None]) -> None:
+        assert self.info is not None  # set by _run before it streams
         self._outbound = asyncio.Queue()
         self.cached_blocks, self.offloaded_blocks = set(), set()
         self.adapters = {a.name: a.cache_salt for a in self.info.adapters}

@@ -159,6 +159,7 @@ class BlockManager:
         where a load can fail (finish_loads then waits for the step's output)."""
         first = len(seq.block_hashes)
         from_disk = False
+        assert self.lower_tiers is not None  # `hashes` are lower tiers' hits
         for i, block_hash in enumerate(hashes):
             from_disk |= self.lower_tiers.load(block_hash, seq.block_table[first + i])
         return from_disk
@@ -192,13 +193,16 @@ class BlockManager:
     def writes_failed(self, hashes: list[int]) -> None:
         """Copies down to disk that failed: the disk tier does not hold those hashes."""
         for block_hash in hashes:
+            assert self.lower_tiers is not None  # they were written by it
             self.lower_tiers.forget_on_disk(block_hash)
 
     def take_transfers(self) -> KVTransfers:
         """The copies to and from the lower tiers decided since the last call, for the next step."""
         return self.lower_tiers.take_transfers() if self.lower_tiers is not None else KVTransfers()
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | tuple[()] = ()
+    ) -> bool:
         """Make room for `num_new_tokens` more tokens after those already computed (plus, for a sequence
         being admitted, the prefix-cache hits in `computed_blocks`). Returns False, changing nothing, when
         there are not enough free blocks."""
@@ -224,6 +228,7 @@ class BlockManager:
                 del self.free_queue[block_id]
             block.ref_count += 1
             seq.block_table.append(block_id)
+            assert block.block_hash is not None  # a prefix-cache hit
             seq.block_hashes.append(block.block_hash)
         for _ in range(max(needed, 0)):
             seq.block_table.append(self._take_free_block())

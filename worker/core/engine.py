@@ -213,6 +213,7 @@ class LLMEngine:
             raise UnknownAdapterError(f"LoRA adapter {name!r} is not loaded; loaded: {loaded}")
         in_use = sum(1 for seq in self.requests.values() if seq.adapter is adapter)
         if not in_use:
+            assert self.runner.adapter_slots is not None  # an adapter was loaded
             self.runner.adapter_slots.release(adapter)
         log.info("lora_unloaded", name=name, requests_finishing_with_it=in_use)
 
@@ -263,9 +264,11 @@ class LLMEngine:
         tiers = self.block_manager.lower_tiers
         if tiers is None:
             return {}
+        offload = self.runner.kv_offload
+        assert offload is not None  # the runner's with lower tiers
         stats = {}
         for tier, counts in tiers.counts.items():
-            times = self.runner.kv_offload.stats[tier]
+            times = offload.stats[tier]
             stats[tier] = KVTierStats(
                 blocks[tier], counts.hits, counts.bytes_down, counts.bytes_up, times.seconds_down,
                 times.seconds_up, dict(times.faults.counts),
@@ -376,6 +379,7 @@ class LLMEngine:
     def _update(self, stats: StepStats) -> list[RequestOutput]:
         """Wait for the step in flight and apply its picks."""
         inflight, self._inflight = self._inflight, None
+        assert inflight is not None  # called with a step in flight
         return self._apply(inflight, stats)
 
     def _apply(self, inflight: _InFlight, stats: StepStats) -> list[RequestOutput]:

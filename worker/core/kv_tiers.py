@@ -111,6 +111,7 @@ class KVTiers:
                 self.events.evict(evicted)
             self.host.index[block_hash] = host_slot
         elif on_disk:
+            assert self.disk is not None
             self.disk.index.move_to_end(block_hash)
             return
         to_disk = self.disk is not None and not on_disk
@@ -123,6 +124,7 @@ class KVTiers:
 
     def _admit_to_disk(self, block_hash: int) -> None:
         disk = self.disk
+        assert disk is not None  # called only with a disk tier
         if block_hash in self.transfers.disk_drops:  # evicted earlier in this step: the write replaces it
             self.transfers.disk_drops.remove(block_hash)
         disk.index[block_hash] = None
@@ -145,6 +147,7 @@ class KVTiers:
             self.host.index.move_to_end(block_hash)
             slot = self.host.index[block_hash]
         else:
+            assert self.disk is not None  # a lower tier holds it
             self.disk.index.move_to_end(block_hash)
             slot = -1
         self.transfers.loads.append(KVLoad(block_hash, block_id, slot))

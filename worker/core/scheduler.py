@@ -323,13 +323,15 @@ class Scheduler:
     @staticmethod
     def _constraint_status(seq: Sequence, token: int) -> SequenceStatus | None:
         """Advance the request's matcher; it stops once the constraint is complete with nothing to follow."""
-        if not seq.grammar.consume([token]):
+        grammar = seq.grammar
+        assert grammar is not None  # a constrained request's
+        if not grammar.consume([token]):
             # The mask allowed only tokens that min_tokens or stop_token_ids banned; nothing can follow.
             log.warning(
-                "constraint_rejected_token", request_id=seq.request_id, token=token, error=seq.grammar.error
+                "constraint_rejected_token", request_id=seq.request_id, token=token, error=grammar.error
             )
             return SequenceStatus.FINISHED_STOPPED
-        return SequenceStatus.FINISHED_STOPPED if seq.grammar.is_stopped else None
+        return SequenceStatus.FINISHED_STOPPED if grammar.is_stopped else None
 
 
 def request_output(

@@ -9,7 +9,7 @@ from torch import nn
 from nanovllm.common.errors import ConfigError
 from nanovllm.worker.layers.kernels import PYTORCH
 from nanovllm.worker.layers.linear import linear
-from nanovllm.worker.layers.loadable import LoadableTensor
+from nanovllm.worker.layers.loadable import LoadableTensor, set_weight_loader
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, assign, make_weight
 
@@ -29,7 +29,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = tp.rank * self.shard_size
         self.dtype = torch.get_default_dtype()  # built in the runner's dtype context: the model's
         self.weight = make_weight(self.shard_size, hidden_size, quant, prefix, linear=False)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
         vocab_size = self.shard_size * self.tp.size
@@ -67,6 +67,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden_size, tp, quant, prefix)
         self.kernels = PYTORCH  # see DecoderForCausalLM.bind_kernels
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden, self.weight, None, self.kernels)
         return self.tp.all_gather_last_dim(logits)

@@ -14,7 +14,7 @@ from torch import nn
 
 from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX
 from nanovllm.worker.layers.kernels import PYTORCH, LayerKernels
-from nanovllm.worker.layers.loadable import LoadableTensor
+from nanovllm.worker.layers.loadable import LoadableTensor, read_float, set_weight_loader
 from nanovllm.worker.layers.lora import LoRAWeights, Part
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, assign, make_weight
@@ -68,10 +68,10 @@ class ParallelLinear(nn.Module):
         self.kernels = PYTORCH  # see DecoderForCausalLM.bind_kernels
         self.lora: LoRAWeights | None = None  # set by DecoderForCausalLM.enable_lora
         self.weight = make_weight(out_features, in_features, quant, prefix, linear=True)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            set_weight_loader(self.bias, self.weight_loader)
         else:
             self.register_parameter("bias", None)
 
@@ -152,7 +152,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(output_sizes), bias, tp, quant, prefix)
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
-        index = int(shard_id)  # type: ignore[arg-type]
+        index = int(shard_id)  # type: ignore[call-overload]  # gate/up: 0 or 1
         shard = self.output_sizes[index] // self.tp.size
         offset = sum(self.output_sizes[:index]) // self.tp.size
         assign(param.narrow(0, offset, shard), loaded.narrow(0, self.tp.rank * shard, shard))
@@ -165,12 +165,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         ]
 
     def lora_whole(self, shard: object) -> tuple[int, int]:
-        return self.weight.shape[1], self.output_sizes[int(shard)]  # type: ignore[arg-type]
+        return self.weight.shape[1], self.output_sizes[int(shard)]  # type: ignore[call-overload]  # 0 or 1
 
     def lora_shard(
         self, shard: object, a: torch.Tensor, b: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        size = self.output_sizes[int(shard)] // self.tp.size  # type: ignore[arg-type]
+        size = self.output_sizes[int(shard)] // self.tp.size  # type: ignore[call-overload]  # 0 or 1
         return a, b.narrow(0, self.tp.rank * size, size)
 
 
@@ -244,7 +244,7 @@ class RowParallelLinear(ParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
         if param is self.bias:  # added once, on rank 0
             if self.tp.rank == 0:
-                param.data.copy_(loaded.read())
+                param.data.copy_(read_float(loaded))
             else:
                 param.data.zero_()
             return

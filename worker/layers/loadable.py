@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from nanovllm.worker.layers.quantization import PackedWeight
 
@@ -18,3 +20,16 @@ class LoadableTensor(Protocol):
     def read(self) -> torch.Tensor | PackedWeight: ...
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor | PackedWeight: ...
+
+
+def set_weight_loader(weight: torch.Tensor | nn.Module, loader: Callable[..., Any]) -> None:
+    """Give a parameter (or a packed weight) the `weight_loader` that worker/models/loader.py calls for it:
+    an attribute of the object itself, which torch's types do not declare."""
+    weight.weight_loader = loader  # type: ignore[union-attr]
+
+
+def read_float(loaded: LoadableTensor) -> torch.Tensor:
+    """All of a checkpoint tensor that is never packed (a norm's weight, a bias)."""
+    value = loaded.read()
+    assert isinstance(value, torch.Tensor), f"{loaded.name} is packed"
+    return value

@@ -76,6 +76,9 @@ PartWeights = tuple[torch.Tensor, torch.Tensor]
 class LoRAWeights(nn.Module):
     """Every slot's A and B for one projection of `in_features` inputs whose output is cut into `parts`."""
 
+    lora_a: torch.Tensor  # registered buffers
+    lora_b: torch.Tensor
+
     def __init__(self, context: LoRAContext, in_features: int, parts: list[Part]) -> None:
         super().__init__()
         self.context = context
@@ -134,6 +137,7 @@ class LoRAWeights(nn.Module):
                     y.index_add_(0, rows, delta)
         else:
             groups, m = batch.mask.shape[0], batch.mask.shape[1]
+            assert batch.padded_rows is not None  # set with mask
             xs = x.index_select(0, batch.padded_rows).view(groups, m, -1)
             a, b = self.lora_a, self.lora_b
             if batch.slot_index is not None:

@@ -17,6 +17,7 @@ intermediate features across ranks (gate/up by rows, down by columns), then one 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,7 @@ from nanovllm.common.errors import ConfigError
 from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX
 from nanovllm.worker.layers.kernels import PYTORCH
 from nanovllm.worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear, linear
-from nanovllm.worker.layers.loadable import LoadableTensor
+from nanovllm.worker.layers.loadable import LoadableTensor, set_weight_loader
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, assign, make_weight
 from nanovllm.worker.model_config import ModelConfig, MoeSpec
@@ -55,9 +56,10 @@ def _expert_weights(
     quantization scheme."""
     first = make_weight(out_features, in_features, quant, expert_weight_prefix(prefix, 0, projection), True)
     if isinstance(first, PackedWeight):
+        # a layer's experts share one quantization scheme: the rest are packed too
         rest = (
-            make_weight(out_features, in_features, quant, expert_weight_prefix(prefix, e, projection), True)
-            for e in range(1, count)
+            cast(PackedWeight, make_weight(out_features, in_features, quant, name, True))
+            for name in (expert_weight_prefix(prefix, e, projection) for e in range(1, count))
         )
         return nn.ModuleList([first, *rest])
     return torch.empty(count, out_features, in_features)
@@ -70,6 +72,11 @@ class Experts(nn.Module):
     Float weights are stored stacked, w13_stacked [E, 2 I, H] and w2_stacked [E, H, I] (the Triton path's
     grouped matmul reads every expert from one base), and w13[e], w2[e] are parameters viewing their rows,
     which the checkpoint loads through; packed weights (int8/int4) are one PackedWeight per expert."""
+
+    w13_stacked: torch.Tensor | None
+    w2_stacked: torch.Tensor | None
+    w13: nn.ModuleList | nn.ParameterList
+    w2: nn.ModuleList | nn.ParameterList
 
     def __init__(
         self, spec: MoeSpec, hidden_size: int, tp: TPContext, quant: QuantPlan | None, prefix: str
@@ -84,7 +91,7 @@ class Experts(nn.Module):
         if isinstance(w13, nn.ModuleList) and isinstance(w2, nn.ModuleList):
             self.w13, self.w2 = w13, w2
             for weight in (*self.w13, *self.w2):
-                weight.weight_loader = self.weight_loader
+                set_weight_loader(weight, self.weight_loader)
         elif isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor):
             self._view_stacked(w13, w2)
         else:
@@ -97,12 +104,13 @@ class Experts(nn.Module):
         self.w13 = nn.ParameterList(nn.Parameter(row, requires_grad=False) for row in w13)
         self.w2 = nn.ParameterList(nn.Parameter(row, requires_grad=False) for row in w2)
         for weight in (*self.w13, *self.w2):
-            weight.weight_loader = self.weight_loader
+            set_weight_loader(weight, self.weight_loader)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Experts:
         # .to() and friends would convert each expert's view on its own, cutting it from the stacked tensor.
         if self.w13_stacked is None:
             return super()._apply(fn, recurse)
+        assert self.w2_stacked is not None  # stacked together
         self._view_stacked(fn(self.w13_stacked), fn(self.w2_stacked))
         return self
 
@@ -114,7 +122,7 @@ class Experts(nn.Module):
         if shard_id == "down_proj":
             assign(weight, loaded.narrow(1, start, size))
         else:
-            half = EXPERT_PROJECTIONS.index(shard_id)  # type: ignore[arg-type]
+            half = EXPERT_PROJECTIONS.index(shard_id)
             assign(weight.narrow(0, half * size, size), loaded.narrow(0, start, size))
 
 
@@ -148,7 +156,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = Router(1, cfg.hidden_size)  # [1, hidden]: the token's gate logit
         self.kernels = PYTORCH  # see DecoderForCausalLM.bind_kernels
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
         return linear(x, weight, None, self.kernels)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,14 +182,17 @@ class SparseMoeBlock(nn.Module):
         sizes = [counts[e] for e in experts]
         token_of_row = order // top_k
         inputs = x.index_select(0, token_of_row).split(sizes)
-        w13 = [self.experts.w13[e] for e in experts]
-        w2 = [self.experts.w2[e] for e in experts]
+        # parameters (float experts) or PackedWeights
+        w13 = cast("list[torch.Tensor | PackedWeight]", [self.experts.w13[e] for e in experts])
+        w2 = cast("list[torch.Tensor | PackedWeight]", [self.experts.w2[e] for e in experts])
         if self._grouped_on_cpu(max(sizes), w13):
             # A few rows per expert: every chosen expert's weights in one pass of the threads each, the
             # same sums as one call per expert (a one-stream decode step reads its 8 experts as one stream).
-            gate_ups = self.kernels.cpu.linear_grouped(inputs, w13)
-            acts = self.kernels.cpu.silu_and_mul(torch.cat(gate_ups)).split(sizes)
-            ys = self.kernels.cpu.linear_grouped(acts, w2)
+            cpu = self.kernels.cpu
+            assert cpu is not None  # checked by _grouped_on_cpu
+            gate_ups = cpu.linear_grouped(inputs, w13)
+            acts = cpu.silu_and_mul(torch.cat(gate_ups)).split(sizes)
+            ys = cpu.linear_grouped(acts, w2)
         else:
             ys = [
                 self._linear(self._silu_and_mul(self._linear(xe, a)), b) for xe, a, b in zip(inputs, w13, w2)
@@ -232,6 +243,7 @@ class SparseMoeBlock(nn.Module):
         if self.grouped:
             from nanovllm.kernels.triton_moe import fused_experts  # Triton is imported only where it runs
 
+            assert experts.w13_stacked is not None and experts.w2_stacked is not None  # checked by grouped
             out = fused_experts(x, experts.w13_stacked, experts.w2_stacked, chosen, weights)
         else:
             out = self.experts_one_by_one(x, chosen, weights)

@@ -10,7 +10,7 @@ from torch import nn
 
 from nanovllm.common.errors import ConfigError
 from nanovllm.worker.layers.kernels import PYTORCH
-from nanovllm.worker.layers.loadable import LoadableTensor
+from nanovllm.worker.layers.loadable import LoadableTensor, read_float, set_weight_loader
 
 
 class RMSNorm(nn.Module):
@@ -23,7 +23,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(_norm_weight((hidden_size,), weight_offset), requires_grad=False)
         if weight_offset:
-            self.weight.weight_loader = _offset_loader(weight_offset)
+            set_weight_loader(self.weight, _offset_loader(weight_offset))
         # The C++ CPU kernels or the fused Triton kernels when in use (DecoderForCausalLM.bind_kernels): both
         # have rms_norm and add_rms_norm_.
         self.kernels = PYTORCH
@@ -69,7 +69,7 @@ def _offset_loader(offset: float):
             raise ConfigError(
                 f"checkpoint tensor {loaded.name} of shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}"
             )
-        param.data.copy_(loaded.read().float() + offset)  # the sum in fp32, as transformers computes it
+        param.data.copy_(read_float(loaded).float() + offset)  # the sum in fp32, as transformers computes it
 
     return load
 
@@ -88,14 +88,14 @@ class HeadRMSNorm(nn.Module):
         self.weight = nn.Parameter(
             _norm_weight((num_heads + num_kv_heads, head_dim), weight_offset), requires_grad=False
         )
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
         # The C++ CPU kernels when in use (DecoderForCausalLM.bind_kernels): PyTorch's rms_norm over the
         # heads costs a large MoE model milliseconds a layer (docs/performance.md#measurements-behind-choices-in-the-code).
         self.kernels = PYTORCH
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
         rows = slice(0, self.num_heads) if shard_id == "q" else slice(self.num_heads, None)
-        param.data[rows] = loaded.read().float() + self.weight_offset
+        param.data[rows] = read_float(loaded).float() + self.weight_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype != x.dtype:  # a zero-centred norm in a 16-bit model (see RMSNorm)

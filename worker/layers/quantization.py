@@ -38,6 +38,11 @@ class PackedWeight(nn.Module):
     """A quantized [out_features, in_features] weight: the planes `qweight` (int8 [N, K] at 8 bits, uint8
     [N, K / 2] at 4), `scales` and, at 4 bits, `mins` (float16 [N, K / group_size])."""
 
+    # registered buffers (nn.Module's __getattr__ types them as Tensor | Module)
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
     def __init__(self, out_features: int, in_features: int, scheme: QuantScheme, layer: str) -> None:
         super().__init__()
         group = scheme.group_size or in_features
@@ -91,8 +96,13 @@ class PackedWeight(nn.Module):
     def narrow(self, dim: int, start: int, length: int) -> PackedWeight:
         """Rows (dim 0) or input features (dim 1, whole groups only) as views of these planes."""
         if dim == 0:
-            planes = [p.narrow(0, start, length) if p is not None else None for p in self._planes()]
-            return PackedWeight.of_planes(self.scheme, self.group_size, *planes)
+            return PackedWeight.of_planes(
+                self.scheme,
+                self.group_size,
+                self.qweight.narrow(0, start, length),
+                self.scales.narrow(0, start, length),
+                None if self.mins is None else self.mins.narrow(0, start, length),
+            )
         if start % self.group_size or length % self.group_size:
             raise ConfigError(
                 f"quantization {self.scheme.name}: input features [{start}, {start + length}) split groups of "
@@ -116,6 +126,7 @@ class PackedWeight(nn.Module):
             )
         for mine, theirs in zip(self._planes(), source._planes()):
             if mine is not None:
+                assert theirs is not None  # the same bits: the same planes
                 mine.copy_(theirs)
         return self
 
@@ -135,6 +146,7 @@ class PackedWeight(nn.Module):
             q = _divide(w - mins.float().unsqueeze(2), scales).round().clamp(0, 15).to(torch.uint8)
             halves = q.view(rows, -1, 2, BLOCK // 2)  # per block: weights 0-15, then 16-31
             self.qweight.copy_((halves[:, :, 0] | (halves[:, :, 1] << 4)).view(rows, -1))
+            assert self.mins is not None  # 4 bits
             self.mins.copy_(mins)
         self.scales.copy_(scales)
         return self

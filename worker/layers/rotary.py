@@ -27,6 +27,7 @@ def _yarn_frequencies(head_dim: int, base: float, scaling: RopeScaling) -> tuple
     (`_compute_yarn_parameters`), op for op in fp32, so the table is the same bit for bit."""
     factor = scaling.factor
     original = scaling.original_max_position_embeddings  # always set for yarn (RopeScaling.from_hf_dict)
+    assert original is not None
 
     def dimension_of(turns: float) -> float:  # the dimension whose wavelength fits `turns` times
         return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
@@ -79,6 +80,7 @@ class RotaryEmbedding(nn.Module):
             cos, sin = cos * attention, sin * attention
         # rotate_half(x) * sin == swap_halves(x) * [-sin, sin]: fold the sign into the table.
         table = torch.cat([cos, cos, -sin, sin], dim=-1).to(dtype)
+        self.table: torch.Tensor  # a registered buffer
         self.register_buffer("table", table, persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

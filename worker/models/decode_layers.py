@@ -5,14 +5,17 @@ order as the modules', so the step's result is the same bit for bit; only Python
 from __future__ import annotations
 
 from types import ModuleType
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from torch import nn
 
 from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX
 from nanovllm.worker.layers.linear import ParallelLinear
 from nanovllm.worker.layers.moe import SparseMoeBlock
 from nanovllm.worker.layers.quantization import PackedWeight
+
+if TYPE_CHECKING:  # decoder.py imports this module
+    from nanovllm.worker.models.decoder import DecoderLayer, DecoderMLP, DecoderModel
 
 
 def _projection(
@@ -37,14 +40,17 @@ def _linear(kernels: ModuleType, layer: ParallelLinear, deterministic: bool) -> 
     return _projection(kernels, layer.weight, layer.bias, deterministic)
 
 
-def _mlp(kernels: ModuleType, mlp: nn.Module, deterministic: bool) -> dict[str, object]:
+def _mlp(kernels: ModuleType, mlp: DecoderMLP | SparseMoeBlock, deterministic: bool) -> dict[str, object]:
     """DecoderLayerWeights' arguments for a dense MLP (gate_up, down) or a sparse layer's experts (moe)."""
     if isinstance(mlp, SparseMoeBlock):
         experts = mlp.experts
+        # parameters (float experts) or PackedWeights
+        w13 = cast("list[torch.Tensor | PackedWeight]", list(experts.w13))
+        w2 = cast("list[torch.Tensor | PackedWeight]", list(experts.w2))
         moe = kernels.SparseMoe(
             _projection(kernels, mlp.gate.weight, None, deterministic),
-            [_projection(kernels, w, None, deterministic) for w in experts.w13],
-            [_projection(kernels, w, None, deterministic) for w in experts.w2],
+            [_projection(kernels, w, None, deterministic) for w in w13],
+            [_projection(kernels, w, None, deterministic) for w in w2],
             mlp.spec.top_k,
             mlp.spec.norm_topk_prob,
         )
@@ -56,13 +62,14 @@ def _mlp(kernels: ModuleType, mlp: nn.Module, deterministic: bool) -> dict[str, 
     }
 
 
-def build_decode_layers(model: nn.Module, kernels: ModuleType, deterministic: bool) -> object | None:
+def build_decode_layers(model: DecoderModel, kernels: ModuleType, deterministic: bool) -> Any:
     """kernels.DecodeLayers over the layers of `model` (a DecoderModel: decoder.py imports this module), or
     None while the KV caches are not allocated. deterministic: as worker/layers/linear.py's `linear`."""
-    if any(layer.self_attn.attn.k_cache.numel() == 0 for layer in model.layers):
+    decoder_layers = cast("list[DecoderLayer]", model.layers)  # a ModuleList's items are bare Modules
+    if any(layer.self_attn.attn.k_cache.numel() == 0 for layer in decoder_layers):
         return None
     layers = []
-    for layer in model.layers:
+    for layer in decoder_layers:
         attn, mlp = layer.self_attn, layer.mlp
         layers.append(
             kernels.DecoderLayerWeights(
@@ -78,7 +85,7 @@ def build_decode_layers(model: nn.Module, kernels: ModuleType, deterministic: bo
                 **_mlp(kernels, mlp, deterministic),
             )
         )
-    first = model.layers[0]
+    first = decoder_layers[0]
     attn = first.self_attn
     return kernels.DecodeLayers(
         layers, attn.num_heads, attn.num_kv_heads, attn.head_dim, first.input_layernorm.eps, attn.attn.scale

@@ -4,7 +4,7 @@ differences (Qwen3's per-head q/k RMSNorm, Qwen2's qkv bias)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -153,7 +153,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # The layers as one C++ call for decode-only steps (worker/models/decode_layers.py), set by
         # DecoderForCausalLM.bind_kernels on the CPU kernels.
-        self.decode_layers: object | None = None
+        self.decode_layers: Any = None  # a kernels.DecodeLayers (C++), or None
         self.lora: LoRAContext | None = None  # DecoderForCausalLM.enable_lora
 
     def forward(
@@ -175,12 +175,13 @@ class DecoderModel(nn.Module):
         else:
             for layer in self.layers:
                 x, residual = layer(rope, x, residual, meta)
+        assert residual is not None  # a model has layers
         x, _ = self.norm.add_and_norm(x, residual)
         return x
 
 
 class DecoderForCausalLM(nn.Module):
-    model_class: ClassVar[type[nn.Module]] = DecoderModel  # the layers between the embedding and the head
+    model_class: ClassVar[type[DecoderModel]] = DecoderModel  # the layers between the embedding and the head
     # Whether some layers keep a per-request state beside the KV cache (then the class declares its shapes,
     # `state_layout`, and lists those layers, `linear_attention_layers`: worker/models/qwen3_5.py).
     is_hybrid: ClassVar[bool] = False
@@ -229,8 +230,8 @@ class DecoderForCausalLM(nn.Module):
         """Give every projection LoRA can adapt room for `num_slots` adapters of rank <= `max_rank`
         (worker/layers/lora.py); a mixture-of-experts layer's experts are not adapted."""
         context = LoRAContext(num_slots, max_rank)
-        for layer in self.model.layers:
-            projections = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+        for layer in cast("list[DecoderLayer]", self.model.layers):  # a ModuleList's items are bare Modules
+            projections: list[ParallelLinear] = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
             if isinstance(layer.mlp, DecoderMLP):
                 projections += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
             for projection in projections:
@@ -239,7 +240,7 @@ class DecoderForCausalLM(nn.Module):
         return context
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [layer.self_attn.attn for layer in cast("list[DecoderLayer]", self.model.layers)]
 
     def bind_kernels(self, attention: AttentionBackend, kernels: LayerKernels) -> None:
         """Run every attention layer on `attention` (batch-invariant when kernels.deterministic), and every
@@ -256,7 +257,9 @@ class DecoderForCausalLM(nn.Module):
                 module.kernels = dataclasses.replace(kernels, triton=None)
         # Decode steps as one C++ call: the module path's kernels in its order; not across tensor-parallel
         # ranks, whose all-reduces sit between the kernels.
-        use_decode_layers = kernels.cpu is not None and self.tp.size == 1
+        cpu = kernels.cpu
         self.model.decode_layers = (
-            build_decode_layers(self.model, kernels.cpu, kernels.deterministic) if use_decode_layers else None
+            build_decode_layers(self.model, cpu, kernels.deterministic)
+            if cpu is not None and self.tp.size == 1
+            else None
         )

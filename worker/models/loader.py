@@ -12,7 +12,7 @@ import json
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
@@ -20,7 +20,8 @@ from torch import nn
 
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
-from nanovllm.worker.layers.loadable import LoadableTensor
+from nanovllm.worker.layers.attention import Attention
+from nanovllm.worker.layers.loadable import LoadableTensor, read_float
 from nanovllm.worker.layers.quantization import PackedWeight, assign
 
 log = get_logger(__name__)
@@ -103,7 +104,9 @@ class ExpertPart:
         self.shape = torch.Size([rows, fused.shape[2]])
 
     def read(self) -> torch.Tensor:
-        return self._fused.narrow(0, self._expert, 1)[0].narrow(0, self._first, self.shape[0])
+        expert = self._fused.narrow(0, self._expert, 1)
+        assert isinstance(expert, torch.Tensor)  # fused experts are float tensors, never packed
+        return expert[0].narrow(0, self._first, self.shape[0])
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         return self.read().narrow(dim, start, length)
@@ -133,8 +136,8 @@ def _per_expert(tensors: Iterable[tuple[str, LoadableTensor]]) -> Iterator[tuple
 def _keep_kv_scale(model: nn.Module, name: str, tensor: LoadableTensor, source: str) -> None:
     """An FP8 checkpoint's per-tensor KV cache scale (value = stored byte x scale, vLLM's convention), kept on
     its attention layer for an FP8 cache (worker/runner/build.py); a cache in the model's dtype ignores it."""
-    attention = model.get_submodule(name.rsplit(".", 1)[0] + ".attn")  # self_attn's Attention
-    value = tensor.read()
+    attention = cast(Attention, model.get_submodule(name.rsplit(".", 1)[0] + ".attn"))  # self_attn's
+    value = read_float(tensor)
     if value.numel() != 1:
         raise ConfigError(
             f"checkpoint tensor {name} in {source}: a per-tensor KV scale, got shape {tuple(value.shape)}"

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,7 @@ from nanovllm.worker.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from nanovllm.worker.layers.loadable import LoadableTensor
+from nanovllm.worker.layers.loadable import LoadableTensor, set_weight_loader
 from nanovllm.worker.layers.moe import SparseMoeBlock
 from nanovllm.worker.layers.norm import HeadRMSNorm, RMSNorm
 from nanovllm.worker.layers.parallel import TPContext
@@ -82,6 +82,7 @@ class GatedAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, d)
         self.qk_norm = HeadRMSNorm(self.num_heads, self.num_kv_heads, d, cfg.rms_norm_eps, weight_offset=1.0)
         self.head_dim = d
+        assert cfg.hybrid is not None  # a hybrid model's config
         self.rotary_dim = cfg.hybrid.rotary_dim
         self.kernels = PYTORCH  # see Qwen3_5ForCausalLM.bind_kernels
 
@@ -143,6 +144,7 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext, quant: QuantPlan | None, prefix: str) -> None:
         super().__init__()
+        assert cfg.hybrid is not None  # a hybrid model's config
         h: HybridSpec = cfg.hybrid
         self.tp = tp
         self.num_key_heads = tp.shard(h.num_key_heads, "linear_num_key_heads")
@@ -156,10 +158,11 @@ class GatedDeltaNet(nn.Module):
         channels = self.split_sizes[0]
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(channels, h.conv_kernel_size), requires_grad=False)
-        self.conv1d.weight.weight_loader = self._load_conv
+        set_weight_loader(self.conv1d.weight, self._load_conv)
         self.A_log = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
-        self.A_log.weight_loader = self.dt_bias.weight_loader = self._load_per_head
+        set_weight_loader(self.A_log, self._load_per_head)
+        set_weight_loader(self.dt_bias, self._load_per_head)
         self.norm = GatedRMSNorm(h.value_head_dim, cfg.rms_norm_eps)
         self.out_proj = RowParallelLinear(value_size, cfg.hidden_size, False, tp, quant, f"{prefix}.out_proj")
         # Bound by the model runner to this layer's share of the state slots: [slots, channels, K - 1] in the
@@ -177,7 +180,9 @@ class GatedDeltaNet(nn.Module):
 
     def _load_conv(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
         for here, there, rows in _split_rows(self.conv_sizes, self.tp):
-            assign(param.narrow(0, here, rows), loaded.narrow(0, there, rows).reshape(rows, -1))
+            part = loaded.narrow(0, there, rows)
+            assert isinstance(part, torch.Tensor)  # a convolution's weight is never packed
+            assign(param.narrow(0, here, rows), part.reshape(rows, -1))
 
     def _load_per_head(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
         assign(param, loaded.narrow(0, self.tp.rank * self.num_heads, self.num_heads))
@@ -200,7 +205,7 @@ class GatedDeltaNet(nn.Module):
         else:
             beta = b.sigmoid()
             g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        weight = self.conv1d.weight
+        weight = cast(torch.Tensor, self.conv1d.weight)  # a parameter of a bare nn.Module
         out = torch.empty(x.shape[0], self.num_heads, self.value_dim, dtype=x.dtype, device=x.device)
         states = meta.states
         if states is None or not self.conv_state.numel():
@@ -304,10 +309,14 @@ def _sequence_lengths(meta: AttentionMetadata) -> list[int]:
 class HybridDecoderLayer(DecoderLayer):
     """The decoder's layer with Qwen3.5's token mixer: gated attention or Gated DeltaNet by `layer_types`."""
 
+    # not a DecoderAttention: the layer is a DecoderLayer for its forward and MLP, not for its attention
+    self_attn: GatedAttention  # type: ignore[assignment]
+
     def __init__(
         self, cfg: ModelConfig, tp: TPContext, quant: QuantPlan | None, prefix: str, index: int
     ) -> None:
         nn.Module.__init__(self)
+        assert cfg.hybrid is not None  # a hybrid model's config
         self.is_full_attention = cfg.hybrid.layer_types[index] == FULL_ATTENTION
         if self.is_full_attention:
             self.self_attn = GatedAttention(cfg, tp, quant, f"{prefix}.self_attn")
@@ -337,6 +346,7 @@ class HybridModel(DecoderModel):
             cfg.vocab_size, cfg.hidden_size, tp, quant, "model.embed_tokens"
         )
         dtype = torch.get_default_dtype()  # the runner builds the model in its dtype
+        assert cfg.hybrid is not None  # a hybrid model's config
         self.rotary = RotaryEmbedding(
             cfg.hybrid.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, dtype, cfg.rope_scaling
         )
@@ -376,13 +386,15 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         )
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers if layer.is_full_attention]
+        return [layer.self_attn.attn for layer in self._layers() if layer.is_full_attention]
 
     @staticmethod
     def state_layout(cfg: ModelConfig, tp_size: int) -> StateLayout:
         """The per-request state of a rank's share of the linear layers (key and value heads split as
         GatedDeltaNet splits them)."""
-        h: HybridSpec = cfg.hybrid
+        h = cfg.hybrid
+        if h is None:
+            raise ValueError(f"{cfg.architecture} is not a hybrid model: it keeps no per-request state")
         return StateLayout(
             num_layers=len(h.linear_layers),
             conv=(h.conv_dim // tp_size, h.conv_kernel_size - 1),
@@ -390,7 +402,10 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         )
 
     def linear_attention_layers(self) -> list[GatedDeltaNet]:
-        return [layer.linear_attn for layer in self.model.layers if not layer.is_full_attention]
+        return [layer.linear_attn for layer in self._layers() if not layer.is_full_attention]
+
+    def _layers(self) -> list[HybridDecoderLayer]:
+        return cast("list[HybridDecoderLayer]", self.model.layers)  # a ModuleList's items are bare Modules
 
     def prepare_states(self, states: StateBatch) -> None:
         """A decode step's state work outside a replayed graph: before it (GatedDeltaNet.prepare_states)."""

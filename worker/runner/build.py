@@ -9,6 +9,8 @@ import contextlib
 import os
 from collections import Counter
 from pathlib import Path
+from types import ModuleType
+from typing import cast
 
 import psutil
 import torch
@@ -26,8 +28,10 @@ from nanovllm.worker.layers.moe import SparseMoeBlock
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, QuantScheme
 from nanovllm.worker.model_config import ModelConfig
+from nanovllm.worker.models.decoder import DecoderForCausalLM
 from nanovllm.worker.models.gguf.tensors import gguf_quant_plan, gguf_tensors
 from nanovllm.worker.models.loader import load_safetensors, load_tensors
+from nanovllm.worker.models.qwen3_5 import Qwen3_5ForCausalLM
 from nanovllm.worker.models.registry import causal_lm_class
 from nanovllm.worker.runner.block_table_rows import BlockTableRows
 from nanovllm.worker.runner.cpu_share import CpuShare
@@ -44,7 +48,7 @@ from nanovllm.worker.runner.kv_calibration import calibrate_kv_scales
 from nanovllm.worker.runner.kv_disk import DiskTier, model_digest
 from nanovllm.worker.runner.kv_offload import KVOffload
 from nanovllm.worker.runner.lora_slots import AdapterSlots
-from nanovllm.worker.runner.tensor_parallel import TensorParallelGroup
+from nanovllm.worker.runner.tensor_parallel import ShardRunner, TensorParallelGroup
 from nanovllm.worker.sample.draft import DraftModel
 from nanovllm.worker.sample.sampler import Sampler
 from nanovllm.worker.step import SamplingRow, SeqChunk, StepInputs
@@ -85,9 +89,10 @@ class ModelRunnerBase:
                 deterministic=config.deterministic,
                 reason=config.deterministic_reason,
             )
-            tp = TPContext(0, config.tensor_parallel_size, config.deterministic)
+            tp = TPContext(0, config.tensor_parallel_size, bool(config.deterministic))
             if tp.size > 1:
-                self.tp_group = TensorParallelGroup(config, type(self))
+                runner = cast("type[ShardRunner]", type(self))  # a ModelRunner, which a rank runs
+                self.tp_group = TensorParallelGroup(config, runner)
         self.tp = tp
         try:
             self._build()
@@ -158,7 +163,7 @@ class ModelRunnerBase:
         ):
             # Whole, on rank 0 alone: it proposes between the target's steps, which the other ranks
             # run with rank 0; a small model gains nothing from a split that costs a collective per layer.
-            whole = TPContext(0, 1, config.deterministic)
+            whole = TPContext(0, 1, bool(config.deterministic))
             draft = self._load_model(
                 config.draft_model_config, config.speculative_model, "none", whole, config.draft_gguf_file
             )
@@ -185,7 +190,7 @@ class ModelRunnerBase:
         weight_format: str,
         tp: TPContext | None = None,
         gguf_file: str | None = None,
-    ) -> torch.nn.Module:
+    ) -> DecoderForCausalLM:
         """The model of `path` with its linear layers in `weight_format` (EngineConfig.weight_format), this
         rank's shard of it (or as `tp` cuts it). A model converted from `gguf_file` is read from the file in
         every format: its tensors as they ship for the gguf format, dequantized (and requantized for
@@ -302,7 +307,7 @@ class ModelRunnerBase:
     def _bind_kernels(self) -> None:
         """Choose the kernels once and bind them: the attention backend, and with the C++ attention the
         other layers' C++ variants, with Triton's its fused layer kernels (worker/layers/kernels.py)."""
-        deterministic = self.config.deterministic
+        deterministic = bool(self.config.deterministic)  # bool | None only until EngineConfig resolves it
         choice = select_attention_backend(
             self.config.attention_backend, self.device, self.dtype, self.block_size, deterministic,
             self.kv_cache_dtype,
@@ -311,7 +316,8 @@ class ModelRunnerBase:
         if self.tp.rank == 0:
             log.info("attention_backend_selected", backend=self.kernel_backend, reason=choice.reason)
         cpu = choice.backend.kernels if isinstance(choice.backend, CpuKernelAttention) else None
-        fused, gated_delta = None, cpu
+        fused: ModuleType | None = None
+        gated_delta: ModuleType | None = cpu
         if isinstance(choice.backend, TritonAttention):  # Triton is imported only where it runs
             from nanovllm.kernels import triton_gated_delta as gated_delta
             from nanovllm.kernels import triton_layers as fused
@@ -371,7 +377,7 @@ class ModelRunnerBase:
         logits = self.model.compute_logits(hidden.index_select(0, logits_index)).float()
         del hidden
         heaviest = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=SamplingParams.MAX_LOGPROBS)
-        self.sampler(logits, [SamplingRow(heaviest, [0], [], None)] * num_rows)
+        self.sampler(logits, [SamplingRow(heaviest, [0], [])] * num_rows)
 
     def _allocate_states(self, budget: int) -> int:
         """A hybrid model's state rows, taken from the KV cache's budget: a slot for each request that may
@@ -384,7 +390,9 @@ class ModelRunnerBase:
         self.pad_state_row: int | None = None
         if not self.model.is_hybrid:
             return 0
-        layout = self.model.state_layout(config.model_config, self.tp.size)
+        # A hybrid class declares its state and lists the layers that keep it (Qwen3.5's, the one so far).
+        model = cast("Qwen3_5ForCausalLM", self.model)
+        layout = model.state_layout(config.model_config, self.tp.size)
         per_slot = layout.bytes_per_slot(self._element_size())
         share = int(budget * config.state_memory_fraction)
         slots = self.tp.all_reduce_min(min(config.max_num_seqs, share // per_slot))
@@ -404,7 +412,7 @@ class ModelRunnerBase:
         # row more, which a replayed decode graph's padding rows run on.
         rows = slots + self.num_state_snapshots + 1
         self.pad_state_row = rows - 1
-        for layer in self.model.linear_attention_layers():
+        for layer in model.linear_attention_layers():
             layer.conv_state = torch.zeros((rows, *layout.conv), dtype=self.dtype, device=self.device)
             layer.recurrent_state = torch.zeros(
                 (rows, *layout.recurrent), dtype=layout.recurrent_dtype, device=self.device
@@ -464,6 +472,7 @@ class ModelRunnerBase:
         host_blocks = 0
         if config.kv_host_memory is not None:
             available = psutil.virtual_memory().available
+            assert config.kv_host_size is not None  # read from kv_host_memory
             host_bytes = config.kv_host_size.of(available)
             # A fraction of free RAM is read on each rank while the others allocate theirs: the least wins.
             host_blocks = self.tp.all_reduce_min(host_bytes // (block_nbytes * self.tp.size))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 from torch import nn
@@ -33,6 +33,9 @@ from nanovllm.common.logging import get_logger
 from nanovllm.kernels.attention import AttentionMetadata, DecodeBatch, StateBatch
 from nanovllm.worker.layers.lora import LoRABatch, LoRAContext
 from nanovllm.worker.step import StepInputs
+
+if TYPE_CHECKING:
+    from nanovllm.worker.models.qwen3_5 import Qwen3_5ForCausalLM
 
 log = get_logger(__name__)
 
@@ -75,7 +78,7 @@ class CudaGraphCapture:
     name = "cuda"
 
     def __init__(self) -> None:
-        self.pool: tuple[int, int] | None = None
+        self.pool: torch.cuda._POOL_HANDLE | None = None
 
     def capture(self, forward: Forward) -> Forward:
         forward()  # warm-up outside the graph: compiles Triton kernels, sets up cuBLAS workspaces
@@ -188,26 +191,30 @@ class DecodeGraphs:
         replayed in bucket `size`; `lora_slots` [n]: each row's adapter slot, -1 for none, when any row has
         one. The padding rows are rewritten each time, since a larger step before may have left real
         sequences' values in them."""
+        decode = meta.decode
+        assert decode is not None  # a decode-only step
         # The tables may carry a padding column past the static buffer's width (BlockTableRows).
-        n, width = input_ids.shape[0], min(meta.decode.block_tables.shape[1], self.block_tables.shape[1])
+        n, width = input_ids.shape[0], min(decode.block_tables.shape[1], self.block_tables.shape[1])
         pad_id, pad_pos, pad_slot, pad_len, pad_block = self.pad
         for static, real, pad in (
             (self.input_ids, input_ids, pad_id),
             (self.positions, positions, pad_pos),
             (self.slot_mapping, meta.slot_mapping, pad_slot),
-            (self.context_lens, meta.decode.context_lens, pad_len),
+            (self.context_lens, decode.context_lens, pad_len),
         ):
             static[:n].copy_(real)
             static[n:size].fill_(pad)
         # Columns past `width` keep older block ids: every id is a real block, and the context length
         # masks them out.
-        self.block_tables[:n, :width].copy_(meta.decode.block_tables[:, :width])
+        self.block_tables[:n, :width].copy_(decode.block_tables[:, :width])
         self.block_tables[n:size, :width].fill_(pad_block)
         states = meta.states
+        hybrid = cast("Qwen3_5ForCausalLM", self.model)  # the only model whose steps have states
         if states is not None:
+            assert self.pad_state_row is not None  # given for a model with states
             self.state_slots[:n].copy_(states.slots)
             self.state_slots[n:size].fill_(self.pad_state_row)
-            self.model.prepare_states(states)
+            hybrid.prepare_states(states)
         if lora_slots is None:
             hidden = self.replays[size]()[:n]
         else:
@@ -215,5 +222,5 @@ class DecodeGraphs:
             self.lora_slots[n:size].fill_(-1)
             hidden = self.adapter_replays[size]()[:n]
         if states is not None:
-            self.model.keep_decode_states(states)
+            hybrid.keep_decode_states(states)
         return hidden

@@ -172,7 +172,8 @@ class InputBuilder:
         )
         starts = itertools.accumulate(len(group) for group in groups)
         decode_tables, fresh_tables, cached_tables = (
-            tables[a - len(group) : a] if group else None for a, group in zip(starts, groups)
+            tables[a - len(group) : a] if group and tables is not None else None
+            for a, group in zip(starts, groups)
         )
         chunk_tensors = iter(staged[5:])
 
@@ -188,9 +189,12 @@ class InputBuilder:
 
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
-            decode=DecodeBatch(decode_tables, context_lens, self.block_size) if inputs.decodes else None,
-            fresh=chunk_batch(inputs.fresh, fresh_tables) if inputs.fresh else None,
-            cached=chunk_batch(inputs.cached, cached_tables) if inputs.cached else None,
+            # each group's tables are there exactly when the group has chunks
+            decode=DecodeBatch(decode_tables, context_lens, self.block_size)
+            if decode_tables is not None
+            else None,
+            fresh=chunk_batch(inputs.fresh, fresh_tables) if fresh_tables is not None else None,
+            cached=chunk_batch(inputs.cached, cached_tables) if cached_tables is not None else None,
             states=self._state_batch(inputs, chunks) if chunks and chunks[0].state_slot >= 0 else None,
         )
         return input_ids, positions, meta, logits_index
@@ -225,4 +229,6 @@ def _score_prompt(
         return
     rows.extend(range(first_row + begin - item.start, first_row + end - item.start))
     targets = seq.token_ids[begin + 1 : end + 1]
-    scoring.append(PromptScoring(seq.seq_id, targets, seq.params.prompt_logprobs))
+    num_top = seq.params.prompt_logprobs
+    assert num_top is not None  # seq.scores_prompt
+    scoring.append(PromptScoring(seq.seq_id, targets, num_top))

@@ -12,6 +12,7 @@ import torch
 
 from nanovllm.common.logging import get_logger
 from nanovllm.kernels.fp8_kv import KVScales, from_checkpoint, scale_for
+from nanovllm.worker.models.decoder import DecoderForCausalLM
 from nanovllm.worker.runner.inputs import InputBuilder
 from nanovllm.worker.step import SeqChunk, StepInputs
 
@@ -24,7 +25,7 @@ log = get_logger(__name__)
 
 @torch.inference_mode()
 def calibrate_kv_scales(
-    model: torch.nn.Module,
+    model: DecoderForCausalLM,
     inputs: InputBuilder,
     kv_cache_dtype: torch.dtype,
     vocab_size: int,
@@ -62,9 +63,11 @@ def calibrate_kv_scales(
     model(input_ids, positions, meta)
     for attn in layers:
         amax, attn.kv_amax = attn.kv_amax, None
+        assert amax is not None  # recorded by the forward pass above
         attn.kv_scales = KVScales(scale_for(amax[0], kv_cache_dtype), scale_for(amax[1], kv_cache_dtype))
     if logs:
-        scales = torch.stack([torch.stack([a.kv_scales.key, a.kv_scales.value]) for a in layers])
+        every = [a.kv_scales for a in layers if a.kv_scales is not None]  # every layer's, just set
+        scales = torch.stack([torch.stack([s.key, s.value]) for s in every])
         log.info(
             "kv_scales_calibrated",
             kv_cache_dtype=str(kv_cache_dtype).removeprefix("torch."),

@@ -93,6 +93,7 @@ class KVOffload:
         if store.host_slot >= 0:
             if store.host_slot in self._busy:  # the slot's last block is still being written to disk
                 self._busy.pop(store.host_slot).result()
+            assert self.host is not None  # a host slot: the host tier
             staging = self.host[store.host_slot]
         to_disk = store.to_disk and self.disk is not None
         if to_disk:
@@ -152,6 +153,7 @@ class KVOffload:
             tier = "host"
             if load.host_slot in self._busy:
                 self._busy.pop(load.host_slot).result()
+            assert self.host is not None  # a host slot: the host tier
             target.copy_(self.host[load.host_slot], non_blocking=True)
         else:
             tier = "disk"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -118,6 +119,7 @@ class ModelRunner(ModelRunnerBase):
             self._take_pending(input_ids, inputs)
             if self.tp.rank > 0:  # rank 0 filled these slots as it laid the step out
                 for slot, name, path in inputs.lora_fills:
+                    assert self.adapter_slots is not None  # rank 0 fills slots of a model with them
                     self.adapter_slots.put(slot, self.read_adapter(name, path))
             graphs = self.decode_graphs
             bucket = graphs.bucket(inputs) if graphs is not None else None
@@ -159,6 +161,7 @@ class ModelRunner(ModelRunnerBase):
         that failed on any rank (every rank learns them: the request recomputes those blocks), and the
         writes to disk that failed on this one since the last step."""
         loads = transfers.loads
+        assert self.kv_offload is not None  # called only with lower tiers
         failed, failed_writes = self.kv_offload.run(transfers)
         if self.tp.size > 1 and loads:
             here = {id(load) for load in failed}
@@ -188,7 +191,8 @@ class ModelRunner(ModelRunnerBase):
         """The step as plain integers (worker/runner/inputs.py), pending tokens taken from the last picks,
         each adapter of the step in a LoRA slot, and its copies to and from the lower tiers."""
         picked = self._picks[1] if self._picks is not None else None
-        adapters = [s.seq.adapter for s in sched.scheduled if s.seq.adapter is not None]
+        # the engine's adapters are LoRAAdapters (a Sequence types its own by a protocol)
+        adapters = [cast(LoRAAdapter, s.seq.adapter) for s in sched.scheduled if s.seq.adapter is not None]
         if not adapters:
             inputs = self.inputs.step_inputs(sched, all_logits, picked)
         else:
@@ -196,7 +200,10 @@ class ModelRunner(ModelRunnerBase):
                 raise RuntimeError("a step runs a LoRA adapter on a model built without LoRA slots")
             slots = self.adapter_slots.assign(adapters)
             inputs = self.inputs.step_inputs(
-                sched, all_logits, picked, lambda seq: BASE_ROW if seq.adapter is None else slots[seq.adapter]
+                sched,
+                all_logits,
+                picked,
+                lambda seq: BASE_ROW if seq.adapter is None else slots[cast(LoRAAdapter, seq.adapter)],
             )
             inputs.lora_fills = [
                 (slot, adapter.name, adapter.path) for slot, adapter in self.adapter_slots.filled

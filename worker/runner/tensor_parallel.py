@@ -172,7 +172,7 @@ def run_shard(
         _backend(config), store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
     )
     cpu_group = _cpu_group()
-    runner = runner_type(config, TPContext(rank, size, config.deterministic))
+    runner = runner_type(config, TPContext(rank, size, bool(config.deterministic)))  # resolved by now
     header = torch.empty(1, dtype=torch.long)
     while True:
         dist.broadcast(header, src=0, group=cpu_group)

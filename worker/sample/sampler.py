@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
+from typing import cast
 
 import torch
 import xxhash
@@ -131,7 +132,8 @@ def _masked(
     if not idx:
         return logits
     batch, vocab = logits.shape
-    bits = to_device(torch.stack([rows[i].token_bitmask for i in idx]), logits.device)
+    # idx: the rows with a mask
+    bits = to_device(torch.stack([cast(torch.Tensor, rows[i].token_bitmask) for i in idx]), logits.device)
     work = logits.to(torch.float32, copy=True)
     if kernels is not None and logits.device.type == "cpu":
         kernels.apply_token_bitmask_(work, bits, host_tensor(idx))
@@ -357,7 +359,7 @@ class Sampler:
             seeded=seeded,
             # A seeded row's number depends on its position: the output tokens before this one.
             seeded_uniforms=[
-                position_uniform(params[random[j]].seed, len(rows[random[j]].output_token_ids))
+                position_uniform(cast(int, params[random[j]].seed), len(rows[random[j]].output_token_ids))
                 for j in seeded
             ],
             kernel_spec=kernel_spec,
@@ -396,6 +398,7 @@ class Sampler:
         """One token per row of `x` (the plan's random rows), by inversion of its filtered distribution."""
         uniform = self._uniforms(plan, x.device)
         if plan.kernel_spec is not None and x.device.type == "cpu":
+            assert self.cpu_kernels is not None  # a plan's kernel_spec is made for them
             return self.cpu_kernels.sample_rows(x.contiguous(), torch.cat([plan.kernel_spec, uniform[None]]))
         probs = _random_probs(x, [plan.params[i] for i in plan.random])
         cdf = probs.cumsum(dim=-1, dtype=torch.float64)

@@ -15,7 +15,7 @@ import json
 import time
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -23,6 +23,10 @@ from nanovllm.common.errors import RequestError
 from nanovllm.common.logging import get_logger
 from nanovllm.worker.sequence import Sequence
 from nanovllm.worker.step import SamplingRow, SchedulerOutput
+
+if TYPE_CHECKING:  # llguidance is imported where it is used
+    from llguidance import LLTokenizer
+    from llguidance._lib import JsonCompileOptions
 
 log = get_logger(__name__)
 
@@ -37,8 +41,12 @@ GRAMMAR_WAIT_S = 0.02
 # JSON tokens, and a small model sampling at temperature 0.7-1.3 wandered into it until max_tokens (1 of
 # 29 answers of the embedded SmolLM2): with only these separators every answer reaches its end. A single
 # space after "," and ":" keeps the text as readable as Python's default output.
-COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-FREE_WHITESPACE_JSON = {"whitespace_flexible": True}
+COMPACT_JSON: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+FREE_WHITESPACE_JSON: JsonCompileOptions = {"whitespace_flexible": True}
 
 # A JSON number's digits are the other place a sampled answer can run to max_tokens (one of 300 did:
 # `"wind_kmh": 5.8322179115...`), so a number the schema leaves unbounded gets the bounds RFC 8259 section 6
@@ -122,7 +130,7 @@ class GrammarCompiler:
         self.eos_token_ids = list(eos_token_ids)
         self._pool: ThreadPoolExecutor | None = None
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
-        self._tokenizer = None  # llguidance's, built by the compile thread on first use
+        self._tokenizer: LLTokenizer | None = None  # llguidance's, built by the compile thread on first use
 
     def compile(self, constraint: tuple[str, str] | tuple[str, str, bool]) -> Future:
         """A future of the compiled matcher (never advanced: copy it per request), or of the RequestError
@@ -244,7 +252,9 @@ class ConstraintQueue:
 
     def add(self, seq: Sequence) -> None:
         deadline = time.monotonic() + self.timeout_s
-        self._compiling[seq.request_id] = (seq, self.compiler.compile(seq.params.constraint), deadline)
+        constraint = seq.params.constraint
+        assert constraint is not None  # a constrained request
+        self._compiling[seq.request_id] = (seq, self.compiler.compile(constraint), deadline)
 
     def remove(self, request_id: str) -> bool:
         """Forget a request still compiling (aborted); False when it is not here."""
@@ -261,8 +271,10 @@ class ConstraintQueue:
             del self._compiling[request_id]
             error = None
             if not future.done():
+                constraint = seq.params.constraint
+                assert constraint is not None  # a constrained request
                 error = (
-                    f"SamplingParams.{seq.params.constraint[0]} did not compile within grammar_compile_timeout_s "
+                    f"SamplingParams.{constraint[0]} did not compile within grammar_compile_timeout_s "
                     f"= {self.timeout_s} s"
                 )
             elif future.exception() is not None:
@@ -293,7 +305,8 @@ class ConstraintQueue:
             grammar = item.seq.grammar
             if grammar is not None:
                 spec = item.spec_token_ids
-                entries.append((grammar, spec[: grammar.valid_prefix(spec)]))
+                # the engine's grammars are Grammars (a Sequence types its own by a protocol)
+                entries.append((cast(Grammar, grammar), spec[: grammar.valid_prefix(spec)]))
                 offsets.append(offset)
             offset += 1 + len(item.spec_token_ids)
         if not entries:

@@ -46,7 +46,7 @@ class Connection:
     """One router's stream. `deliver` is called on the engine thread and must be thread-safe."""
 
     id: int
-    deliver: Callable[[worker_pb2.StepOutputs], None]
+    deliver: Callable[[worker_pb2.StepOutputs], object]
     requests: dict[str, InFlight] = field(default_factory=dict)  # by wire id
     closed: bool = False
     prefix_cache_subscribed: bool = False  # it asked for PrefixCacheEvents
@@ -94,8 +94,9 @@ class EngineLoop:
         # Resolves when the engine thread ends: with None after stop(), with EngineDeadError if the engine
         # failed for good (e.g. a tensor-parallel rank died); the process should then exit non-zero.
         self.dead: Future[None] = Future()
-        self.engine: LLMEngine | None = None  # set by the engine thread before `ready` resolves
-        self.load: EngineLoad | None = None
+        # Set by the engine thread before `ready` resolves, and only read after: typed as what they are then.
+        self.engine: LLMEngine = None  # type: ignore[assignment]
+        self.load: EngineLoad = None  # type: ignore[assignment]
         # The LoRA adapters loaded, as the link describes them; replaced (never changed) on the engine
         # thread, so other threads may read it.
         self.adapters: list[worker_pb2.LoRAAdapter] = []
@@ -116,7 +117,7 @@ class EngineLoop:
     def num_connections(self) -> int:
         return len(self._connections)
 
-    def open_connection(self, deliver: Callable[[worker_pb2.StepOutputs], None]) -> Connection:
+    def open_connection(self, deliver: Callable[[worker_pb2.StepOutputs], object]) -> Connection:
         conn = Connection(next(self._connection_ids), deliver)
         self._commands.put(lambda: self._open(conn))
         return conn
@@ -405,7 +406,7 @@ class EngineLoop:
                 self.tracer, request.trace_context, request.client_id, request.resumed_tokens, out
             )
 
-    def _fail(self, conn: Connection, wire_id: str, code: int, message: str) -> None:
+    def _fail(self, conn: Connection, wire_id: str, code: worker_pb2.ErrorCode, message: str) -> None:
         update = worker_pb2.RequestUpdate(request_id=wire_id, error_code=code, error_message=message)
         conn.deliver(worker_pb2.StepOutputs(updates=[update]))
 
@@ -433,8 +434,9 @@ def _update(wire_id: str, out: RequestOutput) -> worker_pb2.RequestUpdate:
     for lp in out.new_logprobs:
         _add_logprobs(update.logprobs, lp)
     if out.prompt_logprobs is not None:
-        for lp in out.prompt_logprobs[1:]:  # the first prompt token has none
-            _add_logprobs(update.prompt_logprobs, lp)
+        for scored in out.prompt_logprobs[1:]:  # the first prompt token has none
+            assert scored is not None
+            _add_logprobs(update.prompt_logprobs, scored)
     return update
 
 

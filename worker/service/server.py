@@ -6,6 +6,7 @@ import asyncio
 import re
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -139,6 +140,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def _ready(self, context: grpc.aio.ServicerContext) -> EngineLoop:
         if self._loop is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model")
+        assert self._loop is not None  # context.abort raised otherwise
         return self._loop
 
     async def Connect(
@@ -209,6 +211,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except AdapterError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        raise AssertionError("context.abort returns only by raising")
 
     async def UnloadLoRAAdapter(
         self, request: worker_pb2.UnloadLoRAAdapterRequest, context: grpc.aio.ServicerContext
@@ -246,7 +249,8 @@ async def serve_worker(
         config.host, config.port, config.health_port, metrics.registry, config.metrics_port, on_listening
     )
     tracing = start_tracing(config.tracing, "nanovllm-worker")
-    engine_loop = EngineLoop(engine_config, config.max_queued_requests, metrics, tracing and tracing.tracer)
+    tracer = tracing.tracer if tracing is not None else None
+    engine_loop = EngineLoop(engine_config, config.max_queued_requests, metrics, tracer)
     try:
         await asyncio.wrap_future(engine_loop.start())  # the model loads on the engine thread
     except BaseException:  # e.g. a KV cache too small: the caller says why; the server must not outlive it
@@ -271,7 +275,8 @@ async def serve_worker(
         device=str(placement.device),
     )
     dead = asyncio.wrap_future(engine_loop.dead)
-    await asyncio.wait([asyncio.ensure_future(stop.wait()), dead], return_when=asyncio.FIRST_COMPLETED)
+    waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(stop.wait()), dead]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     if dead.done() and dead.exception() is not None:
         log.error("worker_failed", address=address, error=str(dead.exception()))
         service.close_connections()  # in-flight requests already got their error

@@ -121,12 +121,7 @@ def gguf_tensors(gguf_path: Path, config: Any, packed: bool = True) -> Any:
             if heads is not None:
                 planes = [None if p is None else unpermute_rotary_rows(p, heads) for p in planes]
             values: list[Any] = [
-                PackedWeight.of_planes(
-                    GGUF_SCHEMES[kind],
-                    32,
-                    *(None if p is None else torch.from_numpy(np.ascontiguousarray(p)) for p in expert),
-                )
-                for expert in zip(*(_split(p, len(names)) for p in planes))
+                _packed(kind, expert) for expert in zip(*(_split(p, len(names)) for p in planes))
             ]
         else:
             try:
@@ -143,6 +138,15 @@ def gguf_tensors(gguf_path: Path, config: Any, packed: bool = True) -> Any:
             values = [torch.from_numpy(np.array(part)) for part in parts]  # copies of the read-only mapping
         for name, value in zip(names, values):
             yield name, GGUFTensor(tensor.name, value)
+
+
+def _packed(kind: str, planes: tuple[np.ndarray | None, ...]) -> PackedWeight:
+    """One weight's (qweight, scales, mins) planes as a PackedWeight over tensors of their own memory."""
+    import torch
+
+    qweight, scales, mins = (None if p is None else torch.from_numpy(np.ascontiguousarray(p)) for p in planes)
+    assert qweight is not None and scales is not None  # only mins may be absent (Q8_0)
+    return PackedWeight.of_planes(GGUF_SCHEMES[kind], 32, qweight, scales, mins)
 
 
 def _split(plane: np.ndarray | None, count: int) -> list[np.ndarray | None]:

@@ -5,7 +5,7 @@ pre-tokenizers known here, transformers' own GGUF conversion for the rest.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_CONTROL = 3
@@ -68,7 +68,8 @@ def _byte_level_bpe(
     backend = Tokenizer(
         BPE(
             vocab=vocab,
-            merges=[tuple(merge.split(" ", 1)) for merge in merges],
+            # each merge "a b": a pair
+            merges=cast("list[tuple[str, str]]", [tuple(merge.split(" ", 1)) for merge in merges]),
             dropout=None,
             continuing_subword_prefix="",
             end_of_word_suffix="",
@@ -127,8 +128,8 @@ def build_tokenizer(metadata: dict[str, Any], model_max_length: int) -> Any | No
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
     if add_bos or add_eos:
-        prefix = [bos] if add_bos else []
-        suffix = [eos] if add_eos else []
+        prefix = [bos] if add_bos and bos is not None else []
+        suffix = [eos] if add_eos and eos is not None else []
         backend.post_processor = processors.TemplateProcessing(
             single=" ".join([*prefix, "$A", *suffix]),
             pair=" ".join([*prefix, "$A", *suffix, *prefix, "$B:1", *suffix]),
