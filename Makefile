@@ -39,7 +39,7 @@ $(STAMP): pyproject.toml
 # ends the run: pytest-xdist's replacement for it left the run waiting forever.
 test: $(STAMP) $(NODE_DEPS)
 	$(MAKE) --no-print-directory lint
-	$(BIN)/pytest -n auto --dist loadfile --max-worker-restart 0
+	$(BIN)/pytest -n auto --dist loadfile --max-worker-restart 0 --durations=10
 
 # On a CUDA machine with CUDA torch and triton in its python3 and the wheels of `.ci/gpu wheels` in .whl/:
 # the tests that exercise the CUDA path (docs/devices.md#running-on-a-gpu).
