@@ -180,7 +180,7 @@ class GenerateCall:
                 f"no worker serving {self.model.name!r} is reachable ({self.pool.addresses})",
             )
         self.attempt = self.submit(decision, frozenset(), "first")
-        self.completion = CompletionText.for_request(self.valid, tokenizer, self._formats())
+        self.completion = CompletionText.for_request(self.valid, tokenizer, _formats(self.config, self.model))
         # Without a tokenizer, token ids are all there is.
         self.with_ids = request.return_token_ids or tokenizer is None
         try:
@@ -198,14 +198,6 @@ class GenerateCall:
             self.attempt.worker.release(self.attempt.wire_id, abort=self.worker_running)
             trace.close()
 
-    def _formats(self) -> ChatFormats:
-        """The model's reasoning and tool-call formats, as the router's flags choose them."""
-        architectures = self.model.base.info.architectures
-        return ChatFormats(
-            reasoning_format(self.config.reasoning_parser, architectures),
-            tool_call_format(self.config.tool_call_parser, architectures),
-        )
-
     async def admit(self) -> tuple[ValidRequest, ModelTokenizer | None]:
         """The request checked and tokenized with its tokenizer, or the call ended with the status that
         blames it."""
@@ -217,7 +209,9 @@ class GenerateCall:
         span = self.spans.child("nanovllm.router.validate")
         try:
             check_request(self.request, tokenizer, info, self.config.limits)
-            valid = await self.off_loop(validate_generate, self.request, tokenizer, info, self._formats())
+            valid = await self.off_loop(
+                validate_generate, self.request, tokenizer, info, _formats(self.config, self.model)
+            )
             span.set_attribute("nanovllm.prompt_tokens", len(valid.prompt_token_ids))
             return valid, tokenizer
         except NoTokenizerError as exc:
@@ -409,6 +403,15 @@ class GenerateCall:
             tokens_so_far=len(generated),
         )
         return True
+
+
+def _formats(config: RouterConfig, model: ModelChoice) -> ChatFormats:
+    """The model's reasoning and tool-call formats, as the router's flags choose them."""
+    architectures = model.base.info.architectures
+    return ChatFormats(
+        reasoning_format(config.reasoning_parser, architectures),
+        tool_call_format(config.tool_call_parser, architectures),
+    )
 
 
 def _retrieve(write: asyncio.Future) -> None:
