@@ -206,7 +206,7 @@ class RouterConfig:
     reasoning_parser: str = option(
         "auto",
         help="how responses split a model's reasoning from its answer: auto (from the model: Qwen3's "
-        "<think> markers; none for other families), qwen3, or none (the reasoning stays in text)",
+        "and Qwen3.5's <think> markers; none for other families), qwen3, or none (the reasoning stays in text)",
     )
     tool_call_parser: str = option(
         "auto",

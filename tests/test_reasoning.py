@@ -89,6 +89,8 @@ def test_a_prompt_that_opens_the_reasoning() -> None:
 def test_format_follows_the_model_and_the_flag() -> None:
     assert reasoning_format("auto", ["Qwen3ForCausalLM"]) == QWEN3_FORMAT
     assert reasoning_format("auto", ["Qwen3MoeForCausalLM"]) == QWEN3_FORMAT
+    for qwen3_5 in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration"):
+        assert reasoning_format("auto", [qwen3_5]) == QWEN3_FORMAT  # the same <think> markers
     assert reasoning_format("auto", ["LlamaForCausalLM"]) is None
     assert reasoning_format("none", ["Qwen3ForCausalLM"]) is None
     assert reasoning_format("qwen3", ["LlamaForCausalLM"]) == QWEN3_FORMAT

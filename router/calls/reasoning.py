@@ -23,8 +23,15 @@ from enum import Enum
 from nanovllm.router.calls.markers import Markers, choose_markers, marker_prefix_length
 
 _FORMATS = {"qwen3": Markers("qwen3", "<think>", "</think>")}
-# Model families whose chat templates reason in <think> markers, by Hugging Face architecture.
-_FAMILIES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3"}
+# Model families whose chat templates reason in <think> markers, by Hugging Face architecture: Qwen3, and
+# Qwen3.5 (and 3.6 and 3.8, which declare it), published multimodal and text-only.
+_FAMILIES = dict.fromkeys(
+    (
+        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+        "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+    ),
+    "qwen3",
+)  # fmt: skip
 
 
 def reasoning_format(setting: str, architectures: Sequence[str]) -> Markers | None:
