@@ -13,7 +13,7 @@ from nanovllm.common.tls import TlsFiles
 # --reasoning-parser's values (router/calls/reasoning.py): auto, none, or a model family's marker format.
 REASONING_PARSERS = ("auto", "none", "qwen3")
 # --tool-call-parser's values (router/calls/tool_calls.py).
-TOOL_CALL_PARSERS = ("auto", "none", "hermes")
+TOOL_CALL_PARSERS = ("auto", "none", "hermes", "qwen3_coder")
 
 HEALTH_PORT_HELP = (
     "also serve grpc.health.v1 alone, in plaintext, on this port (0 picks a free one): for Kubernetes gRPC "
@@ -211,7 +211,8 @@ class RouterConfig:
     tool_call_parser: str = option(
         "auto",
         help="how tool calls are parsed out of answers: auto (from the model: Hermes-style <tool_call> "
-        "JSON for Qwen2.5 and Qwen3; none for other families), hermes, or none (calls stay in text)",
+        "JSON for Qwen2.5 and Qwen3, Qwen3.5's <function=...> markup for Qwen3.5, 3.6 and 3.8; none for other "
+        "families), hermes, qwen3_coder, or none (calls stay in text)",
     )
 
     def __post_init__(self) -> None:

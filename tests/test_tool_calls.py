@@ -70,7 +70,7 @@ def tools_chat(**chat) -> generate_pb2.Chat:
 
 
 def parse_all(pieces: list[str]) -> tuple[str, list[generate_pb2.ToolCall]]:
-    parser = ToolCallParser(HERMES, list(SCHEMAS))
+    parser = ToolCallParser(HERMES, SCHEMAS)
     text, calls = "", []
     for piece in pieces:
         more_text, more_calls = parser.push(piece)
@@ -124,9 +124,7 @@ def test_reasoning_then_a_call_finishes_with_tool_calls() -> None:
     backend = build_tokenizer().backend_tokenizer
     text = '<think>\nThe user wants weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "f"}}\n</tool_call>'
     ids = backend.encode(text).ids
-    completion = CompletionText(
-        TextStream(backend), ReasoningSplit(QWEN3), ToolCallParser(HERMES, list(SCHEMAS))
-    )
+    completion = CompletionText(TextStream(backend), ReasoningSplit(QWEN3), ToolCallParser(HERMES, SCHEMAS))
     responses = [
         build_response(worker_pb2.RequestUpdate(new_token_ids=[t]), completion, "r", False, i + 1, 0)
         for i, t in enumerate(ids[:-1])
@@ -247,6 +245,138 @@ def test_the_forced_call_starts_after_the_reasoning() -> None:
     assert _accepts(at_once, call) and not _accepts(at_once, thought + call)
     wrong = '<tool_call>\n{"name": "search", "arguments": {"query": "x", "limit": 2}}\n</tool_call>'
     assert not _accepts(optional, wrong)  # only the named function
+
+
+# --- Qwen3.5's format (qwen3_coder) ---------------------------------------------------------------------
+
+QWEN3_CODER = tool_call_format("qwen3_coder", [])
+CONFIGURE = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "size": {"type": "integer"},
+        "ratio": {"type": "number"},
+        "on": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "options": {"type": "object"},
+        "note": {},
+    },
+    "required": ["name", "size"],
+}
+CODER_SCHEMAS = {**SCHEMAS, "configure": CONFIGURE}
+
+
+def _xml_call(function: str, **values: str) -> str:
+    parameters = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+    return f"<tool_call>\n<function={function}>\n{parameters}</function>\n</tool_call>"
+
+
+def split_and_parse(pieces: list[str], in_reasoning: bool = False) -> tuple[str, str, list[tuple[str, dict]]]:
+    """(reasoning, answer text, calls) of a stream in pieces, through the reasoning split and the parser."""
+    split, parser = ReasoningSplit(QWEN3, in_reasoning), ToolCallParser(QWEN3_CODER, CODER_SCHEMAS)
+    reasoning, text, calls = "", "", []
+    for piece in [*pieces, None]:
+        thought, answer = split.push(piece) if piece is not None else split.finish()
+        more_text, more_calls = parser.push(answer)
+        reasoning, text, calls = reasoning + thought, text + more_text, calls + more_calls
+    text += parser.finish()
+    return reasoning, text, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def test_qwen3_5_calls_parse_the_same_wherever_the_stream_is_cut() -> None:
+    """Reasoning, then two calls (one with nested JSON values), split at every character boundary: the same
+    reasoning, text and calls as unsplit, each value of its schema's type."""
+    weather = _xml_call("get_weather", city="Paris", unit="c")
+    configure = _xml_call(
+        "configure", name="a <b> & c", size="3", ratio="0.5", on="true", tags='["x", "y"]',
+        options='{"depth": {"max": 2}, "list": [1, 2]}', note="free text",
+    )  # fmt: skip
+    answer = f"<think>\nThe user wants two things.\n</think>\n\nLet me look.\n{weather}\n{configure}\n"
+    expected = (
+        "The user wants two things.",
+        "Let me look.\n",
+        [
+            ("get_weather", {"city": "Paris", "unit": "c"}),
+            ("configure", {"name": "a <b> & c", "size": 3, "ratio": 0.5, "on": True, "tags": ["x", "y"],
+                           "options": {"depth": {"max": 2}, "list": [1, 2]}, "note": "free text"}),
+        ],
+    )  # fmt: skip
+    assert split_and_parse([answer]) == expected
+    for pieces in cuts(answer, 1):
+        assert split_and_parse(pieces) == expected, pieces
+    # the prompt opened the reasoning; the call comes between two texts, whitespace kept before text
+    between = f"thinking\n</think>\n\nfirst {_xml_call('get_time', zone='-3')} then"
+    for pieces in cuts(between, 1):
+        assert split_and_parse(pieces, in_reasoning=True) == (
+            "thinking",
+            "first  then",
+            [("get_time", {"zone": -3})],
+        )
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "<function=launch_rockets>\n</function>",  # no such tool
+        "<function=get_time>\nzone=3\n</function>",  # text that is not a parameter
+        "<function=get_time>\n<parameter=zone>\n3\n</parameter>\n",  # no </function>
+        '{"name": "get_time", "arguments": {"zone": 1}}',  # Hermes' JSON: not this format
+    ],
+)
+def test_a_qwen3_5_call_that_does_not_parse_is_returned_as_text_as_written(body) -> None:
+    written = f"<tool_call>\n{body}\n</tool_call>"
+    for pieces in cuts(f"ok {written} then", 1):
+        assert split_and_parse(pieces) == ("", f"ok {written} then", []), pieces
+
+
+def test_a_qwen3_5_value_that_does_not_read_as_its_type_stays_text() -> None:
+    """The stated choice: a value that is not its declared type is kept as the text written; a truncated
+    call comes back as text."""
+    call = _xml_call("configure", name="n", size="three", on="yes", tags="x, y")
+    assert split_and_parse([call])[2] == [
+        ("configure", {"name": "n", "size": "three", "on": "yes", "tags": "x, y"})
+    ]
+    cut = call[: call.index("<parameter=on>")]
+    assert split_and_parse([cut]) == ("", cut, [])
+
+
+@pytest.mark.parametrize("reasoning", ["none", "optional", "open"])
+def test_forced_qwen3_5_calls_are_written_in_its_own_format(reasoning) -> None:
+    """tool_choice naming a function, or required, in Qwen3.5's format: the grammar takes the model's own
+    markup with values of the schema's types, and refuses Hermes' JSON, another tool, or a value of the
+    wrong type."""
+    tools = check_tools(tools_chat(tool_choice=generate_pb2.ToolChoice(function="get_time")))
+    grammar = forced_call_grammar(
+        tools, QWEN3_CODER, None if reasoning == "none" else QWEN3, reasoning_open=reasoning == "open"
+    )
+    assert LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(grammar)) == ""
+    head = {"none": "", "optional": "<think>\nThe time.\n</think>\n\n", "open": "The time.\n</think>\n\n"}[
+        reasoning
+    ]
+    assert _accepts(grammar, head + _xml_call("get_time", zone="3"))
+    assert not _accepts(grammar, head + _xml_call("get_time", zone="three"))
+    assert not _accepts(
+        grammar, head + '<tool_call>\n{"name": "get_time", "arguments": {"zone": 3}}\n</tool_call>'
+    )
+    assert not _accepts(grammar, head + _xml_call("search", query="x", limit="2"))
+    required = forced_call_grammar(
+        check_tools(tools_chat(tool_choice=generate_pb2.ToolChoice(mode=generate_pb2.ToolChoice.MODE_REQUIRED))),
+        QWEN3_CODER, None, reasoning_open=False,
+    )  # fmt: skip
+    two = (
+        _xml_call("search", query="rain", limit="2") + "\n" + _xml_call("get_weather", city="Oslo", unit="f")
+    )
+    assert _accepts(required, two)
+    assert split_and_parse([two])[2] == [
+        ("search", {"query": "rain", "limit": 2}),
+        ("get_weather", {"city": "Oslo", "unit": "f"}),
+    ]
+
+
+def test_qwen3_5_architectures_choose_its_format() -> None:
+    for name in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForConditionalGeneration"):
+        assert tool_call_format("auto", [name]) == QWEN3_CODER
+    assert tool_call_format("auto", ["Qwen3ForCausalLM"]) == HERMES
 
 
 # --- Qwen3's template -----------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ class CompletionText:
                 formats.reasoning, in_reasoning=prompt_opens_reasoning(tail, formats.reasoning)
             )
         if formats.tool_calls is not None and valid.tools is not None:
-            tools = ToolCallParser(formats.tool_calls, list(valid.tools.schemas))
+            tools = ToolCallParser(formats.tool_calls, valid.tools.schemas)
         return cls(stream, split, tools)
 
     @property

@@ -2,12 +2,14 @@
 the answer as it streams, and tool_choice `required` or a named function enforced as a structured-output
 grammar.
 
-The format is Hermes' as Qwen2.5 and Qwen3 write it: each call a JSON object `{"name": ..., "arguments":
-{...}}` between `<tool_call>` and `</tool_call>` lines. Parsing runs on the answer text after the
+Two formats, each between `<tool_call>` and `</tool_call>` lines: Hermes' as Qwen2.5 and Qwen3 write it,
+each call a JSON object `{"name": ..., "arguments": {...}}`; and Qwen3.5's (router/calls/qwen3_coder.py),
+`<function=NAME>` around `<parameter=ARG>` values. Parsing runs on the answer text after the
 reasoning split, incrementally: text outside calls streams as it comes (a tail that may start a call is
 held back); a call is sent once its end marker arrives. Rules:
-- a call whose body is not a JSON object with a `name` among the request's tools and an object of
-  `arguments` (absent: {}) is returned as text, exactly as the model wrote it, markers included;
+- a call whose body is not a call of one of the request's tools (Hermes: a JSON object with such a `name`
+  and an object of `arguments`, absent: {}) is returned as text, exactly as the model wrote it, markers
+  included;
 - whitespace between calls and after the last one is dropped;
 - a stream that ends inside a call returns what it wrote of it as text.
 """
@@ -23,6 +25,7 @@ from typing import Any
 
 import jsonschema
 
+from nanovllm.router.calls import qwen3_coder
 from nanovllm.router.calls.markers import Markers, choose_markers, marker_prefix_length
 from nanovllm.v1 import generate_pb2
 
@@ -30,11 +33,24 @@ _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _Mode = generate_pb2.ToolChoice.Mode
 
 
-_FORMATS = {"hermes": Markers("hermes", "<tool_call>", "</tool_call>")}
-# Model families whose chat templates ask for Hermes-style calls, by Hugging Face architecture.
-_FAMILIES = dict.fromkeys(
-    ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), "hermes"
-)
+_FORMATS = {
+    "hermes": Markers("hermes", "<tool_call>", "</tool_call>"),
+    "qwen3_coder": Markers("qwen3_coder", "<tool_call>", "</tool_call>"),
+}
+# The format each model family's chat template asks for, by Hugging Face architecture (Qwen3.6 and 3.8
+# declare Qwen3.5's).
+_FAMILIES = {
+    **dict.fromkeys(
+        ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), "hermes"
+    ),
+    **dict.fromkeys(
+        (
+            "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
+            "Qwen3_5MoeForConditionalGeneration",
+        ),
+        "qwen3_coder",
+    ),
+}  # fmt: skip
 
 
 def tool_call_format(setting: str, architectures: Sequence[str]) -> Markers | None:
@@ -143,23 +159,11 @@ def forced_call_grammar(
     or already open when the prompt opened it; it may not contain "<" (the grammar's way to find its end)."""
     assert tools.forced is not None  # only a forced tool_choice has a grammar
     names = list(tools.schemas) if tools.forced == "*" else [tools.forced]
-    calls = {
-        # The JSON as Hermes writes it, one line: whitespace left free lets a model pad a call forever.
-        "x-guidance": {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "},
-        "anyOf": [
-            {
-                "type": "object",
-                "properties": {"name": {"const": name}, "arguments": tools.schemas[name]},
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-            for name in names
-        ],
-    }
     calls_rule = 'calls: call ("\\n" call)*\n'
-    call_rule = (
-        f"call: {json.dumps(fmt.start + chr(10))} %json {json.dumps(calls)} {json.dumps(chr(10) + fmt.end)}\n"
-    )
+    if fmt.name == "qwen3_coder":
+        call_rule = qwen3_coder.call_rules(names, tools.schemas)
+    else:
+        call_rule = _hermes_call_rule(names, tools.schemas, fmt)
     if reasoning is None:
         return "start: calls\n" + calls_rule + call_rule
     end = f"{json.dumps(reasoning.end)} /\\n*/"
@@ -170,13 +174,33 @@ def forced_call_grammar(
     return start + calls_rule + call_rule
 
 
+def _hermes_call_rule(names: list[str], schemas: dict[str, dict[str, Any]], fmt: Markers) -> str:
+    calls = {
+        # The JSON as Hermes writes it, one line: whitespace left free lets a model pad a call forever.
+        "x-guidance": {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "},
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": schemas[name]},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for name in names
+        ],
+    }
+    return (
+        f"call: {json.dumps(fmt.start + chr(10))} %json {json.dumps(calls)} {json.dumps(chr(10) + fmt.end)}\n"
+    )
+
+
 # --- the answer -----------------------------------------------------------------------------------------
 
 
 class ToolCallParser:
-    def __init__(self, fmt: Markers, tool_names: Sequence[str]) -> None:
+    def __init__(self, fmt: Markers, schemas: dict[str, dict[str, Any]]) -> None:
+        """`schemas`: the request's tools, name -> the arguments' JSON Schema."""
         self._fmt = fmt
-        self._names = set(tool_names)
+        self._schemas = schemas
         self._held = ""
         self._in_call = False
         self._after_call = False  # whitespace here is dropped
@@ -203,8 +227,7 @@ class ToolCallParser:
                 continue
             if self._after_call:
                 stripped = self._held.lstrip()
-                if not stripped:
-                    self._held = ""
+                if not stripped:  # held until what follows says: dropped before a call or at the end
                     return out, calls
                 if self._fmt.start.startswith(stripped) or stripped.startswith(self._fmt.start):
                     self._held = stripped  # the next call, or maybe: whitespace between calls goes
@@ -229,18 +252,26 @@ class ToolCallParser:
         return "" if self._after_call and not held.strip() else held
 
     def _parse(self, body: str) -> generate_pb2.ToolCall | None:
-        try:
-            value = json.loads(body)
-        except json.JSONDecodeError:
-            return None
-        if not isinstance(value, dict) or value.get("name") not in self._names:
-            return None
-        arguments = value.get("arguments", {})
-        if not isinstance(arguments, dict):
+        call = (
+            qwen3_coder.parse_call(body, self._schemas)
+            if self._fmt.name == "qwen3_coder"
+            else self._hermes(body)
+        )
+        if call is None:
             return None
         self.num_calls += 1
         return generate_pb2.ToolCall(
             id=f"call_{uuid.uuid4().hex[:24]}",
-            name=value["name"],
-            arguments=json.dumps(arguments, ensure_ascii=False),
+            name=call[0],
+            arguments=json.dumps(call[1], ensure_ascii=False),
         )
+
+    def _hermes(self, body: str) -> tuple[str, dict[str, Any]] | None:
+        try:
+            value = json.loads(body)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(value, dict) or value.get("name") not in self._schemas:
+            return None
+        arguments = value.get("arguments", {})
+        return (value["name"], arguments) if isinstance(arguments, dict) else None
