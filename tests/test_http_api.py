@@ -274,6 +274,18 @@ def test_protocol_errors_name_the_field() -> None:
         ({"messages": [{"role": "user", "content": "a\ud800"}]}, "messages[0].content"),
         ({"messages": MESSAGES, "tool_choice": {"function": "f"}}, "tool_choice"),
         ({"messages": MESSAGES, "chat_template_kwargs": {"x": 10**400}}, "chat_template_kwargs"),
+        # nested fields of the wrong JSON type (the HTTP fuzz's finds)
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": -1}]}]},
+            "messages[0].content[0].text",
+        ),
+        ({"messages": [{"role": "user", "content": [{"type": ["text"]}]}]}, "messages[0].content[0].type"),
+        ({"messages": [{"role": "assistant", "tool_calls": 7}]}, "messages[0].tool_calls"),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"id": [], "function": {"name": "f"}}]}]},
+            "messages[0].tool_calls[0].id",
+        ),
+        ({"messages": [{"role": "tool", "tool_call_id": 3, "content": "x"}]}, "messages[0].tool_call_id"),
     ]:
         with pytest.raises(ProtocolError) as caught:
             parse_request(body, chat=True)

@@ -283,14 +283,16 @@ def _response_format(body: dict[str, Any], sampling: generate_pb2.SamplingParams
 
 
 def _content(message: dict[str, Any], i: int) -> str:
-    content = message.get("content")
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):  # content parts: the text ones, joined
-        parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        if len(parts) == len(content):
-            return "".join(parts)
-    raise ProtocolError(f"messages[{i}].content", f"messages[{i}].content must be a string or text parts")
+    where = f"messages[{i}].content"
+    content = typed_field(message, "content", (str, list), "", param=where)
+    if isinstance(content, str):
+        return content
+    texts = []  # content parts: text ones only, joined
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or typed_field(part, "type", str, param=f"{where}[{j}].type") != "text":
+            raise ProtocolError(f"{where}[{j}]", f"{where}[{j}] must be a text part: {{'type': 'text', ...}}")
+        texts.append(typed_field(part, "text", str, "", param=f"{where}[{j}].text"))
+    return "".join(texts)
 
 
 def _chat(body: dict[str, Any]) -> generate_pb2.Chat:
@@ -302,20 +304,22 @@ def _chat(body: dict[str, Any]) -> generate_pb2.Chat:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ProtocolError(f"messages[{i}]", f"messages[{i}] must be an object with a string role")
         entry = chat.messages.add(role=message["role"], content=_content(message, i))
-        for j, call in enumerate(message.get("tool_calls") or []):
+        for j, call in enumerate(
+            typed_field(message, "tool_calls", list, [], param=f"messages[{i}].tool_calls")
+        ):
+            where = f"messages[{i}].tool_calls[{j}]"
             function = call.get("function") if isinstance(call, dict) else None
             if not isinstance(function, dict):
-                raise ProtocolError(
-                    f"messages[{i}].tool_calls[{j}]", f"messages[{i}].tool_calls[{j}] needs a function"
-                )
+                raise ProtocolError(where, f"{where} needs a function")
             arguments = function.get("arguments", "{}")
             entry.tool_calls.add(
-                id=str(call.get("id", "")),
-                name=str(function.get("name", "")),
+                id=typed_field(call, "id", str, "", param=f"{where}.id"),
+                name=typed_field(function, "name", str, "", param=f"{where}.function.name"),
                 arguments=arguments if isinstance(arguments, str) else json.dumps(arguments),
             )
-        if isinstance(message.get("tool_call_id"), str):
-            entry.tool_call_id = message["tool_call_id"]
+        entry.tool_call_id = typed_field(
+            message, "tool_call_id", str, "", param=f"messages[{i}].tool_call_id"
+        )
     for i, tool in enumerate(typed_field(body, "tools", list, [])):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
@@ -325,7 +329,9 @@ def _chat(body: dict[str, Any]) -> generate_pb2.Chat:
         parameters = function.get("parameters")
         chat.tools.add(
             name=function["name"],
-            description=str(function.get("description", "")),
+            description=typed_field(
+                function, "description", str, "", param=f"tools[{i}].function.description"
+            ),
             parameters=json.dumps(parameters) if parameters is not None else "",
         )
     choice = body.get("tool_choice")

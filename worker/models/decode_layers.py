@@ -5,7 +5,7 @@ order as the modules', so the step's result is the same bit for bit; only Python
 from __future__ import annotations
 
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 
@@ -13,9 +13,6 @@ from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX
 from nanovllm.worker.layers.linear import ParallelLinear
 from nanovllm.worker.layers.moe import SparseMoeBlock
 from nanovllm.worker.layers.quantization import PackedWeight
-
-if TYPE_CHECKING:  # decoder.py imports this module
-    from nanovllm.worker.models.decoder import DecoderLayer, DecoderMLP, DecoderModel
 
 
 def _projection(
@@ -40,7 +37,7 @@ def _linear(kernels: ModuleType, layer: ParallelLinear, deterministic: bool) -> 
     return _projection(kernels, layer.weight, layer.bias, deterministic)
 
 
-def _mlp(kernels: ModuleType, mlp: DecoderMLP | SparseMoeBlock, deterministic: bool) -> dict[str, object]:
+def _mlp(kernels: ModuleType, mlp: Any, deterministic: bool) -> dict[str, object]:
     """DecoderLayerWeights' arguments for a dense MLP (gate_up, down) or a sparse layer's experts (moe)."""
     if isinstance(mlp, SparseMoeBlock):
         experts = mlp.experts
@@ -62,10 +59,11 @@ def _mlp(kernels: ModuleType, mlp: DecoderMLP | SparseMoeBlock, deterministic: b
     }
 
 
-def build_decode_layers(model: DecoderModel, kernels: ModuleType, deterministic: bool) -> Any:
-    """kernels.DecodeLayers over the layers of `model` (a DecoderModel: decoder.py imports this module), or
-    None while the KV caches are not allocated. deterministic: as worker/layers/linear.py's `linear`."""
-    decoder_layers = cast("list[DecoderLayer]", model.layers)  # a ModuleList's items are bare Modules
+def build_decode_layers(model: torch.nn.Module, kernels: ModuleType, deterministic: bool) -> Any:
+    """kernels.DecodeLayers over the layers of `model` (a DecoderModel; its classes go untyped here, as
+    decoder.py imports this module), or None while the KV caches are not allocated. deterministic: as
+    worker/layers/linear.py's `linear`."""
+    decoder_layers: list[Any] = list(cast(torch.nn.ModuleList, model.layers))
     if any(layer.self_attn.attn.k_cache.numel() == 0 for layer in decoder_layers):
         return None
     layers = []
