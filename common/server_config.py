@@ -210,9 +210,10 @@ class RouterConfig:
     )
     tool_call_parser: str = option(
         "auto",
-        help="how tool calls are parsed out of answers: auto (from the model: Hermes-style <tool_call> "
-        "JSON for Qwen2.5 and Qwen3, Qwen3.5's <function=...> markup for Qwen3.5, 3.6 and 3.8; none for other "
-        "families), hermes, qwen3_coder, or none (calls stay in text)",
+        help="how tool calls are parsed out of answers: auto (the format the chat template writes calls "
+        "in, else by model family: Hermes-style <tool_call> JSON for Qwen2.5 and Qwen3, Qwen3.5's "
+        "<function=...> markup for Qwen3.5, 3.6 and 3.8; none for other families), hermes, qwen3_coder, or "
+        "none (calls stay in text)",
     )
 
     def __post_init__(self) -> None:

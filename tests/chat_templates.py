@@ -3,6 +3,12 @@
 QWEN3 is the template Qwen3's tokenizer_config.json ships (Apache-2.0): ChatML turns, tools in a system
 block, assistant turns with <think> reasoning and <tool_call> JSON, tool results as <tool_response> in a
 user turn, and `enable_thinking=false` writing an empty reasoning block into the generation prompt.
+
+QWEN3_5 is written here in the format Qwen3.5's (and 3.6's, 3.8's) template renders: the same ChatML turns
+and tool results, tools listed as JSON in a system block that asks for calls in XML-nested markup
+(`<tool_call>`, `<function=NAME>`, `<parameter=ARG>` around each value: a string as written, any other
+value as JSON), past turns' reasoning dropped before the last user query unless `preserve_thinking`, and
+the generation prompt opening the reasoning (`<think>\n`) unless `enable_thinking=false` closes it empty.
 """
 
 QWEN3 = r"""
@@ -94,5 +100,59 @@ QWEN3 = r"""
     {%- if enable_thinking is defined and enable_thinking is false %}
         {{- '<think>\n\n</think>\n\n' }}
     {%- endif %}
+{%- endif %}
+"""
+
+QWEN3_5 = r"""
+{%- set ns = namespace(last_query=messages|length - 1) %}
+{%- for message in messages %}
+    {%- if message.role == "user" and message.content is string and not message.content.startswith("<tool_response>") %}
+        {%- set ns.last_query = loop.index0 %}
+    {%- endif %}
+{%- endfor %}
+{%- set system = messages[0].content if messages and messages[0].role == "system" else "" %}
+{%- if tools %}
+    {{- "<|im_start|>system\n" }}
+    {%- if system %}{{- system + "\n\n" }}{%- endif %}
+    {{- "# Tools\n\nThese functions are available:\n\n<tools>" }}
+    {%- for tool in tools %}{{- "\n" + (tool | tojson) }}{%- endfor %}
+    {{- "\n</tools>\n\nTo call one, answer with:\n<tool_call>\n<function=NAME>\n<parameter=ARGUMENT>\nVALUE\n</parameter>\n</function>\n</tool_call>\nOne <parameter=...> per argument; several calls follow each other.<|im_end|>\n" }}
+{%- elif system %}
+    {{- "<|im_start|>system\n" + system + "<|im_end|>\n" }}
+{%- endif %}
+{%- for message in messages %}
+    {%- set content = message.content if message.content is string else "" %}
+    {%- if message.role == "user" or (message.role == "system" and not loop.first) %}
+        {{- "<|im_start|>" + message.role + "\n" + content + "<|im_end|>\n" }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning = message.reasoning_content if message.reasoning_content is string else "" %}
+        {%- if "</think>" in content %}
+            {%- set reasoning = content.split("</think>")[0].split("<think>")[-1].strip("\n") %}
+            {%- set content = content.split("</think>")[-1].lstrip("\n") %}
+        {%- endif %}
+        {{- "<|im_start|>assistant\n" }}
+        {%- if loop.index0 > ns.last_query or preserve_thinking is defined and preserve_thinking %}
+            {{- "<think>\n" + reasoning.strip("\n") + "\n</think>\n\n" }}
+        {%- endif %}
+        {{- content }}
+        {%- for call in message.tool_calls or [] %}
+            {%- set call = call.function if call.function else call %}
+            {%- if content or not loop.first %}{{- "\n" }}{%- endif %}
+            {{- "<tool_call>\n<function=" + call.name + ">\n" }}
+            {%- for name, value in (call.arguments or {}).items() %}
+                {{- "<parameter=" + name + ">\n" + (value if value is string else value | tojson) + "\n</parameter>\n" }}
+            {%- endfor %}
+            {{- "</function>\n</tool_call>" }}
+        {%- endfor %}
+        {{- "<|im_end|>\n" }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or messages[loop.index0 - 1].role != "tool" %}{{- "<|im_start|>user" }}{%- endif %}
+        {{- "\n<tool_response>\n" + content + "\n</tool_response>" }}
+        {%- if loop.last or messages[loop.index0 + 1].role != "tool" %}{{- "<|im_end|>\n" }}{%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- "<|im_start|>assistant\n<think>\n" }}
+    {%- if enable_thinking is defined and enable_thinking is false %}{{- "\n</think>\n\n" }}{%- endif %}
 {%- endif %}
 """

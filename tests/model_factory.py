@@ -21,7 +21,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from tests.chat_templates import QWEN3
+from tests.chat_templates import QWEN3, QWEN3_5
 
 VOCAB = 512
 EOS_ID = 1
@@ -152,8 +152,10 @@ def build_model(
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     if tokenizer:
-        # Qwen3 models get Qwen3's own template (thinking switch, tools); the others plain ChatML.
-        build_tokenizer(QWEN3 if arch == "qwen3" else CHAT_TEMPLATE).save_pretrained(out_dir)
+        # Qwen3 and Qwen3.5 models get their family's template (thinking switch, tools); the others plain
+        # ChatML.
+        template = {"qwen3": QWEN3, "qwen3_5": QWEN3_5, "qwen3_5_moe": QWEN3_5}.get(arch, CHAT_TEMPLATE)
+        build_tokenizer(template).save_pretrained(out_dir)
     return out_dir
 
 

@@ -286,6 +286,19 @@ def test_protocol_errors_name_the_field() -> None:
             "messages[0].tool_calls[0].id",
         ),
         ({"messages": [{"role": "tool", "tool_call_id": 3, "content": "x"}]}, "messages[0].tool_call_id"),
+        # vLLM's structured_outputs: one constraint, of its type, not beside response_format
+        ({"messages": MESSAGES, "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"messages": MESSAGES, "structured_outputs": {"regexp": "a"}}, "structured_outputs"),
+        ({"messages": MESSAGES, "structured_outputs": {"regex": 7}}, "structured_outputs.regex"),
+        ({"messages": MESSAGES, "structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+        (
+            {
+                "messages": MESSAGES,
+                "structured_outputs": {"regex": "a"},
+                "response_format": {"type": "json_object"},
+            },
+            "structured_outputs",
+        ),
     ]:
         with pytest.raises(ProtocolError) as caught:
             parse_request(body, chat=True)

@@ -401,6 +401,48 @@ def test_moe_two_ranks_equal_one(moe_model: Path):
     compare_tp(moe_model)
 
 
+# The published Qwen3.6 and 3.8 text configs (both declare Qwen3.5's architectures), four layers each and
+# narrow, with their head counts, ratios and fields: (architecture, hidden, heads, KV heads, overrides).
+_FIELDS = {"full_attention_interval": 4, "attn_output_gate": True, "mamba_ssm_dtype": "float32",
+           "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False}  # fmt: skip
+_ROPE = {"rope_type": "default", "rope_theta": 10_000_000, "partial_rotary_factor": 0.25,
+         "mrope_interleaved": True, "mrope_section": [2, 1, 1]}  # fmt: skip
+_DENSE_27B = {  # Qwen3.6-27B and 3.8-27B: 24 query heads over 4, linear 48 value heads over 16 keys
+    "head_dim": 32, "intermediate_size": 216, "linear_num_key_heads": 16, "linear_num_value_heads": 48,
+}  # fmt: skip
+SHAPES = {
+    "qwen3.6-27b": ("qwen3_5", 64, 24, 4, {**_DENSE_27B, "mtp_num_hidden_layers": 1}),
+    "qwen3.8-27b": ("qwen3_5", 64, 24, 4, {**_DENSE_27B, **_FIELDS}),
+    # 256 experts, 8 a token, a shared expert; 16 query heads over 2, linear 32 value heads over 16 keys
+    "qwen3.6-35b-a3b": ("qwen3_5_moe", 64, 16, 2, {
+        **_FIELDS, "head_dim": 32, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 16,
+    }),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_published_qwen3_6_and_3_8_shapes_give_transformers_tokens(tmp_path: Path, shape: str):
+    """Each shape's float32 greedy tokens equal transformers', as the text model's checkpoint and in the
+    published multimodal layout its Hub repository ships."""
+    arch, hidden, heads, kv_heads, overrides = SHAPES[shape]
+    model = build_model(
+        arch, tmp_path / "text", num_layers=4, hidden=hidden, heads=heads, kv_heads=kv_heads, seed=5,
+        rope=_ROPE, overrides=overrides,
+    )  # fmt: skip
+    assert json.loads((model / "config.json").read_text()).get("mtp_num_hidden_layers") == 1
+    prompts = _prompts()[1:4]
+    want = [hf_greedy(model, prompt, 8) for prompt in prompts]
+    multimodal = (
+        "Qwen3_5MoeForConditionalGeneration" if arch == "qwen3_5_moe" else "Qwen3_5ForConditionalGeneration"
+    )
+    published = _publish(model, tmp_path / "published", multimodal)
+    for directory in (model, published):
+        outs = LLM(str(directory), **ENGINE).generate(prompts, greedy(8), use_tqdm=False)
+        assert [o["token_ids"] for o in outs] == want, directory.name
+
+
 @pytest.mark.parametrize(
     ("change", "words"),
     [
@@ -409,6 +451,8 @@ def test_moe_two_ranks_equal_one(moe_model: Path):
             ["layer_types", "sliding_attention"],
         ),
         ({"attn_output_gate": False}, ["attn_output_gate"]),
+        ({"layer_scale": [1.0, 1.0, 1.0, 1.0]}, ["layer_scale", "unknown"]),
+        ({"mamba_ssm_dtype": "bfloat16"}, ["mamba_ssm_dtype='bfloat16'", "float32"]),
         ({"linear_num_value_heads": 3}, ["linear_num_value_heads=3", "linear_num_key_heads=2"]),
     ],
 )

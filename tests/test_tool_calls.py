@@ -25,6 +25,8 @@ from nanovllm.router.calls.tool_calls import (
 )
 from nanovllm.router.calls.validation import prompt_token_ids
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
+from tests.chat_templates import QWEN3 as QWEN3_TEMPLATE
+from tests.chat_templates import QWEN3_5 as QWEN3_5_TEMPLATE
 from tests.helpers import cuts
 from tests.model_factory import build_model, build_tokenizer
 from tests.services import collect, library_errors, start_router, start_worker, wait_serving
@@ -373,10 +375,31 @@ def test_forced_qwen3_5_calls_are_written_in_its_own_format(reasoning) -> None:
     ]
 
 
+def test_forced_qwen3_5_strings_keep_their_schemas_enum_and_length() -> None:
+    """A string value is raw text in this format, not JSON: its enum and maxLength are the grammar's own
+    rules, so a forced call's strings validate too (get_weather: city of at most 12, unit c or f)."""
+    tools = check_tools(tools_chat(tool_choice=generate_pb2.ToolChoice(function="get_weather")))
+    grammar = forced_call_grammar(tools, QWEN3_CODER, None, reasoning_open=False)
+    assert _accepts(grammar, _xml_call("get_weather", city="Paris", unit="c"))
+    assert _accepts(grammar, _xml_call("get_weather", city="Rio de Janei", unit="f"))
+    assert not _accepts(grammar, _xml_call("get_weather", city="Rio de Janeiro", unit="f"))
+    assert not _accepts(grammar, _xml_call("get_weather", city="Paris", unit="k"))
+
+
 def test_qwen3_5_architectures_choose_its_format() -> None:
     for name in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForConditionalGeneration"):
         assert tool_call_format("auto", [name]) == QWEN3_CODER
     assert tool_call_format("auto", ["Qwen3ForCausalLM"]) == HERMES
+
+
+def test_auto_reads_the_format_from_the_chat_template_before_the_architecture() -> None:
+    """Qwen3-Coder declares Qwen3-MoE's architecture and writes Qwen3.5's format: its template says so.
+    A template that shows no call format leaves it to the architecture."""
+    assert tool_call_format("auto", ["Qwen3MoeForCausalLM"], QWEN3_5_TEMPLATE) == QWEN3_CODER
+    assert tool_call_format("auto", ["LlamaForCausalLM"], QWEN3_TEMPLATE) == HERMES
+    assert tool_call_format("auto", ["Qwen3_5ForCausalLM"], "{{ messages }}") == QWEN3_CODER
+    assert tool_call_format("auto", ["LlamaForCausalLM"], "{{ messages }}") is None
+    assert tool_call_format("hermes", ["Qwen3_5ForCausalLM"], QWEN3_5_TEMPLATE) == HERMES
 
 
 # --- Qwen3's template -----------------------------------------------------------------------------------

@@ -41,6 +41,35 @@ TEXT_ONLY = {
 # The layer kinds of a hybrid model's `layer_types`.
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 
+# Every field a Qwen3.5-family text config may carry, read here or known to leave the arithmetic alone:
+# transformers' Qwen3_5TextConfig and Qwen3_5MoeTextConfig, the published checkpoints' own (Qwen3.6 and 3.8
+# declare the same architecture and grow it by fields), and the generic ones every config has. A field
+# outside it is refused at start by name: this engine is checked against transformers, and a field that
+# neither reads may change what the model computes (a per-layer `layer_scale`, say).
+_HYBRID_FIELDS = frozenset(
+    (
+        # the shapes and the layers
+        "architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "vocab_size", "rms_norm_eps",
+        "max_position_embeddings", "tie_word_embeddings", "attention_bias", "layer_types",
+        "full_attention_interval", "attn_output_gate", "linear_conv_kernel_dim", "linear_key_head_dim",
+        "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+        "rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor", "mrope_section",
+        "mrope_interleaved",
+        # Qwen3.5-MoE's experts
+        "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+        "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+        # the recurrent state's dtype (see HybridSpec.from_hf_dict), the MTP head (not loaded)
+        "mamba_ssm_dtype", "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings",
+        # training, generation and bookkeeping: nothing a forward pass reads
+        "attention_dropout", "initializer_range", "router_aux_loss_coef", "output_router_logits", "use_cache",
+        "bos_token_id", "eos_token_id", "pad_token_id", "dtype", "torch_dtype", "transformers_version",
+        "_name_or_path", "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder",
+        "output_attentions", "output_hidden_states", "problem_type", "return_dict", "use_sliding_window",
+        "sliding_window", "max_window_layers",
+    )
+)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class HybridSpec:
@@ -70,6 +99,19 @@ class HybridSpec:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], head_dim: int, rope: dict[str, Any]) -> HybridSpec:
+        unknown_fields = sorted(set(cfg) - _HYBRID_FIELDS)
+        if unknown_fields:
+            raise UnsupportedModelError(
+                f"config field(s) {unknown_fields} unknown to this engine's Qwen3.5 loader: transformers' "
+                "Qwen3.5, the reference it is checked against, reads none of them, and a field neither reads "
+                "may change what the model computes"
+            )
+        # The recurrent state is kept in float32 (as transformers' reference computes it), which is what
+        # the published checkpoints ask for.
+        if cfg.get("mamba_ssm_dtype", "float32") != "float32":
+            raise UnsupportedModelError(
+                f"mamba_ssm_dtype={cfg['mamba_ssm_dtype']!r}: the recurrent state is kept in float32 only"
+            )
         layers = cfg["num_hidden_layers"]
         kinds = cfg.get("layer_types")
         if kinds is None:  # transformers' default: every `full_attention_interval`-th layer is full

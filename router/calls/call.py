@@ -407,10 +407,12 @@ class GenerateCall:
 
 def _formats(config: RouterConfig, model: ModelChoice) -> ChatFormats:
     """The model's reasoning and tool-call formats, as the router's flags choose them."""
-    architectures = model.base.info.architectures
+    architectures, tokenizer = model.base.info.architectures, model.base.tokenizer
     return ChatFormats(
         reasoning_format(config.reasoning_parser, architectures),
-        tool_call_format(config.tool_call_parser, architectures),
+        tool_call_format(
+            config.tool_call_parser, architectures, tokenizer.chat_template if tokenizer else ""
+        ),
     )
 
 

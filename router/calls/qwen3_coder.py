@@ -74,10 +74,27 @@ def parse_call(body: str, schemas: Mapping[str, Mapping[str, Any]]) -> tuple[str
     return name, arguments
 
 
+def _string_rule(spec: Any) -> str:  # a property's schema: an object, or a boolean
+    """A string value and its end: one of its `enum` (or its `const`) as written; a length within its
+    `minLength`/`maxLength`, on one line; else any text without "<" (how the grammar finds its end; the
+    newline before </parameter> is the regex's then: a literal would race it). A `pattern` is not
+    enforced."""
+    if not isinstance(spec, Mapping):  # a boolean schema
+        return '/[^<]*/ "</parameter>\\n"'
+    options = spec.get("enum", [spec["const"]] if "const" in spec else None)
+    if isinstance(options, list) and options and all(isinstance(o, str) for o in options):
+        return f'({" | ".join(json.dumps(o) for o in options)}) "\\n</parameter>\\n"'
+    low, high = spec.get("minLength"), spec.get("maxLength")
+    if isinstance(low, int) or isinstance(high, int):
+        bounds = f"{low if isinstance(low, int) else 0},{high if isinstance(high, int) else ''}"
+        return f'/[^<\\n]{{{bounds}}}/ "\\n</parameter>\\n"'
+    return '/[^<]*/ "</parameter>\\n"'
+
+
 def call_rules(names: list[str], schemas: Mapping[str, Mapping[str, Any]]) -> str:
     """Lark rules (llguidance's dialect) for one `call` of one of `names`, in this format: its schema's
     parameters in order, the required ones always, each value under its own schema (JSON for the JSON
-    types; a string as written, without "<", the grammar's way to find its end)."""
+    types; a string as written, see _string_rule)."""
     rules = [f"call: {' | '.join(f'call{i}' for i in range(len(names)))}"]
     for i, name in enumerate(names):
         schema = schemas[name]
@@ -88,8 +105,8 @@ def call_rules(names: list[str], schemas: Mapping[str, Mapping[str, Any]]) -> st
             if kind in _JSON_TYPES:  # one line, no whitespace free to pad it with
                 strict = {**spec, "x-guidance": {"whitespace_flexible": False}}
                 value = f'%json {json.dumps(strict)} "\\n</parameter>\\n"'
-            else:  # the newline before </parameter> is the regex's: a literal would race it
-                value = '/[^<]*/ "</parameter>\\n"'
+            else:
+                value = _string_rule(spec)
             rules.append(f"p{i}_{j}: {json.dumps(f'<parameter={key}>' + chr(10))} {value}")
             parts.append(f"p{i}_{j}" if key in required else f"p{i}_{j}?")
         head = json.dumps(f"<tool_call>\n<function={name}>\n")

@@ -53,9 +53,13 @@ _FAMILIES = {
 }  # fmt: skip
 
 
-def tool_call_format(setting: str, architectures: Sequence[str]) -> Markers | None:
-    """The format calls are parsed in (RouterConfig.tool_call_parser): from the model's architecture
-    under "auto", or named ("none": calls stay in the text)."""
+def tool_call_format(setting: str, architectures: Sequence[str], chat_template: str = "") -> Markers | None:
+    """The format calls are parsed in (RouterConfig.tool_call_parser), or named ("none": calls stay in the
+    text). Under "auto": the one the chat template writes calls in, where its text shows it (`<function=`
+    for Qwen3.5's, else `<tool_call>` for Hermes'), since an architecture can be ambiguous (Qwen3-Coder
+    declares Qwen3-MoE's and writes Qwen3.5's format); else the model family's, by architecture."""
+    if setting == "auto" and "<tool_call>" in chat_template:
+        return _FORMATS["qwen3_coder" if "<function=" in chat_template else "hermes"]
     return choose_markers(setting, architectures, _FORMATS, _FAMILIES)
 
 

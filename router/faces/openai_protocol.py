@@ -69,7 +69,7 @@ SERVED_COMMON = {
     "model", "n", "temperature", "top_p", "frequency_penalty", "presence_penalty", "seed", "stop", "stream",
     "stream_options", "max_tokens", "logprobs",
     # vLLM's extensions
-    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "prompt_logprobs",
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "prompt_logprobs", "structured_outputs",
 }  # fmt: skip
 SERVED = {
     "chat": SERVED_COMMON | {
@@ -261,7 +261,47 @@ def _sampling(body: dict[str, Any], chat: bool) -> tuple[generate_pb2.SamplingPa
     if logprobs is not None:
         sampling.logprobs = logprobs
     _response_format(body, sampling)
+    _structured_outputs(body, sampling)
     return sampling, logprobs
+
+
+# vLLM's `structured_outputs` extension: one constraint, as the gRPC SamplingParams' `constraint` oneof.
+_STRUCTURED_OUTPUTS: dict[str, type | tuple[type, ...]] = {
+    "json": (dict, str),
+    "regex": str,
+    "grammar": str,
+    "choice": list,
+}
+
+
+def _structured_outputs(body: dict[str, Any], sampling: generate_pb2.SamplingParams) -> None:
+    constraint = typed_field(body, "structured_outputs", dict)
+    if constraint is None:
+        return
+    unknown = sorted(set(constraint) - _STRUCTURED_OUTPUTS.keys())
+    if unknown or len(constraint) != 1:
+        raise ProtocolError(
+            "structured_outputs",
+            f"structured_outputs must hold exactly one of {', '.join(_STRUCTURED_OUTPUTS)}; got "
+            f"{', '.join(sorted(constraint)) or 'none'}",
+        )
+    if sampling.WhichOneof("constraint") is not None:
+        raise ProtocolError(
+            "structured_outputs", "structured_outputs and response_format cannot both constrain"
+        )
+    kind = next(iter(constraint))
+    param = f"structured_outputs.{kind}"
+    value = typed_field(constraint, kind, _STRUCTURED_OUTPUTS[kind], param=param)
+    if value is None:
+        raise ProtocolError(param, f"{param} is null")
+    if kind == "json":
+        sampling.json_schema = value if isinstance(value, str) else json.dumps(value)
+    elif kind == "choice":
+        if not value or not all(isinstance(c, str) for c in value):
+            raise ProtocolError(param, f"{param} must be a list of strings, at least one")
+        sampling.choice.choices.extend(value)
+    else:
+        setattr(sampling, kind, value)
 
 
 def _response_format(body: dict[str, Any], sampling: generate_pb2.SamplingParams) -> None:

@@ -63,6 +63,12 @@ class ModelTokenizer:
         return self._hf.decode(token_ids[-count:], skip_special_tokens=False)
 
     @property
+    def chat_template(self) -> str:
+        """The chat template's text ("" without one; a tokenizer's several named templates joined)."""
+        template = self._hf.chat_template or ""
+        return "\n".join(template.values()) if isinstance(template, dict) else template
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(self._hf.chat_template)
 
