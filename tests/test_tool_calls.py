@@ -306,6 +306,15 @@ def test_qwen3_5_calls_parse_the_same_wherever_the_stream_is_cut() -> None:
     assert split_and_parse([answer]) == expected
     for pieces in cuts(answer, 1):
         assert split_and_parse(pieces) == expected, pieces
+    # a call first, then what looks like reasoning: answer text, the whitespace before it kept wherever
+    # the stream is cut (even inside the "<" that might have begun another call)
+    first = _xml_call("get_time", zone="2") + "\n<think>\nlater\n</think>\n\ndone"
+    for pieces in cuts(first, 1):
+        assert split_and_parse(pieces) == (
+            "",
+            "\n<think>\nlater\n</think>\n\ndone",
+            [("get_time", {"zone": 2})],
+        )
     # the prompt opened the reasoning; the call comes between two texts, whitespace kept before text
     between = f"thinking\n</think>\n\nfirst {_xml_call('get_time', zone='-3')} then"
     for pieces in cuts(between, 1):

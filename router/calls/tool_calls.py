@@ -231,10 +231,11 @@ class ToolCallParser:
                 continue
             if self._after_call:
                 stripped = self._held.lstrip()
-                if not stripped:  # held until what follows says: dropped before a call or at the end
+                if len(stripped) < len(self._fmt.start) and self._fmt.start.startswith(stripped):
+                    # held, whitespace too, until what follows says: a call, text or the end
                     return out, calls
-                if self._fmt.start.startswith(stripped) or stripped.startswith(self._fmt.start):
-                    self._held = stripped  # the next call, or maybe: whitespace between calls goes
+                if stripped.startswith(self._fmt.start):
+                    self._held = stripped  # the next call: whitespace between calls goes
                 else:
                     self._after_call = False
             start = self._held.find(self._fmt.start)
