@@ -138,6 +138,28 @@ def test_a_named_tool_choice_returns_a_typed_call(served: Served) -> None:
     _weather_tool_args(call.function.arguments)
 
 
+@pytest.mark.parametrize("effort", ["medium", "minimal"])
+def test_the_responses_api_splits_the_reasoning_as_its_effort_asks(served: Served, effort: str) -> None:
+    """reasoning.effort switches the thinking: a reasoning item holds the thoughts, the message the
+    answer alone; `minimal` turns it off, so the same words are all answer."""
+    response = served.client.responses.create(
+        model=served.model,
+        input="Hi",
+        reasoning={"effort": effort},
+        temperature=0,
+        max_output_tokens=40,
+        extra_body={"structured_outputs": {"regex": THOUGHT}},
+    )
+    kinds = [item.type for item in response.output]
+    if effort == "medium":
+        assert kinds == ["reasoning", "message"]
+        assert response.output[0].content[0].text == "plan it"
+        assert response.output_text == "yes"
+    else:
+        assert kinds == ["message"]
+        assert response.output_text == THOUGHT
+
+
 def test_the_responses_api_returns_the_same_call(served: Served) -> None:
     response = served.client.responses.create(
         model=served.model,

@@ -56,6 +56,7 @@ from nanovllm.v1 import generate_pb2
 SERVED = {
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
     "text", "reasoning", "stream", "metadata", "user", "store", "previous_response_id", "background",
+    "structured_outputs",  # vLLM's extension, as on chat completions
 }  # fmt: skip
 WITHOUT_EFFECT = {"safety_identifier", "prompt_cache_key", "service_tier", "truncation", "include"}
 UNSERVED: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -291,9 +292,9 @@ def parse_responses_request(
     history = previous["conversation"] if previous else []
     messages = _messages(body.get("instructions"), [*history, *items], len(history))
     chat: dict[str, Any] = {"messages": messages, "stream": body.get("stream", False)}
-    for ours, theirs in (("model", "model"), ("temperature", "temperature"), ("top_p", "top_p")):
-        if theirs in body:
-            chat[ours] = body[theirs]
+    for name in ("model", "temperature", "top_p", "structured_outputs"):
+        if name in body:
+            chat[name] = body[name]
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
     tools = _tools(body)
