@@ -22,10 +22,20 @@ from nanovllm.common.errors import ConfigError, UnsupportedModelError
 from nanovllm.common.v1 import worker_pb2
 from nanovllm.router.fleet.workers import WorkerConnection
 from nanovllm.worker.layers.gated_delta_rule import causal_conv_step, chunked, recurrent_step
+from nanovllm.worker.layers.quantization import PackedWeight
 from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.models.qwen3_5 import Qwen3_5ForCausalLM
 from nanovllm.worker.runner.kv_cache import kv_bytes_per_block
-from tests.helpers import compare_tp, greedy, hf_greedy, hf_model, teacher_forced_logits
+from tests.helpers import (
+    QUANTIZED_LOGPROB_TOL,
+    compare_tp,
+    greedy,
+    greedy_with_logprobs,
+    hf_greedy,
+    hf_model,
+    teacher_forced_logits,
+    top5_rule,
+)
 from tests.model_factory import build_model
 from tests.resume_streams import MAX_TOKENS as RESUME_MAX_TOKENS
 from tests.resume_streams import run as resume_run
@@ -396,6 +406,50 @@ def test_moe_bf16_is_as_close_to_float32_as_transformers_bf16(moe_model: Path):
     assert ours_error <= 1.5 * their_error, (ours_error, their_error)
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("pattern", ["default-3to1", "moe-3to1"])
+def test_quantized_weights_compute_with_their_quantized_values(
+    tmp_path: Path, pattern: str, quantization: str
+):
+    """Every linear projection packed (attention's, the linear layers' fused in_proj and out_proj, the MLP
+    or every expert and the shared one; not the router, the convolution or the embeddings). The packed
+    kernel and F.linear on the same weights dequantized differ in float32's summation order only, which
+    the hybrid amplifies at some positions (see _assert_within_float32_rounding): teacher-forced logits in
+    prefill and decode within 1e-4 of the float engine on the dequantized weights, or within 2x the spread
+    between two correct float32 engines on those weights (the C++ and the PyTorch backends; measured
+    ratios 0.4-1.0, up to 6.0e-4 against 6.4e-4 on the MoE). A wrong scale or nibble moves them by 1e-2
+    and more. (The MoE's shared expert at 64 features: a group divides a row.)"""
+    model = _build(tmp_path, pattern, shared_expert_intermediate_size=64)
+    kwargs = {**ENGINE, "max_model_len": 256}
+    quantized = LLM(str(model), quantization=quantization, **kwargs)
+    packed = {n: m for n, m in quantized.engine.runner.model.named_modules() if isinstance(m, PackedWeight)}
+    assert len(packed) == 4 * (2 + (2 * 8 + 2 if pattern == "moe-3to1" else 2))
+    engines = []
+    for backend in ("auto", "torch"):
+        engine = LLM(str(model), attention_backend=backend, **kwargs)
+        weights = dict(engine.engine.runner.model.named_parameters())
+        with torch.no_grad():
+            for name, weight in packed.items():
+                weights[name].copy_(weight.dequantize(torch.float32))
+        engines.append(engine)
+    prompts = _prompts()[1:]
+    for chunk in (1000, 1):
+        logits = [teacher_forced_logits(llm, prompts, chunk) for llm in (quantized, *engines)]
+        for index, (ours, ref, other) in enumerate(zip(*logits)):
+            error, spread = (ours - ref).abs().max().item(), (ref - other).abs().max().item()
+            assert error <= max(1e-4, 2 * spread), f"chunk {chunk} prompt {index}: {error:.2e} ({spread:.2e})"
+
+
+def test_int8_keeps_the_top5_rule_as_on_qwen3(default_model: Path):
+    """tests/test_quantization.py's rule for int8 on the dense random models, here on the hybrid."""
+    rng = random.Random(29)
+    prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in (1, 7, 30, 90)]
+    kwargs = {**ENGINE, "max_model_len": 256}
+    plain = greedy_with_logprobs(LLM(str(default_model), **kwargs), prompts, 24)
+    quantized = greedy_with_logprobs(LLM(str(default_model), quantization="int8", **kwargs), prompts, 24)
+    assert top5_rule("qwen3_5", plain, quantized) <= QUANTIZED_LOGPROB_TOL["float32"]
+
+
 def test_moe_two_ranks_equal_one(moe_model: Path):
     """Each expert's and the shared expert's intermediate features split across the ranks."""
     compare_tp(moe_model)
@@ -471,7 +525,6 @@ def test_a_config_it_does_not_implement_fails_at_start_naming_it(tmp_path: Path,
         ({"speculative_method": "ngram"}, ["speculative_method"]),
         ({"deterministic": True, "attention_backend": "torch"}, ["deterministic"]),
         ({"max_loras": 1}, ["lora"]),
-        ({"quantization": "int8"}, ["quantization"]),
         ({"kv_host_memory": "64MiB"}, ["kv_host_memory"]),
     ],
 )
@@ -607,9 +660,11 @@ def test_a_conversations_turns_hit_as_on_qwen3(default_model: Path, qwen3_dir: P
     assert answers == _conversation_hit_rate(default_model, 8, enable_prefix_caching=False)[1]
 
 
-def test_preempted_requests_resume_from_their_snapshots(default_model: Path):
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_preempted_requests_resume_from_their_snapshots(default_model: Path, async_scheduling: str):
     """Preemption with the prefix cache on and room for snapshots: a preempted request's own snapshot
-    (left when it lost its blocks) is a hit when it comes back; tokens equal a roomy engine's."""
+    (left when it lost its blocks) is a hit when it comes back; tokens equal a roomy engine's, with the
+    next step scheduled while one runs (async scheduling) as without."""
     rng = random.Random(5)
     prompts = [[rng.randrange(2, 500) for _ in range(rng.randrange(8, 30))] for _ in range(8)]
     roomy = LLM(str(default_model), **ENGINE)
@@ -623,7 +678,7 @@ def test_preempted_requests_resume_from_their_snapshots(default_model: Path):
     options = {**ENGINE, "max_model_len": 64, "kvcache_block_size": 4, "kv_cache_memory": 9 * state + left}
     options.update(max_num_seqs=8, max_num_batched_tokens=32, state_cache_fraction=(16 * state + 1) / left)
     options.update(state_memory_fraction=(8 * state + 1) / (9 * state + left))
-    tight = LLM(str(default_model), **options)
+    tight = LLM(str(default_model), **options, async_scheduling=async_scheduling)
     bm = tight.engine.block_manager
     restores = []
     restore = bm.states.restore
