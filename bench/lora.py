@@ -35,8 +35,6 @@ from nanovllm import LLM
 from nanovllm.worker.device import DTYPES
 from nanovllm.worker.model_config import ModelConfig
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
@@ -55,24 +53,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _layer_projections(cfg: ModelConfig, layer: int) -> dict[str, tuple[str, int, int]]:
+    """Every projection LoRA adapts in `layer`: name -> (its module group, fan-in, fan-out). A hybrid's
+    linear-attention layers have the Gated DeltaNet's projections where attention's are (and its
+    full-attention q_proj a gate half); a MoE layer's experts are not adapted."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    hybrid = cfg.hybrid
+    if hybrid is not None and layer in hybrid.linear_layers:
+        values = hybrid.num_value_heads * hybrid.value_head_dim
+        mixer = {"in_proj_qkv": (h, hybrid.conv_dim), "in_proj_z": (h, values), "out_proj": (values, h)}
+        mixer |= {"in_proj_b": (h, hybrid.num_value_heads), "in_proj_a": (h, hybrid.num_value_heads)}
+        projections = {name: ("linear_attn", *shape) for name, shape in mixer.items()}
+    else:
+        q_rows = 2 * q if hybrid is not None else q
+        attention = {"q_proj": (h, q_rows), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+        projections = {name: ("self_attn", *shape) for name, shape in attention.items()}
+    if cfg.moe is None or layer not in cfg.moe.sparse_layers:
+        mlp = {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        projections |= {name: ("mlp", *shape) for name, shape in mlp.items()}
+    return projections
+
+
 def write_adapter(cfg: ModelConfig, out_dir: Path, rank: int, seed: int) -> Path:
     """A random rank-`rank` PEFT adapter on every projection of every layer of a model shaped `cfg`."""
     if (out_dir / "adapter_model.safetensors").is_file():
         return out_dir
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
-    shapes |= {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
     generator = torch.Generator().manual_seed(seed)
-    tensors = {}
+    tensors, targets = {}, set()
     for layer in range(cfg.num_hidden_layers):
-        for target, (fan_in, fan_out) in shapes.items():
-            group = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+        for target, (group, fan_in, fan_out) in _layer_projections(cfg, layer).items():
             name = f"base_model.model.model.layers.{layer}.{group}.{target}"
             tensors[f"{name}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) / fan_in**0.5
             tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) / rank**0.5
+            targets.add(target)
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(TARGETS)}
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": sorted(targets)}
     (out_dir / "adapter_config.json").write_text(json.dumps(config))
     save_file(tensors, str(out_dir / "adapter_model.safetensors"))
     return out_dir
@@ -121,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"load average at start: {load_average()}")
     print(f"model: random {args.shape}; dtype {args.dtype}; W{len(workload)}: {workload.num_prompt_tokens:,} "
           f"prompt tokens, {workload.num_output_tokens:,} output tokens; {args.adapters} adapters of rank "
-          f"{args.rank} on all seven projections")  # fmt: skip
+          f"{args.rank} on every projection")  # fmt: skip
     llm = build_llm(
         model_dir,
         workload,

@@ -524,7 +524,6 @@ def test_a_config_it_does_not_implement_fails_at_start_naming_it(tmp_path: Path,
     [
         ({"speculative_method": "ngram"}, ["speculative_method"]),
         ({"deterministic": True, "attention_backend": "torch"}, ["deterministic"]),
-        ({"max_loras": 1}, ["lora"]),
         ({"kv_host_memory": "64MiB"}, ["kv_host_memory"]),
     ],
 )

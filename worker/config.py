@@ -327,13 +327,12 @@ class EngineConfig:
     def _check_hybrid(self) -> None:
         """What a hybrid model (linear-attention layers with a per-request state) does not run with yet,
         refused by name: `deterministic` without the C++ CPU kernels (its prompt chunks run token by token
-        on them), speculation, LoRA, the KV tiers, GGUF weights."""
+        on them), speculation, the KV tiers, GGUF weights."""
         refused = {
             # its batch-invariant path runs the linear layers' prompt chunks on the C++ decode arithmetic
             "deterministic (needs the C++ CPU kernels for a hybrid model)": bool(self.deterministic)
             and not self._runs_cpu_kernels(),
             "speculative_method": self.speculative_method != "none",
-            "lora": bool(self.lora_adapters or self.max_loras),
             "kv_host_memory / kv_disk_path": self.kv_tiers,
             "gguf": self.gguf_file is not None,
         }

@@ -228,16 +228,22 @@ class DecoderForCausalLM(nn.Module):
 
     def enable_lora(self, num_slots: int, max_rank: int) -> LoRAContext:
         """Give every projection LoRA can adapt room for `num_slots` adapters of rank <= `max_rank`
-        (worker/layers/lora.py); a mixture-of-experts layer's experts are not adapted."""
+        (worker/layers/lora.py)."""
         context = LoRAContext(num_slots, max_rank)
-        for layer in cast("list[DecoderLayer]", self.model.layers):  # a ModuleList's items are bare Modules
-            projections: list[ParallelLinear] = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
-            if isinstance(layer.mlp, DecoderMLP):
-                projections += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
-            for projection in projections:
-                projection.lora = LoRAWeights(context, projection.weight.shape[1], projection.lora_parts())
+        for projection in self.lora_projections():
+            projection.lora = LoRAWeights(context, projection.weight.shape[1], projection.lora_parts())
         self.model.lora = context
         return context
+
+    def lora_projections(self) -> list[ParallelLinear]:
+        """The projections of `lora_targets`: attention's and a dense MLP's (a mixture-of-experts layer's
+        experts are not adapted)."""
+        projections: list[ParallelLinear] = []
+        for layer in cast("list[DecoderLayer]", self.model.layers):  # a ModuleList's items are bare Modules
+            projections += [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+            if isinstance(layer.mlp, DecoderMLP):
+                projections += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        return projections
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in cast("list[DecoderLayer]", self.model.layers)]

@@ -28,7 +28,7 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 
 # A PEFT tensor name: base_model.model.<the base model's module>.lora_A.weight (or lora_B).
 _TENSOR = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
-_LAYER_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<target>\w+)$")
+_LAYER_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?:self_attn|linear_attn|mlp)\.(?P<target>\w+)$")
 
 # Config fields that change what the weights mean, with the value that means "not used".
 _UNSUPPORTED = {
@@ -79,7 +79,7 @@ def read_adapter(name: str, path: str | Path, model: DecoderForCausalLM, max_ran
     if isinstance(targets, list):  # (a string is a regular expression over module names)
         for target in targets:
             if target not in model.lora_targets:
-                raise _unknown_target(name, target)
+                raise _unknown_target(name, target, model)
     tensors, digest = _read_tensors(directory)
     weights = _fit(name, tensors, model, rank, scale)
     return LoRAAdapter(name, str(directory), rank, scale, digest, weights)
@@ -102,8 +102,8 @@ def _read_config(directory: Path) -> dict[str, Any]:
     for field, unused in _UNSUPPORTED.items():
         value = config.get(field, unused)
         if value != unused and value not in (None, [], {}):
-            raise AdapterError(f"{config_path}: {field}={value!r} is not supported (LoRA on q/k/v/o and "
-                               "gate/up/down projections only)")  # fmt: skip
+            raise AdapterError(f"{config_path}: {field}={value!r} is not supported (LoRA on the "
+                               "projections' weights only)")  # fmt: skip
     return config
 
 
@@ -134,10 +134,10 @@ def _fit(
         module = _LAYER_MODULE.match(match["module"]) if match else None
         if match is None or module is None:
             target = key.split(".lora_")[0].rsplit(".", 1)[-1] if ".lora_" in key else key
-            raise _unknown_target(name, target, key)
+            raise _unknown_target(name, target, model, key)
         layer, target = int(module["layer"]), module["target"]
         if target not in model.lora_targets:
-            raise _unknown_target(name, target, key)
+            raise _unknown_target(name, target, model, key)
         if layer >= len(model.model.layers):
             raise AdapterError(
                 f"adapter {name!r}: {key} adapts layer {layer}, but the model has {len(model.model.layers)} layers"
@@ -152,10 +152,14 @@ def _fit(
             missing = ({"A", "B"} - set(pair)).pop()
             raise AdapterError(f"adapter {name!r}: {where} has no lora_{missing}.weight")
         projection_name, shard = model.lora_targets[target]
-        projection = model.model.layers[layer].get_submodule(projection_name)
+        try:
+            projection = model.model.layers[layer].get_submodule(projection_name)
+        except AttributeError:  # a hybrid's layer is attention or linear attention, not both
+            projection = None
         if not isinstance(projection, ParallelLinear) or projection.lora is None:
             raise AdapterError(
-                f"adapter {name!r}: {where} is not a projection this model adapts (an MoE layer?)"
+                f"adapter {name!r}: {where} is not a projection this model adapts (an MoE layer's, or one this "
+                "layer does not have?)"
             )
         whole_in, whole_out = projection.lora_whole(shard)
         a, b = pair["A"], pair["B"]
@@ -172,7 +176,9 @@ def _fit(
     return weights
 
 
-def _unknown_target(name: str, target: str, key: str | None = None) -> AdapterError:
+def _unknown_target(
+    name: str, target: str, model: DecoderForCausalLM, key: str | None = None
+) -> AdapterError:
     where = f" (tensor {key})" if key is not None and key != target else ""
-    supported = ", ".join(DecoderForCausalLM.lora_targets)
+    supported = ", ".join(model.lora_targets)
     return AdapterError(f"adapter {name!r}: unknown target module {target!r}{where}; supported: {supported}")

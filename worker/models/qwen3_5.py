@@ -38,6 +38,7 @@ from nanovllm.worker.layers.linear import (
     RowParallelLinear,
 )
 from nanovllm.worker.layers.loadable import LoadableTensor, set_weight_loader
+from nanovllm.worker.layers.lora import Part
 from nanovllm.worker.layers.moe import SparseMoeBlock
 from nanovllm.worker.layers.norm import HeadRMSNorm, RMSNorm
 from nanovllm.worker.layers.parallel import TPContext
@@ -115,7 +116,7 @@ def _split_rows(whole_sizes: list[int], tp: TPContext) -> list[tuple[int, int, i
 
 class LinearAttentionInProj(MergedColumnParallelLinear):
     """q, k, v, z, b and a in one matmul. The checkpoint holds q, k and v as one tensor (in_proj_qkv,
-    loaded as shard "qkv"), z, b and a as three (shards 3, 4, 5)."""
+    loaded as shard "qkv"), z, b and a as three (shards 3, 4, 5); so does a LoRA adapter."""
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
         if shard_id != "qkv":
@@ -123,6 +124,25 @@ class LinearAttentionInProj(MergedColumnParallelLinear):
             return
         for here, there, rows in _split_rows(self.output_sizes[:3], self.tp):
             assign(param.narrow(0, here, rows), loaded.narrow(0, there, rows))
+
+    def lora_parts(self) -> list[Part]:
+        """in_proj_qkv's part: this rank's q, k and v, which lie together here."""
+        parts = super().lora_parts()
+        return [("qkv", 0, sum(size for _, _, size in parts[:3])), *parts[3:]]
+
+    def lora_whole(self, shard: object) -> tuple[int, int]:
+        if shard == "qkv":
+            return self.weight.shape[1], sum(self.output_sizes[:3])
+        return super().lora_whole(shard)
+
+    def lora_shard(
+        self, shard: object, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if shard != "qkv":
+            return super().lora_shard(shard, a, b)
+        return a, torch.cat(
+            [b.narrow(0, there, rows) for _, there, rows in _split_rows(self.output_sizes[:3], self.tp)]
+        )
 
 
 class GatedRMSNorm(nn.Module):
@@ -370,7 +390,14 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         "in_proj_b": ("in_proj", 4),
         "in_proj_a": ("in_proj", 5),
     }
-    lora_targets: ClassVar[dict[str, tuple[str, object]]] = {}  # LoRA is refused at start (worker/config.py)
+    lora_targets: ClassVar[dict[str, tuple[str, object]]] = {
+        **DecoderForCausalLM.lora_targets,
+        "in_proj_qkv": ("linear_attn.in_proj", "qkv"),
+        "in_proj_z": ("linear_attn.in_proj", 3),
+        "in_proj_b": ("linear_attn.in_proj", 4),
+        "in_proj_a": ("linear_attn.in_proj", 5),
+        "out_proj": ("linear_attn.out_proj", None),
+    }
 
     @staticmethod
     def checkpoint_name(name: str) -> str | None:
@@ -400,6 +427,19 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
             conv=(h.conv_dim // tp_size, h.conv_kernel_size - 1),
             recurrent=(h.num_value_heads // tp_size, h.key_head_dim, h.value_head_dim),
         )
+
+    def lora_projections(self) -> list[ParallelLinear]:
+        """Each layer's attention or linear attention projections, and its dense MLP's (the MoE's
+        experts, shared one included, are not adapted)."""
+        projections: list[ParallelLinear] = []
+        for layer in self._layers():
+            if layer.is_full_attention:
+                projections += [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+            else:
+                projections += [layer.linear_attn.in_proj, layer.linear_attn.out_proj]
+            if isinstance(layer.mlp, DecoderMLP):
+                projections += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        return projections
 
     def linear_attention_layers(self) -> list[GatedDeltaNet]:
         return [layer.linear_attn for layer in self._layers() if not layer.is_full_attention]
