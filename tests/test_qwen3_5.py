@@ -523,7 +523,7 @@ def test_a_config_it_does_not_implement_fails_at_start_naming_it(tmp_path: Path,
     ("options", "words"),
     [
         ({"speculative_method": "ngram"}, ["speculative_method"]),
-        ({"deterministic": True, "attention_backend": "torch"}, ["deterministic"]),
+        ({"deterministic": True, "attention_backend": "torch"}, ["deterministic"]),  # neither C++ nor Triton
         ({"kv_host_memory": "64MiB"}, ["kv_host_memory"]),
     ],
 )
@@ -590,6 +590,28 @@ def test_deterministic_bf16_gives_a_request_what_it_gives_it_alone(default_model
     crowded = tight.generate([*crowd, target], params, use_tqdm=False)[-1]
     assert tight.engine.scheduler.num_preemptions > 0
     assert (crowded["token_ids"], crowded["logprobs"]) == want
+
+
+@pytest.mark.slow
+def test_deterministic_on_triton_gives_a_request_what_it_gives_it_alone(default_model: Path):
+    """--deterministic on the Triton kernels (CUDA's path; Triton's interpreter on a CPU), bf16: a request's
+    tokens and logprobs bit-identical alone, beside two others with its prompt in 8-token chunks, and after
+    a prefix-cache hit (its linear layers resumed from a snapshot at 32). The Triton gated-delta kernels walk
+    a chunk's tokens as decode steps do; the projections and attention are Triton's batch-invariant ones."""
+    params = greedy(3)
+    params.logprobs = 2
+    options = {**ENGINE, "dtype": "bfloat16", "deterministic": True, "attention_backend": "triton"}
+    options.update(enforce_eager=True, device=TRITON_DEVICE.type, state_snapshot_interval=32)
+    target = _prompts()[2]  # 40 tokens
+    alone = LLM(str(default_model), **options, enable_prefix_caching=False)
+    assert alone.engine.runner.kernel_backend == "triton"
+    first = alone.generate([target], params, use_tqdm=False)[0]
+    want = (first["token_ids"], first["logprobs"])
+    llm = LLM(str(default_model), **options, max_num_batched_tokens=8)
+    batch = llm.generate([[7, 8, 9] * 4, target, [300, 301] * 5], params, use_tqdm=False)
+    assert (batch[1]["token_ids"], batch[1]["logprobs"]) == want
+    hit = llm.generate([target], params, use_tqdm=False)[0]
+    assert hit["num_cached_tokens"] == 32 and (hit["token_ids"], hit["logprobs"]) == want
 
 
 def test_a_repeated_prefix_resumes_from_its_state_snapshot(default_model: Path):

@@ -329,9 +329,11 @@ class EngineConfig:
         refused by name: `deterministic` without the C++ CPU kernels (its prompt chunks run token by token
         on them), speculation, the KV tiers, GGUF weights."""
         refused = {
-            # its batch-invariant path runs the linear layers' prompt chunks on the C++ decode arithmetic
-            "deterministic (needs the C++ CPU kernels for a hybrid model)": bool(self.deterministic)
-            and not self._runs_cpu_kernels(),
+            # its batch-invariant path runs the linear layers' prompt chunks on the decode arithmetic (C++ or Triton)
+            "deterministic (needs the C++ CPU kernels or Triton's for a hybrid model)": bool(
+                self.deterministic
+            )
+            and not (self._runs_cpu_kernels() or self._runs_triton_kernels()),
             "speculative_method": self.speculative_method != "none",
             "kv_host_memory / kv_disk_path": self.kv_tiers,
             "gguf": self.gguf_file is not None,
@@ -378,6 +380,13 @@ class EngineConfig:
         from nanovllm.worker.device import resolve_device
 
         return resolve_device(self.device).type == "cpu" and load_cpu_kernels() is not None
+
+    def _runs_triton_kernels(self) -> bool:
+        """Whether this engine runs on the Triton kernels: asked for, or auto on CUDA."""
+        from nanovllm.worker.device import resolve_device
+
+        cuda = resolve_device(self.device).type == "cuda"
+        return self.attention_backend == "triton" or (self.attention_backend == "auto" and cuda)
 
     def _deterministic_by_default(self) -> tuple[bool, str]:
         """deterministic=None (auto), and why: on where bench/deterministic.py measured the batch-invariant
