@@ -302,7 +302,18 @@ def test_serve_without_model_answers_paris(gguf_path: Path, kernels, tmp_path: P
     log_path = tmp_path / "serve.log"
     with log_path.open("w") as log_file:
         serve = subprocess.Popen(
-            [sys.executable, "-m", "nanovllm.cli", "serve", "--port", "0", "--http-port", "0"]
+            [
+                sys.executable,
+                "-m",
+                "nanovllm.cli",
+                "serve",
+                "--port",
+                "0",
+                "--http-port",
+                "0",
+                "--metrics-port",
+                "0",
+            ]
             + ["--kv-cache-memory", "256MiB"],
             stdout=subprocess.PIPE,
             stderr=log_file,

@@ -3,7 +3,8 @@ Qwen3.5's format (tests/chat_templates.py), driven by the official `openai` clie
 the Responses API) and by gRPC. Thinking on, the reasoning arrives apart from the answer; off, the answer
 alone; a named tool_choice returns a call in Qwen3.5's own format, parsed, its arguments of their schema's
 types. The random model is made to say what each check needs by a structured-output constraint (vLLM's
-`structured_outputs` on HTTP, the `constraint` on gRPC) or by the forced call's grammar."""
+`structured_outputs` on HTTP, the `constraint` on gRPC) or by the forced call's grammar. An earlier
+answer's reasoning sent back reaches the template (Qwen3.6's preserve_thinking)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,14 @@ from dataclasses import dataclass
 import openai
 import pytest
 
+from nanovllm.common.v1 import worker_pb2
+from nanovllm.router.calls.validation import prompt_token_ids
+from nanovllm.router.faces.openai_protocol import ProtocolError, parse_request
+from nanovllm.router.faces.responses import parse_responses_request
+from nanovllm.router.fleet.tokenizer import ModelTokenizer
 from nanovllm.v1 import generate_pb2
-from tests.model_factory import build_model
+from tests.chat_templates import QWEN3_5
+from tests.model_factory import build_model, build_tokenizer
 from tests.services import collect
 
 # Thinking on, the prompt opens the reasoning (`<think>\n`): the model writes the rest of it.
@@ -51,7 +58,18 @@ def served(kernels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served
     log_path = root / "serve.log"
     with log_path.open("w") as log:
         serve = subprocess.Popen(
-            [sys.executable, "-m", "nanovllm.cli", "serve", "--model", str(model), "--port", "0"]
+            [
+                sys.executable,
+                "-m",
+                "nanovllm.cli",
+                "serve",
+                "--model",
+                str(model),
+                "--port",
+                "0",
+                "--metrics-port",
+                "0",
+            ]
             + ["--http-port", "0", "--kv-cache-memory", "32MiB", "--max-model-len", "1024"]
             + ["--dtype", "float32", "--log-format", "json"],
             stdout=subprocess.PIPE,
@@ -201,3 +219,52 @@ def test_grpc_splits_the_reasoning_and_returns_the_call(served: Served) -> None:
     _weather_tool_args(call.arguments)
     assert responses[-1].finish_reason == generate_pb2.FINISH_REASON_TOOL_CALLS
     assert "".join(r.text for r in responses) == ""
+
+
+# --- earlier turns' reasoning (Qwen3.6's preserve_thinking) ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> ModelTokenizer:
+    directory = tmp_path_factory.mktemp("qwen3_5-tokenizer")
+    build_tokenizer(QWEN3_5).save_pretrained(directory)
+    files = {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()}
+    info = worker_pb2.WorkerInfo(model="qwen3_5", architectures=["Qwen3_5ForCausalLM"], tokenizer_files=files)
+    return ModelTokenizer(info)
+
+
+def _prompt(tokenizer: ModelTokenizer, request: generate_pb2.GenerateRequest, **kwargs: bool) -> str:
+    """The prompt text `request` renders to with template variables `kwargs`."""
+    with_kwargs = generate_pb2.GenerateRequest()
+    with_kwargs.CopyFrom(request)
+    with_kwargs.chat.template_kwargs.update(kwargs)
+    return tokenizer.decode_tail(prompt_token_ids(with_kwargs, tokenizer, "qwen3_5"), 10**6)
+
+
+def test_earlier_reasoning_reaches_a_template_that_keeps_it(qwen3_5_tokenizer: ModelTokenizer) -> None:
+    """An answer's reasoning sent back (chat: the assistant message's reasoning_content, as vLLM takes
+    it; Responses: the reasoning item before it) is the template's to show: with preserve_thinking the
+    history keeps it, without it the template drops it, as Qwen3.5's does."""
+    turns = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!", "reasoning_content": "they greet me"},
+        {"role": "user", "content": "And now?"},
+    ]
+    chat = parse_request({"messages": turns}, chat=True).generate[0]
+    responses = parse_responses_request(
+        {
+            "input": [
+                {"type": "message", "role": "user", "content": "Hi"},
+                {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "they greet me"}]},
+                {"type": "message", "role": "assistant", "content": "Hello!"},
+                {"type": "message", "role": "user", "content": "And now?"},
+            ]
+        }
+    ).chat.generate[0]
+    for request in (chat, responses):
+        assert request.chat.messages[1].reasoning_content == "they greet me"
+        kept = _prompt(qwen3_5_tokenizer, request, preserve_thinking=True)
+        assert "<think>\nthey greet me\n</think>\n\nHello!" in kept
+        assert "they greet me" not in _prompt(qwen3_5_tokenizer, request)
+    with pytest.raises(ProtocolError, match=r"messages\[1\].reasoning_content must be a string"):
+        parse_request({"messages": [turns[0], {**turns[1], "reasoning_content": 3}]}, chat=True)

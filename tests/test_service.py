@@ -632,7 +632,16 @@ def test_cli_serve_runs_both_and_stops_both(qwen3_dir: Path, kernels) -> None:
     the model under --served-model-name, and on SIGTERM stops both and exits 0."""
     serve = subprocess.Popen(
         [sys.executable, "-m", "nanovllm.cli", "serve", "--model", str(qwen3_dir), "--port", "0"]
-        + ["--kv-cache-memory", "32MiB", "--max-model-len", "512", "--log-format", "json"]
+        + [
+            "--metrics-port",
+            "0",
+            "--kv-cache-memory",
+            "32MiB",
+            "--max-model-len",
+            "512",
+            "--log-format",
+            "json",
+        ]
         + ["--served-model-name", "team-qwen"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -667,6 +676,7 @@ def test_cli_serve_exits_with_its_workers_error(qwen3_dir: Path, kernels) -> Non
     """A worker that cannot start (its KV cache holds less than one sequence) ends `nanovllm serve` at once,
     router included: exit status 1, with the worker's own message and which process exited on stderr."""
     command = [sys.executable, "-m", "nanovllm.cli", "serve", "--model", str(qwen3_dir), "--port", "0"]
+    command += ["--metrics-port", "0"]  # another test's serve may hold the default port
     command += ["--http-port", "0", "--kv-cache-memory", "64KiB", "--max-model-len", "512"]
     serve = subprocess.run(
         [*command, "--log-level", "error"],
@@ -702,6 +712,7 @@ def test_cli_serve_killed_leaves_no_process(qwen3_dir: Path, kernels) -> None:
     """`nanovllm serve` SIGKILLed (it cannot stop its worker and router itself): they stop, told by the
     kernel that their parent died (nanovllm/server_process.py)."""
     command = [sys.executable, "-m", "nanovllm.cli", "serve", "--model", str(qwen3_dir), "--port", "0"]
+    command += ["--metrics-port", "0"]  # another test's serve may hold the default port
     serve = subprocess.Popen(
         [*command, "--http-port", "0", "--log-level", "error"], stdout=subprocess.PIPE, text=True
     )

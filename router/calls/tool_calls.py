@@ -152,6 +152,8 @@ def template_message(message: generate_pb2.ChatMessage) -> dict[str, Any]:
         ]
     if message.tool_call_id:
         rendered["tool_call_id"] = message.tool_call_id
+    if message.reasoning_content:
+        rendered["reasoning_content"] = message.reasoning_content
     return rendered
 
 

@@ -360,6 +360,9 @@ def _chat(body: dict[str, Any]) -> generate_pb2.Chat:
         entry.tool_call_id = typed_field(
             message, "tool_call_id", str, "", param=f"messages[{i}].tool_call_id"
         )
+        entry.reasoning_content = typed_field(  # vLLM's: an earlier answer's reasoning, sent back
+            message, "reasoning_content", str, "", param=f"messages[{i}].reasoning_content"
+        )
     for i, tool in enumerate(typed_field(body, "tools", list, [])):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):

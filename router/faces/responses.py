@@ -88,7 +88,7 @@ class ResponsesRequest:
         return {
             "response": response,
             "input_items": [*self.earlier_inputs, *self.items],
-            "conversation": [*self.history, *self.items, *(o for o in outputs if o is not None)],
+            "conversation": [*self.history, *self.items, *outputs],
         }
 
 
@@ -108,9 +108,11 @@ def _item_text(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def _as_input(item: OutputItem) -> InputItem | None:
-    """An output item as the input item a later turn sends back (reasoning is not: Qwen3's template drops
-    earlier turns' reasoning)."""
+def _as_input(item: OutputItem) -> InputItem:
+    """An output item as the input item a later turn sends back (a reasoning item as it is: templates
+    that keep earlier turns' reasoning show it, the others drop it)."""
+    if item["type"] == "reasoning":
+        return {"type": "reasoning", "id": item["id"], "content": list(item["content"])}
     if item["type"] == "message":
         text = "".join(part["text"] for part in item["content"])
         return {
@@ -119,9 +121,7 @@ def _as_input(item: OutputItem) -> InputItem | None:
             "role": "assistant",
             "content": [{"type": "output_text", "text": text}],
         }
-    if item["type"] == "function_call":
-        return {k: item[k] for k in ("type", "id", "call_id", "name", "arguments")}
-    return None
+    return {k: item[k] for k in ("type", "id", "call_id", "name", "arguments")}
 
 
 def _items(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -149,6 +149,19 @@ def _items(body: dict[str, Any]) -> list[dict[str, Any]]:
     return with_ids
 
 
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's `reasoning_text` parts, joined (its summary is not the reasoning)."""
+    parts = typed_field(item, "content", list, [], param=f"{where}.content")
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("type") != "reasoning_text":
+            raise ProtocolError(
+                f"{where}.content[{j}]", f"{where}.content[{j}] must be a reasoning_text part"
+            )
+        texts.append(typed_field(part, "text", str, "", param=f"{where}.content[{j}].text"))
+    return "".join(texts)
+
+
 def _required_string(item: dict[str, Any], key: str, where: str) -> str:
     value = typed_field(item, key, str, param=f"{where}.{key}")
     if value is None:
@@ -160,6 +173,7 @@ def _messages(instructions: Any, items: list[dict[str, Any]], first: int) -> lis
     """`instructions` and the conversation's items as chat messages; consecutive function calls become one
     assistant turn. Items before `first` are earlier turns' (errors name this request's `input[i]`)."""
     messages: list[dict[str, Any]] = []
+    reasoning = ""  # a reasoning item's text, for the assistant turn after it
     if instructions is not None:
         if not isinstance(instructions, str):
             raise ProtocolError("instructions", "instructions must be a string")
@@ -174,6 +188,8 @@ def _messages(instructions: Any, items: list[dict[str, Any]], first: int) -> lis
                     f"{where}.role", f"{where}.role must be user, assistant, system or developer"
                 )
             messages.append({"role": role, "content": _item_text(item.get("content"), where)})
+            if role == "assistant" and reasoning:
+                messages[-1]["reasoning_content"], reasoning = reasoning, ""
         elif kind == "function_call":
             call_id, name, arguments = (
                 _required_string(item, k, where) for k in ("call_id", "name", "arguments")
@@ -187,11 +203,13 @@ def _messages(instructions: Any, items: list[dict[str, Any]], first: int) -> lis
                 messages[-1]["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                if reasoning:
+                    messages[-1]["reasoning_content"], reasoning = reasoning, ""
         elif kind == "function_call_output":
             call_id, output = (_required_string(item, k, where) for k in ("call_id", "output"))
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
-        elif kind == "reasoning":
-            continue  # an earlier turn's reasoning: Qwen3's template drops it from the history anyway
+        elif kind == "reasoning":  # shown by templates that keep earlier turns' reasoning (preserve_thinking)
+            reasoning += _reasoning_text(item, where)
         else:
             raise ProtocolError(
                 f"{where}.type",
