@@ -21,6 +21,7 @@ from nanovllm.common.block_hash import prefix_hashes
 from nanovllm.common.errors import ConfigError, UnsupportedModelError
 from nanovllm.common.v1 import worker_pb2
 from nanovllm.router.fleet.workers import WorkerConnection
+from nanovllm.worker.core.recurrent_states import RecurrentStates
 from nanovllm.worker.layers.gated_delta_rule import causal_conv_step, chunked, recurrent_step
 from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.models.qwen3_5 import Qwen3_5ForCausalLM
@@ -561,6 +562,72 @@ def test_a_conversations_turns_hit_as_on_qwen3(default_model: Path, qwen3_dir: P
     dense, _ = _conversation_hit_rate(qwen3_dir, 8)
     assert hybrid >= dense - 0.10, (hybrid, dense)
     assert answers == _conversation_hit_rate(default_model, 8, enable_prefix_caching=False)[1]
+
+
+def _system_prompt_requests(
+    model_dir: Path, hint: bool, bursts: tuple[int, ...] = (1,) * 32, **options
+) -> tuple[LLM, list[list[int]], list[int]]:
+    """Requests sharing a 300-token system prompt, each with its own 15-29 token question, in `bursts`
+    (each burst's requests queued at once, run to the end before the next; 32 one after another by
+    default), default flags but the memory (float32); with `hint` each says where its question begins,
+    as the router's chat API does (Submit.shared_prefix_tokens). Each one's tokens and cached tokens."""
+    rng = random.Random(13)
+    system = [rng.randrange(2, 512) for _ in range(300)]
+    llm = LLM(str(model_dir), max_model_len=1024, kv_cache_memory="32MiB", dtype="float32", **options)
+    engine, tokens, cached = llm.engine, [], []
+    for size in bursts:
+        ids = [str(len(tokens) + i) for i in range(size)]
+        got: dict[str, list[int]] = {i: [] for i in ids}
+        for request_id in ids:
+            question = [rng.randrange(2, 512) for _ in range(rng.randrange(15, 30))]
+            hint_tokens = len(system) if hint else 0
+            engine.add_request(request_id, system + question, greedy(2), shared_prefix_tokens=hint_tokens)
+        finished = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step().outputs:
+                got[out.request_id] += out.new_token_ids
+                if out.finish_reason is not None:
+                    finished[out.request_id] = out.num_cached_tokens
+        tokens += [got[i] for i in ids]
+        cached += [finished[i] for i in ids]
+    return llm, tokens, cached
+
+
+def test_a_shared_system_prompt_hits_as_on_qwen3(default_model: Path, qwen3_dir: Path):
+    """Issue 81's workload: 32 requests sharing a 300-token system prompt (blocks of 16: 18 blocks shared),
+    one after another, default flags. Without a hint (raw prompts, the offline API) the second finds 288
+    tokens of KV cached but no state there: it computes them and leaves a snapshot at 288, where the others
+    resume; with the router's hint the first leaves it. The hit rate within 10 points of Qwen3's on the
+    same workload (it was 0), the tokens a cache-less engine's, every block and slot back."""
+    dense, _, _ = _system_prompt_requests(qwen3_dir, hint=False)
+    rates = {}
+    for hint in (False, True):
+        llm, tokens, cached = _system_prompt_requests(default_model, hint)
+        assert cached[:3] == ([0, 288, 288] if hint else [0, 0, 288])
+        rates[hint] = llm.engine.block_manager.prefix_cache_hit_rate
+        assert rates[hint] >= dense.engine.block_manager.prefix_cache_hit_rate - 0.10, rates
+        assert _all_back(llm)
+    _, plain, _ = _system_prompt_requests(default_model, hint=False, enable_prefix_caching=False)
+    assert tokens == plain
+
+
+def test_a_burst_sharing_a_prompt_leaves_one_snapshot_where_it_branches(default_model: Path):
+    """Four requests queued at once sharing a 300-token system prompt: nothing is cached yet, so none hits,
+    but the three admitted after the first in that step share 288 tokens with it: one of them copies the
+    state there (one copy: the others see it planned), and the next request resumes at 288."""
+    saves: list[tuple[int, int]] = []
+    plan_saves = RecurrentStates.plan_saves
+
+    def counted(self: RecurrentStates, seq, start: int, end: int) -> list[tuple[int, int]]:
+        saves.extend(planned := plan_saves(self, seq, start, end))
+        return planned
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RecurrentStates, "plan_saves", counted)
+        llm, _, cached = _system_prompt_requests(default_model, hint=False, bursts=(4, 1))
+    assert cached == [0, 0, 0, 0, 288]
+    assert [boundary for boundary, _ in saves].count(288) == 1
+    assert _all_back(llm)
 
 
 def test_preempted_requests_resume_from_their_snapshots(default_model: Path):
