@@ -29,6 +29,7 @@ from nanovllm.worker.layers.gated_delta_rule import causal_conv_step, chunked, r
 from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.models.qwen3_5 import Qwen3_5ForCausalLM
 from nanovllm.worker.runner.kv_cache import kv_bytes_per_block
+from nanovllm.worker.service.metrics import WorkerMetrics
 from nanovllm.worker.service.server import TOKENIZER_FILES
 from tests.chat_templates import QWEN3
 from tests.helpers import compare_tp, greedy, hf_greedy, hf_model, teacher_forced_logits
@@ -738,7 +739,8 @@ def test_a_shared_system_prompt_hits_as_on_qwen3(default_model: Path, qwen3_dir:
 def test_a_burst_sharing_a_prompt_leaves_one_snapshot_where_it_branches(default_model: Path):
     """Four requests queued at once sharing a 300-token system prompt: nothing is cached yet, so none hits,
     but the three admitted after the first in that step share 288 tokens with it: one of them copies the
-    state there (one copy: the others see it planned), and the next request resumes at 288."""
+    state there (one copy: the others see it planned), and the next request resumes at 288. The snapshots
+    held and their bytes are reported."""
     saves: list[tuple[int, int]] = []
     plan_saves = RecurrentStates.plan_saves
 
@@ -752,6 +754,18 @@ def test_a_burst_sharing_a_prompt_leaves_one_snapshot_where_it_branches(default_
     assert cached == [0, 0, 0, 0, 288]
     assert [boundary for boundary, _ in saves].count(288) == 1
     assert _all_back(llm)
+    # Held now: each request's own row (left at its last boundary) and the branch's; reported in the load
+    # and the worker's metrics.
+    load, metrics = llm.engine.load(), WorkerMetrics()
+    row = llm.engine.runner.state_row_bytes
+    assert (load.state_snapshots, load.state_snapshot_bytes) == (5 + 1, 6 * row)
+    assert load.state_snapshot_rows == llm.engine.runner.num_state_snapshots > 6
+    metrics.observe_load(load)
+    assert metrics.registry.get_sample_value("nanovllm:state_snapshot_bytes") == 6 * row
+    assert (
+        metrics.registry.get_sample_value("nanovllm:state_snapshot_usage_perc")
+        == 6 / load.state_snapshot_rows
+    )
 
 
 def test_preempted_requests_resume_from_their_snapshots(default_model: Path):

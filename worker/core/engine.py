@@ -256,6 +256,7 @@ class LLMEngine:
     def load(self) -> EngineLoad:
         bm = self.block_manager
         lower = bm.lower_tiers.num_blocks if bm.lower_tiers is not None else {"host": 0, "disk": 0}
+        snapshots = bm.states.num_snapshots_held if bm.states is not None else 0
         return EngineLoad(
             num_waiting=len(self.scheduler.waiting) + len(self.constraints),
             num_running=len(self.scheduler.running),
@@ -266,6 +267,9 @@ class LLMEngine:
             kv_host_blocks=lower["host"],
             kv_disk_blocks=lower["disk"],
             kv_tiers=self._tier_stats(lower),
+            state_snapshot_rows=bm.states.num_snapshots if bm.states is not None else 0,
+            state_snapshots=snapshots,
+            state_snapshot_bytes=snapshots * self.runner.state_row_bytes,
         )
 
     def _tier_stats(self, blocks: dict[str, int]) -> dict[str, KVTierStats]:

@@ -57,6 +57,7 @@ class RecurrentStates:
         """`num_slots` state slots, rows 0.. of the state tensors; `num_snapshots` snapshot rows after them,
         kept only with the prefix cache on (`caching`)."""
         self.num_slots = num_slots
+        self.num_snapshots = num_snapshots
         self.block_size = block_size
         self.snapshot_interval = snapshot_interval
         self.caching = caching and num_snapshots > 0
@@ -72,6 +73,11 @@ class RecurrentStates:
             int, int
         ] = {}  # where what a sequence shares ends past its snapshots (note_branch)
         self._planned_branches: set[int] = set()  # the block hashes of branch points steps in flight copy
+
+    @property
+    def num_snapshots_held(self) -> int:
+        """Snapshot rows holding a state: the cache's, running sequences' own and a step's copies."""
+        return self.num_snapshots - len(self.free_snapshots)
 
     def take_events(self) -> HashChanges:
         events, self.events = self.events, HashChanges()
