@@ -18,14 +18,21 @@ from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM
 from nanovllm.common.block_hash import prefix_hashes
-from nanovllm.common.errors import ConfigError, UnsupportedModelError
+from nanovllm.common.errors import ConfigError, RequestError, UnsupportedModelError
 from nanovllm.common.v1 import worker_pb2
+from nanovllm.router.calls.validation import validate_generate
+from nanovllm.router.fleet.tokenizer import ModelTokenizer
 from nanovllm.router.fleet.workers import WorkerConnection
+from nanovllm.v1 import generate_pb2
+from nanovllm.worker.core.recurrent_states import RecurrentStates
 from nanovllm.worker.layers.gated_delta_rule import causal_conv_step, chunked, recurrent_step
 from nanovllm.worker.layers.quantization import PackedWeight
 from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.models.qwen3_5 import Qwen3_5ForCausalLM
 from nanovllm.worker.runner.kv_cache import kv_bytes_per_block
+from nanovllm.worker.service.metrics import WorkerMetrics
+from nanovllm.worker.service.server import TOKENIZER_FILES
+from tests.chat_templates import QWEN3
 from tests.helpers import (
     QUANTIZED_LOGPROB_TOL,
     compare_tp,
@@ -36,10 +43,10 @@ from tests.helpers import (
     teacher_forced_logits,
     top5_rule,
 )
-from tests.model_factory import build_model
+from tests.model_factory import CHAT_TEMPLATE, build_model, build_tokenizer
 from tests.resume_streams import MAX_TOKENS as RESUME_MAX_TOKENS
 from tests.resume_streams import run as resume_run
-from tests.services import held_streams, wait_idle
+from tests.services import collect, held_streams, router_and_worker, wait_idle
 from tests.test_decode_graphs import CountingReplay
 from tests.top5 import assert_close, random_prompts, run_case
 
@@ -657,6 +664,125 @@ def test_the_router_counts_a_hybrid_workers_hit_to_its_last_snapshot(default_mod
     )  # KV goes further
 
 
+def _router_tokenizer(template: str, root: Path) -> ModelTokenizer:
+    """The test tokenizer with `template` (Qwen3's with its markers as added tokens), as a worker sends it."""
+    hf = build_tokenizer(template)
+    if template == QWEN3:
+        hf.add_tokens(["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"])
+    hf.save_pretrained(root)
+    files = {p.name: p.read_bytes() for p in root.iterdir() if p.is_file()}
+    return ModelTokenizer(worker_pb2.WorkerInfo(model="m", tokenizer_files=files))
+
+
+@pytest.mark.parametrize("template", [CHAT_TEMPLATE, QWEN3], ids=["chatml", "qwen3"])
+def test_the_router_finds_where_a_chats_last_user_message_begins(template: str, tmp_path: Path):
+    """For a worker that takes the hint (WorkerInfo.shared_prefix_hints), a chat's prompt says how many of
+    its tokens come before its last user message's content, on the tests' two templates: chats with the
+    same earlier messages (a system prompt, a turn with reasoning, with Qwen3's a tool call and its result)
+    agree on exactly those tokens and part right after, an empty question and one starting with a space
+    included. A worker that does not take it gets 0, as does a chat with no user message."""
+    tokenizer = _router_tokenizer(template, tmp_path)
+    info = worker_pb2.WorkerInfo(model="m", max_model_len=4096, vocab_size=512, shared_prefix_hints=True)
+    message = generate_pb2.ChatMessage
+    history = [
+        message(role="system", content="You are a terse assistant. " * 8),
+        message(role="user", content="Weather in Paris?"),
+        message(role="assistant", content="<think>\nlook it up\n</think>\n\nOne moment."),
+    ]
+    if template == QWEN3:
+        call = generate_pb2.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris"}')
+        history += [
+            message(role="assistant", content="", tool_calls=[call]),
+            message(role="tool", content="18C, sunny", tool_call_id="call_1"),
+            message(role="assistant", content="18C and sunny."),
+        ]
+    prompts = []
+    for question in ("And in Rome?", " and Oslo", ""):
+        chat = generate_pb2.Chat(messages=[*history, message(role="user", content=question)])
+        valid = validate_generate(generate_pb2.GenerateRequest(chat=chat), tokenizer, info)
+        ids, before = valid.prompt_token_ids, valid.shared_prefix_tokens
+        text = tokenizer._hf.decode(ids)
+        assert tokenizer._hf.decode(ids[:before]) == text[: text.rindex(question + "<|im_end|>")]
+        prompts.append((ids, before))
+    assert len({tuple(ids[:before]) for ids, before in prompts}) == 1
+    assert len({ids[before] for ids, before in prompts}) == 3  # each question's own first token
+    plain = worker_pb2.WorkerInfo(model="m", max_model_len=4096, vocab_size=512)
+    chat = generate_pb2.Chat(messages=[*history, message(role="user", content="And in Rome?")])
+    assert (
+        validate_generate(generate_pb2.GenerateRequest(chat=chat), tokenizer, plain).shared_prefix_tokens == 0
+    )
+    alone = generate_pb2.Chat(messages=[message(role="system", content="Be brief.")])
+    assert (
+        validate_generate(generate_pb2.GenerateRequest(chat=alone), tokenizer, info).shared_prefix_tokens == 0
+    )
+
+
+def test_the_router_counts_a_hinted_snapshot_while_its_request_is_in_flight(default_model: Path):
+    """A request with a shared_prefix_tokens hint goes to a hybrid worker in its Submit, and until the
+    worker reports the snapshot it leaves there, the router counts that block as a resume point, as it
+    counts the request's blocks as cached: a burst sharing a system prompt finds the first one's worker.
+    The worker keeps it at the block boundary at or below the hint."""
+    rng = random.Random(3)
+    system = [rng.randrange(2, 512) for _ in range(300)]
+    first, second = system + [5, 6, 7], system + [8, 9]
+    link = WorkerConnection("127.0.0.1:9", prepare=None)
+    link.info, link.connected = worker_pb2.WorkerInfo(kvcache_block_size=16), True
+    link._apply(worker_pb2.PrefixCacheEvents(reset=True, resume_points=True))
+    link.submit("a", first, greedy(4), 0, block_hashes=prefix_hashes(first, 16), shared_prefix_tokens=300)
+    assert link._outbound.get_nowait().submit.shared_prefix_tokens == 300
+    assert link.cached_prefix_blocks(prefix_hashes(second, 16)) == 18  # 288 tokens: the hint's boundary
+    link.release("a", abort=False)
+    assert link.cached_prefix_blocks(prefix_hashes(second, 16)) == 0
+    llm = LLM(str(default_model), **ENGINE)
+    llm.engine.add_request("a", first, greedy(2), shared_prefix_tokens=300)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.engine.block_manager.states.resumes_at(prefix_hashes(first, 16)[17])
+    with pytest.raises(RequestError, match="shared_prefix_tokens is 304, outside the prompt's 303 tokens"):
+        llm.engine.add_request("b", first, greedy(2), shared_prefix_tokens=304)
+
+
+def test_a_chats_second_request_resumes_where_its_last_user_message_begins(
+    default_model: Path, kernels, tmp_path: Path
+):
+    """Through a router's chat API to a Qwen3.5 worker (default flags, float32): the worker says it takes
+    the hint, the router sends where each chat's last user message begins, the worker keeps a snapshot at
+    the block boundary at or below it, and the second chat with the same system prompt already resumes
+    there; the answers equal the offline engine's without a prefix cache."""
+    chats = [
+        generate_pb2.Chat(
+            messages=[
+                generate_pb2.ChatMessage(role="system", content="You are terse. Answer in one line. " * 8),
+                generate_pb2.ChatMessage(role="user", content=question),
+            ]
+        )
+        for question in ("Why is the sky blue?", "Name a prime number.")
+    ]
+    params = generate_pb2.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with router_and_worker(default_model, tmp_path) as (_, router):
+        streams = [
+            collect(
+                router.address, generate_pb2.GenerateRequest(chat=c, sampling=params, return_token_ids=True)
+            )[0]
+            for c in chats
+        ]
+    # The hint as the router works it out, from the files the worker sends.
+    files = {n: (default_model / n).read_bytes() for n in TOKENIZER_FILES if (default_model / n).is_file()}
+    tokenizer = ModelTokenizer(worker_pb2.WorkerInfo(model="m", tokenizer_files=files))
+    info = worker_pb2.WorkerInfo(model="m", max_model_len=512, vocab_size=512, shared_prefix_hints=True)
+    valid = [validate_generate(generate_pb2.GenerateRequest(chat=c), tokenizer, info) for c in chats]
+    assert valid[1].shared_prefix_tokens >= 16
+    assert [r[-1].usage.cached_prompt_tokens for r in streams] == [
+        0,
+        valid[1].shared_prefix_tokens // 16 * 16,
+    ]
+    plain = LLM(str(default_model), **ENGINE, enable_prefix_caching=False)
+    expected = plain.generate([v.prompt_token_ids for v in valid], greedy(4), use_tqdm=False)
+    assert [[t for r in stream for t in r.token_ids] for stream in streams] == [
+        o["token_ids"] for o in expected
+    ]
+
+
 def _conversation_hit_rate(model_dir: Path, turns: int, **options) -> tuple[float, list[list[int]]]:
     """An 8-turn conversation, each turn's prompt the whole conversation so far and a new user message:
     the prefix cache's hit rate and each turn's answer."""
@@ -679,6 +805,85 @@ def test_a_conversations_turns_hit_as_on_qwen3(default_model: Path, qwen3_dir: P
     dense, _ = _conversation_hit_rate(qwen3_dir, 8)
     assert hybrid >= dense - 0.10, (hybrid, dense)
     assert answers == _conversation_hit_rate(default_model, 8, enable_prefix_caching=False)[1]
+
+
+def _system_prompt_requests(
+    model_dir: Path, hint: bool, bursts: tuple[int, ...] = (1,) * 32, **options
+) -> tuple[LLM, list[list[int]], list[int]]:
+    """Requests sharing a 300-token system prompt, each with its own 15-29 token question, in `bursts`
+    (each burst's requests queued at once, run to the end before the next; 32 one after another by
+    default), default flags but the memory (float32); with `hint` each says where its question begins,
+    as the router's chat API does (Submit.shared_prefix_tokens). Each one's tokens and cached tokens."""
+    rng = random.Random(13)
+    system = [rng.randrange(2, 512) for _ in range(300)]
+    llm = LLM(str(model_dir), max_model_len=1024, kv_cache_memory="32MiB", dtype="float32", **options)
+    engine, tokens, cached = llm.engine, [], []
+    for size in bursts:
+        ids = [str(len(tokens) + i) for i in range(size)]
+        got: dict[str, list[int]] = {i: [] for i in ids}
+        for request_id in ids:
+            question = [rng.randrange(2, 512) for _ in range(rng.randrange(15, 30))]
+            hint_tokens = len(system) if hint else 0
+            engine.add_request(request_id, system + question, greedy(2), shared_prefix_tokens=hint_tokens)
+        finished = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step().outputs:
+                got[out.request_id] += out.new_token_ids
+                if out.finish_reason is not None:
+                    finished[out.request_id] = out.num_cached_tokens
+        tokens += [got[i] for i in ids]
+        cached += [finished[i] for i in ids]
+    return llm, tokens, cached
+
+
+def test_a_shared_system_prompt_hits_as_on_qwen3(default_model: Path, qwen3_dir: Path):
+    """Issue 81's workload: 32 requests sharing a 300-token system prompt (blocks of 16: 18 blocks shared),
+    one after another, default flags. Without a hint (raw prompts, the offline API) the second finds 288
+    tokens of KV cached but no state there: it computes them and leaves a snapshot at 288, where the others
+    resume; with the router's hint the first leaves it. The hit rate within 10 points of Qwen3's on the
+    same workload (it was 0), the tokens a cache-less engine's, every block and slot back."""
+    dense, _, _ = _system_prompt_requests(qwen3_dir, hint=False)
+    rates = {}
+    for hint in (False, True):
+        llm, tokens, cached = _system_prompt_requests(default_model, hint)
+        assert cached[:3] == ([0, 288, 288] if hint else [0, 0, 288])
+        rates[hint] = llm.engine.block_manager.prefix_cache_hit_rate
+        assert rates[hint] >= dense.engine.block_manager.prefix_cache_hit_rate - 0.10, rates
+        assert _all_back(llm)
+    _, plain, _ = _system_prompt_requests(default_model, hint=False, enable_prefix_caching=False)
+    assert tokens == plain
+
+
+def test_a_burst_sharing_a_prompt_leaves_one_snapshot_where_it_branches(default_model: Path):
+    """Four requests queued at once sharing a 300-token system prompt: nothing is cached yet, so none hits,
+    but the three admitted after the first in that step share 288 tokens with it: one of them copies the
+    state there (one copy: the others see it planned), and the next request resumes at 288. The snapshots
+    held and their bytes are reported."""
+    saves: list[tuple[int, int]] = []
+    plan_saves = RecurrentStates.plan_saves
+
+    def counted(self: RecurrentStates, seq, start: int, end: int) -> list[tuple[int, int]]:
+        saves.extend(planned := plan_saves(self, seq, start, end))
+        return planned
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RecurrentStates, "plan_saves", counted)
+        llm, _, cached = _system_prompt_requests(default_model, hint=False, bursts=(4, 1))
+    assert cached == [0, 0, 0, 0, 288]
+    assert [boundary for boundary, _ in saves].count(288) == 1
+    assert _all_back(llm)
+    # Held now: each request's own row (left at its last boundary) and the branch's; reported in the load
+    # and the worker's metrics.
+    load, metrics = llm.engine.load(), WorkerMetrics()
+    row = llm.engine.runner.state_row_bytes
+    assert (load.state_snapshots, load.state_snapshot_bytes) == (5 + 1, 6 * row)
+    assert load.state_snapshot_rows == llm.engine.runner.num_state_snapshots > 6
+    metrics.observe_load(load)
+    assert metrics.registry.get_sample_value("nanovllm:state_snapshot_bytes") == 6 * row
+    assert (
+        metrics.registry.get_sample_value("nanovllm:state_snapshot_usage_perc")
+        == 6 / load.state_snapshot_rows
+    )
 
 
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])

@@ -160,8 +160,9 @@ class EngineConfig:
     state_snapshot_interval: int = option(
         512,
         help="a hybrid model's: tokens between the state snapshots taken inside a prompt (a multiple of "
-        "--block-size), so requests sharing a long prefix hit it; every request also leaves a snapshot at "
-        "its last block boundary when it finishes, so a conversation's next turn hits all of it",
+        "--block-size), so requests sharing a long prefix hit it; shorter shared prefixes get one where "
+        "prompts sharing them branch (docs/models.md), and every request leaves one at its last block "
+        "boundary when it finishes, so a conversation's next turn hits all of it",
     )
     attention_backend: str = option(
         "auto",

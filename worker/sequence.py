@@ -147,6 +147,9 @@ class Sequence:
     # A hybrid model's: the slot of the linear layers' state the sequence holds while it has blocks (-1: none;
     # worker/core/recurrent_states.py).
     state_slot: int = -1
+    # How many of the prompt's first tokens other requests likely share (the router's chat API: where the
+    # chat's last user message begins; 0: no hint): a hybrid model keeps a snapshot of its state there.
+    shared_prefix_tokens: int = 0
     grammar: GrammarState | None = None  # structured output: where the request is in its constraint
     adapter: Adapter | None = None  # LoRA: None runs the base model
     timeline: RequestTimeline = field(default_factory=RequestTimeline)

@@ -324,6 +324,11 @@ class EngineLoad:
     kv_host_blocks: int = 0  # blocks held in the prefix cache's lower tiers (worker/core/kv_tiers.py)
     kv_disk_blocks: int = 0
     kv_tiers: dict[str, KVTierStats] = field(default_factory=dict)  # by tier, when there are lower tiers
+    # A hybrid model's state snapshots (worker/core/recurrent_states.py): rows kept for them, rows holding
+    # one, and the bytes those take (each rank's share with tensor parallelism).
+    state_snapshot_rows: int = 0
+    state_snapshots: int = 0
+    state_snapshot_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -306,6 +306,7 @@ class GenerateCall:
             decision.block_hashes,
             carrier,
             self.model.lora_name,
+            self.valid.shared_prefix_tokens,
         )
         return Attempt(worker, wire_id, events, tried | {worker.address})
 

@@ -25,7 +25,7 @@ from nanovllm.router.calls.tool_calls import (
     forced_call_grammar,
     template_message,
 )
-from nanovllm.router.fleet.tokenizer import ModelTokenizer
+from nanovllm.router.fleet.tokenizer import ModelTokenizer, PromptTokens
 from nanovllm.v1 import generate_pb2
 
 
@@ -39,6 +39,9 @@ class ValidRequest:
     params: SamplingParams
     stop: list[str]
     tools: ChatTools | None = None  # a chat's tools, for the answer's tool-call parser
+    # A chat's tokens before its last user message's content, for a worker that takes the hint
+    # (WorkerInfo.shared_prefix_hints; Submit.shared_prefix_tokens); 0 otherwise.
+    shared_prefix_tokens: int = 0
 
 
 def _prompt_bytes(request: generate_pb2.GenerateRequest | generate_pb2.TokenizeRequest) -> int:
@@ -115,15 +118,27 @@ def prompt_token_ids(
 ) -> list[int]:
     """The prompt's token ids; `tokenizer` is None for a model without one (`model` names it). A chat's
     `tools` (check_tools) are shown to the model through its template."""
+    return _prompt(request, tokenizer, model, tools, find_last_user=False).token_ids
+
+
+def _prompt(
+    request: generate_pb2.GenerateRequest | generate_pb2.TokenizeRequest,
+    tokenizer: ModelTokenizer | None,
+    model: str,
+    tools: ChatTools | None,
+    find_last_user: bool,
+) -> PromptTokens:
+    """prompt_token_ids' tokens; with `find_last_user`, a chat's also say where its last user message's
+    content begins (ModelTokenizer.encode_chat)."""
     kind = request.WhichOneof("prompt")
     if kind == "token_ids":
-        return list(request.token_ids.ids)
+        return PromptTokens(list(request.token_ids.ids))
     if kind is None:
         raise ValueError("prompt is not set: give one of text, chat or token_ids")
     if tokenizer is None:
         raise NoTokenizerError(f"model {model} has no tokenizer: send prompt token ids")
     if kind == "text":
-        return tokenizer.encode(request.text)
+        return PromptTokens(tokenizer.encode(request.text))
     if not request.chat.messages:
         raise ValueError("chat.messages is empty; a chat needs at least one message")
     chat = request.chat
@@ -131,7 +146,7 @@ def prompt_token_ids(
     if chat.HasField("enable_thinking"):
         kwargs["enable_thinking"] = chat.enable_thinking
     messages = [template_message(m) for m in chat.messages]
-    return tokenizer.encode_chat(messages, kwargs, tools.template_tools if tools else None)
+    return tokenizer.encode_chat(messages, kwargs, tools.template_tools if tools else None, find_last_user)
 
 
 @dataclass(frozen=True)
@@ -151,14 +166,15 @@ def validate_generate(
     """Tokenize (this may take a while: run it off the event loop) and check the prompt against the
     model. check_request must have passed. `formats` are the model's reasoning and tool-call formats."""
     tools = check_tools(request.chat) if request.WhichOneof("prompt") == "chat" else None
-    ids = prompt_token_ids(request, tokenizer, info.model, tools)
+    prompt = _prompt(request, tokenizer, info.model, tools, find_last_user=info.shared_prefix_hints)
+    ids = prompt.token_ids
     check_prompt(ids, info.max_model_len, info.vocab_size)
     params = _sampling_params(request.sampling, info.max_model_len - len(ids))
     if tools is not None and tools.forced is not None:
         params = _force_tool_calls(
             params, tools, formats, tokenizer.decode_tail(ids) if tokenizer else "", info
         )
-    return ValidRequest(ids, params, list(request.sampling.stop), tools)
+    return ValidRequest(ids, params, list(request.sampling.stop), tools, prompt.before_last_user)
 
 
 def _force_tool_calls(

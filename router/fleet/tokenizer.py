@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +42,15 @@ def _reserved_template_kwargs(tokenizer_class: Any) -> frozenset[str]:  # a tran
     """apply_chat_template's own parameters, which a template variable must not shadow."""
     parameters = inspect.signature(tokenizer_class.apply_chat_template).parameters
     return frozenset(name for name, p in parameters.items() if p.kind is not p.VAR_KEYWORD) | {"messages"}
+
+
+@dataclass(frozen=True)
+class PromptTokens:
+    """A prompt's tokens, and for a chat how many of them come before its last user message's content
+    (0: not worked out, or no user message): what requests with the same earlier messages share."""
+
+    token_ids: list[int]
+    before_last_user: int = 0
 
 
 class ModelTokenizer:
@@ -81,10 +92,12 @@ class ModelTokenizer:
         messages: list[dict[str, Any]],
         template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
-    ) -> list[int]:
+        find_last_user: bool = False,
+    ) -> PromptTokens:
         """Render messages with the chat template plus the generation prompt, then tokenize. The template
         writes its own special tokens, so none are added on top. `template_kwargs` become the template's
-        variables (Qwen3's enable_thinking); `tools` its tools (chat.tools, in the OpenAI shape)."""
+        variables (Qwen3's enable_thinking); `tools` its tools (chat.tools, in the OpenAI shape). With
+        `find_last_user`, also where the last user message's content begins (PromptTokens)."""
         if not self.has_chat_template:
             raise ValueError(f"the model {self.model} has no chat template; send text or token_ids instead")
         tokenizer_class: type = type(self._hf)  # not type[Any], which mypy takes for unhashable
@@ -95,9 +108,51 @@ class ModelTokenizer:
                 f"messages and generation prompt come from the request)"
             )
         try:
-            text = self._hf.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
-            )
+            text = self._render(messages, tools, template_kwargs)
         except TemplateError as exc:  # the template's own raise_exception, e.g. roles out of order
             raise ValueError(f"the model's chat template refused the messages: {exc}") from exc
-        return list(self._hf.encode(text, add_special_tokens=False))
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        if not find_last_user or not users or not self._hf.is_fast:  # a slow tokenizer has no offsets
+            return PromptTokens(list(self._hf.encode(text, add_special_tokens=False)))
+        encoding = self._hf(text, add_special_tokens=False, return_offsets_mapping=True)
+        return PromptTokens(
+            list(encoding["input_ids"]),
+            self._tokens_before(
+                messages, users[-1], text, encoding["offset_mapping"], tools, template_kwargs
+            ),
+        )
+
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: dict[str, Any] | None,
+    ) -> str:
+        return self._hf.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+        )
+
+    def _tokens_before(
+        self,
+        messages: list[dict[str, Any]],
+        index: int,
+        text: str,
+        offsets: list[tuple[int, int]],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: dict[str, Any] | None,
+    ) -> int:
+        """How many of the tokens of `text` (the chat rendered; `offsets`, their characters) come before
+        the content of message `index`. The messages are rendered again with another content there, one
+        character that differs from the content's first: the two texts agree up to where it begins.
+        Whatever a template does with the messages, the count is of tokens the prompt starts with; a
+        template that renders the earlier messages differently for the other content (Qwen3's looks for
+        tool responses in the last query) makes it smaller."""
+        content = messages[index]["content"]
+        marker = "\x01" if content.startswith("\x00") else "\x00"
+        marked = [*messages[:index], {**messages[index], "content": marker}, *messages[index + 1 :]]
+        try:
+            other = self._render(marked, tools, template_kwargs)
+        except TemplateError:  # the template refuses the marker: no count
+            return 0
+        common = len(os.path.commonprefix([text, other]))
+        return next((i for i, (_, end) in enumerate(offsets) if end > common), len(offsets))

@@ -93,6 +93,10 @@ class WorkerConnection:
         # (the reports lag): a burst sharing a prefix then finds its first request's worker at once.
         self._in_flight_blocks: Counter[int] = Counter()
         self._blocks_of: dict[str, Sequence[int]] = {}  # by request id
+        # A hybrid model's worker: the blocks where those requests' shared_prefix_tokens hints make it
+        # keep a state snapshot, resume points as soon as their blocks are.
+        self._in_flight_resumes: Counter[int] = Counter()
+        self._resume_of: dict[str, int] = {}  # by request id
         self._prepare = prepare
         self._requests: dict[str, asyncio.Queue[RequestEvent]] = {}
         self._outbound: asyncio.Queue[worker_pb2.RouterMessage | None] = asyncio.Queue()
@@ -131,7 +135,9 @@ class WorkerConnection:
             if block_hash not in self.cached_blocks and not self._in_flight_blocks[block_hash]:
                 break
             count += 1
-            if self.resume_points is not None and block_hash in self.resume_points:
+            if self.resume_points is not None and (
+                block_hash in self.resume_points or self._in_flight_resumes[block_hash]
+            ):
                 resumable = count
         return count if self.resume_points is None else resumable
 
@@ -170,12 +176,15 @@ class WorkerConnection:
         block_hashes: Sequence[int] = (),
         trace_context: dict[str, str] | None = None,
         lora_name: str = "",
+        shared_prefix_tokens: int = 0,
     ) -> asyncio.Queue[RequestEvent]:
         """Send a request; its updates (and a WorkerLost if the worker goes away) arrive on the queue.
         `output_token_ids` resumes a stream with the tokens another worker generated for it;
         `block_hashes` are its prompt's blocks (common/block_hash.py), counted as cached there meanwhile;
         `trace_context` is the W3C carrier the worker's span continues (common/tracing.py); `lora_name`
-        the adapter it runs with (empty: the base model)."""
+        the adapter it runs with (empty: the base model); `shared_prefix_tokens` how many of its first
+        tokens other requests likely share (Submit's), where a hybrid model's worker keeps a snapshot,
+        counted as a resume point there meanwhile."""
         events: asyncio.Queue[RequestEvent] = asyncio.Queue()
         if not self.connected:
             events.put_nowait(WorkerLost(self.address, "the worker is not connected"))
@@ -184,6 +193,10 @@ class WorkerConnection:
         self._sent_since_report += 1
         self._blocks_of[request_id] = block_hashes
         self._in_flight_blocks.update(block_hashes)
+        shared_blocks = min(shared_prefix_tokens // self.block_size, len(block_hashes))
+        if shared_blocks:
+            self._resume_of[request_id] = block_hashes[shared_blocks - 1]
+            self._in_flight_resumes[block_hashes[shared_blocks - 1]] += 1
         submit = worker_pb2.Submit(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -193,6 +206,7 @@ class WorkerConnection:
             output_token_ids=output_token_ids or (),
             trace_context=trace_context or {},
             lora_name=lora_name,
+            shared_prefix_tokens=shared_prefix_tokens,
         )
         self._outbound.put_nowait(worker_pb2.RouterMessage(submit=submit))
         return events
@@ -205,6 +219,11 @@ class WorkerConnection:
                 self._in_flight_blocks[block_hash] = left
             else:
                 del self._in_flight_blocks[block_hash]
+        resume = self._resume_of.pop(request_id, None)
+        if resume is not None:
+            self._in_flight_resumes[resume] -= 1
+            if not self._in_flight_resumes[resume]:
+                del self._in_flight_resumes[resume]
         if self._requests.pop(request_id, None) is not None and abort and self.connected:
             abort_msg = worker_pb2.Abort(request_ids=[request_id])
             self._outbound.put_nowait(worker_pb2.RouterMessage(abort=abort_msg))
@@ -306,6 +325,7 @@ class WorkerConnection:
         self._outbound.put_nowait(None)  # ends the old stream's request iterator
         requests, self._requests = self._requests, {}
         self._blocks_of, self._in_flight_blocks = {}, Counter()
+        self._resume_of, self._in_flight_resumes = {}, Counter()
         for events in requests.values():
             events.put_nowait(WorkerLost(self.address, reason))
         if was_connected:

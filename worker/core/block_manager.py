@@ -121,23 +121,42 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+    def get_computed_blocks(self, seq: Sequence, admitting: dict[int, Sequence] | None = None) -> list[int]:
         """Cached blocks covering a prefix of `seq`. The last token is always left out so that at least one
-        token is computed and yields logits."""
+        token is computed and yields logits.
+
+        A hybrid model's hits end at the last block with a snapshot of its state. Where `seq` shares more
+        blocks than that with prompts seen before, the end of what it shares is a branch point, which it
+        keeps a snapshot at (worker/core/recurrent_states.py). Seen before: the KV cache's blocks, and the
+        prompts in `admitting` (those its step admitted before it, whose blocks are not cached yet, by the
+        hash of their first block; it joins them)."""
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
         prev = seq.cache_salt
+        first = None  # the hash of its first block
         resumable = 0  # hits up to the last block whose state a snapshot holds (a hybrid model's)
         for i in range((seq.num_tokens - 1) // self.block_size):
             prev = hash_block(prev, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            if not i:
+                first = prev
             block_id = self.cached.get(prev)
             if block_id is None:
                 break
             hits.append(block_id)
             if self.states is not None and self.states.resumes_at(prev):
                 resumable = len(hits)
-        return hits[:resumable] if self.states is not None else hits
+        if self.states is None:
+            return hits
+        if self.states.caching and first is not None:
+            shared = len(hits)
+            other = seq if admitting is None else admitting.setdefault(first, seq)
+            if other is not seq:
+                common = _common_prefix(seq.token_ids, other.token_ids)
+                shared = max(shared, min(common, seq.num_tokens - 1) // self.block_size)
+            if shared > resumable:
+                self.states.note_branch(seq, shared * self.block_size)
+        return hits[:resumable]
 
     def lower_hits(self, seq: Sequence, device_hits: list[int]) -> list[int]:
         """The hashes of the blocks that continue `seq`'s prefix in the lower tiers past its device hits
@@ -279,3 +298,15 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share: a binary search over slices, compared in C."""
+    low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; they differ within [:high + 1]
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[low:mid] == b[low:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low

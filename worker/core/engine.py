@@ -155,10 +155,12 @@ class LLMEngine:
         priority: int = 0,
         output_token_ids: list[int] | None = None,
         lora_name: str | None = None,
+        shared_prefix_tokens: int = 0,
     ) -> None:
         """Queue a request. `output_token_ids` resumes one that generated those tokens elsewhere: it goes on
         after them exactly as if it had produced them here (see Submit.output_token_ids). `lora_name`:
-        the loaded LoRA adapter it runs with (None: the base model)."""
+        the loaded LoRA adapter it runs with (None: the base model). `shared_prefix_tokens`: how many of
+        the prompt's first tokens other requests likely share (Sequence.shared_prefix_tokens)."""
         if request_id in self.requests:
             raise RequestError(f"request_id {request_id!r} is already in flight")
         adapter = None
@@ -170,6 +172,11 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         check_prompt(prompt_token_ids, self.config.max_model_len, vocab)
         check_stop_token_ids(params.stop_token_ids, vocab)
+        if not 0 <= shared_prefix_tokens <= len(prompt_token_ids):
+            raise RequestError(
+                f"shared_prefix_tokens is {shared_prefix_tokens}, outside the prompt's "
+                f"{len(prompt_token_ids)} tokens"
+            )
         outputs = list(output_token_ids or ())
         if outputs:
             check_resumed_outputs(
@@ -184,6 +191,7 @@ class LLMEngine:
             token_ids=list(prompt_token_ids) + outputs,
             max_num_tokens=min(len(prompt_token_ids) + params.max_tokens, self.config.max_model_len),
             adapter=adapter,
+            shared_prefix_tokens=shared_prefix_tokens,
         )
         self.requests[request_id] = seq
         if params.constraint is None:
@@ -248,6 +256,7 @@ class LLMEngine:
     def load(self) -> EngineLoad:
         bm = self.block_manager
         lower = bm.lower_tiers.num_blocks if bm.lower_tiers is not None else {"host": 0, "disk": 0}
+        snapshots = bm.states.num_snapshots_held if bm.states is not None else 0
         return EngineLoad(
             num_waiting=len(self.scheduler.waiting) + len(self.constraints),
             num_running=len(self.scheduler.running),
@@ -258,6 +267,9 @@ class LLMEngine:
             kv_host_blocks=lower["host"],
             kv_disk_blocks=lower["disk"],
             kv_tiers=self._tier_stats(lower),
+            state_snapshot_rows=bm.states.num_snapshots if bm.states is not None else 0,
+            state_snapshots=snapshots,
+            state_snapshot_bytes=snapshots * self.runner.state_row_bytes,
         )
 
     def _tier_stats(self, blocks: dict[str, int]) -> dict[str, KVTierStats]:

@@ -7,9 +7,27 @@ free slot as it needs free blocks. The rows after them are snapshots, which the 
 resumes the linear layers from a snapshot of the state at the hit's last block boundary, so hits end at
 the last block with one. Snapshots are kept by the hash of the block they end, least recently used
 recycled first. A step copies the state into them at the boundaries the scheduler asks for
-(`plan_saves`): every `snapshot_interval` tokens of a sequence (shared prefixes), and its last boundary
-into the sequence's own row, which it leaves behind when it frees its blocks (a conversation's next
-turn). They join the cache once the step has run and their blocks' hashes are known (`publish`).
+(`plan_saves`): every `snapshot_interval` tokens of a sequence (long shared prefixes), its branch points
+(below) and its last boundary into the sequence's own row, which it leaves behind when it frees its
+blocks (a conversation's next turn). They join the cache once the step has run and their blocks' hashes
+are known (`publish`).
+
+Branch points are where requests sharing a prefix are likely to part, which an interval misses when the
+shared part is shorter than it (a system prompt, few-shot examples, a document asked several questions):
+
+- the hint a request brings (`Sequence.shared_prefix_tokens`: the router's chat API sends where the
+  chat's last user message begins), at the block boundary at or below it;
+- where what its prompt shares with prompts seen before ends, when that is past the last snapshot it could
+  resume from (`note_branch`, told at admission by the block manager; seen before: the KV cache's blocks,
+  and the prompts admitted earlier in the same step, not cached yet). Sharing means that some other prompt
+  had these blocks and then went elsewhere: two prompts have branched here, and a third sharing the prefix
+  branches here too, so it is where a snapshot serves the most. The second request of a shared prefix
+  computes it and leaves the snapshot; the third on resume there. It needs no hint (raw prompts, the
+  offline API) and costs at most one row a request, only for a prompt that shares blocks no state covers,
+  recycled as any other.
+
+A branch point whose snapshot is cached, or planned by a step in flight (a burst sharing a system prompt
+computes it in one step), is not copied again.
 
 The block manager (worker/core/block_manager.py) owns one of these for a hybrid model, as it owns the
 lower KV tiers, and calls it where blocks are taken, hashed and freed.
@@ -20,7 +38,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from nanovllm.common.block_hash import HashChanges
+from nanovllm.common.block_hash import HashChanges, prefix_hashes
 from nanovllm.worker.sequence import Sequence
 
 
@@ -29,6 +47,7 @@ class _PlannedSave:
     boundary: int  # tokens of the sequence whose state the copy holds
     row: int
     own: bool  # into the sequence's own row (its last boundary), not a shared snapshot
+    branch: int | None = None  # a branch point's: the hash of the block it ends (no second copy of it)
 
 
 class RecurrentStates:
@@ -38,6 +57,7 @@ class RecurrentStates:
         """`num_slots` state slots, rows 0.. of the state tensors; `num_snapshots` snapshot rows after them,
         kept only with the prefix cache on (`caching`)."""
         self.num_slots = num_slots
+        self.num_snapshots = num_snapshots
         self.block_size = block_size
         self.snapshot_interval = snapshot_interval
         self.caching = caching and num_snapshots > 0
@@ -49,6 +69,15 @@ class RecurrentStates:
         # and the copies a step in flight makes for it.
         self._own: dict[int, tuple[int, int]] = {}
         self._planned: dict[int, list[_PlannedSave]] = {}
+        self._branches: dict[
+            int, int
+        ] = {}  # where what a sequence shares ends past its snapshots (note_branch)
+        self._planned_branches: set[int] = set()  # the block hashes of branch points steps in flight copy
+
+    @property
+    def num_snapshots_held(self) -> int:
+        """Snapshot rows holding a state: the cache's, running sequences' own and a step's copies."""
+        return self.num_snapshots - len(self.free_snapshots)
 
     def take_events(self) -> HashChanges:
         events, self.events = self.events, HashChanges()
@@ -76,23 +105,38 @@ class RecurrentStates:
         self.cache.move_to_end(seq.block_hashes[-1])
         return row
 
+    def note_branch(self, seq: Sequence, boundary: int) -> None:
+        """`seq`'s prompt shares its first `boundary` tokens with prompts seen before, past the last snapshot
+        it may resume from: a branch point (see the module's docstring), where the step computing it saves
+        one."""
+        self._branches[seq.seq_id] = boundary
+
     def plan_saves(self, seq: Sequence, start: int, end: int) -> list[tuple[int, int]]:
         """(boundary, snapshot row) of the copies of `seq`'s state that the step computing its tokens
-        [start, end) makes: at each multiple of snapshot_interval it reaches, into a fresh row, and at the
-        last block boundary it reaches, into the sequence's own row. Rows run out only when every one is
-        some running sequence's own: those copies are then not made."""
+        [start, end) makes, in order: at each multiple of snapshot_interval and each branch point it
+        reaches, into a fresh row, and at the last block boundary it reaches, into the sequence's own row.
+        Rows run out only when every one is some running sequence's own: those copies are then not made."""
         last = end // self.block_size * self.block_size
         if last <= start:
             return []
         planned = self._planned.setdefault(seq.seq_id, [])
-        saves = []
         first_interval = (start // self.snapshot_interval + 1) * self.snapshot_interval
-        for boundary in range(first_interval, last + 1, self.snapshot_interval):
+        shared: dict[int, int | None] = dict.fromkeys(range(first_interval, last + 1, self.snapshot_interval))
+        for boundary in self._branch_points(seq):
+            if start < boundary <= last and boundary not in shared:
+                block_hash = self._hash_at(seq, boundary)
+                if block_hash not in self.cache and block_hash not in self._planned_branches:
+                    shared[boundary] = block_hash
+        saves = []
+        for boundary in sorted(shared):
             row = self._take_snapshot_row()
             if row < 0:
                 break
+            branch = shared[boundary]
             saves.append((boundary, row))
-            planned.append(_PlannedSave(boundary, row, own=False))
+            planned.append(_PlannedSave(boundary, row, own=False, branch=branch))
+            if branch is not None:
+                self._planned_branches.add(branch)
         if not saves or saves[-1][0] != last:
             own_row = self._own[seq.seq_id][0] if seq.seq_id in self._own else self._take_snapshot_row()
             if own_row >= 0:
@@ -101,11 +145,26 @@ class RecurrentStates:
                 planned.append(_PlannedSave(last, own_row, own=True))
         return saves
 
+    def _branch_points(self, seq: Sequence) -> list[int]:
+        """`seq`'s branch points: its hint's block boundary, and where what it shares ends (note_branch)."""
+        points = [seq.shared_prefix_tokens // self.block_size * self.block_size]
+        if seq.seq_id in self._branches:
+            points.append(self._branches[seq.seq_id])
+        return [p for p in points if p > 0]
+
+    def _hash_at(self, seq: Sequence, boundary: int) -> int:
+        """The hash of `seq`'s block that ends at `boundary`, chained on from the blocks it has hashed."""
+        done = len(seq.block_hashes)  # < boundary's blocks: the boundary is past the computed tokens
+        prev = seq.block_hashes[-1] if done else seq.cache_salt
+        return prefix_hashes(seq.token_ids[done * self.block_size : boundary], self.block_size, salt=prev)[-1]
+
     def publish(self, seq: Sequence) -> None:
         """The copies the last step made of `seq`'s state: its own row now holds its last boundary's
         state; the others join the cache under their block's hash (a row whose hash is cached already
         goes back to the free rows)."""
         for save in self._planned.pop(seq.seq_id, []):
+            if save.branch is not None:
+                self._planned_branches.discard(save.branch)
             if save.own:
                 self._own[seq.seq_id] = (save.row, save.boundary)
             else:
@@ -123,8 +182,11 @@ class RecurrentStates:
             else:
                 self.free_snapshots.append(row)
         for save in self._planned.pop(seq.seq_id, []):  # made by no step that ran (aborted, never launched)
+            if save.branch is not None:
+                self._planned_branches.discard(save.branch)
             if not save.own:
                 self.free_snapshots.append(save.row)
+        self._branches.pop(seq.seq_id, None)
         if seq.state_slot >= 0:
             self.free_slots.append(seq.state_slot)
             seq.state_slot = -1

@@ -122,6 +122,7 @@ class Scheduler:
             return
         bm = self.block_manager
         adapters = {s.adapter for s in self.running + self.loading if s.adapter is not None}
+        admitting: dict[int, Sequence] = {}  # the prompts this step admits (get_computed_blocks)
         index = 0
         while (
             index < len(self.waiting)
@@ -133,7 +134,7 @@ class Scheduler:
                 index += 1  # every LoRA slot is taken by the running requests' adapters
                 continue
             # A prompt to score is computed whole: a hit's positions would have no logits.
-            computed = [] if seq.scores_prompt else bm.get_computed_blocks(seq)
+            computed = [] if seq.scores_prompt else bm.get_computed_blocks(seq, admitting)
             lower = [] if seq.scores_prompt else bm.lower_hits(seq, computed)
             # Blocks in the lower tiers take device blocks but no budget: they are copied, not computed.
             num_lower = len(lower) * bm.block_size

@@ -387,6 +387,7 @@ class ModelRunnerBase:
         they took."""
         config = self.config
         self.num_state_slots = self.num_state_snapshots = 0
+        self.state_row_bytes = 0  # one row's, this rank's share
         self.pad_state_row: int | None = None
         if not self.model.is_hybrid:
             return 0
@@ -402,7 +403,7 @@ class ModelRunnerBase:
                 f"state_memory_fraction={config.state_memory_fraction} of this rank's KV cache budget of "
                 f"{budget / 2**20:.1f} MiB allows; raise kv_cache_memory or state_memory_fraction"
             )
-        self.num_state_slots = slots
+        self.num_state_slots, self.state_row_bytes = slots, per_slot
         if config.enable_prefix_caching:
             left = budget - (slots + 1) * per_slot  # the slots and the pad row (below)
             self.num_state_snapshots = self.tp.all_reduce_min(

@@ -308,6 +308,7 @@ class EngineLoop:
                 submit.priority,
                 output_token_ids=list(submit.output_token_ids),
                 lora_name=submit.lora_name or None,
+                shared_prefix_tokens=submit.shared_prefix_tokens,
             )
         except UnknownAdapterError as exc:
             self._fail(conn, submit.request_id, worker_pb2.ERROR_CODE_NOT_FOUND, str(exc))

@@ -61,6 +61,16 @@ class WorkerMetrics:
             "Share of prompt tokens served from the prefix cache since start, 0 to 1",
             registry=r,
         )
+        self.state_snapshot_usage_perc = Gauge(
+            "nanovllm:state_snapshot_usage_perc",
+            "A hybrid model's: share of the rows kept for state snapshots that hold one, 0 to 1",
+            registry=r,
+        )
+        self.state_snapshot_bytes = Gauge(
+            "nanovllm:state_snapshot_bytes",
+            "A hybrid model's: bytes of the state snapshots held (each rank's share)",
+            registry=r,
+        )
         self.num_preemptions = Counter("nanovllm:num_preemptions", "Preempted requests", registry=r)
         self.prompt_tokens = Counter("nanovllm:prompt_tokens", "Prompt tokens computed", registry=r)
         self.generation_tokens = Counter("nanovllm:generation_tokens", "Tokens generated", registry=r)
@@ -96,6 +106,9 @@ class WorkerMetrics:
         total = load.kv_blocks_used + load.kv_blocks_free
         self.kv_cache_usage_perc.set(load.kv_blocks_used / total if total else 0.0)
         self.prefix_cache_hit_rate.set(load.prefix_cache_hit_rate)
+        rows = load.state_snapshot_rows
+        self.state_snapshot_usage_perc.set(load.state_snapshots / rows if rows else 0.0)
+        self.state_snapshot_bytes.set(load.state_snapshot_bytes)
         self.num_preemptions.inc(load.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = load.num_preemptions
         self._kv_tiers = load.kv_tiers

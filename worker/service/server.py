@@ -60,8 +60,14 @@ def default_served_name(model: str, gguf_file: str | None) -> str:
 
 
 def worker_info(
-    config: EngineConfig, num_kv_blocks: int, placement: Placement, served_name: str
+    config: EngineConfig,
+    num_kv_blocks: int,
+    placement: Placement,
+    served_name: str,
+    shared_prefix_hints: bool,
 ) -> worker_pb2.WorkerInfo:
+    """`shared_prefix_hints`: whether the engine keeps state snapshots where prompts branch (a hybrid
+    model's with snapshot rows), so it takes Submit.shared_prefix_tokens."""
     model_dir = Path(config.model)
     files = {
         name: (model_dir / name).read_bytes() for name in TOKENIZER_FILES if (model_dir / name).is_file()
@@ -81,6 +87,7 @@ def worker_info(
         chat_template=chat_template.read_text() if chat_template.is_file() else "",
         dtype=placement.dtype_name,
         device=str(placement.device),
+        shared_prefix_hints=shared_prefix_hints,
     )
 
 
@@ -263,7 +270,11 @@ async def serve_worker(
     served_name = config.served_model_name or default_served_name(
         engine_config.model, engine_config.gguf_file
     )
-    service.attach(engine_loop, worker_info(engine_config, num_blocks, placement, served_name))
+    states = engine_loop.engine.block_manager.states
+    info = worker_info(
+        engine_config, num_blocks, placement, served_name, states is not None and states.caching
+    )
+    service.attach(engine_loop, info)
     await server.set_serving(True)
     log.info(
         "worker_serving",
