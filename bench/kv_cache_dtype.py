@@ -74,7 +74,7 @@ def fidelity() -> None:
                 llm = LLM(str(path), kv_cache_dtype=kv_dtype, **opts)
                 if scales is not None:
                     _set_scales(llm, scales)
-                top1, kl, positions = kv_fidelity(reference, llm, batch, chunk=128)
+                ((top1, kl, positions),) = kv_fidelity(reference, [llm], batch, chunk=128)
                 print(f"| {name} | {label} | {top1:.4f} | {kl:.5f} | {positions} |", flush=True)
                 del llm
 

@@ -256,22 +256,23 @@ TEXTS_WITH_DIGITS = [
 
 
 def kv_fidelity(
-    reference: LLM, other: LLM, batch: list[list[int]], chunk: int, pair: int = 2
-) -> tuple[float, float, int]:
+    reference: LLM, others: list[LLM], batch: list[list[int]], chunk: int, pair: int = 2
+) -> list[tuple[float, float, int]]:
     """Teacher-forced over every position of `batch` (`chunk` tokens a step, `pair` sequences at a time, so
-    that no more than their logits are held): the share of positions whose top-1 token `other` agrees with
-    `reference` on, the mean KL(reference || other) per position in nats, and the number of positions."""
-    agree, kl, positions = 0, 0.0, 0
+    that no more than their logits are held), for each of `others` against one pass of `reference`: the
+    share of positions whose top-1 token it agrees with `reference` on, the mean KL(reference || it) per
+    position in nats, and the number of positions."""
+    agree, kl, positions = [0] * len(others), [0.0] * len(others), 0
     for i in range(0, len(batch), pair):
         part = batch[i : i + pair]
-        for ref, got in zip(
-            teacher_forced_logits(reference, part, chunk), teacher_forced_logits(other, part, chunk)
-        ):
-            ref, got = ref.float().log_softmax(-1), got.float().log_softmax(-1)
-            agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
-            kl += float((ref.exp() * (ref - got)).sum(-1).sum())
-            positions += ref.shape[0]
-    return agree / positions, kl / positions, positions
+        refs = [ref.float().log_softmax(-1) for ref in teacher_forced_logits(reference, part, chunk)]
+        positions += sum(ref.shape[0] for ref in refs)
+        for k, other in enumerate(others):
+            for ref, got in zip(refs, teacher_forced_logits(other, part, chunk)):
+                got = got.float().log_softmax(-1)
+                agree[k] += int((ref.argmax(-1) == got.argmax(-1)).sum())
+                kl[k] += float((ref.exp() * (ref - got)).sum(-1).sum())
+    return [(a / positions, d / positions, positions) for a, d in zip(agree, kl)]
 
 
 def text_windows(model_dir: Path, count: int, length: int) -> list[list[int]]:
