@@ -93,7 +93,8 @@ def reference(qwen3_dir) -> list[list[int]]:
 
 
 def _assert_accounted(llm: LLM) -> None:
-    """Every device block is free again and held once; each lower tier's index matches its storage."""
+    """Every device block is free again and held once; each lower tier's index matches its storage (a
+    hybrid model's host state rows each beside a held block, the disk's bytes those of its files)."""
     engine = llm.engine
     bm = engine.block_manager
     assert engine.load().kv_blocks_used == 0 and bm.num_free_blocks == bm.num_blocks
@@ -107,10 +108,14 @@ def _assert_accounted(llm: LLM) -> None:
     if tiers.host is not None:
         slots = list(tiers.host.index.values()) + tiers.host.free_slots
         assert sorted(slots) == list(range(tiers.host.capacity))
+        rows = list(tiers.host.states.values()) + tiers.host.free_state_rows
+        assert sorted(rows) == list(range(tiers.host.state_capacity))
+        assert set(tiers.host.states) <= set(tiers.host.index)
     if tiers.disk is not None:
-        files = {int(p.stem, 16) for p in directory.glob("*.kv")}
-        assert files == set(tiers.disk.index)
-        assert len(files) <= tiers.disk.capacity
+        sizes = {int(p.stem, 16): p.stat().st_size for p in directory.glob("*.kv")}
+        assert set(sizes) == set(tiers.disk.index)
+        assert all(sizes[h] == tiers.disk.size(has_state) for h, has_state in tiers.disk.index.items())
+        assert sum(sizes.values()) == tiers.disk.held_bytes <= tiers.disk.capacity
         assert not [p for p in directory.glob("*.tmp") if not p.is_symlink()]  # none half-written
 
 

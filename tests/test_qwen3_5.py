@@ -531,7 +531,6 @@ def test_a_config_it_does_not_implement_fails_at_start_naming_it(tmp_path: Path,
     [
         ({"speculative_method": "ngram"}, ["speculative_method"]),
         ({"deterministic": True, "attention_backend": "torch"}, ["deterministic"]),  # neither C++ nor Triton
-        ({"kv_host_memory": "64MiB"}, ["kv_host_memory"]),
     ],
 )
 def test_features_it_does_not_run_yet_are_refused_naming_them(default_model: Path, options: dict, words):

@@ -54,47 +54,71 @@ class KVStore:
 
 
 @dataclass(slots=True)
+class StateStore:
+    """A hybrid model's state snapshot in device row `row`, evicted from the device's snapshots, copied
+    down beside the block of `block_hash` (the block it ends) that a lower tier holds: into host state row
+    `host_row` (-1: not into host memory) and, with `to_disk`, into that block's disk file."""
+
+    row: int
+    block_hash: int
+    host_row: int
+    to_disk: bool
+
+
+@dataclass(slots=True)
 class KVLoad:
     """The block of `block_hash` copied up into device block `block_id`: from host slot `host_slot`, or
-    from its disk file when that is -1."""
+    from its disk file when that is -1. A hybrid model's hit that resumes at this block brings the state
+    snapshot kept with it into device row `state_row` (-1: none), from host state row `host_state_row`
+    (host memory's) or from the same disk file."""
 
     block_hash: int
     block_id: int
     host_slot: int
+    state_row: int = -1
+    host_state_row: int = -1
 
 
 @dataclass
 class KVTransfers:
     """The copies between the device cache and the prefix cache's lower tiers that the block manager
     decided since the last step (worker/core/kv_tiers.py). Every rank makes them before the step's
-    forward pass, in this order: the stores (which read device blocks freed since), the fences (device
-    blocks about to be written again wait for their copy down), the loads, the deletions of disk files the
-    disk tier evicted."""
+    forward pass, in this order: the stores (which read device blocks freed since), the state stores (a
+    hybrid model's snapshot rows, read before this step's loads and forward pass write them again), the
+    deletions of disk files the disk tier evicted, the fences (device blocks about to be written again wait
+    for their copy down), the loads."""
 
     stores: list[KVStore] = field(default_factory=list)
     fences: list[int] = field(default_factory=list)
     loads: list[KVLoad] = field(default_factory=list)
     disk_drops: list[int] = field(default_factory=list)
+    state_stores: list[StateStore] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.stores or self.fences or self.loads or self.disk_drops)
+        return bool(self.stores or self.fences or self.loads or self.disk_drops or self.state_stores)
 
     def pack(self) -> list[int]:
-        """[counts..., (block, hash, slot, to_disk) per store, fences, (hash, block, slot) per load, drops]
-        (a hash is an unsigned 64-bit integer: packed as the signed one of the same bits)."""
+        """[counts..., (block, hash, slot, to_disk) per store, fences, (hash, block, slot, state row, host
+        state row) per load, drops, (row, hash, host row, to_disk) per state store] (a hash is an unsigned
+        64-bit integer: packed as the signed one of the same bits)."""
         values = [len(self.stores), len(self.fences), len(self.loads), len(self.disk_drops)]
+        values.append(len(self.state_stores))
         for s in self.stores:
             values += [s.block_id, _signed(s.block_hash), s.host_slot, int(s.to_disk)]
         values += self.fences
         for load in self.loads:
             values += [_signed(load.block_hash), load.block_id, load.host_slot]
-        return values + [_signed(h) for h in self.disk_drops]
+            values += [load.state_row, load.host_state_row]
+        values += [_signed(h) for h in self.disk_drops]
+        for st in self.state_stores:
+            values += [st.row, _signed(st.block_hash), st.host_row, int(st.to_disk)]
+        return values
 
     @classmethod
     def unpack(cls, values: list[int]) -> tuple[KVTransfers, int]:
         """The transfers packed at the start of `values`, and how many values they took."""
-        ns, nf, nl, nd = values[:4]
-        pos = 4
+        ns, nf, nl, nd, nss = values[:5]
+        pos = 5
         stores = []
         for _ in range(ns):
             block_id, block_hash, slot, to_disk = values[pos : pos + 4]
@@ -104,11 +128,17 @@ class KVTransfers:
         pos += nf
         loads = []
         for _ in range(nl):
-            block_hash, block_id, slot = values[pos : pos + 3]
-            loads.append(KVLoad(_unsigned(block_hash), block_id, slot))
-            pos += 3
+            block_hash, block_id, slot, state_row, host_state_row = values[pos : pos + 5]
+            loads.append(KVLoad(_unsigned(block_hash), block_id, slot, state_row, host_state_row))
+            pos += 5
         drops = [_unsigned(h) for h in values[pos : pos + nd]]
-        return cls(stores, fences, loads, drops), pos + nd
+        pos += nd
+        state_stores = []
+        for _ in range(nss):
+            row, block_hash, host_row, to_disk = values[pos : pos + 4]
+            state_stores.append(StateStore(row, _unsigned(block_hash), host_row, bool(to_disk)))
+            pos += 4
+        return cls(stores, fences, loads, drops, state_stores), pos
 
 
 def _signed(value: int) -> int:

@@ -13,7 +13,9 @@ at once from host memory, and from disk once that step says they arrived (`finis
 
 A hybrid model's sequence also holds a state slot, and its prefix hits end where a snapshot of that state
 does: worker/core/recurrent_states.py, which the block manager calls where blocks are taken, hashed and
-freed.
+freed. With lower tiers, a snapshot evicted from the device goes down beside its block, and a prompt's
+hits in the lower tiers end at the last block with a snapshot on the device or kept beside it below, which
+comes back up with the block.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.lower_tiers = lower_tiers if enable_prefix_caching else None
         self.states = states
+        if states is not None and self.lower_tiers is not None:
+            states.spill = self.lower_tiers.spill_state
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.cached: dict[int, int] = {}  # block hash -> block id
         # Blocks with ref_count 0, oldest-freed first; cached ones among them are still hits until recycled.
@@ -160,38 +164,66 @@ class BlockManager:
 
     def lower_hits(self, seq: Sequence, device_hits: list[int]) -> list[int]:
         """The hashes of the blocks that continue `seq`'s prefix in the lower tiers past its device hits
-        (get_computed_blocks'; the last token left out as there)."""
-        if self.lower_tiers is None:
+        (get_computed_blocks'; the last token left out as there). A hybrid model's end at the last block
+        whose state a snapshot holds, on the device or beside the block in a lower tier (then with a
+        device row free to take it)."""
+        tiers, states = self.lower_tiers, self.states
+        if tiers is None:
             return []
         hashes: list[int] = []
+        resumable = 0
         prev = self.blocks[device_hits[-1]].block_hash if device_hits else seq.cache_salt
         for i in range(len(device_hits), (seq.num_tokens - 1) // self.block_size):
             prev = hash_block(prev, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            if self.lower_tiers.where(prev) is None:
+            if tiers.where(prev) is None:
                 break
             hashes.append(prev)
-        return hashes
+            if states is not None and (states.resumes_at(prev) or tiers.has_state(prev)):
+                resumable = len(hashes)
+        if states is None:
+            return hashes
+        if resumable and not states.resumes_at(hashes[resumable - 1]) and not states.load_row_available():
+            # No row to bring the snapshot up into: to the last one on the device.
+            resumable = max((i + 1 for i in range(resumable) if states.resumes_at(hashes[i])), default=0)
+        return hashes[:resumable]
 
     def load_lower_hits(self, seq: Sequence, hashes: list[int]) -> bool:
         """Copy the blocks of `hashes` up, in the next step, into the blocks `seq` was just given after its
-        device hits (allocate_slots made room for them as new tokens). Returns whether some come from disk,
-        where a load can fail (finish_loads then waits for the step's output)."""
+        device hits (allocate_slots made room for them as new tokens), and a hybrid model's snapshot at the
+        last of them when it is kept below. Returns whether some come from disk, where a load can fail
+        (finish_loads then waits for the step's output)."""
         first = len(seq.block_hashes)
+        states = self.states
+        state_row = -1
+        if states is not None:  # it resumes at the last one, or where its device hits end if a load fails
+            states.pin(seq, seq.block_hashes[-1:])
+            if states.resumes_at(hashes[-1]):
+                states.pin(seq, hashes[-1:])
+            else:
+                state_row = states.take_load_row(seq, hashes[-1])
         from_disk = False
         assert self.lower_tiers is not None  # `hashes` are lower tiers' hits
         for i, block_hash in enumerate(hashes):
-            from_disk |= self.lower_tiers.load(block_hash, seq.block_table[first + i])
+            row = state_row if i == len(hashes) - 1 else -1
+            from_disk |= self.lower_tiers.load(block_hash, seq.block_table[first + i], row)
         return from_disk
 
     def finish_loads(self, seq: Sequence, hashes: list[int], failed: set[int]) -> int:
         """The step made `seq`'s loads of `hashes` (load_lower_hits), all but those of the hashes in
         `failed`: the blocks before the first failure join the prefix cache (an identical block computed
-        or loaded meanwhile keeps the entry); returns how many."""
+        or loaded meanwhile keeps the entry); returns how many. A hybrid model's end at the last of them
+        with a snapshot (the one that came up with the last block, if every load was made): the
+        sequence computes the others again."""
         first = len(seq.block_hashes)
+        kept = len(hashes)
+        if failed.intersection(hashes):
+            kept = next(i for i, h in enumerate(hashes) if h in failed)
+        if self.states is not None:
+            self.states.arrived(seq, ok=kept == len(hashes))
+            while kept and not self.states.resumes_at(hashes[kept - 1]):
+                kept -= 1
         loaded = 0
-        for block_hash in hashes:
-            if block_hash in failed:
-                break
+        for block_hash in hashes[:kept]:
             block = self.blocks[seq.block_table[first + loaded]]
             seq.block_hashes.append(block_hash)
             if block_hash not in self.cached:

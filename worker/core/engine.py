@@ -131,8 +131,16 @@ class LLMEngine:
         if offload is None or (not offload.host_slots and offload.disk is None):
             return None
         disk = offload.disk
-        disk_index = DiskIndex(disk.capacity, disk.found) if disk is not None else None
-        return KVTiers(offload.host_slots, disk_index, offload.block_nbytes)
+        disk_index = None
+        if disk is not None:
+            disk_index = DiskIndex(disk.capacity, disk.found, disk.file_bytes, disk.state_nbytes)
+        return KVTiers(
+            offload.host_slots,
+            disk_index,
+            offload.block_nbytes,
+            offload.host_state_rows,
+            offload.state_nbytes,
+        )
 
     def _recurrent_states(self) -> RecurrentStates | None:
         """A hybrid model's state slots and snapshot rows, over the rows the runner allocated."""

@@ -10,7 +10,15 @@ lower tier is copied back up into a device block; a load that some rank could no
 or corrupt) comes back in the step's output and its hash is forgotten, as is a block whose write to disk
 failed. On a CPU the device cache and the host tier are both RAM: there the disk tier adds capacity.
 
-Plain bookkeeping on rank 0: the runners fill the same host slots and files on every rank.
+A hybrid model's state snapshots (worker/core/recurrent_states.py) go down with the blocks they end, so
+that a hit from a lower tier resumes its linear layers from the snapshot kept there: a snapshot evicted
+from the device's rows (`spill_state`) is copied into a host state row beside its block's host slot, and
+into its block's disk file, where a lower tier holds that block without one. A hit whose last block has
+one there brings it back up into a device snapshot row (`load` with a state row). A host state row is
+recycled least recently used first (its block stays, without a state) and goes with its block's slot; the
+disk tier caps the bytes of its files, those holding a state the larger.
+
+Plain bookkeeping on rank 0: the runners fill the same host slots, state rows and files on every rank.
 """
 
 from __future__ import annotations
@@ -19,32 +27,59 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from nanovllm.common.block_hash import HashChanges
-from nanovllm.worker.step import KVLoad, KVStore, KVTransfers
+from nanovllm.worker.step import KVLoad, KVStore, KVTransfers, StateStore
 
 
 class HostIndex:
-    """`capacity` host slots: the hash each holds, least recently used first, and the free ones."""
+    """`capacity` host slots: the hash each holds, least recently used first, and the free ones; and
+    `state_capacity` host state rows for a hybrid model's snapshots, each beside a slot's block."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, state_capacity: int = 0) -> None:
         self.capacity = capacity
         self.index: OrderedDict[int, int] = OrderedDict()  # block hash -> slot
         self.free_slots = list(range(capacity - 1, -1, -1))
+        self.state_capacity = state_capacity
+        self.states: OrderedDict[int, int] = OrderedDict()  # block hash (in `index`) -> state row
+        self.free_state_rows = list(range(state_capacity - 1, -1, -1))
 
     def take_slot(self) -> tuple[int, int | None]:
-        """A slot for a new block, and the hash it evicted, if it had to."""
+        """A slot for a new block, and the hash it evicted, if it had to (with its state row, if any)."""
         if self.free_slots:
             return self.free_slots.pop(), None
         evicted, slot = self.index.popitem(last=False)
+        if evicted in self.states:
+            self.free_state_rows.append(self.states.pop(evicted))
         return slot, evicted
+
+    def take_state_row(self, avoid: set[int]) -> int:
+        """A state row for a new snapshot: a free one, or the least recently used one's not in `avoid`
+        (its block stays); -1 when every one is in `avoid`."""
+        if self.free_state_rows:
+            return self.free_state_rows.pop()
+        for block_hash, row in self.states.items():
+            if row not in avoid:
+                del self.states[block_hash]  # the loop ends here
+                return row
+        return -1
 
 
 class DiskIndex:
-    """The hashes with a file in the disk tier, least recently used first, at most `capacity` of them;
-    `found`: those a previous run left (oldest first), which the runner found intact at start."""
+    """The hashes with a file in the disk tier, least recently used first, and whether each file holds a
+    state snapshot too: at most `capacity` bytes of files, `file_bytes` each and `state_bytes` more with a
+    snapshot; `found`: those a previous run left (oldest first, with whether they hold one), which the
+    runner found intact at start."""
 
-    def __init__(self, capacity: int, found: list[int]) -> None:
+    def __init__(
+        self, capacity: int, found: list[tuple[int, bool]], file_bytes: int, state_bytes: int = 0
+    ) -> None:
         self.capacity = capacity
-        self.index: OrderedDict[int, None] = OrderedDict((h, None) for h in found)
+        self.file_bytes = file_bytes
+        self.state_bytes = state_bytes
+        self.index: OrderedDict[int, bool] = OrderedDict(found)
+        self.held_bytes = sum(self.size(has_state) for has_state in self.index.values())
+
+    def size(self, has_state: bool) -> int:
+        return self.file_bytes + (self.state_bytes if has_state else 0)
 
 
 @dataclass
@@ -55,10 +90,19 @@ class TierCounts:
 
 
 class KVTiers:
-    def __init__(self, host_slots: int, disk: DiskIndex | None, block_nbytes: int) -> None:
-        self.host = HostIndex(host_slots) if host_slots else None
+    def __init__(
+        self,
+        host_slots: int,
+        disk: DiskIndex | None,
+        block_nbytes: int,
+        host_state_rows: int = 0,
+        state_nbytes: int = 0,
+    ) -> None:
+        """`block_nbytes`, `state_nbytes`: one block's and one state snapshot's bytes (each rank's share)."""
+        self.host = HostIndex(host_slots, host_state_rows) if host_slots else None
         self.disk = disk
         self.block_nbytes = block_nbytes
+        self.state_nbytes = state_nbytes
         self.counts = {"host": TierCounts(), "disk": TierCounts()}
         self.events = HashChanges()
         if disk is not None:
@@ -83,6 +127,12 @@ class KVTiers:
         if self.disk is not None and block_hash in self.disk.index:
             return "disk"
         return None
+
+    def has_state(self, block_hash: int) -> bool:
+        """Whether a lower tier holds a state snapshot beside the block of `block_hash`."""
+        if self.host is not None and block_hash in self.host.states:
+            return True
+        return self.disk is not None and self.disk.index.get(block_hash, False)
 
     def held(self) -> list[int]:
         """Every hash a lower tier holds."""
@@ -127,12 +177,50 @@ class KVTiers:
         assert disk is not None  # called only with a disk tier
         if block_hash in self.transfers.disk_drops:  # evicted earlier in this step: the write replaces it
             self.transfers.disk_drops.remove(block_hash)
-        disk.index[block_hash] = None
-        while len(disk.index) > disk.capacity:
-            evicted, _ = disk.index.popitem(last=False)
+        disk.index[block_hash] = False
+        disk.held_bytes += disk.file_bytes
+        self._fit_disk()
+
+    def _fit_disk(self) -> None:
+        """Evict the least recently used files until the disk tier's files fit its capacity."""
+        disk = self.disk
+        assert disk is not None  # called only with a disk tier
+        while disk.held_bytes > disk.capacity and disk.index:
+            evicted, has_state = disk.index.popitem(last=False)
+            disk.held_bytes -= disk.size(has_state)
             self.transfers.disk_drops.append(evicted)
             if self.where(evicted) is None:
                 self.events.evict(evicted)
+
+    def spill_state(self, block_hash: int, row: int) -> None:
+        """A hybrid model's snapshot of the state at the end of the block of `block_hash`, in device row
+        `row`, leaves the device's snapshots (the row is about to be written again): copy it down beside
+        that block, in the step about to run, into each lower tier that holds the block without one. A row
+        this step loads a snapshot into holds nothing yet (a lower tier holds that one already), and a host
+        state row this step loads from is not written (the step's state stores come before its loads)."""
+        loads = self.transfers.loads
+        if any(load.state_row == row for load in loads):
+            return
+        host, disk = self.host, self.disk
+        host_row = -1
+        if host is not None and host.state_capacity and block_hash in host.index:
+            if block_hash in host.states:
+                host.states.move_to_end(block_hash)
+            else:
+                host_row = host.take_state_row({load.host_state_row for load in loads})
+                if host_row >= 0:
+                    host.states[block_hash] = host_row
+        to_disk = disk is not None and disk.index.get(block_hash) is False
+        if to_disk:
+            assert disk is not None
+            disk.index[block_hash] = True
+            disk.index.move_to_end(block_hash)
+            disk.held_bytes += disk.state_bytes
+            self._fit_disk()
+        if host_row < 0 and not to_disk:
+            return
+        self.transfers.state_stores.append(StateStore(row, block_hash, host_row, to_disk))
+        self.counts["host" if host_row >= 0 else "disk"].bytes_down += self.state_nbytes
 
     def recycle(self, block_id: int) -> None:
         """Device block `block_id` is about to be written again: its copy down, if any, must be done first."""
@@ -140,17 +228,23 @@ class KVTiers:
             self._copying.remove(block_id)
             self.transfers.fences.append(block_id)
 
-    def load(self, block_hash: int, block_id: int) -> bool:
+    def load(self, block_hash: int, block_id: int, state_row: int = -1) -> bool:
         """Copy the block of `block_hash` (held by a lower tier: see `where`) up into device block
-        `block_id` in the next step; returns whether it comes from disk."""
-        if self.host is not None and block_hash in self.host.index:
-            self.host.index.move_to_end(block_hash)
-            slot = self.host.index[block_hash]
+        `block_id` in the next step, and with `state_row` (>= 0) the state snapshot kept beside it (see
+        `has_state`) into that device snapshot row; returns whether it comes from disk."""
+        host = self.host
+        host_state_row = -1
+        if host is not None and block_hash in host.index and (state_row < 0 or block_hash in host.states):
+            host.index.move_to_end(block_hash)
+            slot = host.index[block_hash]
+            if state_row >= 0:
+                host.states.move_to_end(block_hash)
+                host_state_row = host.states[block_hash]
         else:
-            assert self.disk is not None  # a lower tier holds it
+            assert self.disk is not None  # a lower tier holds it (and its state, when asked for)
             self.disk.index.move_to_end(block_hash)
             slot = -1
-        self.transfers.loads.append(KVLoad(block_hash, block_id, slot))
+        self.transfers.loads.append(KVLoad(block_hash, block_id, slot, state_row, host_state_row))
         return slot < 0
 
     def loaded(self, loads: list[KVLoad], failed: list[KVLoad]) -> None:
@@ -161,7 +255,7 @@ class KVTiers:
                 continue
             counts = self.counts["host" if load.host_slot >= 0 else "disk"]
             counts.hits += 1
-            counts.bytes_up += self.block_nbytes
+            counts.bytes_up += self.block_nbytes + (self.state_nbytes if load.state_row >= 0 else 0)
         for block_hash in failed_hashes:
             self.forget_on_disk(block_hash)
 
@@ -169,6 +263,6 @@ class KVTiers:
         """The disk tier does not hold `block_hash` after all (its write or its read failed)."""
         if self.disk is None or block_hash not in self.disk.index:
             return
-        del self.disk.index[block_hash]
+        self.disk.held_bytes -= self.disk.size(self.disk.index.pop(block_hash))
         if self.where(block_hash) is None:
             self.events.evict(block_hash)

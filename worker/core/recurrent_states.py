@@ -29,13 +29,22 @@ shared part is shorter than it (a system prompt, few-shot examples, a document a
 A branch point whose snapshot is cached, or planned by a step in flight (a burst sharing a system prompt
 computes it in one step), is not copied again.
 
+With the prefix cache's lower tiers (worker/core/kv_tiers.py), a snapshot evicted from its row goes down
+beside its block (`spill`, which the block manager sets), and a hit from a lower tier that resumes where a
+snapshot was kept there brings it back up into a row (`take_load_row`), which joins the cache once the
+step has copied it (`arrived`). Such a load must not write a row that a sequence of the same step
+restores from: rows restored in the step being scheduled are not taken for loads. A sequence whose blocks
+come from disk resumes a step later, from the snapshot that came up or the one on the device where its
+hits end (where it resumes if a load fails): those rows are pinned until then (`pin`), never recycled.
+
 The block manager (worker/core/block_manager.py) owns one of these for a hybrid model, as it owns the
 lower KV tiers, and calls it where blocks are taken, hashed and freed.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nanovllm.common.block_hash import HashChanges, prefix_hashes
@@ -73,6 +82,13 @@ class RecurrentStates:
             int, int
         ] = {}  # where what a sequence shares ends past its snapshots (note_branch)
         self._planned_branches: set[int] = set()  # the block hashes of branch points steps in flight copy
+        # (block hash, row) by seq_id: a snapshot on its way up from a lower tier (take_load_row).
+        self._arriving: dict[int, tuple[int, int]] = {}
+        self._restored: set[int] = set()  # rows restored from by the step being scheduled
+        self._pins: dict[int, list[int]] = {}  # by seq_id: rows a loading sequence may resume from (pin)
+        self._pinned: Counter[int] = Counter()  # how many sequences pin each row
+        # Called with (block hash, row) of a snapshot evicted from the cache, before the row is written again.
+        self.spill: Callable[[int, int], None] | None = None
 
     @property
     def num_snapshots_held(self) -> int:
@@ -103,7 +119,47 @@ class RecurrentStates:
         if row is None:
             raise RuntimeError(f"request {seq.request_id!r} hit blocks past the last state snapshot")
         self.cache.move_to_end(seq.block_hashes[-1])
+        self._restored.add(row)
         return row
+
+    def begin_step(self) -> None:
+        """A new step is being scheduled: no row is restored from in it yet."""
+        self._restored.clear()
+
+    def load_row_available(self) -> bool:
+        """Whether a row can be taken for a snapshot coming up from a lower tier (take_load_row)."""
+        return bool(self.free_snapshots) or any(
+            row not in self._restored and self._pinned[row] <= 0 for row in self.cache.values()
+        )
+
+    def take_load_row(self, seq: Sequence, block_hash: int) -> int:
+        """A row for the snapshot at the block of `block_hash` that `seq`'s step copies up from a lower
+        tier; it joins the cache when `arrived` says so. -1 when every row is taken (load_row_available
+        said one was, but `seq`'s own pins took it): the block comes up without its snapshot."""
+        row = self._take_snapshot_row(avoid=self._restored)
+        if row >= 0:
+            self._arriving[seq.seq_id] = (block_hash, row)
+        return row
+
+    def pin(self, seq: Sequence, block_hashes: list[int]) -> None:
+        """Keep the cached snapshots at the blocks of `block_hashes` (those `seq`, loading, may resume
+        from) in their rows until `arrived`."""
+        rows = [self.cache[h] for h in block_hashes]
+        self._pins.setdefault(seq.seq_id, []).extend(rows)
+        self._pinned.update(rows)
+
+    def arrived(self, seq: Sequence, ok: bool) -> None:
+        """The step copied `seq`'s snapshot up (take_load_row), or failed to (`ok` False: its row is free
+        again); its pins go."""
+        self._pinned.subtract(self._pins.pop(seq.seq_id, []))
+        entry = self._arriving.pop(seq.seq_id, None)
+        if entry is None:
+            return
+        block_hash, row = entry
+        if ok:
+            self._cache_snapshot(block_hash, row)
+        else:
+            self.free_snapshots.append(row)
 
     def note_branch(self, seq: Sequence, boundary: int) -> None:
         """`seq`'s prompt shares its first `boundary` tokens with prompts seen before, past the last snapshot
@@ -187,16 +243,23 @@ class RecurrentStates:
             if not save.own:
                 self.free_snapshots.append(save.row)
         self._branches.pop(seq.seq_id, None)
+        self.arrived(seq, ok=False)  # a load it was waiting for (aborted while loading)
         if seq.state_slot >= 0:
             self.free_slots.append(seq.state_slot)
             seq.state_slot = -1
 
-    def _take_snapshot_row(self) -> int:
+    def _take_snapshot_row(self, avoid: set[int] | frozenset[int] = frozenset()) -> int:
+        """A free row, or the least recently used cached one neither in `avoid` nor pinned (its snapshot
+        spilled); -1."""
         if self.free_snapshots:
             return self.free_snapshots.pop()
-        if self.cache:
-            block_hash, row = self.cache.popitem(last=False)
+        for block_hash, row in self.cache.items():
+            if row in avoid or self._pinned[row] > 0:
+                continue
+            del self.cache[block_hash]  # the loop ends here
             self.events.evict(block_hash)
+            if self.spill is not None:
+                self.spill(block_hash, row)
             return row
         return -1
 

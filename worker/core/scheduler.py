@@ -53,6 +53,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # kept sorted by Sequence.sort_key
         self.running: list[Sequence] = []  # kept sorted by Sequence.sort_key
         self.loading: list[Sequence] = []  # admitted, their lower tiers' blocks on their way up
+        # A hybrid model's sequences whose loads arrived: their first chunk restores their state snapshot.
+        self._resuming: set[int] = set()
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -60,6 +62,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
+        states = self.block_manager.states
+        if states is not None:
+            states.begin_step()
         decodes: list[ScheduledSequence] = []
         prefills: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
@@ -96,6 +101,10 @@ class Scheduler:
             if seq.status is not running:
                 continue
             item = ScheduledSequence(seq, seq.num_computed_tokens, num_new)
+            if seq.seq_id in self._resuming:
+                self._resuming.remove(seq.seq_id)
+                assert states is not None  # only a hybrid model's sequences resume
+                item.state_restore = states.restore(seq)
             (decodes if num_new == 1 else prefills).append(item)
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
@@ -103,12 +112,12 @@ class Scheduler:
         loading: list[LoadingSequence] = []
         if not preempted:
             self._admit_waiting(budget, decodes, prefills, loading)
-        transfers = self.block_manager.take_transfers()
         scheduled = decodes + prefills
-        states = self.block_manager.states
         if states is not None and states.caching:  # a hybrid model's state copies at block boundaries
             for item in scheduled:
                 item.state_saves = states.plan_saves(item.seq, item.start, item.start + item.num_new_tokens)
+        # After the saves: a snapshot whose row they take may go down to a lower tier in this step.
+        transfers = self.block_manager.take_transfers()
         return SchedulerOutput(scheduled, len(decodes), transfers, loading)
 
     def _admit_waiting(
@@ -187,6 +196,8 @@ class Scheduler:
             self.loading.remove(seq)
             bm.finish_loads(seq, item.block_hashes, failed)
             self._start_running(seq, len(seq.block_hashes) * bm.block_size)
+            if bm.states is not None:
+                self._resuming.add(seq.seq_id)
 
     def _pick_victim(self, scheduled_ids: set[int]) -> Sequence:
         """Lowest priority, newest arrival among running requests not already scheduled this step."""
@@ -197,6 +208,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        self._resuming.discard(seq.seq_id)
         seq.num_draft_tokens = 0  # the draft model's KV went with the blocks
         self.running.remove(seq)
         seq.transition(SequenceStatus.WAITING)
@@ -214,6 +226,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.transition(status)
         self.block_manager.free(seq)
+        self._resuming.discard(seq.seq_id)
 
     @staticmethod
     def on_launch(sched: SchedulerOutput) -> None:

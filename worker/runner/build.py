@@ -466,32 +466,48 @@ class ModelRunnerBase:
     def _kv_offload(self) -> KVOffload:
         """The copies to and from the prefix cache's host and disk tiers (worker/runner/kv_offload.py),
         sized by their flags, which count the worker's bytes: each rank holds its share of every block in
-        the same number of slots, and its share of the disk's bytes in a directory of its own."""
+        the same number of slots, and its share of the disk's bytes in a directory of its own. A hybrid
+        model's state snapshots go down with their blocks: state_cache_fraction of the host memory holds
+        them (as of the device's budget), each rank its share of every row."""
         config = self.config
         block = self.kv_cache[:, :, 0]
         block_nbytes = block.numel() * block.element_size()
-        host_blocks = 0
+        states = self._state_tensors() if self.num_state_snapshots else []
+        state_nbytes = sum(t[0].numel() * t.element_size() for t in states)
+        host_blocks = host_state_rows = 0
         if config.kv_host_memory is not None:
             available = psutil.virtual_memory().available
             assert config.kv_host_size is not None  # read from kv_host_memory
-            host_bytes = config.kv_host_size.of(available)
             # A fraction of free RAM is read on each rank while the others allocate theirs: the least wins.
-            host_blocks = self.tp.all_reduce_min(host_bytes // (block_nbytes * self.tp.size))
+            host_bytes = self.tp.all_reduce_min(config.kv_host_size.of(available) // self.tp.size)
+            if state_nbytes:
+                host_state_rows = int(host_bytes * config.state_cache_fraction) // state_nbytes
+            host_blocks = (host_bytes - host_state_rows * state_nbytes) // block_nbytes
         disk = None
         if config.kv_disk_path is not None:
             capacity = config.kv_disk_capacity // self.tp.size
             digest = model_digest(
-                config, tuple(block.shape), self.dtype, self.device, self.tp, self._kv_scales()
-            )
-            disk = DiskTier(config.kv_disk_path, capacity, digest, block_nbytes)
+                config, tuple(block.shape), self.dtype, self.device, self.tp, self._kv_scales(),
+                [(tuple(t.shape[1:]), t.dtype) for t in states],
+            )  # fmt: skip
+            disk = DiskTier(config.kv_disk_path, capacity, digest, block_nbytes, state_nbytes)
         if self.tp.rank == 0:
             log.info(
                 "kv_tiers",
                 host_blocks=host_blocks,
-                disk_blocks=disk.capacity if disk is not None and disk.writable else 0,
+                host_state_rows=host_state_rows,
+                disk_bytes=disk.capacity if disk is not None and disk.writable else 0,
                 disk_path=config.kv_disk_path,
             )
-        return KVOffload(self.kv_cache, host_blocks, disk)
+        return KVOffload(self.kv_cache, host_blocks, disk, states, host_state_rows)
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        """A hybrid model's state tensors, indexed by row first: each linear-attention layer's convolution
+        and recurrent state, in that order (a snapshot's order in a disk file)."""
+        model = cast("Qwen3_5ForCausalLM", self.model)
+        return [
+            t for layer in model.linear_attention_layers() for t in (layer.conv_state, layer.recurrent_state)
+        ]
 
     def _kv_scales(self) -> list[float]:
         """Every layer's FP8 scales in one list (empty for a cache in the model's dtype)."""

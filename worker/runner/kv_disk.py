@@ -2,9 +2,13 @@
 by the model's digest, size-capped, least recently used out first.
 
 A file is a header (magic, the model digest, the block hash, the payload's length and xxh3 checksum) and
-the block's bytes. It is written to a temporary name and renamed, so a crash leaves either the whole file
-or none; a file that is short, long, or fails its checksum is deleted and never served. Files written by a
-worker with the same model, config and KV layout (the same digest) are found again after a restart.
+the payload: the block's bytes and, for a hybrid model's block that ends at a state snapshot, the
+snapshot's bytes after them (each linear-attention layer's convolution row, then its recurrent row), which
+the length and checksum cover as they cover the block's. It is written to a temporary name and renamed, so a
+crash leaves either the whole file or none; a file that is short, long, or fails its checksum is deleted
+and never served. A snapshot joins a file written before it (`add_state`) by writing the file again.
+Files written by a worker with the same model, config and KV layout (the same digest) are found again
+after a restart, their snapshots with them.
 
 Which hashes the tier holds is the scheduler's to know (worker/core/kv_tiers.py): this module finds the
 files a previous run left, and reads, writes and deletes them for the runner (worker/runner/kv_offload.py),
@@ -43,12 +47,14 @@ def model_digest(
     device: torch.device,
     tp: TPContext,
     kv_scales: list[float],
+    state_rows: list[tuple[tuple[int, ...], torch.dtype]] | None = None,
 ) -> bytes:
     """16 bytes naming everything a block's KV depends on: the model's configuration and weight files,
     the weight format, the dtype, the KV cache's dtype and an FP8 cache's scales, the block's layout, the kernels' rounding (the device type and
     --deterministic's batch-invariant kernels), and the tensor-parallel rank whose share of the heads it
-    is. A weight file is named by its name, size and first and last MiB (hashing every byte of a large
-    model at each start would cost a minute)."""
+    is; for a hybrid model, the layout of a state snapshot's rows (`state_rows`: each one's shape and
+    dtype, in the file's order). A weight file is named by its name, size and first and last MiB (hashing
+    every byte of a large model at each start would cost a minute)."""
     h = hashlib.sha256()
     cfg = config.model_config
     facts = {
@@ -63,6 +69,8 @@ def model_digest(
         "deterministic": config.deterministic,
         "tensor_parallel": [tp.rank, tp.size],
     }
+    if state_rows:  # only then: the files of a model without state keep their directory
+        facts["state_rows"] = [[list(shape), str(dtype)] for shape, dtype in state_rows]
     h.update(json.dumps(facts, sort_keys=True).encode())
     model = Path(config.gguf_file or config.model)
     files = [model] if model.is_file() else sorted(model.glob("*.safetensors")) + [model / "config.json"]
@@ -93,17 +101,28 @@ class TierFaults:
 
 
 class DiskTier:
-    def __init__(self, root: str, capacity_bytes: int, digest: bytes, block_nbytes: int) -> None:
+    def __init__(
+        self, root: str, capacity_bytes: int, digest: bytes, block_nbytes: int, state_nbytes: int = 0
+    ) -> None:
+        """`state_nbytes`: a hybrid model's state snapshot's bytes (0: a block never holds one)."""
         self.directory = Path(root) / digest.hex()
         self.digest = digest
         self.block_nbytes = block_nbytes
-        self.file_bytes = _HEADER.size + block_nbytes
-        self.capacity = capacity_bytes // self.file_bytes  # in blocks
+        self.state_nbytes = state_nbytes
+        self.file_bytes = _HEADER.size + block_nbytes  # without a snapshot (with one: state_nbytes more)
+        self.capacity = capacity_bytes  # the bytes of its files
         self.faults = TierFaults("disk")
         self.failed_writes: collections.deque[int] = collections.deque()  # appended by the offload thread
         self.writable = self._prepare()
-        # The hashes of the files a previous run left, least recently written first.
-        self.found: list[int] = self._scan() if self.writable else []
+        # The hashes of the files a previous run left, least recently written first, and whether each
+        # holds a state snapshot.
+        self.found: list[tuple[int, bool]] = self._scan() if self.writable else []
+
+    def _payload_sizes(self) -> tuple[int, ...]:
+        """A payload's possible lengths: the block's, and with a snapshot after it."""
+        if self.state_nbytes:
+            return (self.block_nbytes, self.block_nbytes + self.state_nbytes)
+        return (self.block_nbytes,)
 
     def _prepare(self) -> bool:
         try:
@@ -116,11 +135,12 @@ class DiskTier:
             return False
         return True
 
-    def _scan(self) -> list[int]:
+    def _scan(self) -> list[tuple[int, bool]]:
         """The files a previous run left, oldest first, the oldest deleted beyond the capacity; a file of the
         wrong size, or a temporary one a crash left, is deleted."""
         for leftover in self.directory.glob("*.tmp"):
             leftover.unlink(missing_ok=True)
+        sizes = [_HEADER.size + n for n in self._payload_sizes()]
         found = []
         for path in self.directory.glob(f"*{_SUFFIX}"):
             try:
@@ -128,18 +148,21 @@ class DiskTier:
                 stat = path.stat()
             except (ValueError, OSError):
                 continue
-            if stat.st_size != self.file_bytes:
-                self.faults.record("bad_size", path=str(path), size=stat.st_size, expected=self.file_bytes)
+            if stat.st_size not in sizes:
+                self.faults.record("bad_size", path=str(path), size=stat.st_size, expected=sizes)
                 path.unlink(missing_ok=True)
                 continue
-            found.append((stat.st_mtime_ns, block_hash))
-        hashes = [block_hash for _, block_hash in sorted(found)]
-        excess = max(len(hashes) - self.capacity, 0)
-        for block_hash in hashes[:excess]:
-            self.remove(block_hash)
-        if hashes:
-            log.info("kv_disk_tier_found", directory=str(self.directory), blocks=len(hashes) - excess)
-        return hashes[excess:]
+            found.append((stat.st_mtime_ns, block_hash, stat.st_size))
+        found.sort()
+        held = sum(size for _, _, size in found)
+        excess = 0
+        while held > self.capacity:
+            held -= found[excess][2]
+            self.remove(found[excess][1])
+            excess += 1
+        if len(found) > excess:
+            log.info("kv_disk_tier_found", directory=str(self.directory), blocks=len(found) - excess)
+        return [(block_hash, size > self.file_bytes) for _, block_hash, size in found[excess:]]
 
     def path(self, block_hash: int) -> Path:
         return self.directory / f"{block_hash:016x}{_SUFFIX}"
@@ -149,7 +172,20 @@ class DiskTier:
 
     def write(self, block_hash: int, block: torch.Tensor) -> None:
         """Write one block (a contiguous CPU tensor); on the offload thread."""
-        payload = block.view(-1).view(torch.uint8).numpy().tobytes()
+        self._write(block_hash, _bytes(block))
+
+    def add_state(self, block_hash: int, state: list[torch.Tensor]) -> None:
+        """Write the file of `block_hash` again with a state snapshot (its rows, contiguous CPU tensors)
+        after the block; on the offload thread, after the block's own write. A file that is gone or fails
+        its check counts as a failed write (the tier no longer holds the block)."""
+        payload = self.read(block_hash)
+        if payload is None:
+            self.failed_writes.append(block_hash)
+            return
+        if len(payload) == self.block_nbytes:  # one written by another run may hold one already
+            self._write(block_hash, payload + b"".join(_bytes(row) for row in state))
+
+    def _write(self, block_hash: int, payload: bytes) -> None:
         header = _HEADER.pack(
             _MAGIC, self.digest, block_hash, len(payload), xxhash.xxh3_64_intdigest(payload)
         )
@@ -167,8 +203,9 @@ class DiskTier:
             self.failed_writes.append(block_hash)
 
     def read(self, block_hash: int) -> bytes | None:
-        """The block's bytes, or None (the file deleted and the fault counted) when the file is not
-        exactly what `write` wrote for this model and hash."""
+        """The file's payload (the block's bytes, and a state snapshot's after them if it holds one), or None
+        (the file deleted and the fault counted) when the file is not exactly what `write` or `add_state`
+        wrote for this model and hash."""
         path = self.path(block_hash)
         try:
             data = path.read_bytes()
@@ -183,11 +220,17 @@ class DiskTier:
         return data[_HEADER.size :]
 
     def _check(self, data: bytes, block_hash: int) -> str | None:
-        if len(data) != self.file_bytes:
-            return f"{len(data)} bytes, expected {self.file_bytes}"
+        sizes = self._payload_sizes()
+        if len(data) - _HEADER.size not in sizes:
+            return f"{len(data)} bytes, expected {' or '.join(str(_HEADER.size + n) for n in sizes)}"
         magic, digest, stored_hash, length, checksum = _HEADER.unpack_from(data)
         if magic != _MAGIC or digest != self.digest or stored_hash != block_hash:
             return "header does not name this model and block"
-        if length != self.block_nbytes or xxhash.xxh3_64_intdigest(data[_HEADER.size :]) != checksum:
+        if length != len(data) - _HEADER.size or xxhash.xxh3_64_intdigest(data[_HEADER.size :]) != checksum:
             return "checksum mismatch"
         return None
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    """A contiguous CPU tensor's bytes."""
+    return tensor.reshape(-1).view(torch.uint8).numpy().tobytes()

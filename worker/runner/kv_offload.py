@@ -8,6 +8,12 @@ down is done (a fence). Copies up are made before the forward pass that reads th
 its copy down is done, from a disk file once the thread has written everything it was given. A disk file
 that fails its check is deleted and its load reported as failed on every rank, so the request recomputes
 the block.
+
+A hybrid model's state snapshot rows (each linear-attention layer's convolution and recurrent rows) go
+down the same way beside their block, into a host state row and into the block's file, and come up into
+a device snapshot row with a hit that resumes there. A snapshot goes down as its device row is about to
+be written again, so that copy is waited for at once (on CUDA by the device, not the host); only its
+write to disk is left to the offload thread.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import torch
 
 from nanovllm.common.logging import get_logger
 from nanovllm.worker.runner.kv_disk import DiskTier, TierFaults
-from nanovllm.worker.step import KVLoad, KVStore, KVTransfers
+from nanovllm.worker.step import KVLoad, KVStore, KVTransfers, StateStore
 
 log = get_logger(__name__)
 
@@ -37,19 +43,35 @@ class TierTimes:
 class KVOffload:
     """Host slots and disk files under one device KV cache of shape (2, layers, blocks, block_size, heads,
     dim): `host_slots` blocks of host memory (pinned when the device is a GPU), and `disk` when it is
-    writable."""
+    writable. A hybrid model's `states` (its state tensors, each indexed by row first) have
+    `host_state_rows` rows of host memory beside the slots."""
 
-    def __init__(self, kv_cache: torch.Tensor, host_slots: int, disk: DiskTier | None) -> None:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        host_slots: int,
+        disk: DiskTier | None,
+        states: list[torch.Tensor] | None = None,
+        host_state_rows: int = 0,
+    ) -> None:
         self.kv_cache = kv_cache
         block_shape = (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[3:])
         self.block_nbytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()
         on_gpu = kv_cache.device.type == "cuda"
+        self._pin = on_gpu
         self.host_slots = host_slots
         self.host = (
             torch.empty((host_slots, *block_shape), dtype=kv_cache.dtype, pin_memory=on_gpu)
             if host_slots
             else None
         )
+        self.states = states or []
+        self.state_nbytes = sum(t[0].numel() * t.element_size() for t in self.states)
+        self.host_state_rows = host_state_rows if self.states else 0
+        self.host_states = [
+            torch.empty((self.host_state_rows, *t.shape[1:]), dtype=t.dtype, pin_memory=on_gpu)
+            for t in self.states
+        ]
         self.disk = disk if disk is not None and disk.writable else None
         self.stats = {
             "host": TierTimes(),
@@ -59,6 +81,7 @@ class KVOffload:
         self._stream = torch.cuda.Stream(kv_cache.device) if on_gpu else None
         self._copying: dict[int, Future | torch.cuda.Event] = {}  # device block -> its copy down
         self._busy: dict[int, Future] = {}  # host slot -> the offload task still reading or writing it
+        self._busy_states: dict[int, Future] = {}  # host state row -> the disk write still reading it
         self._unwritten: set[int] = set()  # hashes whose last write to disk failed on this rank
         self._unreported: list[int] = []  # ... not yet handed back by `run` or `drain`
 
@@ -67,6 +90,8 @@ class KVOffload:
         and the hashes whose write to disk failed since the last call."""
         for store in transfers.stores:
             self._store(store)
+        for state_store in transfers.state_stores:
+            self._store_state(state_store)
         for block_hash in transfers.disk_drops:
             self._unwritten.discard(block_hash)
             if self.disk is not None:
@@ -134,6 +159,46 @@ class KVOffload:
         self._copying[block_id] = future
         return future
 
+    def _store_state(self, store: StateStore) -> None:
+        """Copy a snapshot row down (waited for: the row is written again from this step on) into its
+        host state row, or a buffer of its own, and with `to_disk` on into its block's file."""
+        started = time.perf_counter()
+        rows = [t[store.row] for t in self.states]
+        if store.host_row >= 0:
+            if store.host_row in self._busy_states:  # its last snapshot is still being written to disk
+                self._busy_states.pop(store.host_row).result()
+            staging = [h[store.host_row] for h in self.host_states]
+        else:
+            staging = [torch.empty_like(row, device="cpu", pin_memory=self._pin) for row in rows]
+        disk = self.disk if store.to_disk else None
+        if store.to_disk and disk is not None:
+            self._unwritten.discard(store.block_hash)
+        done = None
+        if self._stream is not None:  # CUDA: the copy on the offload stream; the device waits for it
+            device = self.kv_cache.device
+            self._stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(self._stream):
+                for target, row in zip(staging, rows):
+                    target.copy_(row, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self._stream)
+            torch.cuda.current_stream(device).wait_event(done)
+        else:
+            for target, row in zip(staging, rows):
+                target.copy_(row)
+        if disk is not None:
+
+            def task() -> None:
+                if done is not None:
+                    done.synchronize()
+                disk.add_state(store.block_hash, staging)
+
+            future = self._thread.submit(task)
+            if store.host_row >= 0:
+                self._busy_states[store.host_row] = future
+        tier = "host" if store.host_row >= 0 else "disk"
+        self.stats[tier].seconds_down += time.perf_counter() - started
+
     def _fence(self, block_id: int) -> None:
         """Block `block_id` is about to be written again: its copy down must be done first."""
         copying = self._copying.pop(block_id, None)
@@ -155,6 +220,9 @@ class KVOffload:
                 self._busy.pop(load.host_slot).result()
             assert self.host is not None  # a host slot: the host tier
             target.copy_(self.host[load.host_slot], non_blocking=True)
+            if load.state_row >= 0:  # its snapshot's host copy was made when it went down
+                for state, host in zip(self.states, self.host_states):
+                    state[load.state_row].copy_(host[load.host_state_row], non_blocking=True)
         else:
             tier = "disk"
             if self.disk is None:
@@ -167,8 +235,21 @@ class KVOffload:
             payload = read[load.block_hash]
             if payload is None:
                 return False
-            block = torch.frombuffer(bytearray(payload), dtype=target.dtype).view(target.shape)
-            target.copy_(block)
+            if load.state_row >= 0 and len(payload) != self.block_nbytes + self.state_nbytes:
+                # The scheduler's index said the file holds a snapshot: a write that replaced it failed.
+                self.stats["disk"].faults.record("no_state", block_hash=f"{load.block_hash:016x}")
+                return False
+            kv = payload[: self.block_nbytes]
+            target.copy_(torch.frombuffer(bytearray(kv), dtype=target.dtype).view(target.shape))
+            if load.state_row >= 0:
+                offset = self.block_nbytes
+                for state in self.states:
+                    row = state[load.state_row]
+                    end = offset + row.numel() * row.element_size()
+                    row.copy_(
+                        torch.frombuffer(bytearray(payload[offset:end]), dtype=row.dtype).view(row.shape)
+                    )
+                    offset = end
         self.stats[tier].seconds_up += time.perf_counter() - started
         return True
 
