@@ -25,11 +25,26 @@ import torch
 from nanovllm import LLM, SamplingParams
 from tests.model_factory import build_model, write_gguf
 
+# Qwen3.5's: its multimodal RoPE sections sized to the 2 rotated pairs of its 16-dimension heads (llama.cpp
+# asserts they fit; without any in the config the converter writes the published models' 11, 11, 10).
+_QWEN35 = {
+    "num_hidden_layers": 4,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [1, 1, 0],
+        "mrope_interleaved": True,
+    },
+}
 CASES = {  # name: (architecture, config overrides)
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"head_dim": 32}),
     "qwen3-moe top-2": ("qwen3_moe", {"head_dim": 32, "norm_topk_prob": True}),
     "qwen3-moe top-8": ("qwen3_moe", {"head_dim": 32, "norm_topk_prob": True, "num_experts_per_tok": 8}),
+    # 3 Gated DeltaNet layers and 1 full-attention layer, 4 value heads over 2 key heads (tiled in the file)
+    "qwen3.5": ("qwen3_5", _QWEN35),
+    "qwen3.5-moe top-2": ("qwen3_5_moe", {**_QWEN35, "shared_expert_intermediate_size": 64}),
 }
 
 

@@ -61,6 +61,51 @@ def hf_logits(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
     return hf_model(model_dir)(torch.tensor([token_ids])).logits[0].float()
 
 
+@torch.inference_mode()
+def float32_references(model_dir: Path, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """transformers' logits in float32 and in float64 (the exact logits, for float32's purposes; its
+    experts one by one, as its grouped matmul takes no float64), and how far float32's rounding can move
+    them: the most the float64 logits moved when the embeddings were rounded as float32 rounds (a
+    relative 2^-24 of noise, 8 draws)."""
+    ids = torch.tensor([prompt])
+    hf32 = hf_model(model_dir)(ids).logits[0].double()
+    hf64 = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float64, experts_implementation="eager"
+    )
+    embeddings = hf64.eval().model.embed_tokens(ids)
+    exact = hf64(inputs_embeds=embeddings).logits[0]
+    gen = torch.Generator().manual_seed(0)
+    moved = 0.0
+    for _ in range(8):
+        noise = 1 + 2**-24 * torch.randn(embeddings.shape, generator=gen, dtype=torch.float64)
+        moved = max(moved, (hf64(inputs_embeds=embeddings * noise).logits[0] - exact).abs().max().item())
+    return hf32, exact, moved
+
+
+def assert_within_float32_rounding(
+    ours: torch.Tensor, hf32: torch.Tensor, exact: torch.Tensor, moved: float, where: str
+) -> None:
+    """Within 1e-4 of transformers' float32 logits (the bound every dense model here meets), or, at a
+    position where the model amplifies rounding beyond that, within 4x what float32 rounding does to
+    the exact logits: the larger of transformers' own float32 error and the logits' move under float32
+    rounding of the embeddings alone (every layer rounds as well, so a correct float32 computation
+    lands a few times that away). A linear layer's gated norm divides each head's output by its RMS, which
+    some tokens' heads bring near zero (0.001 against a median of 0.3 on these weights): there the logits
+    move by up to 8e-5 under the embeddings' rounding alone (1e-5 at the other positions), and the engine's
+    logits were up to 1.6e-4 from the exact ones while transformers' happened to be 8e-6 (Qwen3.5's random
+    models, tests/test_qwen3_5.py). `hf32`, `exact`, `moved`: float32_references."""
+    ours = ours.double()
+    if (ours - hf32).abs().max() <= 1e-4:
+        return
+    own_error = (hf32 - exact).abs().max().item()
+    error = (ours - exact).abs().max().item()
+    assert error <= 4 * max(own_error, moved), (
+        f"{where}: {(ours - hf32).abs().max():.2e} from transformers' float32 logits, {error:.2e} from the "
+        f"float64 ones (transformers' float32: {own_error:.2e}; float32 rounding of the embeddings moves "
+        f"them {moved:.2e})"
+    )
+
+
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 

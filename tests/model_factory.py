@@ -196,14 +196,52 @@ _GGUF_LAYER_TENSORS = {
     "mlp.down_proj": "ffn_down",
     "mlp.gate": "ffn_gate_inp",
 }
-_GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+# Qwen3.5's, where they differ or add to those (gguf's MODEL_TENSORS[MODEL_ARCH.QWEN35 / QWEN35MOE]).
+_GGUF_QWEN35_TENSORS = {
+    "post_attention_layernorm": "post_attention_norm",
+    "linear_attn.in_proj_qkv": "attn_qkv",
+    "linear_attn.in_proj_z": "attn_gate",
+    "linear_attn.in_proj_b": "ssm_beta",
+    "linear_attn.in_proj_a": "ssm_alpha",
+    "linear_attn.out_proj": "ssm_out",
+    "linear_attn.conv1d": "ssm_conv1d",
+    "linear_attn.norm": "ssm_norm",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+# ... and the two whose names end otherwise than .weight in one layout or the other.
+_GGUF_QWEN35_RENAMED = {"linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias"}
+_GGUF_ARCH = {
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3moe",
+    "qwen3_5_text": "qwen35",
+    "qwen3_5_moe_text": "qwen35moe",
+}
+# Tensors llama.cpp's converter keeps in float32 whatever the file's type (besides 1-D ones and norms).
+_GGUF_FLOAT_TENSORS = (".ffn_gate_inp.", ".ffn_gate_inp_shexp.", ".ssm_conv1d.")
 
 
-def write_gguf(model_dir: Path, path: Path, quant: str = "F32", pre: str = "gpt-2") -> Path:
-    """Write a build_model checkpoint (qwen2, qwen3 or qwen3_moe) as llama.cpp's converter would: its
-    metadata, its byte-level BPE vocabulary, each projection in `quant` (F32 or Q8_0; norms, biases and
-    routers stay F32 as llama.cpp keeps them) and each layer's experts stacked into one 3-D tensor per
-    projection (ffn_{gate,up,down}_exps, [experts, out, in]). `pre`: the pre-tokenizer the file names."""
+def write_gguf(
+    model_dir: Path,
+    path: Path,
+    quant: str = "F32",
+    pre: str = "gpt-2",
+    *,
+    fuse_gate_up: bool = False,
+    mtp: bool = False,
+) -> Path:
+    """Write a build_model checkpoint (qwen2, qwen3, qwen3_moe, qwen3_5 or qwen3_5_moe) as llama.cpp's
+    converter would: its metadata, its byte-level BPE vocabulary, each projection in `quant` (F32, Q8_0,
+    Q4_1, ...; F16 where a row does not divide into the type's blocks; norms, biases, routers and the
+    convolution stay F32 as llama.cpp keeps them) and each layer's experts stacked into one 3-D tensor per
+    projection (ffn_{gate,up,down}_exps, [experts, out, in]; with `fuse_gate_up` gate and up in one,
+    ffn_gate_up_exps, as the converter's --fuse-gate-up-exps writes them). Qwen3.5's tensors change as the
+    converter changes them (_as_llama_cpp_converts); `mtp` appends a multi-token prediction block as the
+    converter writes a checkpoint's (the checkpoint has none: a copy of its last full-attention layer and
+    random nextn tensors). `pre`: the pre-tokenizer the file names."""
     import json
 
     import gguf
@@ -212,11 +250,14 @@ def write_gguf(model_dir: Path, path: Path, quant: str = "F32", pre: str = "gpt-
 
     config = json.loads((model_dir / "config.json").read_text())
     arch = _GGUF_ARCH[config["model_type"]]
+    hybrid = arch in ("qwen35", "qwen35moe")
+    layers = config["num_hidden_layers"]
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_block_count(layers + (1 if mtp else 0))
+    if "intermediate_size" in config:  # Qwen3.5-MoE has none
+        writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
@@ -230,12 +271,18 @@ def write_gguf(model_dir: Path, path: Path, quant: str = "F32", pre: str = "gpt-
         writer.add_rope_scaling_factor(rope["factor"])
         if rope["rope_type"] == "yarn":
             writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    if arch == "qwen3moe":
-        if not config["norm_topk_prob"]:
+    if hybrid:
+        _qwen35_metadata(writer, config, head_dim, mtp)
+    elif mtp:
+        raise ValueError("llama.cpp's converter writes a multi-token prediction block for Qwen3.5 only")
+    if arch in ("qwen3moe", "qwen35moe"):
+        if arch == "qwen3moe" and not config["norm_topk_prob"]:
             raise ValueError("llama.cpp's qwen3moe always renormalises the chosen experts' weights")
         writer.add_expert_count(config.get("num_experts", config.get("num_local_experts")))
         writer.add_expert_used_count(config["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if arch == "qwen35moe":
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
 
     tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
     vocab = {**tokenizer["model"]["vocab"], **{t["content"]: t["id"] for t in tokenizer["added_tokens"]}}
@@ -254,12 +301,16 @@ def write_gguf(model_dir: Path, path: Path, quant: str = "F32", pre: str = "gpt-
     if template:
         writer.add_chat_template(template)
 
+    layer_names = {**_GGUF_LAYER_TENSORS, **(_GGUF_QWEN35_TENSORS if hybrid else {})}
     weights = load_file(str(model_dir / "model.safetensors"))
     experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
     tensors: dict[str, np.ndarray] = {}
     for name, value in weights.items():
+        if hybrid:
+            value = _as_llama_cpp_converts(name, value, config)
         stem, _, suffix = name.rpartition(".")
-        parts = stem.split(".")
+        parts = name.split(".")
+        within = ".".join(parts[3:])  # the name within model.layers.N
         if stem in ("model.embed_tokens", "model.norm", "lm_head"):
             gguf_stem = {
                 "model.embed_tokens": "token_embd",
@@ -267,23 +318,121 @@ def write_gguf(model_dir: Path, path: Path, quant: str = "F32", pre: str = "gpt-
                 "lm_head": "output",
             }[stem]
             tensors[f"{gguf_stem}.{suffix}"] = value
-        elif parts[3:5] == ["mlp", "experts"]:  # model.layers.N.mlp.experts.E.<projection>
+        elif hybrid and within in _GGUF_QWEN35_RENAMED:
+            tensors[f"blk.{parts[2]}.{_GGUF_QWEN35_RENAMED[within]}"] = value
+        elif parts[3:5] == ["mlp", "experts"]:  # model.layers.N.mlp.experts.E.<projection>.weight
             experts.setdefault((int(parts[2]), parts[6]), {})[int(parts[5])] = value
         else:
-            tensors[f"blk.{parts[2]}.{_GGUF_LAYER_TENSORS['.'.join(parts[3:])]}.{suffix}"] = value
+            tensors[f"blk.{parts[2]}.{layer_names[within.rpartition('.')[0]]}.{suffix}"] = value
     for (layer, projection), by_expert in experts.items():
         stacked = np.stack([by_expert[e] for e in range(len(by_expert))])
         tensors[f"blk.{layer}.ffn_{projection.removesuffix('_proj')}_exps.weight"] = stacked
+    if fuse_gate_up:
+        for layer in sorted({layer for layer, _ in experts}):
+            gate = tensors.pop(f"blk.{layer}.ffn_gate_exps.weight")
+            up = tensors.pop(f"blk.{layer}.ffn_up_exps.weight")
+            tensors[f"blk.{layer}.ffn_gate_up_exps.weight"] = np.concatenate([gate, up], axis=1)
+    if mtp:
+        tensors |= _mtp_block(tensors, config)
     for name, value in sorted(tensors.items()):
         value = np.ascontiguousarray(value, dtype=np.float32)
-        if quant == "F32" or value.ndim == 1 or ".ffn_gate_inp." in name:
+        if (
+            quant == "F32"
+            or value.ndim == 1
+            or name.endswith("_norm.weight")
+            or any(part in name for part in _GGUF_FLOAT_TENSORS)
+        ):
             writer.add_tensor(name, value)
-        else:
-            qtype = gguf.GGMLQuantizationType[quant]
+            continue
+        qtype = gguf.GGMLQuantizationType[quant]
+        try:
             data = gguf.quants.quantize(value, qtype)
-            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+        except gguf.QuantError:  # as the converter: rows that do not divide into blocks go F16
+            writer.add_tensor(name, value.astype(np.float16))
+            continue
+        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _qwen35_metadata(writer, config: dict, head_dim: int, mtp: bool) -> None:
+    """Qwen3.5's keys as llama.cpp's converter writes them: the linear layers' shape as ssm.*, the layer
+    kinds as full_attention_interval (4 unless the config says otherwise: the converter does not read
+    layer_types, so a config whose layer_types break the pattern would make a wrong file), the rotated
+    dimensions and the multimodal RoPE sections (the converter's default when the config has none)."""
+    layers = config["num_hidden_layers"]
+    interval = config.get("full_attention_interval", 4)
+    pattern = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    if config.get("layer_types", pattern) != pattern:
+        raise ValueError(
+            f"layer_types {config['layer_types']} are not every {interval}th layer full attention"
+        )
+    writer.add_full_attention_interval(interval)
+    writer.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
+    writer.add_ssm_state_size(config["linear_key_head_dim"])
+    writer.add_ssm_group_count(config["linear_num_key_heads"])
+    writer.add_ssm_time_step_rank(config["linear_num_value_heads"])
+    writer.add_ssm_inner_size(config["linear_value_head_dim"] * config["linear_num_value_heads"])
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.25)))
+    sections = list(rope.get("mrope_section", [11, 11, 10]))
+    writer.add_rope_dimension_sections((sections + [0, 0, 0, 0])[:4])
+    if mtp:
+        writer.add_nextn_predict_layers(1)
+
+
+def _as_llama_cpp_converts(name: str, value, config: dict):
+    """A Qwen3.5 checkpoint tensor (numpy, float32) as llama.cpp's converter writes it: with more value
+    heads than key heads, the value heads from grouped by key head to tiled order (the value rows of
+    in_proj_qkv and the convolution, the rows of in_proj_z, in_proj_b and in_proj_a, A_log's and dt_bias's
+    entries, out_proj's columns); A_log as -exp(A_log); the convolution [C, 1, K] squeezed to [C, K]; each
+    zero-centred norm (all but the linear layers' own) as 1 + w."""
+    import numpy as np
+
+    keys, values = config["linear_num_key_heads"], config["linear_num_value_heads"]
+
+    def tiled(x, width):  # rows [key head, its value heads, width] -> [value head, key head, width]
+        return x.reshape(keys, values // keys, width, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+
+    if "conv1d" in name:
+        value = value.squeeze()
+    if keys != values and ".linear_attn." in name:
+        dv, qk = config["linear_value_head_dim"], 2 * keys * config["linear_key_head_dim"]
+        if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+            value = np.concatenate([value[:qk], tiled(value[qk:], dv)])
+        elif name.endswith("in_proj_z.weight"):
+            value = tiled(value, dv)
+        elif name.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
+            value = tiled(value, 1)
+        elif name.endswith("out_proj.weight"):
+            value = tiled(value.T, dv).T
+    if name.endswith("A_log"):
+        return (-torch.exp(torch.from_numpy(np.array(value)))).numpy()
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        return value + np.float32(1)
+    return value
+
+
+def _mtp_block(tensors: dict, config: dict) -> dict:
+    """A multi-token prediction block after the layers, as the converter writes one: a full-attention
+    layer (here a copy of the last one) with the nextn tensors (random)."""
+    import numpy as np
+
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    kinds = config.get("layer_types") or []
+    last = max(i for i in range(layers) if kinds[i] == "full_attention")
+    block = {
+        name.replace(f"blk.{last}.", f"blk.{layers}.", 1): value
+        for name, value in tensors.items()
+        if name.startswith(f"blk.{last}.")
+    }
+    rng = np.random.default_rng(0)
+    block[f"blk.{layers}.nextn.eh_proj.weight"] = rng.standard_normal((hidden, 2 * hidden)).astype(np.float32)
+    for norm in ("enorm", "hnorm", "shared_head_norm"):
+        block[f"blk.{layers}.nextn.{norm}.weight"] = (1 + 0.1 * rng.standard_normal(hidden)).astype(
+            np.float32
+        )
+    return block

@@ -214,6 +214,13 @@ def test_assign_quantizes_copies_and_dequantizes() -> None:
 # --------------------------------------------------------------------------- GGUF as it ships
 
 
+def _tiny_config(architecture: str = "LlamaForCausalLM") -> SimpleNamespace:
+    """What gguf_tensors and gguf_quant_plan read of a ModelConfig, for the tiny files' blocks 0 to 3."""
+    return SimpleNamespace(
+        architecture=architecture, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4
+    )
+
+
 def _tiny_gguf(
     path: Path, kinds: dict[str, str], shape: tuple[int, ...] = (48, 64), arch: str = "llama"
 ) -> dict[str, np.ndarray]:
@@ -238,7 +245,7 @@ def _tiny_gguf(
 def test_gguf_blocks_become_planes_that_dequantize_as_gguf_does(tmp_path: Path) -> None:
     kinds = {"blk.0.ffn_down.weight": "Q4_0", "blk.0.ffn_up.weight": "Q4_1", "blk.0.ffn_gate.weight": "Q8_0"}
     expected = _tiny_gguf(tmp_path / "tiny.gguf", kinds)
-    config = SimpleNamespace(architecture="LlamaForCausalLM", num_attention_heads=4, num_key_value_heads=2)
+    config = _tiny_config()
     tensors = dict(gguf_tensors(tmp_path / "tiny.gguf", config))
     for name, kind in kinds.items():
         hf_name = {"ffn_down": "mlp.down_proj", "ffn_up": "mlp.up_proj", "ffn_gate": "mlp.gate_proj"}
@@ -246,7 +253,7 @@ def test_gguf_blocks_become_planes_that_dequantize_as_gguf_does(tmp_path: Path) 
         packed = tensors[key].read()
         assert isinstance(packed, PackedWeight) and packed.scheme.name == kind
         assert np.array_equal(packed.dequantize(torch.float32).numpy(), expected[name]), kind
-    plan = gguf_quant_plan(tmp_path / "tiny.gguf", DecoderForCausalLM.packed_modules_mapping)
+    plan = gguf_quant_plan(tmp_path / "tiny.gguf", config, DecoderForCausalLM.packed_modules_mapping)
     # gate (Q8_0) and up (Q4_1) fuse into one layer of two types: dequantized; down is served as shipped
     assert plan.by_layer == {"model.layers.0.mlp.down_proj": QuantScheme("Q4_0", 4, 32)}
 
@@ -263,7 +270,7 @@ def test_gguf_expert_tensors_become_one_packed_weight_per_expert(tmp_path: Path,
         "blk.0.ffn_down_exps.weight": "Q4_0",
     }
     expected = _tiny_gguf(tmp_path / "moe.gguf", kinds, shape=(6, 48, 64), arch="qwen3moe")
-    config = SimpleNamespace(architecture="Qwen3MoeForCausalLM", num_attention_heads=4, num_key_value_heads=2)
+    config = _tiny_config("Qwen3MoeForCausalLM")
     tensors = dict(gguf_tensors(tmp_path / "moe.gguf", config))
     projections = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
     assert len(tensors) == 3 * 6
@@ -274,7 +281,7 @@ def test_gguf_expert_tensors_become_one_packed_weight_per_expert(tmp_path: Path,
             ].read()
             assert isinstance(packed, PackedWeight) and packed.scheme.name == kind
             assert np.array_equal(packed.dequantize(torch.float32).numpy(), expected[name][expert]), kind
-    plan = gguf_quant_plan(tmp_path / "moe.gguf", DecoderForCausalLM.packed_modules_mapping)
+    plan = gguf_quant_plan(tmp_path / "moe.gguf", config, DecoderForCausalLM.packed_modules_mapping)
     if up == "Q8_0":
         assert plan.by_layer == {
             **{f"model.layers.0.mlp.experts.{e}.w13": QuantScheme("Q8_0", 8, 32) for e in range(6)},
@@ -289,9 +296,9 @@ def test_gguf_types_not_served_as_they_ship_load_dequantized(tmp_path: Path) -> 
     expected = _tiny_gguf(
         tmp_path / "q5.gguf", {"blk.3.attn_output.weight": "Q5_0", "blk.3.ffn_up.weight": "Q8_0"}
     )
-    plan = gguf_quant_plan(tmp_path / "q5.gguf", DecoderForCausalLM.packed_modules_mapping)
+    config = _tiny_config()
+    plan = gguf_quant_plan(tmp_path / "q5.gguf", config, DecoderForCausalLM.packed_modules_mapping)
     assert plan.by_layer == {"model.layers.3.mlp.gate_up_proj": QuantScheme("Q8_0", 8, 32)}
-    config = SimpleNamespace(architecture="LlamaForCausalLM", num_attention_heads=4, num_key_value_heads=2)
     value = dict(gguf_tensors(tmp_path / "q5.gguf", config))["model.layers.3.self_attn.o_proj.weight"].read()
     assert value.dtype == torch.float32 and np.array_equal(
         value.numpy(), expected["blk.3.attn_output.weight"]

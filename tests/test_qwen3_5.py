@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM
 from nanovllm.common.block_hash import prefix_hashes
@@ -35,7 +34,9 @@ from nanovllm.worker.service.server import TOKENIZER_FILES
 from tests.chat_templates import QWEN3
 from tests.helpers import (
     QUANTIZED_LOGPROB_TOL,
+    assert_within_float32_rounding,
     compare_tp,
+    float32_references,
     greedy,
     greedy_with_logprobs,
     hf_greedy,
@@ -94,55 +95,11 @@ def test_greedy_tokens_and_logits_equal_transformers(hybrid_model: Path, backend
     outs = llm.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out["token_ids"] == hf_greedy(hybrid_model, prompt, MAX_NEW)
-    references = [_references(hybrid_model, prompt) for prompt in prompts[1:]]
+    references = [float32_references(hybrid_model, prompt) for prompt in prompts[1:]]
     for chunk in (1000, 7, 1):
         for index, logits in enumerate(teacher_forced_logits(llm, prompts[1:], chunk)):
-            _assert_within_float32_rounding(logits.cpu(), *references[index], f"chunk {chunk} prompt {index}")
+            assert_within_float32_rounding(logits.cpu(), *references[index], f"chunk {chunk} prompt {index}")
     assert _all_back(llm)
-
-
-@torch.inference_mode()
-def _references(model_dir: Path, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """transformers' logits in float32 and in float64 (the exact logits, for float32's purposes; its
-    experts one by one, as its grouped matmul takes no float64), and how far float32's rounding can move
-    them: the most the float64 logits moved when the embeddings were rounded as float32 rounds (a
-    relative 2^-24 of noise, 8 draws)."""
-    ids = torch.tensor([prompt])
-    hf32 = hf_model(model_dir)(ids).logits[0].double()
-    hf64 = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float64, experts_implementation="eager"
-    )
-    embeddings = hf64.eval().model.embed_tokens(ids)
-    exact = hf64(inputs_embeds=embeddings).logits[0]
-    gen = torch.Generator().manual_seed(0)
-    moved = 0.0
-    for _ in range(8):
-        noise = 1 + 2**-24 * torch.randn(embeddings.shape, generator=gen, dtype=torch.float64)
-        moved = max(moved, (hf64(inputs_embeds=embeddings * noise).logits[0] - exact).abs().max().item())
-    return hf32, exact, moved
-
-
-def _assert_within_float32_rounding(
-    ours: torch.Tensor, hf32: torch.Tensor, exact: torch.Tensor, moved: float, where: str
-) -> None:
-    """Within 1e-4 of transformers' float32 logits (the bound every dense model here meets), or, at a
-    position where the model amplifies rounding beyond that, within 4x what float32 rounding does to
-    the exact logits: the larger of transformers' own float32 error and the logits' move under float32
-    rounding of the embeddings alone (every layer rounds as well, so a correct float32 computation
-    lands a few times that away). A linear layer's gated norm divides each head's output by its RMS, which
-    some tokens' heads bring near zero (0.001 against a median of 0.3 on these weights): there the logits
-    move by up to 8e-5 under the embeddings' rounding alone (1e-5 at the other positions), and the engine's
-    logits were up to 1.6e-4 from the exact ones while transformers' happened to be 8e-6."""
-    ours = ours.double()
-    if (ours - hf32).abs().max() <= 1e-4:
-        return
-    own_error = (hf32 - exact).abs().max().item()
-    error = (ours - exact).abs().max().item()
-    assert error <= 4 * max(own_error, moved), (
-        f"{where}: {(ours - hf32).abs().max():.2e} from transformers' float32 logits, {error:.2e} from the "
-        f"float64 ones (transformers' float32: {own_error:.2e}; float32 rounding of the embeddings moves "
-        f"them {moved:.2e})"
-    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -421,7 +378,7 @@ def test_quantized_weights_compute_with_their_quantized_values(
     """Every linear projection packed (attention's, the linear layers' fused in_proj and out_proj, the MLP
     or every expert and the shared one; not the router, the convolution or the embeddings). The packed
     kernel and F.linear on the same weights dequantized differ in float32's summation order only, which
-    the hybrid amplifies at some positions (see _assert_within_float32_rounding): teacher-forced logits in
+    the hybrid amplifies at some positions (see tests/helpers.py assert_within_float32_rounding): teacher-forced logits in
     prefill and decode within 1e-4 of the float engine on the dequantized weights, or within 2x the spread
     between two correct float32 engines on those weights (the C++ and the PyTorch backends; measured
     ratios 0.4-1.0, up to 6.0e-4 against 6.4e-4 on the MoE). A wrong scale or nibble moves them by 1e-2

@@ -329,7 +329,7 @@ class EngineConfig:
     def _check_hybrid(self) -> None:
         """What a hybrid model (linear-attention layers with a per-request state) does not run with yet,
         refused by name: `deterministic` without the C++ CPU kernels (its prompt chunks run token by token
-        on them), speculation, GGUF weights."""
+        on them, or Triton's), speculation."""
         refused = {
             # its batch-invariant path runs the linear layers' prompt chunks on the decode arithmetic (C++ or Triton)
             "deterministic (needs the C++ CPU kernels or Triton's for a hybrid model)": bool(
@@ -337,7 +337,6 @@ class EngineConfig:
             )
             and not (self._runs_cpu_kernels() or self._runs_triton_kernels()),
             "speculative_method": self.speculative_method != "none",
-            "gguf": self.gguf_file is not None,
         }
         named = [name for name, on in refused.items() if on]
         if named:

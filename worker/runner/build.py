@@ -207,7 +207,7 @@ class ModelRunnerBase:
     def _quant_plan(self, weight_format: str) -> QuantPlan | None:
         if weight_format == "gguf" and self.config.gguf_file is not None:
             mapping = causal_lm_class(self.config.model_config).packed_modules_mapping
-            return gguf_quant_plan(Path(self.config.gguf_file), mapping)
+            return gguf_quant_plan(Path(self.config.gguf_file), self.config.model_config, mapping)
         if weight_format == "int8":
             return QuantPlan(every_linear=QuantScheme("int8", 8, None))
         if weight_format == "int4":

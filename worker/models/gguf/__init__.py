@@ -9,9 +9,10 @@ tokenizer as metadata. `prepare_gguf` turns one into the other and caches the re
 - weights, for a reader of directories alone (a draft model), are dequantized to
   float32 with the `gguf` package and renamed to Hugging Face names, in shards (convert.py write_weights);
   the rows of Llama's q/k projections are un-permuted (llama.cpp's converter interleaves each head's
-  rotary halves), and a mixture-of-experts projection's 3-D tensor becomes one tensor per expert;
+  rotary halves), Qwen3.5's changes undone (qwen35.py), and a mixture-of-experts projection's 3-D tensor
+  becomes one tensor per expert;
 - config.json / generation_config.json are mapped from the `<architecture>.*` and `tokenizer.ggml.*`
-  metadata (Llama, Qwen2, Qwen3, Qwen3-MoE);
+  metadata (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3.5, Qwen3.5-MoE: qwen35.py);
 - the tokenizer is rebuilt with the `tokenizers` library straight from the vocabulary and merges (a fraction
   of a second), for the byte-level BPE pre-tokenizers this module knows; any other tokenizer goes through
   transformers' own GGUF tokenizer conversion, which is slower but covers every type transformers covers.

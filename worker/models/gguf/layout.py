@@ -1,5 +1,6 @@
 """llama.cpp's layout against Hugging Face's: tensor names, the rotary row order of Llama's q/k projections,
-and the configuration read from GGUF metadata, for the architectures served here (`GGUF_ARCHITECTURES`).
+and the configuration read from GGUF metadata, for the architectures served here (`GGUF_ARCHITECTURES`;
+what is Qwen3.5's alone is in qwen35.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from nanovllm.common.errors import ConfigError, UnsupportedModelError
+from nanovllm.worker.models.gguf.qwen35 import HYBRID_GGUF_ARCHITECTURES, hybrid_config
 
 # GGUF general.architecture -> (Hugging Face architecture, model_type). llama.cpp's converter permutes q/k
 # rows for "llama" only (see unpermute_rotary_rows); Qwen2 and Qwen3 keep Hugging Face's order.
@@ -19,7 +21,10 @@ GGUF_ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
 }
+_MOE_ARCHITECTURES = ("qwen3moe", "qwen35moe")
 
 # llama.cpp tensor name (within blk.N) -> Hugging Face name (within model.layers.N).
 _LAYER_TENSORS = {
@@ -35,16 +40,36 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # a mixture-of-experts layer's router
+    # Qwen3.5's: its second norm, the linear layers' projections, convolution and gated norm, and the
+    # shared expert with its gate
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_out": "linear_attn.out_proj",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# Layer tensors whose Hugging Face names end otherwise (llama.cpp's name, suffix included if any).
+_RENAMED_TENSORS = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
 # A mixture-of-experts layer keeps each projection's experts in one 3-D tensor [experts, out, in] (GGUF
 # lists it {in, out, experts}); Hugging Face has one 2-D tensor per expert.
 _EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# The converter's --fuse-gate-up-exps writes each expert's gate and up as one [experts, 2 * out, in] tensor,
+# gate rows first.
+_FUSED_EXPERT_TENSOR = "ffn_gate_up_exps"
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?")
+_ANY_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")  # a block's tensor of another form (nextn.eh_proj.weight)
 
 
 def open_reader(gguf_path: Path) -> Any:
@@ -67,23 +92,39 @@ def _as_float(value: Any) -> float:
     return float(str(np.float32(value)))
 
 
+def tensor_part(gguf_name: str) -> tuple[int | None, str]:
+    """(its block, its name within the block) of a llama.cpp tensor name without the suffix ("attn_q"),
+    or (None, its stem) for a tensor outside the blocks ("output_norm")."""
+    match = _LAYER_NAME.fullmatch(gguf_name) or _ANY_BLOCK.match(gguf_name)
+    if match is not None:
+        return int(match[1]), match[2]
+    return None, gguf_name.rpartition(".")[0]
+
+
 def hf_tensor_names(gguf_name: str, shape: tuple[int, ...]) -> list[str]:
     """The Hugging Face name of a llama.cpp tensor of torch shape `shape`, or for a 3-D expert tensor the
-    names of its experts' tensors in expert order (split along its first dimension)."""
+    names of its experts' tensors in expert order (split along its first dimension; a fused gate and up
+    tensor gives each expert's gate, then its up)."""
     stem, _, suffix = gguf_name.rpartition(".")
     if suffix in ("weight", "bias") and stem in _GLOBAL_TENSORS:
         return [f"{_GLOBAL_TENSORS[stem]}.{suffix}"]
     match = _LAYER_NAME.fullmatch(gguf_name)
     if match is not None:
         layer, part, suffix = match.groups()
-        if part in _LAYER_TENSORS:
+        renamed = _RENAMED_TENSORS.get(part if suffix is None else f"{part}.{suffix}")
+        if renamed is not None:
+            return [f"model.layers.{layer}.{renamed}"]
+        if suffix is not None and part in _LAYER_TENSORS:
             return [f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{suffix}"]
-        if part in _EXPERT_TENSORS and len(shape) == 3:
+        experts = f"model.layers.{layer}.mlp.experts"
+        if suffix is not None and part in _EXPERT_TENSORS and len(shape) == 3:
             projection = _EXPERT_TENSORS[part]
-            return [f"model.layers.{layer}.mlp.experts.{e}.{projection}.{suffix}" for e in range(shape[0])]
+            return [f"{experts}.{e}.{projection}.{suffix}" for e in range(shape[0])]
+        if suffix is not None and part == _FUSED_EXPERT_TENSOR and len(shape) == 3:
+            return [f"{experts}.{e}.{p}_proj.{suffix}" for e in range(shape[0]) for p in ("gate", "up")]
     raise UnsupportedModelError(
-        f"GGUF tensor {gguf_name!r} has no counterpart in the Llama, Qwen2, Qwen3 or Qwen3-MoE layout "
-        f"(rope scaling factors, shared experts and other extras are not supported)"
+        f"GGUF tensor {gguf_name!r} has no counterpart in the Llama, Qwen2, Qwen3, Qwen3-MoE or Qwen3.5 "
+        f"layout (rope scaling factors and other extras are not supported)"
     )
 
 
@@ -126,7 +167,7 @@ def hf_config(metadata: dict[str, Any], tensor_names: list[str]) -> dict[str, An
         return value
 
     experts = int(get("expert_count", 0))
-    if experts and arch != "qwen3moe":
+    if experts and arch not in _MOE_ARCHITECTURES:
         raise UnsupportedModelError(
             f"mixture-of-experts GGUF models of architecture {arch!r} are not supported"
         )
@@ -135,7 +176,8 @@ def hf_config(metadata: dict[str, Any], tensor_names: list[str]) -> dict[str, An
     kv_heads = int(get("attention.head_count_kv", heads))
     head_dim = int(get("attention.key_length", hidden // heads))
     rotary_dim = int(get("rope.dimension_count", head_dim))
-    if rotary_dim != head_dim:
+    hybrid = arch in HYBRID_GGUF_ARCHITECTURES
+    if rotary_dim != head_dim and not hybrid:
         raise UnsupportedModelError(
             f"partial rotary embeddings ({rotary_dim} of {head_dim}) are not supported"
         )
@@ -144,7 +186,13 @@ def hf_config(metadata: dict[str, Any], tensor_names: list[str]) -> dict[str, An
     if not vocab_size:
         raise UnsupportedModelError(f"GGUF metadata gives neither {arch}.vocab_size nor a vocabulary")
     architecture, model_type = GGUF_ARCHITECTURES[arch]
-    layers = int(get("block_count"))
+    blocks = int(get("block_count"))
+    # Multi-token prediction blocks follow the layers (Qwen3.5's: not served, see qwen35.py).
+    layers = blocks - int(get("nextn_predict_layers", 0))
+    if layers < 1:
+        raise UnsupportedModelError(
+            f"GGUF {arch}.nextn_predict_layers leaves no layer of {arch}.block_count={blocks}"
+        )
     config: dict[str, Any] = {
         "architectures": [architecture],
         "model_type": model_type,
@@ -165,10 +213,21 @@ def hf_config(metadata: dict[str, Any], tensor_names: list[str]) -> dict[str, An
     if arch == "llama":
         config |= {"attention_bias": "blk.0.attn_q.bias" in tensor_names, "mlp_bias": False}
     rope = _rope_parameters(arch, metadata)
+    if hybrid:  # RoPE turns the first rotary_dim dimensions of each head
+        factor = rotary_dim / head_dim
+        if int(head_dim * factor) != rotary_dim:
+            raise UnsupportedModelError(
+                f"GGUF {arch}.rope.dimension_count={rotary_dim} of {head_dim} is not a fraction this engine "
+                "can express"
+            )
+        rope = {"rope_type": "default", **(rope or {}), "partial_rotary_factor": factor}
+        config |= hybrid_config(arch, get, layers)
     if rope is not None:
         config["rope_parameters"] = {**rope, "rope_theta": config["rope_theta"]}
     if experts:
         config |= _experts(arch, metadata, tensor_names, layers, experts)
+        if hybrid:  # Qwen3.5-MoE has no dense MLP: no intermediate_size
+            del config["intermediate_size"]
     elif not config["intermediate_size"]:
         raise UnsupportedModelError(f"GGUF metadata lacks {arch}.feed_forward_length")
     for key in ("bos", "eos", "padding"):
@@ -205,15 +264,21 @@ def _rope_parameters(arch: str, metadata: dict[str, Any]) -> dict[str, Any] | No
 def _experts(
     arch: str, metadata: dict[str, Any], tensor_names: list[str], layers: int, experts: int
 ) -> dict[str, Any]:
-    """Qwen3-MoE's config fields. llama.cpp's qwen3moe routes every layer through experts and renormalises
-    the chosen experts' weights (transformers sets norm_topk_prob for these files too); a file with shared
-    experts or a dense layer is refused."""
+    """Qwen3-MoE's and Qwen3.5-MoE's config fields. llama.cpp routes every layer of both through experts
+    and renormalises the chosen experts' weights (transformers sets norm_topk_prob for qwen3moe files
+    too); Qwen3.5-MoE's layers add a shared expert of `expert_shared_feed_forward_length` features. A
+    qwen3moe file with shared experts, or either with a dense layer, is refused."""
     shared = int(metadata.get(f"{arch}.expert_shared_count", 0))
-    if shared:
+    if shared and arch != "qwen35moe":
         raise UnsupportedModelError(
             f"GGUF {arch}.expert_shared_count={shared}: shared experts are not supported"
         )
-    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in tensor_names]
+    names = set(tensor_names)
+    dense = [
+        i
+        for i in range(layers)
+        if not {f"blk.{i}.ffn_gate_exps.weight", f"blk.{i}.{_FUSED_EXPERT_TENSOR}.weight"} & names
+    ]
     if dense:
         raise UnsupportedModelError(
             f"GGUF {arch} layers {dense[:5]} have no experts; llama.cpp's {arch} routes every layer"
@@ -224,7 +289,7 @@ def _experts(
         raise UnsupportedModelError(
             f"GGUF metadata lacks {arch}.expert_feed_forward_length or {arch}.expert_used_count"
         )
-    return {
+    fields = {
         "num_experts": experts,
         "num_experts_per_tok": int(used),
         "moe_intermediate_size": int(width),
@@ -232,6 +297,12 @@ def _experts(
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     }
+    if arch == "qwen35moe":
+        shared_width = metadata.get(f"{arch}.expert_shared_feed_forward_length")
+        if shared_width is None:
+            raise UnsupportedModelError(f"GGUF metadata lacks {arch}.expert_shared_feed_forward_length")
+        fields["shared_expert_intermediate_size"] = int(shared_width)
+    return fields
 
 
 def generation_config(metadata: dict[str, Any]) -> dict[str, Any]:

@@ -2,6 +2,8 @@
 Q4_1 blocks (as PackedWeights, split into planes); float tensors and those of any other type the gguf
 package dequantizes (the K-quants, Q5_0, ...) are loaded as float, one tensor at a time. A mixture-of-experts projection's
 3-D tensor is split into one weight per expert: each expert's rows are a contiguous run of its blocks.
+What llama.cpp's converter changed in a tensor is undone either way (Llama's q/k rows here, Qwen3.5's
+changes in qwen35.py); blocks after the model's layers (Qwen3.5's multi-token prediction) are not read.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ from nanovllm.common.errors import UnsupportedModelError
 from nanovllm.common.logging import get_logger
 from nanovllm.worker.layers.moe import expert_weight_prefix
 from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, QuantScheme
+from nanovllm.worker.model_config import HYBRID_ARCHITECTURES
 from nanovllm.worker.models.gguf.layout import (
     hf_tensor_names,
     open_reader,
     rotary_rows_heads,
+    tensor_part,
     unpermute_rotary_rows,
 )
+from nanovllm.worker.models.gguf.qwen35 import Qwen35Tensors
 
 log = get_logger(__name__)
 
@@ -52,18 +57,38 @@ def _layer_of(name: str, fused: dict[str, tuple[str, Any]]) -> str:
     return layer
 
 
-def gguf_quant_plan(gguf_path: Path, fused: dict[str, tuple[str, Any]]) -> QuantPlan:
-    """The layers that keep their GGUF tensors packed, by layer prefix. `fused` is the model's
-    packed_modules_mapping: a fused layer (qkv_proj, gate_up_proj, an expert's w13) is packed when all its
-    parts share one type, and dequantized to float otherwise (logged); an expert's w13 and w2 are packed
-    together or not at all."""
+def _converter_changes(config: Any) -> Qwen35Tensors | None:
+    """What undoes llama.cpp's changes to the tensors of a model with ModelConfig `config`, beyond Llama's
+    rotary rows (rotary_rows_heads), or None when there are none."""
+    return Qwen35Tensors(config.hybrid) if config.architecture in HYBRID_ARCHITECTURES else None
+
+
+def _served(gguf_name: str, config: Any) -> bool:
+    """False for a tensor of a block after the model's layers (Qwen3.5's multi-token prediction)."""
+    block, _ = tensor_part(gguf_name)
+    return block is None or block < config.num_hidden_layers
+
+
+def gguf_quant_plan(gguf_path: Path, config: Any, fused: dict[str, tuple[str, Any]]) -> QuantPlan:
+    """The layers that keep their GGUF tensors packed, by layer prefix, for a model of ModelConfig
+    `config`. `fused` is the model's packed_modules_mapping: a fused layer (qkv_proj, gate_up_proj, an
+    expert's w13, Qwen3.5's in_proj) is packed when all its parts share one type, and dequantized to float
+    otherwise (logged); an expert's w13 and w2 are packed together or not at all; a tensor whose quantized
+    blocks cannot be put in Hugging Face's order is dequantized (logged)."""
     parts: dict[str, dict[str, str]] = {}  # layer prefix -> {checkpoint tensor: type}
     dequantized: dict[str, int] = {}  # types loaded dequantized (K-quants, ...): tensors of each
+    changes = _converter_changes(config)
     for tensor in open_reader(gguf_path).tensors:
+        if not _served(tensor.name, config):
+            continue
         kind = tensor.tensor_type.name
         names = hf_tensor_names(tensor.name, tuple(int(d) for d in reversed(tensor.shape)))
         if kind not in GGUF_SCHEMES and kind not in _FLOAT_TYPES:
             dequantized[kind] = dequantized.get(kind, 0) + len(names)
+        why = changes.unpackable(tensor_part(tensor.name)[1]) if changes is not None else None
+        if kind in GGUF_SCHEMES and why is not None:
+            log.info("gguf_tensor_dequantized", tensor=tensor.name, type=kind, reason=why)
+            kind = f"{kind} dequantized"
         for name in names:
             if name.endswith(".weight"):
                 parts.setdefault(_layer_of(name, fused), {})[name] = kind
@@ -102,24 +127,33 @@ class GGUFTensor:
 
 def gguf_tensors(gguf_path: Path, config: Any, packed: bool = True) -> Any:
     """Every tensor of the file under transformers' names: Q8_0 / Q4_0 / Q4_1 as PackedWeights over their
-    own scales and mins (unless not `packed`), every other type as float32, dequantized (Llama's q/k rows
-    un-permuted either way, see unpermute_rotary_rows; a 3-D expert tensor one tensor per expert), each
+    own scales and mins (unless not `packed`, or gguf_quant_plan dequantizes them), every other type as
+    float32, dequantized (what the converter changed undone either way: Llama's q/k rows, see
+    unpermute_rotary_rows, and Qwen3.5's, see qwen35.py; a 3-D expert tensor one tensor per expert), each
     float32 tensor in its own memory. `config` is the model's ModelConfig."""
     import gguf
     import torch
 
+    changes = _converter_changes(config)
+    not_served = 0
     for tensor in open_reader(gguf_path).tensors:
+        if not _served(tensor.name, config):
+            not_served += 1
+            continue
         kind = tensor.tensor_type.name
+        part = tensor_part(tensor.name)[1]
         heads = rotary_rows_heads(
             tensor.name, config.architecture, config.num_attention_heads, config.num_key_value_heads
         )
         shape = tuple(int(d) for d in reversed(tensor.shape))
         names = hf_tensor_names(tensor.name, shape)
         rows = int(np.prod(shape[:-1]))
-        if packed and kind in GGUF_SCHEMES:
+        if packed and kind in GGUF_SCHEMES and (changes is None or changes.unpackable(part) is None):
             planes = _planes(np.asarray(tensor.data).reshape(rows, -1), kind)
             if heads is not None:
                 planes = [None if p is None else unpermute_rotary_rows(p, heads) for p in planes]
+            if changes is not None:
+                planes = changes.planes(part, planes)
             values: list[Any] = [
                 _packed(kind, expert) for expert in zip(*(_split(p, len(names)) for p in planes))
             ]
@@ -134,10 +168,18 @@ def gguf_tensors(gguf_path: Path, config: Any, packed: bool = True) -> Any:
             dense = dense.reshape(shape)
             if heads is not None:
                 dense = unpermute_rotary_rows(dense, heads)
-            parts = list(dense) if len(names) > 1 else [dense]  # a 3-D expert tensor: one expert per row
-            values = [torch.from_numpy(np.array(part)) for part in parts]  # copies of the read-only mapping
+            if changes is not None:
+                dense = changes.dense(tensor.name, part, dense)
+            # a 3-D expert tensor: one expert (or an expert's gate, then its up) per run of rows
+            pieces = list(dense.reshape(len(names), -1, shape[-1])) if len(names) > 1 else [dense]
+            # row-major copies (not views of the read-only mapping; a column reorder leaves other strides)
+            values = [torch.from_numpy(np.array(piece, order="C")) for piece in pieces]
         for name, value in zip(names, values):
             yield name, GGUFTensor(tensor.name, value)
+    if not_served:
+        log.info(
+            "gguf_tensors_not_served", tensors=not_served, reason="blocks after the model's layers (MTP)"
+        )
 
 
 def _packed(kind: str, planes: tuple[np.ndarray | None, ...]) -> PackedWeight:

@@ -23,11 +23,16 @@ _GPT2_PRE_TOKENIZERS = frozenset({"gpt-2", "gpt2", "mpt", "olmo", "jais"})
 # Names whose split is one regex, applied before a byte-level mapping that splits no further (the Hugging
 # Face tokenizer.json of these models says Sequence[Split(regex, isolated), ByteLevel(use_regex=False)]).
 # "qwen2" (Qwen2, Qwen2.5, Qwen3): a letter run with at most one leading non-letter, each digit alone,
-# punctuation runs with their line breaks, then whitespace as GPT-2 splits it.
+# punctuation runs with their line breaks, then whitespace as GPT-2 splits it. "qwen35" (Qwen3.5's
+# vocabulary): the same, with combining marks (\p{M}) counted as letters, so an accent stays in its word.
 _REGEX_PRE_TOKENIZERS = {
     "qwen2": (
         r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
         r"|\s+(?!\S)|\s+"
+    ),
+    "qwen35": (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+        r"|\s*[\r\n]+|\s+(?!\S)|\s+"
     ),
 }
 
