@@ -699,7 +699,7 @@ def test_cli_serve_whose_router_cannot_listen_exits_naming_the_port(qwen3_dir: P
         port = taken.getsockname()[1]
         serve = subprocess.run(
             [sys.executable, "-m", "nanovllm.cli", "serve", "--model", str(qwen3_dir), "--port", "0",
-             "--http-port", "0", "--metrics-port", str(port), "--log-level", "error"],
+             "--http-port", "0", "--metrics-port", str(port), "--kv-cache-memory", "32MiB", "--log-level", "error"],
             check=False, capture_output=True, text=True, timeout=CALL_TIMEOUT_S,
         )  # fmt: skip
     assert serve.returncode == 1
@@ -714,7 +714,9 @@ def test_cli_serve_killed_leaves_no_process(qwen3_dir: Path, kernels) -> None:
     command = [sys.executable, "-m", "nanovllm.cli", "serve", "--model", str(qwen3_dir), "--port", "0"]
     command += ["--metrics-port", "0"]  # another test's serve may hold the default port
     serve = subprocess.Popen(
-        [*command, "--http-port", "0", "--log-level", "error"], stdout=subprocess.PIPE, text=True
+        [*command, "--http-port", "0", "--kv-cache-memory", "32MiB", "--log-level", "error"],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert serve.stdout.readline().startswith("nanovllm loading")  # both listen

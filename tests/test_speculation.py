@@ -212,6 +212,7 @@ def test_draft_cache_holds_each_sequences_own_tokens(qwen3_dir, draft_dir):
         speculative_method="draft",
         speculative_model=str(draft_dir),
         speculative_max_batch=8,
+        kv_cache_memory="8MiB",
         **F32,
     )
     engine = llm.engine

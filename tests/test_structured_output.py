@@ -32,7 +32,7 @@ from tests.services import (
     wait_idle,
 )
 
-F32 = {"dtype": "float32", "max_model_len": 256}
+F32 = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory": "16MiB"}  # not the CPU default 2 GiB
 CALL_TIMEOUT_S = 600.0
 
 # Realistic schemas: nested objects, arrays with min/max items, enums, bounded numbers, optional fields,
