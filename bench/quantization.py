@@ -10,23 +10,33 @@ decodes the same prompts to the same length after them. Ratios are against the d
 
     .venv/bin/python -m bench.quantization [--prompts 3] [--max-tokens 256] [--skip-w64]
         [--llama-cpp-python PATH/TO/python]
+
+With --shape (a random model of bench/models.py's shapes, e.g. qwen3.5-0.8b) the weights in the default
+dtype, int8 and int4, one stream only (random 128-token prompts), and what each token read at most: the
+decode step's time times the machine's read bandwidth measured around it, against the weights' bytes
+(a Qwen3.5 step also reads and writes its recurrent state, printed beside them).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import random
 import subprocess
 import time
 
 import torch
 
+from bench.models import SHAPES, build_random_model
+from bench.moe import read_bandwidth
 from bench.report import machine_description
 from bench.speculation import llama_cpp, run_batch
 from bench.workload import make_workload
 from nanovllm import LLM, SamplingParams
 from nanovllm.worker.layers.quantization import PackedWeight
+from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.models.gguf.cache import embedded_model_path
+from nanovllm.worker.models.qwen3_5 import Qwen3_5ForCausalLM
 
 TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
@@ -74,7 +84,11 @@ def main() -> None:
     parser.add_argument(
         "--llama-cpp-python", help="an interpreter with llama-cpp-python: adds llama.cpp's row"
     )
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="a random model instead of the embedded one")
     args = parser.parse_args()
+    if args.shape:
+        shape_streams(args.shape, args.prompts, args.max_tokens)
+        return
 
     gguf = embedded_model_path()
     engines = {  # name: (LLM kwargs, runs W64)
@@ -133,6 +147,37 @@ def main() -> None:
         )
     else:
         print(f"\nllama.cpp: not measured ({peer_failure})")
+
+
+def shape_streams(shape: str, count: int, max_tokens: int) -> None:
+    """One stream of a random `shape` per weight format, and the bytes each token read at most."""
+    model_dir = build_random_model(shape)
+    cfg = ModelConfig.from_pretrained_dir(model_dir)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(2, cfg.vocab_size) for _ in range(128)] for _ in range(count)]
+    state = 0
+    if cfg.hybrid is not None:
+        state = Qwen3_5ForCausalLM.state_layout(cfg, 1).bytes_per_slot(4)  # float32 here
+    print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {machine_description()}")
+    print(f"random {shape}; one stream: {count} prompts of 128 tokens, {max_tokens} new, greedy; "
+          f"{torch.get_num_threads()} threads; recurrent state per request {state / 2**20:.1f} MiB\n")  # fmt: skip
+    print(
+        "| weights | weight GB | one stream tok/s | read bandwidth GB/s | read per token at most | vs weights |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, kwargs in {"default dtype": {}, "int8 (per channel)": {"quantization": "int8"},
+                         "int4 (group 32)": {"quantization": "int4"}}.items():  # fmt: skip
+        llm = LLM(str(model_dir), max_model_len=1024, kv_cache_memory="256MiB", **kwargs)
+        one_stream(llm, prompts[:1], 16)  # warm-up
+        bandwidths = [read_bandwidth()]
+        rate = one_stream(llm, prompts, max_tokens)
+        bandwidths.append(read_bandwidth())
+        size, bandwidth = weight_bytes(llm), max(bandwidths)
+        bound = bandwidth / rate
+        print(f"| {name} | {size / 1e9:.3f} | {rate:.2f} | {bandwidth / 1e9:.1f} | {bound / 1e9:.3f} GB | "
+              f"{bound / size:.2f}x |")  # fmt: skip
+        llm.shutdown()
+        del llm
 
 
 if __name__ == "__main__":
