@@ -73,9 +73,10 @@ class ModelTokenizer:
         """The text of the last `count` tokens, special tokens included: where a prompt ends."""
         return self._hf.decode(token_ids[-count:], skip_special_tokens=False)
 
-    @property
+    @functools.cached_property
     def chat_template(self) -> str:
-        """The chat template's text ("" without one; a tokenizer's several named templates joined)."""
+        """The chat template's text ("" without one; a tokenizer's several named templates joined), read
+        once: every chat request's format choice looks into it."""
         template = self._hf.chat_template or ""
         return "\n".join(template.values()) if isinstance(template, dict) else template
 
