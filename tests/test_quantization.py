@@ -368,7 +368,12 @@ def test_int8_keeps_the_top5_rule_on_random_models(model_dirs, arch) -> None:
     kwargs = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory": "32MiB"}
     plain = greedy_with_logprobs(LLM(str(model_dirs[arch]), **kwargs), prompts, 24)
     llm = LLM(str(model_dirs[arch]), quantization="int8", **kwargs)
-    assert sum(isinstance(m, PackedWeight) for m in llm.engine.runner.model.modules()) == 2 * 4
+    packed = {name for name, m in llm.engine.runner.model.named_modules() if isinstance(m, PackedWeight)}
+    assert sum(".layers." in name for name in packed) == 2 * 4  # qkv, o, gate_up, down of each layer
+    tied = llm.engine.runner.model.config.tie_word_embeddings  # the embedding is packed as the head is
+    assert packed - {n for n in packed if ".layers." in n} == {
+        "model.embed_tokens.weight" if tied else "lm_head.weight"
+    }
     quantized = greedy_with_logprobs(llm, prompts, 24)
     assert top5_rule(arch, plain, quantized) <= QUANTIZED_LOGPROB_TOL["float32"]
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks

@@ -376,7 +376,7 @@ def test_quantized_weights_compute_with_their_quantized_values(
     tmp_path: Path, pattern: str, quantization: str
 ):
     """Every linear projection packed (attention's, the linear layers' fused in_proj and out_proj, the MLP
-    or every expert and the shared one; not the router, the convolution or the embeddings). The packed
+    or every expert and the shared one; the head at int8; not the router or the convolution). The packed
     kernel and F.linear on the same weights dequantized differ in float32's summation order only, which
     the hybrid amplifies at some positions (see tests/helpers.py assert_within_float32_rounding): teacher-forced logits in
     prefill and decode within 1e-4 of the float engine on the dequantized weights, or within 2x the spread
@@ -387,7 +387,9 @@ def test_quantized_weights_compute_with_their_quantized_values(
     kwargs = {**ENGINE, "max_model_len": 256}
     quantized = LLM(str(model), quantization=quantization, **kwargs)
     packed = {n: m for n, m in quantized.engine.runner.model.named_modules() if isinstance(m, PackedWeight)}
-    assert len(packed) == 4 * (2 + (2 * 8 + 2 if pattern == "moe-3to1" else 2))
+    layers = [name for name in packed if ".layers." in name]
+    assert len(layers) == 4 * (2 + (2 * 8 + 2 if pattern == "moe-3to1" else 2))
+    assert len(packed) == len(layers) + 1  # the head (the embedding, when tied to it)
     engines = []
     for backend in ("auto", "torch"):
         engine = LLM(str(model), attention_backend=backend, **kwargs)

@@ -200,15 +200,21 @@ def assign(destination: torch.Tensor | PackedWeight, source: torch.Tensor | Pack
 class QuantPlan:
     """Which layers a model builds with packed weights: `by_layer` names them (a GGUF file's quantized
     tensors, by layer prefix such as "model.layers.0.mlp.down_proj"), or `every_linear` applies to every
-    projection (int8 / int4 of a float checkpoint; the embedding and LM head stay in the model's dtype)."""
+    projection and `head` to the LM head (int8 / int4 of a float checkpoint). The input embedding takes the
+    head's scheme when it is the head (`tied`); otherwise it stays in the model's dtype: a token reads one
+    of its rows, so packing it would save memory only, and its error would reach every layer's input."""
 
     by_layer: dict[str, QuantScheme] | None = None
     every_linear: QuantScheme | None = None
+    head: QuantScheme | None = None
+    tied: bool = False
 
     def scheme(self, prefix: str, linear: bool) -> QuantScheme | None:
         if self.by_layer is not None:
             return self.by_layer.get(prefix)
-        return self.every_linear if linear else None
+        if linear:
+            return self.every_linear
+        return self.head if prefix == "lm_head" or self.tied else None
 
 
 def make_weight(

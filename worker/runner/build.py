@@ -208,10 +208,14 @@ class ModelRunnerBase:
         if weight_format == "gguf" and self.config.gguf_file is not None:
             mapping = causal_lm_class(self.config.model_config).packed_modules_mapping
             return gguf_quant_plan(Path(self.config.gguf_file), self.config.model_config, mapping)
+        # The LM head at int8 a row under either width, as GGUF files ship their output at 6-8 bits beside
+        # 4-bit layers: every token reads it whole, most of a small model's bytes (docs/quantization.md).
+        head, tied = QuantScheme("int8", 8, None), self.config.model_config.tie_word_embeddings
         if weight_format == "int8":
-            return QuantPlan(every_linear=QuantScheme("int8", 8, None))
+            return QuantPlan(every_linear=head, head=head, tied=tied)
         if weight_format == "int4":
-            return QuantPlan(every_linear=QuantScheme("int4", 4, self.config.quantization_group_size))
+            group = self.config.quantization_group_size
+            return QuantPlan(every_linear=QuantScheme("int4", 4, group), head=head, tied=tied)
         return None
 
     def _log_quantized_weights(self) -> None:
