@@ -659,8 +659,8 @@ def test_the_router_finds_where_a_chats_last_user_message_begins(template: str, 
         chat = generate_pb2.Chat(messages=[*history, message(role="user", content=question)])
         valid = validate_generate(generate_pb2.GenerateRequest(chat=chat), tokenizer, info)
         ids, before = valid.prompt_token_ids, valid.shared_prefix_tokens
-        text = tokenizer._hf.decode(ids)
-        assert tokenizer._hf.decode(ids[:before]) == text[: text.rindex(question + "<|im_end|>")]
+        text = tokenizer.backend.decode(ids)
+        assert tokenizer.backend.decode(ids[:before]) == text[: text.rindex(question + "<|im_end|>")]
         prompts.append((ids, before))
     assert len({tuple(ids[:before]) for ids, before in prompts}) == 1
     assert len({ids[before] for ids, before in prompts}) == 3  # each question's own first token

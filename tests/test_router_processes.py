@@ -83,7 +83,8 @@ def complete_on_own_connections(address: str, connections: int) -> list[str]:
 
 def test_every_process_serves_and_metrics_count_them_all(service, tmp_path: Path) -> None:
     """Calls on 32 gRPC and 32 HTTP connections are served by both processes, each the same tokens as the
-    one-process router gives; the first process's /metrics counts them all; SIGTERM stops both."""
+    one-process router gives; the first process's /metrics counts them all; neither has torch loaded;
+    SIGTERM stops both."""
     log_path = tmp_path / "router.log"
     router = start_router([service.worker.address], "--processes", "2", "--http-port", "0", log_path=log_path)
     try:
@@ -101,6 +102,11 @@ def test_every_process_serves_and_metrics_count_them_all(service, tmp_path: Path
         finished = wait_for_event(log_path, "request_finished", 2 * CONNECTIONS)
         for api in ("grpc", "http"):
             assert {record["router_process"] for record in finished if record["api"] == api} == {0, 1}
+        for pid in (
+            router.proc.pid,
+            started[0]["pid"],
+        ):  # after serving: no torch (nor transformers, its user)
+            assert "/torch/" not in Path(f"/proc/{pid}/maps").read_text()
     finally:
         code = router.stop()
     assert code == 0

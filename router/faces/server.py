@@ -23,7 +23,6 @@ from nanovllm.router.faces.http_api import HttpApi, start_http
 from nanovllm.router.faces.process_group import ProcessRole
 from nanovllm.router.faces.response_store import open_response_store
 from nanovllm.router.fleet.pool import WorkerPool
-from nanovllm.router.fleet.tokenizer import auto_tokenizer
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 
 if TYPE_CHECKING:
@@ -95,7 +94,6 @@ class _Router:
         generate_pb2_grpc.add_AdminServicer_to_server(
             AdminService(self.pool, admin_tokens), self.server.server
         )
-        self.preloading = asyncio.create_task(asyncio.to_thread(auto_tokenizer))  # beside the workers' start
         self.http: _Server | None = None
 
     async def listen(
@@ -153,7 +151,6 @@ class _Router:
         self.service.close()
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)  # sends the spans not yet sent
-        await self.preloading
 
 
 async def serve_router(

@@ -1,47 +1,56 @@
-"""The model's tokenizer and chat template, rebuilt from the files a worker sends (no model volume)."""
+"""The model's tokenizer and chat template, rebuilt from the files a worker sends (no model volume), on the
+tokenizers library and Jinja alone: the router imports neither transformers nor torch
+(docs/architecture.md#the-routers-tokenizer). A worker whose model has no tokenizer.json sends one converted by transformers."""
 
 from __future__ import annotations
 
 import functools
-import inspect
+import json
 import os
-import tempfile
-import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jinja2 import TemplateError
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer, processors
 
 from nanovllm.common.v1 import worker_pb2
+from nanovllm.router.fleet.chat_template import render_chat
 
-if TYPE_CHECKING:
-    from transformers import AutoTokenizer
-
-_import_lock = threading.Lock()
-
-
-def auto_tokenizer() -> type[AutoTokenizer]:
-    """transformers' AutoTokenizer. Importing it takes seconds, so the router starts that on a thread at
-    once; a worker that connects meanwhile waits here for that import to finish instead of importing
-    transformers from a second thread, which fails (transformers' lazy imports are not thread-safe)."""
-    with _import_lock:
-        from transformers import AutoTokenizer
-    return AutoTokenizer
+# The tokenizer's named special tokens, which chat templates read by these names (transformers' list).
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+# Names transformers' apply_chat_template takes for itself, so a template variable of one of them would
+# render differently there: refused, as the router sets the messages and the generation prompt.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+        "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+        "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    }
+)  # fmt: skip
 
 
 def has_tokenizer(info: worker_pb2.WorkerInfo) -> bool:
     """Whether the worker sent a tokenizer: a converted or custom model may come without one and take
     prompt token ids only."""
-    return "tokenizer.json" in info.tokenizer_files or "tokenizer.model" in info.tokenizer_files
+    return "tokenizer.json" in info.tokenizer_files
 
 
-@functools.cache
-def _reserved_template_kwargs(tokenizer_class: Any) -> frozenset[str]:  # a transformers tokenizer class
-    """apply_chat_template's own parameters, which a template variable must not shadow."""
-    parameters = inspect.signature(tokenizer_class.apply_chat_template).parameters
-    return frozenset(name for name, p in parameters.items() if p.kind is not p.VAR_KEYWORD) | {"messages"}
+def _token_text(value: object) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken's fields."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
 
 
 @dataclass(frozen=True)
@@ -55,38 +64,89 @@ class PromptTokens:
 
 class ModelTokenizer:
     def __init__(self, info: worker_pb2.WorkerInfo) -> None:
-        """The tokenizer a worker sent; see has_tokenizer."""
-        with tempfile.TemporaryDirectory(prefix="nanovllm-tokenizer-") as tmp:
-            for name, data in info.tokenizer_files.items():
-                (Path(tmp) / name).write_bytes(data)
-            self._hf: Any = auto_tokenizer().from_pretrained(tmp)
-        if info.chat_template:
-            self._hf.chat_template = info.chat_template
+        """The tokenizer a worker sent (see has_tokenizer), set up as transformers sets up the same files:
+        the named special tokens added where tokenizer.json lacks them, and the BOS/EOS a plain text gets
+        from tokenizer_config.json's add_bos_token / add_eos_token when it names them."""
+        files = info.tokenizer_files
+        config: dict[str, Any] = (
+            json.loads(files["tokenizer_config.json"]) if "tokenizer_config.json" in files else {}
+        )
+        named = json.loads(files["special_tokens_map.json"]) if "special_tokens_map.json" in files else {}
+        self.backend = Tokenizer.from_str(files["tokenizer.json"].decode())
+        self.special_tokens = {
+            name: text
+            for name in SPECIAL_TOKEN_NAMES
+            if (text := _token_text(config.get(name, named.get(name)))) is not None
+        }
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        missing = [
+            AddedToken(t, special=True, normalized=False)
+            for t in self.special_tokens.values()
+            if t not in vocab
+        ]
+        if missing:
+            self.backend.add_special_tokens(missing)
+        if "add_bos_token" in config or "add_eos_token" in config or self.backend.post_processor is None:
+            self._set_post_processor(bool(config.get("add_bos_token")), bool(config.get("add_eos_token")))
+        jinja = files["chat_template.jinja"].decode() if "chat_template.jinja" in files else ""
+        if not jinja and "chat_template.json" in files:  # the older file of the same template
+            jinja = json.loads(files["chat_template.json"]).get("chat_template", "")
+        self.templates = self._templates(info.chat_template or jinja, config.get("chat_template"))
         self.model = info.model
 
-    @property
-    def backend(self) -> Tokenizer:
-        """The tokenizers-library tokenizer, for incremental decoding."""
-        return self._hf.backend_tokenizer
+    def _set_post_processor(self, add_bos: bool, add_eos: bool) -> None:
+        """What transformers' fast tokenizers do with those two settings: BOS before and EOS after a text."""
+        bos, eos = self.special_tokens.get("bos_token"), self.special_tokens.get("eos_token")
+        add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
+        single = f"{f'{bos}:0 ' if add_bos else ''}$A:0{f' {eos}:0' if add_eos else ''}"
+        pair = f"{single}{f' {bos}:1' if add_bos else ''} $B:1{f' {eos}:1' if add_eos else ''}"
+        special = [(t, self.backend.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on and t]
+        self.backend.post_processor = processors.TemplateProcessing(
+            single=single, pair=pair, special_tokens=special
+        )
+
+    @staticmethod
+    def _templates(sent: str, configured: object) -> dict[str, str]:
+        """The model's chat templates by name: its chat_template.jinja (the worker's field, or the file) as
+        "default", or tokenizer_config.json's one template or list of named ones."""
+        if sent:
+            return {"default": sent}
+        if isinstance(configured, str):
+            return {"default": configured}
+        if isinstance(configured, list):
+            return {t["name"]: t["template"] for t in configured if isinstance(t, dict) and "name" in t}
+        return {}
+
+    def _template(self, tools: list[dict[str, Any]] | None) -> str:
+        """As transformers picks: the one template, or "tool_use" when tools are given and it has one,
+        else "default"."""
+        if len(self.templates) == 1:
+            return next(iter(self.templates.values()))
+        if tools and "tool_use" in self.templates:
+            return self.templates["tool_use"]
+        if "default" not in self.templates:
+            raise ValueError(
+                f"the model {self.model} has chat templates {sorted(self.templates)} but none named 'default'"
+            )
+        return self.templates["default"]
 
     def decode_tail(self, token_ids: list[int], count: int = 16) -> str:
         """The text of the last `count` tokens, special tokens included: where a prompt ends."""
-        return self._hf.decode(token_ids[-count:], skip_special_tokens=False)
+        return self.backend.decode(token_ids[-count:], skip_special_tokens=False)
 
     @functools.cached_property
     def chat_template(self) -> str:
         """The chat template's text ("" without one; a tokenizer's several named templates joined), read
         once: every chat request's format choice looks into it."""
-        template = self._hf.chat_template or ""
-        return "\n".join(template.values()) if isinstance(template, dict) else template
+        return "\n".join(self.templates.values())
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(self._hf.chat_template)
+        return bool(self.templates)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of plain text, with the special tokens (e.g. BOS) the tokenizer adds by itself."""
-        return list(self._hf.encode(text))
+        return list(self.backend.encode(text).ids)
 
     def encode_chat(
         self,
@@ -101,8 +161,7 @@ class ModelTokenizer:
         `find_last_user`, also where the last user message's content begins (PromptTokens)."""
         if not self.has_chat_template:
             raise ValueError(f"the model {self.model} has no chat template; send text or token_ids instead")
-        tokenizer_class: type = type(self._hf)  # not type[Any], which mypy takes for unhashable
-        reserved = sorted(set(template_kwargs or ()) & _reserved_template_kwargs(tokenizer_class))
+        reserved = sorted(set(template_kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
         if reserved:
             raise ValueError(
                 f"chat.template_kwargs.{reserved[0]} is not a template variable: the router sets it (the "
@@ -112,16 +171,12 @@ class ModelTokenizer:
             text = self._render(messages, tools, template_kwargs)
         except TemplateError as exc:  # the template's own raise_exception, e.g. roles out of order
             raise ValueError(f"the model's chat template refused the messages: {exc}") from exc
+        encoding = self.backend.encode(text, add_special_tokens=False)
         users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-        if not find_last_user or not users or not self._hf.is_fast:  # a slow tokenizer has no offsets
-            return PromptTokens(list(self._hf.encode(text, add_special_tokens=False)))
-        encoding = self._hf(text, add_special_tokens=False, return_offsets_mapping=True)
-        return PromptTokens(
-            list(encoding["input_ids"]),
-            self._tokens_before(
-                messages, users[-1], text, encoding["offset_mapping"], tools, template_kwargs
-            ),
-        )
+        if not find_last_user or not users:
+            return PromptTokens(list(encoding.ids))
+        before = self._tokens_before(messages, users[-1], text, encoding.offsets, tools, template_kwargs)
+        return PromptTokens(list(encoding.ids), before)
 
     def _render(
         self,
@@ -129,9 +184,7 @@ class ModelTokenizer:
         tools: list[dict[str, Any]] | None,
         template_kwargs: dict[str, Any] | None,
     ) -> str:
-        return self._hf.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
-        )
+        return render_chat(self._template(tools), messages, self.special_tokens, tools, template_kwargs)
 
     def _tokens_before(
         self,

@@ -59,6 +59,20 @@ def default_served_name(model: str, gguf_file: str | None) -> str:
     return path.name
 
 
+def _converted_tokenizer(model_dir: Path) -> dict[str, bytes]:
+    """A tokenizer.json made by transformers from the model's other tokenizer files (a SentencePiece
+    tokenizer.model, vocab.json and merges.txt): the router reads that one format, on the tokenizers
+    library alone. Nothing where transformers cannot convert them; the router then takes token ids only."""
+    from transformers import AutoTokenizer
+
+    try:
+        backend = AutoTokenizer.from_pretrained(model_dir).backend_tokenizer
+    except (OSError, ValueError, AttributeError, ImportError) as exc:
+        log.warning("tokenizer_not_converted", model=str(model_dir), error=str(exc))
+        return {}
+    return {"tokenizer.json": backend.to_str().encode()}
+
+
 def worker_info(
     config: EngineConfig,
     num_kv_blocks: int,
@@ -72,6 +86,8 @@ def worker_info(
     files = {
         name: (model_dir / name).read_bytes() for name in TOKENIZER_FILES if (model_dir / name).is_file()
     }
+    if files and "tokenizer.json" not in files:
+        files.update(_converted_tokenizer(model_dir))
     chat_template = model_dir / "chat_template.jinja"
     shape = config.model_config
     return worker_pb2.WorkerInfo(
