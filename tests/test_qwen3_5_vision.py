@@ -4,7 +4,7 @@ the patches equal the processor's, the 3-D RoPE positions equal `get_rope_index`
 float32 greedy tokens equal transformers' `generate` for one and two images (sizes that are and are not
 multiples of 32 px, text before, between and after), their logprobs within float32 rounding, in one
 prefill and in chunks cut through the images; an image seen again skips the tower, and the prefix cache
-serves blocks covering an image only to the same image; a text request on the vision checkpoint is
+keys blocks covering an image by its content; a text request on the vision checkpoint is
 transformers' text generation; images a request cannot have are refused naming them.
 
 transformers' Qwen3VLProcessor is not used: it builds a video processor that needs torchvision, which is
@@ -18,21 +18,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.common.block_hash import hash_block
 from nanovllm.common.errors import RequestError
 from nanovllm.common.images import ImageProcessorConfig, expand_placeholders, patchify
 from nanovllm.worker.runner.images import mrope_positions
-from nanovllm.worker.sequence import ImageInput
+from nanovllm.worker.sequence import ImageInput, Sequence
 from tests.model_factory import IMAGE_TOKEN_ID, build_vision_model
-
-Image = pytest.importorskip("PIL.Image", reason="Pillow decodes images (a dependency of nanovllm)")
 
 MAX_NEW = 10
 ENGINE = {"max_model_len": 512, "kv_cache_memory": "16MiB", "dtype": "float32"}
 PLACE = "<|vision_start|><|image_pad|><|vision_end|>"
-# (height, width): 64x96 a multiple of 32 px (2x3 merged patches), 70x100 not (resized to 64x96... of
-# its own pixels), 40x150 resized up to the minimum pixels and into a 1x... grid of another shape.
+# (height, width): 64x96 a multiple of 32 px (2x3 merged patches), 70x100 not (resized to 64x96), 40x150
+# not (resized to 32x160: 1x5 merged patches).
 SIZES = [(64, 96), (70, 100), (40, 150)]
 
 
@@ -165,37 +165,49 @@ def test_greedy_tokens_and_logprobs_equal_transformers(llm: LLM, reference, name
     _assert_equal(_generate(llm, text, images), _hf_generate(reference, text, images), name)
 
 
+def _cached_blocks(llm: LLM, text: str, image) -> list[bool]:
+    """Whether the block manager holds each full block of `text` with `image` (their hash chain as the
+    block manager computes it, Sequence.block_key)."""
+    token_ids, patches = llm._prompt_inputs({"prompt": text, "multi_modal_data": {"image": image}})
+    engine = llm.engine
+    seq = Sequence(0, "probe", token_ids, SamplingParams(), images=engine._place_images(token_ids, patches))
+    block_size, cached, prev = engine.block_manager.block_size, [], None
+    for i in range(len(token_ids) // block_size):
+        prev = hash_block(prev, seq.block_key(i, block_size))
+        cached.append(prev in engine.block_manager.cached)
+    return cached
+
+
 def test_chunked_prefill_through_images_and_the_encoder_cache(vision_model: Path, reference):
     """Steps of 5 tokens cut both images' tokens: the same tokens and logprobs; each image runs through
-    the tower once for all its chunks; asked again, neither runs it (the cache), the prefix cache serves
-    the blocks before the last token, and the tokens do not change."""
+    the tower once for all its chunks; asked again, neither runs it (the encoder cache) and the tokens do
+    not change."""
     llm = LLM(str(vision_model), max_num_batched_tokens=5, kvcache_block_size=4, **ENGINE)
     text = f"Paged {PLACE} attention stores {PLACE} blocks."
     images = [_image(70, 100, 1), _image(64, 96, 2)]
     theirs = _hf_generate(reference, text, images)
     encoder = llm.engine.runner.images
     assert encoder is not None
-    first = _generate(llm, text, images)
-    _assert_equal(first, theirs, "chunked")
-    assert (encoder.tower_runs, first["num_cached_tokens"]) == (2, 0)
-    again = _generate(llm, text, images)
-    _assert_equal(again, theirs, "again")
-    assert encoder.tower_runs == 2
-    assert again["num_cached_tokens"] >= again["num_prompt_tokens"] - 4
+    _assert_equal(_generate(llm, text, images), theirs, "chunked")
+    assert encoder.tower_runs == 2  # later chunks of an image find it in the cache
+    hits = encoder.cache_hits
+    _assert_equal(_generate(llm, text, images), theirs, "again")
+    assert encoder.tower_runs == 2 and encoder.cache_hits > hits
 
 
-def test_different_images_of_one_size_never_share_cached_blocks(vision_model: Path, reference):
-    """The same prompt with another image of the same size: its tokens are transformers' for that image,
-    and the prefix cache serves only the blocks before the image (placeholder ids are equal, the image's
-    hash is not)."""
+def test_prefix_cache_blocks_covering_an_image_are_keyed_by_its_content(vision_model: Path, reference):
+    """After a request with one image, the prefix cache holds every full block of its prompt under that
+    image's content, and of the same prompt with another image of the same size (the same token ids)
+    only the blocks before the image; that request's tokens are transformers' for its own image."""
     llm = LLM(str(vision_model), kvcache_block_size=4, **ENGINE)
     text = f"Numbers 0123456789 and {PLACE} punctuation"
-    for seed in (5, 6):
-        images = [_image(64, 96, seed)]
-        ours = _generate(llm, text, images)
-        _assert_equal(ours, _hf_generate(reference, text, images), f"seed {seed}")
-    prefix = llm.tokenizer.encode("Numbers 0123456789 and <|vision_start|>")
-    assert ours["num_cached_tokens"] == len(prefix) // 4 * 4
+    first, second = _image(64, 96, 5), _image(64, 96, 6)
+    _generate(llm, text, [first])
+    before_image = len(llm.tokenizer.encode("Numbers 0123456789 and <|vision_start|>")) // 4
+    assert all(_cached_blocks(llm, text, first))
+    other = _cached_blocks(llm, text, second)
+    assert other == [True] * before_image + [False] * (len(other) - before_image)
+    _assert_equal(_generate(llm, text, [second]), _hf_generate(reference, text, [second]), "another image")
     assert llm.engine.runner.images.tower_runs == 2
 
 
