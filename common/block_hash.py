@@ -12,6 +12,11 @@ import numpy as np
 import xxhash
 
 
+def signed64(value: int) -> int:
+    """An unsigned 64-bit hash as the signed integer of the same bits (fits an int64 array)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
 def hash_block(prev_hash: int | None, token_ids: Sequence[int]) -> int:
     h = xxhash.xxh3_64()
     if prev_hash is not None:

@@ -75,13 +75,18 @@ _CONFIGS["qwen3_5_moe"] = (
 )
 
 
-def build_tokenizer(chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+# A vision model's special tokens (ids 2-5 of its tokenizer), as Qwen's tokenizers name them.
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+VISION_START_ID, VISION_END_ID, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = 2, 3, 4, 5
+
+
+def build_tokenizer(chat_template: str = CHAT_TEMPLATE, vision: bool = False) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB,
-        special_tokens=["<pad>", "<eos>"],
+        special_tokens=["<pad>", "<eos>", *(VISION_TOKENS if vision else [])],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -89,6 +94,81 @@ def build_tokenizer(chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFa
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", chat_template=chat_template
     )
+
+
+def _scale_up(model: torch.nn.Module, hybrid: bool, tie: bool) -> None:
+    """Weights scaled so that logits are far from ties (see the module's docstring)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and hybrid and "linear_attn" not in name and "visual" not in name:
+                param.uniform_(-0.2, 0.2)  # zero-centred: applied as 1 + w
+            elif "norm" in name:
+                param.uniform_(0.8, 1.2)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+            else:
+                fan_in = param[0].numel() if "patch_embed" in name else param.shape[-1]  # a Conv3d's
+                param.normal_(0.0, 1.0 / fan_in**0.5)
+        if not tie:
+            model.lm_head.weight.mul_(4.0)
+        for name, param in model.named_parameters():
+            # Linear attention's q/k/v into the delta rule at about unit scale: at the plain init they are
+            # ~0.06 and the heads' outputs ~0.015 rms, which the gated norm divides rounding by (a 1e-6
+            # change of the embeddings moved the logits by 2.7e-4, 17x a Qwen3 model's; 4.9e-5 after this).
+            if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+                param.mul_(4.0)
+
+
+def build_vision_model(
+    out_dir: Path,
+    *,
+    arch: str = "qwen3_5",
+    num_layers: int = 4,
+    seed: int = 0,
+    min_pixels: int = 32 * 32,
+    max_pixels: int = 128 * 128,
+) -> Path:
+    """Save a random Qwen3_5ForConditionalGeneration (arch "qwen3_5") or Qwen3_5MoeForConditionalGeneration
+    ("qwen3_5_moe") into out_dir: the hybrid text model of build_model's shapes (its full attention
+    turning 12 of 16 dimensions with multimodal RoPE sections of 2, 2 and 2 frequencies, so every axis
+    turns some), a 2-block tower of width 32 over 16-pixel patches with a 4x4 position table, a tokenizer
+    with the vision tokens, and transformers' image processor's preprocessor_config.json (images resized
+    into [min_pixels, max_pixels])."""
+    from transformers import AutoModelForImageTextToText, Qwen3_5Config, Qwen3_5MoeConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    _, extra = _CONFIGS[arch]
+    text = {
+        "vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": num_layers, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 1024, "eos_token_id": EOS_ID, "pad_token_id": 0,
+        "rms_norm_eps": 1e-6, **extra,
+        "rope_parameters": {
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "mrope_section": [2, 2, 2], "mrope_interleaved": True,
+        },
+    }  # fmt: skip
+    if arch == "qwen3_5":
+        text["intermediate_size"] = 128
+    vision = {
+        "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 16,
+        "temporal_patch_size": 2, "spatial_merge_size": 2, "out_hidden_size": 64, "num_position_embeddings": 16,
+    }  # fmt: skip
+    top = {"qwen3_5": Qwen3_5Config, "qwen3_5_moe": Qwen3_5MoeConfig}[arch]
+    config = top(
+        text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN_ID, video_token_id=VIDEO_TOKEN_ID,
+        vision_start_token_id=VISION_START_ID, vision_end_token_id=VISION_END_ID, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    _scale_up(model, hybrid=True, tie=False)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    build_tokenizer(QWEN3_5, vision=True).save_pretrained(out_dir)
+    Qwen2VLImageProcessorPil(
+        patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+        size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+    ).save_pretrained(out_dir)  # fmt: skip
+    return out_dir
 
 
 def build_model(
@@ -131,24 +211,7 @@ def build_model(
     config = config_cls(**{**fields, **extra, **(overrides or {})})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name and arch.startswith("qwen3_5") and "linear_attn" not in name:
-                param.uniform_(-0.2, 0.2)  # zero-centred: applied as 1 + w
-            elif "norm" in name:
-                param.uniform_(0.8, 1.2)
-            elif name.endswith("bias"):
-                param.normal_(0.0, 0.1)
-            else:
-                param.normal_(0.0, 1.0 / param.shape[-1] ** 0.5)
-        if not tie:
-            model.lm_head.weight.mul_(4.0)
-        for name, param in model.named_parameters():
-            # Linear attention's q/k/v into the delta rule at about unit scale: at the plain init they are
-            # ~0.06 and the heads' outputs ~0.015 rms, which the gated norm divides rounding by (a 1e-6
-            # change of the embeddings moved the logits by 2.7e-4, 17x a Qwen3 model's; 4.9e-5 after this).
-            if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
-                param.mul_(4.0)
+    _scale_up(model, hybrid=arch.startswith("qwen3_5"), tie=tie)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     if tokenizer:

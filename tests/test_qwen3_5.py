@@ -294,7 +294,8 @@ def moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _publish(model_dir: Path, out: Path, architecture: str) -> Path:
     """`model_dir` in the published checkpoints' multimodal layout: the text model's config under
     text_config, its tensors under model.language_model. (a MoE's experts fused: gate_up_proj
-    [E, 2I, H] and down_proj [E, H, I] per layer), a vision tower and an MTP head beside them."""
+    [E, 2I, H] and down_proj [E, H, I] per layer), a vision tower's tensor and an MTP head beside them (no
+    vision_config: the tower is not served; tests/test_qwen3_5_vision.py serves one)."""
     out.mkdir()
     for item in model_dir.iterdir():
         if item.suffix != ".safetensors" and item.name != "config.json":
@@ -303,7 +304,6 @@ def _publish(model_dir: Path, out: Path, architecture: str) -> Path:
     config = {
         "architectures": [architecture],
         "text_config": {**text, "architectures": None},
-        "vision_config": {"depth": 1},
         "tie_word_embeddings": text["tie_word_embeddings"],
     }
     (out / "config.json").write_text(json.dumps(config))

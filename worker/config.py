@@ -239,6 +239,11 @@ class EngineConfig:
     max_lora_rank: int = option(
         16, help="the largest LoRA rank (r) an adapter may have; slots are sized for it"
     )
+    encoder_cache_tokens: int = option(
+        16384,
+        help="a vision model's image tokens kept from the tower by image content, so an image seen again "
+        "skips it (least recently used dropped first; the latest image is always kept)",
+    )
     gguf_file: str | None = field(default=None, repr=False)  # the .gguf `model` was converted from, if any
     draft_gguf_file: str | None = field(default=None, repr=False)  # the .gguf of speculative_model, if any
     # None only until __post_init__ reads the model's config: typed as what every EngineConfig then has.
@@ -423,6 +428,8 @@ class EngineConfig:
             )
         if self.max_lora_rank < 1:
             raise ConfigError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.encoder_cache_tokens < 0:
+            raise ConfigError(f"encoder_cache_tokens must be >= 0, got {self.encoder_cache_tokens}")
 
     @property
     def kv_tiers(self) -> bool:

@@ -13,10 +13,14 @@ from typing import Any, cast
 from tqdm.auto import tqdm
 
 from nanovllm.common.errors import ConfigError, RequestError
+from nanovllm.common.images import ImagePatches, ImageProcessorConfig, expand_placeholders, patchify
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.core.engine import LLMEngine
 from nanovllm.worker.models.gguf.cache import resolve_model
+
+# A prompt: text, token ids, or a dict with images (LLM.generate).
+Prompt = str | list[int] | dict[str, Any]
 
 
 def load_tokenizer(model_dir: str | Path) -> Any | None:
@@ -51,6 +55,7 @@ class LLM:
         # Tensor-parallel ranks stop when this LLM is collected or the interpreter exits, if not before.
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
         self.tokenizer = load_tokenizer(model_dir)
+        self._image_processor: ImageProcessorConfig | None = None  # a vision model's, read at its first image
         self._request_ids = itertools.count()
 
     def shutdown(self) -> None:
@@ -66,7 +71,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: list[str] | list[list[int]] | str | list[int],
+        prompts: Prompt | list[Prompt] | list[int],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priorities: list[int] | None = None,
@@ -76,9 +81,14 @@ class LLM:
         ({"text", "token_ids"}) plus finish_reason, logprobs, prompt/cached token counts, and
         prompt_logprobs where SamplingParams.prompt_logprobs asks for them. `lora_name`:
         the LoRA adapter (loaded by `lora_adapters` or `add_lora`) of every prompt, or of each (None: the
-        base model)."""
-        one = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
-        batch = cast("list[str | list[int]]", [prompts] if one else prompts)
+        base model).
+
+        A prompt is a string, token ids, or (a vision model's, as vLLM takes them) a dict of "prompt" (a
+        string) or "prompt_token_ids", and "multi_modal_data": {"image": a PIL image or a list of them},
+        where the prompt holds one image placeholder token (`<|image_pad|>`) per image, in order: each is
+        expanded to the image's token count."""
+        one = isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int))
+        batch = cast("list[Prompt]", [prompts] if one else prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if not isinstance(sampling_params, list):
@@ -104,12 +114,40 @@ class LLM:
         for i, (prompt, params) in enumerate(zip(batch, sampling_params)):
             request_id = str(next(self._request_ids))
             priority = priorities[i] if priorities else 0
+            token_ids, images = self._prompt_inputs(prompt)
             self.engine.add_request(
-                request_id, self._encode(prompt), params, priority, lora_name=lora_name[i]
+                request_id, token_ids, params, priority, lora_name=lora_name[i], images=images
             )
             ids.append(request_id)
         results = self._run(len(ids), use_tqdm)
         return [self._to_dict(results[request_id]) for request_id in ids]
+
+    def _prompt_inputs(self, prompt: Prompt) -> tuple[list[int], list[ImagePatches]]:
+        """A prompt's token ids, with each image's placeholder expanded, and its images' patches."""
+        if not isinstance(prompt, dict):
+            return self._encode(prompt), []
+        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"})
+        if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise RequestError(
+                'a prompt dict has "prompt" or "prompt_token_ids" (one of them) and optionally '
+                f'"multi_modal_data"; got keys {sorted(prompt)}'
+            )
+        token_ids = self._encode(prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"])
+        data = prompt.get("multi_modal_data") or {}
+        if set(data) - {"image"}:
+            raise RequestError(f'multi_modal_data takes "image" only; got {sorted(data)}')
+        images = data.get("image", [])
+        images = images if isinstance(images, list) else [images]
+        if not images:
+            return token_ids, []
+        vision = self.config.model_config.vision
+        if vision is None:
+            raise RequestError(f"{self.config.model} has no vision tower: it takes no images")
+        if self._image_processor is None:
+            self._image_processor = ImageProcessorConfig.from_model_dir(self.config.model)
+        patches = [patchify(image, self._image_processor) for image in images]
+        counts = [p.num_tokens(vision.spatial_merge_size) for p in patches]
+        return expand_placeholders(token_ids, vision.image_token_id, counts), patches
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -5,6 +5,7 @@ are worker/config.py's EngineConfig."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,9 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
 }
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 
-# Published multimodal checkpoints whose language model is one of the above: served text-only, from
-# their `text_config` and the language model's weights (worker/models/loader.py skips the rest).
+# Published multimodal checkpoints whose language model is one of the above: their `text_config` and the
+# language model's weights, with the vision tower (`vision_config`, VisionSpec) where the config has one
+# (worker/models/qwen3_5_vision.py); without it served text-only (worker/models/loader.py skips the rest).
 TEXT_ONLY = {
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
@@ -87,6 +89,11 @@ class HybridSpec:
     value_head_dim: int
     conv_kernel_size: int
     rotary_dim: int  # full attention's rotated dimensions per head
+    # Multimodal RoPE: of the rotary_dim / 2 frequencies, index i turns by the height position where
+    # i % 3 == 1 and i < 3 * mrope_section[1], by the width position where i % 3 == 2 and
+    # i < 3 * mrope_section[2], by the temporal one elsewhere (interleaved, as transformers' Qwen3.5). A
+    # text token's three positions are equal: plain RoPE.
+    mrope_section: tuple[int, int, int] = (11, 11, 10)
 
     @property
     def linear_layers(self) -> list[int]:
@@ -145,6 +152,90 @@ class HybridSpec:
             int(cfg.get("linear_value_head_dim", 128)),
             int(cfg.get("linear_conv_kernel_dim", 4)),
             rotary_dim,
+            _mrope_section(rope.get("mrope_section", cfg.get("mrope_section", (11, 11, 10)))),
+        )
+
+
+def _mrope_section(section: Any) -> tuple[int, int, int]:
+    if not isinstance(section, (list, tuple)) or len(section) != 3:
+        raise UnsupportedModelError(
+            f"mrope_section must list 3 sizes (temporal, height, width); got {section!r}"
+        )
+    return int(section[0]), int(section[1]), int(section[2])
+
+
+# Every field of a Qwen3.5 vision_config: transformers' Qwen3_5VisionConfig and the generic ones. A field
+# outside it is refused at start by name, as _HYBRID_FIELDS' are.
+_VISION_FIELDS = frozenset(
+    (
+        "depth", "hidden_size", "hidden_act", "intermediate_size", "num_heads", "in_channels", "patch_size",
+        "spatial_merge_size", "temporal_patch_size", "out_hidden_size", "num_position_embeddings",
+        "rope_parameters", "model_type", "initializer_range", "dtype", "torch_dtype", "deepstack_visual_indexes",
+        "transformers_version", "_name_or_path", "architectures", "output_attentions", "output_hidden_states",
+        "return_dict", "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder", "problem_type",
+    )
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """A Qwen3.5 checkpoint's vision tower (transformers' Qwen3_5VisionModel) and the placeholder token
+    its image features replace in the prompt."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    out_hidden_size: int
+    num_position_embeddings: int
+    rope_theta: float
+    image_token_id: int
+    vision_start_token_id: int
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], top: dict[str, Any]) -> VisionSpec:
+        unknown = sorted(set(cfg) - _VISION_FIELDS)
+        if unknown:
+            raise UnsupportedModelError(
+                f"vision_config field(s) {unknown} unknown to this engine's Qwen3.5 tower"
+            )
+        if cfg.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise UnsupportedModelError(
+                f"vision_config.hidden_act={cfg['hidden_act']!r}: the tower's MLP runs gelu_pytorch_tanh only"
+            )
+        if cfg.get("deepstack_visual_indexes"):
+            raise UnsupportedModelError(
+                "vision_config.deepstack_visual_indexes (Qwen3-VL's) is not supported"
+            )
+        rope = cfg.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise UnsupportedModelError(f"vision_config rope_type {rope['rope_type']!r}: only axial")
+        hidden, heads = int(cfg.get("hidden_size", 1152)), int(cfg.get("num_heads", 16))
+        if hidden % heads or (hidden // heads) % 4:
+            raise UnsupportedModelError(
+                f"vision_config hidden_size={hidden} over num_heads={heads}: a head's size must be a multiple of 4"
+            )
+        side = math.isqrt(int(cfg.get("num_position_embeddings", 2304)))
+        if side * side != int(cfg.get("num_position_embeddings", 2304)):
+            raise UnsupportedModelError("vision_config.num_position_embeddings must be a square (a grid)")
+        return cls(
+            depth=int(cfg.get("depth", 27)),
+            hidden_size=hidden,
+            intermediate_size=int(cfg.get("intermediate_size", 4304)),
+            num_heads=heads,
+            in_channels=int(cfg.get("in_channels", 3)),
+            patch_size=int(cfg.get("patch_size", 16)),
+            temporal_patch_size=int(cfg.get("temporal_patch_size", 2)),
+            spatial_merge_size=int(cfg.get("spatial_merge_size", 2)),
+            out_hidden_size=int(cfg.get("out_hidden_size", 3584)),
+            num_position_embeddings=side * side,
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            image_token_id=int(top.get("image_token_id", 248056)),
+            vision_start_token_id=int(top.get("vision_start_token_id", 248053)),
         )
 
 
@@ -281,6 +372,7 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     moe: MoeSpec | None = None
     hybrid: HybridSpec | None = None
+    vision: VisionSpec | None = None  # a multimodal checkpoint's vision tower
 
     @property
     def num_attention_layers(self) -> int:
@@ -293,7 +385,10 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         architectures = cfg.get("architectures") or []
         text_only = next((TEXT_ONLY[a] for a in architectures if a in TEXT_ONLY), None)
+        vision = None
         if text_only is not None:
+            if isinstance(cfg.get("vision_config"), dict):
+                vision = VisionSpec.from_hf_dict(cfg["vision_config"], cfg)
             text = cfg.get("text_config")
             if not isinstance(text, dict):
                 raise UnsupportedModelError(f"{architectures} without a text_config is not supported")
@@ -358,6 +453,7 @@ class ModelConfig:
             if arch.endswith("MoeForCausalLM")
             else None,
             hybrid=hybrid,
+            vision=vision,
         )
 
     @property

@@ -8,7 +8,9 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from nanovllm.common.block_hash import signed64
 from nanovllm.common.errors import InvalidStateTransition
+from nanovllm.common.images import ImagePatches
 from nanovllm.common.sampling_params import SamplingParams
 
 
@@ -59,6 +61,21 @@ class TokenSlice(SequenceABC):
 
     def __getitem__(self, index):
         return self._tokens[self._start : self._stop][index]
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """An image of a prompt: its patches, and where its `num_tokens` placeholder tokens begin (`offset`);
+    they form a grid of `grid_hw` merged patches, row-major."""
+
+    offset: int
+    num_tokens: int
+    grid_hw: tuple[int, int]
+    patches: ImagePatches
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.num_tokens
 
 
 PENDING_TOKEN = -1  # the place of a token a step in flight is picking (Sequence.num_pending_tokens)
@@ -147,6 +164,8 @@ class Sequence:
     # A hybrid model's: the slot of the linear layers' state the sequence holds while it has blocks (-1: none;
     # worker/core/recurrent_states.py).
     state_slot: int = -1
+    # The prompt's images, in prompt order (a vision model's; worker/runner/images.py).
+    images: list[ImageInput] = field(default_factory=list)
     # How many of the prompt's first tokens other requests likely share (the router's chat API: where the
     # chat's last user message begins; 0: no hint): a hybrid model keeps a snapshot of its state there.
     shared_prefix_tokens: int = 0
@@ -207,6 +226,17 @@ class Sequence:
         """Where the hash chain of this sequence's prefix-cache blocks starts: a block computed under one
         adapter (or none) never serves another."""
         return self.adapter.cache_salt if self.adapter is not None else None
+
+    def block_key(self, index: int, block_size: int) -> list[int]:
+        """What block `index`'s hash covers: its token ids, and for each image whose tokens it holds the
+        image's content hash and where the image begins relative to the block (placeholder ids are the
+        same for every image: without the hash, two images of one size would share cached blocks)."""
+        begin, end = index * block_size, (index + 1) * block_size
+        key = self.token_ids[begin:end]
+        for image in self.images:
+            if image.offset < end and image.end > begin:
+                key = [*key, signed64(image.patches.content_hash), image.offset - begin]
+        return key
 
     @property
     def num_uncomputed_tokens(self) -> int:

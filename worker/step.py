@@ -18,7 +18,7 @@ import torch
 
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.worker.device import host_tensor
-from nanovllm.worker.sequence import FinishReason, RequestTimeline, Sequence, TokenLogprobs
+from nanovllm.worker.sequence import FinishReason, ImageInput, RequestTimeline, Sequence, TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -201,6 +201,16 @@ class PromptScoring:
     num_top: int
 
 
+@dataclass(slots=True)
+class ImageRows:
+    """Rows [row, row + count) of a step are tokens [first, first + count) of `image`'s tokens."""
+
+    image: ImageInput
+    row: int
+    first: int
+    count: int
+
+
 @dataclass
 class StepInputs:
     input_ids: list[int]
@@ -224,6 +234,11 @@ class StepInputs:
     # is split between the ranks), and, on rank 0 alone, what each sequence's rows score.
     prompt_rows: list[int] = field(default_factory=list)
     prompt_scoring: list[PromptScoring] = field(default_factory=list)
+    # A step with a sequence that has images (a vision model's): every row's temporal, then height, then
+    # width RoPE position (3 x len(input_ids) values), and the rows that are image tokens. Empty: text only,
+    # `positions` turn RoPE.
+    mrope_positions: list[int] = field(default_factory=list)
+    image_rows: list[ImageRows] = field(default_factory=list)
 
     def pack(self) -> torch.Tensor:
         """[counts..., input_ids, positions, slot_mapping, (start, n, state slot, restore, saves, *saves, len,
@@ -232,6 +247,8 @@ class StepInputs:
         prompt_scoring: rank 0's)"""
         if self.deferred:
             raise RuntimeError("a step whose tokens are still on rank 0's device cannot go to other ranks")
+        if self.mrope_positions:
+            raise RuntimeError("a step with images cannot go to other tensor-parallel ranks")
         groups = (self.decodes, self.fresh, self.cached)
         fills = list(json.dumps(self.lora_fills).encode()) if self.lora_fills else []
         values = [len(self.input_ids), *(len(g) for g in groups), len(self.logits_index)]

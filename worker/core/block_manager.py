@@ -141,7 +141,7 @@ class BlockManager:
         first = None  # the hash of its first block
         resumable = 0  # hits up to the last block whose state a snapshot holds (a hybrid model's)
         for i in range((seq.num_tokens - 1) // self.block_size):
-            prev = hash_block(prev, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            prev = hash_block(prev, seq.block_key(i, self.block_size))
             if not i:
                 first = prev
             block_id = self.cached.get(prev)
@@ -174,7 +174,7 @@ class BlockManager:
         resumable = 0
         prev = self.blocks[device_hits[-1]].block_hash if device_hits else seq.cache_salt
         for i in range(len(device_hits), (seq.num_tokens - 1) // self.block_size):
-            prev = hash_block(prev, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            prev = hash_block(prev, seq.block_key(i, self.block_size))
             if tiers.where(prev) is None:
                 break
             hashes.append(prev)
@@ -305,7 +305,7 @@ class BlockManager:
         num_full = seq.num_computed_tokens // self.block_size
         for i in range(len(seq.block_hashes), num_full):
             prev = seq.block_hashes[-1] if seq.block_hashes else seq.cache_salt
-            block_hash = hash_block(prev, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            block_hash = hash_block(prev, seq.block_key(i, self.block_size))
             seq.block_hashes.append(block_hash)
             block = self.blocks[seq.block_table[i]]
             if block_hash not in self.cached:  # an identical block computed concurrently keeps the entry

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nanovllm.common.errors import AdapterError, DuplicateAdapterError, RequestError, UnknownAdapterError
+from nanovllm.common.images import ImagePatches
 from nanovllm.common.logging import get_logger
 from nanovllm.common.request_checks import check_prompt, check_resumed_outputs, check_stop_token_ids
 from nanovllm.common.sampling_params import SamplingParams
@@ -27,7 +28,7 @@ from nanovllm.worker.runner.model_runner import LaunchedStep, ModelRunner
 from nanovllm.worker.sample.rows import sampling_rows
 from nanovllm.worker.sample.speculation import Proposer
 from nanovllm.worker.sample.structured_output import ConstraintQueue, GrammarCompiler
-from nanovllm.worker.sequence import Sequence, SequenceStatus
+from nanovllm.worker.sequence import ImageInput, Sequence, SequenceStatus
 from nanovllm.worker.step import (
     EngineLoad,
     KVTierStats,
@@ -164,11 +165,14 @@ class LLMEngine:
         output_token_ids: list[int] | None = None,
         lora_name: str | None = None,
         shared_prefix_tokens: int = 0,
+        images: list[ImagePatches] | None = None,
     ) -> None:
         """Queue a request. `output_token_ids` resumes one that generated those tokens elsewhere: it goes on
         after them exactly as if it had produced them here (see Submit.output_token_ids). `lora_name`:
         the loaded LoRA adapter it runs with (None: the base model). `shared_prefix_tokens`: how many of
-        the prompt's first tokens other requests likely share (Sequence.shared_prefix_tokens)."""
+        the prompt's first tokens other requests likely share (Sequence.shared_prefix_tokens). `images`: a
+        vision model's, in prompt order, each in place of its run of placeholder tokens (one per token the
+        image takes: common/images.py expand_placeholders)."""
         if request_id in self.requests:
             raise RequestError(f"request_id {request_id!r} is already in flight")
         adapter = None
@@ -185,6 +189,7 @@ class LLMEngine:
                 f"shared_prefix_tokens is {shared_prefix_tokens}, outside the prompt's "
                 f"{len(prompt_token_ids)} tokens"
             )
+        placed = self._place_images(prompt_token_ids, images) if images else []
         outputs = list(output_token_ids or ())
         if outputs:
             check_resumed_outputs(
@@ -200,12 +205,51 @@ class LLMEngine:
             max_num_tokens=min(len(prompt_token_ids) + params.max_tokens, self.config.max_model_len),
             adapter=adapter,
             shared_prefix_tokens=shared_prefix_tokens,
+            images=placed,
         )
         self.requests[request_id] = seq
         if params.constraint is None:
             self.scheduler.add(seq)
         else:
             self.constraints.add(seq)
+
+    def _place_images(self, prompt: list[int], images: list[ImagePatches]) -> list[ImageInput]:
+        """Each image at its run of placeholder tokens, the k-th run for the k-th image, its length the
+        image's token count."""
+        vision = self.model_config.vision
+        if vision is None:
+            raise RequestError(f"{self.config.model} has no vision tower: it takes no images")
+        if self.config.tensor_parallel_size > 1:
+            raise RequestError("images are not supported with tensor_parallel_size > 1 yet")
+        token, merge = vision.image_token_id, vision.spatial_merge_size
+        runs: list[tuple[int, int]] = []  # (start, length) of each run of placeholder tokens
+        for i, tok in enumerate(prompt):
+            if tok == token:
+                if runs and runs[-1][0] + runs[-1][1] == i:
+                    runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+                else:
+                    runs.append((i, 1))
+        if len(runs) != len(images):
+            raise RequestError(
+                f"the prompt has {len(runs)} run(s) of image placeholder tokens (id {token}) for {len(images)} "
+                "image(s)"
+            )
+        placed = []
+        for k, ((start, length), patches) in enumerate(zip(runs, images)):
+            t, h, w = patches.grid_thw
+            if length != patches.num_tokens(merge) or t != 1 or h % merge or w % merge:
+                raise RequestError(
+                    f"image {k}: {length} placeholder tokens for a grid of {t}x{h}x{w} patches "
+                    f"({patches.num_tokens(merge)} tokens after the {merge}x{merge} merge)"
+                )
+            width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+            if patches.pixel_values.shape != (t * h * w, width):
+                raise RequestError(
+                    f"image {k}: pixel values of shape {patches.pixel_values.shape} for a grid of {t}x{h}x{w} "
+                    f"patches of {width} values"
+                )
+            placed.append(ImageInput(start, length, (h // merge, w // merge), patches))
+        return placed
 
     def add_lora(self, name: str, path: str) -> LoRAAdapter:
         """Load the PEFT adapter in directory `path` under `name`; requests may name it from now on."""

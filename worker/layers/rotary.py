@@ -97,3 +97,45 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         return torch.addcmul(x * cos, swapped, sin)
     # 16-bit: transformers rounds both products to the dtype before adding them (addcmul rounds once).
     return (x * cos).add_(swapped.mul_(sin))
+
+
+class MultimodalRotaryEmbedding(RotaryEmbedding):
+    """Qwen3.5's multimodal RoPE (M-RoPE): each token has a temporal, a height and a width position, and
+    each frequency turns by one of them (`axis_of_frequencies`). Text tokens have three equal positions,
+    which is plain RoPE: a step of text only passes one position a token and looks up as RotaryEmbedding
+    does; a step with image tokens passes [3, T] positions."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        dtype: torch.dtype,
+        mrope_section: tuple[int, int, int],
+        scaling: RopeScaling | None = None,
+    ) -> None:
+        super().__init__(head_dim, max_position, base, dtype, scaling)
+        axis = axis_of_frequencies(head_dim // 2, mrope_section)
+        # The table's row is [cos | cos | -sin | sin], each part a frequency apiece.
+        self.axis: torch.Tensor  # a registered buffer: [1, 2 * head_dim] axis of each table column
+        self.register_buffer("axis", axis.repeat(4).unsqueeze(0), persistent=False)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().lookup(positions)
+        # [3, T, columns]: each axis's rows, then each column from its axis's
+        rows = self.table.index_select(0, positions.reshape(-1)).view(3, positions.shape[1], -1)
+        picked = rows.gather(0, self.axis.expand(positions.shape[1], -1).unsqueeze(0)).squeeze(0)
+        cos, sin = picked.unsqueeze(1).chunk(2, dim=-1)
+        return cos.contiguous(), sin.contiguous()
+
+
+def axis_of_frequencies(num_frequencies: int, mrope_section: tuple[int, int, int]) -> torch.Tensor:
+    """Which position (0 temporal, 1 height, 2 width) turns each frequency: interleaved, height at
+    i % 3 == 1 and width at i % 3 == 2 within 3 x their section, temporal elsewhere."""
+    axis = torch.zeros(num_frequencies, dtype=torch.long)
+    for index in range(num_frequencies):
+        for which in (1, 2):
+            if index % 3 == which and index < 3 * mrope_section[which]:
+                axis[index] = which
+    return axis

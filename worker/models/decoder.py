@@ -157,9 +157,16 @@ class DecoderModel(nn.Module):
         self.lora: LoRAContext | None = None  # DecoderForCausalLM.enable_lora
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        splice: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """`splice`: (rows, embeddings) that replace those rows' token embeddings (an image's tokens)."""
         x, residual = self.embed_tokens(input_ids), None
+        if splice is not None:
+            x.index_copy_(0, splice[0], splice[1].to(x.dtype))
         rope = self.rotary.lookup(positions)  # once per step, shared by every layer
         decode = meta.decode
         if (
@@ -208,9 +215,13 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        splice: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+        return self.model(input_ids, positions, meta, splice)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

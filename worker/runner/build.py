@@ -32,11 +32,13 @@ from nanovllm.worker.models.decoder import DecoderForCausalLM
 from nanovllm.worker.models.gguf.tensors import gguf_quant_plan, gguf_tensors
 from nanovllm.worker.models.loader import load_safetensors, load_tensors
 from nanovllm.worker.models.qwen3_5 import Qwen3_5ForCausalLM
+from nanovllm.worker.models.qwen3_5_vision import Qwen3_5ForConditionalGeneration
 from nanovllm.worker.models.registry import causal_lm_class
 from nanovllm.worker.runner.block_table_rows import BlockTableRows
 from nanovllm.worker.runner.cpu_share import CpuShare
 from nanovllm.worker.runner.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
 from nanovllm.worker.runner.host_memory import keep_freed_memory
+from nanovllm.worker.runner.images import ImageEncoder
 from nanovllm.worker.runner.inputs import InputBuilder
 from nanovllm.worker.runner.kv_cache import (
     check_num_blocks,
@@ -182,6 +184,12 @@ class ModelRunnerBase:
         self.sampler = Sampler(generator)
         self.block_rows = BlockTableRows(self._max_blocks_per_seq(), 2 * self.config.max_num_seqs)
         self.inputs = InputBuilder(self.block_size, self.device, self.block_rows)
+        # A vision model's tower outputs, by image (worker/runner/images.py).
+        self.images = (
+            ImageEncoder(self.model.encode_image, self.device, self.config.encoder_cache_tokens)
+            if isinstance(self.model, Qwen3_5ForConditionalGeneration)
+            else None
+        )
 
     def _load_model(
         self,

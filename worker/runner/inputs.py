@@ -11,8 +11,16 @@ import torch
 from nanovllm.kernels.attention import AttentionMetadata, ChunkBatch, DecodeBatch, StateBatch
 from nanovllm.worker.device import host_tensor, to_device
 from nanovllm.worker.runner.block_table_rows import BlockTableRows
+from nanovllm.worker.runner.images import mrope_positions
 from nanovllm.worker.sequence import Sequence
-from nanovllm.worker.step import PromptScoring, ScheduledSequence, SchedulerOutput, SeqChunk, StepInputs
+from nanovllm.worker.step import (
+    ImageRows,
+    PromptScoring,
+    ScheduledSequence,
+    SchedulerOutput,
+    SeqChunk,
+    StepInputs,
+)
 
 
 class InputBuilder:
@@ -49,6 +57,7 @@ class InputBuilder:
         logits_index: list[int] = []
         prompt_rows: list[int] = []
         prompt_scoring: list[PromptScoring] = []
+        with_images: list[tuple[int, ScheduledSequence]] = []  # (first row, item) of sequences with images
         # Decodes first, one row each: the bulk of a step at a large batch, so written without the general
         # path's slices and generators (a decode's table is the sequence's own list, which BlockTableRows
         # keeps as a row).
@@ -65,6 +74,8 @@ class InputBuilder:
                 decode.state_restore = item.state_restore
                 decode.state_saves = [(boundary - position, row) for boundary, row in item.state_saves]
             decodes.append(decode)
+            if seq.images:
+                with_images.append((row, item))
             if lora_slot is not None:
                 lora_slots.append(lora_slot(seq))
             if seq.num_pending_tokens:
@@ -82,6 +93,8 @@ class InputBuilder:
             table = seq.block_table
             input_ids.extend(seq.token_ids[start : end - len(item.spec_token_ids)])
             input_ids.extend(item.spec_token_ids)
+            if seq.images:
+                with_images.append((len(positions), item))
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             last_row[seq.seq_id] = len(input_ids) - 1
@@ -110,6 +123,7 @@ class InputBuilder:
             )  # fmt: skip
 
         decodes += [chunk(s, p, 1) for s in verifying for p in range(s.start, s.start + s.num_new_tokens)]
+        mrope, image_rows = _image_layout(positions, with_images) if with_images else ([], [])
         return StepInputs(
             input_ids=input_ids,
             positions=positions,
@@ -122,6 +136,8 @@ class InputBuilder:
             lora_slots=lora_slots,
             prompt_rows=prompt_rows,
             prompt_scoring=prompt_scoring,
+            mrope_positions=mrope,
+            image_rows=image_rows,
         )
 
     @staticmethod
@@ -215,6 +231,25 @@ class InputBuilder:
 
     def long(self, values: list[int]) -> torch.Tensor:
         return to_device(host_tensor(values), self.device)
+
+
+def _image_layout(
+    positions: list[int], with_images: list[tuple[int, ScheduledSequence]]
+) -> tuple[list[int], list[ImageRows]]:
+    """The step's three rows of RoPE positions (every row's position on each axis: text rows' as
+    `positions`, the rows of sequences with images as worker/runner/images.py lays them out) and its image
+    tokens' rows."""
+    temporal, height, width = list(positions), list(positions), list(positions)
+    image_rows: list[ImageRows] = []
+    for row, item in with_images:
+        start, end = item.start, item.start + item.num_new_tokens
+        t, h, w = mrope_positions(item.seq.images, start, end)
+        temporal[row : row + len(t)], height[row : row + len(h)], width[row : row + len(w)] = t, h, w
+        for image in item.seq.images:
+            first, last = max(start, image.offset), min(end, image.end)
+            if first < last:
+                image_rows.append(ImageRows(image, row + first - start, first - image.offset, last - first))
+    return temporal + height + width, image_rows
 
 
 def _score_prompt(

@@ -121,8 +121,15 @@ class ModelRunner(ModelRunnerBase):
                 for slot, name, path in inputs.lora_fills:
                     assert self.adapter_slots is not None  # rank 0 fills slots of a model with them
                     self.adapter_slots.put(slot, self.read_adapter(name, path))
+            splice = None
+            if inputs.mrope_positions:  # a step with images: 3-D RoPE positions, the tower's tokens
+                positions = self.inputs.long(inputs.mrope_positions).view(3, -1)
+                if inputs.image_rows:
+                    if self.images is None:
+                        raise RuntimeError("a step carries images for a model without a vision tower")
+                    splice = self.images.splice(inputs.image_rows)
             graphs = self.decode_graphs
-            bucket = graphs.bucket(inputs) if graphs is not None else None
+            bucket = graphs.bucket(inputs) if graphs is not None and not inputs.mrope_positions else None
             if graphs is not None and bucket is not None:
                 lora_slots = self.inputs.long(inputs.lora_slots) if inputs.lora_slots else None
                 hidden = graphs.run(input_ids, positions, meta, bucket, lora_slots)
@@ -131,7 +138,7 @@ class ModelRunner(ModelRunnerBase):
                     self.lora.batch = lora_batch(
                         inputs.lora_slots, self.lora.num_slots, self.inputs.long, self.dtype
                     )
-                hidden = self.model(input_ids, positions, meta)
+                hidden = self.model(input_ids, positions, meta, splice)
             if inputs.prompt_rows:
                 self._prompt_logprobs = self._score_prompts(hidden, inputs)
             if not inputs.logits_index:
