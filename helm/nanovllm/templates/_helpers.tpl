@@ -71,8 +71,8 @@ app.kubernetes.io/component: {{ .component }}
 {{/*
 Images. The router always runs the CPU image; workers run the CUDA one when worker.gpu.enabled.
 */}}
-{{- define "nanovllm.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- define "nanovllm.router.image" -}}
+{{- printf "%s:%s%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) .Values.image.routerTagSuffix }}
 {{- end }}
 
 {{- define "nanovllm.worker.image" -}}
