@@ -72,7 +72,10 @@ class ModelTokenizer:
             json.loads(files["tokenizer_config.json"]) if "tokenizer_config.json" in files else {}
         )
         named = json.loads(files["special_tokens_map.json"]) if "special_tokens_map.json" in files else {}
-        self.backend = Tokenizer.from_str(files["tokenizer.json"].decode())
+        try:
+            self.backend = Tokenizer.from_str(files["tokenizer.json"].decode())
+        except Exception as exc:  # the library raises a bare Exception, its message all it says
+            raise ValueError(f"the tokenizer.json of model {info.model} cannot be read: {exc}") from None
         self.special_tokens = {
             name: text
             for name in SPECIAL_TOKEN_NAMES
