@@ -7,11 +7,13 @@ meets)."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
+import torch
+from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM
 from nanovllm.common.errors import ConfigError
@@ -161,3 +163,43 @@ def test_a_missing_scale_fails_at_start_naming_it(qwen3_fp8, tmp_path) -> None:
     missing = "model.layers.1.self_attn.k_proj.weight_scale_inv"
     with pytest.raises(ConfigError, match=rf"{missing} is missing"):
         LLM(str(edit_quantized(qwen3_fp8[0], tmp_path / "edited", drop=missing)), **ENGINE)
+
+
+@pytest.mark.parametrize("fp8_model", ["qwen3_5_moe"], indirect=True)
+def test_the_published_multimodal_layout_loads_text_only(fp8_model, tmp_path) -> None:
+    """Qwen3.5's published checkpoints: quantization_config beside text_config, the language model's
+    tensors under model.language_model. (modules_to_not_convert naming them so), a vision tower in 16 bits
+    and an FP8 MTP head beside it, neither served nor counted in the start log."""
+    _, fp8, dequantized = fp8_model
+    out = tmp_path / "published"
+    text = json.loads((fp8 / "config.json").read_text())
+    quantization = text.pop("quantization_config")
+    quantization["modules_to_not_convert"] = ["lm_head", "model.visual"] + [
+        entry if entry.startswith("linear_attn") else entry.replace("model.", "model.language_model.", 1)
+        for entry in quantization["modules_to_not_convert"]
+        if entry != "lm_head"
+    ]
+    config = {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "text_config": {**text, "architectures": None},
+        "vision_config": {"depth": 1},
+        "tie_word_embeddings": text["tie_word_embeddings"],
+        "quantization_config": quantization,
+    }
+    tensors = {
+        (n.replace("model.", "model.language_model.", 1) if n.startswith("model.") else n): t
+        for n, t in load_file(fp8 / "model.safetensors").items()
+    }
+    tensors["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
+    tensors["mtp.fc.weight"] = torch.zeros(256, 256).to(torch.float8_e4m3fn)
+    tensors["mtp.fc.weight_scale_inv"] = torch.ones(2, 2)
+    out.mkdir()
+    for item in fp8.iterdir():
+        if item.suffix != ".safetensors" and item.name != "config.json":
+            (out / item.name).write_bytes(item.read_bytes())
+    (out / "config.json").write_text(json.dumps(config))
+    save_file(tensors, out / "model.safetensors")
+    llm, line = _loaded(model=str(out))
+    _assert_transformers_tokens(llm, dequantized)
+    assert line["quantized_weights"] == sum(n.endswith("_scale_inv") for n in tensors) - 1, line
+    assert not any(module.startswith(("model.visual", "mtp")) for module in line["unquantized"]), line

@@ -139,3 +139,16 @@ def test_a_missing_int4_plane_fails_at_start_naming_it(int4_model, tmp_path) -> 
     missing = "model.layers.0.mlp.up_proj.qzeros"
     with pytest.raises(ConfigError, match=rf"{missing} is missing"):
         LLM(str(edit_quantized(int4_model[1], tmp_path / "edited", drop=missing)), **ENGINE)
+
+
+def test_qwen3_moe_experts_load_from_awq(tmp_path) -> None:
+    """Each expert's projections repacked into its own int4 planes, the router left in float."""
+    overrides = {"head_dim": 32, "moe_intermediate_size": 128}
+    base = build_model(
+        "qwen3_moe", tmp_path / "base", hidden=256, heads=8, kv_heads=2, seed=3, overrides=overrides
+    )
+    packed, _, as_int4 = write_int4(base, tmp_path, "awq")
+    llm, line = _loaded(model=str(packed))
+    _assert_transformers_tokens(llm, as_int4)
+    assert line["quantized_weights"] == 2 * (4 + 8 * 3), line  # per layer: q, k, v, o and each expert's three
+    assert line["unquantized"]["model.layers.*.mlp.gate"] == 2, line

@@ -40,14 +40,15 @@ _PROJECTION = re.compile(r"\.layers\.\d+\..*proj\w*\.weight$")
 
 
 class QuantizedCheckpoint:
-    """The reader of one quantized checkpoint: `tensors` turns the file's tensors into the model's; what it
-    read is counted for the start log (`summary`)."""
+    """The reader of one quantized checkpoint: `tensors` turns the file's tensors into the model's; the ones
+    the model read (a multimodal checkpoint's vision tower and MTP head are not) are counted for the start
+    log (`summary`)."""
 
     def __init__(self, quantization: CheckpointQuantization, packed: bool, source: str) -> None:
         """`packed`: AWQ / GPTQ layers become int4 PackedWeights (else float32, exactly dequantized)."""
         self.quantization, self.packed, self.source = quantization, packed, source
-        self.quantized = 0  # weights read quantized
-        self.unquantized: Counter[str] = Counter()  # matrices read as they ship, by module pattern
+        self.quantized: set[str] = set()  # weights read quantized
+        self.unquantized: set[str] = set()  # matrices read as they ship
         self.groups = self.rounded_mins = 0  # int4 groups repacked, and those whose min rounds in float16
 
     def tensors(self, stream: Iterable[tuple[str, LoadableTensor]]) -> Iterator[tuple[str, LoadableTensor]]:
@@ -60,7 +61,7 @@ class QuantizedCheckpoint:
     def summary(self) -> dict[str, object]:
         """What was loaded, for the worker's start log."""
         q = self.quantization
-        fields: dict[str, object] = {"format": q.method, "quantized_weights": self.quantized}
+        fields: dict[str, object] = {"format": q.method, "quantized_weights": len(self.quantized)}
         if q.method == "fp8":
             fields |= {"block": [q.group_size, q.group_size], "held_as": "dequantized to the dtype at load"}
         else:
@@ -68,7 +69,11 @@ class QuantizedCheckpoint:
             fields |= {"group_size": q.group_size, "held_as": held}
             if self.packed:
                 fields["mins_rounded_to_float16"] = f"{self.rounded_mins} of {self.groups} groups"
-        fields["unquantized"] = dict(sorted(self.unquantized.items()))
+        # by module, layer and expert numbers as *
+        modules = Counter(
+            re.sub(r"\.\d+\.", ".*.", name.removesuffix(".weight")) for name in self.unquantized
+        )
+        fields["unquantized"] = dict(sorted(modules.items()))
         return fields
 
     def _fp8(self, named: dict[str, LoadableTensor]) -> Iterator[tuple[str, LoadableTensor]]:
@@ -86,8 +91,7 @@ class QuantizedCheckpoint:
                     f"checkpoint tensor {name} in {self.source} has block scales ({name}{FP8_SCALE}), but "
                     f"quantization_config.modules_to_not_convert lists {module}"
                 )
-            self.quantized += 1
-            yield name, BlockFp8Tensor(tensor, scale, self.quantization.group_size)
+            yield name, BlockFp8Tensor(tensor, scale, self.quantization.group_size, self.quantized)
         if scales:
             orphan = next(iter(scales))
             raise ConfigError(
@@ -107,7 +111,6 @@ class QuantizedCheckpoint:
                     f"checkpoint tensor {module}.{missing[0]} is missing from {self.source}: a "
                     f"{self.quantization.method} layer has {', '.join(INT4_PLANES)}"
                 )
-            self.quantized += 1
             yield f"{module}.weight", Int4Tensor(module, planes, self)
         for name, tensor in named.items():
             if self.packed and _PROJECTION.search(name):
@@ -120,16 +123,16 @@ class QuantizedCheckpoint:
 
     def _as_shipped(self, name: str, tensor: LoadableTensor) -> LoadableTensor:
         if name.endswith(".weight") and len(tensor.shape) >= 2:
-            self.unquantized[re.sub(r"\.\d+\.", ".*.", name.removesuffix(".weight"))] += 1
-            return UnscaledTensor(tensor, self.source)
+            return UnscaledTensor(tensor, self.source, self.unquantized)
         return tensor
 
 
 class UnscaledTensor:
     """A tensor read as it ships, refused if it is float8 (a quantized weight whose scales are missing)."""
 
-    def __init__(self, tensor: LoadableTensor, source: str) -> None:
-        self._tensor, self._source = tensor, source
+    def __init__(self, tensor: LoadableTensor, source: str, read: set[str]) -> None:
+        """`read`: where its name goes once it is read."""
+        self._tensor, self._source, self._read = tensor, source, read
         self.name, self.shape = tensor.name, tensor.shape
 
     def read(self) -> torch.Tensor | PackedWeight:
@@ -139,6 +142,7 @@ class UnscaledTensor:
         return self._checked(self._tensor.narrow(dim, start, length))
 
     def _checked(self, value: torch.Tensor | PackedWeight) -> torch.Tensor | PackedWeight:
+        self._read.add(self.name)
         if isinstance(value, torch.Tensor) and value.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise ConfigError(
                 f"checkpoint tensor {self.name} in {self._source} is {value.dtype} without its block scales: "
@@ -151,8 +155,9 @@ class BlockFp8Tensor:
     """A block-FP8 weight [..., N, K] read as float32: each byte times its block's scale
     (scale [..., ceil(N / block), ceil(K / block)]). `narrow` reads only the slice's bytes and blocks."""
 
-    def __init__(self, weight: LoadableTensor, scale: LoadableTensor, block: int) -> None:
-        self._weight, self._scale, self._block = weight, scale, block
+    def __init__(self, weight: LoadableTensor, scale: LoadableTensor, block: int, read: set[str]) -> None:
+        """`read`: where its name goes once it is read."""
+        self._weight, self._scale, self._block, self._read = weight, scale, block, read
         self.name, self.shape = weight.name, weight.shape
         blocks = (*weight.shape[:-2], *(-(-size // block) for size in weight.shape[-2:]))
         if len(weight.shape) < 2 or tuple(scale.shape) != blocks:
@@ -178,6 +183,7 @@ class BlockFp8Tensor:
 
     def _dequantize(self, weight: torch.Tensor, scale: torch.Tensor, row: int, column: int) -> torch.Tensor:
         """weight x its blocks' scales, in float32; (row, column): where `weight` starts in the first block."""
+        self._read.add(self.name)
         scale = scale.repeat_interleave(self._block, dim=-2).repeat_interleave(self._block, dim=-1)
         rows, columns = weight.shape[-2:]
         return weight * scale[..., row : row + rows, column : column + columns]
@@ -212,6 +218,7 @@ class Int4Tensor:
 
     def read(self) -> torch.Tensor | PackedWeight:
         q = self._reader.quantization
+        self._reader.quantized.add(self.name)
         levels, zeros, scales = self._unpack()  # [N, K], [N, G], [N, G]
         group_of = self._group_of_features()
         if not self._reader.packed:
