@@ -16,6 +16,7 @@ from nanovllm import LLM
 from nanovllm.common.errors import ConfigError
 from tests.helpers import compare_tp, greedy, hf_greedy, hf_logits, info_logs, teacher_forced_logits
 from tests.model_factory import build_model, edit_quantized, write_int4
+from tests.top5 import assert_close, random_prompts, run_case
 
 ENGINE = {"max_model_len": 256, "kv_cache_memory": "16MiB", "dtype": "float32"}
 MAX_NEW = 16
@@ -152,3 +153,13 @@ def test_qwen3_moe_experts_load_from_awq(tmp_path) -> None:
     _assert_transformers_tokens(llm, as_int4)
     assert line["quantized_weights"] == 2 * (4 + 8 * 3), line  # per layer: q, k, v, o and each expert's three
     assert line["unquantized"]["model.layers.*.mlp.gate"] == 2, line
+
+
+def test_awq_in_bfloat16_meets_the_top5_rule(int4_base, tmp_path) -> None:
+    """tests/test_dtypes.py's rule against transformers in bf16 on the weights the int4 planes hold."""
+    packed, _, as_int4 = write_int4(int4_base, tmp_path, "awq")
+    prompts = random_prompts()
+    name, outcomes = run_case(
+        "qwen3 awq", packed, "bfloat16", "auto", prompts, 24, "16MiB", reference=as_int4
+    )
+    assert_close(name, "bfloat16", outcomes, min_exact=len(prompts) // 2)
