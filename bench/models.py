@@ -7,6 +7,7 @@ benchmark generates with ignore_eos, so what the weights predict never changes t
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -216,4 +217,51 @@ def build_serving_model(shape: str, out_dir: Path | None = None) -> Path:
         bos_token=special[config.bos_token_id],
         eos_token=special[config.eos_token_id],
     ).save_pretrained(out_dir)
+    return out_dir
+
+
+FP8_BLOCK = 128
+FP8_MAX = 448.0  # float8_e4m3fn's largest
+
+
+def write_block_fp8(model_dir: Path, out_dir: Path | None = None) -> Path:
+    """`model_dir`'s checkpoint in Qwen's published block-FP8 layout (config.json's quantization_config:
+    fp8, e4m3, dynamic, [128, 128]): every decoder-layer matrix but the norms and the MoE router as
+    float8_e4m3fn with a float32 `weight_scale_inv` per 128 x 128 block (its largest magnitude / 448), the
+    embedding and head as they were. Reused when out_dir holds one already."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir) if out_dir is not None else model_dir.with_name(model_dir.name + "-fp8")
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for path in sorted(model_dir.glob("*.safetensors")):
+        tensors = {}
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                weight = f.get_tensor(name)
+                quantized = ".layers." in name and weight.dim() == 2 and "norm" not in name
+                if not quantized or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                    tensors[name] = weight
+                    continue
+                rows, columns = weight.shape
+                blocks = (-(-rows // FP8_BLOCK), -(-columns // FP8_BLOCK))
+                padded = torch.zeros(blocks[0] * FP8_BLOCK, blocks[1] * FP8_BLOCK)
+                padded[:rows, :columns] = weight
+                tiles = padded.view(blocks[0], FP8_BLOCK, blocks[1], FP8_BLOCK)
+                scales = tiles.abs().amax(dim=(1, 3)) / FP8_MAX
+                scaled = tiles / scales[:, None, :, None]
+                tensors[name] = scaled.view_as(padded)[:rows, :columns].to(torch.float8_e4m3fn).contiguous()
+                tensors[f"{name}_scale_inv"] = scales
+        save_file(tensors, out_dir / path.name)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+        "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+    }  # fmt: skip
+    for item in model_dir.iterdir():  # the index of a sharded checkpoint, a tokenizer
+        if item.name != "config.json" and item.suffix != ".safetensors":
+            (out_dir / item.name).write_bytes(item.read_bytes())
+    (out_dir / "config.json").write_text(json.dumps(config, indent=1))  # last: marks the copy complete
     return out_dir

@@ -15,6 +15,12 @@ With --shape (a random model of bench/models.py's shapes, e.g. qwen3.5-0.8b) the
 dtype, int8 and int4, one stream only (random 128-token prompts), and what each token read at most: the
 decode step's time times the machine's read bandwidth measured around it, against the weights' bytes
 (a Qwen3.5 step also reads and writes its recurrent state, printed beside them).
+
+With --shape and --checkpoint fp8, the same random model also written as Qwen's block-FP8 checkpoints
+ship (bench/models.py write_block_fp8) and served as it loads (dequantized to the dtype) and repacked to
+int8 (--quantization int8), beside the float checkpoint in the dtype and in int8; one stream and (unless
+--skip-w64) W64, a batch of 64 random requests (32-64 tokens in, 16-32 out), each against the float
+checkpoint.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import time
 
 import torch
 
-from bench.models import SHAPES, build_random_model
+from bench.models import SHAPES, build_random_model, write_block_fp8
 from bench.moe import read_bandwidth
 from bench.report import machine_description
 from bench.speculation import llama_cpp, run_batch
@@ -85,9 +91,17 @@ def main() -> None:
         "--llama-cpp-python", help="an interpreter with llama-cpp-python: adds llama.cpp's row"
     )
     parser.add_argument("--shape", choices=sorted(SHAPES), help="a random model instead of the embedded one")
+    parser.add_argument(
+        "--checkpoint", choices=["fp8"], help="with --shape: also the model as a block-FP8 checkpoint"
+    )
     args = parser.parse_args()
+    if args.checkpoint and not args.shape:
+        parser.error("--checkpoint needs --shape")
     if args.shape:
-        shape_streams(args.shape, args.prompts, args.max_tokens)
+        w64 = (
+            args.checkpoint is not None and not args.skip_w64
+        )  # (the float formats' own W64: bench.throughput)
+        shape_streams(args.shape, args.prompts, args.max_tokens, args.checkpoint, w64)
         return
 
     gguf = embedded_model_path()
@@ -149,8 +163,9 @@ def main() -> None:
         print(f"\nllama.cpp: not measured ({peer_failure})")
 
 
-def shape_streams(shape: str, count: int, max_tokens: int) -> None:
-    """One stream of a random `shape` per weight format, and the bytes each token read at most."""
+def shape_streams(shape: str, count: int, max_tokens: int, checkpoint: str | None, w64: bool) -> None:
+    """One stream (and W64 if asked) of a random `shape` per weight format, and the bytes each token read
+    at most."""
     model_dir = build_random_model(shape)
     cfg = ModelConfig.from_pretrained_dir(model_dir)
     rng = random.Random(0)
@@ -158,24 +173,45 @@ def shape_streams(shape: str, count: int, max_tokens: int) -> None:
     state = 0
     if cfg.hybrid is not None:
         state = Qwen3_5ForCausalLM.state_layout(cfg, 1).bytes_per_slot(4)  # float32 here
+    engines = {  # name: (checkpoint, LLM kwargs)
+        "default dtype": (model_dir, {}),
+        "int8 (per channel)": (model_dir, {"quantization": "int8"}),
+        "int4 (group 32)": (model_dir, {"quantization": "int4"}),
+    }
+    if checkpoint == "fp8":
+        fp8 = write_block_fp8(model_dir)
+        del engines["int4 (group 32)"]
+        engines["block-FP8 checkpoint, dequantized at load"] = (fp8, {})
+        engines["block-FP8 checkpoint, repacked to int8"] = (fp8, {"quantization": "int8"})
+    # W64 here: 64 requests at once, shorter than bench/throughput.py's (with a 0.6B model in float32, its 32-256
+    # tokens in and out had not finished the first engine after 17 minutes on the shared 2-core AVX2 EPYC)
+    batch = make_workload(64, cfg.vocab_size, (32, 64), (16, 32), seed=0) if w64 else None
     print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {machine_description()}")
     print(f"random {shape}; one stream: {count} prompts of 128 tokens, {max_tokens} new, greedy; "
-          f"{torch.get_num_threads()} threads; recurrent state per request {state / 2**20:.1f} MiB\n")  # fmt: skip
+          f"{torch.get_num_threads()} threads; recurrent state per request {state / 2**20:.1f} MiB"
+          + ("; W64: 64 random requests, 32-64 tokens in, 16-32 out" if w64 else "") + "\n")  # fmt: skip
     print(
-        "| weights | weight GB | one stream tok/s | read bandwidth GB/s | read per token at most | vs weights |"
+        "| weights | weight GB | one stream tok/s | vs default | read bandwidth GB/s | read per token at most | "
+        "vs weights | W64 tok/s | vs default |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, kwargs in {"default dtype": {}, "int8 (per channel)": {"quantization": "int8"},
-                         "int4 (group 32)": {"quantization": "int4"}}.items():  # fmt: skip
-        llm = LLM(str(model_dir), max_model_len=1024, kv_cache_memory="256MiB", **kwargs)
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    base_rate = base_w64 = 0.0
+    for name, (path, kwargs) in engines.items():
+        llm = LLM(str(path), max_model_len=1024, kv_cache_memory="1GiB" if w64 else "256MiB", **kwargs)
         one_stream(llm, prompts[:1], 16)  # warm-up
         bandwidths = [read_bandwidth()]
         rate = one_stream(llm, prompts, max_tokens)
         bandwidths.append(read_bandwidth())
+        throughput = 0.0
+        if batch is not None:
+            run_batch(llm, make_workload(8, cfg.vocab_size, (32, 64), (8, 16), seed=1))  # warm-up
+            throughput = run_batch(llm, batch)[1]
+        base_rate, base_w64 = base_rate or rate, base_w64 or throughput
         size, bandwidth = weight_bytes(llm), max(bandwidths)
         bound = bandwidth / rate
-        print(f"| {name} | {size / 1e9:.3f} | {rate:.2f} | {bandwidth / 1e9:.1f} | {bound / 1e9:.3f} GB | "
-              f"{bound / size:.2f}x |")  # fmt: skip
+        w64_cells = f"{throughput:.1f} | {throughput / base_w64:.2f}x" if throughput else "- | -"
+        print(f"| {name} | {size / 1e9:.3f} | {rate:.2f} | {rate / base_rate:.2f}x | {bandwidth / 1e9:.1f} | "
+              f"{bound / 1e9:.3f} GB | {bound / size:.2f}x | {w64_cells} |")  # fmt: skip
         llm.shutdown()
         del llm
 

@@ -4,13 +4,16 @@ tensor-parallel comparisons, and the tokenizer tests' texts."""
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
 import psutil
+import structlog
 import torch
+from structlog.testing import capture_logs
 from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM, SamplingParams
@@ -331,3 +334,16 @@ def text_windows(model_dir: Path, count: int, length: int) -> list[list[int]]:
     if len(ids) < count * length:
         raise ValueError(f"the docs hold {len(ids)} tokens, fewer than {count} windows of {length}")
     return [ids[i * length : (i + 1) * length] for i in range(count)]
+
+
+@contextmanager
+def info_logs() -> Iterator[list[dict]]:
+    """The log lines at info and above emitted inside (a process that configured no logging keeps its
+    warnings and errors only)."""
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+    try:
+        with capture_logs() as logs:
+            yield logs
+    finally:
+        structlog.configure(**saved)

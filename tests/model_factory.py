@@ -6,6 +6,7 @@ the implementation, not floating-point luck.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -499,3 +500,185 @@ def _mtp_block(tensors: dict, config: dict) -> dict:
             np.float32
         )
     return block
+
+
+# --------------------------------------------------------------------------- checkpoints quantized as published
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest
+
+
+def _quantized_projection(name: str, weight: torch.Tensor, listed: list[str]) -> bool:
+    """A decoder layer's projection (an expert's, a shared expert's, a linear attention's included) that
+    the published checkpoints quantize: every matrix under model.layers but the norms, the MoE router and
+    shared-expert gate, and the modules the config lists."""
+    module = name.removesuffix(".weight")
+    return (
+        ".layers." in name
+        and name.endswith(".weight")
+        and weight.dim() == 2
+        and "norm" not in name
+        and not name.endswith(("mlp.gate.weight", "shared_expert_gate.weight"))
+        and not any(module == entry or module.endswith("." + entry) for entry in listed)
+    )
+
+
+def _rewrite(model_dir: Path, out_dir: Path, tensors: dict, quantization: dict | None) -> Path:
+    """`model_dir`'s tokenizer and config (with `quantization` as its quantization_config, or none) beside
+    `tensors` in out_dir."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True)
+    for item in model_dir.iterdir():
+        if item.suffix != ".safetensors" and item.name != "config.json":
+            (out_dir / item.name).write_bytes(item.read_bytes())
+    config = json.loads((model_dir / "config.json").read_text())
+    config.pop("quantization_config", None)
+    if quantization is not None:
+        config["quantization_config"] = quantization
+    (out_dir / "config.json").write_text(json.dumps(config, indent=1))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, out_dir / "model.safetensors")
+    return out_dir
+
+
+def write_block_fp8(
+    model_dir: Path, out_dir: Path, listed: tuple[str, ...] = (), block: int = 128
+) -> tuple[Path, Path]:
+    """`model_dir` as Qwen's block-FP8 checkpoints ship (`out_dir / "fp8"`): each quantized projection's
+    weight in float8_e4m3fn with a float32 `weight_scale_inv` per `block` x `block` block (its largest
+    magnitude / 448; the edge blocks partial), everything else as it was; `listed`: the config's
+    modules_to_not_convert. Also the same checkpoint dequantized, byte x scale in float32
+    (`out_dir / "dequantized"`): transformers' reference for it."""
+    from safetensors.torch import load_file
+
+    quantized, dequantized = {}, {}
+    for name, weight in load_file(model_dir / "model.safetensors").items():
+        if not _quantized_projection(name, weight, list(listed)):
+            quantized[name] = dequantized[name] = weight
+            continue
+        rows, columns = weight.shape
+        scales = torch.empty(-(-rows // block), -(-columns // block))
+        bytes_ = torch.empty(rows, columns, dtype=torch.float8_e4m3fn)
+        values = torch.empty(rows, columns)
+        for i in range(scales.shape[0]):
+            for j in range(scales.shape[1]):
+                part = weight[i * block : (i + 1) * block, j * block : (j + 1) * block]
+                scale = part.abs().max() / FP8_MAX
+                scales[i, j] = scale
+                stored = (part / scale).to(torch.float8_e4m3fn)
+                bytes_[i * block : (i + 1) * block, j * block : (j + 1) * block] = stored
+                values[i * block : (i + 1) * block, j * block : (j + 1) * block] = stored.float() * scale
+        quantized[name], quantized[f"{name}_scale_inv"] = bytes_, scales
+        dequantized[name] = values
+    config = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [block, block],
+        **({"modules_to_not_convert": list(listed)} if listed else {}),
+    }
+    fp8 = _rewrite(model_dir, out_dir / "fp8", quantized, config)
+    return fp8, _rewrite(model_dir, out_dir / "dequantized", dequantized, None)
+
+
+def _int4_levels(
+    weight: torch.Tensor, group: int, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] rounded to 4-bit levels q [N, K] with a float16 scale s and an integer zero z [N, K / group]
+    per group of input features: w ~ s (q - z); symmetric: z = 8 (GPTQ's sym=true)."""
+    rows, columns = weight.shape
+    w = weight.view(rows, columns // group, group)
+    if symmetric:
+        scales = (w.abs().amax(dim=2) / 7.5).half()
+        zeros = torch.full_like(scales, 8, dtype=torch.int32)
+    else:
+        low, high = w.amin(dim=2).clamp(max=0), w.amax(dim=2).clamp(min=0)
+        scales = ((high - low) / 15).half()
+        zeros = (-low / scales.float()).round().clamp(0, 15).to(torch.int32)
+    levels = (w / scales.float().unsqueeze(2) + zeros.unsqueeze(2)).round().clamp(0, 15).to(torch.int32)
+    return levels.view(rows, columns), scales, zeros
+
+
+def _pack8(values: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """[R, C] 4-bit values -> [R, C / 8] int32, value 8 c + order[i] in nibble i."""
+    rows, columns = values.shape
+    grouped = values.view(rows, columns // 8, 8)
+    packed = torch.zeros(rows, columns // 8, dtype=torch.int64)
+    for nibble, index in enumerate(order):
+        packed |= grouped[:, :, index].long() << (4 * nibble)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # the int32 of those bits
+
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's GEMM packing: nibble i holds column 8 c + AWQ_ORDER[i]
+
+
+def write_int4(
+    model_dir: Path,
+    out_dir: Path,
+    method: str,
+    group: int = 128,
+    symmetric: bool = False,
+    act_order: bool = False,
+) -> tuple[Path, Path, Path]:
+    """`model_dir` as Qwen's AWQ (GEMM packing: qweight int32 [K, N / 8] in AWQ's nibble order, qzeros
+    [K / group, N / 8] likewise, scales float16 [K / group, N]) or GPTQ-Int4 checkpoints ship (qweight
+    int32 [K / 8, N], features in nibble order; qzeros [K / group, N / 8] storing z - 1, the "gptq"
+    checkpoint format; scales; g_idx [K]), every decoder projection quantized (`out_dir / method`);
+    `act_order`: GPTQ's desc_act, each feature's group from a shuffled g_idx; `symmetric`: z = 8 (GPTQ's
+    sym=true, as Qwen's GPTQ-Int4 checkpoints). Also the same checkpoint dequantized, s (q - z) in float32
+    (`out_dir / "dequantized"`), and as this engine's int4 planes hold it, s q + m with the min m = -s z
+    rounded to float16, summed in float32 (`out_dir / "as_int4"`)."""
+    from safetensors.torch import load_file
+
+    if method == "gptq" and not symmetric:
+        raise ValueError("asymmetric GPTQ stores z - 1, which a zero of 0 wraps: write symmetric GPTQ only")
+
+    quantized, dequantized, as_int4 = {}, {}, {}
+    generator = torch.Generator().manual_seed(0)
+    for name, weight in load_file(model_dir / "model.safetensors").items():
+        if not _quantized_projection(name, weight, []):
+            quantized[name] = dequantized[name] = as_int4[name] = weight
+            continue
+        columns = weight.shape[1]
+        g_idx = torch.arange(columns) // group
+        if act_order:
+            g_idx = g_idx[torch.randperm(columns, generator=generator)]
+        order = torch.argsort(g_idx, stable=True)  # features group by group
+        levels, scales, zeros = _int4_levels(weight[:, order], group, symmetric)
+        levels = levels[:, torch.argsort(order)]  # back to the features' own order
+        dequantized[name] = (levels - zeros[:, g_idx]).float() * scales.float()[:, g_idx]
+        mins = (-(scales.float() * zeros)).half().float()
+        as_int4[name] = levels.float() * scales.float()[:, g_idx] + mins[:, g_idx]
+        module = name.removesuffix(".weight")
+        if method == "awq":
+            quantized[f"{module}.qweight"] = _pack8(levels.t().contiguous(), AWQ_ORDER)
+            quantized[f"{module}.qzeros"] = _pack8(zeros.t().contiguous(), AWQ_ORDER)
+        else:
+            quantized[f"{module}.qweight"] = _pack8(levels, list(range(8))).t().contiguous()
+            quantized[f"{module}.qzeros"] = _pack8(((zeros - 1) & 0xF).t().contiguous(), list(range(8)))
+            quantized[f"{module}.g_idx"] = g_idx.int()
+        quantized[f"{module}.scales"] = scales.t().contiguous()
+    if method == "awq":
+        config = {"bits": 4, "group_size": group, "modules_to_not_convert": None, "quant_method": "awq",
+                  "version": "gemm", "zero_point": True}  # fmt: skip
+    else:
+        config = {"bits": 4, "group_size": group, "desc_act": act_order, "sym": symmetric,
+                  "quant_method": "gptq", "checkpoint_format": "gptq", "damp_percent": 0.01}  # fmt: skip
+    packed = _rewrite(model_dir, out_dir / method, quantized, config)
+    exact = _rewrite(model_dir, out_dir / "dequantized", dequantized, None)
+    return packed, exact, _rewrite(model_dir, out_dir / "as_int4", as_int4, None)
+
+
+def edit_quantized(
+    model_dir: Path, out_dir: Path, config: dict | None = None, drop: str | None = None
+) -> Path:
+    """A copy of a quantized checkpoint with quantization_config fields changed (`config`), or the tensor
+    `drop` left out."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors.pop(drop or "", None)
+    quantization = {
+        **json.loads((model_dir / "config.json").read_text())["quantization_config"],
+        **(config or {}),
+    }
+    return _rewrite(model_dir, out_dir, tensors, quantization)

@@ -165,15 +165,26 @@ def _check_logprobs(name: str, dtype: str, out: dict) -> None:
 
 
 def run_case(
-    name: str, model_dir: Path, dtype: str, backend: str, prompts: list[list[int]], max_new: int, kv: str
+    name: str,
+    model_dir: Path,
+    dtype: str,
+    backend: str,
+    prompts: list[list[int]],
+    max_new: int,
+    kv: str,
+    reference: Path | None = None,
 ) -> tuple[str, list[Outcome]]:
+    """`reference`: the checkpoint transformers runs, when it is not `model_dir` (a quantized checkpoint's
+    dequantized copy)."""
     key = tuple(tuple(p) for p in prompts)
     outs, kernels = _generate(model_dir, dtype, backend, key, max_new, kv)
     name = f"{name} {dtype} backend={backend} (kernels: {kernels})"
     outcomes = []
     for i, (prompt, out) in enumerate(zip(key, outs)):
         _check_logprobs(f"{name} prompt {i}", dtype, out)
-        outcomes.append(_compare(name, dtype, i, prompt, out, _reference(model_dir, dtype, prompt, max_new)))
+        outcomes.append(
+            _compare(name, dtype, i, prompt, out, _reference(reference or model_dir, dtype, prompt, max_new))
+        )
     return name, outcomes
 
 

@@ -220,7 +220,8 @@ class EngineConfig:
         "auto",
         help="weights of the linear layers: none (the model's dtype), int8 (per output channel), int4 "
         "(groups of --quantization-group-size input features with a scale and a min); auto: a GGUF's "
-        "Q8_0/Q4_0/Q4_1 tensors as they ship, none for a Hugging Face directory (docs/quantization.md)",
+        "Q8_0/Q4_0/Q4_1 tensors as they ship, an AWQ or GPTQ checkpoint's int4 repacked, none for any other "
+        "Hugging Face directory (a block-FP8 checkpoint dequantized to the dtype) (docs/quantization.md)",
     )
     quantization_group_size: int = option(
         32, help="input features per int4 scale: a multiple of 32 that divides every layer's input features"
@@ -289,14 +290,6 @@ class EngineConfig:
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
             )
         self._check_kv_cache_dtype()
-        if self.deterministic is None:
-            self.deterministic, self.deterministic_reason = self._deterministic_by_default()
-        if self.deterministic and self.attention_backend not in DETERMINISTIC_BACKENDS:
-            raise ConfigError(
-                f"deterministic needs attention_backend {', '.join(DETERMINISTIC_BACKENDS)}, got "
-                f"{self.attention_backend!r}: its kernels sum a position's attention in an order that depends "
-                "on the batch"
-            )
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise ConfigError(
                 f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, got "
@@ -324,6 +317,15 @@ class EngineConfig:
             raise ConfigError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
         if self.model_config is None:
             self.model_config = ModelConfig.from_pretrained_dir(self.model)  # type: ignore[unreachable]  # see its field
+        # after the model's config: a checkpoint quantized before it shipped has quantized weights by default
+        if self.deterministic is None:
+            self.deterministic, self.deterministic_reason = self._deterministic_by_default()
+        if self.deterministic and self.attention_backend not in DETERMINISTIC_BACKENDS:
+            raise ConfigError(
+                f"deterministic needs attention_backend {', '.join(DETERMINISTIC_BACKENDS)}, got "
+                f"{self.attention_backend!r}: its kernels sum a position's attention in an order that depends "
+                "on the batch"
+            )
         self._check_draft()
         if self.model_config.hybrid is not None:
             self._check_hybrid()
@@ -410,10 +412,15 @@ class EngineConfig:
 
     @property
     def weight_format(self) -> str:
-        """What the linear layers hold: none, int8, int4, or gguf (a GGUF file's tensors as they ship)."""
+        """What the linear layers hold: none, int8, int4, gguf (a GGUF file's tensors as they ship), or awq /
+        gptq (such a checkpoint's int4 layers repacked as they load; a block-FP8 checkpoint's are
+        dequantized: none)."""
         if self.quantization != "auto":
             return self.quantization
-        return "gguf" if self.gguf_file is not None else "none"
+        if self.gguf_file is not None:
+            return "gguf"
+        shipped = self.model_config.quantization
+        return shipped.method if shipped is not None and shipped.method in ("awq", "gptq") else "none"
 
     def _check_lora(self) -> None:
         for entry in self.lora_adapters:

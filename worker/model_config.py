@@ -69,6 +69,8 @@ _HYBRID_FIELDS = frozenset(
         "_name_or_path", "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder",
         "output_attentions", "output_hidden_states", "problem_type", "return_dict", "use_sliding_window",
         "sliding_window", "max_window_layers",
+        # how the checkpoint's weights were quantized before it shipped (CheckpointQuantization)
+        "quantization_config",
     )
 )  # fmt: skip
 
@@ -290,6 +292,101 @@ class MoeSpec:
         )
 
 
+# A checkpoint's quant_method and what this engine does with it (worker/models/quantized_checkpoint.py).
+CHECKPOINT_QUANTIZATIONS = ("fp8", "awq", "gptq")
+FP8_BLOCK = 128  # the edge of a block-FP8 checkpoint's square blocks, the only one Qwen publishes
+
+
+@dataclass(frozen=True)
+class CheckpointQuantization:
+    """How a checkpoint's weights were quantized before it shipped (config.json's `quantization_config`):
+    block FP8 (`fp8`: float8_e4m3fn weights, a float32 `weight_scale_inv` per 128 x 128 block, w = byte x
+    scale), or 4-bit integers in groups of `group_size` input features with a float16 scale and a 4-bit zero
+    each, w = s (q - z): AWQ's GEMM packing (`awq`) or GPTQ's (`gptq`, where a checkpoint_format of "gptq"
+    stores z - 1). `not_converted`: the modules the config lists as kept unquantized."""
+
+    method: str
+    group_size: int  # fp8: the block's edge; awq, gptq: input features per scale and zero
+    not_converted: tuple[str, ...] = ()
+    # gptq: added to each stored zero (1 for checkpoint_format "gptq", 0 for "gptq_v2"); its desc_act is read
+    # from each layer's g_idx (worker/models/quantized_checkpoint.py)
+    zero_offset: int = 0
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> CheckpointQuantization:
+        """A ConfigError naming the field for anything this engine does not load as it ships."""
+        method = cfg.get("quant_method")
+        if method not in CHECKPOINT_QUANTIZATIONS:
+            raise ConfigError(
+                f"quantization_config.quant_method {method!r} is not supported: this engine loads "
+                f"{', '.join(CHECKPOINT_QUANTIZATIONS)} checkpoints as they ship"
+            )
+        listed = cfg.get("modules_to_not_convert") or cfg.get("ignored_layers") or []
+        if not isinstance(listed, list) or not all(isinstance(m, str) for m in listed):
+            raise ConfigError(
+                f"quantization_config.modules_to_not_convert must list module names, got {listed!r}"
+            )
+        if method == "fp8":
+            return cls._fp8(cfg, tuple(listed))
+        bits, group = cfg.get("bits", cfg.get("w_bit")), cfg.get("group_size", cfg.get("q_group_size"))
+        if bits != 4:
+            raise ConfigError(
+                f"quantization_config.bits={bits!r} ({method}): only 4-bit {method} checkpoints are loaded"
+            )
+        if not isinstance(group, int) or group < 32 or group % 32:
+            raise ConfigError(
+                f"quantization_config.group_size={group!r} ({method}): groups must be a positive multiple of "
+                "32 input features (this engine's int4 blocks)"
+            )
+        if method == "awq":
+            version = str(cfg.get("version", "gemm")).lower()
+            if version != "gemm":
+                raise ConfigError(
+                    f"quantization_config.version={cfg.get('version')!r} (awq): only AWQ's GEMM packing is loaded"
+                )
+            if cfg.get("zero_point", True) is not True:
+                raise ConfigError(
+                    "quantization_config.zero_point=false (awq): only AWQ with zero points is loaded"
+                )
+            return cls("awq", group, tuple(listed))
+        checkpoint_format = cfg.get("checkpoint_format", "gptq")
+        if checkpoint_format not in ("gptq", "gptq_v2"):
+            raise ConfigError(
+                f"quantization_config.checkpoint_format={checkpoint_format!r} (gptq): only gptq and gptq_v2 "
+                "are loaded"
+            )
+        if cfg.get("is_marlin_format"):
+            raise ConfigError(
+                "quantization_config.is_marlin_format=true (gptq): Marlin's packing is not loaded"
+            )
+        offset = 1 if checkpoint_format == "gptq" else 0
+        return cls("gptq", group, tuple(listed), offset)
+
+    @classmethod
+    def _fp8(cls, cfg: dict[str, Any], listed: tuple[str, ...]) -> CheckpointQuantization:
+        if cfg.get("fmt", "e4m3") != "e4m3":
+            raise ConfigError(f"quantization_config.fmt={cfg['fmt']!r} (fp8): only e4m3 weights are loaded")
+        if cfg.get("activation_scheme", "dynamic") != "dynamic":
+            raise ConfigError(
+                f"quantization_config.activation_scheme={cfg['activation_scheme']!r} (fp8): only dynamic is "
+                "loaded (the weights are dequantized; static activation scales would go unused)"
+            )
+        block = cfg.get("weight_block_size")
+        if block != [FP8_BLOCK, FP8_BLOCK]:
+            raise ConfigError(
+                f"quantization_config.weight_block_size={block!r} (fp8): only blocks of "
+                f"[{FP8_BLOCK}, {FP8_BLOCK}] are loaded"
+            )
+        return cls("fp8", FP8_BLOCK, listed)
+
+    def converts(self, module: str) -> bool:
+        """Whether the config quantizes `module` (a checkpoint's module name): False where
+        modules_to_not_convert names it, or a module it is part of, or a part of it by dotted names
+        ("lm_head", "model.layers.0.mlp.gate", "in_proj_a")."""
+        dotted = f".{module}."
+        return not any(f".{entry.strip('.')}." in dotted for entry in self.not_converted)
+
+
 # RoPE scaling types and the rope_parameters fields each reads (besides rope_type and rope_theta).
 ROPE_SCALING_FIELDS = {
     "linear": {"factor"},
@@ -373,6 +470,7 @@ class ModelConfig:
     moe: MoeSpec | None = None
     hybrid: HybridSpec | None = None
     vision: VisionSpec | None = None  # a multimodal checkpoint's vision tower
+    quantization: CheckpointQuantization | None = None  # quantized before it shipped
 
     @property
     def num_attention_layers(self) -> int:
@@ -384,6 +482,12 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         architectures = cfg.get("architectures") or []
+        # a multimodal checkpoint's sits beside its text_config
+        quantization = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get(
+            "quantization_config"
+        )
+        if quantization is not None and not isinstance(quantization, dict):
+            raise ConfigError(f"quantization_config must be an object, got {quantization!r}")
         text_only = next((TEXT_ONLY[a] for a in architectures if a in TEXT_ONLY), None)
         vision = None
         if text_only is not None:
@@ -454,6 +558,7 @@ class ModelConfig:
             else None,
             hybrid=hybrid,
             vision=vision,
+            quantization=None if quantization is None else CheckpointQuantization.from_hf_dict(quantization),
         )
 
     @property

@@ -74,7 +74,7 @@ class ModelTokenizer:
         named = json.loads(files["special_tokens_map.json"]) if "special_tokens_map.json" in files else {}
         try:
             self.backend = Tokenizer.from_str(files["tokenizer.json"].decode())
-        except Exception as exc:  # the library raises a bare Exception, its message all it says
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception, its message all it says
             raise ValueError(f"the tokenizer.json of model {info.model} cannot be read: {exc}") from None
         self.special_tokens = {
             name: text

@@ -8,6 +8,7 @@ declares (float parameters or PackedWeights, worker/layers/quantization.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Iterable, Iterator
@@ -23,6 +24,8 @@ from nanovllm.common.logging import get_logger
 from nanovllm.worker.layers.attention import Attention
 from nanovllm.worker.layers.loadable import LoadableTensor, read_float
 from nanovllm.worker.layers.quantization import PackedWeight, assign
+from nanovllm.worker.model_config import CheckpointQuantization
+from nanovllm.worker.models.quantized_checkpoint import QuantizedCheckpoint
 
 log = get_logger(__name__)
 
@@ -64,17 +67,36 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def safetensors_tensors(model_dir: str | Path) -> Iterator[tuple[str, LoadableTensor]]:
-    """Every tensor of a Hugging Face checkpoint directory, read lazily."""
+def safetensors_tensors(
+    model_dir: str | Path, files: contextlib.ExitStack
+) -> list[tuple[str, LoadableTensor]]:
+    """Every tensor of a Hugging Face checkpoint directory, read lazily from its files, which stay open
+    until `files` closes (a quantized weight's scales may lie in another shard)."""
+    tensors: list[tuple[str, LoadableTensor]] = []
     for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                if "rotary_emb.inv_freq" not in name:
-                    yield name, CheckpointTensor(f, name)
+        f = files.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+        for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+            if "rotary_emb.inv_freq" not in name:
+                tensors.append((name, CheckpointTensor(f, name)))
+    return tensors
 
 
-def load_safetensors(model: nn.Module, model_dir: str | Path) -> None:
-    load_tensors(model, safetensors_tensors(model_dir), str(model_dir))
+def load_safetensors(
+    model: nn.Module,
+    model_dir: str | Path,
+    quantization: CheckpointQuantization | None = None,
+    packed: bool = False,
+) -> QuantizedCheckpoint | None:
+    """Load a checkpoint directory; one quantized before it shipped (`quantization`) goes through its
+    reader (worker/models/quantized_checkpoint.py; `packed`: its int4 layers kept packed), returned for
+    the start log."""
+    reader = None if quantization is None else QuantizedCheckpoint(quantization, packed, str(model_dir))
+    with contextlib.ExitStack() as files:
+        tensors: Iterable[tuple[str, LoadableTensor]] = safetensors_tensors(model_dir, files)
+        if reader is not None:
+            tensors = reader.tensors(tensors)
+        load_tensors(model, tensors, str(model_dir))
+    return reader
 
 
 # An expert's projection in a mixture-of-experts checkpoint (...mlp.experts.<e>.<projection>.weight): it goes

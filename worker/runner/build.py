@@ -208,8 +208,11 @@ class ModelRunnerBase:
             model = causal_lm_class(cfg)(cfg, tp or self.tp, plan)
         if gguf_file is not None:
             load_tensors(model, gguf_tensors(Path(gguf_file), cfg, packed=weight_format == "gguf"), gguf_file)
-        else:
-            load_safetensors(model, path)
+            return model.eval()
+        packed = cfg.quantization is not None and weight_format == cfg.quantization.method
+        reader = load_safetensors(model, path, cfg.quantization, packed)
+        if reader is not None and self.tp.rank == 0:
+            log.info("checkpoint_quantization", source=path, **reader.summary())
         return model.eval()
 
     def _quant_plan(self, weight_format: str) -> QuantPlan | None:
@@ -224,6 +227,11 @@ class ModelRunnerBase:
         if weight_format == "int4":
             group = self.config.quantization_group_size
             return QuantPlan(every_linear=QuantScheme("int4", 4, group), head=head, tied=tied)
+        shipped = self.config.model_config.quantization
+        if (
+            shipped is not None and weight_format == shipped.method
+        ):  # an AWQ / GPTQ checkpoint's int4, as shipped
+            return QuantPlan(every_linear=QuantScheme(shipped.method, 4, shipped.group_size))
         return None
 
     def _log_quantized_weights(self) -> None:
