@@ -21,6 +21,7 @@ OTHER_TOOLS_FLAGS = {
     "--index-url",
     "--no-deps",
     "--build-arg",
+    "--target",  # docker build's (the router's image)
     "--create-namespace",
     "--set",
     "--pythonpath",
