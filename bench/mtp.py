@@ -1,0 +1,174 @@
+"""Qwen3.5's MTP speculation (speculative_method=mtp) on a CPU: what a step costs against a plain decode
+step, and what an oracle proposer makes of it.
+
+An oracle proposer (`OracleProposals`, for benchmarks and tests only) lets the multi-token-prediction head
+run its passes as usual, then replaces its proposals with the model's own greedy continuation, read from a
+first run without speculation: every proposal is accepted (or, with `right`, as many as it says), so the
+machinery's cost and gain are measured without a trained head. A random head's proposals are almost
+never accepted.
+
+    .venv/bin/python -m bench.mtp [--shape qwen3.5-0.8b] [--layers N] [--max-tokens 32] [--dtype bfloat16]
+
+One stream of a random `shape` model with a random head (bench/models.py, `mtp.*` added): a 128-token
+prompt, `max-tokens` new tokens, greedy, ignore_eos; per engine the mean step time of its decode steps and
+its decode tokens/s: plain decoding, MTP at k = 1 and 3 with the random head, and with the oracle. The
+speedup a trained head would give is modelled from the measured step costs at the published mean
+acceptance lengths (tokens a step) of Qwen3.8-27B: 1.90 / 2.68 / 3.28 / 3.79 for k = 1..4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from bench.models import DEFAULT_CACHE, build_random_model
+from bench.report import machine_description
+from nanovllm import LLM, SamplingParams
+from nanovllm.worker.step import ScheduledSequence
+
+PUBLISHED_ACCEPTANCE = {1: 1.90, 2: 2.68, 3: 3.28, 4: 3.79}  # Qwen3.8-27B, thinking off (issue 82)
+
+
+class OracleProposals:
+    """Test and bench only: the head's passes run, then each sequence's proposals become its greedy
+    continuation from `continuations` (by prompt); `right(n)`, given how many proposals a step makes,
+    says how many of them stay right (the rest are made wrong), by default all."""
+
+    def __init__(
+        self,
+        llm: LLM,
+        continuations: dict[tuple[int, ...], list[int]],
+        right: Callable[[int], int] | None = None,
+    ) -> None:
+        mtp = llm.engine.runner.mtp
+        if mtp is None:
+            raise ValueError("OracleProposals needs an engine with speculative_method=mtp")
+        self.head_propose = mtp.propose
+        self.continuations = continuations
+        self.right = right
+        self.vocab_size = llm.engine.model_config.vocab_size
+        mtp.propose = self  # type: ignore[method-assign]  # the instance's, for this engine only
+
+    def __call__(self, items: list[ScheduledSequence], tensors: Callable) -> None:
+        self.head_propose(items, tensors)
+        for item in items:
+            seq = item.seq
+            made = seq.num_tokens - seq.num_prompt_tokens
+            truth = self.continuations[tuple(seq.prompt_token_ids)][made : made + len(item.spec_token_ids)]
+            keep = len(truth) if self.right is None else self.right(len(truth))
+            wrong = [(t + 1) % self.vocab_size for t in truth[keep:]]
+            item.spec_token_ids = truth[:keep] + wrong + item.spec_token_ids[len(truth) :]
+
+
+def add_random_head(model_dir: Path, out_dir: Path) -> Path:
+    """`model_dir`'s checkpoint with a random multi-token-prediction head (the model's first full-attention
+    layer's shapes), linked weights and all, in out_dir."""
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    import json
+
+    config = json.loads((model_dir / "config.json").read_text())
+    full = config["layer_types"].index("full_attention")
+    tensors = load_file(model_dir / "model.safetensors")
+    hidden = config["hidden_size"]
+    generator = torch.Generator().manual_seed(0)
+    head: dict[str, torch.Tensor] = {}
+    prefix = f"model.layers.{full}."
+    shapes = {
+        "mtp." + "layers.0." + k.removeprefix(prefix): v.shape
+        for k, v in tensors.items()
+        if k.startswith(prefix)
+    }
+    shapes |= {"mtp.fc.weight": torch.Size([hidden, 2 * hidden])}
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        shapes[f"mtp.{norm}.weight"] = torch.Size([hidden])
+    for name, shape in shapes.items():
+        if "norm" in name:
+            head[name] = torch.zeros(shape)
+        else:
+            head[name] = torch.randn(shape, generator=generator) / shape[-1] ** 0.5
+    save_file({**tensors, **head}, out_dir / "model.safetensors", metadata={"format": "pt"})
+    config["mtp_num_hidden_layers"] = 1
+    (out_dir / "config.json").write_text(json.dumps(config))
+    return out_dir
+
+
+def one_stream(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[list[int], float, int]:
+    """The tokens, the decode time (first token to last) and the decode steps of `prompt` alone."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    engine = llm.engine
+    engine.add_request("bench", prompt, params)
+    tokens: list[int] = []
+    first_at, steps = 0.0, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step().outputs:
+            if out.token_ids and not tokens:
+                first_at = time.perf_counter()
+            elif out.token_ids:
+                steps += 1
+            tokens += out.token_ids
+    return tokens, time.perf_counter() - first_at, steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", default="qwen3.5-0.8b")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    base = build_random_model(args.shape, layers=args.layers)
+    name = f"{args.shape}-{args.layers}-layers" if args.layers else args.shape
+    model_dir = add_random_head(base, DEFAULT_CACHE / f"{name}-mtp")
+    prompt = [random.Random(0).randrange(1000, 100_000) for _ in range(128)]
+    common = {"dtype": args.dtype, "max_model_len": 512, "kv_cache_memory": "1GiB", "max_num_seqs": 4}
+    runs: dict[str, tuple[float, float]] = {}  # name: (seconds a decode step, decode tokens/s)
+    continuation: list[int] = []
+    for label, options, oracle in [
+        ("plain decode", {}, False),
+        ("mtp k=1, random head", {"speculative_method": "mtp", "num_speculative_tokens": 1}, False),
+        ("mtp k=3, random head", {"speculative_method": "mtp", "num_speculative_tokens": 3}, False),
+        ("mtp k=1, oracle", {"speculative_method": "mtp", "num_speculative_tokens": 1}, True),
+        ("mtp k=3, oracle", {"speculative_method": "mtp", "num_speculative_tokens": 3}, True),
+    ]:
+        llm = LLM(str(model_dir), **common, **options)
+        if oracle:
+            OracleProposals(llm, {tuple(prompt): continuation})
+        one_stream(llm, prompt, 4)  # warm-up
+        best_step, best_rate = float("inf"), 0.0
+        for _ in range(args.repeats):
+            tokens, seconds, steps = one_stream(llm, prompt, args.max_tokens)
+            if not continuation:
+                continuation = tokens
+            best_step = min(best_step, seconds / max(steps, 1))
+            best_rate = max(best_rate, (len(tokens) - 1) / seconds)
+        runs[label] = (best_step, best_rate)
+        del llm
+    decode_s, decode_rate = runs["plain decode"]
+    print(f"{datetime.date.today()} {machine_description()}")
+    print(f"random {name}, {args.dtype}, one stream: 128-token prompt, {args.max_tokens} new tokens, greedy")
+    print("| engine | ms a step | step cost (x plain) | decode tok/s | x plain |")
+    print("|---|---:|---:|---:|---:|")
+    for label, (step_s, rate) in runs.items():
+        print(
+            f"| {label} | {step_s * 1e3:.1f} | {step_s / decode_s:.2f} | {rate:.1f} | {rate / decode_rate:.2f} |"
+        )
+    for k in (1, 3):
+        cost = runs[f"mtp k={k}, random head"][0] / decode_s
+        length = PUBLISHED_ACCEPTANCE[k]
+        print(f"modelled at the published {length} tokens a step, k={k}: {length / cost:.2f}x plain decoding")
+
+
+if __name__ == "__main__":
+    main()
