@@ -188,3 +188,22 @@ def test_settings_it_does_not_run_are_refused(tmp_path: Path, arch: str, options
     model = _build(tmp_path, arch, mtp=False)
     with pytest.raises(ConfigError, match=message):
         LLM(str(model), speculative_method="mtp", **{**ENGINE, **options})
+
+
+@pytest.mark.slow  # Triton's interpreter: about 20 s
+def test_the_triton_kernels_verify_and_roll_back(model: Path):
+    """On the Triton attention backend (in the interpreter on a CPU) the linear layers run on
+    kernels/triton_gated_delta.py, a verification's tokens through its chunk kernels one at a time: the
+    tokens with MTP (the oracle, 1..K+1 tokens kept a step) equal those without, on the same kernels."""
+    if "moe" in model.name:
+        pytest.skip("the dense model covers the kernels; the MoE's experts add only interpreter time")
+    prompts, params = _requests()
+    prompts, params = prompts[:2], [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)] * 2
+    options = {**ENGINE, "attention_backend": "triton", "max_num_batched_tokens": 16}
+    expected = LLM(str(model), **options).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(model), speculative_method="mtp", num_speculative_tokens=3, **options)
+    assert llm.engine.runner.kernel_backend == "triton"
+    _oracle(llm, prompts, expected)
+    with counting_proposals(llm) as counts:
+        assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == _tokens(expected)
+    assert 0 < counts[1] < counts[0], counts
