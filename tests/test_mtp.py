@@ -8,6 +8,7 @@ Settings it does not run with, and a checkpoint without the head, are refused at
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import random
 from pathlib import Path
@@ -22,6 +23,9 @@ from nanovllm.worker.models.qwen3_5 import Qwen3_5ForCausalLM
 from nanovllm.worker.runner.kv_cache import kv_bytes_per_block
 from tests.helpers import counting_proposals
 from tests.model_factory import build_model
+from tests.resume_streams import MAX_TOKENS as RESUME_MAX_TOKENS
+from tests.resume_streams import run as resume_run
+from tests.services import held_streams, wait_idle
 
 # A snapshot of the linear layers' state every 16 tokens: prompts hit the prefix cache, and verifications
 # cross boundaries whose snapshots join the cache only when the tokens before them were kept.
@@ -207,3 +211,20 @@ def test_the_triton_kernels_verify_and_roll_back(model: Path):
     with counting_proposals(llm) as counts:
         assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == _tokens(expected)
     assert 0 < counts[1] < counts[0], counts
+
+
+@pytest.mark.slow  # two workers and a router
+def test_streams_resume_token_identical_when_their_worker_is_killed(model: Path, kernels, tmp_path: Path):
+    """tests/test_resume.py's case with MTP (float32, K = 3): eight streams on worker A, A SIGKILLed
+    mid-stream; on B each request recomputes its state, and the head its KV, from its prompt and the
+    tokens so far, and every stream equals its unbroken run token for token."""
+    if "moe" in model.name:
+        pytest.skip("the dense model covers failover; the MoE's experts change nothing in it")
+    flags = ("--dtype", "float32", "--speculative-method", "mtp", "--num-speculative-tokens", "3")
+    flags += ("--speculative-max-batch", "8")  # the eight streams speculate together
+    with held_streams(model, tmp_path, worker_flags=flags) as (_, b, router, kill_a):
+        results, at_kill = asyncio.run(resume_run(router.address, kill_when=4, kill=kill_a))
+        assert all(4 <= n < RESUME_MAX_TOKENS for n in at_kill), at_kill
+        unbroken, _ = asyncio.run(resume_run(router.address))
+        assert results == unbroken
+        wait_idle(b.address)
