@@ -161,11 +161,12 @@ def test_a_state_not_rolled_back_changes_the_tokens(model: Path, plain: list[dic
     assert _tokens(llm.generate(prompts, params, use_tqdm=False)) != _tokens(plain)
 
 
-def test_deterministic_bf16_is_bit_identical(model: Path):
-    """bf16 with --deterministic: tokens and logprobs with MTP (the oracle, 1..K+1 tokens kept a step)
-    bit-identical to those without."""
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_deterministic_bf16_is_bit_identical(model: Path, kv_cache_dtype: str):
+    """bf16 with --deterministic, the KV cache in bf16 or FP8 (the head's own in bf16): tokens and logprobs
+    with MTP (the oracle, 1..K+1 tokens kept a step) bit-identical to those without."""
     prompts, params = _requests()
-    options = {**ENGINE, "dtype": "bfloat16", "deterministic": True}
+    options = {**ENGINE, "dtype": "bfloat16", "deterministic": True, "kv_cache_dtype": kv_cache_dtype}
     expected = LLM(str(model), **options).generate(prompts, params, use_tqdm=False)
     llm = LLM(
         str(model), speculative_method="mtp", num_speculative_tokens=3, speculative_max_batch=8, **options
