@@ -146,6 +146,13 @@ SHAPES["qwen3.5-0.8b"] = (
         "eos_token_id": 248044,
     },
 )
+# Qwen3.5-2B: the 0.8B's layout at hidden 2048 and FFN 6144 (24 layers, 8 query and 2 KV heads of 256, linear
+# layers of 16 heads of 128, tied embeddings), as this project reads the model card; the benchmarks need its
+# bytes a token and its step's shape, not its exact widths.
+SHAPES["qwen3.5-2b"] = (
+    Qwen3_5TextConfig,
+    {**SHAPES["qwen3.5-0.8b"][1], "hidden_size": 2048, "intermediate_size": 6144},
+)
 # Qwen3.5-35B-A3B: transformers' Qwen3_5MoeTextConfig defaults are its shape (40 layers, hidden 2048, 256
 # experts of 512 with 8 chosen and a shared expert of 512; linear layers of 16 key and 32 value heads).
 # Benchmarks on a CPU take fewer layers (`layers`).

@@ -110,7 +110,8 @@ class StateBatch:
     in the linear-attention layers' state tensors and its token count, in the step's layout order (the
     first `num_decodes` run one token each), and the slots of the sequences that start from the zero state
     this step (their first token is at position 0), the prefix-cache hits' snapshots to resume from, and
-    the copies of the state to make at block boundaries (worker/core/block_manager.py)."""
+    the copies of the state to make at block boundaries (worker/core/block_manager.py) and after a
+    verification's tokens (worker/core/recurrent_states.py)."""
 
     slots: torch.Tensor  # [num_seqs] long, on the device
     slot_list: list[int]
@@ -121,6 +122,9 @@ class StateBatch:
     restores: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     # Per sequence, (tokens into its chunk, snapshot row): the state after those tokens copied to the row.
     saves: list[list[tuple[int, int]]] = dataclasses.field(default_factory=list)
+    # Sequences after the decodes that verify speculative proposals: their tokens run one at a time, as
+    # decode steps would run them.
+    num_verifies: int = 0
 
 
 @dataclass

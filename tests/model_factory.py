@@ -187,10 +187,13 @@ def build_model(
     tokenizer: bool = True,
     rope: dict | None = None,
     overrides: dict | None = None,
+    mtp: bool = False,
 ) -> Path:
     """Save a random `arch` model ("qwen3", "qwen3_moe", "llama", "qwen2") into out_dir, with a tokenizer unless
     tokenizer=False (as a converted or custom model may come: it takes prompt token ids only); `rope`:
-    transformers' rope_parameters (a RoPE scaling); `overrides`: config fields, these above included."""
+    transformers' rope_parameters (a RoPE scaling); `overrides`: config fields, these above included; `mtp`
+    (Qwen3.5 and Qwen3.5-MoE): a random multi-token-prediction head in the published layout
+    (_add_mtp_head), which transformers does not read."""
     config_cls, extra = _CONFIGS[arch]
     fields = dict(
         vocab_size=VOCAB,
@@ -215,12 +218,53 @@ def build_model(
     _scale_up(model, hybrid=arch.startswith("qwen3_5"), tie=tie)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    if mtp:
+        _add_mtp_head(model, out_dir)
     if tokenizer:
         # Qwen3 and Qwen3.5 models get their family's template (thinking switch, tools); the others plain
         # ChatML.
         template = {"qwen3": QWEN3, "qwen3_5": QWEN3_5, "qwen3_5_moe": QWEN3_5}.get(arch, CHAT_TEMPLATE)
         build_tokenizer(template).save_pretrained(out_dir)
     return out_dir
+
+
+def _add_mtp_head(model, out_dir: Path) -> None:
+    """Add `mtp.*` tensors to a saved single-file Qwen3.5 checkpoint, as the published ones hold them: fc
+    [hidden, 2 hidden], pre_fc_norm_embedding, pre_fc_norm_hidden and norm (zero-centred), and one
+    full-attention decoder layer mtp.layers.0.* (experts in the MoE), drawn as the model's own weights are
+    (seeded by the model's weights), and `mtp_num_hidden_layers: 1` in config.json."""
+    from safetensors.torch import load_file, save_file
+
+    config = model.config
+    full = config.layer_types.index("full_attention")
+    generator = torch.Generator().manual_seed(int(model.lm_head.weight.float().sum().abs() * 1e3) % 2**31)
+    state = model.state_dict()
+    hidden = config.hidden_size
+    head = {
+        "mtp.fc.weight": (hidden, 2 * hidden),
+        "mtp.pre_fc_norm_embedding.weight": (hidden,),
+        "mtp.pre_fc_norm_hidden.weight": (hidden,),
+        "mtp.norm.weight": (hidden,),
+    }
+    prefix = f"model.layers.{full}."
+    head |= {
+        "mtp.layers.0." + name.removeprefix(prefix): tuple(value.shape)
+        for name, value in state.items()
+        if name.startswith(prefix)
+    }
+    tensors = {}
+    for name, shape in head.items():
+        if "norm" in name:
+            value = torch.rand(shape, generator=generator) * 0.4 - 0.2  # applied as 1 + w
+        else:
+            value = torch.randn(shape, generator=generator) / shape[-1] ** 0.5
+        tensors[name] = value.contiguous()
+    path = out_dir / "model.safetensors"
+    save_file({**load_file(path), **tensors}, path, metadata={"format": "pt"})
+    config_path = out_dir / "config.json"
+    saved = json.loads(config_path.read_text())
+    saved["mtp_num_hidden_layers"] = 1
+    config_path.write_text(json.dumps(saved, indent=2))
 
 
 ALL_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -306,7 +306,7 @@ def test_unseeded_sampling_keeps_its_distribution(qwen3_dir):
     [
         (
             {"speculative_method": "medusa"},
-            "speculative_method must be one of none, ngram, draft, got 'medusa'",
+            "speculative_method must be one of none, ngram, draft, mtp, got 'medusa'",
         ),
         ({"num_speculative_tokens": 0}, r"num_speculative_tokens must be in \[1, 16\], got 0"),
         ({"num_speculative_tokens": 17}, r"num_speculative_tokens must be in \[1, 16\], got 17"),

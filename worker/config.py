@@ -77,9 +77,10 @@ def parse_memory_size(value: str | float, available_bytes: int, name: str = "kv_
 DEFAULT_CPU_KV_CACHE = MemorySize("2GiB", nbytes=2 * 2**30)
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_kernel", "triton", "flash_attn")
 DETERMINISTIC_BACKENDS = ("auto", "cpu_kernel", "triton")  # those with batch-invariant kernels
-SPECULATIVE_METHODS = ("none", "ngram", "draft")
+SPECULATIVE_METHODS = ("none", "ngram", "draft", "mtp")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 MAX_SPECULATIVE_TOKENS = 16
+MAX_MTP_TOKENS = 4  # a multi-token-prediction head proposes 1 to 4 tokens in the published setups
 
 
 @dataclass
@@ -197,10 +198,13 @@ class EngineConfig:
     speculative_method: str = option(
         "none",
         help="none; ngram: propose the tokens that followed the sequence's last few tokens where they "
-        "occurred earlier in it; draft: propose what --speculative-model decodes greedily. Proposals are "
-        "verified in one forward pass; the output tokens do not change",
+        "occurred earlier in it; draft: propose what --speculative-model decodes greedily; mtp: propose what "
+        "the checkpoint's multi-token-prediction head (Qwen3.5's mtp.* weights) predicts, run once per "
+        "proposal. Proposals are verified in one forward pass; the output tokens do not change",
     )
-    num_speculative_tokens: int = option(4, help=f"tokens proposed per step, 1 to {MAX_SPECULATIVE_TOKENS}")
+    num_speculative_tokens: int = option(
+        4, help=f"tokens proposed per step, 1 to {MAX_SPECULATIVE_TOKENS} (mtp: 1 to {MAX_MTP_TOKENS})"
+    )
     speculative_max_batch: int = option(
         4,
         help="decoding requests above which a step does not speculate (the batch keeps the GPU/CPU busy); "
@@ -327,6 +331,7 @@ class EngineConfig:
                 "on the batch"
             )
         self._check_draft()
+        self._check_mtp()
         if self.model_config.hybrid is not None:
             self._check_hybrid()
         # Positions beyond the model's trained range are meaningless; clamp (as nano-vllm does) so the
@@ -343,7 +348,7 @@ class EngineConfig:
                 self.deterministic
             )
             and not (self._runs_cpu_kernels() or self._runs_triton_kernels()),
-            "speculative_method": self.speculative_method != "none",
+            "speculative_method (mtp only)": self.speculative_method not in ("none", "mtp"),
         }
         named = [name for name, on in refused.items() if on]
         if named:
@@ -456,6 +461,29 @@ class EngineConfig:
         self.kv_disk_capacity = disk.nbytes
         if self.kv_host_memory is not None:
             self.kv_host_size = MemorySize.parse(self.kv_host_memory, "kv_host_memory")
+
+    def _check_mtp(self) -> None:
+        """speculative_method=mtp needs a hybrid Qwen3.5 model (whose checkpoints carry the head; the runner
+        checks its weights as it loads them), 1 to MAX_MTP_TOKENS proposals, one rank, safetensors."""
+        if self.speculative_method != "mtp":
+            return
+        if self.model_config.hybrid is None:
+            raise ConfigError(
+                f"speculative_method=mtp needs a model with a multi-token-prediction head (Qwen3.5, 3.6, 3.8: "
+                f"mtp.* weights), got {self.model_config.architecture}"
+            )
+        if self.num_speculative_tokens > MAX_MTP_TOKENS:
+            raise ConfigError(
+                f"num_speculative_tokens must be in [1, {MAX_MTP_TOKENS}] with speculative_method=mtp, got "
+                f"{self.num_speculative_tokens}"
+            )
+        refused = {
+            "tensor_parallel_size > 1": self.tensor_parallel_size > 1,
+            "a GGUF model (its nextn tensors are not read yet)": self.gguf_file is not None,
+        }
+        named = [name for name, on in refused.items() if on]
+        if named:
+            raise ConfigError(f"speculative_method=mtp: not supported with {', '.join(named)} yet")
 
     def _check_draft(self) -> None:
         """speculative_model goes with speculative_method=draft, with the model's vocabulary."""

@@ -154,6 +154,7 @@ class LLMEngine:
             config.state_snapshot_interval,
             config.kvcache_block_size,
             config.enable_prefix_caching,
+            runner.state_rows_per_slot - 1,
         )
 
     def add_request(
@@ -409,7 +410,7 @@ class LLMEngine:
         the forward pass and the sampler, queued on the device."""
         t0 = time.perf_counter()
         drafting = [s for s in sched.scheduled if s.spec_token_ids]
-        if self.config.speculative_method == "draft" and drafting:
+        if self.config.speculative_method in ("draft", "mtp") and drafting:
             self.runner.propose_draft(drafting)
         t_draft = time.perf_counter()
         rows = sampling_rows(sched, self.eos_token_ids)

@@ -37,6 +37,14 @@ restores from: rows restored in the step being scheduled are not taken for loads
 come from disk resumes a step later, from the snapshot that came up or the one on the device where its
 hits end (where it resumes if a load fails): those rows are pinned until then (`pin`), never recycled.
 
+Speculative decoding verifies a sequence's last token and its K proposals in one step, each after the
+one before it, and a rejected proposal must leave nothing in the state. Each slot has K speculation rows
+after the snapshot rows: the verification copies the state after each of its first K tokens into them
+(`verify_saves`), and when a proposal is rejected the sequence's next step first copies the row of its
+last kept token back into its slot (`roll_back`, then `take_rollback` as the step is scheduled); all
+accepted, the slot holds the right state already. A snapshot planned at a boundary inside a verification
+joins the cache only when the tokens before that boundary were kept (`publish`).
+
 The block manager (worker/core/block_manager.py) owns one of these for a hybrid model, as it owns the
 lower KV tiers, and calls it where blocks are taken, hashed and freed.
 """
@@ -61,11 +69,19 @@ class _PlannedSave:
 
 class RecurrentStates:
     def __init__(
-        self, num_slots: int, num_snapshots: int, snapshot_interval: int, block_size: int, caching: bool
+        self,
+        num_slots: int,
+        num_snapshots: int,
+        snapshot_interval: int,
+        block_size: int,
+        caching: bool,
+        num_speculative: int = 0,
     ) -> None:
         """`num_slots` state slots, rows 0.. of the state tensors; `num_snapshots` snapshot rows after them,
-        kept only with the prefix cache on (`caching`)."""
+        kept only with the prefix cache on (`caching`); then `num_speculative` speculation rows per slot."""
         self.num_slots = num_slots
+        self.num_speculative = num_speculative
+        self._rollbacks: dict[int, int] = {}  # by seq_id: the speculation row its next step restores
         self.num_snapshots = num_snapshots
         self.block_size = block_size
         self.snapshot_interval = snapshot_interval
@@ -121,6 +137,31 @@ class RecurrentStates:
         self.cache.move_to_end(seq.block_hashes[-1])
         self._restored.add(row)
         return row
+
+    def verify_saves(self, seq: Sequence, start: int, num_tokens: int) -> list[tuple[int, int]]:
+        """(boundary, speculation row) of the copies a verification of `num_tokens` tokens from position
+        `start` makes: the state after each of its tokens but the last."""
+        if num_tokens - 1 > self.num_speculative:
+            raise RuntimeError(
+                f"request {seq.request_id!r}: a verification of {num_tokens} tokens needs {num_tokens - 1} "
+                f"speculation rows, this engine keeps {self.num_speculative} a slot"
+            )
+        return [(start + offset, self._speculation_row(seq, offset)) for offset in range(1, num_tokens)]
+
+    def roll_back(self, seq: Sequence, verified: int, kept: int) -> None:
+        """`seq` keeps the first `kept` of the `verified` tokens its last step verified: when it kept fewer,
+        its next step restores the state after the last kept one (verify_saves' row) into its slot."""
+        if kept < verified:
+            self._rollbacks[seq.seq_id] = self._speculation_row(seq, kept)
+
+    def take_rollback(self, seq: Sequence) -> int:
+        """The speculation row the step being scheduled restores `seq`'s slot from (-1: none)."""
+        return self._rollbacks.pop(seq.seq_id, -1)
+
+    def _speculation_row(self, seq: Sequence, offset: int) -> int:
+        """The row holding the state after `offset` (1..num_speculative) tokens of `seq`'s verification."""
+        first = self.num_slots + self.num_snapshots + seq.state_slot * self.num_speculative
+        return first + offset - 1
 
     def begin_step(self) -> None:
         """A new step is being scheduled: no row is restored from in it yet."""
@@ -217,11 +258,18 @@ class RecurrentStates:
     def publish(self, seq: Sequence) -> None:
         """The copies the last step made of `seq`'s state: its own row now holds its last boundary's
         state; the others join the cache under their block's hash (a row whose hash is cached already
-        goes back to the free rows)."""
+        goes back to the free rows). A copy past the tokens the sequence kept (a verification's rejected
+        proposals) holds a state it never has: its row goes back, and an own row so written holds no
+        boundary's state any more."""
         for save in self._planned.pop(seq.seq_id, []):
             if save.branch is not None:
                 self._planned_branches.discard(save.branch)
-            if save.own:
+            if save.boundary > seq.num_computed_tokens:
+                if save.own:
+                    self._own[seq.seq_id] = (save.row, 0)
+                else:
+                    self.free_snapshots.append(save.row)
+            elif save.own:
                 self._own[seq.seq_id] = (save.row, save.boundary)
             else:
                 self._cache_snapshot(seq.block_hashes[save.boundary // self.block_size - 1], save.row)
@@ -243,6 +291,7 @@ class RecurrentStates:
             if not save.own:
                 self.free_snapshots.append(save.row)
         self._branches.pop(seq.seq_id, None)
+        self._rollbacks.pop(seq.seq_id, None)
         self.arrived(seq, ok=False)  # a load it was waiting for (aborted while loading)
         if seq.state_slot >= 0:
             self.free_slots.append(seq.state_slot)

@@ -88,7 +88,10 @@ class Scheduler:
             # continuing the sequence, with the prefill chunks.
             spec = seq.spec_token_ids[: budget - 1] if num_new == 1 and seq.spec_token_ids else []
             if spec and self.block_manager.allocate_slots(seq, 1 + len(spec)):
-                prefills.append(ScheduledSequence(seq, seq.num_computed_tokens, 1 + len(spec), spec))
+                item = ScheduledSequence(seq, seq.num_computed_tokens, 1 + len(spec), spec)
+                if states is not None:  # a rejection in its last step rolls the state back first
+                    item.state_restore = states.take_rollback(seq)
+                prefills.append(item)
                 scheduled_ids.add(seq.seq_id)
                 budget -= 1 + len(spec)
                 continue
@@ -105,6 +108,8 @@ class Scheduler:
                 self._resuming.remove(seq.seq_id)
                 assert states is not None  # only a hybrid model's sequences resume
                 item.state_restore = states.restore(seq)
+            elif states is not None:
+                item.state_restore = states.take_rollback(seq)
             (decodes if num_new == 1 else prefills).append(item)
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
@@ -116,6 +121,10 @@ class Scheduler:
         if states is not None and states.caching:  # a hybrid model's state copies at block boundaries
             for item in scheduled:
                 item.state_saves = states.plan_saves(item.seq, item.start, item.start + item.num_new_tokens)
+        if states is not None:  # and after each verified token but the last, for a rejection's rollback
+            for item in scheduled:
+                if item.spec_token_ids:
+                    item.state_saves += states.verify_saves(item.seq, item.start, item.num_new_tokens)
         # After the saves: a snapshot whose row they take may go down to a lower tier in this step.
         transfers = self.block_manager.take_transfers()
         return SchedulerOutput(scheduled, len(decodes), transfers, loading)
@@ -267,6 +276,9 @@ class Scheduler:
                     continue
                 new_tokens, new_logprobs, status, num_accepted = self._verify(seq, spec, drawn)
                 accepted += num_accepted
+                states = self.block_manager.states
+                if states is not None and status is None:
+                    states.roll_back(seq, len(spec) + 1, len(new_tokens))
             else:  # one pick in the place the sequence held for it: the common row, written out
                 token, logprob = next(picks)
                 if seq.status.finished:

@@ -67,6 +67,16 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
+def has_tensors_under(model_dir: str | Path, prefix: str) -> bool:
+    """Whether a Hugging Face checkpoint directory holds a tensor whose name starts with `prefix` (its
+    files' headers read)."""
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            if any(name.startswith(prefix) for name in f.keys()):  # noqa: SIM118 (safe_open is not iterable)
+                return True
+    return False
+
+
 def safetensors_tensors(
     model_dir: str | Path, files: contextlib.ExitStack
 ) -> list[tuple[str, LoadableTensor]]:

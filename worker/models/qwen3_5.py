@@ -32,6 +32,7 @@ from nanovllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedd
 from nanovllm.worker.layers.gated_delta_rule import causal_conv, causal_conv_step, chunked, recurrent_step
 from nanovllm.worker.layers.kernels import PYTORCH, LayerKernels
 from nanovllm.worker.layers.linear import (
+    ColumnParallelLinear,
     MergedColumnParallelLinear,
     ParallelLinear,
     QKVParallelLinear,
@@ -271,12 +272,20 @@ class GatedDeltaNet(nn.Module):
             out[:nd] = o
         self.keep_decode_states(states)
         begin = nd
-        for slot, n, saves in zip(states.slot_list[nd:], states.num_tokens[nd:], states.saves[nd:]):
+        entries = zip(states.slot_list[nd:], states.num_tokens[nd:], states.saves[nd:])
+        for i, (slot, n, saves) in enumerate(entries):
+            # A verification's tokens one at a time through the decode step's arithmetic, as the decode
+            # steps it stands for compute them; its saves after each token keep what a rejection rolls back to.
+            verify = i < states.num_verifies
             done = 0
             for end in sorted({offset for offset, _ in saves} | {n}):
                 if end > done:
                     rows = slice(begin + done, begin + end)
-                    if rule is not None and self.prompts_token_by_token:
+                    if verify and rule is None:
+                        self._decode_rows(
+                            mixed, g, beta, weight, states.slots[nd + i : nd + i + 1], rows, out
+                        )
+                    elif rule is not None and (verify or self.prompts_token_by_token):
                         q, k, v = self._heads(rule.causal_conv_chunk_(mixed[rows], conv_state, weight, slot))
                         out[rows] = rule.gated_delta_chunk_(
                             q, k, v, g[rows], beta[rows].float(), recurrent_state, slot
@@ -291,6 +300,26 @@ class GatedDeltaNet(nn.Module):
                     if offset == end:
                         self._keep(slot, row)
             begin += n
+
+    def _decode_rows(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        weight: torch.Tensor,
+        slot: torch.Tensor,
+        rows: slice,
+        out: torch.Tensor,
+    ) -> None:
+        """The recurrent form on PyTorch's ops, one row at a time, from and into state slot `slot` ([1])."""
+        conv_state, recurrent_state = self.conv_state, self.recurrent_state
+        for r in range(rows.start, rows.stop):
+            mixed_row, conv = causal_conv_step(mixed[r : r + 1], weight, conv_state.index_select(0, slot))
+            conv_state.index_copy_(0, slot, conv)
+            recurrent = recurrent_state.index_select(0, slot)
+            o, s = recurrent_step(*self._heads(mixed_row), g[r : r + 1], beta[r : r + 1], recurrent)
+            recurrent_state.index_copy_(0, slot, s)
+            out[r : r + 1] = o
 
     def prepare_states(self, states: StateBatch) -> None:
         """Before the step: sequences that start here from the zero state, prefix-cache hits from their
@@ -333,17 +362,25 @@ class HybridDecoderLayer(DecoderLayer):
     self_attn: GatedAttention  # type: ignore[assignment]
 
     def __init__(
-        self, cfg: ModelConfig, tp: TPContext, quant: QuantPlan | None, prefix: str, index: int
+        self,
+        cfg: ModelConfig,
+        tp: TPContext,
+        quant: QuantPlan | None,
+        prefix: str,
+        index: int,
+        mtp: bool = False,
     ) -> None:
+        """Layer `index` of the model, or (`mtp`) the multi-token-prediction head's layer: full attention,
+        with experts in a mixture-of-experts model."""
         nn.Module.__init__(self)
         assert cfg.hybrid is not None  # a hybrid model's config
-        self.is_full_attention = cfg.hybrid.layer_types[index] == FULL_ATTENTION
+        self.is_full_attention = mtp or cfg.hybrid.layer_types[index] == FULL_ATTENTION
         if self.is_full_attention:
             self.self_attn = GatedAttention(cfg, tp, quant, f"{prefix}.self_attn")
         else:
             self.linear_attn = GatedDeltaNet(cfg, tp, quant, f"{prefix}.linear_attn")
         self.mlp: DecoderMLP | SparseMoeBlock
-        if cfg.moe is not None and index in cfg.moe.sparse_layers:
+        if cfg.moe is not None and (mtp or index in cfg.moe.sparse_layers):
             self.mlp = SparseMoeBlock(cfg, tp, quant, f"{prefix}.mlp")
         else:
             self.mlp = DecoderMLP(cfg, tp, quant, f"{prefix}.mlp")
@@ -378,8 +415,44 @@ class HybridModel(DecoderModel):
         self.lora = None
 
 
+class MultiTokenPredictor(nn.Module):
+    """The checkpoint's multi-token-prediction head (`mtp.*`, the published layout): from the model's final
+    hidden state at position p and the embedding of token p + 1, one full-attention decoder layer (its own
+    paged KV, at position p) predicts token p + 2 through the model's own output head. Its input is
+    fc([pre_fc_norm_embedding(embedding) ; pre_fc_norm_hidden(hidden)]); every norm zero-centred, as the
+    model's. Speculative decoding's proposer runs it (worker/sample/mtp.py)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.pre_fc_norm_embedding = RMSNorm(h, eps, weight_offset=1.0)
+        self.pre_fc_norm_hidden = RMSNorm(h, eps, weight_offset=1.0)
+        self.fc = ColumnParallelLinear(2 * h, h, False, tp, None, "mtp.fc")
+        self.layers = nn.ModuleList([HybridDecoderLayer(cfg, tp, None, "mtp.layers.0", 0, mtp=True)])
+        self.norm = RMSNorm(h, eps, weight_offset=1.0)
+
+    def forward(
+        self,
+        embedded: torch.Tensor,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The head's final hidden state (normed) per row: `embedded` the next tokens' embeddings, `hidden`
+        the model's (or, drafting further, this head's own) final hidden state at each row's position."""
+        x = self.pre_fc_norm_embedding(embedded)
+        x = self.fc(torch.cat([x, self.pre_fc_norm_hidden(hidden)], dim=-1))
+        x, residual = self.layers[0](rope, x, None, meta)
+        x, _ = self.norm.add_and_norm(x, residual)
+        return x
+
+    def attention(self) -> Attention:
+        return cast(HybridDecoderLayer, self.layers[0]).self_attn.attn
+
+
 class Qwen3_5ForCausalLM(DecoderForCausalLM):
-    """The decoder's embedding, head and loading, over the hybrid's layers."""
+    """The decoder's embedding, head and loading, over the hybrid's layers; the multi-token-prediction head
+    when speculation asks for it (`enable_mtp`, before the weights load)."""
 
     model_class = HybridModel
     is_hybrid = True
@@ -399,12 +472,30 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         "out_proj": ("linear_attn.out_proj", None),
     }
 
-    @staticmethod
-    def checkpoint_name(name: str) -> str | None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext, quant: QuantPlan | None = None) -> None:
+        super().__init__(cfg, tp, quant)
+        self.mtp: MultiTokenPredictor | None = None
+
+    def enable_mtp(self) -> None:
+        """Build the multi-token-prediction head, whose `mtp.*` weights then load with the model's (every
+        one required)."""
+        self.mtp = MultiTokenPredictor(self.config, self.tp)
+
+    def mtp_forward(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The multi-token-prediction head on `input_ids` (each row's next token) and `hidden` (the final
+        hidden state at each row's position), with the model's embedding and RoPE table."""
+        if self.mtp is None:
+            raise RuntimeError("mtp_forward needs the multi-token-prediction head (enable_mtp)")
+        rope = self.model.rotary.lookup(positions)
+        return self.mtp(self.model.embed_tokens(input_ids), hidden, rope, meta)
+
+    def checkpoint_name(self, name: str) -> str | None:
         """The published checkpoints' multimodal layout (Qwen3_5ForConditionalGeneration) served text-only:
-        the language model's tensors under this model's names; the vision tower's and the multi-token
-        prediction head's not loaded (None)."""
-        if name.startswith(("model.visual.", "mtp.")):
+        the language model's tensors under this model's names; the vision tower's not loaded (None), nor the
+        multi-token prediction head's unless it was built (enable_mtp)."""
+        if name.startswith("model.visual.") or (name.startswith("mtp.") and self.mtp is None):
             return None
         return (
             "model." + name.removeprefix("model.language_model.")
@@ -464,6 +555,8 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         layer kernels are the other decoders')."""
         for attn in self.attention_layers():
             attn.backend = attention
+        if self.mtp is not None:
+            self.mtp.attention().backend = attention
         for layer in self.linear_attention_layers():
             layer.prompts_token_by_token = kernels.gated_delta is not None and (
                 kernels.deterministic or kernels.triton is not None

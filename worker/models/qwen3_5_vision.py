@@ -210,12 +210,11 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
             hybrid.mrope_section, cfg.rope_scaling,
         )  # fmt: skip
 
-    @staticmethod
-    def checkpoint_name(name: str) -> str | None:
+    def checkpoint_name(self, name: str) -> str | None:
         """The tower's tensors under `visual.`, the language model's as Qwen3_5ForCausalLM names them."""
         if name.startswith("model.visual."):
             return name.removeprefix("model.")
-        return Qwen3_5ForCausalLM.checkpoint_name(name)
+        return super().checkpoint_name(name)
 
     def encode_image(self, pixels: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
         """One image's tokens as the language model embeds them [tokens, hidden]."""

@@ -30,7 +30,7 @@ from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, QuantSc
 from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.models.decoder import DecoderForCausalLM
 from nanovllm.worker.models.gguf.tensors import gguf_quant_plan, gguf_tensors
-from nanovllm.worker.models.loader import load_safetensors, load_tensors
+from nanovllm.worker.models.loader import has_tensors_under, load_safetensors, load_tensors
 from nanovllm.worker.models.qwen3_5 import Qwen3_5ForCausalLM
 from nanovllm.worker.models.qwen3_5_vision import Qwen3_5ForConditionalGeneration
 from nanovllm.worker.models.registry import causal_lm_class
@@ -52,6 +52,7 @@ from nanovllm.worker.runner.kv_offload import KVOffload
 from nanovllm.worker.runner.lora_slots import AdapterSlots
 from nanovllm.worker.runner.tensor_parallel import ShardRunner, TensorParallelGroup
 from nanovllm.worker.sample.draft import DraftModel
+from nanovllm.worker.sample.mtp import MtpProposer
 from nanovllm.worker.sample.sampler import Sampler
 from nanovllm.worker.step import SamplingRow, SeqChunk, StepInputs
 
@@ -154,9 +155,18 @@ class ModelRunnerBase:
         config = self.config
         self._check_weights_fit()
         baseline = self._cuda_allocated()
+        mtp = config.speculative_method == "mtp"
+        if mtp and not has_tensors_under(config.model, "mtp."):
+            raise ConfigError(
+                f"speculative_method=mtp needs the checkpoint's multi-token-prediction head, and {config.model} "
+                "holds no mtp.* tensors (mtp.fc, mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, "
+                "mtp.layers.0.*, mtp.norm)"
+            )
         self.model = self._load_model(
-            config.model_config, config.model, config.weight_format, gguf_file=config.gguf_file
+            config.model_config, config.model, config.weight_format, gguf_file=config.gguf_file, mtp=mtp
         )
+        # The head is the model's, so every rank would hold it; the engine refuses mtp with more than one.
+        self.mtp = MtpProposer(cast("Qwen3_5ForCausalLM", self.model), self.block_size) if mtp else None
         self.draft: DraftModel | None = None
         if (
             config.draft_model_config is not None
@@ -198,14 +208,17 @@ class ModelRunnerBase:
         weight_format: str,
         tp: TPContext | None = None,
         gguf_file: str | None = None,
+        mtp: bool = False,
     ) -> DecoderForCausalLM:
         """The model of `path` with its linear layers in `weight_format` (EngineConfig.weight_format), this
-        rank's shard of it (or as `tp` cuts it). A model converted from `gguf_file` is read from the file in
-        every format: its tensors as they ship for the gguf format, dequantized (and requantized for
-        int8/int4) otherwise."""
+        rank's shard of it (or as `tp` cuts it); with `mtp`, its multi-token-prediction head too (a Qwen3.5
+        model's). A model converted from `gguf_file` is read from the file in every format: its tensors as
+        they ship for the gguf format, dequantized (and requantized for int8/int4) otherwise."""
         plan = self._quant_plan(weight_format)
         with _default_dtype(self.dtype), self.device:
             model = causal_lm_class(cfg)(cfg, tp or self.tp, plan)
+            if mtp:
+                cast("Qwen3_5ForCausalLM", model).enable_mtp()
         if gguf_file is not None:
             load_tensors(model, gguf_tensors(Path(gguf_file), cfg, packed=weight_format == "gguf"), gguf_file)
             return model.eval()
@@ -401,12 +414,14 @@ class ModelRunnerBase:
 
     def _allocate_states(self, budget: int) -> int:
         """A hybrid model's state rows, taken from the KV cache's budget: a slot for each request that may
-        run (max_num_seqs, or as many as state_memory_fraction of the budget holds), then, with the prefix
-        cache, snapshot rows (state_cache_fraction of what is left) that hits resume from
-        (worker/core/recurrent_states.py); each linear-attention layer's share bound to it. Returns the bytes
-        they took."""
+        run (max_num_seqs, or as many as state_memory_fraction of the budget holds), with speculation
+        num_speculative_tokens rows more per slot (the state after each verified position, which a
+        rejection rolls back to), then, with the prefix cache, snapshot rows (state_cache_fraction of what is
+        left) that hits resume from (worker/core/recurrent_states.py); each linear-attention layer's share
+        bound to it. Returns the bytes they took."""
         config = self.config
         self.num_state_slots = self.num_state_snapshots = 0
+        self.state_rows_per_slot = 1  # a slot and its speculation rows
         self.state_row_bytes = 0  # one row's, this rank's share
         self.pad_state_row: int | None = None
         if not self.model.is_hybrid:
@@ -415,23 +430,28 @@ class ModelRunnerBase:
         model = cast("Qwen3_5ForCausalLM", self.model)
         layout = model.state_layout(config.model_config, self.tp.size)
         per_slot = layout.bytes_per_slot(self._element_size())
+        if config.speculative_method != "none":
+            self.state_rows_per_slot += config.num_speculative_tokens
         share = int(budget * config.state_memory_fraction)
-        slots = self.tp.all_reduce_min(min(config.max_num_seqs, share // per_slot))
+        slots = self.tp.all_reduce_min(
+            min(config.max_num_seqs, share // (per_slot * self.state_rows_per_slot))
+        )
         if slots < 1:
             raise ConfigError(
-                f"one request's linear-attention state needs {per_slot / 2**20:.2f} MiB, more than "
+                f"one request's linear-attention state needs {per_slot * self.state_rows_per_slot / 2**20:.2f} "
+                f"MiB ({self.state_rows_per_slot} rows with speculation), more than "
                 f"state_memory_fraction={config.state_memory_fraction} of this rank's KV cache budget of "
                 f"{budget / 2**20:.1f} MiB allows; raise kv_cache_memory or state_memory_fraction"
             )
         self.num_state_slots, self.state_row_bytes = slots, per_slot
         if config.enable_prefix_caching:
-            left = budget - (slots + 1) * per_slot  # the slots and the pad row (below)
+            left = budget - (slots * self.state_rows_per_slot + 1) * per_slot  # the slots' rows, the pad row
             self.num_state_snapshots = self.tp.all_reduce_min(
                 max(0, int(left * config.state_cache_fraction)) // per_slot
             )
-        # The slots, the snapshot rows (worker/core/recurrent_states.py numbers them after the slots), and one
-        # row more, which a replayed decode graph's padding rows run on.
-        rows = slots + self.num_state_snapshots + 1
+        # The slots, the snapshot rows (worker/core/recurrent_states.py numbers them after the slots), the
+        # speculation rows, and one row more, which a replayed decode graph's padding rows run on.
+        rows = slots * self.state_rows_per_slot + self.num_state_snapshots + 1
         self.pad_state_row = rows - 1
         for layer in model.linear_attention_layers():
             layer.conv_state = torch.zeros((rows, *layout.conv), dtype=self.dtype, device=self.device)
@@ -444,6 +464,7 @@ class ModelRunnerBase:
                 slots=slots,
                 max_num_seqs=config.max_num_seqs,
                 snapshots=self.num_state_snapshots,
+                speculation_rows=slots * (self.state_rows_per_slot - 1),
                 mib_per_slot=round(per_slot / 2**20, 3),
                 gib=round(rows * per_slot / 2**30, 3),
             )
@@ -453,6 +474,9 @@ class ModelRunnerBase:
         cfg = self.config.model_config
         kv_heads = self.tp.kv_heads(cfg.num_key_value_heads)[1]
         per_block = kv_bytes_per_block(cfg, self.block_size, kv_heads, self.kv_cache_dtype.itemsize)
+        if self.mtp is not None:  # the head's one layer keeps its KV of a block's tokens in its own cache
+            layer_kv = kv_bytes_per_block(cfg, self.block_size, cfg.num_key_value_heads, self._element_size())
+            per_block += layer_kv // cfg.num_attention_layers
         if self.draft is not None:  # the draft's KV of a block's tokens lives in a block of its own cache
             # (in the model's dtype: a draft's KV is small, and it keeps speculation's proposals unchanged)
             draft = self.draft.config
@@ -473,6 +497,8 @@ class ModelRunnerBase:
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         if self.draft is not None:
             self.draft.allocate_cache(num_blocks + 1, self.dtype, self.device)
+        if self.mtp is not None:
+            self.mtp.allocate_cache(num_blocks + 1, self.dtype, self.device)
         log.info(
             "kv_cache_allocated",
             kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."),

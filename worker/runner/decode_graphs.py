@@ -177,6 +177,8 @@ class DecodeGraphs:
             return None
         if max(len(c.block_table) for c in inputs.decodes) > self.block_tables.shape[1]:
             return None
+        if inputs.decodes[0].state_slot >= 0 and len({c.state_slot for c in inputs.decodes}) < n:
+            return None  # a hybrid model's verification: its tokens walk one state in order, eagerly
         return self.buckets[bisect.bisect_left(self.buckets, n)]
 
     def run(

@@ -88,7 +88,7 @@ class InputBuilder:
         verifying = [s for s in rest if s.spec_token_ids]
         chunks = [s for s in rest if not s.spec_token_ids]
         last_row: dict[int, int] = {}
-        for item in [*verifying, *(s for s in chunks if s.start == 0), *(s for s in chunks if s.start > 0)]:
+        for item in layout_order(sched)[nd:]:
             seq, start, end = item.seq, item.start, item.start + item.num_new_tokens
             table = seq.block_table
             input_ids.extend(seq.token_ids[start : end - len(item.spec_token_ids)])
@@ -216,17 +216,31 @@ class InputBuilder:
         return input_ids, positions, meta, logits_index
 
     def _state_batch(self, inputs: StepInputs, chunks: list[SeqChunk]) -> StateBatch:
-        """A hybrid model's state slots for the step's sequences, in layout order."""
-        slot_list = [c.state_slot for c in chunks]
-        fresh = [c.state_slot for c in chunks if c.start == 0]
+        """A hybrid model's state slots for the step's sequences, in layout order. A verification's tokens
+        are decode rows of one sequence, consecutive, each in its slot: one entry here, after the decodes,
+        whose tokens run in order from the slot's state (the first token's chunk says what it restores and
+        saves)."""
+        entries: list[SeqChunk] = []
+        num_tokens: list[int] = []
+        for i, c in enumerate(chunks):
+            if i and i < len(inputs.decodes) and c.state_slot == chunks[i - 1].state_slot:
+                num_tokens[-1] += 1
+            else:
+                entries.append(c)
+                num_tokens.append(c.num_new_tokens)
+        num_groups = len(entries) - len(inputs.fresh) - len(inputs.cached)
+        num_decodes = sum(1 for n in num_tokens[:num_groups] if n == 1)
+        slot_list = [c.state_slot for c in entries]
+        fresh = [c.state_slot for c in entries if c.start == 0]
         return StateBatch(
             slots=self.long(slot_list),
             slot_list=slot_list,
-            num_tokens=[c.num_new_tokens for c in chunks],
-            num_decodes=len(inputs.decodes),
+            num_tokens=num_tokens,
+            num_decodes=num_decodes,
             fresh_slots=self.long(fresh) if fresh else None,
-            restores=[(c.state_restore, c.state_slot) for c in chunks if c.state_restore >= 0],
-            saves=[c.state_saves for c in chunks],
+            restores=[(c.state_restore, c.state_slot) for c in entries if c.state_restore >= 0],
+            saves=[c.state_saves for c in entries],
+            num_verifies=num_groups - num_decodes,
         )
 
     def long(self, values: list[int]) -> torch.Tensor:
@@ -250,6 +264,28 @@ def _image_layout(
             if first < last:
                 image_rows.append(ImageRows(image, row + first - start, first - image.offset, last - first))
     return temporal + height + width, image_rows
+
+
+def layout_order(sched: SchedulerOutput) -> list[ScheduledSequence]:
+    """The step's sequences in the order their tokens are laid out (InputBuilder.step_inputs): decodes,
+    verifications, fresh prompts, continuing chunks."""
+    rest = sched.scheduled[sched.num_decodes :]
+    chunks = [s for s in rest if not s.spec_token_ids]
+    return [
+        *sched.scheduled[: sched.num_decodes],
+        *(s for s in rest if s.spec_token_ids),
+        *(s for s in chunks if s.start == 0),
+        *(s for s in chunks if s.start > 0),
+    ]
+
+
+def first_rows(sched: SchedulerOutput) -> list[tuple[ScheduledSequence, int]]:
+    """Each of the step's sequences with the row of its first token in the step's layout."""
+    rows, row = [], 0
+    for item in layout_order(sched):
+        rows.append((item, row))
+        row += item.num_new_tokens
+    return rows
 
 
 def _score_prompt(

@@ -14,6 +14,7 @@ from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.models.lora_adapter import LoRAAdapter, read_adapter
 from nanovllm.worker.runner.build import ModelRunnerBase
+from nanovllm.worker.runner.inputs import first_rows
 from nanovllm.worker.runner.lora_slots import BASE_ROW, lora_batch
 from nanovllm.worker.sample.sampler import SampledBatch
 from nanovllm.worker.sample.scoring import PromptScorer, slice_rows
@@ -81,7 +82,7 @@ class ModelRunner(ModelRunnerBase):
         inputs = self.step_inputs(sched, all_logits=False)
         plan = self.sampler.plan(rows)
         t1 = time.perf_counter()
-        logits = self.forward(inputs)
+        logits = self.forward(inputs, first_rows(sched) if self.mtp is not None else None)
         t2 = time.perf_counter()
         if logits is None:
             self._picks = None
@@ -99,10 +100,14 @@ class ModelRunner(ModelRunnerBase):
         )
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+    def forward(
+        self, inputs: StepInputs, mtp_rows: list[tuple[ScheduledSequence, int]] | None = None
+    ) -> torch.Tensor | None:
         """The step's copies to and from the lower tiers, then the model on its inputs, on every
         tensor-parallel rank: fp32 logits of the requested rows, or None when no row is requested (a prompt
-        chunk that does not reach its end, or a step of copies only)."""
+        chunk that does not reach its end, or a step of copies only). With `mtp_rows` (each scheduled
+        sequence and its first row), the multi-token-prediction head follows the model over the step's
+        hidden states (worker/sample/mtp.py)."""
         if self.cpu_share is not None:
             self.cpu_share.refresh()
         try:
@@ -139,6 +144,8 @@ class ModelRunner(ModelRunnerBase):
                         inputs.lora_slots, self.lora.num_slots, self.inputs.long, self.dtype
                     )
                 hidden = self.model(input_ids, positions, meta, splice)
+            if self.mtp is not None and mtp_rows is not None:
+                self.mtp.absorb(mtp_rows, hidden, self.inputs.tensors)
             if inputs.prompt_rows:
                 self._prompt_logprobs = self._score_prompts(hidden, inputs)
             if not inputs.logits_index:
@@ -189,10 +196,14 @@ class ModelRunner(ModelRunnerBase):
         input_ids.index_copy_(0, flat, picks.index_select(0, rows))
 
     def propose_draft(self, items: list[ScheduledSequence]) -> None:
-        """speculative_method=draft: the draft model's proposals for `items` (worker/sample/draft.py)."""
-        if self.draft is None:
-            raise RuntimeError("propose_draft needs speculative_method=draft")
-        self.draft.propose(items, self.inputs.tensors)
+        """speculative_method=draft or mtp: the draft model's proposals for `items`
+        (worker/sample/draft.py), or the multi-token-prediction head's (worker/sample/mtp.py)."""
+        if self.mtp is not None:
+            self.mtp.propose(items, self.inputs.tensors)
+        elif self.draft is not None:
+            self.draft.propose(items, self.inputs.tensors)
+        else:
+            raise RuntimeError("propose_draft needs speculative_method=draft or mtp")
 
     def step_inputs(self, sched: SchedulerOutput, all_logits: bool) -> StepInputs:
         """The step as plain integers (worker/runner/inputs.py), pending tokens taken from the last picks,

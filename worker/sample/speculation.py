@@ -1,4 +1,4 @@
-"""Speculative decoding's proposals: prompt lookup (n-gram), or places for the draft model's.
+"""Speculative decoding's proposals: prompt lookup (n-gram), or places for the draft model's or MTP head's.
 
 A decoding sequence whose last n tokens (n from NGRAM_MAX down to NGRAM_MIN) occurred earlier in its prompt
 or output is proposed the tokens that followed that earlier occurrence, up to K of them. The engine
@@ -14,7 +14,7 @@ from nanovllm.worker.sequence import Sequence
 
 NGRAM_MAX = 3
 NGRAM_MIN = 1
-DRAFT_PLACEHOLDER = 0  # a proposal the draft model has yet to make (worker/sample/draft.py)
+DRAFT_PLACEHOLDER = 0  # a proposal the draft model or MTP head has yet to make (draft.py, mtp.py)
 
 
 def propose_ngram(token_ids: list[int], k: int) -> list[int]:
@@ -35,8 +35,9 @@ def propose_ngram(token_ids: list[int], k: int) -> list[int]:
 class Proposer:
     """Proposals for each sequence about to decode, unless the batch is larger than speculative_max_batch
     (it then keeps the device busy without them). A proposal never runs past max_tokens or max_model_len,
-    counting the token its verification adds. The draft model proposes after scheduling, into the cache
-    slots the scheduler reserves: here it gets placeholders that say how many it may propose."""
+    counting the token its verification adds. The draft model and the MTP head propose after scheduling,
+    into the cache slots the scheduler reserves: here they get placeholders that say how many they may
+    propose."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.method = config.speculative_method
