@@ -210,6 +210,7 @@ def test_rows_a_step_reads_are_not_recycled_under_it():
     states.take_slot(first)
     assert [boundary for boundary, _ in states.plan_saves(first, 0, 9)] == [4, 8]  # every 4 tokens
     first.block_hashes = prefix_hashes(first.token_ids[:8], 4)
+    first.num_computed_tokens = 9  # its step ran: publish keeps the copies at boundaries it computed
     states.publish(first)
     states.release(first)
     h0, h1 = first.block_hashes
