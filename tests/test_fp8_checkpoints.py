@@ -8,7 +8,6 @@ meets)."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -21,17 +20,18 @@ from tests.helpers import (
     assert_within_float32_rounding,
     compare_tp,
     float32_references,
-    greedy,
-    hf_greedy,
     hf_logits,
-    info_logs,
     teacher_forced_logits,
 )
 from tests.model_factory import build_model, edit_quantized, write_block_fp8
+from tests.quantized_checkpoints import (
+    ENGINE,
+    assert_transformers_tokens,
+    checkpoint_prompts,
+    loaded_with_start_log,
+)
 from tests.top5 import assert_close, random_prompts, run_case
 
-ENGINE = {"max_model_len": 256, "kv_cache_memory": "16MiB", "dtype": "float32"}
-MAX_NEW = 16
 # Widths that split into several 128 x 128 blocks, the edge ones partial (k/v 64 rows, the MLP's 320).
 FP8_SHAPE = {
     "hidden": 256,
@@ -50,31 +50,11 @@ FP8_MODELS = {
 }  # fmt: skip
 
 
-def _prompts() -> list[list[int]]:
-    rng = random.Random(84)
-    return [[rng.randrange(2, 512) for _ in range(n)] for n in (1, 9, 40)]
-
-
-def _loaded(**options) -> tuple[LLM, dict]:
-    """The engine and its start log's checkpoint_quantization line."""
-    with info_logs() as logs:
-        llm = LLM(**{**ENGINE, **options})
-    (line,) = [e for e in logs if e["event"] == "checkpoint_quantization"]
-    return llm, line
-
-
-def _assert_transformers_tokens(llm: LLM, reference: Path) -> None:
-    prompts = _prompts()
-    outs = llm.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        assert out["token_ids"] == hf_greedy(reference, prompt, MAX_NEW), prompt
-
-
 def _assert_transformers_logits(llm: LLM, reference: Path, hybrid: bool) -> None:
     """Every position of the prompts, fed 7 tokens a step, within 1e-4 of transformers' logits; a hybrid
     model's within what float32 rounding allows where its gated norms amplify it
     (tests/helpers.py assert_within_float32_rounding: its float64 references for the shorter prompt only)."""
-    prompts = _prompts()[1:2] if hybrid else _prompts()[1:]
+    prompts = checkpoint_prompts()[1:2] if hybrid else checkpoint_prompts()[1:]
     for index, (ours, prompt) in enumerate(zip(teacher_forced_logits(llm, prompts, 7), prompts)):
         if hybrid:
             assert_within_float32_rounding(
@@ -101,8 +81,8 @@ def test_block_fp8_gives_transformers_tokens_on_the_dequantized_weights(fp8_mode
     byte x scale; the start log says the format, how many weights were quantized and which matrices
     stayed as they shipped."""
     name, fp8, dequantized = fp8_model
-    llm, line = _loaded(model=str(fp8))
-    _assert_transformers_tokens(llm, dequantized)
+    llm, line = loaded_with_start_log(model=str(fp8))
+    assert_transformers_tokens(llm, dequantized)
     _assert_transformers_logits(llm, dequantized, hybrid=name.startswith("qwen3_5"))
     scaled = [n for n in load_file(fp8 / "model.safetensors") if n.endswith("_scale_inv")]
     assert (
@@ -199,7 +179,7 @@ def test_the_published_multimodal_layout_loads_text_only(fp8_model, tmp_path) ->
             (out / item.name).write_bytes(item.read_bytes())
     (out / "config.json").write_text(json.dumps(config))
     save_file(tensors, out / "model.safetensors")
-    llm, line = _loaded(model=str(out))
-    _assert_transformers_tokens(llm, dequantized)
+    llm, line = loaded_with_start_log(model=str(out))
+    assert_transformers_tokens(llm, dequantized)
     assert line["quantized_weights"] == sum(n.endswith("_scale_inv") for n in tensors) - 1, line
     assert not any(module.startswith(("model.visual", "mtp")) for module in line["unquantized"]), line

@@ -8,19 +8,14 @@ exactly with their quantized values. bench/gguf_fidelity.py checks the writer ag
 
 from __future__ import annotations
 
-import logging
 import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
-import structlog
 import torch
 from safetensors.numpy import load_file
-from structlog.testing import capture_logs
 
 from nanovllm import LLM
 from nanovllm.common.errors import UnsupportedModelError
@@ -39,6 +34,7 @@ from tests.helpers import (
     greedy,
     greedy_with_logprobs,
     hf_greedy,
+    info_logs,
     teacher_forced_logits,
     top5_rule,
 )
@@ -57,19 +53,6 @@ def _source(root: Path, arch: str, **overrides) -> Path:
     if arch == "qwen3_5_moe":
         overrides = {"shared_expert_intermediate_size": 64, **overrides}
     return build_model(arch, root / "hf", num_layers=4, seed=5, max_position=512, overrides=overrides)
-
-
-@contextmanager
-def _info_logs() -> Iterator[list[dict]]:
-    """The log lines at info and above emitted inside (a process that configured no logging keeps its
-    warnings and errors only)."""
-    saved = structlog.get_config()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
-    try:
-        with capture_logs() as logs:
-            yield logs
-    finally:
-        structlog.configure(**saved)
 
 
 def _load(path: Path, root: Path, **kwargs) -> LLM:
@@ -93,7 +76,7 @@ def test_an_f32_file_serves_the_checkpoints_tokens_and_logits(tmp_path: Path, ar
     the checkpoint's in some heads. (Measured: equal.)"""
     source = _source(tmp_path, arch)
     path = write_gguf(source, tmp_path / "model.gguf", mtp=True, fuse_gate_up=arch == "qwen3_5_moe")
-    with _info_logs() as logs:
+    with info_logs() as logs:
         llm = _load(path, tmp_path)
     assert llm.config.model_config == ModelConfig.from_pretrained_dir(source)
     skipped = [e for e in logs if e["event"] == "gguf_tensors_not_served"]
@@ -145,7 +128,7 @@ def test_quantized_tensors_are_served_in_the_checkpoints_order(
     source = _source(tmp_path, arch, linear_key_head_dim=head_dim, linear_value_head_dim=head_dim)
     path = write_gguf(source, tmp_path / "model.gguf", quant, fuse_gate_up=arch == "qwen3_5_moe")
     config = ModelConfig.from_pretrained_dir(source)
-    with _info_logs() as logs:
+    with info_logs() as logs:
         plan = gguf_quant_plan(path, config, Qwen3_5ForCausalLM.packed_modules_mapping)
     assert plan.by_layer is not None
     out_proj_packed = "model.layers.0.linear_attn.out_proj" in plan.by_layer
@@ -183,7 +166,7 @@ def test_a_q8_0_file_keeps_the_top5_rule_against_float32(tmp_path: Path):
     it ships (every projection, the embedding and the head: the start log's weights_quantized line says
     so), against the float32 checkpoint."""
     source = _source(tmp_path, "qwen3_5", **BLOCK_ALIGNED)
-    with _info_logs() as logs:
+    with info_logs() as logs:
         shipped = _load(write_gguf(source, tmp_path / "model.gguf", "Q8_0", mtp=True), tmp_path)
     (stated,) = [e for e in logs if e["event"] == "weights_quantized"]
     assert stated["format"] == "gguf" and stated["types"] == {"Q8_0": 2 + 4 * 4}, stated

@@ -6,7 +6,6 @@ tokens equal and the logits within 1e-4 (the bound every dense float model here 
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
@@ -14,37 +13,20 @@ from safetensors.torch import load_file
 
 from nanovllm import LLM
 from nanovllm.common.errors import ConfigError
-from tests.helpers import compare_tp, greedy, hf_greedy, hf_logits, info_logs, teacher_forced_logits
+from tests.helpers import compare_tp, hf_logits, teacher_forced_logits
 from tests.model_factory import build_model, edit_quantized, write_int4
+from tests.quantized_checkpoints import (
+    ENGINE,
+    assert_transformers_tokens,
+    checkpoint_prompts,
+    loaded_with_start_log,
+)
 from tests.top5 import assert_close, random_prompts, run_case
-
-ENGINE = {"max_model_len": 256, "kv_cache_memory": "16MiB", "dtype": "float32"}
-MAX_NEW = 16
-
-
-def _prompts() -> list[list[int]]:
-    rng = random.Random(84)
-    return [[rng.randrange(2, 512) for _ in range(n)] for n in (1, 9, 40)]
-
-
-def _loaded(**options) -> tuple[LLM, dict]:
-    """The engine and its start log's checkpoint_quantization line."""
-    with info_logs() as logs:
-        llm = LLM(**{**ENGINE, **options})
-    (line,) = [e for e in logs if e["event"] == "checkpoint_quantization"]
-    return llm, line
-
-
-def _assert_transformers_tokens(llm: LLM, reference: Path) -> None:
-    prompts = _prompts()
-    outs = llm.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        assert out["token_ids"] == hf_greedy(reference, prompt, MAX_NEW), prompt
 
 
 def _logit_gap(llm: LLM, reference: Path) -> float:
     """The largest |ours - transformers'| over every position of the prompts, fed 7 tokens a step."""
-    prompts = _prompts()[1:]
+    prompts = checkpoint_prompts()[1:]
     ours = teacher_forced_logits(llm, prompts, 7)
     return max((o.cpu() - hf_logits(reference, p)).abs().max().item() for o, p in zip(ours, prompts))
 
@@ -93,9 +75,9 @@ def test_awq_and_gptq_give_transformers_tokens_on_the_dequantized_weights(int4_m
     moved the logits of the exactly dequantized model by up to 0.03 here); the start log counts the rounded
     mins. none dequantizes exactly, s (q - z) in float32."""
     method, packed, exact, as_int4 = int4_model
-    llm, line = _loaded(model=str(packed), quantization=quantization)
+    llm, line = loaded_with_start_log(model=str(packed), quantization=quantization)
     reference = as_int4 if quantization == "auto" else exact
-    _assert_transformers_tokens(llm, reference)
+    assert_transformers_tokens(llm, reference)
     assert _logit_gap(llm, reference) <= 1e-4
     assert line["format"] == method and line["quantized_weights"] == 2 * 7, line
     if quantization == "auto":
@@ -118,7 +100,7 @@ def test_gptq_in_activation_order_is_refused_packed_and_served_dequantized(int4_
     packed, dequantized, _ = write_int4(int4_base, tmp_path, "gptq", symmetric=True, act_order=True)
     with pytest.raises(ConfigError, match=r"model\.layers\.\d\.\S+\.g_idx: desc_act .* --quantization none"):
         LLM(str(packed), **ENGINE)
-    _assert_transformers_tokens(LLM(str(packed), quantization="none", **ENGINE), dequantized)
+    assert_transformers_tokens(LLM(str(packed), quantization="none", **ENGINE), dequantized)
 
 
 @pytest.mark.parametrize(
@@ -149,8 +131,8 @@ def test_qwen3_moe_experts_load_from_awq(tmp_path) -> None:
         "qwen3_moe", tmp_path / "base", hidden=256, heads=8, kv_heads=2, seed=3, overrides=overrides
     )
     packed, _, as_int4 = write_int4(base, tmp_path, "awq")
-    llm, line = _loaded(model=str(packed))
-    _assert_transformers_tokens(llm, as_int4)
+    llm, line = loaded_with_start_log(model=str(packed))
+    assert_transformers_tokens(llm, as_int4)
     assert line["quantized_weights"] == 2 * (4 + 8 * 3), line  # per layer: q, k, v, o and each expert's three
     assert line["unquantized"]["model.layers.*.mlp.gate"] == 2, line
 
