@@ -47,7 +47,9 @@ def configure_logging(level: str = "INFO", json: bool | None = None, stdlib: boo
     structlog.configure(
         processors=[structlog.contextvars.merge_contextvars, *stamp, *renderers],
         wrapper_class=structlog.make_filtering_bound_logger(level_number),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write per line (print writes the line and its newline apart): the processes of a router
+        # share one log file, and a line must not take another's newline between its two writes.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
     if stdlib:
