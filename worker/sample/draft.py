@@ -24,8 +24,8 @@ import torch
 from nanovllm.kernels.attention import AttentionMetadata
 from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.models.decoder import DecoderForCausalLM
-from nanovllm.worker.sequence import Sequence
-from nanovllm.worker.step import ScheduledSequence, SeqChunk, StepInputs
+from nanovllm.worker.sample.paged_slots import chunk_slots, seq_chunk
+from nanovllm.worker.step import ScheduledSequence, StepInputs
 
 Tensors = Callable[[StepInputs], tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]]
 
@@ -53,11 +53,13 @@ class DraftModel:
         starts = [min(seq.num_draft_tokens, seq.num_tokens - 1) for seq in seqs]
         # Catch up: chunks from a sequence's start first, then continuing ones (StepInputs' layout).
         order = sorted(range(len(items)), key=lambda i: starts[i] > 0)
-        chunks = [self._chunk(seqs[i], starts[i], seqs[i].num_tokens - starts[i]) for i in order]
+        chunks = [
+            seq_chunk(seqs[i], starts[i], seqs[i].num_tokens - starts[i], self.block_size) for i in order
+        ]
         inputs = StepInputs(
             input_ids=[t for i in order for t in seqs[i].token_ids[starts[i] :]],
             positions=[p for c in chunks for p in range(c.start, c.start + c.num_new_tokens)],
-            slot_mapping=[s for i, c in zip(order, chunks) for s in self._slots(seqs[i], c)],
+            slot_mapping=[s for i, c in zip(order, chunks) for s in chunk_slots(seqs[i], c, self.block_size)],
             decodes=[],
             fresh=[c for c in chunks if c.start == 0],
             cached=[c for c in chunks if c.start > 0],
@@ -69,11 +71,13 @@ class DraftModel:
         # The other proposals, one position per forward pass.
         for step in range(1, max(len(item.spec_token_ids) for item in items)):
             active = [i for i, item in enumerate(items) if len(item.spec_token_ids) > step]
-            decodes = [self._chunk(seqs[i], seqs[i].num_tokens - 1 + step, 1) for i in active]
+            decodes = [seq_chunk(seqs[i], seqs[i].num_tokens - 1 + step, 1, self.block_size) for i in active]
             inputs = StepInputs(
                 input_ids=[proposals[i][-1] for i in active],
                 positions=[c.start for c in decodes],
-                slot_mapping=[s for i, c in zip(active, decodes) for s in self._slots(seqs[i], c)],
+                slot_mapping=[
+                    s for i, c in zip(active, decodes) for s in chunk_slots(seqs[i], c, self.block_size)
+                ],
                 decodes=decodes,
                 fresh=[],
                 cached=[],
@@ -85,15 +89,6 @@ class DraftModel:
             item.spec_token_ids = proposal
             # KV written up to the last proposal but one; Scheduler.update_from_output keeps what was accepted.
             item.seq.num_draft_tokens = item.seq.num_tokens + len(proposal) - 1
-
-    def _chunk(self, seq: Sequence, start: int, num_new_tokens: int) -> SeqChunk:
-        end = start + num_new_tokens
-        return SeqChunk(start, num_new_tokens, seq.block_table[: -(-end // self.block_size)])
-
-    def _slots(self, seq: Sequence, chunk: SeqChunk) -> list[int]:
-        bs = self.block_size
-        positions = range(chunk.start, chunk.start + chunk.num_new_tokens)
-        return [seq.block_table[p // bs] * bs + p % bs for p in positions]
 
     def _greedy(self, inputs: StepInputs, tensors: Tensors) -> list[int]:
         input_ids, positions, meta, logits_index = tensors(inputs)

@@ -33,8 +33,9 @@ import torch
 
 from nanovllm.kernels.attention import AttentionMetadata
 from nanovllm.worker.models.qwen3_5 import Qwen3_5ForCausalLM
+from nanovllm.worker.sample.paged_slots import chunk_slots, seq_chunk
 from nanovllm.worker.sequence import Sequence, SequenceStatus
-from nanovllm.worker.step import ScheduledSequence, SeqChunk, StepInputs
+from nanovllm.worker.step import ScheduledSequence, StepInputs
 
 Tensors = Callable[[StepInputs], tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]]
 
@@ -123,11 +124,13 @@ class MtpProposer:
         row_of = {i: i for i in range(len(items))}  # each item's row in `hidden`
         for step in range(1, max(len(item.spec_token_ids) for item in items)):
             active = [i for i, item in enumerate(items) if len(item.spec_token_ids) > step]
-            decodes = [self._chunk(items[i].seq, runs[i].end - 1 + step, 1) for i in active]
+            decodes = [seq_chunk(items[i].seq, runs[i].end - 1 + step, 1, self.block_size) for i in active]
             inputs = StepInputs(
                 input_ids=[proposals[i][-1] for i in active],
                 positions=[c.start for c in decodes],
-                slot_mapping=[s for i, c in zip(active, decodes) for s in self._slots(items[i].seq, c)],
+                slot_mapping=[
+                    s for i, c in zip(active, decodes) for s in chunk_slots(items[i].seq, c, self.block_size)
+                ],
                 decodes=decodes,
                 fresh=[],
                 cached=[],
@@ -162,13 +165,15 @@ class MtpProposer:
         position): the head's hidden states at the rows `picks` (one per run, into its run) and the greedy
         tokens they predict ([] when `picks` is)."""
         order = sorted(range(len(runs)), key=lambda i: runs[i].first > 0)  # StepInputs: fresh, then cached
-        chunks = {i: self._chunk(runs[i].seq, runs[i].first, runs[i].hidden.shape[0]) for i in order}
+        chunks = {
+            i: seq_chunk(runs[i].seq, runs[i].first, runs[i].hidden.shape[0], self.block_size) for i in order
+        }
         firsts = list(itertools.accumulate((chunks[i].num_new_tokens for i in order), initial=0))
         first_row = {i: firsts[j] for j, i in enumerate(order)}
         inputs = StepInputs(
             input_ids=[t for i in order for t in runs[i].seq.token_ids[runs[i].first + 1 : runs[i].end + 1]],
             positions=[p for i in order for p in range(runs[i].first, runs[i].end)],
-            slot_mapping=[s for i in order for s in self._slots(runs[i].seq, chunks[i])],
+            slot_mapping=[s for i in order for s in chunk_slots(runs[i].seq, chunks[i], self.block_size)],
             decodes=[],
             fresh=[chunks[i] for i in order if chunks[i].start == 0],
             cached=[chunks[i] for i in order if chunks[i].start > 0],
@@ -188,12 +193,3 @@ class MtpProposer:
             return out[:0], []
         out = out.index_select(0, logits_index)
         return out, self.model.compute_logits(out).argmax(-1).tolist()
-
-    def _chunk(self, seq: Sequence, start: int, num_new_tokens: int) -> SeqChunk:
-        end = start + num_new_tokens
-        return SeqChunk(start, num_new_tokens, seq.block_table[: -(-end // self.block_size)])
-
-    def _slots(self, seq: Sequence, chunk: SeqChunk) -> list[int]:
-        bs = self.block_size
-        positions = range(chunk.start, chunk.start + chunk.num_new_tokens)
-        return [seq.block_table[p // bs] * bs + p % bs for p in positions]
