@@ -5,10 +5,10 @@ worker, how many of its tokens that worker has cached."""
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import xxhash
 
 
@@ -21,7 +21,7 @@ def hash_block(prev_hash: int | None, token_ids: Sequence[int]) -> int:
     h = xxhash.xxh3_64()
     if prev_hash is not None:
         h.update(prev_hash.to_bytes(8, "little"))
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    h.update(array("q", token_ids).tobytes())  # 64-bit ids, little-endian on every host we run
     return h.intdigest()
 
 

@@ -23,8 +23,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import jsonschema
-
 from nanovllm.router.calls import qwen3_coder
 from nanovllm.router.calls.markers import Markers, choose_markers, marker_prefix_length
 from nanovllm.v1 import generate_pb2
@@ -96,6 +94,8 @@ def check_tools(chat: generate_pb2.Chat) -> ChatTools | None:
         if choice == "function" or mode == _Mode.MODE_REQUIRED:
             raise ValueError("chat.tool_choice asks for a tool call, but chat.tools is empty")
         return None
+    import jsonschema  # here, not at the top: it costs every router's start 0.13 s, and few calls have tools
+
     schemas: dict[str, dict[str, Any]] = {}
     template_tools = []
     for i, tool in enumerate(chat.tools):

@@ -13,12 +13,8 @@ import ipaddress
 import socket
 from dataclasses import dataclass
 
-import dns.asyncresolver
-import dns.exception
-import dns.resolver
-
 # What a failed lookup raises (see resolve).
-RESOLVE_ERRORS = (OSError, asyncio.TimeoutError, dns.exception.DNSException)
+RESOLVE_ERRORS = (OSError, asyncio.TimeoutError)
 
 
 @dataclass(frozen=True)
@@ -71,7 +67,7 @@ def _join(host: str, port: int) -> str:
 
 async def resolve(target: WorkerTarget, timeout: float = 2.0) -> set[str]:
     """The target's worker addresses, `IP:PORT` each; empty when the name has no records (yet). Raises
-    OSError or dns.exception.DNSException when the resolver fails."""
+    OSError (or a timeout) when the resolver fails."""
     if target.is_address:
         return {str(target)}
     if target.nameserver is None:
@@ -82,6 +78,11 @@ async def resolve(target: WorkerTarget, timeout: float = 2.0) -> set[str]:
         # A name with both families (localhost) is one worker, not two: keep IPv4 when there is any.
         v4 = {ip for ip in ips if ":" not in ip}
         return {_join(ip, target.port) for ip in (v4 or ips)}
+    # dnspython only for a target that names its DNS server: it costs a router's start 0.1 s to import
+    import dns.asyncresolver
+    import dns.exception
+    import dns.resolver
+
     resolver = dns.asyncresolver.Resolver(configure=False)
     resolver.nameservers = [target.nameserver[0]]
     resolver.port = target.nameserver[1]
@@ -90,4 +91,6 @@ async def resolve(target: WorkerTarget, timeout: float = 2.0) -> set[str]:
         answer = await resolver.resolve(target.host, "A")
     except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
         return set()
+    except dns.exception.DNSException as exc:
+        raise OSError(f"DNS server {target.nameserver[0]}:{target.nameserver[1]} failed: {exc}") from exc
     return {_join(record.address, target.port) for record in answer}
