@@ -200,31 +200,42 @@ def test_the_triton_path_gives_transformers_tokens(default_model: Path):
     assert _all_back(llm)
 
 
+REPLAY_PROMPTS = [[5, 6, 7], list(range(40, 75)), [9] * 17, list(range(100, 130)), [11, 12]]
+REPLAY_PARAMS = [greedy(n) for n in (3, 9, 5, 7, 12)]
+REPLAY_ENGINE = {**ENGINE, "max_num_seqs": 8, "state_snapshot_interval": 16}
+
+
+def _two_rounds(llm: LLM) -> list[list[int]]:
+    """The prompts, then each prompt with its answer and one more token: the second round resumes from the
+    snapshots the first left at the boundaries its decode steps crossed."""
+    first = [o["token_ids"] for o in llm.generate(REPLAY_PROMPTS, REPLAY_PARAMS, use_tqdm=False)]
+    follow = [p + out + [3] for p, out in zip(REPLAY_PROMPTS, first)]
+    second = llm.generate(follow, REPLAY_PARAMS, use_tqdm=False)
+    assert sum(o["num_cached_tokens"] for o in second) > 0
+    return first + [o["token_ids"] for o in second]
+
+
+@pytest.fixture(scope="module")
+def eager_rounds(default_model: Path) -> list[list[int]]:
+    """Both rounds on the eager engine of the C++ path, which the Triton path's tokens equal
+    (test_the_triton_path_gives_transformers_tokens: both are transformers'), so the Triton case does
+    not run a second engine in the interpreter."""
+    return _two_rounds(LLM(str(default_model), **REPLAY_ENGINE))
+
+
 @pytest.mark.parametrize("backend", ["auto", "triton"])
-def test_decode_steps_replay_from_graphs_with_their_state_slots(default_model: Path, backend: str):
+def test_decode_steps_replay_from_graphs_with_their_state_slots(
+    default_model: Path, eager_rounds: list[list[int]], backend: str
+):
     """Decode steps through worker/runner/decode_graphs.py (EagerReplay: its static buffers and padding
     without a CUDA graph): each row's state slot from the static buffer, padding rows on the pad state
     row, zeroing, restores and the copies at block boundaries (snapshots every 16 tokens here) around the
     replay; five sequences ending one after another pass through buckets 8 to 1. Tokens equal the eager
     engine's, the second round's prefix hits included, and the pad row is the only other row written."""
-    prompts = [[5, 6, 7], list(range(40, 75)), [9] * 17, list(range(100, 130)), [11, 12]]
-    params = [greedy(n) for n in (3, 9, 5, 7, 12)]
-    options = {**ENGINE, "attention_backend": backend, "max_num_seqs": 8, "state_snapshot_interval": 16}
-
-    def two_rounds(llm: LLM) -> list[list[int]]:
-        """The prompts, then each prompt with its answer and one more token: the second round resumes
-        from the snapshots the first left at the boundaries its decode steps crossed."""
-        first = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
-        follow = [p + out + [3] for p, out in zip(prompts, first)]
-        second = llm.generate(follow, params, use_tqdm=False)
-        assert sum(o["num_cached_tokens"] for o in second) > 0
-        return first + [o["token_ids"] for o in second]
-
-    want = two_rounds(LLM(str(default_model), **options))
-    llm = LLM(str(default_model), **options)
+    llm = LLM(str(default_model), **REPLAY_ENGINE, attention_backend=backend)
     replay = CountingReplay()
     llm.engine.runner.use_decode_graphs(replay)
-    assert two_rounds(llm) == want and sum(replay.replayed.values()) > 0
+    assert _two_rounds(llm) == eager_rounds and sum(replay.replayed.values()) > 0
     assert _all_back(llm)
 
 
