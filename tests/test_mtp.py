@@ -22,7 +22,7 @@ from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.models.qwen3_5 import Qwen3_5ForCausalLM
 from nanovllm.worker.runner.kv_cache import kv_bytes_per_block
 from tests.helpers import counting_proposals
-from tests.model_factory import build_model
+from tests.model_factory import VOCAB, build_model
 from tests.resume_streams import MAX_TOKENS as RESUME_MAX_TOKENS
 from tests.resume_streams import run as resume_run
 from tests.services import held_streams, wait_idle
@@ -125,6 +125,44 @@ def test_tokens_equal_without_mtp(model: Path, plain: list[dict], k: int):
     assert _all_back(llm)
 
 
+def _recorded_proposals(llm: LLM) -> list[list[int]]:
+    """The head's proposals from here on, as the runner hands them to the verification."""
+    proposals: list[list[int]] = []
+    mtp = llm.engine.runner.mtp
+    propose = mtp.propose
+
+    def recording(items, tensors) -> None:
+        propose(items, tensors)
+        proposals.extend(list(item.spec_token_ids) for item in items)
+
+    mtp.propose = recording
+    return proposals
+
+
+def test_a_draft_vocabulary_narrows_the_proposals_not_the_tokens(model: Path, plain: list[dict]):
+    """speculative_draft_vocab: the whole vocabulary proposes what no setting proposes; 64 ids propose
+    only ids below 64 (where the random head, unrestricted, proposes ids above too); the tokens and
+    logprobs stay the engine's without speculation."""
+
+    def run(draft_vocab: int) -> tuple[list[dict], list[list[int]]]:
+        llm = LLM(
+            str(model),
+            speculative_method="mtp",
+            num_speculative_tokens=3,
+            speculative_max_batch=8,
+            speculative_draft_vocab=draft_vocab,
+            **ENGINE,
+        )
+        proposals = _recorded_proposals(llm)
+        return llm.generate(*_requests(), use_tqdm=False), proposals
+
+    (_, unrestricted), (whole_out, whole), (narrow_out, narrow) = run(0), run(VOCAB), run(64)
+    assert whole == unrestricted and any(t >= 64 for p in unrestricted for t in p)
+    assert narrow and all(t < 64 for p in narrow for t in p)
+    _assert_same(whole_out, plain, exact=False)
+    _assert_same(narrow_out, plain, exact=False)
+
+
 def test_preempted_requests_recompute_with_mtp(model: Path, plain: list[dict]):
     """A cache too small for the batch: requests are preempted mid-speculation (their pending rollback and
     the head's pending rows dropped with their blocks) and recompute to the same tokens."""
@@ -187,12 +225,19 @@ def test_a_checkpoint_without_the_head_is_refused(tmp_path: Path):
         ("qwen3", {}, "speculative_method=mtp needs a model with a multi-token-prediction head"),
         ("qwen3_5", {"num_speculative_tokens": 5}, r"num_speculative_tokens must be in \[1, 4\]"),
         ("qwen3_5", {"tensor_parallel_size": 2}, "not supported with tensor_parallel_size > 1"),
+        ("qwen3_5", {"speculative_draft_vocab": VOCAB + 1}, r"speculative_draft_vocab must be in \[0, 512\]"),
     ],
 )
 def test_settings_it_does_not_run_are_refused(tmp_path: Path, arch: str, options: dict, message: str):
     model = _build(tmp_path, arch, mtp=False)
     with pytest.raises(ConfigError, match=message):
         LLM(str(model), speculative_method="mtp", **{**ENGINE, **options})
+
+
+def test_a_draft_vocabulary_without_mtp_is_refused(tmp_path: Path):
+    model = _build(tmp_path, "qwen3_5", mtp=False)
+    with pytest.raises(ConfigError, match="speculative_draft_vocab is used only with speculative_method=mtp"):
+        LLM(str(model), speculative_draft_vocab=64, **ENGINE)
 
 
 @pytest.mark.slow  # Triton's interpreter: about 20 s

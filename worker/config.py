@@ -205,6 +205,13 @@ class EngineConfig:
     num_speculative_tokens: int = option(
         4, help=f"tokens proposed per step, 1 to {MAX_SPECULATIVE_TOKENS} (mtp: 1 to {MAX_MTP_TOKENS})"
     )
+    speculative_draft_vocab: int = option(
+        0,
+        help="mtp: the head proposes among the first N token ids only (0: the whole vocabulary), so each "
+        "proposal reads N rows of the output head instead of all (the head is a third of Qwen3.5-0.8B's "
+        "weights); byte-level BPE vocabularies number their commonest tokens first. The output tokens do not "
+        "change; a token past N is never proposed",
+    )
     speculative_max_batch: int = option(
         4,
         help="decoding requests above which a step does not speculate (the batch keeps the GPU/CPU busy); "
@@ -466,6 +473,11 @@ class EngineConfig:
         """speculative_method=mtp needs a hybrid Qwen3.5 model (whose checkpoints carry the head; the runner
         checks its weights as it loads them), 1 to MAX_MTP_TOKENS proposals, one rank, safetensors."""
         if self.speculative_method != "mtp":
+            if self.speculative_draft_vocab:
+                raise ConfigError(
+                    f"speculative_draft_vocab is used only with speculative_method=mtp, got "
+                    f"speculative_method={self.speculative_method!r}"
+                )
             return
         if self.model_config.hybrid is None:
             raise ConfigError(
@@ -484,6 +496,11 @@ class EngineConfig:
         named = [name for name, on in refused.items() if on]
         if named:
             raise ConfigError(f"speculative_method=mtp: not supported with {', '.join(named)} yet")
+        if not 0 <= self.speculative_draft_vocab <= self.model_config.vocab_size:
+            raise ConfigError(
+                f"speculative_draft_vocab must be in [0, {self.model_config.vocab_size}] (the model's vocabulary; "
+                f"0: all of it), got {self.speculative_draft_vocab}"
+            )
 
     def _check_draft(self) -> None:
         """speculative_model goes with speculative_method=draft, with the model's vocabulary."""

@@ -67,6 +67,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden_size, tp, quant, prefix)
         self.kernels = PYTORCH  # see DecoderForCausalLM.bind_kernels
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, vocab: int = 0) -> torch.Tensor:
+        """The logits of every token id, or of the first `vocab` ids only (one rank: the rows are a view)."""
+        if vocab:
+            if self.tp.size > 1:
+                raise ValueError(
+                    f"the logits of the first {vocab} token ids need one rank, not {self.tp.size}"
+                )
+            return linear(hidden, self.weight.narrow(0, 0, vocab), None, self.kernels)
         logits = linear(hidden, self.weight, None, self.kernels)
         return self.tp.all_gather_last_dim(logits)

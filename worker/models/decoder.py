@@ -223,8 +223,9 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, meta, splice)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, vocab: int = 0) -> torch.Tensor:
+        """The logits of the whole vocabulary, or of its first `vocab` token ids."""
+        return self.lm_head(hidden, vocab)
 
     # The projections a LoRA adapter may adapt: its module name -> (this model's projection, shard id).
     lora_targets: ClassVar[dict[str, tuple[str, object]]] = {

@@ -166,7 +166,13 @@ class ModelRunnerBase:
             config.model_config, config.model, config.weight_format, gguf_file=config.gguf_file, mtp=mtp
         )
         # The head is the model's, so every rank would hold it; the engine refuses mtp with more than one.
-        self.mtp = MtpProposer(cast("Qwen3_5ForCausalLM", self.model), self.block_size) if mtp else None
+        self.mtp = (
+            MtpProposer(
+                cast("Qwen3_5ForCausalLM", self.model), self.block_size, config.speculative_draft_vocab
+            )
+            if mtp
+            else None
+        )
         self.draft: DraftModel | None = None
         if (
             config.draft_model_config is not None

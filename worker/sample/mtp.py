@@ -18,6 +18,10 @@ So a sequence's pending rows are at most the K + 1 of one verification, and the 
 is written from the model's own hidden state once the token after it is known. What a proposal wrote past
 that (its own drafts' KV) is overwritten when the head catches up there.
 
+With speculative_draft_vocab = N the head picks among the first N token ids only: its output projection
+reads N rows of the LM head (the whole vocabulary is 248,320 rows on Qwen3.5, a third of the 0.8B's
+weights, read once per proposal), and byte-level BPE numbers its commonest tokens first.
+
 Proposals decide only how many tokens a step keeps, never which (Scheduler.update_from_output): a head that
 proposes badly, or reads KV it never wrote (a prefix-cache hit's blocks, written by whoever computed them),
 costs speed, not correctness.
@@ -54,11 +58,12 @@ class _Rows:
 
 
 class MtpProposer:
-    def __init__(self, model: Qwen3_5ForCausalLM, block_size: int) -> None:
+    def __init__(self, model: Qwen3_5ForCausalLM, block_size: int, draft_vocab: int = 0) -> None:
         if model.mtp is None:
             raise ValueError("an MtpProposer needs the model's multi-token-prediction head (enable_mtp)")
         self.model = model
         self.block_size = block_size
+        self.draft_vocab = draft_vocab  # proposals among the first draft_vocab token ids (0: all)
         self.kv_cache = torch.empty(0)  # sized by allocate_cache once the model's block count is known
         self._pending: dict[int, _Rows] = {}  # by seq_id: rows whose next token was not known yet
 
@@ -192,4 +197,4 @@ class MtpProposer:
         if not inputs.logits_index:
             return out[:0], []
         out = out.index_select(0, logits_index)
-        return out, self.model.compute_logits(out).argmax(-1).tolist()
+        return out, self.model.compute_logits(out, self.draft_vocab).argmax(-1).tolist()
