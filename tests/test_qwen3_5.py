@@ -481,6 +481,7 @@ def test_published_qwen3_6_and_3_8_shapes_give_transformers_tokens(tmp_path: Pat
             {"layer_types": ["linear_attention", "sliding_attention", "full_attention", "full_attention"]},
             ["layer_types", "sliding_attention"],
         ),
+        ({"layer_types": ["linear_attention"] * 4}, ["layer_types", "no 'full_attention' layer"]),
         ({"attn_output_gate": False}, ["attn_output_gate"]),
         ({"layer_scale": [1.0, 1.0, 1.0, 1.0]}, ["layer_scale", "unknown"]),
         ({"mamba_ssm_dtype": "bfloat16"}, ["mamba_ssm_dtype='bfloat16'", "float32"]),

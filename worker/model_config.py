@@ -132,6 +132,10 @@ class HybridSpec:
                 f"layer_types must name {layers} layers, each {LINEAR_ATTENTION!r} or {FULL_ATTENTION!r}; "
                 f"got {len(kinds)}" + (f" with {unknown}" if unknown else "")
             )
+        if FULL_ATTENTION not in kinds:  # the KV cache's blocks are what the scheduler hands out
+            raise UnsupportedModelError(
+                f"layer_types names no {FULL_ATTENTION!r} layer among its {layers}: this engine needs at least one"
+            )
         if cfg.get("attn_output_gate", True) is not True:
             raise UnsupportedModelError("attn_output_gate=false is not supported (Qwen3.5 gates every head)")
         key_heads, value_heads = cfg.get("linear_num_key_heads", 16), cfg.get("linear_num_value_heads", 32)
