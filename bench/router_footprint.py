@@ -3,7 +3,8 @@ mapped, and the short chat calls per second it relays, for this checkout's route
 interpreter's or checkout's (a router-only venv, an older commit) in the same run, against one worker.
 
 The worker serves the embedded SmolLM2 (its real tokenizer and chat template) unless --model. Each router
-runs with --processes 2; the calls are chat completions of one token (greedy), on --clients concurrent
+runs with --processes 2, timed from its second start (the first writes the bytecode that an installed
+package has); the calls are chat completions of one token (greedy), on --clients concurrent
 connections for --seconds, over gRPC's Generate (chat messages) and HTTP's /v1/chat/completions, so the
 router's own work per call (tokenizing, the chat template, relaying, detokenizing) is most of each call.
 
@@ -55,7 +56,10 @@ class Router:
 
 
 def start_router(variant: Variant, worker: str) -> Router:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Bytecode as an installed router has it (pip compiles the package at install; the Dockerfile's router
+    # image so): a shell that sets PYTHONDONTWRITEBYTECODE would make every start compile the sources again.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONUNBUFFERED"] = "1"
     if variant.pythonpath:
         env["PYTHONPATH"] = variant.pythonpath
     args = ["router", "--worker", worker, "--host", "127.0.0.1", "--port", "0", "--http-port", "0"]
@@ -114,6 +118,9 @@ def calls_per_second(target, address: str, clients: int, seconds: float) -> floa
 
 
 def measure(variant: Variant, worker: str, clients: int, seconds: float) -> dict[str, object]:
+    warm_up = start_router(variant, worker)  # writes the bytecode a first start lacks
+    warm_up.proc.terminate()
+    warm_up.proc.wait(timeout=60)
     router = start_router(variant, worker)
     try:
         if not wait_until_serving(router.address, lambda: router.proc.poll() is None):
