@@ -348,8 +348,9 @@ def write_gguf(
     projection (ffn_{gate,up,down}_exps, [experts, out, in]; with `fuse_gate_up` gate and up in one,
     ffn_gate_up_exps, as the converter's --fuse-gate-up-exps writes them). Qwen3.5's tensors change as the
     converter changes them (_as_llama_cpp_converts); `mtp` appends a multi-token prediction block as the
-    converter writes a checkpoint's (the checkpoint has none: a copy of its last full-attention layer and
-    random nextn tensors). `pre`: the pre-tokenizer the file names."""
+    converter writes a checkpoint's: its own `mtp.*` head renamed (mtp.layers.0 as block N, fc and its
+    norms as blk.N.nextn.*), or for a checkpoint without one a copy of its last full-attention layer and
+    random nextn tensors. `pre`: the pre-tokenizer the file names."""
     import json
 
     import gguf
@@ -412,10 +413,18 @@ def write_gguf(
     layer_names = {**_GGUF_LAYER_TENSORS, **(_GGUF_QWEN35_TENSORS if hybrid else {})}
     weights = load_file(str(model_dir / "model.safetensors"))
     experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    expert_layers: set[int] = set()
     tensors: dict[str, np.ndarray] = {}
     for name, value in weights.items():
+        if name.startswith("mtp."):  # the checkpoint's own head, renamed as the converter renames it
+            name = _CONVERTED_MTP.get(name, name.replace("mtp.layers.0.", f"model.layers.{layers}.", 1))
+            if not mtp:
+                raise ValueError(f"{model_dir} has a multi-token prediction head: write it with mtp=True")
         if hybrid:
             value = _as_llama_cpp_converts(name, value, config)
+        if name.startswith("nextn."):
+            tensors[f"blk.{layers}.{name}"] = value
+            continue
         stem, _, suffix = name.rpartition(".")
         parts = name.split(".")
         within = ".".join(parts[3:])  # the name within model.layers.N
@@ -428,19 +437,28 @@ def write_gguf(
             tensors[f"{gguf_stem}.{suffix}"] = value
         elif hybrid and within in _GGUF_QWEN35_RENAMED:
             tensors[f"blk.{parts[2]}.{_GGUF_QWEN35_RENAMED[within]}"] = value
+        elif parts[3:5] == ["mlp", "experts"] and len(parts) == 6:  # stacked: [E, out, in] (gate rows first)
+            if parts[5] == "down_proj":
+                tensors[f"blk.{parts[2]}.ffn_down_exps.weight"] = value
+            else:
+                half = value.shape[1] // 2
+                tensors[f"blk.{parts[2]}.ffn_gate_exps.weight"] = value[:, :half]
+                tensors[f"blk.{parts[2]}.ffn_up_exps.weight"] = value[:, half:]
+            expert_layers.add(int(parts[2]))
         elif parts[3:5] == ["mlp", "experts"]:  # model.layers.N.mlp.experts.E.<projection>.weight
             experts.setdefault((int(parts[2]), parts[6]), {})[int(parts[5])] = value
+            expert_layers.add(int(parts[2]))
         else:
             tensors[f"blk.{parts[2]}.{layer_names[within.rpartition('.')[0]]}.{suffix}"] = value
     for (layer, projection), by_expert in experts.items():
         stacked = np.stack([by_expert[e] for e in range(len(by_expert))])
         tensors[f"blk.{layer}.ffn_{projection.removesuffix('_proj')}_exps.weight"] = stacked
     if fuse_gate_up:
-        for layer in sorted({layer for layer, _ in experts}):
+        for layer in sorted(expert_layers):
             gate = tensors.pop(f"blk.{layer}.ffn_gate_exps.weight")
             up = tensors.pop(f"blk.{layer}.ffn_up_exps.weight")
             tensors[f"blk.{layer}.ffn_gate_up_exps.weight"] = np.concatenate([gate, up], axis=1)
-    if mtp:
+    if mtp and not any(name.startswith(f"blk.{layers}.nextn.") for name in tensors):
         tensors |= _mtp_block(tensors, config)
     for name, value in sorted(tensors.items()):
         value = np.ascontiguousarray(value, dtype=np.float32)
@@ -522,6 +540,15 @@ def _as_llama_cpp_converts(name: str, value, config: dict):
     if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
         return value + np.float32(1)
     return value
+
+
+# The head's own tensors as llama.cpp's converter names them (its norms get 1 + w as every norm.weight does).
+_CONVERTED_MTP = {
+    "mtp.fc.weight": "nextn.eh_proj.weight",
+    "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
+    "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight",
+    "mtp.norm.weight": "nextn.shared_head_norm.weight",
+}
 
 
 def _mtp_block(tensors: dict, config: dict) -> dict:

@@ -18,7 +18,7 @@ import torch
 from safetensors.numpy import load_file
 
 from nanovllm import LLM
-from nanovllm.common.errors import UnsupportedModelError
+from nanovllm.common.errors import ConfigError, UnsupportedModelError
 from nanovllm.worker.layers.quantization import PackedWeight
 from nanovllm.worker.llm import load_tokenizer
 from nanovllm.worker.model_config import ModelConfig
@@ -247,3 +247,37 @@ def test_the_layer_kinds_and_what_it_cannot_serve_come_from_the_metadata(tmp_pat
         with pytest.raises(UnsupportedModelError) as failure:
             hf_config(changed, names)
         assert all(word in str(failure.value) for word in words), (key, str(failure.value))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_the_files_mtp_block_proposes_as_the_checkpoints_head(tmp_path: Path, arch: str):
+    """A checkpoint with its multi-token prediction head, written as the converter writes it (mtp.layers.0
+    as the block after the layers, fc and the head's norms as nextn tensors, every norm 1 + w): with
+    speculative_method=mtp the file's head proposes what the checkpoint's head proposes (float32: the same
+    weights; the file's A_log to float32 rounding), the tokens are the checkpoint's without speculation, and
+    a file without the block is refused naming it."""
+    source = build_model(arch, tmp_path / "hf", num_layers=4, seed=5, max_position=512, mtp=True)
+    path = write_gguf(source, tmp_path / "model.gguf", mtp=True, fuse_gate_up=arch == "qwen3_5_moe")
+    mtp = {"speculative_method": "mtp", "num_speculative_tokens": 3, "speculative_max_batch": 8}
+
+    def run(llm: LLM) -> tuple[list[list[int]], list[list[int]]]:
+        proposals: list[list[int]] = []
+        head = llm.engine.runner.mtp
+        propose = head.propose
+
+        def recording(items, tensors) -> None:
+            propose(items, tensors)
+            proposals.extend(list(item.spec_token_ids) for item in items)
+
+        head.propose = recording
+        outs = llm.generate(PROMPTS, greedy(MAX_NEW), use_tqdm=False)
+        return [o["token_ids"] for o in outs], proposals
+
+    from_file, from_checkpoint = run(_load(path, tmp_path, **mtp)), run(LLM(str(source), **ENGINE, **mtp))
+    assert from_file == from_checkpoint and from_file[1]
+    assert from_file[0] == [hf_greedy(source, prompt, MAX_NEW) for prompt in PROMPTS]
+    without = write_gguf(
+        build_model(arch, tmp_path / "plain", num_layers=4, seed=5, max_position=512), tmp_path / "plain.gguf"
+    )
+    with pytest.raises(ConfigError, match="holds no block after its 4 layers with nextn tensors"):
+        _load(without, tmp_path, **mtp)

@@ -489,13 +489,8 @@ class EngineConfig:
                 f"num_speculative_tokens must be in [1, {MAX_MTP_TOKENS}] with speculative_method=mtp, got "
                 f"{self.num_speculative_tokens}"
             )
-        refused = {
-            "tensor_parallel_size > 1": self.tensor_parallel_size > 1,
-            "a GGUF model (its nextn tensors are not read yet)": self.gguf_file is not None,
-        }
-        named = [name for name, on in refused.items() if on]
-        if named:
-            raise ConfigError(f"speculative_method=mtp: not supported with {', '.join(named)} yet")
+        if self.tensor_parallel_size > 1:
+            raise ConfigError("speculative_method=mtp: not supported with tensor_parallel_size > 1 yet")
         if not 0 <= self.speculative_draft_vocab <= self.model_config.vocab_size:
             raise ConfigError(
                 f"speculative_draft_vocab must be in [0, {self.model_config.vocab_size}] (the model's vocabulary; "

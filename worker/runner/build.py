@@ -29,7 +29,7 @@ from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, QuantScheme
 from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.models.decoder import DecoderForCausalLM
-from nanovllm.worker.models.gguf.tensors import gguf_quant_plan, gguf_tensors
+from nanovllm.worker.models.gguf.tensors import gguf_quant_plan, gguf_tensors, has_mtp_block
 from nanovllm.worker.models.loader import has_tensors_under, load_safetensors, load_tensors
 from nanovllm.worker.models.qwen3_5 import Qwen3_5ForCausalLM
 from nanovllm.worker.models.qwen3_5_vision import Qwen3_5ForConditionalGeneration
@@ -156,7 +156,14 @@ class ModelRunnerBase:
         self._check_weights_fit()
         baseline = self._cuda_allocated()
         mtp = config.speculative_method == "mtp"
-        if mtp and not has_tensors_under(config.model, "mtp."):
+        if mtp and config.gguf_file is not None:
+            if not has_mtp_block(Path(config.gguf_file), config.model_config):
+                raise ConfigError(
+                    f"speculative_method=mtp needs the checkpoint's multi-token-prediction head, and "
+                    f"{config.gguf_file} holds no block after its {config.model_config.num_hidden_layers} layers "
+                    "with nextn tensors (llama.cpp's converter writes one unless told --no-mtp)"
+                )
+        elif mtp and not has_tensors_under(config.model, "mtp."):
             raise ConfigError(
                 f"speculative_method=mtp needs the checkpoint's multi-token-prediction head, and {config.model} "
                 "holds no mtp.* tensors (mtp.fc, mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, "
@@ -226,7 +233,8 @@ class ModelRunnerBase:
             if mtp:
                 cast("Qwen3_5ForCausalLM", model).enable_mtp()
         if gguf_file is not None:
-            load_tensors(model, gguf_tensors(Path(gguf_file), cfg, packed=weight_format == "gguf"), gguf_file)
+            tensors = gguf_tensors(Path(gguf_file), cfg, packed=weight_format == "gguf", mtp=mtp)
+            load_tensors(model, tensors, gguf_file)
             return model.eval()
         packed = cfg.quantization is not None and weight_format == cfg.quantization.method
         reader = load_safetensors(model, path, cfg.quantization, packed)

@@ -9,7 +9,9 @@ The converter (its Qwen3_5TextModel / Qwen3_5MoeTextModel, by way of Qwen3NextMo
   all value heads' width, `conv_kernel`), the rotated dimensions as `rope.dimension_count` (and the
   multimodal RoPE sections, which turn text positions as plain RoPE, so they are not read);
 - a multi-token prediction block, when the checkpoint has one, appended after the layers
-  (`nextn_predict_layers`): not served, as the Hugging Face checkpoint's `mtp.*` tensors are not;
+  (`nextn_predict_layers`): `mtp.layers.0.*` as that block's layer tensors, `mtp.fc` as `nextn.eh_proj`,
+  its norms as `nextn.enorm`, `nextn.hnorm` and `nextn.shared_head_norm` (1 + w, as every norm);
+  served as the checkpoint's `mtp.*` with speculative_method=mtp (tensors.py), skipped otherwise;
 - the convolution's [channels, 1, taps] weight squeezed to [channels, taps];
 - A_log as `ssm_a` = -exp(A_log): read back as log(-ssm_a), computed in float64 and rounded to float32:
   A_log, or float32 rounding from it, whose float32 exp is almost always ssm_a's value again
@@ -41,7 +43,12 @@ HYBRID_GGUF_ARCHITECTURES = ("qwen35", "qwen35moe")
 # The weights of a quantized block: columns move as whole blocks or not at all.
 _BLOCK = 32
 # The RMSNorms stored as 1 + w (their llama.cpp names within blk.N, and the final one).
-_ZERO_CENTRED = frozenset({"attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm", "output_norm"})
+_ZERO_CENTRED = frozenset(
+    {
+        "attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm", "output_norm",
+        "nextn.enorm.weight", "nextn.hnorm.weight", "nextn.shared_head_norm.weight",
+    }
+)  # fmt: skip
 
 
 def hybrid_config(arch: str, get: Callable[..., Any], layers: int) -> dict[str, Any]:

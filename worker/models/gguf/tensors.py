@@ -63,10 +63,48 @@ def _converter_changes(config: Any) -> Qwen35Tensors | None:
     return Qwen35Tensors(config.hybrid) if config.architecture in HYBRID_ARCHITECTURES else None
 
 
-def _served(gguf_name: str, config: Any) -> bool:
-    """False for a tensor of a block after the model's layers (Qwen3.5's multi-token prediction)."""
-    block, _ = tensor_part(gguf_name)
-    return block is None or block < config.num_hidden_layers
+# A Qwen3.5 multi-token prediction block's own tensors (qwen35.py) and the checkpoint's names for them.
+_MTP_TENSORS = {
+    "nextn.eh_proj.weight": "mtp.fc.weight",
+    "nextn.enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+    "nextn.hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
+    "nextn.shared_head_norm.weight": "mtp.norm.weight",
+}
+
+
+def _mtp_block(gguf_name: str, config: Any) -> bool:
+    """Whether a tensor is of the block after the model's layers (Qwen3.5's multi-token prediction)."""
+    return tensor_part(gguf_name)[0] == config.num_hidden_layers
+
+
+def _served(gguf_name: str, config: Any, mtp: bool = False) -> bool:
+    """False for a tensor of a block after the model's layers, but the multi-token prediction block's own
+    with `mtp` (its copies of the embedding and the head, which some converters write, are the model's)."""
+    block, part = tensor_part(gguf_name)
+    if block is None or block < config.num_hidden_layers:
+        return True
+    return (
+        mtp
+        and block == config.num_hidden_layers
+        and not part.startswith(("nextn.embed", "nextn.shared_head_head"))
+    )
+
+
+def has_mtp_block(gguf_path: Path, config: Any) -> bool:
+    """Whether the file holds a multi-token prediction block (its `nextn.eh_proj`) after the layers."""
+    return any(
+        tensor.name == f"blk.{config.num_hidden_layers}.nextn.eh_proj.weight"
+        for tensor in open_reader(gguf_path).tensors
+    )
+
+
+def _mtp_names(gguf_name: str, shape: tuple[int, ...], config: Any) -> list[str]:
+    """The checkpoint's `mtp.*` name of a multi-token prediction block's tensor."""
+    part = tensor_part(gguf_name)[1]
+    if part in _MTP_TENSORS:
+        return [_MTP_TENSORS[part]]
+    layer = f"model.layers.{config.num_hidden_layers}."
+    return [name.replace(layer, "mtp.layers.0.", 1) for name in hf_tensor_names(gguf_name, shape)]
 
 
 def gguf_quant_plan(gguf_path: Path, config: Any, fused: dict[str, tuple[str, Any]]) -> QuantPlan:
@@ -125,30 +163,34 @@ class GGUFTensor:
         return self.value.narrow(dim, start, length)
 
 
-def gguf_tensors(gguf_path: Path, config: Any, packed: bool = True) -> Any:
+def gguf_tensors(gguf_path: Path, config: Any, packed: bool = True, mtp: bool = False) -> Any:
     """Every tensor of the file under transformers' names: Q8_0 / Q4_0 / Q4_1 as PackedWeights over their
     own scales and mins (unless not `packed`, or gguf_quant_plan dequantizes them), every other type as
     float32, dequantized (what the converter changed undone either way: Llama's q/k rows, see
     unpermute_rotary_rows, and Qwen3.5's, see qwen35.py; a 3-D expert tensor one tensor per expert), each
-    float32 tensor in its own memory. `config` is the model's ModelConfig."""
+    float32 tensor in its own memory; with `mtp`, the multi-token prediction block as the checkpoint's
+    `mtp.*`, dequantized (the head's layer is built in float: one layer). `config` is the model's
+    ModelConfig."""
     import gguf
     import torch
 
     changes = _converter_changes(config)
     not_served = 0
     for tensor in open_reader(gguf_path).tensors:
-        if not _served(tensor.name, config):
+        if not _served(tensor.name, config, mtp):
             not_served += 1
             continue
+        head = _mtp_block(tensor.name, config)
         kind = tensor.tensor_type.name
         part = tensor_part(tensor.name)[1]
         heads = rotary_rows_heads(
             tensor.name, config.architecture, config.num_attention_heads, config.num_key_value_heads
         )
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        names = hf_tensor_names(tensor.name, shape)
+        names = _mtp_names(tensor.name, shape, config) if head else hf_tensor_names(tensor.name, shape)
         rows = int(np.prod(shape[:-1]))
-        if packed and kind in GGUF_SCHEMES and (changes is None or changes.unpackable(part) is None):
+        unpackable = changes is not None and changes.unpackable(part) is not None
+        if packed and not head and kind in GGUF_SCHEMES and not unpackable:
             planes = _planes(np.asarray(tensor.data).reshape(rows, -1), kind)
             if heads is not None:
                 planes = [None if p is None else unpermute_rotary_rows(p, heads) for p in planes]
@@ -177,9 +219,12 @@ def gguf_tensors(gguf_path: Path, config: Any, packed: bool = True) -> Any:
         for name, value in zip(names, values):
             yield name, GGUFTensor(tensor.name, value)
     if not_served:
-        log.info(
-            "gguf_tensors_not_served", tensors=not_served, reason="blocks after the model's layers (MTP)"
+        reason = (
+            "the MTP block's copies of the embedding and head"
+            if mtp
+            else "blocks after the model's layers (MTP)"
         )
+        log.info("gguf_tensors_not_served", tensors=not_served, reason=reason)
 
 
 def _packed(kind: str, planes: tuple[np.ndarray | None, ...]) -> PackedWeight:
