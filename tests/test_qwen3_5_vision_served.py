@@ -128,8 +128,17 @@ def _hf_prompt(reference, parts: list) -> tuple[list[int], dict]:
     return expand_placeholders(tokenizer.encode(text), IMAGE_TOKEN_ID, counts), features
 
 
+_GREEDY: dict[int, tuple[list[int], list[float]]] = {}  # by id(parts): ONE is asked for by several tests
+
+
 def _hf_greedy(reference, parts: list) -> tuple[list[int], list[float]]:
     """transformers' greedy tokens for `parts` and each token's logprob, by full forward passes."""
+    if id(parts) not in _GREEDY:
+        _GREEDY[id(parts)] = _hf_forward_greedy(reference, parts)
+    return _GREEDY[id(parts)]
+
+
+def _hf_forward_greedy(reference, parts: list) -> tuple[list[int], list[float]]:
     model = reference[0]
     ids, features = _hf_prompt(reference, parts)
     tokens: list[int] = []
@@ -276,3 +285,40 @@ def test_no_errors_logged(served: Served) -> None:
             record, at = decoder.raw_decode(line, at)
             records.append(record)
     assert [r for r in records if "logger" in r and r["level"] == "error"] == []
+
+
+def test_client_sends_image_files(served: Served, reference, tmp_path: Path) -> None:
+    """`nanovllm client --image FILE`: the image before the prompt in the user message, its tokens counted
+    as transformers' processor counts them."""
+    image = _image(70, 100, 1)
+    path = tmp_path / "picture.png"
+    path.write_bytes(_png(image))
+    done = subprocess.run(
+        [sys.executable, "-m", "nanovllm.cli", "client", "--router", served.grpc, "--image", str(path)]
+        + ["--no-think", "--max-tokens", "4", "What is this?"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    prompt = len(_hf_prompt(reference, [image, "What is this?"])[0])
+    assert f": {prompt} prompt, " in done.stderr
+    missing = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nanovllm.cli",
+            "client",
+            "--router",
+            served.grpc,
+            "--image",
+            str(tmp_path / "no.png"),
+            "x",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode == 2 and "--image" in missing.stderr and "no.png" in missing.stderr
