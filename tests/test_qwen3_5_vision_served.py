@@ -2,7 +2,7 @@
 image processor (tests/model_factory.py build_vision_model), its chat template writing an image part as
 `<|vision_start|><|image_pad|><|vision_end|>` (tests/chat_templates.py QWEN3_5), driven by the official
 `openai` client (chat `image_url` parts with base64 data: URLs, the Responses API's `input_image`) and by
-gRPC (`ImagePart` bytes).
+gRPC (`ImagePart` bytes), whose Tokenize gives transformers' prompt ids, placeholders expanded.
 
 The reference is transformers itself, not the offline LLM: its tokenizer's `apply_chat_template` on the
 same messages, the placeholders expanded by its image processor's grids, then a greedy loop of full
@@ -31,7 +31,7 @@ import torch
 from PIL import Image
 
 from nanovllm.common.images import expand_placeholders
-from nanovllm.v1 import generate_pb2
+from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from tests.model_factory import IMAGE_TOKEN_ID, build_vision_model
 from tests.services import collect
 
@@ -178,7 +178,7 @@ def _chat(served: Served, content: object, **extra):
     )
 
 
-def _grpc_tokens(served: Served, parts: list) -> tuple[list[int], grpc.RpcError | None]:
+def _grpc_chat(parts: list) -> generate_pb2.Chat:
     content = [
         generate_pb2.ContentPart(text=p)
         if isinstance(p, str)
@@ -187,13 +187,22 @@ def _grpc_tokens(served: Served, parts: list) -> tuple[list[int], grpc.RpcError 
         )
         for p in parts
     ]
-    chat = generate_pb2.Chat(
+    return generate_pb2.Chat(
         messages=[generate_pb2.ChatMessage(role="user", parts=content)], enable_thinking=False
     )
+
+
+def _grpc_tokens(served: Served, parts: list) -> tuple[list[int], grpc.RpcError | None]:
     sampling = generate_pb2.SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    request = generate_pb2.GenerateRequest(chat=chat, sampling=sampling, return_token_ids=True)
+    request = generate_pb2.GenerateRequest(chat=_grpc_chat(parts), sampling=sampling, return_token_ids=True)
     responses, error = collect(served.grpc, request)
     return [t for r in responses for t in r.token_ids], error
+
+
+def _grpc_tokenize(served: Served, parts: list) -> list[int]:
+    with grpc.insecure_channel(served.grpc) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        return list(stub.Tokenize(generate_pb2.TokenizeRequest(chat=_grpc_chat(parts)), timeout=30).token_ids)
 
 
 # One image 70x100 (resized to 64x96, not a multiple of 32 px as sent); two images, 64x96 (a multiple)
@@ -204,6 +213,7 @@ TWO = ["Compare ", _image(64, 96, 2), " with ", _image(40, 150, 3), " please."]
 
 @pytest.mark.parametrize(("name", "parts"), [("one image", ONE), ("two images", TWO)])
 def test_chat_with_images_equals_transformers(served: Served, reference, name: str, parts: list) -> None:
+    assert _grpc_tokenize(served, parts) == _hf_prompt(reference, parts)[0]
     tokens, logprobs = _hf_greedy(reference, parts)
     grpc_tokens, error = _grpc_tokens(served, parts)
     assert error is None and grpc_tokens == tokens, name

@@ -54,7 +54,7 @@ def model_images(info: worker_pb2.WorkerInfo) -> ModelImages | None:
     return ModelImages(_processor(info.image_processor_config, info.model), info.image_token_id)
 
 
-def image_parts(request: generate_pb2.GenerateRequest) -> list[ImagePart]:
+def image_parts(request: generate_pb2.GenerateRequest | generate_pb2.TokenizeRequest) -> list[ImagePart]:
     """A chat's images in prompt order (other prompts have none)."""
     if request.WhichOneof("prompt") != "chat":
         return []

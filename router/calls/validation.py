@@ -188,36 +188,67 @@ def validate_generate(
     tool-call formats; `limits` the router's (None: the defaults)."""
     tools = check_tools(request.chat) if request.WhichOneof("prompt") == "chat" else None
     prompt = _prompt(request, tokenizer, info.model, tools, find_last_user=info.shared_prefix_hints)
-    ids, shared = prompt.token_ids, prompt.before_last_user
-    images: tuple[ResizedImage, ...] = ()
-    spans: tuple[PromptImage, ...] = ()
-    parts = image_parts(request)
-    vision = model_images(info)
-    if parts and vision is not None:  # check_request refused images for a model without a tower
-        images = tuple(decode_image(part, vision.processor, limits or RequestLimits()) for part in parts)
-        check_link_size(images)
-        counts = [num_tokens(image, vision.processor) for image in images]
-        placeholders = [i for i, token in enumerate(ids) if token == vision.token_id]
-        if len(placeholders) != len(images):
-            raise ValueError(
-                f"the chat rendered with {len(placeholders)} image placeholder(s) (token {vision.token_id}) "
-                f"for {len(images)} image(s): the model's chat template must write one per image part"
-            )
-        ids = expand_placeholders(ids, vision.token_id, counts)
-        offsets = [place + sum(counts[:k]) - k for k, place in enumerate(placeholders)]
-        spans = tuple(
-            PromptImage(offset, offset + count, image.content_hash)
-            for offset, count, image in zip(offsets, counts, images)
-        )
-        # Placeholders before the last user message's content widen the tokens before it.
-        shared += sum(count - 1 for place, count in zip(placeholders, counts) if place < shared)
+    ids, shared, images = _with_images(request, prompt, info, limits or RequestLimits())
     check_prompt(ids, info.max_model_len, info.vocab_size)
     params = _sampling_params(request.sampling, info.max_model_len - len(ids))
     if tools is not None and tools.forced is not None:
         params = _force_tool_calls(
             params, tools, formats, tokenizer.decode_tail(ids) if tokenizer else "", info
         )
-    return ValidRequest(ids, params, list(request.sampling.stop), tools, shared, images, spans)
+    return ValidRequest(ids, params, list(request.sampling.stop), tools, shared, images.resized, images.spans)
+
+
+@dataclass(frozen=True)
+class _PromptImages:
+    resized: tuple[ResizedImage, ...] = ()
+    spans: tuple[PromptImage, ...] = ()
+
+
+def _with_images(
+    request: generate_pb2.GenerateRequest | generate_pb2.TokenizeRequest,
+    prompt: PromptTokens,
+    info: worker_pb2.WorkerInfo,
+    limits: RequestLimits,
+) -> tuple[list[int], int, _PromptImages]:
+    """The prompt's token ids with each image's placeholder expanded to its token count, its tokens before
+    the last user message's content counted after that expansion, and its images decoded and resized
+    with where each lies. check_images must have passed."""
+    ids, shared = prompt.token_ids, prompt.before_last_user
+    parts = image_parts(request)
+    vision = model_images(info)
+    if not parts or vision is None:  # check_images refused images for a model without a tower
+        return ids, shared, _PromptImages()
+    images = tuple(decode_image(part, vision.processor, limits) for part in parts)
+    check_link_size(images)
+    counts = [num_tokens(image, vision.processor) for image in images]
+    placeholders = [i for i, token in enumerate(ids) if token == vision.token_id]
+    if len(placeholders) != len(images):
+        raise ValueError(
+            f"the chat rendered with {len(placeholders)} image placeholder(s) (token {vision.token_id}) "
+            f"for {len(images)} image(s): the model's chat template must write one per image part"
+        )
+    offsets = [place + sum(counts[:k]) - k for k, place in enumerate(placeholders)]
+    spans = tuple(
+        PromptImage(offset, offset + count, image.content_hash)
+        for offset, count, image in zip(offsets, counts, images)
+    )
+    # Placeholders before the last user message's content widen the tokens before it.
+    shared += sum(count - 1 for place, count in zip(placeholders, counts) if place < shared)
+    return expand_placeholders(ids, vision.token_id, counts), shared, _PromptImages(images, spans)
+
+
+def tokenize_request(
+    request: generate_pb2.TokenizeRequest,
+    tokenizer: ModelTokenizer | None,
+    info: worker_pb2.WorkerInfo,
+    limits: RequestLimits,
+) -> list[int]:
+    """A Tokenize request's token ids as Generate sees them: a chat's tools shown, its images' placeholders
+    expanded (the images decoded: run it off the event loop)."""
+    tools = check_tools(request.chat) if request.WhichOneof("prompt") == "chat" else None
+    check_images(image_parts(request), info, limits)
+    prompt = _prompt(request, tokenizer, info.model, tools, find_last_user=False)
+    return _with_images(request, prompt, info, limits)[0]
 
 
 def _force_tool_calls(
