@@ -106,6 +106,16 @@ class RequestLimits:
         4096 * 4096,
         help="most pixels (width x height) an image may decode to, checked from its header before decoding",
     )
+    image_url_hosts: list[str] = option(
+        default_factory=list,
+        help="hosts the router may fetch http(s) image URLs from: a name, or *.DOMAIN for its subdomains; "
+        "repeatable; none (the default): images come as data: URLs or bytes only",
+    )
+    image_url_timeout_s: float = option(
+        5.0,
+        flag="--image-url-timeout",
+        help="longest an image URL's fetch may take, connecting and reading, in seconds",
+    )
     # English averages about 4 bytes per token: a prompt over 16 per token of max_model_len cannot fit.
     prompt_bytes_per_token: int = 16
 
@@ -115,6 +125,10 @@ class RequestLimits:
                 raise ConfigError(
                     f"{flag_name(RequestLimits, name)} must be at least 1, got {getattr(self, name)}"
                 )
+        if not self.image_url_timeout_s > 0:
+            raise ConfigError(
+                f"--image-url-timeout must be more than 0 seconds, got {self.image_url_timeout_s:g}"
+            )
 
     def prompt_bytes(self, max_model_len: int) -> int:
         return self.max_prompt_bytes or self.prompt_bytes_per_token * max_model_len

@@ -1,7 +1,8 @@
 """Images through `nanovllm serve`: a tiny random Qwen3_5ForConditionalGeneration saved with transformers'
 image processor (tests/model_factory.py build_vision_model), its chat template writing an image part as
 `<|vision_start|><|image_pad|><|vision_end|>` (tests/chat_templates.py QWEN3_5), driven by the official
-`openai` client (chat `image_url` parts with base64 data: URLs, the Responses API's `input_image`) and by
+`openai` client (chat `image_url` parts with base64 data: URLs or URLs on a host --image-url-hosts allows,
+the Responses API's `input_image`) and by
 gRPC (`ImagePart` bytes), whose Tokenize gives transformers' prompt ids, placeholders expanded.
 
 The reference is transformers itself, not the offline LLM: its tokenizer's `apply_chat_template` on the
@@ -14,11 +15,13 @@ INVALID_ARGUMENT naming it, and the server answers the next request."""
 from __future__ import annotations
 
 import base64
+import http.server
 import io
 import json
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +40,12 @@ from tests.services import collect
 
 MAX_NEW = 8
 OFF = {"enable_thinking": False}
-LIMITS = {"--max-images-per-request": "3", "--max-image-bytes": "40000", "--max-image-pixels": str(300 * 300)}
+LIMITS = {
+    "--max-images-per-request": "3",
+    "--max-image-bytes": "40000",
+    "--max-image-pixels": str(300 * 300),
+    "--image-url-hosts": "127.0.0.1",
+}
 
 
 @dataclass
@@ -257,7 +265,11 @@ def _bad_images() -> list[tuple[str, str, str]]:
         ("too many bytes", _url(noise), f"is {len(noise)} bytes; at most 40000"),
         ("too many pixels", _url(huge.getvalue()), "is 301x300 = 90300 pixels; at most 90000"),
         ("unsupported format", _url(tiff.getvalue()), "TIFF images are not supported"),
-        ("an http URL", "https://example.com/cat.png", "does not fetch images from URLs"),
+        (
+            "a host not allowed",
+            "https://example.com/cat.png",
+            "host 'example.com' is not among the hosts --image-url-hosts allows",
+        ),
         ("not base64", "data:image/png;base64,%%%", "base64 payload does not decode"),
     ]
 
@@ -332,3 +344,49 @@ def test_client_sends_image_files(served: Served, reference, tmp_path: Path) -> 
         timeout=60,
     )
     assert missing.returncode == 2 and "--image" in missing.stderr and "no.png" in missing.stderr
+
+
+@pytest.fixture(scope="module")
+def image_server() -> Iterator[str]:
+    """A local HTTP server with ONE's picture at /one.png."""
+    picture = _png(ONE[1])
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path != "/one.png":
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(picture)))
+            self.end_headers()
+            self.wfile.write(picture)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_image_url_on_an_allowed_host_is_fetched(served: Served, reference, image_server: str) -> None:
+    """--image-url-hosts 127.0.0.1: the picture fetched by URL answers as the same picture sent inline; a
+    path the server does not have is a 400 naming its status."""
+    content = [
+        {"type": "text", "text": ONE[0]},
+        {"type": "image_url", "image_url": {"url": f"{image_server}/one.png"}},
+        {"type": "text", "text": ONE[2]},
+    ]
+    entries = _chat(served, content).choices[0].logprobs.content
+    _, logprobs = _hf_greedy(reference, ONE)
+    assert len(entries) == MAX_NEW
+    assert all(abs(e.logprob - v) <= 2e-4 for e, v in zip(entries, logprobs))
+    content[1] = {"type": "image_url", "image_url": {"url": f"{image_server}/other.png"}}
+    with pytest.raises(
+        openai.BadRequestError, match=r"image 0 \(chat.messages\[0\].parts\[1\]\): fetching .* answered 404"
+    ):
+        _chat(served, content)

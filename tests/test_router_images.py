@@ -1,14 +1,19 @@
 """The router's side of images, without a model: OpenAI `image_url` parts and the Responses API's
-`input_image` parsed into the public proto's image parts (base64 data: URLs only), the request limits
-(images per request, bytes, pixels), every bad image refused naming it, and the prompt's block hashes
+`input_image` parsed into the public proto's image parts (base64 data: URLs, or http(s) URLs fetched from
+a local HTTP server only from the hosts --image-url-hosts allows), the request limits (images per
+request, bytes, pixels), every bad image refused naming it, and the prompt's block hashes
 covering an image's content as the worker's block keys do (router/calls/images.py,
 router/faces/openai_protocol.py, common/block_hash.py). Served end to end: tests/test_qwen3_5_vision_served.py."""
 
 from __future__ import annotations
 
 import base64
+import http.server
 import io
 import json
+import socket
+import threading
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -27,7 +32,7 @@ from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.common.server_config import RequestLimits
 from nanovllm.common.v1 import worker_pb2
 from nanovllm.common.wire import image_from_wire, image_to_wire
-from nanovllm.router.calls.images import ImagePart, decode_image, image_parts
+from nanovllm.router.calls.images import ImagePart, check_image_url, decode_image, fetch_image, image_parts
 from nanovllm.router.calls.validation import check_request
 from nanovllm.router.faces.openai_protocol import ProtocolError, parse_request
 from nanovllm.router.faces.responses import parse_responses_request
@@ -85,7 +90,7 @@ def test_image_url_parts_become_image_parts():
 @pytest.mark.parametrize(
     ("url", "says"),
     [
-        ("https://example.com/cat.png", "does not fetch images from URLs"),
+        ("file:///etc/passwd", "must be a base64 data: URL"),
         ("data:image/png,rawbytes", "must be a base64 data: URL"),
         ("data:image/png;base64,@@@", "base64 payload does not decode"),
     ],
@@ -95,6 +100,17 @@ def test_image_urls_the_router_refuses(url: str, says: str):
     with pytest.raises(ProtocolError, match=says) as caught:
         parse_request(body, chat=True)
     assert caught.value.param == "messages[0].content[0].image_url.url"
+
+
+def test_http_urls_are_left_for_the_router_to_fetch():
+    body = {
+        "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://a.b/c.png"}}]}
+        ]
+    }
+    assert (
+        parse_request(body, chat=True).generate[0].chat.messages[0].parts[0].image.url == "https://a.b/c.png"
+    )
 
 
 def test_responses_input_image_becomes_an_image_part():
@@ -185,3 +201,84 @@ def test_prompt_block_hashes_cover_images_as_the_worker_keys_blocks():
     assert prefix_hashes(tokens, block, images=spans) == chain
     other = prefix_hashes(tokens, block, images=[spans[0], PromptImage(17, 21, c.content_hash)])
     assert other[:4] == chain[:4] and all(x != y for x, y in zip(other[4:], chain[4:]))
+
+
+class _Images(http.server.BaseHTTPRequestHandler):
+    """A picture, a redirect to it, a 404, one too large, and one that never answers until released."""
+
+    picture = _file(40, 50)
+    release = threading.Event()
+
+    def do_GET(self) -> None:
+        if self.path == "/hang":
+            self.release.wait()
+            return
+        if self.path == "/moved":
+            self.send_response(302)
+            self.send_header("Location", "/cat.png")
+            self.end_headers()
+            return
+        body = {"/cat.png": self.picture, "/big.png": _file(200, 200)}.get(self.path)
+        if body is None:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_server() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        _Images.release.set()
+        server.shutdown()
+        server.server_close()
+
+
+def _url_part(url: str) -> ImagePart:
+    return ImagePart(b"", "image 0 (chat.messages[0].parts[1])", url)
+
+
+def test_image_urls_need_an_allowed_host():
+    with pytest.raises(ValueError, match=r"fetches no image URLs \(--image-url-hosts allows none\)"):
+        check_image_url(_url_part("https://example.com/cat.png"), RequestLimits())
+    limits = RequestLimits(image_url_hosts=["images.example.com", "*.cdn.example.org"])
+    check_image_url(_url_part("https://images.example.com/cat.png"), limits)
+    check_image_url(_url_part("https://eu.cdn.example.org/cat.png"), limits)
+    with pytest.raises(
+        ValueError, match=r"host 'cdn.example.org' is not among the hosts --image-url-hosts allows"
+    ):
+        check_image_url(_url_part("https://cdn.example.org/cat.png"), limits)
+    with pytest.raises(ValueError, match="is not an http"):
+        check_image_url(_url_part("ftp://images.example.com/cat.png"), limits)
+
+
+def test_allowed_urls_are_fetched_and_their_failures_named(image_server: str):
+    limits = RequestLimits(image_url_hosts=["127.0.0.1"], max_image_bytes=20_000, image_url_timeout_s=0.5)
+    fetched = decode_image(_url_part(f"{image_server}/cat.png"), CFG, limits)
+    direct = decode_image(ImagePart(_Images.picture, "image 0"), CFG, limits)
+    assert np.array_equal(fetched.rgb, direct.rgb) and fetched.content_hash == direct.content_hash
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{probe.getsockname()[1]}/cat.png"
+    for path, says in [
+        ("/missing.png", "answered 404"),
+        ("/moved", "answered 302 .*redirects are not followed"),
+        ("/big.png", "holds more than 20000 bytes \\(--max-image-bytes\\)"),
+        ("/hang", "took over 0.5 s \\(--image-url-timeout\\)"),
+    ]:
+        with pytest.raises(ValueError, match=says) as caught:
+            fetch_image(_url_part(image_server + path), limits)
+        assert str(caught.value).startswith("image 0 (chat.messages[0].parts[1]): "), path
+    with pytest.raises(ValueError, match="failed: .*refused"):
+        fetch_image(_url_part(closed), limits)

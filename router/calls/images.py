@@ -1,6 +1,7 @@
 """A chat's images: counted and sized against the request limits (on the event loop, before any decoding),
 then decoded and resized as the model's image processor resizes them (common/images.py), on the thread
-that tokenizes. Every refusal is a ValueError naming the image (its message and part) and the numbers.
+that tokenizes, an image given by URL fetched there first (from the hosts --image-url-hosts allows).
+Every refusal is a ValueError naming the image (its message and part) and the numbers.
 
 The router does the costly part of preprocessing (decoding and resizing: tens of milliseconds a
 megapixel) and sends workers the resized pixels (docs/architecture.md#images-through-the-router)."""
@@ -9,7 +10,12 @@ from __future__ import annotations
 
 import functools
 import io
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass
+from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
@@ -28,10 +34,12 @@ LINK_IMAGE_BYTES = 60 * 1024 * 1024
 
 @dataclass(frozen=True)
 class ImagePart:
-    """An image of a chat and where it was: `where` names it in errors."""
+    """An image of a chat, its bytes or the URL to fetch them from, and where it was: `where` names it in
+    errors."""
 
     data: bytes
     where: str
+    url: str = ""
 
 
 @dataclass(frozen=True)
@@ -59,7 +67,7 @@ def image_parts(request: generate_pb2.GenerateRequest | generate_pb2.TokenizeReq
     if request.WhichOneof("prompt") != "chat":
         return []
     return [
-        ImagePart(part.image.data, f"image {n} (chat.messages[{i}].parts[{j}])")
+        ImagePart(part.image.data, f"image {n} (chat.messages[{i}].parts[{j}])", part.image.url)
         for n, (i, j, part) in enumerate(
             (i, j, part)
             for i, message in enumerate(request.chat.messages)
@@ -81,6 +89,9 @@ def check_images(images: list[ImagePart], info: worker_pb2.WorkerInfo, limits: R
             f"(--max-images-per-request)"
         )
     for image in images:
+        if image.url:
+            check_image_url(image, limits)
+            continue
         if not image.data:
             raise ValueError(f"{image.where} is empty: it needs the bytes of an image file")
         if len(image.data) > limits.max_image_bytes:
@@ -106,9 +117,77 @@ def num_tokens(image: ResizedImage, processor: ImageProcessorConfig) -> int:
     return (height // processor.factor) * (width // processor.factor)
 
 
+def check_image_url(image: ImagePart, limits: RequestLimits) -> None:
+    """An http(s) URL on a host --image-url-hosts allows."""
+    if not limits.image_url_hosts:
+        raise ValueError(
+            f"{image.where}: this router fetches no image URLs (--image-url-hosts allows none); send the image "
+            "as a base64 data: URL or as bytes"
+        )
+    parts = urllib.parse.urlsplit(image.url)
+    host = (parts.hostname or "").lower()
+    if parts.scheme not in ("http", "https") or not host:
+        raise ValueError(f"{image.where}: {image.url[:80]!r} is not an http(s) URL")
+    if not any(_host_allowed(host, pattern.lower()) for pattern in limits.image_url_hosts):
+        raise ValueError(
+            f"{image.where}: host {host!r} is not among the hosts --image-url-hosts allows "
+            f"({', '.join(limits.image_url_hosts)})"
+        )
+
+
+def _host_allowed(host: str, pattern: str) -> bool:
+    if pattern.startswith("*."):
+        return host.endswith(pattern[1:])
+    return host == pattern
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect is an error: its target would escape the allow-list's check."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
+_CHUNK = 64 * 1024
+
+
+def fetch_image(image: ImagePart, limits: RequestLimits) -> bytes:
+    """The bytes at an image's URL (check_image_url passed): at most --max-image-bytes, all of it within
+    --image-url-timeout seconds; a redirect, an error status, a refused connection or a timeout is a
+    ValueError naming the image. Blocking: run it off the event loop."""
+    timeout = limits.image_url_timeout_s
+    deadline = time.monotonic() + timeout
+    try:
+        with _OPENER.open(image.url, timeout=timeout) as response:
+            data = bytearray()
+            while chunk := response.read(_CHUNK):
+                data += chunk
+                if len(data) > limits.max_image_bytes:
+                    raise ValueError(
+                        f"{image.where}: {image.url[:80]} holds more than {limits.max_image_bytes} bytes "
+                        "(--max-image-bytes)"
+                    )
+                if time.monotonic() > deadline:
+                    raise TimeoutError
+    except urllib.error.HTTPError as exc:
+        raise ValueError(
+            f"{image.where}: fetching {image.url[:80]} answered {exc.code} {exc.reason}"
+            + (" (redirects are not followed)" if 300 <= exc.code < 400 else "")
+        ) from None
+    except (urllib.error.URLError, OSError) as exc:  # TimeoutError is an OSError
+        reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        timed_out = isinstance(reason, TimeoutError)
+        why = f"took over {timeout:g} s (--image-url-timeout)" if timed_out else f"failed: {reason}"
+        raise ValueError(f"{image.where}: fetching {image.url[:80]} {why}") from None
+    return bytes(data)
+
+
 def decode_image(image: ImagePart, processor: ImageProcessorConfig, limits: RequestLimits) -> ResizedImage:
-    """The image decoded and resized as the model's processor resizes it. Its size is read from the header
-    and checked before the pixels are decoded."""
+    """The image (fetched first when it is a URL) decoded and resized as the model's processor resizes it.
+    Its size is read from the header and checked before the pixels are decoded."""
+    if image.url:
+        image = ImagePart(fetch_image(image, limits), image.where)
     try:
         with Image.open(io.BytesIO(image.data)) as opened:
             if opened.format not in FORMATS:

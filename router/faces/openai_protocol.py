@@ -340,9 +340,7 @@ def _content(message: dict[str, Any], i: int, entry: generate_pb2.ChatMessage) -
                 generate_pb2.ContentPart(text=typed_field(part, "text", str, "", param=f"{where}[{j}].text"))
             )
         elif kind == "image_url":
-            parts.append(
-                generate_pb2.ContentPart(image=generate_pb2.ImagePart(data=_image_url(part, f"{where}[{j}]")))
-            )
+            parts.append(generate_pb2.ContentPart(image=_image_url(part, f"{where}[{j}]")))
         else:
             raise ProtocolError(
                 f"{where}[{j}]", f"{where}[{j}] must be a text or image_url part: {{'type': 'text', ...}}"
@@ -353,33 +351,31 @@ def _content(message: dict[str, Any], i: int, entry: generate_pb2.ChatMessage) -
         entry.content = "".join(part.text for part in parts)
 
 
-def image_data_url(url: str, where: str) -> bytes:
-    """The bytes of an image given as a base64 `data:` URL (`data:image/png;base64,...`). The router
-    fetches no http(s) URLs."""
+def image_source(url: str, where: str) -> generate_pb2.ImagePart:
+    """An image given as a base64 `data:` URL (`data:image/png;base64,...`): its bytes; an http(s) URL: for
+    the router to fetch, if --image-url-hosts allows its host (router/calls/images.py)."""
     if url.startswith(("http://", "https://")):
-        raise ProtocolError(
-            where,
-            f"{where}: this router does not fetch images from URLs; send the image as a base64 data: URL",
-        )
+        return generate_pb2.ImagePart(url=url)
     header, comma, payload = url.partition(",")
     if not header.startswith("data:") or not comma or not header.endswith(";base64"):
         raise ProtocolError(
-            where, f"{where} must be a base64 data: URL (data:image/png;base64,...); got {url[:40]!r}"
+            where,
+            f"{where} must be a base64 data: URL (data:image/png;base64,...) or an http(s) URL; got {url[:40]!r}",
         )
     try:
-        return base64.b64decode(payload, validate=True)
+        return generate_pb2.ImagePart(data=base64.b64decode(payload, validate=True))
     except binascii.Error as exc:
         raise ProtocolError(where, f"{where}: its base64 payload does not decode: {exc}") from None
 
 
-def _image_url(part: dict[str, Any], where: str) -> bytes:
+def _image_url(part: dict[str, Any], where: str) -> generate_pb2.ImagePart:
     """An `image_url` part's image: `{"type": "image_url", "image_url": {"url": ...}}` (or the URL
     string)."""
     image_url = part.get("image_url")
     url = image_url.get("url") if isinstance(image_url, dict) else image_url
     if not isinstance(url, str):
         raise ProtocolError(f"{where}.image_url", f"{where}.image_url must be {{'url': 'data:...'}}")
-    return image_data_url(url, f"{where}.image_url.url")
+    return image_source(url, f"{where}.image_url.url")
 
 
 def _chat(body: dict[str, Any]) -> generate_pb2.Chat:
