@@ -137,11 +137,22 @@ class ImagePatches:
 
 def resize_image(image: Image.Image, cfg: ImageProcessorConfig) -> ResizedImage:
     """`image` converted to RGB and resized (PIL, `cfg.resample`) to both sides multiples of `cfg.factor`."""
-    rgb = image.convert("RGB")
+    rgb = to_rgb(image)
     height, width = cfg.resized_size(rgb.height, rgb.width)
     if (height, width) != (rgb.height, rgb.width):
         rgb = rgb.resize((width, height), resample=cfg.resample)
     return ResizedImage.of(np.asarray(rgb))
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB as the processor converts (`do_convert_rgb`): an image with transparency (an alpha band, or a
+    palette's transparent colour) composited onto white, others converted as PIL converts."""
+    if "A" not in image.getbands() and image.info.get("transparency") is None:
+        return image.convert("RGB")
+    from PIL import Image
+
+    rgba = image.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
 
 
 def patches_from_rgb(image: ResizedImage, cfg: ImageProcessorConfig) -> ImagePatches:
