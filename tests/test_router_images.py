@@ -33,6 +33,7 @@ from nanovllm.common.server_config import RequestLimits
 from nanovllm.common.v1 import worker_pb2
 from nanovllm.common.wire import image_from_wire, image_to_wire
 from nanovllm.router.calls.images import ImagePart, check_image_url, decode_image, fetch_image, image_parts
+from nanovllm.router.calls.tool_calls import template_message
 from nanovllm.router.calls.validation import check_request
 from nanovllm.router.faces.openai_protocol import ProtocolError, parse_request
 from nanovllm.router.faces.responses import parse_responses_request
@@ -282,3 +283,15 @@ def test_allowed_urls_are_fetched_and_their_failures_named(image_server: str):
         assert str(caught.value).startswith("image 0 (chat.messages[0].parts[1]): "), path
     with pytest.raises(ValueError, match="failed: .*refused"):
         fetch_image(_url_part(closed), limits)
+
+
+def test_text_parts_alone_render_as_one_text():
+    """gRPC parts without an image reach the template as one string, as HTTP's text parts do."""
+    parts = [generate_pb2.ContentPart(text="a"), generate_pb2.ContentPart(text="b")]
+    assert template_message(generate_pb2.ChatMessage(role="user", parts=parts))["content"] == "ab"
+    parts.append(generate_pb2.ContentPart(image=generate_pb2.ImagePart(data=b"x")))
+    assert template_message(generate_pb2.ChatMessage(role="user", parts=parts))["content"] == [
+        {"type": "text", "text": "a"},
+        {"type": "text", "text": "b"},
+        {"type": "image"},
+    ]
