@@ -33,7 +33,10 @@ import pytest
 import torch
 from PIL import Image
 
+from nanovllm.cli import CLIENT_FLAGS, build_parser
+from nanovllm.client import run_client
 from nanovllm.common.images import expand_placeholders
+from nanovllm.flags import resolve_all
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from tests.model_factory import IMAGE_TOKEN_ID, build_vision_model
 from tests.services import collect
@@ -309,41 +312,22 @@ def test_no_errors_logged(served: Served) -> None:
     assert [r for r in records if "logger" in r and r["level"] == "error"] == []
 
 
-def test_client_sends_image_files(served: Served, reference, tmp_path: Path) -> None:
-    """`nanovllm client --image FILE`: the image before the prompt in the user message, its tokens counted
-    as transformers' processor counts them."""
+def test_client_sends_image_files(served: Served, reference, tmp_path: Path, capsys) -> None:
+    """`nanovllm client --image FILE` (run in this process): the image before the prompt in the user
+    message, its tokens counted as transformers' processor counts them; a file it cannot read is named."""
     image = _image(70, 100, 1)
     path = tmp_path / "picture.png"
     path.write_bytes(_png(image))
-    done = subprocess.run(
-        [sys.executable, "-m", "nanovllm.cli", "client", "--router", served.grpc, "--image", str(path)]
-        + ["--no-think", "--max-tokens", "4", "What is this?"],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
+
+    def client(*argv: str) -> int:
+        args = build_parser().parse_args(["client", "--router", served.grpc, *argv])
+        return run_client(resolve_all(CLIENT_FLAGS, args), args.prompt)
+
+    assert client("--image", str(path), "--no-think", "--max-tokens", "4", "What is this?") == 0
     prompt = len(_hf_prompt(reference, [image, "What is this?"])[0])
-    assert f": {prompt} prompt, " in done.stderr
-    missing = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "nanovllm.cli",
-            "client",
-            "--router",
-            served.grpc,
-            "--image",
-            str(tmp_path / "no.png"),
-            "x",
-        ],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert missing.returncode == 2 and "--image" in missing.stderr and "no.png" in missing.stderr
+    assert f": {prompt} prompt, " in capsys.readouterr().err
+    assert client("--image", str(tmp_path / "no.png"), "x") == 2
+    assert "--image" in (err := capsys.readouterr().err) and "no.png" in err
 
 
 @pytest.fixture(scope="module")
