@@ -18,13 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import xxhash
 
 from nanovllm.common.errors import ConfigError, RequestError
 
 if TYPE_CHECKING:
+    import numpy as np
     from PIL import Image
+
+# numpy is imported where a function needs it: a router process imports this module at its start, and numpy
+# costs that start 0.1-0.15 s when no request has an image (tests/test_router_tokenizer.py).
 
 # The image processors whose arithmetic this module reproduces (the torchvision, PIL and older names).
 PROCESSOR_TYPES = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil")
@@ -116,6 +119,8 @@ class ResizedImage:
     @staticmethod
     def of(rgb: np.ndarray) -> ResizedImage:
         """`rgb` with its hash computed."""
+        import numpy as np
+
         digest = xxhash.xxh3_64(np.asarray(rgb.shape, np.int64).tobytes())
         digest.update(np.ascontiguousarray(rgb).tobytes())
         return ResizedImage(rgb, digest.intdigest())
@@ -141,6 +146,8 @@ def resize_image(image: Image.Image, cfg: ImageProcessorConfig) -> ResizedImage:
     height, width = cfg.resized_size(rgb.height, rgb.width)
     if (height, width) != (rgb.height, rgb.width):
         rgb = rgb.resize((width, height), resample=cfg.resample)
+    import numpy as np
+
     return ResizedImage.of(np.asarray(rgb))
 
 
@@ -165,6 +172,8 @@ def patches_from_rgb(image: ResizedImage, cfg: ImageProcessorConfig) -> ImagePat
             f"a resized image of {width}x{height} pixels and {channels} channels: an image takes 3 channels "
             f"and sides that are multiples of {cfg.factor} pixels"
         )
+    import numpy as np
+
     p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
     grid_h, grid_w = height // p, width // p
     # [block row, block column, row in block, column in block, channel, pixel row, pixel column]
@@ -181,6 +190,8 @@ def patches_from_rgb(image: ResizedImage, cfg: ImageProcessorConfig) -> ImagePat
 def _normalised_values(cfg: ImageProcessorConfig) -> np.ndarray:
     """[channel, 8-bit value] -> the value rescaled (in float64, rounded to float32) and normalised (in
     float32), as the processor computes each pixel."""
+    import numpy as np
+
     levels = (np.arange(256, dtype=np.float64) * cfg.rescale_factor).astype(np.float32)
     mean, std = np.asarray(cfg.image_mean, np.float32), np.asarray(cfg.image_std, np.float32)
     return (levels[None, :] - mean[:, None]) / std[:, None]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TypeVar
 
-import numpy as np
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
@@ -80,7 +79,9 @@ def fields_to_message(source: object, message_type: type[M], **extra: object) ->
 
 
 def image_to_wire(image: ResizedImage, message_type: type[M]) -> M:
-    """The link's Image: height, width and the RGB bytes."""
+    """The link's Image: height, width and the RGB bytes (numpy, imported here: common/images.py says why)."""
+    import numpy as np
+
     height, width, _ = image.rgb.shape
     return message_type(height=height, width=width, rgb=np.ascontiguousarray(image.rgb).tobytes())
 
@@ -92,4 +93,6 @@ def image_from_wire(message: Any, index: int) -> ResizedImage:
         raise RequestError(
             f"images[{index}]: {size} bytes for {width}x{height} RGB pixels ({height * width * 3})"
         )
+    import numpy as np
+
     return ResizedImage.of(np.frombuffer(message.rgb, np.uint8).reshape(height, width, 3))

@@ -17,8 +17,6 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from PIL import Image, UnidentifiedImageError
-
 from nanovllm.common.errors import RequestError
 from nanovllm.common.images import ImageProcessorConfig, ResizedImage, resize_image
 from nanovllm.common.server_config import RequestLimits
@@ -186,6 +184,8 @@ def fetch_image(image: ImagePart, limits: RequestLimits) -> bytes:
 def decode_image(image: ImagePart, processor: ImageProcessorConfig, limits: RequestLimits) -> ResizedImage:
     """The image (fetched first when it is a URL) decoded and resized as the model's processor resizes it.
     Its size is read from the header and checked before the pixels are decoded."""
+    from PIL import Image, UnidentifiedImageError  # here: a router's start has no image to decode
+
     if image.url:
         image = ImagePart(fetch_image(image, limits), image.where)
     try:
