@@ -2,8 +2,13 @@
 normalised, cut into flat patches in the tower's order, and its content hash (what the encoder cache and
 the prefix cache key an image by). The checkpoint's `preprocessor_config.json` says how
 (transformers' Qwen2VLImageProcessor: patch, merge and temporal patch sizes, min and max pixels, mean and
-std); the arithmetic is the PIL path's of that processor, so the patches equal transformers'. Used by
-the offline API and the router (both decode images; the worker receives patches)."""
+std); the arithmetic is the PIL path's of that processor, so the patches equal transformers'.
+
+Two stages, so the router can do the costly one: `resize_image` (decode, convert and resize: PIL, tens of
+milliseconds a megapixel) gives the 8-bit RGB pixels and the content hash, which are what crosses the link
+to a worker (3 bytes a pixel, where the patches are 24: float32, every patch twice over the temporal
+patch); `patches_from_rgb` (rescale, normalise, cut: numpy, a few milliseconds) runs on the worker. The
+offline API runs both (`patchify`). docs/architecture.md#images-through-the-router says why."""
 
 from __future__ import annotations
 
@@ -13,13 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import xxhash
 
 from nanovllm.common.errors import ConfigError, RequestError
 
 if TYPE_CHECKING:
+    import numpy as np
     from PIL import Image
+
+# numpy is imported where a function needs it: a router process imports this module at its start, and numpy
+# costs that start 0.1-0.15 s when no request has an image (tests/test_router_tokenizer.py).
 
 # The image processors whose arithmetic this module reproduces (the torchvision, PIL and older names).
 PROCESSOR_TYPES = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil")
@@ -45,7 +53,12 @@ class ImageProcessorConfig:
         path = Path(model_dir) / "preprocessor_config.json"
         if not path.is_file():
             raise ConfigError(f"{path} not found: a vision model needs its image processor's configuration")
-        cfg = json.loads(path.read_text())
+        return cls.from_json(path.read_text(), str(path))
+
+    @classmethod
+    def from_json(cls, text: str, path: str) -> ImageProcessorConfig:
+        """From the text of a `preprocessor_config.json` (`path`: where it came from, for errors)."""
+        cfg = json.loads(text)
         kind = cfg.get("image_processor_type", PROCESSOR_TYPES[0])
         if kind not in PROCESSOR_TYPES:
             raise ConfigError(f"{path}: image_processor_type {kind!r} is not one of {list(PROCESSOR_TYPES)}")
@@ -96,9 +109,27 @@ class ImageProcessorConfig:
 
 
 @dataclass(frozen=True)
+class ResizedImage:
+    """An image resized to its patch grid: `rgb` [height, width, 3] uint8, and its content hash (of its
+    size and pixels: equal hashes, equal patches)."""
+
+    rgb: np.ndarray
+    content_hash: int
+
+    @staticmethod
+    def of(rgb: np.ndarray) -> ResizedImage:
+        """`rgb` with its hash computed."""
+        import numpy as np
+
+        digest = xxhash.xxh3_64(np.asarray(rgb.shape, np.int64).tobytes())
+        digest.update(np.ascontiguousarray(rgb).tobytes())
+        return ResizedImage(rgb, digest.intdigest())
+
+
+@dataclass(frozen=True)
 class ImagePatches:
     """One image as the tower takes it: `pixel_values` [patches, channels x temporal x patch x patch]
-    (float32), its grid of patches (temporal, height, width), and a hash of both."""
+    (float32), its grid of patches (temporal, height, width), and its content hash (ResizedImage's)."""
 
     pixel_values: np.ndarray
     grid_thw: tuple[int, int, int]
@@ -109,26 +140,66 @@ class ImagePatches:
         return t * h * w // (merge_size * merge_size)
 
 
-def patchify(image: Image.Image, cfg: ImageProcessorConfig) -> ImagePatches:
-    """`image` converted to RGB, resized (PIL, `cfg.resample`), rescaled, normalised and cut into patches
-    ordered merge block by merge block (each block's patches row-major), every patch repeated over the
-    temporal patch (a still image is a clip of identical frames)."""
-    rgb = image.convert("RGB")
+def resize_image(image: Image.Image, cfg: ImageProcessorConfig) -> ResizedImage:
+    """`image` converted to RGB and resized (PIL, `cfg.resample`) to both sides multiples of `cfg.factor`."""
+    rgb = to_rgb(image)
     height, width = cfg.resized_size(rgb.height, rgb.width)
     if (height, width) != (rgb.height, rgb.width):
         rgb = rgb.resize((width, height), resample=cfg.resample)
-    pixels = (np.asarray(rgb).astype(np.float64) * cfg.rescale_factor).astype(np.float32)
-    mean, std = np.asarray(cfg.image_mean, np.float32), np.asarray(cfg.image_std, np.float32)
-    pixels = ((pixels - mean) / std).transpose(2, 0, 1)  # [channels, height, width]
+    import numpy as np
+
+    return ResizedImage.of(np.asarray(rgb))
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB as the processor converts (`do_convert_rgb`): an image with transparency (an alpha band, or a
+    palette's transparent colour) composited onto white, others converted as PIL converts."""
+    if "A" not in image.getbands() and image.info.get("transparency") is None:
+        return image.convert("RGB")
+    from PIL import Image
+
+    rgba = image.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+
+
+def patches_from_rgb(image: ResizedImage, cfg: ImageProcessorConfig) -> ImagePatches:
+    """A resized image rescaled, normalised and cut into patches ordered merge block by merge block (each
+    block's patches row-major), every patch repeated over the temporal patch (a still image is a clip of
+    identical frames)."""
+    height, width, channels = image.rgb.shape
+    if channels != 3 or height % cfg.factor or width % cfg.factor:
+        raise RequestError(
+            f"a resized image of {width}x{height} pixels and {channels} channels: an image takes 3 channels "
+            f"and sides that are multiples of {cfg.factor} pixels"
+        )
+    import numpy as np
+
     p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
     grid_h, grid_w = height // p, width // p
-    blocks = pixels.reshape(3, grid_h // m, m, p, grid_w // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
-    frames = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], t, p, p))
-    patches = np.ascontiguousarray(frames.reshape(grid_h * grid_w, 3 * t * p * p))
-    grid = (1, grid_h, grid_w)
-    digest = xxhash.xxh3_64(np.asarray(grid, np.int64).tobytes())
-    digest.update(patches.tobytes())
-    return ImagePatches(patches, grid, digest.intdigest())
+    # [block row, block column, row in block, column in block, channel, pixel row, pixel column]
+    blocks = image.rgb.reshape(grid_h // m, m, p, grid_w // m, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5)
+    patches = np.empty((grid_h // m, grid_w // m, m, m, 3, t, p, p), np.float32)
+    values = _normalised_values(cfg)
+    for channel in range(3):  # each 8-bit value's normalised float32, looked up: the same arithmetic
+        patches[:, :, :, :, channel] = values[channel][blocks[:, :, :, :, channel]][:, :, :, :, None]
+    return ImagePatches(
+        patches.reshape(grid_h * grid_w, 3 * t * p * p), (1, grid_h, grid_w), image.content_hash
+    )
+
+
+def _normalised_values(cfg: ImageProcessorConfig) -> np.ndarray:
+    """[channel, 8-bit value] -> the value rescaled (in float64, rounded to float32) and normalised (in
+    float32), as the processor computes each pixel."""
+    import numpy as np
+
+    levels = (np.arange(256, dtype=np.float64) * cfg.rescale_factor).astype(np.float32)
+    mean, std = np.asarray(cfg.image_mean, np.float32), np.asarray(cfg.image_std, np.float32)
+    return (levels[None, :] - mean[:, None]) / std[:, None]
+
+
+def patchify(image: Image.Image, cfg: ImageProcessorConfig) -> ImagePatches:
+    """Both stages: `image` resized, then cut into patches."""
+    return patches_from_rgb(resize_image(image, cfg), cfg)
 
 
 def expand_placeholders(token_ids: list[int], image_token_id: int, counts: list[int]) -> list[int]:

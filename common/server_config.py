@@ -97,8 +97,38 @@ class RequestLimits:
         help="largest text or chat prompt accepted, in UTF-8 bytes, checked before tokenizing; default 16 "
         "bytes per token of the model's max_model_len",
     )
+    max_images_per_request: int = option(8, help="most images in one request (a vision model's)")
+    max_image_bytes: int = option(
+        4 * 1024 * 1024,
+        help="largest image file accepted, in bytes (a whole gRPC request or HTTP body is also held to 4 MiB)",
+    )
+    max_image_pixels: int = option(
+        4096 * 4096,
+        help="most pixels (width x height) an image may decode to, checked from its header before decoding",
+    )
+    image_url_hosts: list[str] = option(
+        default_factory=list,
+        help="hosts the router may fetch http(s) image URLs from: a name, or *.DOMAIN for its subdomains; "
+        "repeatable; none (the default): images come as data: URLs or bytes only",
+    )
+    image_url_timeout_s: float = option(
+        5.0,
+        flag="--image-url-timeout",
+        help="longest an image URL's fetch may take, connecting and reading, in seconds",
+    )
     # English averages about 4 bytes per token: a prompt over 16 per token of max_model_len cannot fit.
     prompt_bytes_per_token: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_images_per_request", "max_image_bytes", "max_image_pixels"):
+            if getattr(self, name) < 1:
+                raise ConfigError(
+                    f"{flag_name(RequestLimits, name)} must be at least 1, got {getattr(self, name)}"
+                )
+        if not self.image_url_timeout_s > 0:
+            raise ConfigError(
+                f"--image-url-timeout must be more than 0 seconds, got {self.image_url_timeout_s:g}"
+            )
 
     def prompt_bytes(self, max_model_len: int) -> int:
         return self.max_prompt_bytes or self.prompt_bytes_per_token * max_model_len

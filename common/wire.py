@@ -1,5 +1,6 @@
 """Messages filled by walking fields of the same name: engine sampling options on the router-worker link,
-in both directions, and reports built from another record (a worker's load, the public model info).
+in both directions, and reports built from another record (a worker's load, the public model info); and
+a resized image's form on the link (its pixels: the worker hashes them itself).
 
 The link's message (nanovllm.worker.v1.SamplingParams) has one field per SamplingParams field, of the same
 name, so the conversion walks the dataclass's fields: a field added to one side and not the other fails
@@ -17,6 +18,8 @@ from typing import Any, TypeVar
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
+from nanovllm.common.errors import RequestError
+from nanovllm.common.images import ResizedImage
 from nanovllm.common.sampling_params import SamplingParams
 
 M = TypeVar("M", bound=Message)
@@ -73,3 +76,23 @@ def fields_to_message(source: object, message_type: type[M], **extra: object) ->
         else:
             raise TypeError(f"{type(source).__name__} has no {name} for {message_type.__name__}")
     return message_type(**values)
+
+
+def image_to_wire(image: ResizedImage, message_type: type[M]) -> M:
+    """The link's Image: height, width and the RGB bytes (numpy, imported here: common/images.py says why)."""
+    import numpy as np
+
+    height, width, _ = image.rgb.shape
+    return message_type(height=height, width=width, rgb=np.ascontiguousarray(image.rgb).tobytes())
+
+
+def image_from_wire(message: Any, index: int) -> ResizedImage:
+    """A link Image (`index`: its place in the request, for the error) as a ResizedImage, hashed here."""
+    height, width, size = message.height, message.width, len(message.rgb)
+    if size != height * width * 3:
+        raise RequestError(
+            f"images[{index}]: {size} bytes for {width}x{height} RGB pixels ({height * width * 3})"
+        )
+    import numpy as np
+
+    return ResizedImage.of(np.frombuffer(message.rgb, np.uint8).reshape(height, width, 3))

@@ -38,6 +38,11 @@ class ClientOptions:
         None, help="a Lark grammar file (llguidance's dialect): the answer follows it"
     )
     choice: list[str] = option(default_factory=list, help="the answer is one of these; repeatable")
+    image: list[str] = option(
+        default_factory=list,
+        help="an image file (PNG, JPEG, WebP, GIF, BMP) for a vision model, shown before the prompt in the "
+        "user message; repeatable",
+    )
     tls_ca: str | None = option(
         None, help="PEM CA bundle that signed the router's certificate; turns on TLS (plaintext without)"
     )
@@ -97,6 +102,8 @@ def _show_reasoning(text: str) -> None:
 
 
 def run_client(options: dict[str, Any], prompt: str) -> int:
+    from pathlib import Path
+
     import grpc
 
     from nanovllm.common.errors import ConfigError
@@ -115,10 +122,26 @@ def run_client(options: dict[str, Any], prompt: str) -> int:
     except (OSError, ValueError) as exc:
         print(f"nanovllm client: {exc}", file=sys.stderr)
         return 2
+    if options["image"] and options["completion"]:
+        print(
+            "nanovllm client: --image goes in a chat message: it cannot be used with --completion",
+            file=sys.stderr,
+        )
+        return 2
     if not options["completion"]:
         if options["system"]:
             request.chat.messages.add(role="system", content=options["system"])
-        request.chat.messages.add(role="user", content=prompt)
+        user = request.chat.messages.add(role="user")
+        try:
+            for path in options["image"]:
+                user.parts.add(image=generate_pb2.ImagePart(data=Path(path).read_bytes()))
+        except OSError as exc:
+            print(f"nanovllm client: --image: {exc}", file=sys.stderr)
+            return 2
+        if options["image"]:
+            user.parts.add(text=prompt)
+        else:
+            user.content = prompt
         if options["no_think"]:
             request.chat.enable_thinking = False
     else:

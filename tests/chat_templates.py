@@ -8,7 +8,8 @@ QWEN3_5 is written here in the format Qwen3.5's (and 3.6's, 3.8's) template rend
 and tool results, tools listed as JSON in a system block that asks for calls in XML-nested markup
 (`<tool_call>`, `<function=NAME>`, `<parameter=ARG>` around each value: a string as written, any other
 value as JSON), past turns' reasoning dropped before the last user query unless `preserve_thinking`, and
-the generation prompt opening the reasoning (`<think>\n`) unless `enable_thinking=false` closes it empty.
+the generation prompt opening the reasoning (`<think>\n`) unless `enable_thinking=false` closes it empty,
+and a content of parts rendered in order, an image part as `<|vision_start|><|image_pad|><|vision_end|>`.
 """
 
 QWEN3 = r"""
@@ -104,9 +105,22 @@ QWEN3 = r"""
 """
 
 QWEN3_5 = r"""
+{%- macro render_content(content) %}
+    {%- if content is string %}
+        {{- content }}
+    {%- elif content is not none %}
+        {%- for item in content %}
+            {%- if item.type == "image" or item.type == "image_url" or "image" in item %}
+                {{- "<|vision_start|><|image_pad|><|vision_end|>" }}
+            {%- elif item.type == "text" %}
+                {{- item.text }}
+            {%- endif %}
+        {%- endfor %}
+    {%- endif %}
+{%- endmacro %}
 {%- set ns = namespace(last_query=messages|length - 1) %}
 {%- for message in messages %}
-    {%- if message.role == "user" and message.content is string and not message.content.startswith("<tool_response>") %}
+    {%- if message.role == "user" and message.content is not none and not render_content(message.content).startswith("<tool_response>") %}
         {%- set ns.last_query = loop.index0 %}
     {%- endif %}
 {%- endfor %}
@@ -121,7 +135,7 @@ QWEN3_5 = r"""
     {{- "<|im_start|>system\n" + system + "<|im_end|>\n" }}
 {%- endif %}
 {%- for message in messages %}
-    {%- set content = message.content if message.content is string else "" %}
+    {%- set content = render_content(message.content) %}
     {%- if message.role == "user" or (message.role == "system" and not loop.first) %}
         {{- "<|im_start|>" + message.role + "\n" + content + "<|im_end|>\n" }}
     {%- elif message.role == "assistant" %}

@@ -114,6 +114,20 @@ def test_patches_equal_transformers_image_processor(vision_model: Path, referenc
         assert cfg.num_tokens(height, width) == ours.num_tokens(2)
 
 
+def test_transparent_and_other_modes_convert_as_transformers(vision_model: Path, reference):
+    """RGBA with varying alpha and a palette with a transparent colour composite onto white, grey and
+    CMYK convert as PIL does: the patches equal the processor's exactly."""
+    _, processor, _ = reference
+    cfg = ImageProcessorConfig.from_model_dir(vision_model)
+    rng = np.random.default_rng(9)
+    rgba = Image.fromarray(rng.integers(0, 256, (50, 70, 4), dtype=np.uint8), "RGBA")
+    palette = _image(40, 60, 10).convert("P", palette=Image.Palette.ADAPTIVE, colors=16)
+    palette.info["transparency"] = 3
+    for image in (rgba, palette, _image(40, 60, 11).convert("L"), _image(40, 60, 12).convert("CMYK")):
+        theirs = processor(images=[image], return_tensors="np")["pixel_values"]
+        assert np.array_equal(patchify(image, cfg).pixel_values, theirs), image.mode
+
+
 def test_rope_positions_equal_get_rope_index(reference):
     """Two images (2x3 and 3x2 merged patches) with text before, between and after, and an image at the
     very start or end: every token's three positions, over the whole prompt and over chunks cut through

@@ -8,7 +8,7 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from nanovllm.common.block_hash import signed64
+from nanovllm.common.block_hash import block_key
 from nanovllm.common.errors import InvalidStateTransition
 from nanovllm.common.images import ImagePatches
 from nanovllm.common.sampling_params import SamplingParams
@@ -76,6 +76,10 @@ class ImageInput:
     @property
     def end(self) -> int:
         return self.offset + self.num_tokens
+
+    @property
+    def content_hash(self) -> int:
+        return self.patches.content_hash
 
 
 PENDING_TOKEN = -1  # the place of a token a step in flight is picking (Sequence.num_pending_tokens)
@@ -228,15 +232,12 @@ class Sequence:
         return self.adapter.cache_salt if self.adapter is not None else None
 
     def block_key(self, index: int, block_size: int) -> list[int]:
-        """What block `index`'s hash covers: its token ids, and for each image whose tokens it holds the
-        image's content hash and where the image begins relative to the block (placeholder ids are the
-        same for every image: without the hash, two images of one size would share cached blocks)."""
+        """What block `index`'s hash covers (common/block_hash.py block_key: the router hashes a prompt's
+        blocks the same way)."""
         begin, end = index * block_size, (index + 1) * block_size
-        key = self.token_ids[begin:end]
-        for image in self.images:
-            if image.offset < end and image.end > begin:
-                key = [*key, signed64(image.patches.content_hash), image.offset - begin]
-        return key
+        if not self.images:
+            return self.token_ids[begin:end]
+        return block_key(self.token_ids, begin, end, self.images)
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -84,7 +84,7 @@ class Choice(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Submit(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "client_request_id", "output_token_ids", "trace_context", "lora_name", "shared_prefix_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "client_request_id", "output_token_ids", "trace_context", "lora_name", "shared_prefix_tokens", "images")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,7 @@ class Submit(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     SHARED_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -110,7 +111,18 @@ class Submit(_message.Message):
     trace_context: _containers.ScalarMap[str, str]
     lora_name: str
     shared_prefix_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., client_request_id: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., lora_name: _Optional[str] = ..., shared_prefix_tokens: _Optional[int] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[Image]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., client_request_id: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., lora_name: _Optional[str] = ..., shared_prefix_tokens: _Optional[int] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ...) -> None: ...
+
+class Image(_message.Message):
+    __slots__ = ("height", "width", "rgb")
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    RGB_FIELD_NUMBER: _ClassVar[int]
+    height: int
+    width: int
+    rgb: bytes
+    def __init__(self, height: _Optional[int] = ..., width: _Optional[int] = ..., rgb: _Optional[bytes] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("request_ids",)
@@ -253,7 +265,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "architectures", "max_model_len", "vocab_size", "eos_token_ids", "kvcache_block_size", "num_kv_blocks", "max_num_seqs", "tokenizer_files", "chat_template", "dtype", "device", "adapters", "shared_prefix_hints")
+    __slots__ = ("model", "architectures", "max_model_len", "vocab_size", "eos_token_ids", "kvcache_block_size", "num_kv_blocks", "max_num_seqs", "tokenizer_files", "chat_template", "dtype", "device", "adapters", "shared_prefix_hints", "image_processor_config", "image_token_id")
     class TokenizerFilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +287,8 @@ class WorkerInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     SHARED_PREFIX_HINTS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_PROCESSOR_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     architectures: _containers.RepeatedScalarFieldContainer[str]
     max_model_len: int
@@ -289,7 +303,9 @@ class WorkerInfo(_message.Message):
     device: str
     adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
     shared_prefix_hints: bool
-    def __init__(self, model: _Optional[str] = ..., architectures: _Optional[_Iterable[str]] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kvcache_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., chat_template: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., shared_prefix_hints: _Optional[bool] = ...) -> None: ...
+    image_processor_config: str
+    image_token_id: int
+    def __init__(self, model: _Optional[str] = ..., architectures: _Optional[_Iterable[str]] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kvcache_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., chat_template: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., shared_prefix_hints: _Optional[bool] = ..., image_processor_config: _Optional[str] = ..., image_token_id: _Optional[int] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ananovllm/v1/generate.proto\x12\x0bnanovllm.v1\x1a\x1cgoogle/protobuf/struct.proto\"H\n\x16LoadLoRAAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\nbase_model\x18\x03 \x01(\t\"*\n\x17LoadLoRAAdapterResponse\x12\x0f\n\x07workers\x18\x01 \x03(\t\"(\n\x18UnloadLoRAAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\",\n\x19UnloadLoRAAdapterResponse\x12\x0f\n\x07workers\x18\x01 \x03(\t\"\x13\n\x11ListModelsRequest\"@\n\x0bServedModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06parent\x18\x02 \x01(\t\x12\x13\n\x0bnum_workers\x18\x03 \x01(\r\"5\n\tModelList\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.nanovllm.v1.ServedModel\"\x88\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12)\n\ntool_calls\x18\x03 \x03(\x0b\x32\x15.nanovllm.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x19\n\x11reasoning_content\x18\x05 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xa7\x01\n\nToolChoice\x12,\n\x04mode\x18\x01 \x01(\x0e\x32\x1c.nanovllm.v1.ToolChoice.ModeH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\"M\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_AUTO\x10\x01\x12\r\n\tMODE_NONE\x10\x02\x12\x11\n\rMODE_REQUIRED\x10\x03\x42\x08\n\x06\x63hoice\"\xe6\x01\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.nanovllm.v1.ChatMessage\x12\x1c\n\x0f\x65nable_thinking\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x30\n\x0ftemplate_kwargs\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12 \n\x05tools\x18\x04 \x03(\x0b\x32\x11.nanovllm.v1.Tool\x12,\n\x0btool_choice\x18\x05 \x01(\x0b\x32\x17.nanovllm.v1.ToolChoiceB\x12\n\x10_enable_thinking\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf0\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x06\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x0f \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x10 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x11 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x12 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x13 \x01(\x0b\x32\x13.nanovllm.v1.ChoiceH\x00\x12\x1c\n\x14json_free_whitespace\x18\x14 \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\x05H\x07\x88\x01\x01\x42\x0c\n\nconstraintB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x19\n\x06\x43hoice\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xf8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12!\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x11.nanovllm.v1.ChatH\x00\x12*\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x15.nanovllm.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.nanovllm.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x18\n\x10return_token_ids\x18\x07 \x01(\x08\x12\r\n\x05model\x18\x08 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"s\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.nanovllm.v1.TopLogprob\x12\x11\n\x04rank\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_rank\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x90\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.nanovllm.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.nanovllm.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.nanovllm.v1.Usage\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x16\n\x0ereasoning_text\x18\x08 \x01(\t\x12)\n\ntool_calls\x18\t \x03(\x0b\x32\x15.nanovllm.v1.ToolCall\x12%\n\x07timings\x18\n \x01(\x0b\x32\x14.nanovllm.v1.Timings\x12\x32\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x19.nanovllm.v1.TokenLogprob\x12\x18\n\x10prompt_token_ids\x18\x0c \x03(\r\"{\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x02 \x01(\x01\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x04 \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_tokens_per_s\x18\x05 \x01(\x01\"]\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12!\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x11.nanovllm.v1.ChatH\x00\x12\r\n\x05model\x18\x03 \x01(\tB\x08\n\x06prompt\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x97\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x15\n\rarchitectures\x18\x03 \x03(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x13\n\x0bnum_workers\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t*\xb3\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05\x32\xb0\x02\n\nGeneration\x12I\n\x08Generate\x12\x1c.nanovllm.v1.GenerateRequest\x1a\x1d.nanovllm.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.nanovllm.v1.TokenizeRequest\x1a\x1d.nanovllm.v1.TokenizeResponse\x12H\n\x0cGetModelInfo\x12 .nanovllm.v1.GetModelInfoRequest\x1a\x16.nanovllm.v1.ModelInfo\x12\x44\n\nListModels\x12\x1e.nanovllm.v1.ListModelsRequest\x1a\x16.nanovllm.v1.ModelList2\xc9\x01\n\x05\x41\x64min\x12\\\n\x0fLoadLoRAAdapter\x12#.nanovllm.v1.LoadLoRAAdapterRequest\x1a$.nanovllm.v1.LoadLoRAAdapterResponse\x12\x62\n\x11UnloadLoRAAdapter\x12%.nanovllm.v1.UnloadLoRAAdapterRequest\x1a&.nanovllm.v1.UnloadLoRAAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ananovllm/v1/generate.proto\x12\x0bnanovllm.v1\x1a\x1cgoogle/protobuf/struct.proto\"H\n\x16LoadLoRAAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\nbase_model\x18\x03 \x01(\t\"*\n\x17LoadLoRAAdapterResponse\x12\x0f\n\x07workers\x18\x01 \x03(\t\"(\n\x18UnloadLoRAAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\",\n\x19UnloadLoRAAdapterResponse\x12\x0f\n\x07workers\x18\x01 \x03(\t\"\x13\n\x11ListModelsRequest\"@\n\x0bServedModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06parent\x18\x02 \x01(\t\x12\x13\n\x0bnum_workers\x18\x03 \x01(\r\"5\n\tModelList\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.nanovllm.v1.ServedModel\"\xb1\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12)\n\ntool_calls\x18\x03 \x03(\x0b\x32\x15.nanovllm.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x19\n\x11reasoning_content\x18\x05 \x01(\t\x12\'\n\x05parts\x18\x06 \x03(\x0b\x32\x18.nanovllm.v1.ContentPart\"N\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x05image\x18\x02 \x01(\x0b\x32\x16.nanovllm.v1.ImagePartH\x00\x42\x06\n\x04part\"4\n\tImagePart\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\r\n\x03url\x18\x02 \x01(\tH\x00\x42\x08\n\x06source\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xa7\x01\n\nToolChoice\x12,\n\x04mode\x18\x01 \x01(\x0e\x32\x1c.nanovllm.v1.ToolChoice.ModeH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\"M\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_AUTO\x10\x01\x12\r\n\tMODE_NONE\x10\x02\x12\x11\n\rMODE_REQUIRED\x10\x03\x42\x08\n\x06\x63hoice\"\xe6\x01\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.nanovllm.v1.ChatMessage\x12\x1c\n\x0f\x65nable_thinking\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x30\n\x0ftemplate_kwargs\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12 \n\x05tools\x18\x04 \x03(\x0b\x32\x11.nanovllm.v1.Tool\x12,\n\x0btool_choice\x18\x05 \x01(\x0b\x32\x17.nanovllm.v1.ToolChoiceB\x12\n\x10_enable_thinking\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf0\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x06\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x0f \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x10 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x11 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x12 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x13 \x01(\x0b\x32\x13.nanovllm.v1.ChoiceH\x00\x12\x1c\n\x14json_free_whitespace\x18\x14 \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\x05H\x07\x88\x01\x01\x42\x0c\n\nconstraintB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x19\n\x06\x43hoice\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xf8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12!\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x11.nanovllm.v1.ChatH\x00\x12*\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x15.nanovllm.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.nanovllm.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x18\n\x10return_token_ids\x18\x07 \x01(\x08\x12\r\n\x05model\x18\x08 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"s\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.nanovllm.v1.TopLogprob\x12\x11\n\x04rank\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_rank\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x90\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.nanovllm.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.nanovllm.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.nanovllm.v1.Usage\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x16\n\x0ereasoning_text\x18\x08 \x01(\t\x12)\n\ntool_calls\x18\t \x03(\x0b\x32\x15.nanovllm.v1.ToolCall\x12%\n\x07timings\x18\n \x01(\x0b\x32\x14.nanovllm.v1.Timings\x12\x32\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x19.nanovllm.v1.TokenLogprob\x12\x18\n\x10prompt_token_ids\x18\x0c \x03(\r\"{\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x02 \x01(\x01\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x04 \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_tokens_per_s\x18\x05 \x01(\x01\"]\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12!\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x11.nanovllm.v1.ChatH\x00\x12\r\n\x05model\x18\x03 \x01(\tB\x08\n\x06prompt\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x97\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x15\n\rarchitectures\x18\x03 \x03(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x13\n\x0bnum_workers\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t*\xb3\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05\x32\xb0\x02\n\nGeneration\x12I\n\x08Generate\x12\x1c.nanovllm.v1.GenerateRequest\x1a\x1d.nanovllm.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.nanovllm.v1.TokenizeRequest\x1a\x1d.nanovllm.v1.TokenizeResponse\x12H\n\x0cGetModelInfo\x12 .nanovllm.v1.GetModelInfoRequest\x1a\x16.nanovllm.v1.ModelInfo\x12\x44\n\nListModels\x12\x1e.nanovllm.v1.ListModelsRequest\x1a\x16.nanovllm.v1.ModelList2\xc9\x01\n\x05\x41\x64min\x12\\\n\x0fLoadLoRAAdapter\x12#.nanovllm.v1.LoadLoRAAdapterRequest\x1a$.nanovllm.v1.LoadLoRAAdapterResponse\x12\x62\n\x11UnloadLoRAAdapter\x12%.nanovllm.v1.UnloadLoRAAdapterRequest\x1a&.nanovllm.v1.UnloadLoRAAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'nanovllm.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=3123
-  _globals['_FINISHREASON']._serialized_end=3302
+  _globals['_FINISHREASON']._serialized_start=3298
+  _globals['_FINISHREASON']._serialized_end=3477
   _globals['_LOADLORAADAPTERREQUEST']._serialized_start=73
   _globals['_LOADLORAADAPTERREQUEST']._serialized_end=145
   _globals['_LOADLORAADAPTERRESPONSE']._serialized_start=147
@@ -49,45 +49,49 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELLIST']._serialized_start=366
   _globals['_MODELLIST']._serialized_end=419
   _globals['_CHATMESSAGE']._serialized_start=422
-  _globals['_CHATMESSAGE']._serialized_end=558
-  _globals['_TOOL']._serialized_start=560
-  _globals['_TOOL']._serialized_end=621
-  _globals['_TOOLCALL']._serialized_start=623
-  _globals['_TOOLCALL']._serialized_end=678
-  _globals['_TOOLCHOICE']._serialized_start=681
-  _globals['_TOOLCHOICE']._serialized_end=848
-  _globals['_TOOLCHOICE_MODE']._serialized_start=761
-  _globals['_TOOLCHOICE_MODE']._serialized_end=838
-  _globals['_CHAT']._serialized_start=851
-  _globals['_CHAT']._serialized_end=1081
-  _globals['_TOKENIDS']._serialized_start=1083
-  _globals['_TOKENIDS']._serialized_end=1106
-  _globals['_SAMPLINGPARAMS']._serialized_start=1109
-  _globals['_SAMPLINGPARAMS']._serialized_end=1733
-  _globals['_CHOICE']._serialized_start=1735
-  _globals['_CHOICE']._serialized_end=1760
-  _globals['_GENERATEREQUEST']._serialized_start=1763
-  _globals['_GENERATEREQUEST']._serialized_end=2011
-  _globals['_TOPLOGPROB']._serialized_start=2013
-  _globals['_TOPLOGPROB']._serialized_end=2060
-  _globals['_TOKENLOGPROB']._serialized_start=2062
-  _globals['_TOKENLOGPROB']._serialized_end=2177
-  _globals['_USAGE']._serialized_start=2179
-  _globals['_USAGE']._serialized_end=2266
-  _globals['_GENERATERESPONSE']._serialized_start=2269
-  _globals['_GENERATERESPONSE']._serialized_end=2669
-  _globals['_TIMINGS']._serialized_start=2671
-  _globals['_TIMINGS']._serialized_end=2794
-  _globals['_TOKENIZEREQUEST']._serialized_start=2796
-  _globals['_TOKENIZEREQUEST']._serialized_end=2889
-  _globals['_TOKENIZERESPONSE']._serialized_start=2891
-  _globals['_TOKENIZERESPONSE']._serialized_end=2928
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2930
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2966
-  _globals['_MODELINFO']._serialized_start=2969
-  _globals['_MODELINFO']._serialized_end=3120
-  _globals['_GENERATION']._serialized_start=3305
-  _globals['_GENERATION']._serialized_end=3609
-  _globals['_ADMIN']._serialized_start=3612
-  _globals['_ADMIN']._serialized_end=3813
+  _globals['_CHATMESSAGE']._serialized_end=599
+  _globals['_CONTENTPART']._serialized_start=601
+  _globals['_CONTENTPART']._serialized_end=679
+  _globals['_IMAGEPART']._serialized_start=681
+  _globals['_IMAGEPART']._serialized_end=733
+  _globals['_TOOL']._serialized_start=735
+  _globals['_TOOL']._serialized_end=796
+  _globals['_TOOLCALL']._serialized_start=798
+  _globals['_TOOLCALL']._serialized_end=853
+  _globals['_TOOLCHOICE']._serialized_start=856
+  _globals['_TOOLCHOICE']._serialized_end=1023
+  _globals['_TOOLCHOICE_MODE']._serialized_start=936
+  _globals['_TOOLCHOICE_MODE']._serialized_end=1013
+  _globals['_CHAT']._serialized_start=1026
+  _globals['_CHAT']._serialized_end=1256
+  _globals['_TOKENIDS']._serialized_start=1258
+  _globals['_TOKENIDS']._serialized_end=1281
+  _globals['_SAMPLINGPARAMS']._serialized_start=1284
+  _globals['_SAMPLINGPARAMS']._serialized_end=1908
+  _globals['_CHOICE']._serialized_start=1910
+  _globals['_CHOICE']._serialized_end=1935
+  _globals['_GENERATEREQUEST']._serialized_start=1938
+  _globals['_GENERATEREQUEST']._serialized_end=2186
+  _globals['_TOPLOGPROB']._serialized_start=2188
+  _globals['_TOPLOGPROB']._serialized_end=2235
+  _globals['_TOKENLOGPROB']._serialized_start=2237
+  _globals['_TOKENLOGPROB']._serialized_end=2352
+  _globals['_USAGE']._serialized_start=2354
+  _globals['_USAGE']._serialized_end=2441
+  _globals['_GENERATERESPONSE']._serialized_start=2444
+  _globals['_GENERATERESPONSE']._serialized_end=2844
+  _globals['_TIMINGS']._serialized_start=2846
+  _globals['_TIMINGS']._serialized_end=2969
+  _globals['_TOKENIZEREQUEST']._serialized_start=2971
+  _globals['_TOKENIZEREQUEST']._serialized_end=3064
+  _globals['_TOKENIZERESPONSE']._serialized_start=3066
+  _globals['_TOKENIZERESPONSE']._serialized_end=3103
+  _globals['_GETMODELINFOREQUEST']._serialized_start=3105
+  _globals['_GETMODELINFOREQUEST']._serialized_end=3141
+  _globals['_MODELINFO']._serialized_start=3144
+  _globals['_MODELINFO']._serialized_end=3295
+  _globals['_GENERATION']._serialized_start=3480
+  _globals['_GENERATION']._serialized_end=3784
+  _globals['_ADMIN']._serialized_start=3787
+  _globals['_ADMIN']._serialized_end=3988
 # @@protoc_insertion_point(module_scope)

@@ -141,5 +141,13 @@ def request_content(request: generate_pb2.GenerateRequest) -> str:
     if kind == "text":
         return request.text
     if kind == "chat":
-        return "\n".join(f"{m.role}: {m.content}" for m in request.chat.messages)
+        return "\n".join(f"{m.role}: {m.content or _parts_text(m)}" for m in request.chat.messages)
     return " ".join(map(str, request.token_ids.ids)) if kind == "token_ids" else ""
+
+
+def _parts_text(message: generate_pb2.ChatMessage) -> str:
+    """A message's parts for the log: the text, each image as its size."""
+    return "".join(
+        part.text if part.WhichOneof("part") == "text" else f"[image: {len(part.image.data)} bytes]"
+        for part in message.parts
+    )

@@ -173,7 +173,7 @@ class GenerateCall:
         self.trace = trace = RequestTrace(
             self.metrics, self.request_id, prompt_len, self.lease, self.api, content
         )
-        decision = self.pool.pick(self.model, self.valid.prompt_token_ids)
+        decision = self.pool.pick(self.model, self.valid.prompt_token_ids, images=self.valid.image_spans)
         if decision is None:
             await self._refuse(
                 grpc.StatusCode.UNAVAILABLE,
@@ -210,7 +210,12 @@ class GenerateCall:
         try:
             check_request(self.request, tokenizer, info, self.config.limits)
             valid = await self.off_loop(
-                validate_generate, self.request, tokenizer, info, _formats(self.config, self.model)
+                validate_generate,
+                self.request,
+                tokenizer,
+                info,
+                _formats(self.config, self.model),
+                self.config.limits,
             )
             span.set_attribute("nanovllm.prompt_tokens", len(valid.prompt_token_ids))
             return valid, tokenizer
@@ -307,6 +312,7 @@ class GenerateCall:
             carrier,
             self.model.lora_name,
             self.valid.shared_prefix_tokens,
+            self.valid.images,
         )
         return Attempt(worker, wire_id, events, tried | {worker.address})
 
@@ -386,9 +392,11 @@ class GenerateCall:
         await asyncio.sleep(random.uniform(0.5, 1.0) * backoff)  # jitter: retries do not arrive in waves
         tokens = self.valid.prompt_token_ids + generated
         if generated:
-            decision = await self.pool.wait_for_worker(self.model, tokens, exclude, config.resume_wait_s)
+            decision = await self.pool.wait_for_worker(
+                self.model, tokens, exclude, config.resume_wait_s, self.valid.image_spans
+            )
         else:
-            decision = self.pool.pick(self.model, tokens, exclude)
+            decision = self.pool.pick(self.model, tokens, exclude, self.valid.image_spans)
         if decision is None:
             return False
         failed.worker.release(failed.wire_id, abort=False)  # it ended there already

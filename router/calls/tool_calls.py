@@ -141,6 +141,14 @@ def _check_tool_messages(chat: generate_pb2.Chat) -> None:
 def template_message(message: generate_pb2.ChatMessage) -> dict[str, Any]:
     """A message as chat templates take it (the OpenAI shape transformers documents)."""
     rendered: dict[str, Any] = {"role": message.role, "content": message.content}
+    if any(part.WhichOneof("part") == "image" for part in message.parts):
+        # text and images in order: the template writes each image's placeholder
+        rendered["content"] = [
+            {"type": "text", "text": part.text} if part.WhichOneof("part") == "text" else {"type": "image"}
+            for part in message.parts
+        ]
+    elif message.parts:  # text parts alone: one text, as a template without parts support reads it
+        rendered["content"] = "".join(part.text for part in message.parts)
     if message.tool_calls:
         rendered["tool_calls"] = [
             {

@@ -1,4 +1,4 @@
-"""Public requests (nanovllm.v1) checked and turned into engine terms: prompt token ids and
+"""Public requests (nanovllm.v1) checked and turned into engine terms: prompt token ids, images and
 SamplingParams. Every failure is a ValueError whose message names the field and the numbers, or a
 NoTokenizerError for what needs a tokenizer the model does not have.
 
@@ -13,10 +13,20 @@ from dataclasses import dataclass
 
 from google.protobuf import json_format
 
+from nanovllm.common.block_hash import PromptImage
+from nanovllm.common.images import ResizedImage, expand_placeholders
 from nanovllm.common.request_checks import check_prompt
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.common.server_config import RequestLimits
 from nanovllm.common.v1 import worker_pb2
+from nanovllm.router.calls.images import (
+    check_images,
+    check_link_size,
+    decode_image,
+    image_parts,
+    model_images,
+    num_tokens,
+)
 from nanovllm.router.calls.markers import Markers
 from nanovllm.router.calls.reasoning import prompt_opens_reasoning
 from nanovllm.router.calls.tool_calls import (
@@ -42,6 +52,9 @@ class ValidRequest:
     # A chat's tokens before its last user message's content, for a worker that takes the hint
     # (WorkerInfo.shared_prefix_hints; Submit.shared_prefix_tokens); 0 otherwise.
     shared_prefix_tokens: int = 0
+    # A chat's images, decoded and resized, in prompt order: each fills its run of placeholder tokens.
+    images: tuple[ResizedImage, ...] = ()
+    image_spans: tuple[PromptImage, ...] = ()  # where each image's placeholder tokens lie, for routing
 
 
 def _prompt_bytes(request: generate_pb2.GenerateRequest | generate_pb2.TokenizeRequest) -> int:
@@ -51,7 +64,8 @@ def _prompt_bytes(request: generate_pb2.GenerateRequest | generate_pb2.TokenizeR
     if kind == "chat":
         chat = request.chat
         return chat.template_kwargs.ByteSize() + sum(
-            len(m.role.encode()) + len(m.content.encode()) for m in chat.messages
+            len(m.role.encode()) + len(m.content.encode()) + sum(len(p.text.encode()) for p in m.parts)
+            for m in chat.messages
         )
     return 0
 
@@ -80,6 +94,11 @@ def check_request(
     if id_bytes > limits.max_request_id_bytes:
         raise ValueError(f"request_id is {id_bytes} bytes; at most {limits.max_request_id_bytes} are allowed")
     check_prompt_size(request, limits, info.max_model_len)
+    if request.WhichOneof("prompt") == "chat":
+        both = next((i for i, m in enumerate(request.chat.messages) if m.content and m.parts), None)
+        if both is not None:
+            raise ValueError(f"chat.messages[{both}] has both content and parts: give one of them")
+    check_images(image_parts(request), info, limits)
     s = request.sampling
     if len(s.stop_token_ids) > limits.max_stop_token_ids:
         raise ValueError(
@@ -162,19 +181,74 @@ def validate_generate(
     tokenizer: ModelTokenizer | None,
     info: worker_pb2.WorkerInfo,
     formats: ChatFormats = ChatFormats(),
+    limits: RequestLimits | None = None,
 ) -> ValidRequest:
-    """Tokenize (this may take a while: run it off the event loop) and check the prompt against the
-    model. check_request must have passed. `formats` are the model's reasoning and tool-call formats."""
+    """Tokenize and decode the images (this may take a while: run it off the event loop) and check the
+    prompt against the model. check_request must have passed. `formats` are the model's reasoning and
+    tool-call formats; `limits` the router's (None: the defaults)."""
     tools = check_tools(request.chat) if request.WhichOneof("prompt") == "chat" else None
     prompt = _prompt(request, tokenizer, info.model, tools, find_last_user=info.shared_prefix_hints)
-    ids = prompt.token_ids
+    ids, shared, images = _with_images(request, prompt, info, limits or RequestLimits())
     check_prompt(ids, info.max_model_len, info.vocab_size)
     params = _sampling_params(request.sampling, info.max_model_len - len(ids))
     if tools is not None and tools.forced is not None:
         params = _force_tool_calls(
             params, tools, formats, tokenizer.decode_tail(ids) if tokenizer else "", info
         )
-    return ValidRequest(ids, params, list(request.sampling.stop), tools, prompt.before_last_user)
+    return ValidRequest(ids, params, list(request.sampling.stop), tools, shared, images.resized, images.spans)
+
+
+@dataclass(frozen=True)
+class _PromptImages:
+    resized: tuple[ResizedImage, ...] = ()
+    spans: tuple[PromptImage, ...] = ()
+
+
+def _with_images(
+    request: generate_pb2.GenerateRequest | generate_pb2.TokenizeRequest,
+    prompt: PromptTokens,
+    info: worker_pb2.WorkerInfo,
+    limits: RequestLimits,
+) -> tuple[list[int], int, _PromptImages]:
+    """The prompt's token ids with each image's placeholder expanded to its token count, its tokens before
+    the last user message's content counted after that expansion, and its images decoded and resized
+    with where each lies. check_images must have passed."""
+    ids, shared = prompt.token_ids, prompt.before_last_user
+    parts = image_parts(request)
+    vision = model_images(info)
+    if not parts or vision is None:  # check_images refused images for a model without a tower
+        return ids, shared, _PromptImages()
+    images = tuple(decode_image(part, vision.processor, limits) for part in parts)
+    check_link_size(images)
+    counts = [num_tokens(image, vision.processor) for image in images]
+    placeholders = [i for i, token in enumerate(ids) if token == vision.token_id]
+    if len(placeholders) != len(images):
+        raise ValueError(
+            f"the chat rendered with {len(placeholders)} image placeholder(s) (token {vision.token_id}) "
+            f"for {len(images)} image(s): the model's chat template must write one per image part"
+        )
+    offsets = [place + sum(counts[:k]) - k for k, place in enumerate(placeholders)]
+    spans = tuple(
+        PromptImage(offset, offset + count, image.content_hash)
+        for offset, count, image in zip(offsets, counts, images)
+    )
+    # Placeholders before the last user message's content widen the tokens before it.
+    shared += sum(count - 1 for place, count in zip(placeholders, counts) if place < shared)
+    return expand_placeholders(ids, vision.token_id, counts), shared, _PromptImages(images, spans)
+
+
+def tokenize_request(
+    request: generate_pb2.TokenizeRequest,
+    tokenizer: ModelTokenizer | None,
+    info: worker_pb2.WorkerInfo,
+    limits: RequestLimits,
+) -> list[int]:
+    """A Tokenize request's token ids as Generate sees them: a chat's tools shown, its images' placeholders
+    expanded (the images decoded: run it off the event loop)."""
+    tools = check_tools(request.chat) if request.WhichOneof("prompt") == "chat" else None
+    check_images(image_parts(request), info, limits)
+    prompt = _prompt(request, tokenizer, info.model, tools, find_last_user=False)
+    return _with_images(request, prompt, info, limits)[0]
 
 
 def _force_tool_calls(

@@ -15,8 +15,7 @@ from nanovllm.common.server_config import RouterConfig
 from nanovllm.common.wire import fields_to_message
 from nanovllm.router.calls.call import GenerateCall, reject
 from nanovllm.router.calls.metrics import RouterMetrics
-from nanovllm.router.calls.tool_calls import check_tools
-from nanovllm.router.calls.validation import NoTokenizerError, check_prompt_size, prompt_token_ids
+from nanovllm.router.calls.validation import NoTokenizerError, check_prompt_size, tokenize_request
 from nanovllm.router.faces.auth import Access
 from nanovllm.router.fleet.catalog import ModelChoice
 from nanovllm.router.fleet.pool import ModelRefused, WorkerPool, resolve_model
@@ -104,8 +103,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         tokenizer, info = model.base.tokenizer, model.base.info
         try:
             check_prompt_size(request, self.config.limits, info.max_model_len)
-            tools = check_tools(request.chat) if request.WhichOneof("prompt") == "chat" else None
-            ids = await self._off_loop(prompt_token_ids, request, tokenizer, info.model, tools)
+            ids = await self._off_loop(tokenize_request, request, tokenizer, info, self.config.limits)
         except NoTokenizerError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:

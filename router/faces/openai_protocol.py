@@ -9,6 +9,8 @@ checked where gRPC checks them, by the same validation, so both faces give the s
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import time
 import uuid
@@ -322,17 +324,58 @@ def _response_format(body: dict[str, Any], sampling: generate_pb2.SamplingParams
         )
 
 
-def _content(message: dict[str, Any], i: int) -> str:
+def _content(message: dict[str, Any], i: int, entry: generate_pb2.ChatMessage) -> None:
+    """The message's content into `entry`: a string, or parts (text; images as `image_url` parts with a
+    base64 `data:` URL), kept as parts when one is an image, else joined."""
     where = f"messages[{i}].content"
     content = typed_field(message, "content", (str, list), "", param=where)
     if isinstance(content, str):
-        return content
-    texts = []  # content parts: text ones only, joined
+        entry.content = content
+        return
+    parts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or typed_field(part, "type", str, param=f"{where}[{j}].type") != "text":
-            raise ProtocolError(f"{where}[{j}]", f"{where}[{j}] must be a text part: {{'type': 'text', ...}}")
-        texts.append(typed_field(part, "text", str, "", param=f"{where}[{j}].text"))
-    return "".join(texts)
+        kind = typed_field(part, "type", str, param=f"{where}[{j}].type") if isinstance(part, dict) else None
+        if kind == "text":
+            parts.append(
+                generate_pb2.ContentPart(text=typed_field(part, "text", str, "", param=f"{where}[{j}].text"))
+            )
+        elif kind == "image_url":
+            parts.append(generate_pb2.ContentPart(image=_image_url(part, f"{where}[{j}]")))
+        else:
+            raise ProtocolError(
+                f"{where}[{j}]", f"{where}[{j}] must be a text or image_url part: {{'type': 'text', ...}}"
+            )
+    if any(part.HasField("image") for part in parts):
+        entry.parts.extend(parts)
+    else:
+        entry.content = "".join(part.text for part in parts)
+
+
+def image_source(url: str, where: str) -> generate_pb2.ImagePart:
+    """An image given as a base64 `data:` URL (`data:image/png;base64,...`): its bytes; an http(s) URL: for
+    the router to fetch, if --image-url-hosts allows its host (router/calls/images.py)."""
+    if url.startswith(("http://", "https://")):
+        return generate_pb2.ImagePart(url=url)
+    header, comma, payload = url.partition(",")
+    if not header.startswith("data:") or not comma or not header.endswith(";base64"):
+        raise ProtocolError(
+            where,
+            f"{where} must be a base64 data: URL (data:image/png;base64,...) or an http(s) URL; got {url[:40]!r}",
+        )
+    try:
+        return generate_pb2.ImagePart(data=base64.b64decode(payload, validate=True))
+    except binascii.Error as exc:
+        raise ProtocolError(where, f"{where}: its base64 payload does not decode: {exc}") from None
+
+
+def _image_url(part: dict[str, Any], where: str) -> generate_pb2.ImagePart:
+    """An `image_url` part's image: `{"type": "image_url", "image_url": {"url": ...}}` (or the URL
+    string)."""
+    image_url = part.get("image_url")
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    if not isinstance(url, str):
+        raise ProtocolError(f"{where}.image_url", f"{where}.image_url must be {{'url': 'data:...'}}")
+    return image_source(url, f"{where}.image_url.url")
 
 
 def _chat(body: dict[str, Any]) -> generate_pb2.Chat:
@@ -343,7 +386,8 @@ def _chat(body: dict[str, Any]) -> generate_pb2.Chat:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ProtocolError(f"messages[{i}]", f"messages[{i}] must be an object with a string role")
-        entry = chat.messages.add(role=message["role"], content=_content(message, i))
+        entry = chat.messages.add(role=message["role"])
+        _content(message, i, entry)
         for j, call in enumerate(
             typed_field(message, "tool_calls", list, [], param=f"messages[{i}].tool_calls")
         ):

@@ -92,20 +92,42 @@ class ResponsesRequest:
         }
 
 
-def _item_text(content: Any, where: str) -> str:
+def _item_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message item's content as a chat message's: its text, or (with `input_image` parts, whose
+    `image_url` is a base64 data: URL) text and image_url parts in order."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise ProtocolError(f"{where}.content", f"{where}.content must be a string or input_text parts")
-    texts = []
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
-        if (
-            not isinstance(part, dict)
-            or typed_field(part, "type", str, param=f"{where}.content[{j}].type") not in _TEXT_PARTS
-        ):
-            raise ProtocolError(f"{where}.content[{j}]", f"{where}.content[{j}] must be an input_text part")
-        texts.append(typed_field(part, "text", str, "", param=f"{where}.content[{j}].text"))
-    return "".join(texts)
+        kind = (
+            typed_field(part, "type", str, param=f"{where}.content[{j}].type")
+            if isinstance(part, dict)
+            else None
+        )
+        if kind in _TEXT_PARTS:
+            parts.append(
+                {
+                    "type": "text",
+                    "text": typed_field(part, "text", str, "", param=f"{where}.content[{j}].text"),
+                }
+            )
+        elif kind == "input_image":
+            url = typed_field(part, "image_url", str, param=f"{where}.content[{j}].image_url")
+            if url is None:
+                raise ProtocolError(
+                    f"{where}.content[{j}].image_url",
+                    f"{where}.content[{j}] needs an image_url (a data: URL)",
+                )
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            raise ProtocolError(
+                f"{where}.content[{j}]", f"{where}.content[{j}] must be an input_text or input_image part"
+            )
+    if any(part["type"] == "image_url" for part in parts):
+        return parts
+    return "".join(part["text"] for part in parts)
 
 
 def _as_input(item: OutputItem) -> InputItem:
@@ -187,7 +209,7 @@ def _messages(instructions: Any, items: list[dict[str, Any]], first: int) -> lis
                 raise ProtocolError(
                     f"{where}.role", f"{where}.role must be user, assistant, system or developer"
                 )
-            messages.append({"role": role, "content": _item_text(item.get("content"), where)})
+            messages.append({"role": role, "content": _item_content(item.get("content"), where)})
             if role == "assistant" and reasoning:
                 messages[-1]["reasoning_content"], reasoning = reasoning, ""
         elif kind == "function_call":

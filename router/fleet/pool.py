@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
+from nanovllm.common.block_hash import PromptImage
 from nanovllm.common.logging import get_logger
 from nanovllm.common.server_config import RoutingConfig
 from nanovllm.common.tls import TlsFiles
@@ -88,23 +89,35 @@ class WorkerPool:
         return [w for w in self.workers if w.available]
 
     def pick(
-        self, model: ModelChoice, token_ids: Sequence[int], exclude: frozenset[str] = frozenset()
+        self,
+        model: ModelChoice,
+        token_ids: Sequence[int],
+        exclude: frozenset[str] = frozenset(),
+        images: Sequence[PromptImage] = (),
     ) -> Decision[WorkerConnection] | None:
-        """Where a request for `model` whose tokens are `token_ids` costs least (router/fleet/routing.py), among
-        the available workers that serve the model, other than the addresses in `exclude` (those it
-        already failed on); None if there is none."""
+        """Where a request for `model` whose tokens are `token_ids` (with `images` in them) costs least
+        (router/fleet/routing.py), among the available workers that serve the model, other than the
+        addresses in `exclude` (those it already failed on); None if there is none."""
         candidates = [w for w in self.available if w.address not in exclude and model.served_by(w)]
         self._turn += 1
-        return choose(candidates, token_ids, self.routing, self._turn, model.cache_salt)
+        return choose(candidates, token_ids, self.routing, self._turn, model.cache_salt, images)
 
     async def wait_for_worker(
-        self, model: ModelChoice, token_ids: Sequence[int], exclude: frozenset[str], timeout: float
+        self,
+        model: ModelChoice,
+        token_ids: Sequence[int],
+        exclude: frozenset[str],
+        timeout: float,
+        images: Sequence[PromptImage] = (),
     ) -> Decision[WorkerConnection] | None:
-        """pick(model, token_ids, exclude), or else any available worker of the model, waiting up to
-        `timeout` seconds for one to connect (a worker restarting after a crash)."""
+        """pick(model, token_ids, exclude, images), or else any available worker of the model, waiting up
+        to `timeout` seconds for one to connect (a worker restarting after a crash)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while (decision := self.pick(model, token_ids, exclude) or self.pick(model, token_ids)) is None:
+        while (
+            decision := self.pick(model, token_ids, exclude, images)
+            or self.pick(model, token_ids, images=images)
+        ) is None:
             change = self._change
             try:
                 await asyncio.wait_for(change.wait(), deadline - loop.time())

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from nanovllm.common.block_hash import prefix_hashes
+from nanovllm.common.block_hash import PromptImage, prefix_hashes
 from nanovllm.common.server_config import RoutingConfig, RoutingPolicy
 
 
@@ -68,10 +68,12 @@ def choose(
     config: RoutingConfig,
     turn: int = 0,
     cache_salt: int | None = None,
+    images: Sequence[PromptImage] = (),
 ) -> Decision[C] | None:
     """The worker for a request whose prompt (plus any tokens it already generated) is `token_ids`, by
     the configured policy (`turn` counts the router's requests, for round-robin); None without
-    candidates. `cache_salt`: where its block hashes start (its LoRA adapter's, common/block_hash.py)."""
+    candidates. `cache_salt`: where its block hashes start (its LoRA adapter's, common/block_hash.py);
+    `images`: the prompt's, whose content its blocks' hashes cover."""
     if not candidates:
         return None
     if config.policy == RoutingPolicy.ROUND_ROBIN:
@@ -79,7 +81,7 @@ def choose(
     if config.policy == RoutingPolicy.LEAST_LOADED:
         worker = min(candidates, key=lambda w: w.queue_estimate)
         return Decision(worker, 0, float(worker.queue_estimate), len(candidates))
-    return _cheapest(candidates, _HashesBySize(token_ids, cache_salt), config)
+    return _cheapest(candidates, _HashesBySize(token_ids, cache_salt, images), config)
 
 
 def _cheapest(candidates: Sequence[C], hashes: _HashesBySize, weights: RoutingConfig) -> Decision[C] | None:
@@ -117,13 +119,16 @@ class _HashesBySize:
     """The prompt's block hashes, computed once per block size in use. The last token is left out, as the
     worker's prefix cache does: at least one token is always computed, to yield logits."""
 
-    def __init__(self, token_ids: Sequence[int], salt: int | None) -> None:
+    def __init__(self, token_ids: Sequence[int], salt: int | None, images: Sequence[PromptImage]) -> None:
         self.token_ids = token_ids
         self._salt = salt
+        self._images = images
         self._by_size: dict[int, list[int]] = {}
 
     def __call__(self, block_size: int) -> list[int]:
         if block_size not in self._by_size:
             usable = max(len(self.token_ids) - 1, 0)
-            self._by_size[block_size] = prefix_hashes(self.token_ids[:usable], block_size, salt=self._salt)
+            self._by_size[block_size] = prefix_hashes(
+                self.token_ids[:usable], block_size, salt=self._salt, images=self._images
+            )
         return self._by_size[block_size]

@@ -205,6 +205,8 @@ class ModelTokenizer:
         template that renders the earlier messages differently for the other content (Qwen3's looks for
         tool responses in the last query) makes it smaller."""
         content = messages[index]["content"]
+        if not isinstance(content, str):  # parts: the first one's text (an image's placeholder is no NUL)
+            content = content[0].get("text", "") if content else ""
         marker = "\x01" if content.startswith("\x00") else "\x00"
         marked = [*messages[:index], {**messages[index], "content": marker}, *messages[index + 1 :]]
         try:

@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 from opentelemetry.trace import Tracer
 
-from nanovllm.common.errors import EngineDeadError, UnknownAdapterError
+from nanovllm.common.errors import EngineDeadError, RequestError, UnknownAdapterError
+from nanovllm.common.images import ImagePatches, ImageProcessorConfig, patches_from_rgb
 from nanovllm.common.logging import get_logger
 from nanovllm.common.v1 import worker_pb2
-from nanovllm.common.wire import fields_to_message, sampling_from_wire
+from nanovllm.common.wire import fields_to_message, image_from_wire, sampling_from_wire
 from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.core.engine import LLMEngine
 from nanovllm.worker.sequence import TokenLogprobs
@@ -100,6 +101,7 @@ class EngineLoop:
         # The LoRA adapters loaded, as the link describes them; replaced (never changed) on the engine
         # thread, so other threads may read it.
         self.adapters: list[worker_pb2.LoRAAdapter] = []
+        self._image_processor: ImageProcessorConfig | None = None  # a vision model's, read at its first image
 
     # --- called from any thread -------------------------------------------------------------------
 
@@ -309,6 +311,7 @@ class EngineLoop:
                 output_token_ids=list(submit.output_token_ids),
                 lora_name=submit.lora_name or None,
                 shared_prefix_tokens=submit.shared_prefix_tokens,
+                images=self._images(submit) if submit.images else None,
             )
         except UnknownAdapterError as exc:
             self._fail(conn, submit.request_id, worker_pb2.ERROR_CODE_NOT_FOUND, str(exc))
@@ -317,6 +320,16 @@ class EngineLoop:
             self._fail(conn, submit.request_id, worker_pb2.ERROR_CODE_INVALID_ARGUMENT, str(exc))
             return
         self._in_flight[request.engine_id] = conn.requests[request.wire_id] = request
+
+    def _images(self, submit: worker_pb2.Submit) -> list[ImagePatches]:
+        """A submit's images cut into patches, as the offline LLM cuts them (its image processor's
+        configuration read at the first image)."""
+        if self._image_processor is None:
+            if self.engine.model_config.vision is None:
+                raise RequestError(f"{self.config.model} has no vision tower: it takes no images")
+            self._image_processor = ImageProcessorConfig.from_model_dir(self.config.model)
+        cfg = self._image_processor
+        return [patches_from_rgb(image_from_wire(image, k), cfg) for k, image in enumerate(submit.images)]
 
     def _abort(self, conn: Connection, wire_ids: list[str]) -> None:
         for wire_id in wire_ids:

@@ -104,7 +104,18 @@ def worker_info(
         dtype=placement.dtype_name,
         device=str(placement.device),
         shared_prefix_hints=shared_prefix_hints,
+        **_image_fields(config),
     )
+
+
+def _image_fields(config: EngineConfig) -> dict[str, Any]:
+    """A vision model's image processor configuration and placeholder token, for the router; nothing for
+    a model without a tower, or one whose image processor configuration is missing (it takes no images)."""
+    vision = config.model_config.vision
+    path = Path(config.model) / "preprocessor_config.json"
+    if vision is None or not path.is_file():
+        return {}
+    return {"image_processor_config": path.read_text(), "image_token_id": vision.image_token_id}
 
 
 async def coalesced(
