@@ -10,11 +10,12 @@ caller's side, so a worker serves every `dimensions` from one computation.
 from __future__ import annotations
 
 import math
+import string
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from nanovllm.common.errors import RequestError
+from nanovllm.common.errors import ConfigError, RequestError
 
 PoolingKind = Literal["embed", "score"]
 POOLING_KINDS: tuple[PoolingKind, ...] = ("embed", "score")
@@ -75,3 +76,14 @@ def relevance(logits: Sequence[float]) -> float:
         return 1.0 / (1.0 + math.exp(-diff))
     e = math.exp(diff)
     return e / (1.0 + e)
+
+
+def check_format(flag: str, text: str, fields: tuple[str, ...]) -> None:
+    """A prompt format (a str.format template) uses exactly `fields`, else ConfigError naming `flag`."""
+    try:
+        used = {name for _, name, _, _ in string.Formatter().parse(text) if name is not None}
+    except ValueError as exc:
+        raise ConfigError(f"{flag} is not a valid format: {exc}") from None
+    if used != set(fields):
+        want = ", ".join("{" + f + "}" for f in fields)
+        raise ConfigError(f"{flag} must use exactly {want}; it uses {sorted(used)}")

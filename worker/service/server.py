@@ -104,6 +104,8 @@ def worker_info(
         dtype=placement.dtype_name,
         device=str(placement.device),
         shared_prefix_hints=shared_prefix_hints,
+        hidden_size=shape.hidden_size,
+        has_head=shape.has_head,
     )
 
 
