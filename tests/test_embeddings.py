@@ -10,7 +10,9 @@ that is well under 1e-5, and a sigmoid's slope is at most 1/4.
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -122,6 +124,21 @@ def test_base_model_layout(base_model_dir: Path, reference: list[torch.Tensor]) 
         llm.generate([[5, 6, 7]], greedy(4), use_tqdm=False)
     with pytest.raises(RequestError, match="cannot score"):
         llm.score(QUERY, DOCUMENTS, use_tqdm=False)
+
+
+def test_unprefixed_tensors_under_a_causal_lm_config(
+    base_model_dir: Path, reference: list[torch.Tensor], tmp_path: Path
+) -> None:
+    """The base model's tensors (no `model.` prefix, no head) under a config that names the causal LM with
+    tied embeddings, as an embedding checkpoint may ship: they load, the head being the embeddings."""
+    path = tmp_path / "causal-lm-config"
+    shutil.copytree(base_model_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    config |= {"architectures": ["Qwen3ForCausalLM"], "tie_word_embeddings": True}
+    (path / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(path), **ENGINE)
+    for got, want in zip(_vectors(llm.embed(TEXTS, use_tqdm=False)), reference):
+        assert (got - want).abs().max().item() < 1e-5
 
 
 def test_rerank_scores_equal_transformers(model_dir: Path, llm: LLM) -> None:

@@ -170,9 +170,11 @@ class PoolingCalls:
         tasks = [asyncio.ensure_future(self._one(model, ids, params)) for ids in prompts]
         try:
             return list(await asyncio.gather(*tasks))
-        finally:
+        except BaseException:  # one failed, or the call was cancelled: the others' requests are aborted
             for task in tasks:
                 task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
     async def _one(self, model: ModelChoice, token_ids: list[int], params: PoolingParams) -> Pooled:
         """One input's vector, from the first worker that serves it."""

@@ -24,6 +24,7 @@ from nanovllm.router.fleet.pool import ModelRefused, WorkerPool, resolve_model
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 
 T = TypeVar("T")
+P = TypeVar("P", generate_pb2.EmbedResponse, generate_pb2.ScoreResponse)
 
 
 class GenerationService(generate_pb2_grpc.GenerationServicer):
@@ -116,9 +117,9 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     async def score(self, request: generate_pb2.ScoreRequest, context: Any) -> generate_pb2.ScoreResponse:
         return await self._pooling(self.pooling.score(request), context)
 
-    async def _pooling(self, call: Coroutine[Any, Any, T], context: Any) -> T:
-        """Run an Embed or Score call under the caller's lease (auth and limits, as a stream), ending it
-        with the status it failed with."""
+    async def _pooling(self, call: Coroutine[Any, Any, P], context: Any) -> P:
+        """Run an Embed or Score call under the caller's lease (auth and limits, as a stream; its prompt
+        tokens charged), ending it with the status it failed with."""
         try:
             if self.draining:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is shutting down; retry")
@@ -126,12 +127,19 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         except BaseException:
             call.close()  # never started
             raise
+        self._in_flight += 1  # a drain waits for it as for a stream
+        self.idle.clear()
         try:
-            return await call
+            result = await call
+            lease.charge(result.prompt_tokens)
+            return result
         except PoolingFailed as exc:
             await context.abort(exc.code, str(exc))
         finally:
             lease.close()
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self.idle.set()
         raise AssertionError("context.abort returns only by raising")
 
     async def Tokenize(

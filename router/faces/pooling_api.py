@@ -62,9 +62,9 @@ def parse_embeddings(body: Any) -> tuple[generate_pb2.EmbedRequest, str]:
         )
     dimensions = body.get("dimensions")
     if dimensions is not None:
-        if not _is_int(dimensions) or dimensions < 1:
+        if not _is_int(dimensions) or not 1 <= dimensions < 2**32:
             raise ProtocolError("dimensions", f"dimensions must be a positive integer, got {dimensions!r}")
-        request.dimensions = min(dimensions, 2**32 - 1)
+        request.dimensions = dimensions
     encoding = body.get("encoding_format", "float")
     if encoding not in ENCODING_FORMATS:
         raise ProtocolError("encoding_format", f"encoding_format must be float or base64, got {encoding!r}")

@@ -242,8 +242,8 @@ class DecoderForCausalLM(nn.Module):
 
     def checkpoint_name(self, name: str) -> str | None:
         """A checkpoint's tensor under this model's name: a base model's (Qwen3-Embedding's layout) are
-        named without the `model.` prefix."""
-        if self.lm_head is None and not name.startswith("model."):
+        named without the `model.` prefix, whatever its config's architectures say."""
+        if not name.startswith(("model.", "lm_head.")):
             return "model." + name
         return name
 
