@@ -8,11 +8,16 @@ from collections.abc import Sequence
 from nanovllm.common.errors import RequestError
 
 
-def check_prompt(token_ids: Sequence[int], max_model_len: int, vocab_size: int) -> None:
+def check_prompt(
+    token_ids: Sequence[int], max_model_len: int, vocab_size: int, generates: bool = True
+) -> None:
+    """`generates`: False for a pooling request (common/pooling.py), which may fill max_model_len."""
     n = len(token_ids)
     if n == 0:
         raise RequestError("the prompt has no tokens; it needs at least one")
-    if n >= max_model_len:
+    if not generates and n > max_model_len:
+        raise RequestError(f"the input has {n} tokens but max_model_len is {max_model_len}")
+    if generates and n >= max_model_len:
         raise RequestError(
             f"the prompt has {n} tokens but max_model_len is {max_model_len}: at most {max_model_len - 1} "
             f"leave room to generate"

@@ -8,6 +8,7 @@ from enum import Enum
 
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.options import flag_name, option
+from nanovllm.common.pooling import EMBED_INSTRUCTION, RERANK_INSTRUCTION, check_format
 from nanovllm.common.tls import TlsFiles
 
 # --reasoning-parser's values (router/calls/reasoning.py): auto, none, or a model family's marker format.
@@ -115,6 +116,9 @@ class RequestLimits:
         5.0,
         flag="--image-url-timeout",
         help="longest an image URL's fetch may take, connecting and reading, in seconds",
+    )
+    max_pooling_inputs: int = option(
+        256, help="most inputs (texts, token-id lists, documents) in one embeddings, rerank or score call"
     )
     # English averages about 4 bytes per token: a prompt over 16 per token of max_model_len cannot fit.
     prompt_bytes_per_token: int = 16
@@ -246,6 +250,22 @@ class RouterConfig:
         "none (calls stay in text)",
     )
 
+    embed_query_format: str | None = option(
+        None,
+        help="how an embeddings call's query texts (input_type query) are written before they are embedded, "
+        "with {instruction} and {query}; unset: Qwen3-Embedding's published format (docs/api.md)",
+    )
+    embed_instruction: str = option(EMBED_INSTRUCTION, help="the {instruction} of --embed-query-format")
+    rerank_format: str | None = option(
+        None,
+        help="the judge prompt a reranker scores each document in, with {instruction}, {query} and "
+        '{document}; its score is sigmoid(logit("yes") - logit("no")) at its last token; unset: '
+        "Qwen3-Reranker's published prompt (docs/api.md)",
+    )
+    rerank_instruction: str = option(
+        RERANK_INSTRUCTION, help="the {instruction} of --rerank-format when a call gives none"
+    )
+
     def __post_init__(self) -> None:
         if self.processes < 1:
             raise ConfigError(f"--processes must be at least 1, got {self.processes}")
@@ -266,9 +286,16 @@ class RouterConfig:
         for flag, value in (
             ("--max-buffered-responses", self.max_buffered_responses),
             ("--tokenizer-threads", self.tokenizer_threads),
+            ("--max-pooling-inputs", self.limits.max_pooling_inputs),
         ):
             if value < 1:
                 raise ConfigError(f"{flag} must be at least 1, got {value}")
+        for name, fields in (
+            ("embed_query_format", ("instruction", "query")),
+            ("rerank_format", ("instruction", "query", "document")),
+        ):
+            if getattr(self, name) is not None:
+                check_format(flag_name(RouterConfig, name), getattr(self, name), fields)
         for name, allowed in (
             ("reasoning_parser", REASONING_PARSERS),
             ("tool_call_parser", TOOL_CALL_PARSERS),

@@ -12,15 +12,20 @@ structured-output constraints are one `oneof`, its unset members None (or False)
 
 from __future__ import annotations
 
+import array
 import dataclasses
-from typing import Any, TypeVar
+import sys
+from collections.abc import Iterable
+from typing import Any, TypeVar, cast
 
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from nanovllm.common.errors import RequestError
 from nanovllm.common.images import ResizedImage
+from nanovllm.common.pooling import PoolingKind, PoolingParams
 from nanovllm.common.sampling_params import SamplingParams
+from nanovllm.common.v1 import worker_pb2
 
 M = TypeVar("M", bound=Message)
 
@@ -96,3 +101,34 @@ def image_from_wire(message: Any, index: int) -> ResizedImage:
     import numpy as np
 
     return ResizedImage.of(np.frombuffer(message.rgb, np.uint8).reshape(height, width, 3))
+
+
+def pooling_to_wire(params: PoolingParams) -> worker_pb2.Pooling:
+    kind = worker_pb2.PoolingKind.Value(f"POOLING_KIND_{params.kind.upper()}")
+    return worker_pb2.Pooling(kind=kind, token_ids=params.token_ids)
+
+
+def pooling_from_wire(message: worker_pb2.Pooling) -> PoolingParams:
+    """The link's Pooling as PoolingParams; an unset kind is refused by name (RequestError)."""
+    if message.kind == worker_pb2.POOLING_KIND_UNSPECIFIED:
+        raise RequestError("Submit.pooling.kind is unset: POOLING_KIND_EMBED or POOLING_KIND_SCORE")
+    name = worker_pb2.PoolingKind.Name(message.kind).removeprefix("POOLING_KIND_").lower()
+    return PoolingParams(cast(PoolingKind, name), tuple(message.token_ids))
+
+
+def floats_to_bytes(values: Iterable[float]) -> bytes:
+    """float32 values as little-endian bytes (RequestUpdate.pooled)."""
+    packed = array.array("f", values)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def floats_from_bytes(data: bytes) -> list[float]:
+    """RequestUpdate.pooled's float32 values."""
+    if len(data) % 4:
+        raise ValueError(f"{len(data)} bytes are not whole float32 values")
+    packed = array.array("f", data)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tolist()

@@ -81,7 +81,10 @@ VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video
 VISION_START_ID, VISION_END_ID, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = 2, 3, 4, 5
 
 
-def build_tokenizer(chat_template: str = CHAT_TEMPLATE, vision: bool = False) -> PreTrainedTokenizerFast:
+def build_tokenizer(
+    chat_template: str = CHAT_TEMPLATE, vision: bool = False, words: tuple[str, ...] = ()
+) -> PreTrainedTokenizerFast:
+    """`words`: trained on often enough to be one token each (a reranker's "yes" and "no")."""
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -91,7 +94,7 @@ def build_tokenizer(chat_template: str = CHAT_TEMPLATE, vision: bool = False) ->
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS, trainer)
+    tok.train_from_iterator(_CORPUS + list(words) * 50, trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", chat_template=chat_template
     )

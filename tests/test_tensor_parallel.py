@@ -14,7 +14,7 @@ import pytest
 from nanovllm import LLM
 from nanovllm.common.errors import ConfigError, EngineDeadError
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
-from nanovllm.worker.step import KVLoad, KVStore, KVTransfers, SeqChunk, StateStore, StepInputs
+from nanovllm.worker.step import KVLoad, KVStore, KVTransfers, PoolingRow, SeqChunk, StateStore, StepInputs
 from tests.helpers import TP_ENGINE, TP_PROMPTS, compare_tp, greedy, rank_processes
 from tests.model_factory import ALL_LORA_TARGETS, build_model, make_adapter
 from tests.services import start_router, start_worker, wait_serving
@@ -41,15 +41,16 @@ def test_step_inputs_reach_the_other_ranks_whole() -> None:
 def test_kv_transfers_and_prompt_rows_reach_the_other_ranks_whole() -> None:
     """A step's copies to and from the lower tiers travel with its inputs, block hashes of all 64 bits
     included (packed as signed integers), a hybrid model's state rows with them, and so do the rows whose
-    logits score prompt tokens."""
+    logits score prompt tokens, and the pooling requests' rows."""
     transfers = KVTransfers(
         stores=[KVStore(3, 2**64 - 1, 0, True), KVStore(4, 7, -1, True)], fences=[3, 9],
         loads=[KVLoad(2**63, 5, -1), KVLoad(2**63 - 1, 6, 2, 12, 1)], disk_drops=[2**63 + 5, 11],
         state_stores=[StateStore(10, 2**64 - 2, 0, True), StateStore(11, 8, -1, True)],
     )  # fmt: skip
     inputs = StepInputs(
-        [5, 6], [0, 1], [40, 41], [], [SeqChunk(0, 2, [5])], [], [1], kv_transfers=transfers, prompt_rows=[0]
-    )
+        [5, 6], [0, 1], [40, 41], [], [SeqChunk(0, 2, [5])], [], [1], kv_transfers=transfers, prompt_rows=[0],
+        pooling=[PoolingRow(7, 1, [3, 4]), PoolingRow(8, 0, [])],
+    )  # fmt: skip
     assert StepInputs.unpack(inputs.pack()) == inputs
     empty = StepInputs([], [], [], [], [], [], [], kv_transfers=transfers)
     assert StepInputs.unpack(empty.pack()) == empty

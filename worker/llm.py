@@ -14,6 +14,14 @@ from tqdm.auto import tqdm
 
 from nanovllm.common.errors import ConfigError, RequestError
 from nanovllm.common.images import ImagePatches, ImageProcessorConfig, expand_placeholders, patchify
+from nanovllm.common.pooling import (
+    RERANK_FORMAT,
+    RERANK_INSTRUCTION,
+    RERANK_TOKENS,
+    PoolingParams,
+    normalized,
+    relevance,
+)
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.core.engine import LLMEngine
@@ -122,6 +130,95 @@ class LLM:
         results = self._run(len(ids), use_tqdm)
         return [self._to_dict(results[request_id]) for request_id in ids]
 
+    def embed(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        dimensions: int | None = None,
+        use_tqdm: bool = True,
+        lora_name: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Embed each prompt (text or token ids), as vLLM's `LLM.embed`: the last token's final hidden
+        state, its first `dimensions` values (all with None) scaled to unit length. Outputs in prompt order:
+        {"embedding", "num_prompt_tokens", "num_cached_tokens"}. Texts are embedded as given: an embedding
+        model's query instruction is the caller's (common/pooling.py EMBED_QUERY_FORMAT)."""
+        one = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        batch = cast("list[str | list[int]]", [prompts] if one else prompts)
+        results = self._pool([self._encode(p) for p in batch], PoolingParams("embed"), use_tqdm, lora_name)
+        return [
+            {
+                "embedding": normalized(r["pooled"].tolist(), dimensions),
+                "num_prompt_tokens": r["num_prompt_tokens"],
+                "num_cached_tokens": r["num_cached_tokens"],
+            }
+            for r in results
+        ]
+
+    def score(
+        self,
+        data_1: str | list[str],
+        data_2: str | list[str],
+        instruction: str = RERANK_INSTRUCTION,
+        use_tqdm: bool = True,
+    ) -> list[dict[str, Any]]:
+        """Rerank scores, as vLLM's `LLM.score`: each query of `data_1` (one for all, or one per document)
+        against each document of `data_2`, through Qwen3-Reranker's judge prompt (common/pooling.py
+        RERANK_FORMAT): sigmoid(logit("yes") - logit("no")) at its last token. Outputs in document order:
+        {"score", "num_prompt_tokens", "num_cached_tokens"}."""
+        queries = [data_1] if isinstance(data_1, str) else list(data_1)
+        documents = [data_2] if isinstance(data_2, str) else list(data_2)
+        if len(queries) == 1:
+            queries = queries * len(documents)
+        if len(queries) != len(documents):
+            raise RequestError(
+                f"score takes one query for all documents or one per document; got {len(queries)} queries "
+                f"for {len(documents)} documents"
+            )
+        prompts = [
+            RERANK_FORMAT.format(instruction=instruction, query=q, document=d)
+            for q, d in zip(queries, documents)
+        ]
+        params = PoolingParams("score", tuple(self._single_token(word) for word in RERANK_TOKENS))
+        results = self._pool([self._encode(p) for p in prompts], params, use_tqdm, None)
+        return [
+            {
+                "score": relevance(r["pooled"].tolist()),
+                "num_prompt_tokens": r["num_prompt_tokens"],
+                "num_cached_tokens": r["num_cached_tokens"],
+            }
+            for r in results
+        ]
+
+    def _single_token(self, word: str) -> int:
+        """The id of `word` as one token of the tokenizer (a reranker's "yes" and "no")."""
+        if self.tokenizer is None:
+            raise ConfigError(f"{self.config.model} has no tokenizer: score needs its {word!r} token")
+        ids = self.tokenizer.encode(word, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ConfigError(
+                f"{self.config.model}'s tokenizer spells {word!r} as {len(ids)} tokens {ids}, not one"
+            )
+        return ids[0]
+
+    def _pool(
+        self, prompts: list[list[int]], params: PoolingParams, use_tqdm: bool, lora_name: str | None
+    ) -> list[dict[str, Any]]:
+        """Run each prompt as a pooling request; their results in prompt order."""
+        ids: list[str] = []
+        try:
+            for token_ids in prompts:
+                request_id = str(next(self._request_ids))
+                self.engine.add_request(
+                    request_id, token_ids, SamplingParams(), lora_name=lora_name, pooling=params
+                )
+                ids.append(request_id)
+        except RequestError:
+            for request_id in ids:  # none of the batch runs when one prompt is refused
+                self.engine.abort_request(request_id)
+            self._run(len(ids), use_tqdm=False)
+            raise
+        results = self._run(len(ids), use_tqdm)
+        return [results[request_id] for request_id in ids]
+
     def _prompt_inputs(self, prompt: Prompt) -> tuple[list[int], list[ImagePatches]]:
         """A prompt's token ids, with each image's placeholder expanded, and its images' patches."""
         if not isinstance(prompt, dict):
@@ -180,6 +277,8 @@ class LLM:
                 entry["logprobs"].extend(out.new_logprobs)
                 if out.prompt_logprobs is not None:
                     entry["prompt_logprobs"] = out.prompt_logprobs
+                if out.pooled is not None:
+                    entry["pooled"] = out.pooled
                 entry["num_prompt_tokens"] = out.num_prompt_tokens
                 entry["num_cached_tokens"] = out.num_cached_tokens
                 if out.finished:

@@ -29,7 +29,11 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "Qwen3MoeForCausalLM": ArchitectureSpec(qk_norm=True, qkv_bias=False),
     "Qwen3_5ForCausalLM": ArchitectureSpec(qk_norm=True, qkv_bias=False),
     "Qwen3_5MoeForCausalLM": ArchitectureSpec(qk_norm=True, qkv_bias=False),
+    "Qwen3Model": ArchitectureSpec(qk_norm=True, qkv_bias=False),
 }
+# Checkpoints of the decoder without its output head (Qwen3-Embedding's layout: transformers' base model,
+# tensors named without the `model.` prefix): served for pooling requests (embeddings) only.
+HEADLESS_ARCHITECTURES = ("Qwen3Model",)
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 
 # Published multimodal checkpoints whose language model is one of the above: their `text_config` and the
@@ -475,6 +479,7 @@ class ModelConfig:
     hybrid: HybridSpec | None = None
     vision: VisionSpec | None = None  # a multimodal checkpoint's vision tower
     quantization: CheckpointQuantization | None = None  # quantized before it shipped
+    has_head: bool = True  # False: a base model without its output head (HEADLESS_ARCHITECTURES)
 
     @property
     def num_attention_layers(self) -> int:
@@ -563,6 +568,7 @@ class ModelConfig:
             hybrid=hybrid,
             vision=vision,
             quantization=None if quantization is None else CheckpointQuantization.from_hf_dict(quantization),
+            has_head=arch not in HEADLESS_ARCHITECTURES,
         )
 
     @property
@@ -572,7 +578,9 @@ class ModelConfig:
             self.hidden_size * self.head_dim * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
         )
         mlp = 3 * self.hidden_size * self.intermediate_size
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        embeddings = (
+            self.vocab_size * self.hidden_size * (2 if self.has_head and not self.tie_word_embeddings else 1)
+        )
         total = self.num_hidden_layers * (attention + mlp) + embeddings
         if self.hybrid is not None:  # the gate half of q_proj; the linear layers instead of attention
             h = self.hybrid

@@ -11,6 +11,7 @@ from typing import Protocol
 from nanovllm.common.block_hash import block_key
 from nanovllm.common.errors import InvalidStateTransition
 from nanovllm.common.images import ImagePatches
+from nanovllm.common.pooling import PoolingParams
 from nanovllm.common.sampling_params import SamplingParams
 
 
@@ -175,6 +176,9 @@ class Sequence:
     shared_prefix_tokens: int = 0
     grammar: GrammarState | None = None  # structured output: where the request is in its constraint
     adapter: Adapter | None = None  # LoRA: None runs the base model
+    # A pooling request (embeddings, rerank scores): its prompt is computed and its last token's vector
+    # returned, then it finishes; it generates nothing (common/pooling.py).
+    pooling: PoolingParams | None = None
     timeline: RequestTimeline = field(default_factory=RequestTimeline)
     # The last tokens of `token_ids` that a step in flight is picking: their places are held (by
     # PENDING_TOKEN) so the next step can be scheduled before the host knows them (LLMEngine.step).

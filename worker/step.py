@@ -37,9 +37,13 @@ class ScheduledSequence:
     # new token (with proposals: the logits at the last token and at each proposal pick one each). Fixed
     # here: the step appends its pick's place to the sequence when it is launched.
     samples: bool = field(init=False)
+    # True instead when the sequence is a pooling request: its last token's vector is its result.
+    pools: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.samples = self.start + self.num_new_tokens - len(self.spec_token_ids) == len(self.seq.token_ids)
+        ends = self.start + self.num_new_tokens - len(self.spec_token_ids) == len(self.seq.token_ids)
+        self.pools = ends and self.seq.pooling is not None
+        self.samples = ends and not self.pools
 
 
 @dataclass(slots=True)
@@ -202,6 +206,17 @@ class PromptScoring:
 
 
 @dataclass(slots=True)
+class PoolingRow:
+    """Row `row` of a step is the last prompt token of sequence `seq_id`, a pooling request: its result is
+    the row's final hidden state (`token_ids` empty) or the output head's logits of `token_ids` there
+    (common/pooling.py)."""
+
+    seq_id: int
+    row: int
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
 class ImageRows:
     """Rows [row, row + count) of a step are tokens [first, first + count) of `image`'s tokens."""
 
@@ -239,12 +254,15 @@ class StepInputs:
     # `positions` turn RoPE.
     mrope_positions: list[int] = field(default_factory=list)
     image_rows: list[ImageRows] = field(default_factory=list)
+    # The rows whose vector a pooling request returns (every rank computes them: a score's head rows are
+    # split between the ranks).
+    pooling: list[PoolingRow] = field(default_factory=list)
 
     def pack(self) -> torch.Tensor:
         """[counts..., input_ids, positions, slot_mapping, (start, n, state slot, restore, saves, *saves, len,
         *table) per chunk, logits_index,
-        lora_slots, the UTF-8 bytes of lora_fills as JSON, prompt_rows, kv_transfers] (not
-        prompt_scoring: rank 0's)"""
+        lora_slots, the UTF-8 bytes of lora_fills as JSON, prompt_rows, (seq_id, row, len, *token_ids) per
+        pooling row, kv_transfers] (not prompt_scoring: rank 0's)"""
         if self.deferred:
             raise RuntimeError("a step whose tokens are still on rank 0's device cannot go to other ranks")
         if self.mrope_positions:
@@ -260,6 +278,9 @@ class StepInputs:
                 values += [len(chunk.state_saves), *(v for save in chunk.state_saves for v in save)]
                 values += [len(chunk.block_table), *chunk.block_table]
         values += self.logits_index + self.lora_slots + fills + [len(self.prompt_rows), *self.prompt_rows]
+        values.append(len(self.pooling))
+        for p in self.pooling:
+            values += [p.seq_id, p.row, len(p.token_ids), *p.token_ids]
         values += self.kv_transfers.pack()
         return host_tensor(values)
 
@@ -289,12 +310,16 @@ class StepInputs:
         lora_fills = [tuple(fill) for fill in json.loads(bytes(fills))] if fills else []
         (num_prompt_rows,) = take(1)
         prompt_rows = take(num_prompt_rows)
+        pooling = []
+        for _ in range(take(1)[0]):
+            seq_id, row, num_ids = take(3)
+            pooling.append(PoolingRow(seq_id, row, take(num_ids)))
         kv_transfers, _ = KVTransfers.unpack(values[pos:])
         decodes, fresh, cached = groups
         return cls(
             input_ids, positions, slot_mapping, decodes, fresh, cached, logits_index=logits_index,
             lora_slots=lora_slots,
-            lora_fills=lora_fills, kv_transfers=kv_transfers, prompt_rows=prompt_rows,
+            lora_fills=lora_fills, kv_transfers=kv_transfers, prompt_rows=prompt_rows, pooling=pooling,
         )  # fmt: skip
 
 
@@ -331,6 +356,8 @@ class ModelRunnerOutput:
     kv_failed_writes: list[int] = field(default_factory=list)
     # By seq_id: the logprobs of the prompt tokens the step scored, following those scored before.
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    # By seq_id: the result of each pooling request the step finished (float32, on the host).
+    pooled: dict[int, torch.Tensor] = field(default_factory=dict)
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
@@ -354,6 +381,8 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: on the output that brings the first token, one per prompt token
     # (None for the first, which nothing precedes).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # A pooling request's result, on its one output (float32, on the host: common/pooling.py).
+    pooled: torch.Tensor | None = None
 
     @property
     def finished(self) -> bool:

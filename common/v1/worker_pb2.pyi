@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PoolingKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOLING_KIND_UNSPECIFIED: _ClassVar[PoolingKind]
+    POOLING_KIND_EMBED: _ClassVar[PoolingKind]
+    POOLING_KIND_SCORE: _ClassVar[PoolingKind]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -22,6 +28,9 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_INTERNAL: _ClassVar[ErrorCode]
     ERROR_CODE_UNAVAILABLE: _ClassVar[ErrorCode]
     ERROR_CODE_NOT_FOUND: _ClassVar[ErrorCode]
+POOLING_KIND_UNSPECIFIED: PoolingKind
+POOLING_KIND_EMBED: PoolingKind
+POOLING_KIND_SCORE: PoolingKind
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -84,7 +93,7 @@ class Choice(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Submit(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "client_request_id", "output_token_ids", "trace_context", "lora_name", "shared_prefix_tokens", "images")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "client_request_id", "output_token_ids", "trace_context", "lora_name", "shared_prefix_tokens", "images", "pooling")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +111,7 @@ class Submit(_message.Message):
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     SHARED_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -112,7 +122,8 @@ class Submit(_message.Message):
     lora_name: str
     shared_prefix_tokens: int
     images: _containers.RepeatedCompositeFieldContainer[Image]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., client_request_id: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., lora_name: _Optional[str] = ..., shared_prefix_tokens: _Optional[int] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ...) -> None: ...
+    pooling: Pooling
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., client_request_id: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., lora_name: _Optional[str] = ..., shared_prefix_tokens: _Optional[int] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., pooling: _Optional[_Union[Pooling, _Mapping]] = ...) -> None: ...
 
 class Image(_message.Message):
     __slots__ = ("height", "width", "rgb")
@@ -123,6 +134,14 @@ class Image(_message.Message):
     width: int
     rgb: bytes
     def __init__(self, height: _Optional[int] = ..., width: _Optional[int] = ..., rgb: _Optional[bytes] = ...) -> None: ...
+
+class Pooling(_message.Message):
+    __slots__ = ("kind", "token_ids")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    kind: PoolingKind
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[_Union[PoolingKind, str]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("request_ids",)
@@ -161,7 +180,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class RequestUpdate(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "error_code", "error_message", "timings", "prompt_logprobs")
+    __slots__ = ("request_id", "new_token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "error_code", "error_message", "timings", "prompt_logprobs", "pooled")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +191,7 @@ class RequestUpdate(_message.Message):
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POOLED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
@@ -182,7 +202,8 @@ class RequestUpdate(_message.Message):
     error_message: str
     timings: WorkerTimings
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error_code: _Optional[_Union[ErrorCode, str]] = ..., error_message: _Optional[str] = ..., timings: _Optional[_Union[WorkerTimings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    pooled: bytes
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error_code: _Optional[_Union[ErrorCode, str]] = ..., error_message: _Optional[str] = ..., timings: _Optional[_Union[WorkerTimings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., pooled: _Optional[bytes] = ...) -> None: ...
 
 class WorkerTimings(_message.Message):
     __slots__ = ("queue_s", "prefill_s")
@@ -265,7 +286,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "architectures", "max_model_len", "vocab_size", "eos_token_ids", "kvcache_block_size", "num_kv_blocks", "max_num_seqs", "tokenizer_files", "chat_template", "dtype", "device", "adapters", "shared_prefix_hints", "image_processor_config", "image_token_id")
+    __slots__ = ("model", "architectures", "max_model_len", "vocab_size", "eos_token_ids", "kvcache_block_size", "num_kv_blocks", "max_num_seqs", "tokenizer_files", "chat_template", "dtype", "device", "adapters", "shared_prefix_hints", "image_processor_config", "image_token_id", "hidden_size", "has_head")
     class TokenizerFilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +310,8 @@ class WorkerInfo(_message.Message):
     SHARED_PREFIX_HINTS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_PROCESSOR_CONFIG_FIELD_NUMBER: _ClassVar[int]
     IMAGE_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HAS_HEAD_FIELD_NUMBER: _ClassVar[int]
     model: str
     architectures: _containers.RepeatedScalarFieldContainer[str]
     max_model_len: int
@@ -305,7 +328,9 @@ class WorkerInfo(_message.Message):
     shared_prefix_hints: bool
     image_processor_config: str
     image_token_id: int
-    def __init__(self, model: _Optional[str] = ..., architectures: _Optional[_Iterable[str]] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kvcache_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., chat_template: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., shared_prefix_hints: _Optional[bool] = ..., image_processor_config: _Optional[str] = ..., image_token_id: _Optional[int] = ...) -> None: ...
+    hidden_size: int
+    has_head: bool
+    def __init__(self, model: _Optional[str] = ..., architectures: _Optional[_Iterable[str]] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kvcache_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., chat_template: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., shared_prefix_hints: _Optional[bool] = ..., image_processor_config: _Optional[str] = ..., image_token_id: _Optional[int] = ..., hidden_size: _Optional[int] = ..., has_head: _Optional[bool] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()

@@ -344,3 +344,51 @@ class ModelInfo(_message.Message):
     num_workers: int
     dtype: str
     def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., architectures: _Optional[_Iterable[str]] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_workers: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("model", "texts", "token_ids", "dimensions", "input_type")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    dimensions: int
+    input_type: str
+    def __init__(self, model: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., dimensions: _Optional[int] = ..., input_type: _Optional[str] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embeddings", "prompt_tokens")
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    prompt_tokens: int
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("model", "query", "documents", "instruction")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    query: str
+    documents: _containers.RepeatedScalarFieldContainer[str]
+    instruction: str
+    def __init__(self, model: _Optional[str] = ..., query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., instruction: _Optional[str] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("scores", "prompt_tokens")
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    scores: _containers.RepeatedScalarFieldContainer[float]
+    prompt_tokens: int
+    def __init__(self, scores: _Optional[_Iterable[float]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...

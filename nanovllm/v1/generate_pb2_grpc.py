@@ -55,6 +55,16 @@ class GenerationStub:
                 request_serializer=nanovllm_dot_v1_dot_generate__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=nanovllm_dot_v1_dot_generate__pb2.ModelList.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/nanovllm.v1.Generation/Embed',
+                request_serializer=nanovllm_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=nanovllm_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
+                _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/nanovllm.v1.Generation/Score',
+                request_serializer=nanovllm_dot_v1_dot_generate__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=nanovllm_dot_v1_dot_generate__pb2.ScoreResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -97,6 +107,23 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """An embedding per input (an embedding model's, Qwen3-Embedding's: the last token's final hidden state,
+        unit length). INVALID_ARGUMENT names the field and the numbers: no inputs, more than the router's
+        --max-pooling-inputs, an empty input or one over max_model_len, dimensions over the model's size.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Score(self, request, context):
+        """A rerank score per document against the query (a reranker's, Qwen3-Reranker's: sigmoid(logit("yes") -
+        logit("no")) after its judge prompt), in the documents' order. Errors as Embed's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -119,6 +146,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=nanovllm_dot_v1_dot_generate__pb2.ListModelsRequest.FromString,
                     response_serializer=nanovllm_dot_v1_dot_generate__pb2.ModelList.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=nanovllm_dot_v1_dot_generate__pb2.EmbedRequest.FromString,
+                    response_serializer=nanovllm_dot_v1_dot_generate__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=nanovllm_dot_v1_dot_generate__pb2.ScoreRequest.FromString,
+                    response_serializer=nanovllm_dot_v1_dot_generate__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -230,6 +267,60 @@ class Generation:
             '/nanovllm.v1.Generation/ListModels',
             nanovllm_dot_v1_dot_generate__pb2.ListModelsRequest.SerializeToString,
             nanovllm_dot_v1_dot_generate__pb2.ModelList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanovllm.v1.Generation/Embed',
+            nanovllm_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
+            nanovllm_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanovllm.v1.Generation/Score',
+            nanovllm_dot_v1_dot_generate__pb2.ScoreRequest.SerializeToString,
+            nanovllm_dot_v1_dot_generate__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

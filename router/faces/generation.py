@@ -1,10 +1,10 @@
 """The public Generation service (nanovllm.v1.Generation): Generate, Tokenize, GetModelInfo, ListModels,
-for the gRPC face and the HTTP face alike."""
+Embed and Score, for the gRPC face and the HTTP face alike."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -15,6 +15,7 @@ from nanovllm.common.server_config import RouterConfig
 from nanovllm.common.wire import fields_to_message
 from nanovllm.router.calls.call import GenerateCall, reject
 from nanovllm.router.calls.metrics import RouterMetrics
+from nanovllm.router.calls.pooling import PoolingCalls, PoolingFailed
 from nanovllm.router.calls.validation import NoTokenizerError, check_prompt_size, tokenize_request
 from nanovllm.router.faces.auth import Access
 from nanovllm.router.fleet.catalog import ModelChoice
@@ -22,6 +23,7 @@ from nanovllm.router.fleet.pool import ModelRefused, WorkerPool, resolve_model
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 
 T = TypeVar("T")
+P = TypeVar("P", generate_pb2.EmbedResponse, generate_pb2.ScoreResponse)
 
 
 class GenerationService(generate_pb2_grpc.GenerationServicer):
@@ -44,6 +46,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         self.idle = asyncio.Event()  # set while no Generate call is in flight
         self.idle.set()
         self._tokenizers = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
+        self.pooling = PoolingCalls(pool, config, self._off_loop)
 
     def close(self) -> None:
         self._tokenizers.shutdown(wait=False, cancel_futures=True)
@@ -95,6 +98,48 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             self._in_flight -= 1
             if self._in_flight == 0:
                 self.idle.set()
+
+    async def Embed(
+        self, request: generate_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.EmbedResponse:
+        return await self.embed(request, context)
+
+    async def Score(
+        self, request: generate_pb2.ScoreRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.ScoreResponse:
+        return await self.score(request, context)
+
+    async def embed(self, request: generate_pb2.EmbedRequest, context: Any) -> generate_pb2.EmbedResponse:
+        """One Embed call, for either face (`context` as generate's)."""
+        return await self._pooling(self.pooling.embed(request), context)
+
+    async def score(self, request: generate_pb2.ScoreRequest, context: Any) -> generate_pb2.ScoreResponse:
+        return await self._pooling(self.pooling.score(request), context)
+
+    async def _pooling(self, call: Coroutine[Any, Any, P], context: Any) -> P:
+        """Run an Embed or Score call under the caller's lease (auth and limits, as a stream; its prompt
+        tokens charged), ending it with the status it failed with."""
+        try:
+            if self.draining:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is shutting down; retry")
+            lease = await self.access.admit(context)
+        except BaseException:
+            call.close()  # never started
+            raise
+        self._in_flight += 1  # a drain waits for it as for a stream
+        self.idle.clear()
+        try:
+            result = await call
+            lease.charge(result.prompt_tokens)
+            return result
+        except PoolingFailed as exc:
+            await context.abort(exc.code, str(exc))
+        finally:
+            lease.close()
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self.idle.set()
+        raise AssertionError("context.abort returns only by raising")
 
     async def Tokenize(
         self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext

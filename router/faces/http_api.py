@@ -1,5 +1,6 @@
 """The router's OpenAI-compatible HTTP face: /v1/chat/completions, /v1/completions, /v1/responses (and its
-stored responses), /v1/models and /health, served by Starlette on uvicorn in the router's own event loop.
+stored responses), /v1/embeddings, /v1/rerank, /score, /v1/models and /health, served by Starlette on
+uvicorn in the router's own event loop.
 
 Each choice of an HTTP request is a Generate request run by the same GenerationService.generate as a gRPC
 call (router/faces/http_calls.py): validation, limits and auth, routing, retries and failover are the gRPC
@@ -30,7 +31,7 @@ from starlette.routing import Route
 from nanovllm.common.serving import MAX_MESSAGE_BYTES
 from nanovllm.common.tracing import CARRIER_KEYS
 from nanovllm.router.faces.auth import Access, AuthError
-from nanovllm.router.faces.http_calls import CallAborted, Metadata, RunningCalls
+from nanovllm.router.faces.http_calls import CallAborted, CallContext, Metadata, RunningCalls
 from nanovllm.router.faces.openai_protocol import (
     ApiError,
     Choice,
@@ -40,6 +41,14 @@ from nanovllm.router.faces.openai_protocol import (
     completion_body,
     parse_request,
     usage_chunk,
+)
+from nanovllm.router.faces.pooling_api import (
+    embeddings_body,
+    parse_embeddings,
+    parse_rerank,
+    parse_score,
+    rerank_body,
+    score_body,
 )
 from nanovllm.router.faces.response_objects import ResponseEvent
 from nanovllm.router.faces.response_service import ResponsesService
@@ -57,6 +66,10 @@ class Service(Protocol):
     draining: bool
 
     async def generate(self, request: generate_pb2.GenerateRequest, context: Any, api: str) -> None: ...
+
+    async def embed(self, request: generate_pb2.EmbedRequest, context: Any) -> generate_pb2.EmbedResponse: ...
+
+    async def score(self, request: generate_pb2.ScoreRequest, context: Any) -> generate_pb2.ScoreResponse: ...
 
 
 _HTTP_STATUS = {
@@ -111,6 +124,9 @@ class HttpApi:
                 Route("/v1/responses/{id}", _answering(self.stored_response), methods=["GET", "DELETE"]),
                 Route("/v1/responses/{id}/input_items", _answering(self.input_items), methods=["GET"]),
                 Route("/v1/responses/{id}/cancel", _answering(self.cancel_response), methods=["POST"]),
+                Route("/v1/embeddings", _answering(self.embeddings), methods=["POST"]),
+                Route("/v1/rerank", _answering(self.rerank), methods=["POST"]),
+                Route("/score", _answering(self.score), methods=["POST"]),
                 Route("/v1/models", _answering(self.models), methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
             ]
@@ -138,6 +154,32 @@ class HttpApi:
             for served in catalog.served()
         ]
         return JSONResponse({"object": "list", "data": cards})
+
+    async def embeddings(self, request: Request) -> Response:
+        embed, encoding = parse_embeddings(await _json_body(request))
+        response = await self.service.embed(embed, self._context(request))
+        return JSONResponse(embeddings_body(response, self._model_name(embed.model), encoding))
+
+    async def rerank(self, request: Request) -> Response:
+        score, top_n, return_documents = parse_rerank(await _json_body(request))
+        response = await self.service.score(score, self._context(request))
+        name = self._model_name(score.model)
+        return JSONResponse(rerank_body(score, response, name, top_n, return_documents))
+
+    async def score(self, request: Request) -> Response:
+        score = parse_score(await _json_body(request))
+        response = await self.service.score(score, self._context(request))
+        return JSONResponse(score_body(response, self._model_name(score.model)))
+
+    @staticmethod
+    def _context(request: Request) -> CallContext:
+        """The stand-in gRPC context of an Embed or Score call (its abort raises CallAborted)."""
+        return CallContext(_metadata(request), 0, asyncio.Queue())
+
+    def _model_name(self, name: str) -> str:
+        """The name an answer gives: the request's, or the one base model served."""
+        bases = self.service.pool.catalog.bases
+        return name or (next(iter(bases)) if len(bases) == 1 else "")
 
     async def chat(self, request: Request) -> Response:
         return await self._complete(request, chat=True)

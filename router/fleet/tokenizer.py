@@ -151,6 +151,13 @@ class ModelTokenizer:
         """Token ids of plain text, with the special tokens (e.g. BOS) the tokenizer adds by itself."""
         return list(self.backend.encode(text).ids)
 
+    def single_token(self, word: str) -> int:
+        """The id of `word` spelled as one token (a reranker's "yes"), else ValueError."""
+        ids = self.backend.encode(word, add_special_tokens=False).ids
+        if len(ids) != 1:
+            raise ValueError(f"the tokenizer spells {word!r} as {len(ids)} tokens {list(ids)}, not one")
+        return ids[0]
+
     def encode_chat(
         self,
         messages: list[dict[str, Any]],

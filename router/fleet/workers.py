@@ -17,11 +17,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nanovllm.common.images import ResizedImage
 from nanovllm.common.logging import get_logger
+from nanovllm.common.pooling import PoolingParams
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.common.serving import ping_ack_deadline
 from nanovllm.common.tls import TlsFiles, open_channel
 from nanovllm.common.v1 import worker_pb2, worker_pb2_grpc
-from nanovllm.common.wire import image_to_wire, sampling_to_wire
+from nanovllm.common.wire import image_to_wire, pooling_to_wire, sampling_to_wire
 
 log = get_logger(__name__)
 
@@ -179,6 +180,7 @@ class WorkerConnection:
         lora_name: str = "",
         shared_prefix_tokens: int = 0,
         images: Sequence[ResizedImage] = (),
+        pooling: PoolingParams | None = None,
     ) -> asyncio.Queue[RequestEvent]:
         """Send a request; its updates (and a WorkerLost if the worker goes away) arrive on the queue.
         `output_token_ids` resumes a stream with the tokens another worker generated for it;
@@ -186,7 +188,8 @@ class WorkerConnection:
         `trace_context` is the W3C carrier the worker's span continues (common/tracing.py); `lora_name`
         the adapter it runs with (empty: the base model); `shared_prefix_tokens` how many of its first
         tokens other requests likely share (Submit's), where a hybrid model's worker keeps a snapshot,
-        counted as a resume point there meanwhile; `images` a vision model's, resized, in prompt order."""
+        counted as a resume point there meanwhile; `images` a vision model's, resized, in prompt order.
+        `pooling`: a pooling request (common/pooling.py), whose one update brings its vector."""
         events: asyncio.Queue[RequestEvent] = asyncio.Queue()
         if not self.connected:
             events.put_nowait(WorkerLost(self.address, "the worker is not connected"))
@@ -211,6 +214,8 @@ class WorkerConnection:
             shared_prefix_tokens=shared_prefix_tokens,
             images=[image_to_wire(image, worker_pb2.Image) for image in images],
         )
+        if pooling is not None:
+            submit.pooling.CopyFrom(pooling_to_wire(pooling))
         self._outbound.put_nowait(worker_pb2.RouterMessage(submit=submit))
         return events
 

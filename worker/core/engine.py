@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from nanovllm.common.errors import AdapterError, DuplicateAdapterError, RequestError, UnknownAdapterError
 from nanovllm.common.images import ImagePatches
 from nanovllm.common.logging import get_logger
+from nanovllm.common.pooling import PoolingParams
 from nanovllm.common.request_checks import check_prompt, check_resumed_outputs, check_stop_token_ids
 from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.worker.config import EngineConfig
@@ -167,13 +168,16 @@ class LLMEngine:
         lora_name: str | None = None,
         shared_prefix_tokens: int = 0,
         images: list[ImagePatches] | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         """Queue a request. `output_token_ids` resumes one that generated those tokens elsewhere: it goes on
         after them exactly as if it had produced them here (see Submit.output_token_ids). `lora_name`:
         the loaded LoRA adapter it runs with (None: the base model). `shared_prefix_tokens`: how many of
         the prompt's first tokens other requests likely share (Sequence.shared_prefix_tokens). `images`: a
         vision model's, in prompt order, each in place of its run of placeholder tokens (one per token the
-        image takes: common/images.py expand_placeholders)."""
+        image takes: common/images.py expand_placeholders). `pooling`: a pooling request (an embedding, a
+        rerank score; common/pooling.py): its prompt is computed and its last token's vector is its one
+        output (RequestOutput.pooled); `params` samples nothing then."""
         if request_id in self.requests:
             raise RequestError(f"request_id {request_id!r} is already in flight")
         adapter = None
@@ -183,7 +187,14 @@ class LLMEngine:
                 loaded = ", ".join(repr(n) for n in self.adapters) or "none"
                 raise UnknownAdapterError(f"LoRA adapter {lora_name!r} is not loaded; loaded: {loaded}")
         vocab = self.model_config.vocab_size
-        check_prompt(prompt_token_ids, self.config.max_model_len, vocab)
+        if pooling is not None:
+            self._check_pooling(pooling, params, images, output_token_ids)
+        elif not self.model_config.has_head:
+            raise RequestError(
+                f"{self.config.model} is a {self.model_config.architecture} checkpoint without an output head: "
+                "it serves embeddings (pooling requests) only, not generation"
+            )
+        check_prompt(prompt_token_ids, self.config.max_model_len, vocab, generates=pooling is None)
         check_stop_token_ids(params.stop_token_ids, vocab)
         if not 0 <= shared_prefix_tokens <= len(prompt_token_ids):
             raise RequestError(
@@ -203,8 +214,11 @@ class LLMEngine:
             params=params,
             priority=priority,
             token_ids=list(prompt_token_ids) + outputs,
-            max_num_tokens=min(len(prompt_token_ids) + params.max_tokens, self.config.max_model_len),
+            max_num_tokens=len(prompt_token_ids)
+            if pooling is not None
+            else min(len(prompt_token_ids) + params.max_tokens, self.config.max_model_len),
             adapter=adapter,
+            pooling=pooling,
             shared_prefix_tokens=shared_prefix_tokens,
             images=placed,
         )
@@ -213,6 +227,29 @@ class LLMEngine:
             self.scheduler.add(seq)
         else:
             self.constraints.add(seq)
+
+    def _check_pooling(
+        self,
+        pooling: PoolingParams,
+        params: SamplingParams,
+        images: list[ImagePatches] | None,
+        output_token_ids: list[int] | None,
+    ) -> None:
+        """A pooling request computes its prompt and nothing more: no sampling options, images or outputs
+        apply; a score needs the output head and token ids inside the vocabulary."""
+        if params.constraint is not None or params.prompt_logprobs is not None:
+            raise RequestError(
+                "a pooling request samples nothing: constraints and prompt_logprobs do not apply"
+            )
+        if images or output_token_ids:
+            raise RequestError("a pooling request takes no images and no output_token_ids")
+        if pooling.kind == "score":
+            if not self.model_config.has_head:
+                raise RequestError(
+                    f"{self.config.model} is a {self.model_config.architecture} checkpoint without an output "
+                    "head: it cannot score (rerank), only embed"
+                )
+            check_stop_token_ids(pooling.token_ids, self.model_config.vocab_size, field="score token_ids")
 
     def _place_images(self, prompt: list[int], images: list[ImagePatches]) -> list[ImageInput]:
         """Each image at its run of placeholder tokens, the k-th run for the k-th image, its length the
@@ -434,6 +471,8 @@ class LLMEngine:
     @staticmethod
     def _overlappable(sched: SchedulerOutput) -> bool:
         if sched.loading:  # the requests it loads run from where their loads got to
+            return False
+        if any(s.pools for s in sched.scheduled):  # its result finishes the request before the next step
             return False
         return not any(
             s.spec_token_ids or s.seq.grammar is not None or s.seq.params.has_penalties

@@ -22,6 +22,8 @@ import bisect
 import time
 from collections.abc import Collection
 
+import torch
+
 from nanovllm.common.logging import get_logger
 from nanovllm.worker.core.block_manager import BlockManager
 from nanovllm.worker.sequence import Sequence, SequenceStatus, TokenLogprobs
@@ -269,6 +271,8 @@ class Scheduler:
             if not item.samples:
                 if seq.status is running:
                     self.block_manager.cache_full_blocks(seq)
+                    if item.pools:  # a pooling request's last chunk: its result ends it
+                        outputs.append(self._finish_pooling(seq, output.pooled[seq.seq_id]))
                 continue
             if spec:
                 drawn = [next(picks) for _ in range(len(spec) + 1)]
@@ -298,6 +302,14 @@ class Scheduler:
                 self.finish(seq, status)
             outputs.append(request_output(seq, new_tokens, new_logprobs))
         return outputs, accepted
+
+    def _finish_pooling(self, seq: Sequence, result: torch.Tensor) -> RequestOutput:
+        """A pooling request's only output: its result; it finishes, its full blocks kept for the prefix
+        cache."""
+        self.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        out = request_output(seq, [])
+        out.pooled = result
+        return out
 
     @staticmethod
     def _add_prompt_logprobs(sched: SchedulerOutput, scored: dict[int, list[TokenLogprobs]]) -> None:

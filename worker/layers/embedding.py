@@ -77,3 +77,13 @@ class ParallelLMHead(VocabParallelEmbedding):
             return linear(hidden, self.weight.narrow(0, 0, vocab), None, self.kernels)
         logits = linear(hidden, self.weight, None, self.kernels)
         return self.tp.all_gather_last_dim(logits)
+
+    def token_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """Row i's logit of token `token_ids[i]` (float32 [rows]), from that token's row of the head alone:
+        a reranker's few logits without the whole vocabulary's. Computed in float32; each rank adds the
+        tokens in its slice of the vocabulary."""
+        local = token_ids - self.vocab_start
+        in_shard = (local >= 0) & (local < self.shard_size)
+        rows = self._lookup(local.clamp(0, self.shard_size - 1)).float()
+        logits = (hidden.float() * rows).sum(dim=-1) * in_shard
+        return self.tp.all_reduce(logits)

@@ -209,10 +209,13 @@ class DecoderForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp
         self.model = self.model_class(cfg, tp, quant)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, quant, "lm_head")
-        if cfg.tie_word_embeddings:
-            del self.lm_head.weight  # the head is the embedding, float parameter or PackedWeight
-            self.lm_head.weight = self.model.embed_tokens.weight
+        # A base model's checkpoint (Qwen3-Embedding's layout) has no head: it serves pooling requests only.
+        self.lm_head: ParallelLMHead | None = None
+        if cfg.has_head:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, quant, "lm_head")
+            if cfg.tie_word_embeddings:
+                del self.lm_head.weight  # the head is the embedding, float parameter or PackedWeight
+                self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
         self,
@@ -225,7 +228,25 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, vocab: int = 0) -> torch.Tensor:
         """The logits of the whole vocabulary, or of its first `vocab` token ids."""
-        return self.lm_head(hidden, vocab)
+        return self._head().forward(hidden, vocab)
+
+    def token_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """Each row's logit of its token (float32 [rows]): only those rows of the head are multiplied."""
+        return self._head().token_logits(hidden, token_ids)
+
+    def _head(self) -> ParallelLMHead:
+        if self.lm_head is None:
+            raise RuntimeError(
+                f"{self.config.architecture} has no output head: it computes hidden states (embeddings) only"
+            )
+        return self.lm_head
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """A checkpoint's tensor under this model's name: a base model's (Qwen3-Embedding's layout) are
+        named without the `model.` prefix, whatever its config's architectures say."""
+        if not name.startswith(("model.", "lm_head.")):
+            return "model." + name
+        return name
 
     # The projections a LoRA adapter may adapt: its module name -> (this model's projection, shard id).
     lora_targets: ClassVar[dict[str, tuple[str, object]]] = {

@@ -190,6 +190,7 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, LoadableTensor]]
     loaded: set[str] = set()
     skipped: dict[str, int] = {}
     for name, tensor in _per_expert(tensors):
+        stored = name  # as the checkpoint names it, for errors
         if rename is not None:
             own = rename(name)
             if own is None:
@@ -203,7 +204,7 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, LoadableTensor]]
         target, shard_id = _target(name, packed)
         weight = weights.get(target)
         if weight is None:
-            raise ConfigError(f"checkpoint tensor {name!r} in {source} matches no model parameter")
+            raise ConfigError(f"checkpoint tensor {stored!r} in {source} matches no model parameter")
         loader = getattr(weight, "weight_loader", _copy_whole)
         loader(weight, tensor, shard_id)
         loaded.add(target)

@@ -421,6 +421,8 @@ class ModelRunnerBase:
         )
         input_ids, positions, meta, logits_index = self.inputs.tensors(inputs)
         hidden = self.model(input_ids, positions, meta)
+        if self.model.lm_head is None:  # a base model (embeddings only): no logits, no sampler
+            return
         logits = self.model.compute_logits(hidden.index_select(0, logits_index)).float()
         del hidden
         heaviest = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=SamplingParams.MAX_LOGPROBS)

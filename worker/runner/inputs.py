@@ -15,6 +15,7 @@ from nanovllm.worker.runner.images import mrope_positions
 from nanovllm.worker.sequence import Sequence
 from nanovllm.worker.step import (
     ImageRows,
+    PoolingRow,
     PromptScoring,
     ScheduledSequence,
     SchedulerOutput,
@@ -57,6 +58,7 @@ class InputBuilder:
         logits_index: list[int] = []
         prompt_rows: list[int] = []
         prompt_scoring: list[PromptScoring] = []
+        pooling: list[PoolingRow] = []
         with_images: list[tuple[int, ScheduledSequence]] = []  # (first row, item) of sequences with images
         # Decodes first, one row each: the bulk of a step at a large batch, so written without the general
         # path's slices and generators (a decode's table is the sequence's own list, which BlockTableRows
@@ -82,6 +84,8 @@ class InputBuilder:
                 deferred.append((row, self._pending_row(item, picked)))
             if item.samples:
                 logits_index.append(row)
+            elif item.pools:  # a pooling request's last token alone (a prefix-cache hit covered the rest)
+                pooling.append(_pooling_row(seq, row))
             elif seq.scores_prompt:  # a one-token chunk of a prompt
                 _score_prompt(item, row, prompt_rows, prompt_scoring)
         rest = sched.scheduled[nd:]
@@ -98,6 +102,8 @@ class InputBuilder:
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             last_row[seq.seq_id] = len(input_ids) - 1
+            if item.pools:
+                pooling.append(_pooling_row(seq, len(input_ids) - 1))
             if seq.scores_prompt:
                 _score_prompt(item, len(input_ids) - item.num_new_tokens, prompt_rows, prompt_scoring)
             if lora_slot is not None:
@@ -138,6 +144,7 @@ class InputBuilder:
             prompt_scoring=prompt_scoring,
             mrope_positions=mrope,
             image_rows=image_rows,
+            pooling=pooling,
         )
 
     @staticmethod
@@ -286,6 +293,12 @@ def first_rows(sched: SchedulerOutput) -> list[tuple[ScheduledSequence, int]]:
         rows.append((item, row))
         row += item.num_new_tokens
     return rows
+
+
+def _pooling_row(seq: Sequence, row: int) -> PoolingRow:
+    pooling = seq.pooling
+    assert pooling is not None  # a ScheduledSequence that pools is a pooling request's
+    return PoolingRow(seq.seq_id, row, list(pooling.token_ids))
 
 
 def _score_prompt(

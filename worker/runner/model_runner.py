@@ -16,6 +16,7 @@ from nanovllm.worker.models.lora_adapter import LoRAAdapter, read_adapter
 from nanovllm.worker.runner.build import ModelRunnerBase
 from nanovllm.worker.runner.inputs import first_rows
 from nanovllm.worker.runner.lora_slots import BASE_ROW, lora_batch
+from nanovllm.worker.sample.pooling import pool
 from nanovllm.worker.sample.sampler import SampledBatch
 from nanovllm.worker.sample.scoring import PromptScorer, slice_rows
 from nanovllm.worker.sequence import TokenLogprobs
@@ -45,14 +46,15 @@ class LaunchedStep:
     kv_failed_loads: list[KVLoad] = field(default_factory=list)
     kv_failed_writes: list[int] = field(default_factory=list)
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    pooled: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def result(self) -> ModelRunnerOutput:
         started = time.perf_counter()
         output = self.sampled.result() if self.sampled is not None else SamplerOutput([], [])
         wait_s = time.perf_counter() - started
         return ModelRunnerOutput(
-            output, self.kv_failed_loads, self.kv_failed_writes, self.prompt_logprobs, self.prepare_s,
-            self.forward_s, self.sample_s, wait_s,
+            output, self.kv_failed_loads, self.kv_failed_writes, self.prompt_logprobs, self.pooled,
+            self.prepare_s, self.forward_s, self.sample_s, wait_s,
         )  # fmt: skip
 
 
@@ -66,6 +68,7 @@ class ModelRunner(ModelRunnerBase):
         # What the last step's copies to and from the lower tiers left undone: loads (on any rank), writes.
         self._kv_failures: tuple[list[KVLoad], list[int]] = ([], [])
         self._prompt_logprobs: dict[int, list[TokenLogprobs]] = {}  # the last step's, by seq_id
+        self._pooled: dict[int, torch.Tensor] = {}  # the last step's pooling results, by seq_id
         super().__init__(config, tp)
 
     @torch.inference_mode()
@@ -86,7 +89,9 @@ class ModelRunner(ModelRunnerBase):
         t2 = time.perf_counter()
         if logits is None:
             self._picks = None
-            return LaunchedStep(None, t1 - t0, t2 - t1, 0.0, *self._kv_failures, self._prompt_logprobs)
+            return LaunchedStep(
+                None, t1 - t0, t2 - t1, 0.0, *self._kv_failures, self._prompt_logprobs, self._pooled
+            )
         sampled = self.sampler.sample(logits, plan)
         # Each sampling sequence's last row is its pick (the one after any accepted proposals).
         last_rows, row = {}, -1
@@ -96,8 +101,9 @@ class ModelRunner(ModelRunnerBase):
                 last_rows[item.seq.seq_id] = row
         self._picks = (sampled.token_ids, last_rows)
         return LaunchedStep(
-            sampled, t1 - t0, t2 - t1, time.perf_counter() - t2, *self._kv_failures, self._prompt_logprobs
-        )
+            sampled, t1 - t0, t2 - t1, time.perf_counter() - t2, *self._kv_failures, self._prompt_logprobs,
+            self._pooled,
+        )  # fmt: skip
 
     @torch.inference_mode()
     def forward(
@@ -113,7 +119,7 @@ class ModelRunner(ModelRunnerBase):
         try:
             if self.tp_group is not None:
                 self.tp_group.send(inputs)
-            self._prompt_logprobs = {}
+            self._prompt_logprobs, self._pooled = {}, {}
             if self.kv_offload is not None:
                 self._kv_failures = self._copy_kv(inputs.kv_transfers)
             elif inputs.kv_transfers:
@@ -148,6 +154,8 @@ class ModelRunner(ModelRunnerBase):
                 self.mtp.absorb(mtp_rows, hidden, self.inputs.tensors)
             if inputs.prompt_rows:
                 self._prompt_logprobs = self._score_prompts(hidden, inputs)
+            if inputs.pooling:
+                self._pooled = pool(hidden, inputs.pooling, self.model, self.inputs.long)
             if not inputs.logits_index:
                 return None
             if inputs.logits_index != list(range(len(inputs.input_ids))):

@@ -49,7 +49,7 @@ class Proposer:
         """Set `spec_token_ids` of each running sequence about to decode ([] for none)."""
         if self.method == "none":  # nothing ever set them: a pass over the batch would only write []s
             return
-        decoding = [s for s in running if s.num_uncomputed_tokens == 1]
+        decoding = [s for s in running if s.num_uncomputed_tokens == 1 and s.pooling is None]
         speculate = self.method != "none" and len(decoding) <= self.max_batch
         for seq in decoding:
             room = min(

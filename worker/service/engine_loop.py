@@ -29,7 +29,13 @@ from nanovllm.common.errors import EngineDeadError, RequestError, UnknownAdapter
 from nanovllm.common.images import ImagePatches, ImageProcessorConfig, patches_from_rgb
 from nanovllm.common.logging import get_logger
 from nanovllm.common.v1 import worker_pb2
-from nanovllm.common.wire import fields_to_message, image_from_wire, sampling_from_wire
+from nanovllm.common.wire import (
+    fields_to_message,
+    floats_to_bytes,
+    image_from_wire,
+    pooling_from_wire,
+    sampling_from_wire,
+)
 from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.core.engine import LLMEngine
 from nanovllm.worker.sequence import TokenLogprobs
@@ -312,6 +318,7 @@ class EngineLoop:
                 lora_name=submit.lora_name or None,
                 shared_prefix_tokens=submit.shared_prefix_tokens,
                 images=self._images(submit) if submit.images else None,
+                pooling=pooling_from_wire(submit.pooling) if submit.HasField("pooling") else None,
             )
         except UnknownAdapterError as exc:
             self._fail(conn, submit.request_id, worker_pb2.ERROR_CODE_NOT_FOUND, str(exc))
@@ -447,6 +454,8 @@ def _update(wire_id: str, out: RequestOutput) -> worker_pb2.RequestUpdate:
             update.timings.prefill_s = (timeline.first_token_ns - timeline.scheduled_ns) / 1e9
     for lp in out.new_logprobs:
         _add_logprobs(update.logprobs, lp)
+    if out.pooled is not None:
+        update.pooled = floats_to_bytes(out.pooled.tolist())
     if out.prompt_logprobs is not None:
         for scored in out.prompt_logprobs[1:]:  # the first prompt token has none
             assert scored is not None

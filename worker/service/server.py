@@ -105,6 +105,8 @@ def worker_info(
         device=str(placement.device),
         shared_prefix_hints=shared_prefix_hints,
         **_image_fields(config),
+        hidden_size=shape.hidden_size,
+        has_head=shape.has_head,
     )
 
 
