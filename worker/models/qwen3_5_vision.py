@@ -50,10 +50,11 @@ class VisionAttention(nn.Module):
         begin = 0
         for length in lengths:
             rows = slice(begin, begin + length)
-            # [heads, patches, head_dim] each
+            # [1, heads, patches, head_dim] each: with a batch dimension PyTorch's CPU SDPA takes its flash
+            # kernel; 3-D inputs take the unfused math path (docs/performance.md#qwen35-vision-tower)
             out[rows] = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1)
-            ).transpose(0, 1)
+                q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
+            )[0].transpose(0, 1)
             begin += length
         return self.proj(out.reshape(n, -1))
 
