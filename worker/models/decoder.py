@@ -228,7 +228,7 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, vocab: int = 0) -> torch.Tensor:
         """The logits of the whole vocabulary, or of its first `vocab` token ids."""
-        return self._head().forward(hidden, vocab)
+        return self._head()(hidden, vocab)
 
     def token_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """Each row's logit of its token (float32 [rows]): only those rows of the head are multiplied."""
