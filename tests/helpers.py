@@ -177,6 +177,21 @@ def top5_rule(name: str, ours: list[dict], theirs: list[dict]) -> float:
     return worst
 
 
+def recorded_proposals(llm: LLM) -> list[list[int]]:
+    """The multi-token-prediction head's proposals from here on, as the runner hands them to the
+    verification (speculative_method=mtp)."""
+    proposals: list[list[int]] = []
+    head = llm.engine.runner.mtp
+    propose = head.propose
+
+    def recording(items, tensors) -> None:
+        propose(items, tensors)
+        proposals.extend(list(item.spec_token_ids) for item in items)
+
+    head.propose = recording
+    return proposals
+
+
 @contextmanager
 def counting_proposals(llm: LLM) -> Iterator[list[int]]:
     """[proposed, accepted]: the speculative tokens of the steps `llm` runs inside the block."""

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -262,3 +263,11 @@ def router_and_worker(
         worker.stop()
     assert library_errors(logs / "router.log") == []
     assert library_errors(logs / "worker.log") == []
+
+
+def serve_addresses(stdout: IO[str]) -> tuple[str, str]:
+    """The router's gRPC and HTTP addresses from what `nanovllm serve` prints (the HTTP one on the third line
+    after the first, once the router answers)."""
+    router = stdout.readline().split("router at ")[1].split(",")[0]
+    lines = [stdout.readline() for _ in range(3)]
+    return router, lines[2].split("http://")[1].split("/")[0]

@@ -28,7 +28,7 @@ from nanovllm.common.server_config import RequestLimits, RouterConfig
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from tests.helpers import greedy
 from tests.model_factory import build_model, build_tokenizer
-from tests.services import collect
+from tests.services import collect, serve_addresses
 
 TEXTS = ["The quick brown fox", "Paged attention stores keys and values.", "café", "Numbers 0123456789"]
 DOCUMENTS = ["The quick brown fox jumps.", "Numbers 0123456789", "Prefix caching reuses blocks."]
@@ -67,9 +67,7 @@ def served(kernels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served
         )
     try:
         assert serve.stdout is not None
-        router = serve.stdout.readline().split("router at ")[1].split(",")[0]
-        lines = [serve.stdout.readline() for _ in range(3)]  # printed once the router answers
-        http = lines[2].split("http://")[1].split("/")[0]
+        router, http = serve_addresses(serve.stdout)
         client = openai.OpenAI(base_url=f"http://{http}/v1", api_key="none", max_retries=0)
         yield Served(router, http, client, model.name, offline)
     finally:

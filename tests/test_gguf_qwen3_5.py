@@ -35,6 +35,7 @@ from tests.helpers import (
     greedy_with_logprobs,
     hf_greedy,
     info_logs,
+    recorded_proposals,
     teacher_forced_logits,
     top5_rule,
 )
@@ -261,15 +262,7 @@ def test_the_files_mtp_block_proposes_as_the_checkpoints_head(tmp_path: Path, ar
     mtp = {"speculative_method": "mtp", "num_speculative_tokens": 3, "speculative_max_batch": 8}
 
     def run(llm: LLM) -> tuple[list[list[int]], list[list[int]]]:
-        proposals: list[list[int]] = []
-        head = llm.engine.runner.mtp
-        propose = head.propose
-
-        def recording(items, tensors) -> None:
-            propose(items, tensors)
-            proposals.extend(list(item.spec_token_ids) for item in items)
-
-        head.propose = recording
+        proposals = recorded_proposals(llm)
         outs = llm.generate(PROMPTS, greedy(MAX_NEW), use_tqdm=False)
         return [o["token_ids"] for o in outs], proposals
 

@@ -21,7 +21,7 @@ from nanovllm.common.errors import ConfigError
 from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.models.qwen3_5 import Qwen3_5ForCausalLM
 from nanovllm.worker.runner.kv_cache import kv_bytes_per_block
-from tests.helpers import counting_proposals
+from tests.helpers import counting_proposals, recorded_proposals
 from tests.model_factory import VOCAB, build_model
 from tests.resume_streams import MAX_TOKENS as RESUME_MAX_TOKENS
 from tests.resume_streams import run as resume_run
@@ -125,20 +125,6 @@ def test_tokens_equal_without_mtp(model: Path, plain: list[dict], k: int):
     assert _all_back(llm)
 
 
-def _recorded_proposals(llm: LLM) -> list[list[int]]:
-    """The head's proposals from here on, as the runner hands them to the verification."""
-    proposals: list[list[int]] = []
-    mtp = llm.engine.runner.mtp
-    propose = mtp.propose
-
-    def recording(items, tensors) -> None:
-        propose(items, tensors)
-        proposals.extend(list(item.spec_token_ids) for item in items)
-
-    mtp.propose = recording
-    return proposals
-
-
 def test_a_draft_vocabulary_narrows_the_proposals_not_the_tokens(model: Path, plain: list[dict]):
     """speculative_draft_vocab: the whole vocabulary proposes what no setting proposes; 64 ids propose
     only ids below 64 (where the random head, unrestricted, proposes ids above too); the tokens and
@@ -153,7 +139,7 @@ def test_a_draft_vocabulary_narrows_the_proposals_not_the_tokens(model: Path, pl
             speculative_draft_vocab=draft_vocab,
             **ENGINE,
         )
-        proposals = _recorded_proposals(llm)
+        proposals = recorded_proposals(llm)
         return llm.generate(*_requests(), use_tqdm=False), proposals
 
     (_, unrestricted), (whole_out, whole), (narrow_out, narrow) = run(0), run(VOCAB), run(64)

@@ -26,7 +26,7 @@ from nanovllm.router.fleet.tokenizer import ModelTokenizer
 from nanovllm.v1 import generate_pb2
 from tests.chat_templates import QWEN3_5
 from tests.model_factory import build_model, build_tokenizer
-from tests.services import collect
+from tests.services import collect, serve_addresses
 
 # Thinking on, the prompt opens the reasoning (`<think>\n`): the model writes the rest of it.
 THOUGHT = "plan it\n</think>\n\nyes"
@@ -77,9 +77,7 @@ def served(kernels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served
             text=True,
         )
     try:
-        router = serve.stdout.readline().split("router at ")[1].split(",")[0]
-        lines = [serve.stdout.readline() for _ in range(3)]  # printed once the router answers
-        http = lines[2].split("http://")[1].split("/")[0]
+        router, http = serve_addresses(serve.stdout)
         client = openai.OpenAI(base_url=f"http://{http}/v1", api_key="none", max_retries=0)
         yield Served(router, client, model.name)
     finally:

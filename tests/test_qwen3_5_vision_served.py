@@ -39,7 +39,7 @@ from nanovllm.common.images import expand_placeholders
 from nanovllm.flags import resolve_all
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from tests.model_factory import IMAGE_TOKEN_ID, build_vision_model
-from tests.services import collect
+from tests.services import collect, serve_addresses
 
 MAX_NEW = 8
 OFF = {"enable_thinking": False}
@@ -104,9 +104,7 @@ def served(kernels, vision_model: Path) -> Iterator[Served]:
         )
     try:
         assert serve.stdout is not None
-        router = serve.stdout.readline().split("router at ")[1].split(",")[0]
-        lines = [serve.stdout.readline() for _ in range(3)]  # printed once the router answers
-        http = lines[2].split("http://")[1].split("/")[0]
+        router, http = serve_addresses(serve.stdout)
         client = openai.OpenAI(base_url=f"http://{http}/v1", api_key="none", max_retries=0)
         yield Served(router, client, model.name, log_path)
     finally:
