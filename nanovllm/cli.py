@@ -198,7 +198,7 @@ def run_serve(options: dict[str, Any]) -> int:
         model = options["model"] or "the embedded SmolLM2-135M-Instruct"
         print(
             f"nanovllm loading {model}: router at {router.address}, worker at {worker.address} "
-            f"(its metrics on {worker.metrics_address})",
+            f"(metrics on {router.metrics_address} and {worker.metrics_address})",
             flush=True,
         )
         # Only say "try" once a request would be answered: the worker may load for a while.

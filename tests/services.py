@@ -265,9 +265,10 @@ def router_and_worker(
     assert library_errors(logs / "worker.log") == []
 
 
-def serve_addresses(stdout: IO[str]) -> tuple[str, str]:
-    """The router's gRPC and HTTP addresses from what `nanovllm serve` prints (the HTTP one on the third line
-    after the first, once the router answers)."""
-    router = stdout.readline().split("router at ")[1].split(",")[0]
+def serve_addresses(stdout: IO[str]) -> tuple[str, str, str]:
+    """The router's gRPC, HTTP and metrics addresses from what `nanovllm serve` prints (the HTTP one on the
+    third line after the first, once the router answers)."""
+    banner = stdout.readline()
+    router, metrics = banner.split("router at ")[1].split(",")[0], banner.split("metrics on ")[1].split()[0]
     lines = [stdout.readline() for _ in range(3)]
-    return router, lines[2].split("http://")[1].split("/")[0]
+    return router, lines[2].split("http://")[1].split("/")[0], metrics

@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import openai
@@ -27,6 +28,7 @@ from nanovllm.common.errors import ConfigError
 from nanovllm.common.server_config import RequestLimits, RouterConfig
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from tests.helpers import greedy
+from tests.metrics import scrape, value
 from tests.model_factory import build_model, build_tokenizer
 from tests.services import collect, serve_addresses
 
@@ -43,6 +45,8 @@ TOLERANCE = 1e-6
 class Served:
     grpc: str
     http: str
+    metrics: str  # the router's /metrics
+    log: Path  # serve's stderr: the router's JSON log lines among others
     client: openai.OpenAI
     model: str
     offline: LLM
@@ -67,9 +71,9 @@ def served(kernels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served
         )
     try:
         assert serve.stdout is not None
-        router, http = serve_addresses(serve.stdout)
+        router, http, metrics = serve_addresses(serve.stdout)
         client = openai.OpenAI(base_url=f"http://{http}/v1", api_key="none", max_retries=0)
-        yield Served(router, http, client, model.name, offline)
+        yield Served(router, http, metrics, log_path, client, model.name, offline)
     finally:
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=60) == 0
@@ -161,6 +165,41 @@ def test_grpc_embed_and_score_equal_offline(served: Served) -> None:
     assert _close(list(scored.scores), want_scores)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "dimensions is 65, larger than the model's 64" in refused.value.details()
+
+
+def test_pooling_calls_are_counted_logged_and_their_outcomes_named(served: Served) -> None:
+    """Each Embed or Score call moves the router's pooling metrics by kind, outcome and face, and ends with
+    one pooling_finished log line; both are written before the answer goes out."""
+    before = scrape(served.metrics)
+    embedded = served.client.embeddings.create(model=served.model, input=TEXTS[:2])
+    with grpc.insecure_channel(served.grpc) as channel:
+        scored = generate_pb2_grpc.GenerationStub(channel).Score(
+            generate_pb2.ScoreRequest(query=QUERY, documents=DOCUMENTS), timeout=60
+        )
+    status, _ = post(served, "/v1/embeddings", {"input": "a", "dimensions": 65})
+    assert status == 400
+    after = scrape(served.metrics)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("nanovllm:pooling_requests_total", kind="embed", status="ok", api="http") == 1
+    assert delta("nanovllm:pooling_requests_total", kind="score", status="ok", api="grpc") == 1
+    assert delta("nanovllm:pooling_requests_total", kind="embed", status="invalid_argument", api="http") == 1
+    assert delta("nanovllm:pooling_inputs_total", kind="embed") == 2  # the refused call's input not counted
+    assert delta("nanovllm:pooling_inputs_total", kind="score") == len(DOCUMENTS)
+    assert delta("nanovllm:pooling_prompt_tokens_total", kind="embed") == embedded.usage.prompt_tokens
+    assert delta("nanovllm:pooling_prompt_tokens_total", kind="score") == scored.prompt_tokens
+    assert delta("nanovllm:pooling_request_latency_seconds_count", kind="embed") == 1
+    assert delta("nanovllm:requests_total", status="stop", api="http") == 0  # not counted as Generate calls
+    lines = [json.loads(line) for line in served.log.read_text().splitlines() if '"pooling_finished"' in line]
+    assert {
+        "kind": "score", "api": "grpc", "outcome": "ok", "inputs": len(DOCUMENTS),
+        "prompt_tokens": scored.prompt_tokens,
+    }.items() <= lines[-2].items()  # fmt: skip
+    assert {"kind": "embed", "api": "http", "outcome": "invalid_argument", "inputs": 1}.items() <= lines[
+        -1
+    ].items()
 
 
 @pytest.mark.parametrize(

@@ -77,7 +77,7 @@ def served(kernels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served
             text=True,
         )
     try:
-        router, http = serve_addresses(serve.stdout)
+        router, http, _ = serve_addresses(serve.stdout)
         client = openai.OpenAI(base_url=f"http://{http}/v1", api_key="none", max_retries=0)
         yield Served(router, client, model.name)
     finally:

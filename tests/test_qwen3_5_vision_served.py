@@ -104,7 +104,7 @@ def served(kernels, vision_model: Path) -> Iterator[Served]:
         )
     try:
         assert serve.stdout is not None
-        router, http = serve_addresses(serve.stdout)
+        router, http, _ = serve_addresses(serve.stdout)
         client = openai.OpenAI(base_url=f"http://{http}/v1", api_key="none", max_retries=0)
         yield Served(router, client, model.name, log_path)
     finally:

@@ -183,6 +183,30 @@ def test_a_refused_call_is_an_error_span(traced: Traced) -> None:
     assert not [s for s in spans if s.trace_id == trace_id and s.name.startswith("nanovllm.worker")]
 
 
+def test_an_embed_call_is_one_span_continuing_the_callers_trace(traced: Traced) -> None:
+    trace_id = "22222222222222222222222222222222"
+    with grpc.insecure_channel(traced.router.address) as channel:
+        embedded = generate_pb2_grpc.GenerationStub(channel).Embed(
+            generate_pb2.EmbedRequest(texts=["one", "two"]),
+            metadata=(("traceparent", f"00-{trace_id}-{CALLER_SPAN_ID}-01"),),
+            timeout=60,
+        )
+    spans = traced.collector.wait_for(
+        lambda spans: any(s.trace_id == trace_id and s.name == "nanovllm.router.embed" for s in spans),
+        "no span for the Embed call",
+    )
+    (call,) = [s for s in named(spans, "nanovllm.router.embed") if s.trace_id == trace_id]
+    assert call.parent_id == CALLER_SPAN_ID
+    assert call.attributes == {
+        "nanovllm.api": "grpc",
+        "nanovllm.kind": "embed",
+        "nanovllm.outcome": "ok",
+        "nanovllm.inputs": 2,
+        "nanovllm.prompt_tokens": embedded.prompt_tokens,
+    }
+    assert call.span.status.code != trace_pb2.Status.STATUS_CODE_ERROR
+
+
 @pytest.mark.slow
 def test_a_stream_resumed_after_its_worker_died_shows_both_attempts(
     collector, qwen3_dir: Path, kernels, tmp_path: Path

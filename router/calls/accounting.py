@@ -1,4 +1,5 @@
-"""One Generate call's accounting: the metrics it moves, its outcome and its final log line."""
+"""A call's accounting: the metrics it moves, its outcome and its final log line (and span). A Generate call's
+is RequestTrace, an Embed or Score call's PoolingTrace."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from nanovllm.common.logging import get_logger
 from nanovllm.common.v1 import worker_pb2
 from nanovllm.router.calls.limits import Lease
 from nanovllm.router.calls.metrics import RouterMetrics
+from nanovllm.router.calls.spans import AnySpans
 from nanovllm.v1 import generate_pb2
 
 log = get_logger(__name__)
@@ -132,6 +134,36 @@ class RequestTrace:
             "expected_hit_tokens": self.expected_hit_tokens,
             "ttft_s": None if self.first_token_s is None else round(self.first_token_s, 4),
         }
+
+
+class PoolingTrace:
+    """One Embed or Score call, admitted: `finish` counts it once, logs its `pooling_finished` line and ends
+    its span, however the call ended."""
+
+    def __init__(self, metrics: RouterMetrics, kind: str, api: str, client: str, spans: AnySpans) -> None:
+        """`kind`: embed or score; `api`: grpc or http; `client`: the caller's token name."""
+        self.metrics, self.kind, self.api, self.client, self.spans = metrics, kind, api, client, spans
+        self.start = time.perf_counter()
+
+    def finish(self, outcome: str, inputs: int, prompt_tokens: int) -> None:
+        """`outcome`: ok, or the failed call's status (invalid_argument, unavailable, client_cancelled, ...);
+        the inputs and prompt tokens count only for an answered call."""
+        total_s = time.perf_counter() - self.start
+        self.metrics.pooling_requests.labels(kind=self.kind, status=outcome, api=self.api).inc()
+        if outcome == "ok":
+            self.metrics.pooling_latency.labels(kind=self.kind).observe(total_s)
+            self.metrics.pooling_inputs.labels(kind=self.kind).inc(inputs)
+            self.metrics.pooling_prompt_tokens.labels(kind=self.kind).inc(prompt_tokens)
+        summary: dict[str, str | int] = {
+            "kind": self.kind,
+            "api": self.api,
+            "inputs": inputs,
+            "prompt_tokens": prompt_tokens,
+        }
+        log.info(
+            "pooling_finished", client=self.client, outcome=outcome, **summary, total_s=round(total_s, 4)
+        )
+        self.spans.end(outcome, {f"nanovllm.{key}": value for key, value in summary.items()})
 
 
 def request_content(request: generate_pb2.GenerateRequest) -> str:

@@ -110,6 +110,32 @@ class RouterMetrics:
             ["reason"],
             registry=counted,
         )
+        self.pooling_requests = Counter(
+            "nanovllm:pooling_requests",
+            "Embed and Score calls (/v1/embeddings, /v1/rerank, /score and gRPC) by kind (embed, score) and "
+            "outcome: ok, or the status of a failed call (invalid_argument, unavailable, ...); api: grpc or http",
+            ["kind", "status", "api"],
+            registry=counted,
+        )
+        self.pooling_latency = Histogram(
+            "nanovllm:pooling_request_latency_seconds",
+            "Time from receiving an Embed or Score call to its answer, by kind",
+            ["kind"],
+            buckets=LATENCY_BUCKETS,
+            registry=counted,
+        )
+        self.pooling_inputs = Counter(
+            "nanovllm:pooling_inputs",
+            "Inputs (texts or token-id lists embedded, documents scored) of the Embed and Score calls answered",
+            ["kind"],
+            registry=counted,
+        )
+        self.pooling_prompt_tokens = Counter(
+            "nanovllm:pooling_prompt_tokens",
+            "Prompt tokens of the Embed and Score calls answered (instruction formats included)",
+            ["kind"],
+            registry=counted,
+        )
         self.requests_in_flight = Gauge(
             "nanovllm:requests_in_flight",
             "Generate calls in flight on each worker",

@@ -1,7 +1,8 @@
-"""A Generate call's spans (common/tracing.py): the call, continuing the caller's traceparent, with a child
-for its validation and tokenization, one per routing decision and one per attempt on a worker, whose own
-request span is the attempt's child. The stream's numbers (time to first token, tokens, outcome) are the
-call span's attributes: the call span is the stream.
+"""A call's spans (common/tracing.py). A Generate call: the call, continuing the caller's traceparent, with a
+child for its validation and tokenization, one per routing decision and one per attempt on a worker, whose
+own request span is the attempt's child. The stream's numbers (time to first token, tokens, outcome) are
+the call span's attributes: the call span is the stream. An Embed or Score call: one span, its outcome,
+inputs and prompt tokens as attributes.
 
 NO_SPANS stands in when tracing is off, so that the call's code is the same either way and costs a method
 call that does nothing."""
@@ -18,11 +19,17 @@ from nanovllm.common.tracing import CARRIER_KEYS, carrier_of, context_from
 
 
 class CallSpans:
-    def __init__(self, tracer: Tracer, metadata: Sequence[tuple[str, str]], api: str) -> None:
+    def __init__(
+        self,
+        tracer: Tracer,
+        metadata: Sequence[tuple[str, str]],
+        api: str,
+        name: str = "nanovllm.router.generate",
+    ) -> None:
         carrier = {key: value for key, value in metadata if key in CARRIER_KEYS}
         self._tracer = tracer
         self.call = tracer.start_span(
-            "nanovllm.router.generate",
+            name,
             context=context_from(carrier),
             kind=SpanKind.SERVER,
             attributes={"nanovllm.api": api},
@@ -63,10 +70,11 @@ class CallSpans:
             self._attempt = None
 
     def end(self, outcome: str, attributes: dict[str, str | int | float]) -> None:
-        """End every span of the call; an outcome that is not a finish reason marks the call an error."""
+        """End every span of the call; an outcome that is not a finish reason (or an answered Embed or Score
+        call's `ok`) marks the call an error."""
         self.end_attempt()
         self.call.set_attributes({"nanovllm.outcome": outcome, **attributes})
-        if outcome not in ("stop", "length", "tool_calls"):
+        if outcome not in ("stop", "length", "tool_calls", "ok"):
             self.call.set_status(Status(StatusCode.ERROR, outcome))
         self.call.end()
 
@@ -91,9 +99,12 @@ class _NoSpans:
 
 
 NO_SPANS = _NoSpans()
+AnySpans = CallSpans | _NoSpans  # what call_spans gives
 
 
-def call_spans(tracer: Tracer | None, context: Any, api: str) -> CallSpans | _NoSpans:
-    """The spans of a call whose (gRPC or HTTP stand-in) context is `context`; NO_SPANS when tracing is off,
-    without reading the call's metadata."""
-    return NO_SPANS if tracer is None else CallSpans(tracer, context.invocation_metadata(), api)
+def call_spans(
+    tracer: Tracer | None, context: Any, api: str, name: str = "nanovllm.router.generate"
+) -> AnySpans:
+    """The spans of a call whose (gRPC or HTTP stand-in) context is `context`, its own span named `name`;
+    NO_SPANS when tracing is off, without reading the call's metadata."""
+    return NO_SPANS if tracer is None else CallSpans(tracer, context.invocation_metadata(), api, name)

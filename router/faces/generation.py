@@ -13,9 +13,11 @@ from opentelemetry.trace import Tracer
 
 from nanovllm.common.server_config import RouterConfig
 from nanovllm.common.wire import fields_to_message
+from nanovllm.router.calls.accounting import PoolingTrace
 from nanovllm.router.calls.call import GenerateCall, reject
 from nanovllm.router.calls.metrics import RouterMetrics
 from nanovllm.router.calls.pooling import PoolingCalls, PoolingFailed
+from nanovllm.router.calls.spans import call_spans
 from nanovllm.router.calls.validation import NoTokenizerError, check_prompt_size, tokenize_request
 from nanovllm.router.faces.auth import Access
 from nanovllm.router.fleet.catalog import ModelChoice
@@ -102,23 +104,32 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     async def Embed(
         self, request: generate_pb2.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.EmbedResponse:
-        return await self.embed(request, context)
+        return await self.embed(request, context, "grpc")
 
     async def Score(
         self, request: generate_pb2.ScoreRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.ScoreResponse:
-        return await self.score(request, context)
+        return await self.score(request, context, "grpc")
 
-    async def embed(self, request: generate_pb2.EmbedRequest, context: Any) -> generate_pb2.EmbedResponse:
-        """One Embed call, for either face (`context` as generate's)."""
-        return await self._pooling(self.pooling.embed(request), context)
+    async def embed(
+        self, request: generate_pb2.EmbedRequest, context: Any, api: str
+    ) -> generate_pb2.EmbedResponse:
+        """One Embed call, for either face (`context` and `api` as generate's)."""
+        inputs = len(request.texts) or len(request.token_ids)
+        return await self._pooling(self.pooling.embed(request), context, "embed", api, inputs)
 
-    async def score(self, request: generate_pb2.ScoreRequest, context: Any) -> generate_pb2.ScoreResponse:
-        return await self._pooling(self.pooling.score(request), context)
+    async def score(
+        self, request: generate_pb2.ScoreRequest, context: Any, api: str
+    ) -> generate_pb2.ScoreResponse:
+        inputs = len(request.documents)
+        return await self._pooling(self.pooling.score(request), context, "score", api, inputs)
 
-    async def _pooling(self, call: Coroutine[Any, Any, P], context: Any) -> P:
+    async def _pooling(
+        self, call: Coroutine[Any, Any, P], context: Any, kind: str, api: str, inputs: int
+    ) -> P:
         """Run an Embed or Score call under the caller's lease (auth and limits, as a stream; its prompt
-        tokens charged), ending it with the status it failed with."""
+        tokens charged), ending it with the status it failed with; counted, logged and traced once admitted
+        (router/calls/accounting.py PoolingTrace)."""
         try:
             if self.draining:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is shutting down; retry")
@@ -128,13 +139,27 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             raise
         self._in_flight += 1  # a drain waits for it as for a stream
         self.idle.clear()
+        trace = PoolingTrace(
+            self.metrics,
+            kind,
+            api,
+            lease.name,
+            call_spans(self.tracer, context, api, f"nanovllm.router.{kind}"),
+        )
+        outcome, prompt_tokens = "internal", 0
         try:
             result = await call
             lease.charge(result.prompt_tokens)
+            outcome, prompt_tokens = "ok", result.prompt_tokens
             return result
         except PoolingFailed as exc:
+            outcome = exc.code.name.lower()
             await context.abort(exc.code, str(exc))
+        except asyncio.CancelledError:
+            outcome = "client_cancelled"
+            raise
         finally:
+            trace.finish(outcome, inputs, prompt_tokens)
             lease.close()
             self._in_flight -= 1
             if self._in_flight == 0:

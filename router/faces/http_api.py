@@ -67,9 +67,13 @@ class Service(Protocol):
 
     async def generate(self, request: generate_pb2.GenerateRequest, context: Any, api: str) -> None: ...
 
-    async def embed(self, request: generate_pb2.EmbedRequest, context: Any) -> generate_pb2.EmbedResponse: ...
+    async def embed(
+        self, request: generate_pb2.EmbedRequest, context: Any, api: str
+    ) -> generate_pb2.EmbedResponse: ...
 
-    async def score(self, request: generate_pb2.ScoreRequest, context: Any) -> generate_pb2.ScoreResponse: ...
+    async def score(
+        self, request: generate_pb2.ScoreRequest, context: Any, api: str
+    ) -> generate_pb2.ScoreResponse: ...
 
 
 _HTTP_STATUS = {
@@ -157,18 +161,18 @@ class HttpApi:
 
     async def embeddings(self, request: Request) -> Response:
         embed, encoding = parse_embeddings(await _json_body(request))
-        response = await self.service.embed(embed, self._context(request))
+        response = await self.service.embed(embed, self._context(request), "http")
         return JSONResponse(embeddings_body(response, self._model_name(embed.model), encoding))
 
     async def rerank(self, request: Request) -> Response:
         score, top_n, return_documents = parse_rerank(await _json_body(request))
-        response = await self.service.score(score, self._context(request))
+        response = await self.service.score(score, self._context(request), "http")
         name = self._model_name(score.model)
         return JSONResponse(rerank_body(score, response, name, top_n, return_documents))
 
     async def score(self, request: Request) -> Response:
         score = parse_score(await _json_body(request))
-        response = await self.service.score(score, self._context(request))
+        response = await self.service.score(score, self._context(request), "http")
         return JSONResponse(score_body(response, self._model_name(score.model)))
 
     @staticmethod
