@@ -323,6 +323,17 @@ class StepInputs:
         )  # fmt: skip
 
 
+@dataclass
+class HeadPass:
+    """One pass of the multi-token-prediction head (worker/sample/mtp.py), which every tensor-parallel rank
+    runs on its share of the head: the pass's tokens and cache slots, and the hidden state each row reads
+    (the model's final one at the row's position or, drafting further, the head's own), rank 0's, sent
+    beside the packed inputs (the other ranks hold no record of which rows of which step those were)."""
+
+    inputs: StepInputs
+    hidden: torch.Tensor
+
+
 @dataclass(slots=True)
 class SamplingRow:
     """One row of the logits batch: everything the sampler needs to know about its request."""

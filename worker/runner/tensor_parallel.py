@@ -4,8 +4,10 @@ Rank 0 is the engine's own process: it schedules, samples and serves. Ranks 1..N
 hold their shard of every layer and of the KV cache and run the same forward passes. torch.distributed
 connects them (gloo on CPU, NCCL on CUDA) through a TCPStore that rank 0 opens on a free port, so two
 workers on one host never collide. Each step, rank 0 broadcasts the step's StepInputs as one int64 tensor
-(its length first); the layers' own collectives (all-reduce after row-parallel layers, all-gather of the
-vocabulary-parallel logits) do the rest.
+(a header first: its length and what it is for); the layers' own collectives (all-reduce after row-parallel
+layers, all-gather of the vocabulary-parallel logits) do the rest. With MTP speculation each pass of the
+head is sent the same way after the step it follows or before the step it proposes for (a HeadPass: its
+inputs, then its rows' hidden states as bytes).
 
 No rank outlives rank 0: ranks 1..N-1 ask the kernel to kill them when their parent dies
 (PR_SET_PDEATHSIG), and rank 0 checks before every step that they are alive, so a dead rank becomes an
@@ -30,7 +32,7 @@ from nanovllm.common.logging import get_logger
 from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.model_config import ModelConfig
-from nanovllm.worker.step import StepInputs
+from nanovllm.worker.step import HeadPass, StepInputs
 
 log = get_logger(__name__)
 
@@ -40,7 +42,9 @@ HOST = "127.0.0.1"
 COLLECTIVE_TIMEOUT = timedelta(days=365)
 STARTUP_TIMEOUT_S = 120.0  # for a rank to start and reach the rendezvous
 JOIN_TIMEOUT_S = 30.0
-_STOP = -1  # header value that tells ranks 1..N-1 to leave their loop
+_STOP = -1  # header length that tells ranks 1..N-1 to leave their loop
+# What a header announces: a step of the model, or a pass of the multi-token-prediction head.
+_STEP, _HEAD_PASS = 0, 1
 _PR_SET_PDEATHSIG = 1
 
 
@@ -78,6 +82,12 @@ class ShardRunner(Protocol):
     def __init__(self, config: EngineConfig, tp: TPContext) -> None: ...
 
     def forward(self, inputs: StepInputs) -> torch.Tensor | None: ...
+
+    def head_pass(self, head_pass: HeadPass) -> None: ...
+
+    def hidden_layout(self) -> tuple[int, torch.dtype, torch.device]:
+        """Hidden size, dtype and device of the hidden states a HeadPass carries."""
+        ...
 
 
 class TensorParallelGroup:
@@ -124,9 +134,19 @@ class TensorParallelGroup:
 
     def send(self, inputs: StepInputs) -> None:
         """Give ranks 1..N-1 this step's inputs (they run the forward pass alongside rank 0)."""
+        self._send(inputs, _STEP)
+
+    def send_head_pass(self, head_pass: HeadPass) -> None:
+        """Give ranks 1..N-1 a pass of the multi-token-prediction head: its inputs, then the hidden state of
+        each row as bytes (any dtype; on the default group, which moves device tensors)."""
+        self._send(head_pass.inputs, _HEAD_PASS)
+        dist.broadcast(head_pass.hidden.contiguous().view(torch.uint8), src=0)
+
+    def _send(self, inputs: StepInputs, kind: int) -> None:
         self.raise_if_dead()
         packed = inputs.pack()
-        dist.broadcast(torch.tensor([packed.numel()], dtype=torch.long), src=0, group=self._cpu_group)
+        header = torch.tensor([packed.numel(), kind], dtype=torch.long)
+        dist.broadcast(header, src=0, group=self._cpu_group)
         dist.broadcast(packed, src=0, group=self._cpu_group)
 
     def raise_if_dead(self, cause: BaseException | None = None) -> None:
@@ -145,7 +165,8 @@ class TensorParallelGroup:
         """Tell ranks 1..N-1 to stop, join them, and kill any that do not exit in time."""
         if all(proc.exitcode is None for proc in self.procs):
             try:
-                dist.broadcast(torch.tensor([_STOP], dtype=torch.long), src=0, group=self._cpu_group)
+                stop = torch.tensor([_STOP, _STEP], dtype=torch.long)
+                dist.broadcast(stop, src=0, group=self._cpu_group)
             except RuntimeError:  # a rank is already gone; the kill below covers the rest
                 pass
         for proc in self.procs:
@@ -173,12 +194,21 @@ def run_shard(
     )
     cpu_group = _cpu_group()
     runner = runner_type(config, TPContext(rank, size, bool(config.deterministic)))  # resolved by now
-    header = torch.empty(1, dtype=torch.long)
+    header = torch.empty(2, dtype=torch.long)
     while True:
         dist.broadcast(header, src=0, group=cpu_group)
-        if header.item() == _STOP:
+        length, kind = header.tolist()
+        if length == _STOP:
             break
-        packed = torch.empty(int(header.item()), dtype=torch.long)
+        packed = torch.empty(length, dtype=torch.long)
         dist.broadcast(packed, src=0, group=cpu_group)
-        runner.forward(StepInputs.unpack(packed))
+        inputs = StepInputs.unpack(packed)
+        if kind == _HEAD_PASS:
+            size, dtype, device = runner.hidden_layout()
+            row_bytes = size * torch.empty(0, dtype=dtype).element_size()
+            hidden = torch.empty(len(inputs.input_ids), row_bytes, dtype=torch.uint8, device=device)
+            dist.broadcast(hidden, src=0)
+            runner.head_pass(HeadPass(inputs, hidden.view(dtype)))
+        else:
+            runner.forward(inputs)
     dist.destroy_process_group()
