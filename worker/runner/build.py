@@ -208,10 +208,10 @@ class ModelRunnerBase:
         self.sampler = Sampler(generator)
         self.block_rows = BlockTableRows(self._max_blocks_per_seq(), 2 * self.config.max_num_seqs)
         self.inputs = InputBuilder(self.block_size, self.device, self.block_rows)
-        # A vision model's tower outputs, by image (worker/runner/images.py).
+        # A vision model's tower outputs, by image (worker/runner/images.py): rank 0's, which sends them.
         self.images = (
             ImageEncoder(self.model.encode_image, self.device, self.config.encoder_cache_tokens)
-            if isinstance(self.model, Qwen3_5ForConditionalGeneration)
+            if isinstance(self.model, Qwen3_5ForConditionalGeneration) and self.tp.rank == 0
             else None
         )
 

@@ -119,6 +119,10 @@ class ModelRunner(ModelRunnerBase):
         if self.cpu_share is not None:
             self.cpu_share.refresh()
         try:
+            if inputs.image_rows:  # the tower (rank 0's) before the step goes to the other ranks
+                if self.images is None:
+                    raise RuntimeError("a step carries images for a model without a vision tower")
+                inputs.image_embeddings = self.images.splice(inputs.image_rows, self.dtype)
             if self.tp_group is not None:
                 self.tp_group.send(inputs)
             self._prompt_logprobs, self._pooled = {}, {}
@@ -137,10 +141,9 @@ class ModelRunner(ModelRunnerBase):
             splice = None
             if inputs.mrope_positions:  # a step with images: 3-D RoPE positions, the tower's tokens
                 positions = self.inputs.long(inputs.mrope_positions).view(3, -1)
-                if inputs.image_rows:
-                    if self.images is None:
-                        raise RuntimeError("a step carries images for a model without a vision tower")
-                    splice = self.images.splice(inputs.image_rows)
+            if inputs.image_embeddings is not None:
+                embedded = inputs.image_embeddings
+                splice = (self.inputs.long(embedded.rows), embedded.embeddings.to(self.device))
             graphs = self.decode_graphs
             bucket = graphs.bucket(inputs) if graphs is not None and not inputs.mrope_positions else None
             if graphs is not None and bucket is not None:
@@ -183,7 +186,8 @@ class ModelRunner(ModelRunnerBase):
             raise
 
     def hidden_layout(self) -> tuple[int, torch.dtype, torch.device]:
-        """Hidden size, dtype and device of the model's hidden states (a HeadPass's rows)."""
+        """Hidden size, dtype and device of the model's hidden states (a HeadPass's rows, a step's image
+        embeddings)."""
         return self.config.model_config.hidden_size, self.dtype, self.device
 
     def _score_prompts(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[int, list[TokenLogprobs]]:

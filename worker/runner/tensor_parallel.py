@@ -5,9 +5,10 @@ hold their shard of every layer and of the KV cache and run the same forward pas
 connects them (gloo on CPU, NCCL on CUDA) through a TCPStore that rank 0 opens on a free port, so two
 workers on one host never collide. Each step, rank 0 broadcasts the step's StepInputs as one int64 tensor
 (a header first: its length and what it is for); the layers' own collectives (all-reduce after row-parallel
-layers, all-gather of the vocabulary-parallel logits) do the rest. With MTP speculation each pass of the
-head is sent the same way after the step it follows or before the step it proposes for (a HeadPass: its
-inputs, then its rows' hidden states as bytes).
+layers, all-gather of the vocabulary-parallel logits) do the rest. Tensors follow the packed integers as
+bytes: a step's image embeddings (the vision tower runs on rank 0 alone, worker/runner/images.py says why),
+and with MTP speculation each pass of the head (a HeadPass: its inputs, then its rows' hidden states),
+sent after the step it follows or before the step it proposes for.
 
 No rank outlives rank 0: ranks 1..N-1 ask the kernel to kill them when their parent dies
 (PR_SET_PDEATHSIG), and rank 0 checks before every step that they are alive, so a dead rank becomes an
@@ -133,14 +134,17 @@ class TensorParallelGroup:
                 time.sleep(0.05)  # a rank's start-up (importing torch) takes seconds
 
     def send(self, inputs: StepInputs) -> None:
-        """Give ranks 1..N-1 this step's inputs (they run the forward pass alongside rank 0)."""
+        """Give ranks 1..N-1 this step's inputs (they run the forward pass alongside rank 0), and its image
+        embeddings, if it has images."""
         self._send(inputs, _STEP)
+        if inputs.image_embeddings is not None:
+            _broadcast_rows(inputs.image_embeddings.embeddings)
 
     def send_head_pass(self, head_pass: HeadPass) -> None:
         """Give ranks 1..N-1 a pass of the multi-token-prediction head: its inputs, then the hidden state of
         each row as bytes (any dtype; on the default group, which moves device tensors)."""
         self._send(head_pass.inputs, _HEAD_PASS)
-        dist.broadcast(head_pass.hidden.contiguous().view(torch.uint8), src=0)
+        _broadcast_rows(head_pass.hidden)
 
     def _send(self, inputs: StepInputs, kind: int) -> None:
         self.raise_if_dead()
@@ -179,6 +183,20 @@ class TensorParallelGroup:
         log.info("tensor_parallel_stopped", exit_codes=[p.exitcode for p in self.procs])
 
 
+def _broadcast_rows(rows: torch.Tensor) -> None:
+    """Rank 0's rows of hidden-state width, as bytes (any dtype), on the default group (NCCL's moves device
+    tensors); the other ranks take them with `_receive_rows`."""
+    dist.broadcast(rows.contiguous().view(torch.uint8), src=0)
+
+
+def _receive_rows(count: int, runner: ShardRunner) -> torch.Tensor:
+    size, dtype, device = runner.hidden_layout()
+    row_bytes = size * torch.empty(0, dtype=dtype).element_size()
+    rows = torch.empty(count, row_bytes, dtype=torch.uint8, device=device)
+    dist.broadcast(rows, src=0)
+    return rows.view(dtype)
+
+
 def run_shard(
     config: EngineConfig, runner_type: type[ShardRunner], rank: int, port: int, parent_pid: int
 ) -> None:
@@ -204,11 +222,10 @@ def run_shard(
         dist.broadcast(packed, src=0, group=cpu_group)
         inputs = StepInputs.unpack(packed)
         if kind == _HEAD_PASS:
-            size, dtype, device = runner.hidden_layout()
-            row_bytes = size * torch.empty(0, dtype=dtype).element_size()
-            hidden = torch.empty(len(inputs.input_ids), row_bytes, dtype=torch.uint8, device=device)
-            dist.broadcast(hidden, src=0)
-            runner.head_pass(HeadPass(inputs, hidden.view(dtype)))
-        else:
-            runner.forward(inputs)
+            runner.head_pass(HeadPass(inputs, _receive_rows(len(inputs.input_ids), runner)))
+            continue
+        if inputs.image_embeddings is not None:
+            embeddings = inputs.image_embeddings
+            embeddings.embeddings = _receive_rows(len(embeddings.rows), runner)
+        runner.forward(inputs)
     dist.destroy_process_group()
