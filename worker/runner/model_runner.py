@@ -231,7 +231,12 @@ class ModelRunner(ModelRunnerBase):
         """speculative_method=draft or mtp: the draft model's proposals for `items`
         (worker/sample/draft.py), or the multi-token-prediction head's (worker/sample/mtp.py)."""
         if self.mtp is not None:
-            self.mtp.propose(items, self.inputs.tensors)
+            try:
+                self.mtp.propose(items, self.inputs.tensors)
+            except RuntimeError as exc:  # a pass's collective failed: say which rank went away, if one did
+                if self.tp_group is not None:
+                    self.tp_group.raise_if_dead(exc)
+                raise
         elif self.draft is not None:
             self.draft.propose(items, self.inputs.tensors)
         else:
