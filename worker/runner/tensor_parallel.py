@@ -87,7 +87,8 @@ class ShardRunner(Protocol):
     def head_pass(self, head_pass: HeadPass) -> None: ...
 
     def hidden_layout(self) -> tuple[int, torch.dtype, torch.device]:
-        """Hidden size, dtype and device of the hidden states a HeadPass carries."""
+        """Hidden size, dtype and device of the rows that follow a packed step (a HeadPass's hidden
+        states, a step's image embeddings)."""
         ...
 
 
