@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import random
+import signal
 from pathlib import Path
 
+import psutil
 import pytest
 
 from bench.mtp import OracleProposals
 from nanovllm import LLM, SamplingParams
-from nanovllm.common.errors import ConfigError
+from nanovllm.common.errors import ConfigError, EngineDeadError
 from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.models.qwen3_5 import Qwen3_5ForCausalLM
 from nanovllm.worker.runner.kv_cache import kv_bytes_per_block
-from tests.helpers import counting_proposals, recorded_proposals
+from tests.helpers import counting_proposals, rank_processes, recorded_proposals
 from tests.model_factory import VOCAB, build_model
 from tests.resume_streams import MAX_TOKENS as RESUME_MAX_TOKENS
 from tests.resume_streams import run as resume_run
@@ -177,7 +180,9 @@ def test_two_ranks_propose_as_one_and_keep_the_tokens(model: Path, plain: list[d
     slice of the vocabulary; the first 300 ids cross both ranks' slices of 256) and the rank 0 broadcasts of
     each pass's rows. The proposals equal one rank's; the tokens and logprobs equal the engine's without
     speculation (one rank), with the random head and then the oracle; every block and state slot back.
-    The first three requests (the others' longer prompts add time, not cases)."""
+    Then rank 1 killed while requests speculate: a step or a pass of the head raises EngineDeadError
+    naming it, and no rank is left. The first three requests (the others' longer prompts add time, not
+    cases)."""
     prompts, params = (part[:3] for part in _requests())
     plain = plain[:3]
     options = {
@@ -197,8 +202,17 @@ def test_two_ranks_propose_as_one_and_keep_the_tokens(model: Path, plain: list[d
             _assert_same(llm.generate(prompts, params, use_tqdm=False), plain, exact=False)
         assert 0 < counts[1] < counts[0], counts
         assert _all_back(llm)
+        for i, prompt in enumerate(prompts):
+            llm.engine.add_request(str(i), prompt, params[i])
+        llm.engine.step()
+        (rank1,) = rank_processes(psutil.Process())
+        os.kill(rank1.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match=rf"rank 1 \(pid {rank1.pid}\) exited with code -9"):
+            for _ in range(100):  # more steps than the requests' tokens: the dead rank is noticed
+                llm.engine.step()
     finally:
         llm.shutdown()
+    assert rank_processes(psutil.Process()) == []
 
 
 def test_a_state_not_rolled_back_changes_the_tokens(model: Path, plain: list[dict]):
