@@ -2,7 +2,7 @@
 worker/core/recurrent_states.py): on random Qwen3.5 and Qwen3.5-MoE models with random heads in the
 published layout, a batch's tokens and logprobs with MTP equal those without, in float32 and (bit for bit)
 bf16 under --deterministic, with prompts longer than a step's chunk, seeded sampling beside greedy, a
-prefix-cache hit and preemption. A random head's proposals are nearly all rejected; an oracle
+prefix-cache hit, preemption and two tensor-parallel ranks. A random head's proposals are nearly all rejected; an oracle
 (bench/mtp.py) makes some right, so steps keep 1 to K + 1 tokens. Without the rollback the tokens differ.
 Settings it does not run with, and a checkpoint without the head, are refused at start by name."""
 
@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import random
+import signal
 from pathlib import Path
 
+import psutil
 import pytest
 
 from bench.mtp import OracleProposals
 from nanovllm import LLM, SamplingParams
-from nanovllm.common.errors import ConfigError
+from nanovllm.common.errors import ConfigError, EngineDeadError
 from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.models.qwen3_5 import Qwen3_5ForCausalLM
 from nanovllm.worker.runner.kv_cache import kv_bytes_per_block
-from tests.helpers import counting_proposals, recorded_proposals
+from tests.helpers import counting_proposals, rank_processes, recorded_proposals
 from tests.model_factory import VOCAB, build_model
 from tests.resume_streams import MAX_TOKENS as RESUME_MAX_TOKENS
 from tests.resume_streams import run as resume_run
@@ -172,6 +175,46 @@ def test_preempted_requests_recompute_with_mtp(model: Path, plain: list[dict]):
     assert _all_back(llm)
 
 
+def test_two_ranks_propose_as_one_and_keep_the_tokens(model: Path, plain: list[dict]):
+    """tensor_parallel_size=2: each rank runs the head's passes on its share of the head (its KV heads, its
+    slice of the vocabulary; the first 300 ids cross both ranks' slices of 256) and the rank 0 broadcasts of
+    each pass's rows. The proposals equal one rank's; the tokens and logprobs equal the engine's without
+    speculation (one rank), with the random head and then the oracle; every block and state slot back.
+    Then rank 1 killed while requests speculate: a step or a pass of the head raises EngineDeadError
+    naming it, and no rank is left. The first three requests (the others' longer prompts add time, not
+    cases)."""
+    prompts, params = (part[:3] for part in _requests())
+    plain = plain[:3]
+    options = {
+        "speculative_method": "mtp", "num_speculative_tokens": 3, "speculative_max_batch": 8,
+        "speculative_draft_vocab": 300, **ENGINE,
+    }  # fmt: skip
+    one = LLM(str(model), **options)
+    one_rank = recorded_proposals(one)
+    one.generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(model), tensor_parallel_size=2, device="cpu", **options)
+    try:
+        two_ranks = recorded_proposals(llm)
+        _assert_same(llm.generate(prompts, params, use_tqdm=False), plain, exact=False)
+        assert two_ranks == one_rank and any(t >= VOCAB // 2 for p in two_ranks for t in p)
+        _oracle(llm, prompts, plain)
+        with counting_proposals(llm) as counts:
+            _assert_same(llm.generate(prompts, params, use_tqdm=False), plain, exact=False)
+        assert 0 < counts[1] < counts[0], counts
+        assert _all_back(llm)
+        for i, prompt in enumerate(prompts):
+            llm.engine.add_request(str(i), prompt, params[i])
+        llm.engine.step()
+        (rank1,) = rank_processes(psutil.Process())
+        os.kill(rank1.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match=rf"rank 1 \(pid {rank1.pid}\) exited with code -9"):
+            for _ in range(100):  # more steps than the requests' tokens: the dead rank is noticed
+                llm.engine.step()
+    finally:
+        llm.shutdown()
+    assert rank_processes(psutil.Process()) == []
+
+
 def test_a_state_not_rolled_back_changes_the_tokens(model: Path, plain: list[dict]):
     """The planted bug: a rejection that leaves the rejected tokens' updates in the linear layers' state.
     The tokens then differ from the engine's without speculation (what the tests above check)."""
@@ -210,7 +253,6 @@ def test_a_checkpoint_without_the_head_is_refused(tmp_path: Path):
     [
         ("qwen3", {}, "speculative_method=mtp needs a model with a multi-token-prediction head"),
         ("qwen3_5", {"num_speculative_tokens": 5}, r"num_speculative_tokens must be in \[1, 4\]"),
-        ("qwen3_5", {"tensor_parallel_size": 2}, "not supported with tensor_parallel_size > 1"),
         ("qwen3_5", {"speculative_draft_vocab": VOCAB + 1}, r"speculative_draft_vocab must be in \[0, 512\]"),
     ],
 )

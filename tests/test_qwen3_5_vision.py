@@ -3,7 +3,7 @@ transformers on a tiny random Qwen3_5ForConditionalGeneration saved with transfo
 the patches equal the processor's, the 3-D RoPE positions equal `get_rope_index`'s, and the offline `LLM`'s
 float32 greedy tokens equal transformers' `generate` for one and two images (sizes that are and are not
 multiples of 32 px, text before, between and after), their logprobs within float32 rounding, in one
-prefill and in chunks cut through the images; an image seen again skips the tower, and the prefix cache
+prefill and in chunks cut through the images, on one rank or two; an image seen again skips the tower, and the prefix cache
 keys blocks covering an image by its content; a text request on the vision checkpoint is
 transformers' text generation; images a request cannot have are refused naming them.
 
@@ -207,6 +207,33 @@ def test_chunked_prefill_through_images_and_the_encoder_cache(vision_model: Path
     hits = encoder.cache_hits
     _assert_equal(_generate(llm, text, images), theirs, "again")
     assert encoder.tower_runs == 2 and encoder.cache_hits > hits
+
+
+def test_two_ranks_equal_transformers_and_repeated_images_skip_the_tower(vision_model: Path, reference):
+    """tensor_parallel_size=2, steps of 5 tokens cut through the images: rank 0 runs the tower and sends
+    each step's image rows' embeddings to rank 1, which holds no tower. The greedy tokens and logprobs for
+    one image and for two equal transformers'; asked again, the two images skip the tower (rank 0's
+    encoder cache) and the tokens do not change."""
+    llm = LLM(
+        str(vision_model), tensor_parallel_size=2, device="cpu", max_num_batched_tokens=5,
+        kvcache_block_size=4, **ENGINE,
+    )  # fmt: skip
+    try:
+        encoder = llm.engine.runner.images
+        assert encoder is not None
+        one = f"The quick {PLACE} brown fox"
+        images = [_image(70, 100, 0)]
+        _assert_equal(_generate(llm, one, images), _hf_generate(reference, one, images), "one image")
+        two = f"Paged {PLACE} attention stores {PLACE} blocks."
+        images = [_image(64, 96, 1), _image(40, 150, 2)]
+        theirs = _hf_generate(reference, two, images)
+        _assert_equal(_generate(llm, two, images), theirs, "two images")
+        assert encoder.tower_runs == 3
+        hits = encoder.cache_hits
+        _assert_equal(_generate(llm, two, images), theirs, "again")
+        assert encoder.tower_runs == 3 and encoder.cache_hits > hits
+    finally:
+        llm.shutdown()
 
 
 def test_prefix_cache_blocks_covering_an_image_are_keyed_by_its_content(vision_model: Path, reference):

@@ -10,11 +10,22 @@ from pathlib import Path
 import grpc
 import psutil
 import pytest
+import torch
 
 from nanovllm import LLM
 from nanovllm.common.errors import ConfigError, EngineDeadError
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
-from nanovllm.worker.step import KVLoad, KVStore, KVTransfers, PoolingRow, SeqChunk, StateStore, StepInputs
+from nanovllm.worker.step import (
+    ImageEmbeddings,
+    ImageRows,
+    KVLoad,
+    KVStore,
+    KVTransfers,
+    PoolingRow,
+    SeqChunk,
+    StateStore,
+    StepInputs,
+)
 from tests.helpers import TP_ENGINE, TP_PROMPTS, compare_tp, greedy, rank_processes
 from tests.model_factory import ALL_LORA_TARGETS, build_model, make_adapter
 from tests.services import start_router, start_worker, wait_serving
@@ -54,6 +65,25 @@ def test_kv_transfers_and_prompt_rows_reach_the_other_ranks_whole() -> None:
     assert StepInputs.unpack(inputs.pack()) == inputs
     empty = StepInputs([], [], [], [], [], [], [], kv_transfers=transfers)
     assert StepInputs.unpack(empty.pack()) == empty
+
+
+def test_a_step_with_images_reaches_the_other_ranks_with_its_rows() -> None:
+    """A vision model's step: its three rows of RoPE positions and its image tokens' rows travel packed
+    (the embeddings' values follow as a tensor; the images stay rank 0's). A step whose images have no
+    embeddings yet is refused: the other ranks have no tower to make them."""
+    image_rows = [ImageRows(None, 1, 0, 2)]  # type: ignore[arg-type]  # the image itself is rank 0's
+    mrope = [0, 1, 1, 2, 0, 1, 2, 2, 0, 1, 1, 3]
+    inputs = StepInputs(
+        [5, 9, 9, 6], [0, 1, 2, 3], [40, 41, 42, 43], [], [SeqChunk(0, 4, [5])], [], [3],
+        mrope_positions=mrope, image_rows=image_rows,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="with their embeddings"):
+        inputs.pack()
+    inputs.image_embeddings = ImageEmbeddings([1, 2], torch.ones(2, 8))
+    unpacked = StepInputs.unpack(inputs.pack())
+    assert unpacked.mrope_positions == mrope and not unpacked.image_rows
+    assert unpacked.image_embeddings is not None and unpacked.image_embeddings.rows == [1, 2]
+    assert unpacked.input_ids == inputs.input_ids and unpacked.fresh == inputs.fresh
 
 
 def test_tp2_runs_lora_adapters_as_tp1(qwen3_dir: Path, tmp_path: Path) -> None:

@@ -471,7 +471,7 @@ class EngineConfig:
 
     def _check_mtp(self) -> None:
         """speculative_method=mtp needs a hybrid Qwen3.5 model (whose checkpoints carry the head; the runner
-        checks its weights as it loads them), 1 to MAX_MTP_TOKENS proposals, one rank, safetensors."""
+        checks its weights as it loads them), 1 to MAX_MTP_TOKENS proposals."""
         if self.speculative_method != "mtp":
             if self.speculative_draft_vocab:
                 raise ConfigError(
@@ -489,8 +489,6 @@ class EngineConfig:
                 f"num_speculative_tokens must be in [1, {MAX_MTP_TOKENS}] with speculative_method=mtp, got "
                 f"{self.num_speculative_tokens}"
             )
-        if self.tensor_parallel_size > 1:
-            raise ConfigError("speculative_method=mtp: not supported with tensor_parallel_size > 1 yet")
         if not 0 <= self.speculative_draft_vocab <= self.model_config.vocab_size:
             raise ConfigError(
                 f"speculative_draft_vocab must be in [0, {self.model_config.vocab_size}] (the model's vocabulary; "

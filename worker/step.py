@@ -227,6 +227,17 @@ class ImageRows:
 
 
 @dataclass
+class ImageEmbeddings:
+    """A step's image tokens as the language model reads them: rows `rows` of the step take `embeddings`
+    (one row each, in the model's dtype) in place of their placeholders' embeddings. Rank 0 makes them
+    from the step's ImageRows (worker/runner/images.py: the tower and its encoder cache, rank 0's alone)
+    and sends them to the other tensor-parallel ranks beside the packed step."""
+
+    rows: list[int]
+    embeddings: torch.Tensor
+
+
+@dataclass
 class StepInputs:
     input_ids: list[int]
     positions: list[int]
@@ -250,10 +261,13 @@ class StepInputs:
     prompt_rows: list[int] = field(default_factory=list)
     prompt_scoring: list[PromptScoring] = field(default_factory=list)
     # A step with a sequence that has images (a vision model's): every row's temporal, then height, then
-    # width RoPE position (3 x len(input_ids) values), and the rows that are image tokens. Empty: text only,
-    # `positions` turn RoPE.
+    # width RoPE position (3 x len(input_ids) values), and the rows that are image tokens (rank 0's: the
+    # images themselves). Empty: text only, `positions` turn RoPE.
     mrope_positions: list[int] = field(default_factory=list)
     image_rows: list[ImageRows] = field(default_factory=list)
+    # The image rows' embeddings, which rank 0 makes before the forward pass and every rank reads (their
+    # rows travel packed, their embeddings beside: see TensorParallelGroup.send).
+    image_embeddings: ImageEmbeddings | None = None
     # The rows whose vector a pooling request returns (every rank computes them: a score's head rows are
     # split between the ranks).
     pooling: list[PoolingRow] = field(default_factory=list)
@@ -262,11 +276,12 @@ class StepInputs:
         """[counts..., input_ids, positions, slot_mapping, (start, n, state slot, restore, saves, *saves, len,
         *table) per chunk, logits_index,
         lora_slots, the UTF-8 bytes of lora_fills as JSON, prompt_rows, (seq_id, row, len, *token_ids) per
-        pooling row, kv_transfers] (not prompt_scoring: rank 0's)"""
+        pooling row, mrope_positions, the image embeddings' rows, kv_transfers] (not prompt_scoring nor
+        image_rows: rank 0's; not the image embeddings' values: a tensor sent beside)"""
         if self.deferred:
             raise RuntimeError("a step whose tokens are still on rank 0's device cannot go to other ranks")
-        if self.mrope_positions:
-            raise RuntimeError("a step with images cannot go to other tensor-parallel ranks")
+        if self.image_rows and self.image_embeddings is None:
+            raise RuntimeError("a step with images goes to other tensor-parallel ranks with their embeddings")
         groups = (self.decodes, self.fresh, self.cached)
         fills = list(json.dumps(self.lora_fills).encode()) if self.lora_fills else []
         values = [len(self.input_ids), *(len(g) for g in groups), len(self.logits_index)]
@@ -281,6 +296,8 @@ class StepInputs:
         values.append(len(self.pooling))
         for p in self.pooling:
             values += [p.seq_id, p.row, len(p.token_ids), *p.token_ids]
+        image_rows = self.image_embeddings.rows if self.image_embeddings is not None else []
+        values += [len(self.mrope_positions), *self.mrope_positions, len(image_rows), *image_rows]
         values += self.kv_transfers.pack()
         return host_tensor(values)
 
@@ -314,13 +331,29 @@ class StepInputs:
         for _ in range(take(1)[0]):
             seq_id, row, num_ids = take(3)
             pooling.append(PoolingRow(seq_id, row, take(num_ids)))
+        mrope = take(take(1)[0])
+        image_rows = take(take(1)[0])
+        # the embeddings' values follow the packed step (TensorParallelGroup.send): filled in as they arrive
+        embeddings = ImageEmbeddings(image_rows, torch.empty(0)) if image_rows else None
         kv_transfers, _ = KVTransfers.unpack(values[pos:])
         decodes, fresh, cached = groups
         return cls(
             input_ids, positions, slot_mapping, decodes, fresh, cached, logits_index=logits_index,
             lora_slots=lora_slots,
             lora_fills=lora_fills, kv_transfers=kv_transfers, prompt_rows=prompt_rows, pooling=pooling,
+            mrope_positions=mrope, image_embeddings=embeddings,
         )  # fmt: skip
+
+
+@dataclass
+class HeadPass:
+    """One pass of the multi-token-prediction head (worker/sample/mtp.py), which every tensor-parallel rank
+    runs on its share of the head: the pass's tokens and cache slots, and the hidden state each row reads
+    (the model's final one at the row's position or, drafting further, the head's own), rank 0's, sent
+    beside the packed inputs (the other ranks hold no record of which rows of which step those were)."""
+
+    inputs: StepInputs
+    hidden: torch.Tensor
 
 
 @dataclass(slots=True)

@@ -257,8 +257,6 @@ class LLMEngine:
         vision = self.model_config.vision
         if vision is None:
             raise RequestError(f"{self.config.model} has no vision tower: it takes no images")
-        if self.config.tensor_parallel_size > 1:
-            raise RequestError("images are not supported with tensor_parallel_size > 1 yet")
         token, merge = vision.image_token_id, vision.spatial_merge_size
         runs: list[tuple[int, int]] = []  # (start, length) of each run of placeholder tokens
         for i, tok in enumerate(prompt):

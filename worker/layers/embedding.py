@@ -69,14 +69,25 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor, vocab: int = 0) -> torch.Tensor:
         """The logits of every token id, or of the first `vocab` ids only (one rank: the rows are a view)."""
-        if vocab:
-            if self.tp.size > 1:
-                raise ValueError(
-                    f"the logits of the first {vocab} token ids need one rank, not {self.tp.size}"
-                )
+        if vocab and self.tp.size == 1:
             return linear(hidden, self.weight.narrow(0, 0, vocab), None, self.kernels)
+        if vocab:
+            return self._first_ids_logits(hidden, vocab)
         logits = linear(hidden, self.weight, None, self.kernels)
         return self.tp.all_gather_last_dim(logits)
+
+    def _first_ids_logits(self, hidden: torch.Tensor, vocab: int) -> torch.Tensor:
+        """The logits of the first `vocab` token ids over several ranks: each rank multiplies the rows of
+        its slice below `vocab` (none on ranks whose slice starts past it), padded to rank 0's count for the
+        gather, which the padding is then cut out of."""
+        width = min(vocab, self.shard_size)
+        counts = [min(width, max(0, vocab - rank * self.shard_size)) for rank in range(self.tp.size)]
+        here = counts[self.tp.rank]
+        logits = hidden.new_zeros(hidden.shape[0], width, dtype=hidden.dtype)
+        if here:
+            logits[:, :here] = linear(hidden, self.weight.narrow(0, 0, here), None, self.kernels)
+        gathered = self.tp.all_gather_last_dim(logits)
+        return torch.cat([gathered[:, r * width : r * width + n] for r, n in enumerate(counts) if n], dim=-1)
 
     def token_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """Row i's logit of token `token_ids[i]` (float32 [rows]), from that token's row of the head alone:

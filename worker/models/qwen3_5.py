@@ -420,14 +420,23 @@ class MultiTokenPredictor(nn.Module):
     hidden state at position p and the embedding of token p + 1, one full-attention decoder layer (its own
     paged KV, at position p) predicts token p + 2 through the model's own output head. Its input is
     fc([pre_fc_norm_embedding(embedding) ; pre_fc_norm_hidden(hidden)]); every norm zero-centred, as the
-    model's. Speculative decoding's proposer runs it (worker/sample/mtp.py)."""
+    model's. Speculative decoding's proposer runs it (worker/sample/mtp.py).
+
+    With tensor parallelism it is split as the model is (its attention heads and their KV, its MLP or
+    experts) and reads the model's vocabulary-parallel embedding and head: rank 0 alone holding it whole
+    would need a whole copy of the embedding and head there too (the 0.8B's largest tensor, a third of its
+    weights), where the split costs each of its passes a broadcast of its rows and the collectives of one
+    layer."""
 
     def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.pre_fc_norm_embedding = RMSNorm(h, eps, weight_offset=1.0)
         self.pre_fc_norm_hidden = RMSNorm(h, eps, weight_offset=1.0)
-        self.fc = ColumnParallelLinear(2 * h, h, False, tp, None, "mtp.fc")
+        # Whole on every rank (2h x h, a fraction of the layer's weights): its input is the same on every
+        # rank and so is its output, which the layer reads whole, so no collective is needed.
+        whole = TPContext(ordered_sum=tp.ordered_sum)
+        self.fc = ColumnParallelLinear(2 * h, h, False, whole, None, "mtp.fc")
         self.layers = nn.ModuleList([HybridDecoderLayer(cfg, tp, None, "mtp.layers.0", 0, mtp=True)])
         self.norm = RMSNorm(h, eps, weight_offset=1.0)
 

@@ -9,8 +9,8 @@ frequencies, its column on the second), and merges each 2x2 block of patches int
 language model's width (LayerNorm, then a GELU MLP over the four patches side by side). Patches arrive
 ordered block by block (common/images.py), so a block's four are consecutive rows.
 
-The tower is not sharded: every rank would hold it whole; it runs on rank 0 of one-rank engines (images
-with tensor parallelism are refused, worker/core/engine.py).
+The tower is not sharded: rank 0 holds it whole and runs it, and sends the other tensor-parallel ranks, which
+hold no tower, its output (worker/runner/images.py says why).
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
                 f"vision_config.out_hidden_size={vision.out_hidden_size} differs from the language model's "
                 f"hidden_size={cfg.hidden_size}"
             )
-        self.visual = VisionTower(vision)
+        self.visual = VisionTower(vision) if tp.rank == 0 else None
         self.model.rotary = MultimodalRotaryEmbedding(
             hybrid.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, torch.get_default_dtype(),
             hybrid.mrope_section, cfg.rope_scaling,
@@ -214,9 +214,11 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
     def checkpoint_name(self, name: str) -> str | None:
         """The tower's tensors under `visual.`, the language model's as Qwen3_5ForCausalLM names them."""
         if name.startswith("model.visual."):
-            return name.removeprefix("model.")
+            return name.removeprefix("model.") if self.visual is not None else None
         return super().checkpoint_name(name)
 
     def encode_image(self, pixels: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
-        """One image's tokens as the language model embeds them [tokens, hidden]."""
+        """One image's tokens as the language model embeds them [tokens, hidden] (rank 0's: the tower)."""
+        if self.visual is None:
+            raise RuntimeError("the vision tower is rank 0's: another tensor-parallel rank encodes no image")
         return self.visual(pixels, grid_thw)

@@ -172,14 +172,15 @@ class ModelRunnerBase:
         self.model = self._load_model(
             config.model_config, config.model, config.weight_format, gguf_file=config.gguf_file, mtp=mtp
         )
-        # The head is the model's, so every rank would hold it; the engine refuses mtp with more than one.
+        # The head is the model's, split as it is; rank 0 hands each of its passes to the other ranks.
         self.mtp = (
             MtpProposer(
-                cast("Qwen3_5ForCausalLM", self.model), self.block_size, config.speculative_draft_vocab
+                cast("Qwen3_5ForCausalLM", self.model), self.block_size, config.speculative_draft_vocab,
+                self.tp_group.send_head_pass if self.tp_group is not None else None,
             )
             if mtp
             else None
-        )
+        )  # fmt: skip
         self.draft: DraftModel | None = None
         if (
             config.draft_model_config is not None
@@ -207,10 +208,10 @@ class ModelRunnerBase:
         self.sampler = Sampler(generator)
         self.block_rows = BlockTableRows(self._max_blocks_per_seq(), 2 * self.config.max_num_seqs)
         self.inputs = InputBuilder(self.block_size, self.device, self.block_rows)
-        # A vision model's tower outputs, by image (worker/runner/images.py).
+        # A vision model's tower outputs, by image (worker/runner/images.py): rank 0's, which sends them.
         self.images = (
             ImageEncoder(self.model.encode_image, self.device, self.config.encoder_cache_tokens)
-            if isinstance(self.model, Qwen3_5ForConditionalGeneration)
+            if isinstance(self.model, Qwen3_5ForConditionalGeneration) and self.tp.rank == 0
             else None
         )
 
@@ -491,7 +492,7 @@ class ModelRunnerBase:
         kv_heads = self.tp.kv_heads(cfg.num_key_value_heads)[1]
         per_block = kv_bytes_per_block(cfg, self.block_size, kv_heads, self.kv_cache_dtype.itemsize)
         if self.mtp is not None:  # the head's one layer keeps its KV of a block's tokens in its own cache
-            layer_kv = kv_bytes_per_block(cfg, self.block_size, cfg.num_key_value_heads, self._element_size())
+            layer_kv = kv_bytes_per_block(cfg, self.block_size, kv_heads, self._element_size())
             per_block += layer_kv // cfg.num_attention_layers
         if self.draft is not None:  # the draft's KV of a block's tokens lives in a block of its own cache
             # (in the model's dtype: a draft's KV is small, and it keeps speculation's proposals unchanged)

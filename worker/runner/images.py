@@ -7,6 +7,16 @@ token on all three axes; an image whose grid is h x w merged patches takes, at t
 text token would have had, (p, p + row, p + column) for each of its tokens, and the text after it goes
 on from p + max(h, w). So after the prompt's last image a token at index i has position i + delta on
 every axis (delta: the sum over the images of max(h, w) - h x w), which is what decoding uses.
+
+With tensor parallelism the tower and its cache are rank 0's alone: rank 0 sends each step's image tokens'
+embeddings (ImageEmbeddings, worker/step.py) to the other ranks, which hold neither the tower nor a cache,
+so no cache can disagree with another. The alternative, the tower whole on every rank and the image's
+patches sent, moves more and computes more: an image's patches are 24 bytes a pixel (float32, each
+16 x 16 patch twice over the temporal patch), its tokens hidden_size values per 32 x 32 pixels (4 bytes a
+pixel for the 0.8B's 1024 in float32, 2 in bf16; 10 for a 5120-wide model in bf16), sent only for the rows
+a step computes; and every other rank would run the tower again (on a CPU the ranks share cores) and hold
+its weights. A repeated image skips the tower on rank 0 and costs the other ranks the broadcast of its
+rows only (measured: docs/performance.md, measurements behind choices in the code).
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ import torch
 
 from nanovllm.common.logging import get_logger
 from nanovllm.worker.sequence import ImageInput
-from nanovllm.worker.step import ImageRows
+from nanovllm.worker.step import ImageEmbeddings, ImageRows
 
 log = get_logger(__name__)
 
@@ -102,13 +112,12 @@ class ImageEncoder:
             self.cached_tokens -= dropped.shape[0]
         return tokens
 
-    def splice(self, image_rows: list[ImageRows]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, embeddings) of the step's image tokens, for the model to put in place of their
-        placeholders' embeddings."""
+    def splice(self, image_rows: list[ImageRows], dtype: torch.dtype) -> ImageEmbeddings:
+        """The step's image tokens' rows and embeddings (in `dtype`, the model's), for the model to put in
+        place of their placeholders' embeddings."""
         rows: list[int] = []
         parts = []
         for item in image_rows:
             rows += range(item.row, item.row + item.count)
             parts.append(self.embeddings(item.image)[item.first : item.first + item.count])
-        index = torch.tensor(rows, dtype=torch.long).to(self.device)
-        return index, torch.cat(parts)
+        return ImageEmbeddings(rows, torch.cat(parts).to(dtype))

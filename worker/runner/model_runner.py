@@ -21,6 +21,7 @@ from nanovllm.worker.sample.sampler import SampledBatch
 from nanovllm.worker.sample.scoring import PromptScorer, slice_rows
 from nanovllm.worker.sequence import TokenLogprobs
 from nanovllm.worker.step import (
+    HeadPass,
     KVLoad,
     KVTransfers,
     ModelRunnerOutput,
@@ -113,10 +114,15 @@ class ModelRunner(ModelRunnerBase):
         tensor-parallel rank: fp32 logits of the requested rows, or None when no row is requested (a prompt
         chunk that does not reach its end, or a step of copies only). With `mtp_rows` (each scheduled
         sequence and its first row), the multi-token-prediction head follows the model over the step's
-        hidden states (worker/sample/mtp.py)."""
+        hidden states (worker/sample/mtp.py), last: its passes are collectives of their own, which the other
+        ranks join after the step's."""
         if self.cpu_share is not None:
             self.cpu_share.refresh()
         try:
+            if inputs.image_rows:  # the tower (rank 0's) before the step goes to the other ranks
+                if self.images is None:
+                    raise RuntimeError("a step carries images for a model without a vision tower")
+                inputs.image_embeddings = self.images.splice(inputs.image_rows, self.dtype)
             if self.tp_group is not None:
                 self.tp_group.send(inputs)
             self._prompt_logprobs, self._pooled = {}, {}
@@ -135,10 +141,9 @@ class ModelRunner(ModelRunnerBase):
             splice = None
             if inputs.mrope_positions:  # a step with images: 3-D RoPE positions, the tower's tokens
                 positions = self.inputs.long(inputs.mrope_positions).view(3, -1)
-                if inputs.image_rows:
-                    if self.images is None:
-                        raise RuntimeError("a step carries images for a model without a vision tower")
-                    splice = self.images.splice(inputs.image_rows)
+            if inputs.image_embeddings is not None:
+                embedded = inputs.image_embeddings
+                splice = (self.inputs.long(embedded.rows), embedded.embeddings.to(self.device))
             graphs = self.decode_graphs
             bucket = graphs.bucket(inputs) if graphs is not None and not inputs.mrope_positions else None
             if graphs is not None and bucket is not None:
@@ -150,21 +155,40 @@ class ModelRunner(ModelRunnerBase):
                         inputs.lora_slots, self.lora.num_slots, self.inputs.long, self.dtype
                     )
                 hidden = self.model(input_ids, positions, meta, splice)
-            if self.mtp is not None and mtp_rows is not None:
-                self.mtp.absorb(mtp_rows, hidden, self.inputs.tensors)
             if inputs.prompt_rows:
                 self._prompt_logprobs = self._score_prompts(hidden, inputs)
             if inputs.pooling:
                 self._pooled = pool(hidden, inputs.pooling, self.model, self.inputs.long)
-            if not inputs.logits_index:
-                return None
-            if inputs.logits_index != list(range(len(inputs.input_ids))):
-                hidden = hidden.index_select(0, logits_index)
-            return self.model.compute_logits(hidden).float()
+            logits = None
+            if inputs.logits_index:
+                rows = hidden
+                if inputs.logits_index != list(range(len(inputs.input_ids))):
+                    rows = hidden.index_select(0, logits_index)
+                logits = self.model.compute_logits(rows).float()
+            if self.mtp is not None and mtp_rows is not None:
+                self.mtp.absorb(mtp_rows, hidden, self.inputs.tensors)
+            return logits
         except RuntimeError as exc:  # a collective failed: say which rank went away, if one did
             if self.tp_group is not None:
                 self.tp_group.raise_if_dead(exc)
             raise
+
+    @torch.inference_mode()
+    def head_pass(self, head_pass: HeadPass) -> None:
+        """Ranks 1..N-1: run a pass of the multi-token-prediction head that rank 0 sent."""
+        if self.mtp is None:
+            raise RuntimeError("a pass of the multi-token-prediction head reached a rank without the head")
+        try:
+            self.mtp.run_pass(head_pass, self.inputs.tensors)
+        except RuntimeError as exc:
+            if self.tp_group is not None:
+                self.tp_group.raise_if_dead(exc)
+            raise
+
+    def hidden_layout(self) -> tuple[int, torch.dtype, torch.device]:
+        """Hidden size, dtype and device of the model's hidden states (a HeadPass's rows, a step's image
+        embeddings)."""
+        return self.config.model_config.hidden_size, self.dtype, self.device
 
     def _score_prompts(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[int, list[TokenLogprobs]]:
         """The logprobs of the prompt tokens the step's rows score (worker/sample/scoring.py), their logits
@@ -207,7 +231,12 @@ class ModelRunner(ModelRunnerBase):
         """speculative_method=draft or mtp: the draft model's proposals for `items`
         (worker/sample/draft.py), or the multi-token-prediction head's (worker/sample/mtp.py)."""
         if self.mtp is not None:
-            self.mtp.propose(items, self.inputs.tensors)
+            try:
+                self.mtp.propose(items, self.inputs.tensors)
+            except RuntimeError as exc:  # a pass's collective failed: say which rank went away, if one did
+                if self.tp_group is not None:
+                    self.tp_group.raise_if_dead(exc)
+                raise
         elif self.draft is not None:
             self.draft.propose(items, self.inputs.tensors)
         else:

@@ -4,8 +4,11 @@ Rank 0 is the engine's own process: it schedules, samples and serves. Ranks 1..N
 hold their shard of every layer and of the KV cache and run the same forward passes. torch.distributed
 connects them (gloo on CPU, NCCL on CUDA) through a TCPStore that rank 0 opens on a free port, so two
 workers on one host never collide. Each step, rank 0 broadcasts the step's StepInputs as one int64 tensor
-(its length first); the layers' own collectives (all-reduce after row-parallel layers, all-gather of the
-vocabulary-parallel logits) do the rest.
+(a header first: its length and what it is for); the layers' own collectives (all-reduce after row-parallel
+layers, all-gather of the vocabulary-parallel logits) do the rest. Tensors follow the packed integers as
+bytes: a step's image embeddings (the vision tower runs on rank 0 alone, worker/runner/images.py says why),
+and with MTP speculation each pass of the head (a HeadPass: its inputs, then its rows' hidden states),
+sent after the step it follows or before the step it proposes for.
 
 No rank outlives rank 0: ranks 1..N-1 ask the kernel to kill them when their parent dies
 (PR_SET_PDEATHSIG), and rank 0 checks before every step that they are alive, so a dead rank becomes an
@@ -30,7 +33,7 @@ from nanovllm.common.logging import get_logger
 from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.model_config import ModelConfig
-from nanovllm.worker.step import StepInputs
+from nanovllm.worker.step import HeadPass, StepInputs
 
 log = get_logger(__name__)
 
@@ -40,7 +43,9 @@ HOST = "127.0.0.1"
 COLLECTIVE_TIMEOUT = timedelta(days=365)
 STARTUP_TIMEOUT_S = 120.0  # for a rank to start and reach the rendezvous
 JOIN_TIMEOUT_S = 30.0
-_STOP = -1  # header value that tells ranks 1..N-1 to leave their loop
+_STOP = -1  # header length that tells ranks 1..N-1 to leave their loop
+# What a header announces: a step of the model, or a pass of the multi-token-prediction head.
+_STEP, _HEAD_PASS = 0, 1
 _PR_SET_PDEATHSIG = 1
 
 
@@ -78,6 +83,13 @@ class ShardRunner(Protocol):
     def __init__(self, config: EngineConfig, tp: TPContext) -> None: ...
 
     def forward(self, inputs: StepInputs) -> torch.Tensor | None: ...
+
+    def head_pass(self, head_pass: HeadPass) -> None: ...
+
+    def hidden_layout(self) -> tuple[int, torch.dtype, torch.device]:
+        """Hidden size, dtype and device of the rows that follow a packed step (a HeadPass's hidden
+        states, a step's image embeddings)."""
+        ...
 
 
 class TensorParallelGroup:
@@ -123,10 +135,23 @@ class TensorParallelGroup:
                 time.sleep(0.05)  # a rank's start-up (importing torch) takes seconds
 
     def send(self, inputs: StepInputs) -> None:
-        """Give ranks 1..N-1 this step's inputs (they run the forward pass alongside rank 0)."""
+        """Give ranks 1..N-1 this step's inputs (they run the forward pass alongside rank 0), and its image
+        embeddings, if it has images."""
+        self._send(inputs, _STEP)
+        if inputs.image_embeddings is not None:
+            _broadcast_rows(inputs.image_embeddings.embeddings)
+
+    def send_head_pass(self, head_pass: HeadPass) -> None:
+        """Give ranks 1..N-1 a pass of the multi-token-prediction head: its inputs, then the hidden state of
+        each row as bytes (any dtype; on the default group, which moves device tensors)."""
+        self._send(head_pass.inputs, _HEAD_PASS)
+        _broadcast_rows(head_pass.hidden)
+
+    def _send(self, inputs: StepInputs, kind: int) -> None:
         self.raise_if_dead()
         packed = inputs.pack()
-        dist.broadcast(torch.tensor([packed.numel()], dtype=torch.long), src=0, group=self._cpu_group)
+        header = torch.tensor([packed.numel(), kind], dtype=torch.long)
+        dist.broadcast(header, src=0, group=self._cpu_group)
         dist.broadcast(packed, src=0, group=self._cpu_group)
 
     def raise_if_dead(self, cause: BaseException | None = None) -> None:
@@ -145,7 +170,8 @@ class TensorParallelGroup:
         """Tell ranks 1..N-1 to stop, join them, and kill any that do not exit in time."""
         if all(proc.exitcode is None for proc in self.procs):
             try:
-                dist.broadcast(torch.tensor([_STOP], dtype=torch.long), src=0, group=self._cpu_group)
+                stop = torch.tensor([_STOP, _STEP], dtype=torch.long)
+                dist.broadcast(stop, src=0, group=self._cpu_group)
             except RuntimeError:  # a rank is already gone; the kill below covers the rest
                 pass
         for proc in self.procs:
@@ -156,6 +182,20 @@ class TensorParallelGroup:
         if dist.is_initialized():
             dist.destroy_process_group()
         log.info("tensor_parallel_stopped", exit_codes=[p.exitcode for p in self.procs])
+
+
+def _broadcast_rows(rows: torch.Tensor) -> None:
+    """Rank 0's rows of hidden-state width, as bytes (any dtype), on the default group (NCCL's moves device
+    tensors); the other ranks take them with `_receive_rows`."""
+    dist.broadcast(rows.contiguous().view(torch.uint8), src=0)
+
+
+def _receive_rows(count: int, runner: ShardRunner) -> torch.Tensor:
+    size, dtype, device = runner.hidden_layout()
+    row_bytes = size * torch.empty(0, dtype=dtype).element_size()
+    rows = torch.empty(count, row_bytes, dtype=torch.uint8, device=device)
+    dist.broadcast(rows, src=0)
+    return rows.view(dtype)
 
 
 def run_shard(
@@ -173,12 +213,20 @@ def run_shard(
     )
     cpu_group = _cpu_group()
     runner = runner_type(config, TPContext(rank, size, bool(config.deterministic)))  # resolved by now
-    header = torch.empty(1, dtype=torch.long)
+    header = torch.empty(2, dtype=torch.long)
     while True:
         dist.broadcast(header, src=0, group=cpu_group)
-        if header.item() == _STOP:
+        length, kind = header.tolist()
+        if length == _STOP:
             break
-        packed = torch.empty(int(header.item()), dtype=torch.long)
+        packed = torch.empty(length, dtype=torch.long)
         dist.broadcast(packed, src=0, group=cpu_group)
-        runner.forward(StepInputs.unpack(packed))
+        inputs = StepInputs.unpack(packed)
+        if kind == _HEAD_PASS:
+            runner.head_pass(HeadPass(inputs, _receive_rows(len(inputs.input_ids), runner)))
+            continue
+        if inputs.image_embeddings is not None:
+            embeddings = inputs.image_embeddings
+            embeddings.embeddings = _receive_rows(len(embeddings.rows), runner)
+        runner.forward(inputs)
     dist.destroy_process_group()

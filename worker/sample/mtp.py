@@ -22,6 +22,13 @@ With speculative_draft_vocab = N the head picks among the first N token ids only
 reads N rows of the LM head (the whole vocabulary is 248,320 rows on Qwen3.5, a third of the 0.8B's
 weights, read once per proposal), and byte-level BPE numbers its commonest tokens first.
 
+With tensor parallelism every rank runs each pass of the head on its share of it (its heads, and their KV
+in a cache of its own; worker/models/qwen3_5.py MultiTokenPredictor says why it is split): rank 0 keeps the
+records above and hands each pass to the others (`share`, with the rows' hidden states: the other ranks
+keep no record of which rows those are), which run it (`run_pass`) with its collectives. The proposals are
+rank 0's (the vocabulary-parallel logits are gathered there) and travel to the other ranks as the
+verification's tokens.
+
 Proposals decide only how many tokens a step keeps, never which (Scheduler.update_from_output): a head that
 proposes badly, or reads KV it never wrote (a prefix-cache hit's blocks, written by whoever computed them),
 costs speed, not correctness.
@@ -39,7 +46,7 @@ from nanovllm.kernels.attention import AttentionMetadata
 from nanovllm.worker.models.qwen3_5 import Qwen3_5ForCausalLM
 from nanovllm.worker.sample.paged_slots import chunk_slots, seq_chunk
 from nanovllm.worker.sequence import Sequence, SequenceStatus
-from nanovllm.worker.step import ScheduledSequence, StepInputs
+from nanovllm.worker.step import HeadPass, ScheduledSequence, StepInputs
 
 Tensors = Callable[[StepInputs], tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]]
 
@@ -58,23 +65,29 @@ class _Rows:
 
 
 class MtpProposer:
-    def __init__(self, model: Qwen3_5ForCausalLM, block_size: int, draft_vocab: int = 0) -> None:
+    def __init__(
+        self,
+        model: Qwen3_5ForCausalLM,
+        block_size: int,
+        draft_vocab: int = 0,
+        share: Callable[[HeadPass], None] | None = None,
+    ) -> None:
         if model.mtp is None:
             raise ValueError("an MtpProposer needs the model's multi-token-prediction head (enable_mtp)")
         self.model = model
         self.block_size = block_size
         self.draft_vocab = draft_vocab  # proposals among the first draft_vocab token ids (0: all)
+        self.share = share  # rank 0 of several: hands each pass to the other ranks before running it
         self.kv_cache = torch.empty(0)  # sized by allocate_cache once the model's block count is known
         self._pending: dict[int, _Rows] = {}  # by seq_id: rows whose next token was not known yet
 
     def allocate_cache(self, num_blocks: int, dtype: torch.dtype, device: torch.device) -> None:
         """The head's KV cache: `num_blocks` blocks numbered as the model's (its pad block included), in the
         model's dtype (one layer's KV is small beside the model's)."""
-        cfg = self.model.config
-        shape = (2, num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         assert self.model.mtp is not None  # checked at construction
         attn = self.model.mtp.attention()
+        shape = (2, num_blocks, self.block_size, attn.num_kv_heads, self.model.config.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         attn.k_cache, attn.v_cache = self.kv_cache[0], self.kv_cache[1]
 
     @torch.inference_mode()
@@ -190,8 +203,16 @@ class MtpProposer:
     def _forward(
         self, inputs: StepInputs, hidden: torch.Tensor, tensors: Tensors
     ) -> tuple[torch.Tensor, list[int]]:
-        """The head on `inputs` with the hidden states `hidden` (one row each): its hidden states at the
-        rows of `inputs.logits_index`, and the greedy tokens they predict."""
+        """The head on `inputs` with the hidden states `hidden` (one row each), on every rank: its hidden
+        states at the rows of `inputs.logits_index`, and the greedy tokens they predict."""
+        if self.share is not None:
+            self.share(HeadPass(inputs, hidden))
+        return self.run_pass(HeadPass(inputs, hidden), tensors)
+
+    @torch.inference_mode()
+    def run_pass(self, head_pass: HeadPass, tensors: Tensors) -> tuple[torch.Tensor, list[int]]:
+        """One pass of the head on this rank (ranks 1..N-1 run rank 0's as they receive them)."""
+        inputs, hidden = head_pass.inputs, head_pass.hidden
         input_ids, positions, meta, logits_index = tensors(inputs)
         out = self.model.mtp_forward(input_ids, hidden, positions, meta)
         if not inputs.logits_index:
