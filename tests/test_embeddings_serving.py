@@ -149,6 +149,15 @@ def test_rerank_and_score_equal_offline(served: Served) -> None:
     assert status == 200
     assert [d["index"] for d in body["data"]] == list(range(len(DOCUMENTS)))
     assert all(abs(d["score"] - w) < TOLERANCE for d, w in zip(body["data"], want))
+    # lists of both: pairs (vLLM's N-to-N), each pair as its query alone would score it
+    queries = [QUERY, "Which numbers?", QUERY]
+    status, body = post(served, "/score", {"text_1": queries, "text_2": DOCUMENTS})
+    assert status == 200
+    for d, query, document in zip(body["data"], queries, DOCUMENTS, strict=True):
+        (alone,) = served.offline.score(query, [document], use_tqdm=False)
+        assert abs(d["score"] - alone["score"]) < TOLERANCE
+    status, body = post(served, "/score", {"text_1": queries[:2], "text_2": DOCUMENTS})
+    assert status == 400 and "text_1 and text_2 as lists are pairs: 2 and 3 texts" in body["error"]["message"]
 
 
 def test_grpc_embed_and_score_equal_offline(served: Served) -> None:
@@ -160,6 +169,10 @@ def test_grpc_embed_and_score_equal_offline(served: Served) -> None:
         scored = stub.Score(generate_pb2.ScoreRequest(query=QUERY, documents=DOCUMENTS), timeout=60)
         with pytest.raises(grpc.RpcError) as refused:
             stub.Embed(generate_pb2.EmbedRequest(texts=TEXTS, dimensions=65), timeout=60)
+        with pytest.raises(grpc.RpcError) as unpaired:
+            stub.Score(generate_pb2.ScoreRequest(query=QUERY, queries=[QUERY], documents=["a"]), timeout=60)
+    assert unpaired.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "1 queries for 1 documents, and query given too" in unpaired.value.details()
     for got, expected in zip(embedded.embeddings, want):
         assert _close(list(got.values), expected["embedding"])
     assert _close(list(scored.scores), want_scores)

@@ -108,16 +108,20 @@ class PoolingCalls:
                 grpc.StatusCode.FAILED_PRECONDITION, f"{model.name} has no tokenizer: scores need its texts"
             )
         self._check_count(len(request.documents), "document")
+        if request.queries and (request.query or len(request.queries) != len(request.documents)):
+            raise _invalid(
+                f"queries pairs each document with its own query: {len(request.queries)} queries for "
+                f"{len(request.documents)} documents" + (", and query given too" if request.query else "")
+            )
+        queries = list(request.queries) or [request.query] * len(request.documents)
         try:
             yes, no = (tokenizer.single_token(word) for word in RERANK_TOKENS)
         except ValueError as exc:
             raise PoolingFailed(grpc.StatusCode.FAILED_PRECONDITION, f"{model.name}: {exc}") from None
         instruction = request.instruction or self.config.rerank_instruction
         prompts = [
-            (self.config.rerank_format or RERANK_FORMAT).format(
-                instruction=instruction, query=request.query, document=d
-            )
-            for d in request.documents
+            (self.config.rerank_format or RERANK_FORMAT).format(instruction=instruction, query=q, document=d)
+            for q, d in zip(queries, request.documents, strict=True)
         ]
         token_ids = await self._encode(model, prompts, "document")
         results = await self._run(model, token_ids, PoolingParams("score", (yes, no)), "document")

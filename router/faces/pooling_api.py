@@ -160,12 +160,21 @@ def rerank_body(
 
 
 def parse_score(body: Any) -> generate_pb2.ScoreRequest:
-    """vLLM's score body: `text_1` (the query) against `text_2` (one text or a list)."""
+    """vLLM's score body: `text_1` (the query) against `text_2` (one text or a list), or lists of both, of
+    one length, scored pair by pair."""
     body = _object(body)
-    request = generate_pb2.ScoreRequest(
-        model=_model(body), query=_text(body, "text_1"), instruction=_instruction(body)
-    )
+    request = generate_pb2.ScoreRequest(model=_model(body), instruction=_instruction(body))
     request.documents.extend(_documents(body.get("text_2"), "text_2"))
+    if isinstance(body.get("text_1"), list):
+        queries = _documents(body["text_1"], "text_1")
+        if len(queries) != len(request.documents):
+            raise ProtocolError(
+                "text_1",
+                f"text_1 and text_2 as lists are pairs: {len(queries)} and {len(request.documents)} texts",
+            )
+        request.queries.extend(queries)
+    else:
+        request.query = _text(body, "text_1")
     return request
 
 
