@@ -112,6 +112,30 @@ def test_the_triton_backend_holds_fp8_and_gives_the_dequantized_weights_tokens(a
         assert out["token_ids"] == hf_greedy(dequantized, prompt, MAX_NEW), prompt
 
 
+def test_qwen3_5_holds_fp8_but_its_linear_attention_in_proj(tmp_path) -> None:
+    """Qwen3.5 as published: in_proj_a and in_proj_b in 16 bits (listed), so the fused in_proj is dequantized
+    at load; its out_proj, the gated attention's q+gate/k/v and o, and the MLPs held as FP8. One linear and
+    one full-attention layer; float32 greedy tokens equal transformers' on the dequantized weights."""
+    base = build_model(
+        "qwen3_5", tmp_path / "base", num_layers=2, seed=5, hidden=192, heads=1, kv_heads=1,
+        overrides={"head_dim": 128, "intermediate_size": 128, "full_attention_interval": 2},
+    )  # fmt: skip
+    listed = ("lm_head", "model.embed_tokens", "linear_attn.in_proj_a", "linear_attn.in_proj_b")
+    fp8, dequantized = write_block_fp8(base, tmp_path, listed)
+    llm, line = loaded_with_start_log(model=str(fp8), attention_backend="triton", max_num_batched_tokens=16)
+    held = {n for n, m in llm.engine.runner.model.named_modules() if isinstance(m, BlockFp8Weight)}
+    assert held == {
+        "model.layers.0.linear_attn.out_proj.weight",
+        *(f"model.layers.{i}.mlp.{p}.weight" for i in (0, 1) for p in ("gate_up_proj", "down_proj")),
+        "model.layers.1.self_attn.qkv_proj.weight",
+        "model.layers.1.self_attn.o_proj.weight",
+    }
+    assert line["fp8_layers"] == len(held), line
+    prompt = [5, 6, 7, 8, 9]
+    (out,) = llm.generate([prompt], greedy(4), use_tqdm=False)
+    assert out["token_ids"] == hf_greedy(dequantized, prompt, 4)
+
+
 def test_the_cpu_backend_dequantizes_at_load(aligned_fp8, kernels) -> None:
     llm, line = loaded_with_start_log(model=str(aligned_fp8[0]), attention_backend="cpu_kernel")
     assert not any(isinstance(m, BlockFp8Weight) for m in llm.engine.runner.model.modules())
