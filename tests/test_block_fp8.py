@@ -136,6 +136,29 @@ def test_qwen3_5_holds_fp8_but_its_linear_attention_in_proj(tmp_path) -> None:
     assert out["token_ids"] == hf_greedy(dequantized, prompt, 4)
 
 
+@pytest.mark.slow
+def test_two_ranks_hold_their_shards_in_fp8(tmp_path) -> None:
+    """TP=2 on the Triton path: each rank's q, k, v, gate and up rows and its o_proj and down_proj input
+    features (128 of 256) are whole blocks, read as bytes with their scales; float32 greedy tokens equal
+    transformers' on the dequantized weights. (A shard inside a block is refused as the single-rank
+    parts are: test_a_shard_keeps_whole_blocks_or_is_refused_by_name.)"""
+    base = build_model(
+        "qwen3", tmp_path / "base", seed=5, hidden=256, heads=2, kv_heads=2,
+        overrides={"head_dim": 128, "intermediate_size": 256},
+    )  # fmt: skip
+    fp8, dequantized = write_block_fp8(base, tmp_path)
+    llm, line = loaded_with_start_log(
+        model=str(fp8), attention_backend="triton", tensor_parallel_size=2, device="cpu"
+    )
+    try:
+        assert line["fp8_layers"] == 8, line  # rank 0's
+        prompt = [5, 6, 7, 8, 9]
+        (out,) = llm.generate([prompt], greedy(4), use_tqdm=False)
+        assert out["token_ids"] == hf_greedy(dequantized, prompt, 4)
+    finally:
+        llm.shutdown()
+
+
 def test_the_cpu_backend_dequantizes_at_load(aligned_fp8, kernels) -> None:
     llm, line = loaded_with_start_log(model=str(aligned_fp8[0]), attention_backend="cpu_kernel")
     assert not any(isinstance(m, BlockFp8Weight) for m in llm.engine.runner.model.modules())
