@@ -194,7 +194,7 @@ class BackendChoice:
     reason: str
 
 
-def _triton_unavailable(device: torch.device) -> str | None:
+def triton_unavailable(device: torch.device) -> str | None:
     """Why Triton kernels cannot run on `device`, or None when they can (a tiny store kernel is run to
     prove the toolchain: Triton compiles with the system's C compiler and the GPU's ptxas)."""
     if importlib.util.find_spec("triton") is None:
@@ -267,7 +267,7 @@ def select_attention_backend(
     checks = {
         "torch": lambda: None,  # runs anywhere
         "cpu_kernel": lambda: _cpu_kernels_unavailable(device, dtype),
-        "triton": lambda: _triton_unavailable(device),
+        "triton": lambda: triton_unavailable(device),
         "flash_attn": lambda: (
             "flash-attn 2 reads only 16-bit KV caches, this one is FP8"
             if fp8

@@ -232,7 +232,8 @@ class EngineConfig:
         help="weights of the linear layers: none (the model's dtype), int8 (per output channel), int4 "
         "(groups of --quantization-group-size input features with a scale and a min); auto: a GGUF's "
         "Q8_0/Q4_0/Q4_1 tensors as they ship, an AWQ or GPTQ checkpoint's int4 repacked, none for any other "
-        "Hugging Face directory (a block-FP8 checkpoint dequantized to the dtype) (docs/quantization.md)",
+        "Hugging Face directory (a block-FP8 checkpoint held as FP8 where the Triton kernels run, else dequantized "
+        "to the dtype) (docs/quantization.md)",
     )
     quantization_group_size: int = option(
         32, help="input features per int4 scale: a multiple of 32 that divides every layer's input features"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,7 +30,11 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_size = tp.shard(vocab_size, "vocab_size")
         self.vocab_start = tp.rank * self.shard_size
         self.dtype = torch.get_default_dtype()  # built in the runner's dtype context: the model's
-        self.weight = make_weight(self.shard_size, hidden_size, quant, prefix, linear=False)
+        # a plan holds block FP8 for projections only (linear=True)
+        self.weight = cast(
+            "nn.Parameter | PackedWeight",
+            make_weight(self.shard_size, hidden_size, quant, prefix, linear=False),
+        )
         set_weight_loader(self.weight, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:

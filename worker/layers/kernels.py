@@ -55,6 +55,9 @@ class LayerKernels:
     # The fused Triton layer kernels (kernels/triton_layers.py), for an attention backend that reads a
     # step's K/V from the cache, or None.
     triton: ModuleType | None = None
+    # The block-FP8 projection (kernels/triton_block_fp8.py), bound with the Triton attention backend: a
+    # BlockFp8Weight's bytes read as they are; without it they are dequantized per call.
+    block_fp8: ModuleType | None = None
     # EngineConfig.deterministic: the projections on kernels whose sums do not depend on the number of rows
     # (worker/layers/linear.py); the other layers work row by row.
     deterministic: bool = False

@@ -2,8 +2,8 @@
 
 Each weight carries a `weight_loader(param, loaded, shard_id)` that copies this rank's slice of a
 checkpoint tensor into it, so loaders never need to know how a layer is partitioned. A weight is a float
-parameter or a PackedWeight (weight-only quantization, worker/layers/quantization.py); `assign` loads
-either from either.
+parameter, a PackedWeight (weight-only quantization, worker/layers/quantization.py) or a BlockFp8Weight
+(a block-FP8 checkpoint's bytes, worker/layers/block_fp8.py); `assign` loads any from any it can hold.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX
+from nanovllm.worker.layers.block_fp8 import BlockFp8Weight
 from nanovllm.worker.layers.kernels import PYTORCH, LayerKernels
 from nanovllm.worker.layers.loadable import LoadableTensor, read_float, set_weight_loader
 from nanovllm.worker.layers.lora import LoRAWeights, Part
@@ -22,7 +23,7 @@ from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, assign,
 
 def linear(
     x: torch.Tensor,
-    weight: torch.Tensor | PackedWeight,
+    weight: torch.Tensor | PackedWeight | BlockFp8Weight,
     bias: torch.Tensor | None,
     kernels: LayerKernels = PYTORCH,
 ) -> torch.Tensor:
@@ -31,8 +32,14 @@ def linear(
     weights once; a packed weight at every size. Without them a packed weight is dequantized per call.
     kernels.deterministic: every row's sums in one order whatever the number of rows (the C++ kernels at
     every size, or the Triton matmul of kernels/triton_layers.py), so a row's result never depends on the
-    rows beside it; PyTorch's GEMM picks its blocking, and so its order, by the number of rows."""
+    rows beside it; PyTorch's GEMM picks its blocking, and so its order, by the number of rows. A block-FP8
+    weight runs on its Triton kernel (batch-invariant too), or is dequantized per call before the kernels
+    are bound (a GPU's activation peak, the FP8 KV cache's calibration)."""
     cpu_kernels, triton_kernels, deterministic = kernels.cpu, kernels.triton, kernels.deterministic
+    if isinstance(weight, BlockFp8Weight):
+        if kernels.block_fp8 is not None and x.dim() == 2:
+            return kernels.block_fp8.linear_block_fp8(x, weight.weight, weight.scale, weight.block, bias)
+        weight = weight.dequantize(x.dtype)
     if isinstance(weight, PackedWeight):
         if cpu_kernels is not None and x.dim() == 2:
             return cpu_kernels.linear_quantized(

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from nanovllm.worker.layers.block_fp8 import BlockFp8Weight
 from nanovllm.worker.layers.quantization import PackedWeight
 
 
@@ -17,9 +18,9 @@ class LoadableTensor(Protocol):
     name: str
     shape: torch.Size
 
-    def read(self) -> torch.Tensor | PackedWeight: ...
+    def read(self) -> torch.Tensor | PackedWeight | BlockFp8Weight: ...
 
-    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor | PackedWeight: ...
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor | PackedWeight | BlockFp8Weight: ...
 
 
 def set_weight_loader(weight: torch.Tensor | nn.Module, loader: Callable[..., Any]) -> None:

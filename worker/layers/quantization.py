@@ -15,12 +15,15 @@ ships), or dequantized into a float destination (a fused projection whose GGUF p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from nanovllm.common.errors import ConfigError
+from nanovllm.worker.layers.block_fp8 import BlockFp8Weight
+from nanovllm.worker.model_config import FP8_BLOCK
 
 BLOCK = 32  # weights per 4-bit block; every group is a whole number of blocks
 
@@ -29,9 +32,9 @@ BLOCK = 32  # weights per 4-bit block; every group is a whole number of blocks
 class QuantScheme:
     """How one layer's weights are stored."""
 
-    name: str  # int8, int4, or the GGUF type it came from (Q8_0, Q4_0, Q4_1)
+    name: str  # int8, int4, the GGUF type it came from (Q8_0, Q4_0, Q4_1), or fp8 (a BlockFp8Weight)
     bits: int  # 8 or 4
-    group_size: int | None  # input features per scale; None: one scale per row (per channel)
+    group_size: int | None  # input features per scale (fp8: the block's side); None: one scale per row
 
 
 class PackedWeight(nn.Module):
@@ -183,24 +186,41 @@ def _divide(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return torch.where(s == 0, torch.zeros_like(w), w / torch.where(s == 0, torch.ones_like(s), s))
 
 
-def assign(destination: torch.Tensor | PackedWeight, source: torch.Tensor | PackedWeight) -> None:
+def assign(
+    destination: torch.Tensor | PackedWeight | BlockFp8Weight,
+    source: torch.Tensor | PackedWeight | BlockFp8Weight,
+) -> None:
     """Load `source` into `destination` (a parameter or a slice of one), whatever each is stored as."""
-    if isinstance(destination, PackedWeight):
-        if isinstance(source, PackedWeight):
+    if isinstance(destination, BlockFp8Weight):
+        if not isinstance(source, BlockFp8Weight):
+            raise ConfigError(
+                f"layer {destination.name} is held in block FP8, but a checkpoint tensor for it is not "
+                "(its scales are missing, or quantization_config.modules_to_not_convert names it by another "
+                "name); serve it dequantized with --quantization none"
+            )
+        destination.copy_(source)
+    elif isinstance(destination, PackedWeight):
+        if isinstance(source, BlockFp8Weight):
+            destination.quantize_(source.dequantize(torch.float32))
+        elif isinstance(source, PackedWeight):
             destination.copy_(source)
         else:
             destination.quantize_(source)
-    elif isinstance(source, PackedWeight):
+    elif isinstance(source, (PackedWeight, BlockFp8Weight)):
         destination.copy_(source.dequantize(destination.dtype))
     else:
         destination.copy_(source)
+
+
+FP8_SCHEME = QuantScheme("fp8", 8, FP8_BLOCK)
 
 
 @dataclass(frozen=True)
 class QuantPlan:
     """Which layers a model builds with packed weights: `by_layer` names them (a GGUF file's quantized
     tensors, by layer prefix such as "model.layers.0.mlp.down_proj"), or `every_linear` applies to every
-    projection and `head` to the LM head (int8 / int4 of a float checkpoint). The input embedding takes the
+    projection and `head` to the LM head (int8 / int4 of a float checkpoint); `block_fp8` names the
+    projections a block-FP8 checkpoint's bytes are held for (FP8_SCHEME). The input embedding takes the
     head's scheme when it is the head (`tied`); otherwise it stays in the model's dtype: a token reads one
     of its rows, so packing it would save memory only, and its error would reach every layer's input."""
 
@@ -208,8 +228,11 @@ class QuantPlan:
     every_linear: QuantScheme | None = None
     head: QuantScheme | None = None
     tied: bool = False
+    block_fp8: Callable[[str], bool] | None = None
 
     def scheme(self, prefix: str, linear: bool) -> QuantScheme | None:
+        if self.block_fp8 is not None:
+            return FP8_SCHEME if linear and self.block_fp8(prefix) else None
         if self.by_layer is not None:
             return self.by_layer.get(prefix)
         if linear:
@@ -219,10 +242,12 @@ class QuantPlan:
 
 def make_weight(
     out_features: int, in_features: int, plan: QuantPlan | None, prefix: str, linear: bool
-) -> nn.Parameter | PackedWeight:
-    """The weight a layer named `prefix` holds: packed when the plan says so, else a float parameter in
-    the default dtype."""
+) -> nn.Parameter | PackedWeight | BlockFp8Weight:
+    """The weight a layer named `prefix` holds: packed or block FP8 when the plan says so, else a float
+    parameter in the default dtype."""
     scheme = plan.scheme(prefix, linear) if plan is not None else None
+    if scheme is FP8_SCHEME:
+        return BlockFp8Weight(out_features, in_features, FP8_BLOCK, prefix)
     if scheme is not None:
         return PackedWeight(out_features, in_features, scheme, prefix)
     return nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)

@@ -34,7 +34,8 @@ def _projection(
 
 
 def _linear(kernels: ModuleType, layer: ParallelLinear, deterministic: bool) -> object:
-    return _projection(kernels, layer.weight, layer.bias, deterministic)
+    weight = cast("torch.Tensor | PackedWeight", layer.weight)  # block FP8 is held on the Triton backend only
+    return _projection(kernels, weight, layer.bias, deterministic)
 
 
 def _mlp(kernels: ModuleType, mlp: Any, deterministic: bool) -> dict[str, object]:

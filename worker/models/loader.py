@@ -3,7 +3,7 @@ file's tensors as they ship through worker/models/gguf/, both by `load_tensors`.
 
 Files are memory-mapped; each weight's `weight_loader` reads only this rank's slice of a tensor
 (CheckpointTensor.narrow), and fuses q/k/v and gate/up projections into the fused weights the model
-declares (float parameters or PackedWeights, worker/layers/quantization.py).
+declares (float parameters, PackedWeights or BlockFp8Weights, worker/layers/quantization.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch import nn
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
 from nanovllm.worker.layers.attention import Attention
+from nanovllm.worker.layers.block_fp8 import BlockFp8Weight
 from nanovllm.worker.layers.loadable import LoadableTensor, read_float
 from nanovllm.worker.layers.quantization import PackedWeight, assign
 from nanovllm.worker.model_config import CheckpointQuantization
@@ -181,7 +182,9 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, LoadableTensor]]
     """Copy every checkpoint tensor into its weight; every weight must be covered."""
     weights: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False))
     weights |= {
-        name: m for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, PackedWeight)
+        name: m
+        for name, m in model.named_modules(remove_duplicate=False)
+        if isinstance(m, (PackedWeight, BlockFp8Weight))
     }
     packed: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
     # A model whose checkpoints name its tensors otherwise (a multimodal layout served text-only) says how

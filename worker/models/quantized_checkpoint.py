@@ -3,8 +3,10 @@ worker/model_config.py's CheckpointQuantization), turned into the tensors the lo
 
 - Block FP8 (Qwen's published `-FP8` checkpoints): each quantized `X.weight` is float8_e4m3fn with a
   `X.weight_scale_inv` holding one float32 per 128 x 128 block (the edge blocks partial); the weight is
-  byte x scale, computed in float32 (one rounding, as anyone dequantizing it computes it) and then stored
-  in the serving dtype like any float checkpoint's, or requantized by `--quantization int8|int4`.
+  byte x scale. With `packed` (where the Triton block-FP8 kernel runs) a matrix is read as a BlockFp8Weight over its bytes and
+  scales, which a projection held in block FP8 keeps as they are and any other weight dequantizes;
+  without, it is byte x scale computed in float32 (one rounding, as anyone dequantizing it computes it) and
+  then stored in the serving dtype like any float checkpoint's, or requantized by `--quantization int8|int4`.
 - AWQ (GEMM packing) and GPTQ, 4 bits: `X.qweight`, `X.qzeros`, `X.scales` (and GPTQ's `X.g_idx`) stand for
   `X.weight` = s (q - z) in groups of input features. They are repacked into this engine's int4
   PackedWeight (w = s q + m, with m = -s z rounded to float16: exact where s z fits float16's 11 bits, as
@@ -24,6 +26,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from nanovllm.common.errors import ConfigError
+from nanovllm.worker.layers.block_fp8 import BlockFp8Weight
 from nanovllm.worker.layers.loadable import LoadableTensor
 from nanovllm.worker.layers.quantization import BLOCK, PackedWeight, QuantScheme
 from nanovllm.worker.model_config import CheckpointQuantization
@@ -45,7 +48,8 @@ class QuantizedCheckpoint:
     log (`summary`)."""
 
     def __init__(self, quantization: CheckpointQuantization, packed: bool, source: str) -> None:
-        """`packed`: AWQ / GPTQ layers become int4 PackedWeights (else float32, exactly dequantized)."""
+        """`packed`: AWQ / GPTQ layers become int4 PackedWeights, block-FP8 matrices BlockFp8Weights (else
+        float32, dequantized)."""
         self.quantization, self.packed, self.source = quantization, packed, source
         self.quantized: set[str] = set()  # weights read quantized
         self.unquantized: set[str] = set()  # matrices read as they ship
@@ -63,7 +67,14 @@ class QuantizedCheckpoint:
         q = self.quantization
         fields: dict[str, object] = {"format": q.method, "quantized_weights": len(self.quantized)}
         if q.method == "fp8":
-            fields |= {"block": [q.group_size, q.group_size], "held_as": "dequantized to the dtype at load"}
+            held = (
+                "float8_e4m3fn with float32 block scales, run by the Triton kernel, in every projection whose "
+                "parts all ship in block FP8; the rest dequantized to the dtype at load"
+                if self.packed
+                else "dequantized to the dtype at load (held as FP8 only where the Triton kernel runs: the Triton "
+                "backend, CUDA)"
+            )
+            fields |= {"block": [q.group_size, q.group_size], "held_as": held}
         else:
             held = f"int4 in groups of {q.group_size}" if self.packed else "dequantized to the dtype at load"
             fields |= {"group_size": q.group_size, "held_as": held}
@@ -91,7 +102,10 @@ class QuantizedCheckpoint:
                     f"checkpoint tensor {name} in {self.source} has block scales ({name}{FP8_SCALE}), but "
                     f"quantization_config.modules_to_not_convert lists {module}"
                 )
-            yield name, BlockFp8Tensor(tensor, scale, self.quantization.group_size, self.quantized)
+            yield (
+                name,
+                BlockFp8Tensor(tensor, scale, self.quantization.group_size, self.quantized, self.packed),
+            )
         if scales:
             orphan = next(iter(scales))
             raise ConfigError(
@@ -135,13 +149,15 @@ class UnscaledTensor:
         self._tensor, self._source, self._read = tensor, source, read
         self.name, self.shape = tensor.name, tensor.shape
 
-    def read(self) -> torch.Tensor | PackedWeight:
+    def read(self) -> torch.Tensor | PackedWeight | BlockFp8Weight:
         return self._checked(self._tensor.read())
 
-    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor | PackedWeight:
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor | PackedWeight | BlockFp8Weight:
         return self._checked(self._tensor.narrow(dim, start, length))
 
-    def _checked(self, value: torch.Tensor | PackedWeight) -> torch.Tensor | PackedWeight:
+    def _checked(
+        self, value: torch.Tensor | PackedWeight | BlockFp8Weight
+    ) -> torch.Tensor | PackedWeight | BlockFp8Weight:
         self._read.add(self.name)
         if isinstance(value, torch.Tensor) and value.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise ConfigError(
@@ -152,13 +168,17 @@ class UnscaledTensor:
 
 
 class BlockFp8Tensor:
-    """A block-FP8 weight [..., N, K] read as float32: each byte times its block's scale
-    (scale [..., ceil(N / block), ceil(K / block)]). `narrow` reads only the slice's bytes and blocks."""
+    """A block-FP8 weight [..., N, K] (scale [..., ceil(N / block), ceil(K / block)]) read as float32, each
+    byte times its block's scale, or with `held` a matrix as a BlockFp8Weight over its bytes and scales.
+    `narrow` reads only the slice's bytes and blocks."""
 
-    def __init__(self, weight: LoadableTensor, scale: LoadableTensor, block: int, read: set[str]) -> None:
+    def __init__(
+        self, weight: LoadableTensor, scale: LoadableTensor, block: int, read: set[str], held: bool = False
+    ) -> None:
         """`read`: where its name goes once it is read."""
         self._weight, self._scale, self._block, self._read = weight, scale, block, read
         self.name, self.shape = weight.name, weight.shape
+        self._held = held and len(weight.shape) == 2  # stacked experts are never held
         blocks = (*weight.shape[:-2], *(-(-size // block) for size in weight.shape[-2:]))
         if len(weight.shape) < 2 or tuple(scale.shape) != blocks:
             raise ConfigError(
@@ -166,20 +186,32 @@ class BlockFp8Tensor:
                 f"has scales {list(blocks)}, got {list(scale.shape)}"
             )
 
-    def read(self) -> torch.Tensor:
+    def read(self) -> torch.Tensor | BlockFp8Weight:
+        if self._held:
+            self._read.add(self.name)
+            return BlockFp8Weight.of(
+                _bytes(self._weight.read()), _float(self._scale.read()), self._block, self.name
+            )
         return self._dequantize(_float(self._weight.read()), _float(self._scale.read()), 0, 0)
 
-    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor | BlockFp8Weight:
         dim %= len(self.shape)
-        weight = _float(self._weight.narrow(dim, start, length))
         if dim < len(self.shape) - 2:  # a leading (expert) dimension: the same slice of the scales
+            weight = _float(self._weight.narrow(dim, start, length))
             return self._dequantize(weight, _float(self._scale.narrow(dim, start, length)), 0, 0)
         first, last = start // self._block, (start + length - 1) // self._block
         scale = _float(self._scale.narrow(dim, first, last - first + 1))
         offset = start - first * self._block
-        if dim == len(self.shape) - 2:
-            return self._dequantize(weight, scale, offset, 0)
-        return self._dequantize(weight, scale, 0, offset)
+        row, column = (offset, 0) if dim == len(self.shape) - 2 else (0, offset)
+        if self._held:
+            self._read.add(self.name)
+            # ends inside a block that goes on past the slice (see BlockFp8Weight.copy_)
+            inside = (start + length) % self._block != 0 and start + length < self.shape[dim]
+            return BlockFp8Weight.of(
+                _bytes(self._weight.narrow(dim, start, length)), scale, self._block, self.name, (row, column),
+                (inside, False) if dim == 0 else (False, inside),
+            )  # fmt: skip
+        return self._dequantize(_float(self._weight.narrow(dim, start, length)), scale, row, column)
 
     def _dequantize(self, weight: torch.Tensor, scale: torch.Tensor, row: int, column: int) -> torch.Tensor:
         """weight x its blocks' scales, in float32; (row, column): where `weight` starts in the first block."""
@@ -189,7 +221,13 @@ class BlockFp8Tensor:
         return weight * scale[..., row : row + rows, column : column + columns]
 
 
-def _float(value: torch.Tensor | PackedWeight) -> torch.Tensor:
+def _bytes(value: torch.Tensor | PackedWeight | BlockFp8Weight) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.float8_e4m3fn:
+        raise ConfigError(f"a block-FP8 weight must be float8_e4m3fn, got {getattr(value, 'dtype', value)}")
+    return value
+
+
+def _float(value: torch.Tensor | PackedWeight | BlockFp8Weight) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise ConfigError("a block-FP8 weight or scale read as a packed weight")
     return value.float()
@@ -279,7 +317,7 @@ class Int4Tensor:
         return _int_plane(self._planes[plane].read())
 
 
-def _int_plane(value: torch.Tensor | PackedWeight) -> torch.Tensor:
+def _int_plane(value: torch.Tensor | PackedWeight | BlockFp8Weight) -> torch.Tensor:
     if not isinstance(value, torch.Tensor) or value.dtype not in (torch.int32, torch.int64):
         raise ConfigError(
             f"an int4 checkpoint's packed plane must be int32, got {getattr(value, 'dtype', value)}"
@@ -287,7 +325,7 @@ def _int_plane(value: torch.Tensor | PackedWeight) -> torch.Tensor:
     return value.to(torch.int32)
 
 
-def _float_plane(value: torch.Tensor | PackedWeight) -> torch.Tensor:
+def _float_plane(value: torch.Tensor | PackedWeight | BlockFp8Weight) -> torch.Tensor:
     if not isinstance(value, torch.Tensor) or not value.is_floating_point():
         raise ConfigError("an int4 checkpoint's scales must be floats")
     return value

@@ -571,7 +571,10 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
                 kernels.deterministic or kernels.triton is not None
             )
         kernels = LayerKernels(
-            cpu=kernels.cpu, deterministic=kernels.deterministic, gated_delta=kernels.gated_delta
+            cpu=kernels.cpu,
+            block_fp8=kernels.block_fp8,
+            deterministic=kernels.deterministic,
+            gated_delta=kernels.gated_delta,
         )
         for module in self.modules():
             kernel_users = (

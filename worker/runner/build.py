@@ -18,10 +18,16 @@ import torch
 from nanovllm.common.errors import ConfigError
 from nanovllm.common.logging import get_logger
 from nanovllm.common.sampling_params import SamplingParams
-from nanovllm.kernels.backends import CpuKernelAttention, TritonAttention, select_attention_backend
+from nanovllm.kernels.backends import (
+    CpuKernelAttention,
+    TritonAttention,
+    select_attention_backend,
+    triton_unavailable,
+)
 from nanovllm.kernels.fp8_kv import KV_CACHE_DTYPES, is_fp8
 from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.device import resolve_placement, usable_cpus
+from nanovllm.worker.layers.block_fp8 import BlockFp8Weight
 from nanovllm.worker.layers.kernels import LayerKernels
 from nanovllm.worker.layers.lora import LoRAContext
 from nanovllm.worker.layers.moe import SparseMoeBlock
@@ -113,6 +119,7 @@ class ModelRunnerBase:
         """The runner's construction, a stage a line."""
         config = self.config
         self._place()
+        self._select_backend()
         self._load_weights()
         self._prepare_steps()
         if is_fp8(self.kv_cache_dtype):
@@ -228,7 +235,15 @@ class ModelRunnerBase:
         rank's shard of it (or as `tp` cuts it); with `mtp`, its multi-token-prediction head too (a Qwen3.5
         model's). A model converted from `gguf_file` is read from the file in every format: its tensors as
         they ship for the gguf format, dequantized (and requantized for int8/int4) otherwise."""
-        plan = self._quant_plan(weight_format)
+        held_fp8 = (  # a block-FP8 checkpoint's bytes held for the Triton kernel where it runs, else dequantized
+            cfg.quantization is not None
+            and cfg.quantization.method == "fp8"
+            and weight_format == "none"
+            and self.config.quantization == "auto"
+            and self.block_fp8_kernel
+            and gguf_file is None
+        )
+        plan = self._block_fp8_plan(cfg) if held_fp8 else self._quant_plan(weight_format)
         with _default_dtype(self.dtype), self.device:
             model = causal_lm_class(cfg)(cfg, tp or self.tp, plan)
             if mtp:
@@ -237,11 +252,31 @@ class ModelRunnerBase:
             tensors = gguf_tensors(Path(gguf_file), cfg, packed=weight_format == "gguf", mtp=mtp)
             load_tensors(model, tensors, gguf_file)
             return model.eval()
-        packed = cfg.quantization is not None and weight_format == cfg.quantization.method
+        packed = held_fp8 or (cfg.quantization is not None and weight_format == cfg.quantization.method)
         reader = load_safetensors(model, path, cfg.quantization, packed)
         if reader is not None and self.tp.rank == 0:
-            log.info("checkpoint_quantization", source=path, **reader.summary())
+            held = {id(m): m for m in model.modules() if isinstance(m, BlockFp8Weight)}.values()
+            fp8 = {"fp8_layers": len(held), "fp8_bytes": sum(m.nbytes for m in held)} if held_fp8 else {}
+            log.info("checkpoint_quantization", source=path, **reader.summary(), **fp8)
         return model.eval()
+
+    @staticmethod
+    def _block_fp8_plan(cfg: ModelConfig) -> QuantPlan:
+        """The projections a block-FP8 checkpoint's bytes are held for: those whose every part the checkpoint
+        quantizes (a fused projection's parts by the model's packed_modules_mapping), but the experts, which
+        the Triton path runs as one stacked float tensor per layer (kernels/triton_moe.py)."""
+        shipped = cfg.quantization
+        assert shipped is not None  # a block-FP8 checkpoint's
+        mapping = causal_lm_class(cfg).packed_modules_mapping
+
+        def held(prefix: str) -> bool:
+            if ".experts." in prefix:
+                return False
+            module, _, leaf = prefix.rpartition(".")
+            parts = [part for part, (fused, _) in mapping.items() if fused == leaf] or [leaf]
+            return all(shipped.converts(f"{module}.{part}") for part in parts)
+
+        return QuantPlan(block_fp8=held)
 
     def _quant_plan(self, weight_format: str) -> QuantPlan | None:
         if weight_format == "gguf" and self.config.gguf_file is not None:
@@ -352,24 +387,41 @@ class ModelRunnerBase:
                 f"{available / 2**30:.2f} GiB of RAM is available"
             )
 
-    def _bind_kernels(self) -> None:
-        """Choose the kernels once and bind them: the attention backend, and with the C++ attention the
-        other layers' C++ variants, with Triton's its fused layer kernels (worker/layers/kernels.py)."""
+    def _select_backend(self) -> None:
+        """Choose the attention backend once, before the weights load, and whether the Triton block-FP8
+        projection runs (the Triton backend, or any on CUDA where Triton works): a block-FP8 checkpoint's
+        weights are held as FP8 for it, else dequantized at load."""
         deterministic = bool(self.config.deterministic)  # bool | None only until EngineConfig resolves it
-        choice = select_attention_backend(
+        self.backend_choice = select_attention_backend(
             self.config.attention_backend, self.device, self.dtype, self.block_size, deterministic,
             self.kv_cache_dtype,
         )  # fmt: skip
-        self.kernel_backend = choice.backend.name  # reported by the bench and logs
+        self.kernel_backend = self.backend_choice.backend.name  # reported by the bench and logs
+        self.block_fp8_kernel = self.kernel_backend == "triton" or (
+            self.device.type == "cuda" and triton_unavailable(self.device) is None
+        )
         if self.tp.rank == 0:
-            log.info("attention_backend_selected", backend=self.kernel_backend, reason=choice.reason)
+            log.info(
+                "attention_backend_selected", backend=self.kernel_backend, reason=self.backend_choice.reason
+            )
+
+    def _bind_kernels(self) -> None:
+        """Bind the kernels chosen: the attention backend, and with the C++ attention the other layers' C++
+        variants, with Triton's its fused layer kernels (worker/layers/kernels.py)."""
+        deterministic = bool(self.config.deterministic)
+        choice = self.backend_choice
         cpu = choice.backend.kernels if isinstance(choice.backend, CpuKernelAttention) else None
         fused: ModuleType | None = None
+        block_fp8: ModuleType | None = None
         gated_delta: ModuleType | None = cpu
-        if isinstance(choice.backend, TritonAttention):  # Triton is imported only where it runs
+        if self.block_fp8_kernel:  # Triton is imported only where it runs
+            from nanovllm.kernels import triton_block_fp8 as block_fp8
+        if isinstance(choice.backend, TritonAttention):
             from nanovllm.kernels import triton_gated_delta as gated_delta
             from nanovllm.kernels import triton_layers as fused
-        kernels = LayerKernels(cpu=cpu, triton=fused, deterministic=deterministic, gated_delta=gated_delta)
+        kernels = LayerKernels(
+            cpu=cpu, triton=fused, block_fp8=block_fp8, deterministic=deterministic, gated_delta=gated_delta
+        )
         self.model.bind_kernels(choice.backend, kernels)
         self.sampler.cpu_kernels = cpu
         if self.draft is not None:
