@@ -6,7 +6,10 @@
 // Here each weight row is read once,
 // from memory into registers, and serves every row of x: a tile of up to kTileRows rows of x (widened to
 // fp32 once, then read from L1) against one to four weight rows at a time (linear_tile.h, which also states
-// the order every sum is taken in; tile_from_memory and tile_bf16 below say how many).
+// the order every sum is taken in; tile_from_memory and tile_bf16 below say how many). Under --deterministic
+// it also runs prefills, every row count in the same order: there x goes in blocks against panels of weights
+// that stay in L2 (linear_range_blocked): a pass over the weights from memory for every 8 rows ran prefills
+// at about half PyTorch's GEMM speed (docs/performance.md#measurements-behind-choices-in-the-code).
 #include <ATen/ATen.h>
 #include "kernels_cpu.h"
 #include <ATen/Parallel.h>
