@@ -130,6 +130,7 @@ def test_the_triton_backend_holds_fp8_and_gives_the_dequantized_weights_tokens(a
         assert m.weight.dtype == torch.float8_e4m3fn and m.scale.dtype == torch.float32
         assert m.nbytes == m.weight.numel() + 4 * -(-m.shape[0] // BLOCK) * -(-m.shape[1] // BLOCK)
     assert line["fp8_layers"] == 8 and line["fp8_bytes"] == sum(m.nbytes for m in held), line
+    assert line["fp8_dequantized"] == {"count": 0, "first": {}}, line
     assert line["held_as"].startswith("float8_e4m3fn with float32 block scales, run by the Triton kernel")
     outs = llm.generate(PROMPTS, greedy(MAX_NEW), use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):

@@ -222,9 +222,9 @@ class QuantPlan:
     projection and `head` to the LM head (int8 / int4 of a float checkpoint); `block_fp8` names the
     projections a block-FP8 checkpoint's bytes are held for (FP8_SCHEME) where their parts cut at its
     blocks, and `make_weight` records in `dequantized` those it built as float weights instead, each with
-    why (for the start log). The input embedding takes the
-    head's scheme when it is the head (`tied`); otherwise it stays in the model's dtype: a token reads one
-    of its rows, so packing it would save memory only, and its error would reach every layer's input."""
+    why (for the start log). The input embedding takes the head's scheme when it is the head (`tied`);
+    otherwise it stays in the model's dtype: a token reads one of its rows, so packing it would save memory
+    only, and its error would reach every layer's input."""
 
     by_layer: dict[str, QuantScheme] | None = None
     every_linear: QuantScheme | None = None
