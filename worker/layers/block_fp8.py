@@ -4,20 +4,75 @@ weight is byte x scale. The Triton path runs its projections on these bytes
 (kernels/triton_block_fp8.py); elsewhere the checkpoint's weights are dequantized as they load
 (worker/models/quantized_checkpoint.py).
 
+A held weight keeps each block's one scale, so every block of it must take whole blocks of one checkpoint
+tensor: each part (a fused projection's q, k, v or gate, up; a tensor-parallel rank's slice) must start
+at a multiple of the block and end at one or at the weight's end, and its slice of the checkpoint tensor
+must start at a block or lie inside one. A layer says where its parts come from (`Cut`s) before its weight
+is allocated, and `misfit` tells why they do not cut at blocks, so that the quantization plan builds a
+float weight (dequantized at load) instead (worker/layers/quantization.py `make_weight`).
+
 A checkpoint's tensors reach the loader as `BlockFp8Weight` views too (`narrow`: a tensor-parallel rank's
 slice, which may start inside a block: `first_row`, `first_column` say where). Copying one into a held
-weight (`copy_`) keeps the bytes and scales as they are, so every block of the destination must take
-whole blocks of the source: a part that starts inside a block, or ends inside one with another part after
-it (a fused projection's k part of 64 rows, a rank's 160 of 320 input features), is refused by name. A view
+weight (`copy_`) keeps the bytes and scales as they are, and checks the same rule on the slices it is
+given: a layer whose loader cut otherwise than its `Cut`s said is refused by name there. A view
 dequantizes into a float weight anywhere.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from nanovllm.common.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Cut:
+    """One part of a layer's weight along one dimension on one tensor-parallel rank: its `length` rows (or
+    input features) at `here` in that rank's weight are those at `there` in the checkpoint tensor. `part`
+    names it in messages ("k", "rank 1's k", "" for a whole weight on one rank)."""
+
+    part: str
+    here: int
+    there: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Cuts:
+    """Where every part of a layer's [out_features, in_features] weight comes from, on every rank."""
+
+    rows: list[Cut]
+    columns: list[Cut]
+
+    @staticmethod
+    def whole(out_features: int, in_features: int) -> Cuts:
+        """A weight that is one checkpoint tensor whole."""
+        return Cuts([Cut("", 0, 0, out_features)], [Cut("", 0, 0, in_features)])
+
+    def misfit(self, out_features: int, in_features: int, block: int) -> str | None:
+        """Why these parts cannot keep their checkpoint tensors' `block`-wide scale blocks, or None."""
+        return _misfit(self.rows, out_features, block, "output rows") or _misfit(
+            self.columns, in_features, block, "input features"
+        )
+
+
+def _misfit(cuts: list[Cut], size: int, block: int, what: str) -> str | None:
+    for cut in cuts:
+        end, last = cut.here + cut.length, cut.there + cut.length - 1
+        where = f"{cut.part} {what} [{cut.here}, {end}) of {size}".lstrip()
+        if cut.here % block:
+            return f"{where} start inside a {block}-wide block"
+        if end % block and end != size:
+            return f"{where} end inside a {block}-wide block that the next part shares"
+        if cut.there % block and cut.there // block != last // block:
+            return (
+                f"{where} come from [{cut.there}, {last + 1}) of the checkpoint tensor, which starts inside "
+                f"a {block}-wide block and spans several"
+            )
+    return None
 
 
 class BlockFp8Weight(nn.Module):
@@ -109,8 +164,8 @@ class BlockFp8Weight(nn.Module):
                 )
                 raise ConfigError(
                     f"block FP8: {where}, and the Triton kernel reads each {self.block} x {self.block} block "
-                    f"with one scale (tensor parallelism and fused projections must cut at multiples of "
-                    f"{self.block}); serve it dequantized with --quantization none"
+                    f"with one scale; the layer's cuts should have had it built dequantized (a bug: "
+                    f"--quantization none serves the checkpoint dequantized)"
                 )
         self.weight.copy_(source.weight)
         self.scale.copy_(source.scale)

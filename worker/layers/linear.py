@@ -4,16 +4,21 @@ Each weight carries a `weight_loader(param, loaded, shard_id)` that copies this 
 checkpoint tensor into it, so loaders never need to know how a layer is partitioned. A weight is a float
 parameter, a PackedWeight (weight-only quantization, worker/layers/quantization.py) or a BlockFp8Weight
 (a block-FP8 checkpoint's bytes, worker/layers/block_fp8.py); `assign` loads any from any it can hold.
+A layer also says, before its weight is allocated, where each of its parts comes from on every rank
+(`Cuts`: the same slices its loader reads), so that a block-FP8 weight is held only where they cut at the
+checkpoint's blocks on every rank, and built dequantized (the same on every rank) where they do not.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX
-from nanovllm.worker.layers.block_fp8 import BlockFp8Weight
+from nanovllm.worker.layers.block_fp8 import BlockFp8Weight, Cut, Cuts
 from nanovllm.worker.layers.kernels import PYTORCH, LayerKernels
 from nanovllm.worker.layers.loadable import LoadableTensor, read_float, set_weight_loader
 from nanovllm.worker.layers.lora import LoRAWeights, Part
@@ -60,6 +65,11 @@ def linear(
     return F.linear(x, weight, bias)
 
 
+def _part(tp: TPContext, rank: int, name: str = "") -> str:
+    """A part's name in messages, with its rank where there are several."""
+    return f"rank {rank}'s {name}".rstrip() if tp.size > 1 else name
+
+
 class ParallelLinear(nn.Module):
     def __init__(
         self,
@@ -69,12 +79,14 @@ class ParallelLinear(nn.Module):
         tp: TPContext,
         quant: QuantPlan | None = None,
         prefix: str = "",
+        cuts: Cuts | None = None,
     ) -> None:
+        """`cuts`: where the weight's parts come from on every rank (None: one checkpoint tensor whole)."""
         super().__init__()
         self.tp = tp
         self.kernels = PYTORCH  # see DecoderForCausalLM.bind_kernels
         self.lora: LoRAWeights | None = None  # set by DecoderForCausalLM.enable_lora
-        self.weight = make_weight(out_features, in_features, quant, prefix, linear=True)
+        self.weight = make_weight(out_features, in_features, quant, prefix, linear=True, cuts=cuts)
         set_weight_loader(self.weight, self.weight_loader)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
@@ -123,8 +135,13 @@ class ColumnParallelLinear(ParallelLinear):
         tp: TPContext,
         quant: QuantPlan | None = None,
         prefix: str = "",
+        cuts: Cuts | None = None,
     ) -> None:
-        super().__init__(in_features, tp.shard(out_features, "output features"), bias, tp, quant, prefix)
+        size = tp.shard(out_features, "output features")
+        if cuts is None:  # each rank's rows of one tensor
+            rows = [Cut(_part(tp, r), 0, r * size, size) for r in range(tp.size)]
+            cuts = Cuts(rows, [Cut("", 0, 0, in_features)])
+        super().__init__(in_features, size, bias, tp, quant, prefix, cuts)
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
         size = param.shape[0]
@@ -156,7 +173,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         prefix: str = "",
     ) -> None:
         self.output_sizes = output_sizes
-        super().__init__(in_features, sum(output_sizes), bias, tp, quant, prefix)
+        rows = [cut for rank in range(tp.size) for cut in self._row_cuts(replace(tp, rank=rank))]
+        cuts = Cuts(rows, [Cut("", 0, 0, in_features)])
+        super().__init__(in_features, sum(output_sizes), bias, tp, quant, prefix, cuts)
+
+    def _row_cuts(self, tp: TPContext) -> list[Cut]:
+        """Rank tp.rank's rows of each part, as weight_loader reads them."""
+        cuts = []
+        for index, size in enumerate(self.output_sizes):
+            shard, offset = size // tp.size, sum(self.output_sizes[:index]) // tp.size
+            cuts.append(Cut(_part(tp, tp.rank, f"part {index}"), offset, tp.rank * shard, shard))
+        return cuts
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
         index = int(shard_id)  # type: ignore[call-overload]  # gate/up: 0 or 1
@@ -201,7 +228,17 @@ class QKVParallelLinear(ParallelLinear):
         self.first_kv_head, self.num_kv_heads = tp.kv_heads(num_kv_heads)
         self.total_num_kv_heads = num_kv_heads
         out_features = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        super().__init__(hidden_size, out_features, bias, tp, quant, prefix)
+        q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        rows = []
+        for rank in range(tp.size):  # as weight_loader reads them
+            kv_start = replace(tp, rank=rank).kv_heads(num_kv_heads)[0] * head_dim
+            rows += [
+                Cut(_part(tp, rank, "q"), 0, rank * q_size, q_size),
+                Cut(_part(tp, rank, "k"), q_size, kv_start, kv_size),
+                Cut(_part(tp, rank, "v"), q_size + kv_size, kv_start, kv_size),
+            ]
+        cuts = Cuts(rows, [Cut("", 0, 0, hidden_size)])
+        super().__init__(hidden_size, out_features, bias, tp, quant, prefix, cuts)
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
         q_size = self.num_heads * self.head_dim
@@ -246,7 +283,10 @@ class RowParallelLinear(ParallelLinear):
         quant: QuantPlan | None = None,
         prefix: str = "",
     ) -> None:
-        super().__init__(tp.shard(in_features, "input features"), out_features, bias, tp, quant, prefix)
+        size = tp.shard(in_features, "input features")
+        columns = [Cut(_part(tp, r), 0, r * size, size) for r in range(tp.size)]  # each rank's of one tensor
+        cuts = Cuts([Cut("", 0, 0, out_features)], columns)
+        super().__init__(size, out_features, bias, tp, quant, prefix, cuts)
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
         if param is self.bias:  # added once, on rank 0

@@ -16,13 +16,13 @@ ships), or dequantized into a float destination (a fused projection whose GGUF p
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from nanovllm.common.errors import ConfigError
-from nanovllm.worker.layers.block_fp8 import BlockFp8Weight
+from nanovllm.worker.layers.block_fp8 import BlockFp8Weight, Cuts
 from nanovllm.worker.model_config import FP8_BLOCK
 
 BLOCK = 32  # weights per 4-bit block; every group is a whole number of blocks
@@ -220,15 +220,18 @@ class QuantPlan:
     """Which layers a model builds with packed weights: `by_layer` names them (a GGUF file's quantized
     tensors, by layer prefix such as "model.layers.0.mlp.down_proj"), or `every_linear` applies to every
     projection and `head` to the LM head (int8 / int4 of a float checkpoint); `block_fp8` names the
-    projections a block-FP8 checkpoint's bytes are held for (FP8_SCHEME). The input embedding takes the
-    head's scheme when it is the head (`tied`); otherwise it stays in the model's dtype: a token reads one
-    of its rows, so packing it would save memory only, and its error would reach every layer's input."""
+    projections a block-FP8 checkpoint's bytes are held for (FP8_SCHEME) where their parts cut at its
+    blocks, and `make_weight` records in `dequantized` those it built as float weights instead, each with
+    why (for the start log). The input embedding takes the head's scheme when it is the head (`tied`);
+    otherwise it stays in the model's dtype: a token reads one of its rows, so packing it would save memory
+    only, and its error would reach every layer's input."""
 
     by_layer: dict[str, QuantScheme] | None = None
     every_linear: QuantScheme | None = None
     head: QuantScheme | None = None
     tied: bool = False
     block_fp8: Callable[[str], bool] | None = None
+    dequantized: dict[str, str] = field(default_factory=dict)  # filled as the model is built
 
     def scheme(self, prefix: str, linear: bool) -> QuantScheme | None:
         if self.block_fp8 is not None:
@@ -241,13 +244,23 @@ class QuantPlan:
 
 
 def make_weight(
-    out_features: int, in_features: int, plan: QuantPlan | None, prefix: str, linear: bool
+    out_features: int,
+    in_features: int,
+    plan: QuantPlan | None,
+    prefix: str,
+    linear: bool,
+    cuts: Cuts | None = None,
 ) -> nn.Parameter | PackedWeight | BlockFp8Weight:
     """The weight a layer named `prefix` holds: packed or block FP8 when the plan says so, else a float
-    parameter in the default dtype."""
+    parameter in the default dtype. `cuts`: where its parts come from (whole when None); block FP8 is held
+    only where they cut at the checkpoint's blocks."""
     scheme = plan.scheme(prefix, linear) if plan is not None else None
-    if scheme is FP8_SCHEME:
-        return BlockFp8Weight(out_features, in_features, FP8_BLOCK, prefix)
-    if scheme is not None:
+    if plan is not None and scheme is FP8_SCHEME:
+        cuts = cuts or Cuts.whole(out_features, in_features)
+        why = cuts.misfit(out_features, in_features, FP8_BLOCK)
+        if why is None:
+            return BlockFp8Weight(out_features, in_features, FP8_BLOCK, prefix)
+        plan.dequantized[prefix] = why
+    elif scheme is not None:
         return PackedWeight(out_features, in_features, scheme, prefix)
     return nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)

@@ -69,7 +69,8 @@ class QuantizedCheckpoint:
         if q.method == "fp8":
             held = (
                 "float8_e4m3fn with float32 block scales, run by the Triton kernel, in every projection whose "
-                "parts all ship in block FP8; the rest dequantized to the dtype at load"
+                "parts all ship in block FP8 and cut at its blocks on every rank; the rest dequantized to the "
+                "dtype at load"
                 if self.packed
                 else "dequantized to the dtype at load (held as FP8 only where the Triton kernel runs: the Triton "
                 "backend, CUDA)"

@@ -28,6 +28,7 @@ from torch import nn
 
 from nanovllm.kernels.attention import AttentionBackend, AttentionMetadata, StateBatch
 from nanovllm.worker.layers.attention import Attention
+from nanovllm.worker.layers.block_fp8 import Cut
 from nanovllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.worker.layers.gated_delta_rule import causal_conv, causal_conv_step, chunked, recurrent_step
 from nanovllm.worker.layers.kernels import PYTORCH, LayerKernels
@@ -125,6 +126,15 @@ class LinearAttentionInProj(MergedColumnParallelLinear):
             return
         for here, there, rows in _split_rows(self.output_sizes[:3], self.tp):
             assign(param.narrow(0, here, rows), loaded.narrow(0, there, rows))
+
+    def _row_cuts(self, tp: TPContext) -> list[Cut]:
+        """q, k and v from one tensor (in_proj_qkv), at their offsets in it; z, b and a as merged parts."""
+        merged = super()._row_cuts(tp)
+        qkv = [
+            Cut(f"{cut.part} ({name} of in_proj_qkv)", here, there, rows)
+            for name, cut, (here, there, rows) in zip("qkv", merged, _split_rows(self.output_sizes[:3], tp))
+        ]
+        return [*qkv, *merged[3:]]
 
     def lora_parts(self) -> list[Part]:
         """in_proj_qkv's part: this rank's q, k and v, which lie together here."""

@@ -63,6 +63,8 @@ from nanovllm.worker.sample.sampler import Sampler
 from nanovllm.worker.step import SamplingRow, SeqChunk, StepInputs
 
 log = get_logger(__name__)
+# The block-FP8 projections built dequantized that the start log names (it counts them all).
+FP8_DEQUANTIZED_SHOWN = 3
 
 
 @contextlib.contextmanager
@@ -243,7 +245,8 @@ class ModelRunnerBase:
             and self.block_fp8_kernel
             and gguf_file is None
         )
-        plan = self._block_fp8_plan(cfg) if held_fp8 else self._quant_plan(weight_format)
+        fp8_plan = self._block_fp8_plan(cfg) if held_fp8 else None
+        plan = fp8_plan or self._quant_plan(weight_format)
         with _default_dtype(self.dtype), self.device:
             model = causal_lm_class(cfg)(cfg, tp or self.tp, plan)
             if mtp:
@@ -256,7 +259,19 @@ class ModelRunnerBase:
         reader = load_safetensors(model, path, cfg.quantization, packed)
         if reader is not None and self.tp.rank == 0:
             held = {id(m): m for m in model.modules() if isinstance(m, BlockFp8Weight)}.values()
-            fp8 = {"fp8_layers": len(held), "fp8_bytes": sum(m.nbytes for m in held)} if held_fp8 else {}
+            fp8 = (
+                {}
+                if fp8_plan is None
+                else {
+                    "fp8_layers": len(held),
+                    "fp8_bytes": sum(m.nbytes for m in held),
+                    # parts not cut at the blocks (worker/layers/block_fp8.py): the first few, with why
+                    "fp8_dequantized": {
+                        "count": len(fp8_plan.dequantized),
+                        "first": dict(list(fp8_plan.dequantized.items())[:FP8_DEQUANTIZED_SHOWN]),
+                    },
+                }
+            )
             log.info("checkpoint_quantization", source=path, **reader.summary(), **fp8)
         return model.eval()
 
@@ -264,7 +279,9 @@ class ModelRunnerBase:
     def _block_fp8_plan(cfg: ModelConfig) -> QuantPlan:
         """The projections a block-FP8 checkpoint's bytes are held for: those whose every part the checkpoint
         quantizes (a fused projection's parts by the model's packed_modules_mapping), but the experts, which
-        the Triton path runs as one stacked float tensor per layer (kernels/triton_moe.py)."""
+        the Triton path runs as one stacked float tensor per layer (kernels/triton_moe.py). Of those,
+        make_weight builds dequantized (and records in the plan) any whose parts do not cut at the blocks on
+        every rank."""
         shipped = cfg.quantization
         assert shipped is not None  # a block-FP8 checkpoint's
         mapping = causal_lm_class(cfg).packed_modules_mapping
