@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
@@ -318,17 +318,41 @@ TEXTS_WITH_DIGITS = [
 ]
 
 
+class ReferencePasses:
+    """An engine's teacher-forced log-probs (float32) per group of sequences, each group computed once
+    however many kv_fidelity calls score against it: tests that compare other engines with the same
+    reference on the same windows share its passes (and build it only if a pass is missing)."""
+
+    def __init__(self, build: Callable[[], LLM], chunk: int) -> None:
+        self.build, self.chunk = build, chunk
+        self.llm: LLM | None = None
+        self.passes: dict[tuple[tuple[int, ...], ...], list[torch.Tensor]] = {}
+
+    def logprobs(self, part: list[list[int]]) -> list[torch.Tensor]:
+        key = tuple(tuple(ids) for ids in part)
+        if key not in self.passes:
+            if self.llm is None:
+                self.llm = self.build()
+            logits = teacher_forced_logits(self.llm, part, self.chunk)
+            self.passes[key] = [ref.float().log_softmax(-1) for ref in logits]
+        return self.passes[key]
+
+
 def kv_fidelity(
-    reference: LLM, others: list[LLM], batch: list[list[int]], chunk: int, pair: int = 2
+    reference: LLM | ReferencePasses, others: list[LLM], batch: list[list[int]], chunk: int, pair: int = 2
 ) -> list[tuple[float, float, int]]:
     """Teacher-forced over every position of `batch` (`chunk` tokens a step, `pair` sequences at a time, so
     that no more than their logits are held), for each of `others` against one pass of `reference`: the
     share of positions whose top-1 token it agrees with `reference` on, the mean KL(reference || it) per
-    position in nats, and the number of positions."""
+    position in nats, and the number of positions. A ReferencePasses reference (its own chunk) holds its
+    passes for later calls on the same pairs."""
     agree, kl, positions = [0] * len(others), [0.0] * len(others), 0
     for i in range(0, len(batch), pair):
         part = batch[i : i + pair]
-        refs = [ref.float().log_softmax(-1) for ref in teacher_forced_logits(reference, part, chunk)]
+        if isinstance(reference, ReferencePasses):
+            refs = reference.logprobs(part)
+        else:
+            refs = [ref.float().log_softmax(-1) for ref in teacher_forced_logits(reference, part, chunk)]
         positions += sum(ref.shape[0] for ref in refs)
         for k, other in enumerate(others):
             for ref, got in zip(refs, teacher_forced_logits(other, part, chunk)):

@@ -21,6 +21,7 @@ from nanovllm.worker.layers.quantization import PackedWeight
 from nanovllm.worker.llm import load_tokenizer
 from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.models.gguf import cache as gguf_cache
+from nanovllm.worker.models.gguf import layout
 from nanovllm.worker.models.gguf.cache import prepare_gguf
 from nanovllm.worker.models.gguf.tokenizer import transformers_tokenizer
 from tests.helpers import (
@@ -236,3 +237,20 @@ def test_files_it_cannot_serve_fail_at_start_naming_why(tmp_path: Path):
         with pytest.raises(UnsupportedModelError) as failure:
             _load(bad, tmp_path, dtype="float32")
         assert all(word in str(failure.value) for word in words), (case, str(failure.value))
+
+
+def test_a_file_is_parsed_once_per_version(tmp_path: Path):
+    """Building a GGUFReader parses every metadata field in Python (seconds for a real vocabulary), so
+    open_reader keeps the last one: converting a file and loading it with its packed weights parse it once;
+    a rewritten file (another size, here another type) is parsed anew and its reader reads the new file."""
+    path = write_gguf(build_model("qwen3", tmp_path / "hf", seed=7), tmp_path / "model.gguf", "Q8_0")
+    before = layout._reader.cache_info().misses
+    llm = _load(path, tmp_path, dtype="float32")
+    assert layout._reader.cache_info().misses - before == 1
+    assert any(isinstance(p, PackedWeight) for p in llm.engine.runner.model.modules())  # the packed path ran
+    packed = layout.open_reader(path)
+    assert {t.tensor_type.name for t in packed.tensors} >= {"Q8_0"}
+    write_gguf(tmp_path / "hf", path, "F32")
+    rewritten = layout.open_reader(path)
+    assert rewritten is not packed and layout.open_reader(path) is rewritten
+    assert "Q8_0" not in {t.tensor_type.name for t in rewritten.tensors}

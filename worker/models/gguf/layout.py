@@ -5,6 +5,7 @@ what is Qwen3.5's alone is in qwen35.py).
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import Any
@@ -73,12 +74,25 @@ _ANY_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")  # a block's tensor of another form
 
 
 def open_reader(gguf_path: Path) -> Any:
-    import gguf
-
+    """The file's GGUFReader, built once per version of the file (path, size, mtime) in this process:
+    building one parses every metadata field in Python (seconds for SmolLM2's 49,152-token vocabulary and
+    its merges: docs/performance.md#the-test-suite), and a conversion reads the file twice (metadata, then
+    the weights), a load up to three times (the MTP block, the quant plan, the tensors). The last file's
+    reader is kept."""
     try:
-        return gguf.GGUFReader(str(gguf_path))
+        path = Path(gguf_path).resolve()
+        stat = path.stat()
+        return _reader(path, stat.st_size, stat.st_mtime_ns)
     except (ValueError, OSError) as exc:
         raise ConfigError(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
+
+
+@functools.lru_cache(maxsize=1)
+def _reader(path: Path, size: int, mtime_ns: int) -> Any:
+    """`size` and `mtime_ns` only key the cache: a rewritten file gets a reader of its own."""
+    import gguf
+
+    return gguf.GGUFReader(str(path))
 
 
 def read_metadata(reader: Any) -> dict[str, Any]:
