@@ -166,7 +166,7 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             self.engine = LLMEngine(self.config)
-            self.load = self.engine.load()
+            self._refresh_load()
             self.adapters = self._adapter_messages()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting event loop, which re-raises
             self._ready.set_exception(exc)
@@ -184,8 +184,7 @@ class EngineLoop:
                 if self.engine.has_unfinished_requests():
                     self._step()
                 else:
-                    self.load = self.engine.load()
-                self.metrics.observe_load(self.load)
+                    self._refresh_load()
                 self._push_load()
                 if self._draining and not self._in_flight and not self._drained.done():
                     self._drained.set_result(None)
@@ -194,6 +193,13 @@ class EngineLoop:
             self._fail_all(str(exc))
             self.engine.shutdown()
             self.dead.set_exception(exc)
+
+    def _refresh_load(self) -> None:
+        """Take the engine's load: the metrics observe it before GetLoad can return it, so a client that
+        read a load never scrapes older metrics."""
+        load = self.engine.load()
+        self.metrics.observe_load(load)
+        self.load = load
 
     def _take_commands(self, block: bool) -> list[Callable[[], None] | None]:
         commands = [self._commands.get()] if block else []
@@ -376,10 +382,10 @@ class EngineLoop:
         except Exception as exc:  # the engine's state is suspect: fail everything in flight, keep serving
             log.exception("engine_step_failed")
             self._fail_all(f"the engine step failed: {type(exc).__name__}: {exc}")
-            self.load = self.engine.load()
+            self._refresh_load()
             return
         # Before the outputs go out: a client that has a request's token finds the request in GetLoad.
-        self.load = self.engine.load()
+        self._refresh_load()
         outputs, stats = step.outputs, step.stats
         self.metrics.observe_step(
             stats, time.perf_counter() - start, sum(len(out.new_token_ids) for out in outputs)
