@@ -8,6 +8,10 @@ import torch
 # (at the import of nanovllm.kernels.triton_attention); with a GPU the tests run the compiled kernels.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.triton_interpreter import patch_the_language_once
+
+    patch_the_language_once()
 
 from tests.services import SUITE_CPUS  # before any engine starts a thread: see the pin below
 
