@@ -123,8 +123,7 @@ def models(model_dirs, smollm2_dir) -> dict[str, tuple[Path, list[list[int]]]]:
 @pytest.fixture(scope="module")
 def bf16_references(models) -> dict[str, ReferencePasses]:
     """Per model, the bf16 cache's engine and its passes over the windows: the planted bugs are scored
-    against the fidelity test's pass over SmolLM2's first two windows, not a second one (an engine and
-    1,024 positions less)."""
+    with the fidelity test's SmolLM2 engine, not a second one."""
     return {
         model: ReferencePasses(lambda path=path: LLM(str(path), **OPTIONS), chunk=128)
         for model, (path, _) in models.items()
@@ -169,8 +168,11 @@ PLANTED = {
 
 
 def test_planted_bugs_break_the_bounds(models, bf16_references, kernels):
-    """Each bug on an engine of its own, all against one pass of the bf16 cache's engine (the fidelity
-    test's, when it ran first in this process)."""
+    """Each bug on an engine of its own, all against one pass of the bf16 cache's engine (built by the
+    fidelity test, when it ran first in this process), over SmolLM2's first 256 positions: the bugs are not
+    near the bounds (measured over 1,024 positions: top-1 0.49, 0.03 and 0.41 against the bounds' 0.90 and
+    0.85, KL 0.88, 7.2 and 1.25 nats against 0.02 and 0.065), and the top-1 share's sampling error over
+    256 positions is about sqrt(0.25 / 256) = 0.03."""
     path, batch = models["smollm2"]
     reference = bf16_references["smollm2"]
     llms = []
@@ -182,7 +184,7 @@ def test_planted_bugs_break_the_bounds(models, bf16_references, kernels):
         for attn in layers:
             attn.backend = PlantedBug(kernels, bug)
         llms.append(llm)
-    scores = kv_fidelity(reference, llms, batch[:2], chunk=128)  # 1,024 positions suffice to fail
+    scores = kv_fidelity(reference, llms, [batch[0][:256]], chunk=128)
     for (bug, kv_cache_dtype), (top1, kl, _) in zip(PLANTED.items(), scores):
         least_top1, most_kl = BOUNDS[("smollm2", kv_cache_dtype)]
         assert top1 < least_top1 or kl > most_kl, f"{bug}: top-1 {top1:.4f}, KL {kl:.5f}"
