@@ -133,7 +133,8 @@ constexpr int kBlockTileRows = 6;
 
 // y[:, n_begin:n_end] for more rows of x than one tile (a prefill under --deterministic): x in blocks of
 // rows and the weights in panels that stay in L2 together, each panel read from memory once per block of x
-// instead of once per tile. Only the order of (row, output) pairs changes; each output's sum is the tile's.
+// instead of once per tile (the first tile's pass over a panel still reads it from memory: the weights are
+// prefetched). Only the order of (row, output) pairs changes; each output's sum is the tile's.
 template <typename T>
 void linear_range_blocked(const std::vector<float>& xf, const T* w, const T* bias, T* y, int64_t rows,
                           int64_t n_begin, int64_t n_end, int64_t N, int64_t K) {
@@ -145,7 +146,7 @@ void linear_range_blocked(const std::vector<float>& xf, const T* w, const T* bia
       const int64_t p_end = std::min(n_end, p + panel);
       int64_t m = x0;
       for (; m + kBlockTileRows <= x_end; m += kBlockTileRows)
-        tile_rows<kBlockTileRows, T, T, 2, false>(xf.data() + m * K, w + p * K, bias, y + m * N, p, p_end, N, K);
+        tile_rows<kBlockTileRows, T, T, 2>(xf.data() + m * K, w + p * K, bias, y + m * N, p, p_end, N, K);
       if (m < x_end) tile_fn<T, T>(x_end - m)(xf.data() + m * K, w + p * K, bias, y + m * N, p, p_end, N, K);
     }
   }
