@@ -35,21 +35,11 @@ from nanovllm.common.logging import get_logger
 log = get_logger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-# The two that include torch/extension.h (the slowest to compile) first: ninja starts them first.
-_SOURCES = [
-    _CSRC / name
-    for name in (
-        "bindings_cpu.cpp",
-        "decode_layers_cpu.cpp",
-        "paged_attention_cpu.cpp",
-        "linear_cpu.cpp",
-        "linear_quantized_cpu.cpp",
-        "token_bitmask_cpu.cpp",
-        "gated_delta_cpu.cpp",
-        "sampling_cpu.cpp",
-        "lora_cpu.cpp",
-    )
-]
+# Two translation units, compiled side by side: the Python bindings (with decode_layers_cpu.cpp, whose classes
+# they bind: the only code that needs torch/extension.h), and every kernel's file in one unit
+# (kernels_cpu.cpp). Parsing ATen's headers was most of each file's compilation, paid once per file
+# (docs/performance.md#measurements-behind-choices-in-the-code).
+_SOURCES = [_CSRC / "bindings_cpu.cpp", _CSRC / "kernels_cpu.cpp"]
 _NAME = "nanovllm_paged_attention_cpu"
 # Model dtypes the model runner binds the kernels for (PyTorch for any other): those where they beat the
 # PyTorch path (bench/cpu_kernels.py).
@@ -92,12 +82,14 @@ def _build_directory() -> Path:
     return path
 
 
-def _headers_digest() -> str:
-    """A hash of the shared headers: torch's builder rebuilds when a source or a flag changes but does not
-    look at headers, so their digest goes into the flags."""
+def _sources_digest() -> str:
+    """A hash of every file in kernels/csrc: torch's builder rebuilds when a listed source or a flag changes,
+    but does not look at what they include (the headers, and the kernels' files that the two units include),
+    so their digest goes into the flags."""
     digest = hashlib.sha256()
-    for header in sorted(_CSRC.glob("*.h")):
-        digest.update(header.read_bytes())
+    for path in sorted(_CSRC.iterdir()):
+        if path.suffix in (".h", ".cpp"):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]
 
 
@@ -138,7 +130,7 @@ def load_cpu_kernels() -> ModuleType | None:
                     "-march=native",
                     "-fno-trapping-math",
                     "-fopenmp",
-                    f"-DNANOVLLM_HEADERS={_headers_digest()}",
+                    f"-DNANOVLLM_SOURCES={_sources_digest()}",
                 ],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,

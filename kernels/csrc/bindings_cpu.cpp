@@ -1,12 +1,11 @@
-// The Python module: every CPU kernel, bound in this one file. The kernels' own files include ATen only;
-// torch/extension.h (pybind11 and all of torch's C++ API) costs about 16 s of compilation per file that
-// includes it, so only this file and decode_layers_cpu.cpp (its classes' bindings) do.
+// The Python module: every CPU kernel, bound in this one file. The kernels' own files include ATen only
+// (compiled together: kernels_cpu.cpp); torch/extension.h (pybind11 and all of torch's C++ API) costs about
+// a minute of compilation, so it is parsed once, here, with decode_layers_cpu.cpp (its classes' bindings).
 #include <torch/extension.h>
 
 #include "kernels_cpu.h"
 
-// decode_layers_cpu.cpp
-void register_decode_layers(pybind11::module& m);
+#include "decode_layers_cpu.cpp"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode_layers(m);

@@ -21,7 +21,7 @@
 
 namespace {
 
-constexpr int64_t kBlock = 512;  // the walk sums blocks first, then the entries of one block
+constexpr int64_t kWalkBlock = 512;  // the walk sums blocks first, then the entries of one block
 
 struct RowFilter {
   float inv_temperature;
@@ -38,8 +38,8 @@ double exp_row(const float* x, int64_t vocab, float max, const RowFilter& f, boo
                std::vector<double>& blocks) {
   const float floor = cut_min_p ? f.log_min_p : -std::numeric_limits<float>::infinity();
   double total = 0.0;
-  for (int64_t b = 0, start = 0; start < vocab; ++b, start += kBlock) {
-    const int64_t end = std::min(vocab, start + kBlock);
+  for (int64_t b = 0, start = 0; start < vocab; ++b, start += kWalkBlock) {
+    const int64_t end = std::min(vocab, start + kWalkBlock);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = start; i < end; ++i) {
@@ -67,7 +67,7 @@ int64_t draw_all(const float* e, int64_t vocab, const std::vector<double>& block
   const int64_t num_blocks = static_cast<int64_t>(blocks.size());
   int64_t b = 0;
   while (b < num_blocks - 1 && before + blocks[b] <= target) before += blocks[b++];
-  const int64_t start = b * kBlock, end = std::min(vocab, start + kBlock);
+  const int64_t start = b * kWalkBlock, end = std::min(vocab, start + kWalkBlock);
   double sum = before;
   for (int64_t i = start; i < end; ++i) {
     sum += e[i];
@@ -177,7 +177,7 @@ at::Tensor sample_rows(at::Tensor logits, at::Tensor spec) {
   const float* x = logits.data_ptr<float>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> e(vocab);
-    std::vector<double> blocks((vocab + kBlock - 1) / kBlock);
+    std::vector<double> blocks((vocab + kWalkBlock - 1) / kWalkBlock);
     std::vector<int32_t> candidates;
     for (int64_t r = begin; r < end; ++r) out[r] = sample_row(x + r * vocab, vocab, filters[r], e, blocks, candidates);
   });
