@@ -34,9 +34,10 @@ def patch_the_language_once() -> None:
     from triton.runtime import interpreter
 
     original: Callable[[Any], Any] | None = getattr(interpreter, "_patch_lang", None)
-    if original is None or getattr(original, "patched_once", False):
-        if original is None:
-            log.warning("triton_interpreter_unpatched", reason="no triton.runtime.interpreter._patch_lang")
+    if original is None:
+        log.warning("triton_interpreter_unpatched", reason="no triton.runtime.interpreter._patch_lang")
+        return
+    if getattr(original, "patched_once", False):
         return
     done: set[frozenset[int]] = set()
     langs_of: dict[Callable[..., Any], frozenset[int]] = {}
