@@ -3,8 +3,10 @@ tensor-parallel comparisons, and the tokenizer tests' texts."""
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -209,6 +211,32 @@ def counting_proposals(llm: LLM) -> Iterator[list[int]]:
         yield counts
     finally:
         del llm.engine.step  # back to the class's method
+
+
+def vision_reference(model_dir: Path) -> tuple:
+    """transformers' float32 image-text model saved in model_dir, its image processor and its tokenizer."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model, AutoImageProcessor.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+
+
+def two_sample_chi_square(
+    a: collections.Counter, b: collections.Counter, z: float = 3.719
+) -> tuple[float, float, int]:
+    """Whether two runs' counts of the same draws differ: the two-sample chi-square statistic over the values
+    seen at least 10 times in both together (the rest pooled into one cell), its critical value at the
+    normal quantile z (3.719: a false-failure rate of 1e-4; Wilson-Hilferty's quantile, within 1% for 30
+    cells and more) and the number of cells."""
+    cells = [(a[t], b[t]) for t in set(a) | set(b)]
+    kept = [(x, y) for x, y in cells if x + y >= 10]
+    pooled = (sum(x for x, y in cells if x + y < 10), sum(y for x, y in cells if x + y < 10))
+    if sum(pooled):
+        kept.append(pooled)
+    statistic = sum((x - y) ** 2 / (x + y) for x, y in kept)
+    df = len(kept) - 1
+    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return statistic, critical, len(kept)
 
 
 def decode_layers_on_and_off(

@@ -9,6 +9,7 @@ Settings it does not run with, and a checkpoint without the head, are refused at
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import os
 import random
@@ -24,7 +25,7 @@ from nanovllm.common.errors import ConfigError, EngineDeadError
 from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.models.qwen3_5 import Qwen3_5ForCausalLM
 from nanovllm.worker.runner.kv_cache import kv_bytes_per_block
-from tests.helpers import counting_proposals, rank_processes, recorded_proposals
+from tests.helpers import counting_proposals, rank_processes, recorded_proposals, two_sample_chi_square
 from tests.model_factory import VOCAB, build_model
 from tests.resume_streams import MAX_TOKENS as RESUME_MAX_TOKENS
 from tests.resume_streams import run as resume_run
@@ -226,6 +227,40 @@ def test_a_state_not_rolled_back_changes_the_tokens(model: Path, plain: list[dic
     assert states is not None
     states.roll_back = lambda seq, verified, kept: None  # type: ignore[method-assign]
     assert _tokens(llm.generate(prompts, params, use_tqdm=False)) != _tokens(plain)
+
+
+@pytest.mark.slow
+def test_unseeded_sampling_keeps_its_distribution(tmp_path: Path):
+    """4,000 unseeded requests of 3 tokens at temperature 0.5, with MTP and without: the third token's
+    distribution is the same (the two-sample chi-square of tests/helpers.py at a false-failure rate of 1e-4).
+    The proposal is the second token most often drawn without MTP (a random head's are never accepted at
+    this temperature), accepted in about a fifth of the requests: their third token is drawn in the same
+    verification, after the accepted proposal; the others' in the next step, after a rollback. Measured once:
+    33 against a critical value of 102; with the rollback left out (the planted bug above) 3,943."""
+    model = _build(tmp_path, "qwen3_5")
+    prompt = list(range(2, 200))
+    params = SamplingParams(temperature=0.5, max_tokens=3, ignore_eos=True)
+
+    def engine(method: str) -> LLM:
+        return LLM(
+            str(model), dtype="float32", max_model_len=256, kv_cache_memory="16MiB", seed=1,
+            speculative_method=method, num_speculative_tokens=1, speculative_max_batch=256,
+        )  # fmt: skip
+
+    plain = _tokens(engine("none").generate([prompt] * 4000, params, use_tqdm=False))
+    second = collections.Counter(t[1] for t in plain).most_common(1)[0][0]
+    llm = engine("mtp")
+    # The continuation's first token is the prefill's draw, never proposed.
+    OracleProposals(llm, {tuple(prompt): [0, second]})
+    with counting_proposals(llm) as counts:
+        tokens = _tokens(llm.generate([prompt] * 4000, params, use_tqdm=False))
+    assert _all_back(llm)
+    proposed, accepted = counts
+    assert proposed == 4000 and 400 < accepted < 1600, counts
+    statistic, critical, cells = two_sample_chi_square(
+        collections.Counter(t[2] for t in plain), collections.Counter(t[2] for t in tokens)
+    )
+    assert statistic < critical, (statistic, critical, cells)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import json
-import math
 import random
 
 import grpc
@@ -18,7 +17,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.common.errors import ConfigError
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from nanovllm.worker.sample.speculation import propose_ngram
-from tests.helpers import counting_proposals
+from tests.helpers import counting_proposals, two_sample_chi_square
 from tests.model_factory import build_model
 from tests.services import start_router, start_worker, wait_serving
 
@@ -259,12 +258,6 @@ def test_no_speculation_above_the_batch_limit(qwen3_dir):
     assert proposed == 0
 
 
-def _chi_square_critical(df: int, z: float) -> float:
-    """The chi-square distribution's quantile at the normal quantile z (Wilson-Hilferty; within 1% for
-    df >= 30)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
 @pytest.mark.slow
 def test_unseeded_sampling_keeps_its_distribution(qwen3_dir):
     """20,000 unseeded requests of 3 tokens at temperature 3, with and without speculation. The prompt holds
@@ -290,15 +283,8 @@ def test_unseeded_sampling_keeps_its_distribution(qwen3_dir):
         third[method] = collections.Counter(o["token_ids"][2] for o in outs)
         if method == "ngram":
             assert proposed > n // 5 and accepted > 0, (proposed, accepted)
-    a, b = third["none"], third["ngram"]
-    cells = [(a[t], b[t]) for t in set(a) | set(b)]
-    kept = [(x, y) for x, y in cells if x + y >= 10]
-    pooled = (sum(x for x, y in cells if x + y < 10), sum(y for x, y in cells if x + y < 10))
-    if sum(pooled):
-        kept.append(pooled)
-    statistic = sum((x - y) ** 2 / (x + y) for x, y in kept)
-    critical = _chi_square_critical(len(kept) - 1, 3.719)
-    assert statistic < critical, (statistic, critical, len(kept))
+    statistic, critical, cells = two_sample_chi_square(third["none"], third["ngram"])
+    assert statistic < critical, (statistic, critical, cells)
 
 
 @pytest.mark.parametrize(
