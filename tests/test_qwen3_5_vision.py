@@ -26,6 +26,7 @@ from nanovllm.common.errors import RequestError
 from nanovllm.common.images import ImageProcessorConfig, expand_placeholders, patchify
 from nanovllm.worker.runner.images import mrope_positions
 from nanovllm.worker.sequence import ImageInput, Sequence
+from tests.helpers import vision_reference
 from tests.model_factory import IMAGE_TOKEN_ID, build_vision_model
 
 MAX_NEW = 10
@@ -48,14 +49,7 @@ def vision_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(vision_model: Path):
-    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
-
-    model = AutoModelForImageTextToText.from_pretrained(vision_model, dtype=torch.float32).eval()
-    return (
-        model,
-        AutoImageProcessor.from_pretrained(vision_model),
-        AutoTokenizer.from_pretrained(vision_model),
-    )
+    return vision_reference(vision_model)
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +171,15 @@ def test_rope_positions_equal_get_rope_index(reference):
 def test_greedy_tokens_and_logprobs_equal_transformers(llm: LLM, reference, name: str, text: str, sizes):
     images = [_image(h, w, k) for k, (h, w) in enumerate(sizes)]
     _assert_equal(_generate(llm, text, images), _hf_generate(reference, text, images), name)
+
+
+def test_the_moe_checkpoint_equals_transformers(tmp_path: Path):
+    """A Qwen3_5MoeForConditionalGeneration: two images with text between, as above."""
+    model_dir = build_vision_model(tmp_path / "moe", arch="qwen3_5_moe")
+    reference = vision_reference(model_dir)
+    text, images = f"Paged {PLACE} attention stores {PLACE} blocks.", [_image(64, 96, 0), _image(40, 150, 1)]
+    ours = _generate(LLM(str(model_dir), **ENGINE), text, images)
+    _assert_equal(ours, _hf_generate(reference, text, images), "moe")
 
 
 def _cached_blocks(llm: LLM, text: str, image) -> list[bool]:

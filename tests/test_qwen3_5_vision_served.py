@@ -15,6 +15,7 @@ INVALID_ARGUMENT naming it, and the server answers the next request."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.server
 import io
 import json
@@ -38,6 +39,7 @@ from nanovllm.client import run_client
 from nanovllm.common.images import expand_placeholders
 from nanovllm.flags import resolve_all
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
+from tests.helpers import vision_reference
 from tests.model_factory import IMAGE_TOKEN_ID, build_vision_model
 from tests.services import collect, serve_addresses
 
@@ -79,9 +81,9 @@ def vision_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_vision_model(tmp_path_factory.mktemp("qwen3_5_vision_served") / "vl")
 
 
-@pytest.fixture(scope="module")
-def served(kernels, vision_model: Path) -> Iterator[Served]:
-    model = vision_model
+@contextlib.contextmanager
+def _serve(model: Path) -> Iterator[Served]:
+    """`nanovllm serve` of `model` (router and worker in one command) with LIMITS, until the block ends."""
     log_path = model.parent / "serve.log"
     limits = [word for flag, value in LIMITS.items() for word in (flag, value)]
     with log_path.open("w") as log:
@@ -113,15 +115,14 @@ def served(kernels, vision_model: Path) -> Iterator[Served]:
 
 
 @pytest.fixture(scope="module")
-def reference(vision_model: Path):
-    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+def served(kernels, vision_model: Path) -> Iterator[Served]:
+    with _serve(vision_model) as served:
+        yield served
 
-    model = AutoModelForImageTextToText.from_pretrained(vision_model, dtype=torch.float32).eval()
-    return (
-        model,
-        AutoImageProcessor.from_pretrained(vision_model),
-        AutoTokenizer.from_pretrained(vision_model),
-    )
+
+@pytest.fixture(scope="module")
+def reference(vision_model: Path):
+    return vision_reference(vision_model)
 
 
 def _hf_prompt(reference, parts: list) -> tuple[list[int], dict]:
@@ -232,6 +233,18 @@ def test_chat_with_images_equals_transformers(served: Served, reference, name: s
     for step, (entry, theirs) in enumerate(zip(entries, logprobs)):
         assert abs(entry.logprob - theirs) <= 2e-4, (name, step)
     assert answer.usage.prompt_tokens == len(_hf_prompt(reference, parts)[0])
+
+
+def test_the_moe_checkpoint_serves_images_as_transformers(kernels, tmp_path: Path) -> None:
+    """A Qwen3_5MoeForConditionalGeneration served the same way: two images through gRPC and the openai
+    client, tokens equal transformers' and logprobs within 2e-4."""
+    model = build_vision_model(tmp_path / "vl-moe", arch="qwen3_5_moe")
+    reference = vision_reference(model)
+    tokens, logprobs = _hf_forward_greedy(reference, TWO)
+    with _serve(model) as served:
+        assert _grpc_tokens(served, TWO) == (tokens, None)
+        entries = _chat(served, _openai_content(TWO)).choices[0].logprobs.content
+        assert [entry.logprob for entry in entries] == pytest.approx(logprobs, abs=2e-4)
 
 
 def test_responses_input_image_answers_as_the_chat(served: Served) -> None:
