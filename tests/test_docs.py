@@ -4,6 +4,7 @@ docs/flags.py generates from the config dataclasses (so every flag is documented
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 from pathlib import Path
@@ -100,6 +101,37 @@ def test_relative_links_resolve(path: Path) -> None:
     targets = [t for t in LINK.findall(_text(path)) if not re.match(r"[a-z]+:|#", t)]
     broken = [t for t in targets if not (path.parent / t.split("#")[0]).exists()]
     assert broken == [], f"{path.name} links to files that do not exist: {broken}"
+
+
+@functools.cache
+def _anchors(path: Path) -> frozenset[str]:
+    """The anchors GitHub gives the headings of a Markdown file: lower case, punctuation but hyphens and
+    underscores dropped, spaces to hyphens; a repeated heading's anchor numbered -1, -2, ..."""
+    anchors: set[str] = set()
+    repeats: dict[str, int] = {}
+    in_code = False
+    for line in _text(path).splitlines():
+        in_code ^= line.startswith("```")
+        heading = re.match(r"#{1,6} (.*)", line)
+        if heading and not in_code:
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+            repeats[slug] = repeats.get(slug, -1) + 1
+            anchors.add(f"{slug}-{repeats[slug]}" if repeats[slug] else slug)
+    return frozenset(anchors)
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_links_to_a_section_find_its_heading(path: Path) -> None:
+    """A section renamed or lost leaves its links pointing at the top of the page: every `file.md#anchor`
+    (and `#anchor`) names a heading there."""
+    lost = []
+    for target in LINK.findall(_text(path)):
+        file, _, anchor = target.partition("#")
+        linked = path.parent / file if file else path
+        local = anchor and not re.match(r"[a-z]+:", target) and linked.suffix == ".md" and linked.exists()
+        if local and anchor not in _anchors(linked):
+            lost.append(target)
+    assert lost == [], f"{path.name} links to headings that do not exist: {lost}"
 
 
 def test_every_flag_is_in_the_configuration_doc() -> None:
