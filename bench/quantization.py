@@ -94,6 +94,12 @@ def main() -> None:
     parser.add_argument(
         "--checkpoint", choices=["fp8"], help="with --shape: also the model as a block-FP8 checkpoint"
     )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="the dtype of every engine whose row names none (auto: the machine's default; 16-bit x takes the "
+        "quantized kernel's integer dots)",
+    )
     args = parser.parse_args()
     if args.checkpoint and not args.shape:
         parser.error("--checkpoint needs --shape")
@@ -101,7 +107,7 @@ def main() -> None:
         w64 = (
             args.checkpoint is not None and not args.skip_w64
         )  # (the float formats' own W64: bench.throughput)
-        shape_streams(args.shape, args.prompts, args.max_tokens, args.checkpoint, w64)
+        shape_streams(args.shape, args.prompts, args.max_tokens, args.checkpoint, w64, args.dtype)
         return
 
     gguf = embedded_model_path()
@@ -116,7 +122,7 @@ def main() -> None:
     prompts: list[list[int]] = []
     rows = []
     for name, (kwargs, batch) in engines.items():
-        llm = LLM(str(gguf), max_model_len=1024, kv_cache_memory="1GiB", **kwargs)
+        llm = LLM(str(gguf), max_model_len=1024, kv_cache_memory="1GiB", **{"dtype": args.dtype, **kwargs})
         if not prompts:
             ids = llm.tokenizer.encode(TEXT)
             prompts = [ids[i : i + 128] for i in range(0, args.prompts * 3, 3)]
@@ -163,9 +169,11 @@ def main() -> None:
         print(f"\nllama.cpp: not measured ({peer_failure})")
 
 
-def shape_streams(shape: str, count: int, max_tokens: int, checkpoint: str | None, w64: bool) -> None:
-    """One stream (and W64 if asked) of a random `shape` per weight format, and the bytes each token read
-    at most."""
+def shape_streams(
+    shape: str, count: int, max_tokens: int, checkpoint: str | None, w64: bool, dtype: str = "auto"
+) -> None:
+    """One stream (and W64 if asked) of a random `shape` per weight format, each engine in `dtype`, and the
+    bytes each token read at most."""
     model_dir = build_random_model(shape)
     cfg = ModelConfig.from_pretrained_dir(model_dir)
     rng = random.Random(0)
@@ -187,7 +195,7 @@ def shape_streams(shape: str, count: int, max_tokens: int, checkpoint: str | Non
     # tokens in and out had not finished the first engine after 17 minutes on the shared 2-core AVX2 EPYC)
     batch = make_workload(64, cfg.vocab_size, (32, 64), (16, 32), seed=0) if w64 else None
     print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {machine_description()}")
-    print(f"random {shape}; one stream: {count} prompts of 128 tokens, {max_tokens} new, greedy; "
+    print(f"random {shape}, dtype {dtype}; one stream: {count} prompts of 128 tokens, {max_tokens} new, greedy; "
           f"{torch.get_num_threads()} threads; recurrent state per request {state / 2**20:.1f} MiB"
           + ("; W64: 64 random requests, 32-64 tokens in, 16-32 out" if w64 else "") + "\n")  # fmt: skip
     print(
@@ -197,7 +205,8 @@ def shape_streams(shape: str, count: int, max_tokens: int, checkpoint: str | Non
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     base_rate = base_w64 = 0.0
     for name, (path, kwargs) in engines.items():
-        llm = LLM(str(path), max_model_len=1024, kv_cache_memory="1GiB" if w64 else "256MiB", **kwargs)
+        kv_cache_memory = "1GiB" if w64 else "256MiB"
+        llm = LLM(str(path), max_model_len=1024, kv_cache_memory=kv_cache_memory, dtype=dtype, **kwargs)
         one_stream(llm, prompts[:1], 16)  # warm-up
         bandwidths = [read_bandwidth()]
         rate = one_stream(llm, prompts, max_tokens)

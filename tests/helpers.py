@@ -265,11 +265,11 @@ def decode_layers_on_and_off(
 # context, by the engines' dtype. int8 with one scale per output channel rounds each weight by up to
 # amax/254: on SmolLM2's projections (a row's largest weight ~5.6x its median) that is ~0.9% relative
 # error per matmul, and the median top-5 gap is 0.08 nats. Seen in float32 2026-11-25 (AMD EPYC, AVX2):
-# 0.08-0.30 on the random models, 0.80 on SmolLM2's chats. In bfloat16 a CPU with AVX512-VNNI also rounds
-# each decode row of x to int8 in blocks of 32 (linear_int8_dots.h), coarser than bf16's own rounding where
-# a block holds an outlier. Seen 2026-11-26 (AMD EPYC, AVX512-VNNI) on SmolLM2's chats: 1.37 for int8 and
-# 1.25 for the GGUF's Q4_1 against its dequantized copy, where the dequantized model in bfloat16 against
-# float32 gives 0.29. What the bounds catch, measured 2026-11-26 on the AVX2 EPYC by planting scales 3% too
+# 0.08-0.30 on the random models, 0.80 on SmolLM2's chats. In bfloat16 a CPU with AVX512-VNNI or AVX2 also
+# rounds each decode row of x to int8 in blocks of 32 (linear_int8_dots.h), coarser than bf16's own rounding
+# where a block holds an outlier. Seen 2026-11-26 (AMD EPYC, AVX512-VNNI) on SmolLM2's chats: 1.37 for int8
+# and 1.25 for the GGUF's Q4_1 against its dequantized copy, where the dequantized model in bfloat16 against
+# float32 gives 0.29; 2026-11-29 (AMD EPYC, AVX2): 1.00 for Q4_1. What the bounds catch, measured 2026-11-26 on the AVX2 EPYC by planting scales 3% too
 # large (every dequantized weight 3% off, under a rounding step's worth only at int4): qwen2 1.58 nats, and
 # SmolLM2's chats 0 of 4 equal in float32 and bfloat16; the per-weight rounding tests fail first.
 QUANTIZED_LOGPROB_TOL = {"float32": 1.2, "bfloat16": 2.0}

@@ -33,6 +33,7 @@ from tests.helpers import (
     top5_rule,
 )
 
+NO_DOTS = "this CPU has neither AVX512-VNNI nor AVX2, so the kernel has no integer dot path to test"
 SCHEMES = {
     "int8": QuantScheme("int8", 8, None),
     "Q8_0": QuantScheme("Q8_0", 8, 32),
@@ -82,13 +83,13 @@ def test_kernel_equals_the_float_kernel_on_dequantized_weights(kernels, scheme, 
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_int8_dots_stay_within_the_activation_rounding_bound(kernels, scheme, dtype) -> None:
-    """With AVX512-VNNI, up to 8 rows of 16-bit x are quantized to int8 in blocks of 32 (scale d = the
-    block's max |x| / 127) and meet the weights in integer dot products. Each x moves by at most d / 2, so
+    """With AVX512-VNNI or AVX2, up to 8 rows of 16-bit x are quantized to int8 in blocks of 32 (scale d =
+    the block's max |x| / 127) and meet the weights in integer dot products. Each x moves by at most d / 2, so
     an output moves by at most the sum over blocks of d / 2 * sum |w| from the exact product (plus the
     output's own rounding to dtype). Several shapes end in a partial 64-byte chunk, and 37 weight rows
     leave partial tiles."""
     if not kernels.linear_quantized_int8_dots():
-        pytest.skip("this CPU has no AVX512-VNNI, so the kernel has no integer dot path to test")
+        pytest.skip(NO_DOTS)
     gen = torch.Generator().manual_seed(2)
     group = SCHEMES[scheme].group_size or 32
     for features in (f for f in (96, 160, 192, 384, 576, 640) if f % group == 0):
@@ -108,6 +109,46 @@ def test_int8_dots_stay_within_the_activation_rounding_bound(kernels, scheme, dt
             # and the quantization is there: the result is not the exact product rounded
             if rows == 1 and features >= 160:
                 assert not torch.equal(_run(kernels, x, packed, bias), exact.to(dtype))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int8_dots_are_the_product_of_the_quantized_x(kernels, scheme, dtype) -> None:
+    """Tighter than the bound above: the integer sums are exact, so each output is x's int8 quantization
+    (q = round(x * (127 / max|x|)) per block of 32, in float32 as the kernel rounds it, times max|x| / 127)
+    against the weights, plus at 4 bits each group's min times x summed over the group, and the bias; up to
+    float32's rounding of the scaled partial sums (at most one rounding a term: K x 2^-24 of the products'
+    mass) and the output's rounding to dtype (half its epsilon, relative). A lane given another block's
+    scale, a nibble from the wrong half or a partial chunk read past its row moves an output by a whole
+    product, far past that."""
+    if not kernels.linear_quantized_int8_dots():
+        pytest.skip(NO_DOTS)
+    gen = torch.Generator().manual_seed(3)
+    for features in (f for f in (96, 160, 192, 384, 576, 640) if f % (SCHEMES[scheme].group_size or 32) == 0):
+        packed, _ = _packed(scheme, 37, features)
+        weight = packed.dequantize(torch.float64)
+        bias = torch.randn(37, generator=gen).to(dtype)
+        for rows in range(1, 9):
+            x = torch.randn(rows, features, generator=gen).to(dtype)
+            blocks = x.float().view(rows, -1, 32)
+            amax = blocks.abs().amax(-1, keepdim=True)
+            q = torch.round(
+                blocks * (torch.full_like(amax, 127.0) / amax)
+            )  # a true division, as the kernel's
+            quantized = (q.double() * (amax / 127).double()).view(rows, features)
+            terms = quantized.abs() @ weight.abs().T
+            if packed.bits == 4:
+                group = packed.group_size
+                mins = packed.mins.double()
+                expected = quantized @ (weight - mins.repeat_interleave(group, dim=1)).T
+                expected += x.double().view(rows, -1, group).sum(-1) @ mins.T
+                terms += x.double().abs().view(rows, -1, group).sum(-1) @ mins.abs().T
+            else:
+                expected = quantized @ weight.T
+            expected += bias.double()
+            bound = features * 2.0**-24 * terms + torch.finfo(dtype).eps / 2 * expected.abs() + 1e-7
+            error = (_run(kernels, x, packed, bias).double() - expected).abs()
+            assert (error <= bound).all(), (scheme, dtype, features, rows, (error / bound).max().item())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -335,14 +376,17 @@ def test_gguf_q4_1_logits_equal_the_dequantized_model(smollm2_gguf: Path, kernel
 def test_gguf_q4_1_in_bfloat16_keeps_the_top5_rule_against_the_dequantized_model(
     smollm2_gguf: Path, smollm2_dir: Path
 ) -> None:
-    """A 16-bit engine's decode steps take the integer dots where the CPU has AVX512-VNNI (x quantized to
-    int8 in blocks of 32): no longer bit-equal to the dequantized model, held to the top-5 rule instead."""
+    """A 16-bit engine's decode steps take the integer dots (AVX512-VNNI or AVX2; x quantized to int8 in
+    blocks of 32): no longer bit-equal to the dequantized model, held to the top-5 rule instead. Whole
+    chats are not asserted equal: bfloat16 logits of 2 to 32 come in steps of 1/64 to 1/8, so near-ties
+    are common and the dots' moves (up to 1 nat seen) part them (seen on the AVX2 EPYC: 0 of 4 chats equal
+    for 24 tokens, parting where the dequantized model's top two were 0, 0.13, 0.13 and 0.19 nats apart;
+    on the AVX-512 EPYC 2 or more)."""
     kwargs = {"dtype": "bfloat16", "max_model_len": 256, "kv_cache_memory": "64MiB"}
     prompts = chat_prompts(smollm2_dir)
     shipped = greedy_with_logprobs(LLM(str(smollm2_gguf), **kwargs), prompts, 24)
     plain = greedy_with_logprobs(LLM(str(smollm2_gguf), quantization="none", **kwargs), prompts, 24)
     assert top5_rule("Q4_1 bfloat16", plain, shipped) <= QUANTIZED_LOGPROB_TOL["bfloat16"]
-    assert sum(a["token_ids"] == b["token_ids"] for a, b in zip(plain, shipped)) >= len(prompts) // 2
 
 
 def test_gguf_q4_1_holds_under_110_mb_and_names_paris(smollm2_gguf: Path) -> None:
@@ -383,7 +427,7 @@ def test_int8_keeps_the_top5_rule_on_random_models(model_dirs, arch) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_int8_keeps_the_top5_rule_on_smollm2(smollm2_dir: Path, dtype: str) -> None:
     """In bfloat16 both engines round activations to 16 bits, and the int8 one (where the CPU has
-    AVX512-VNNI) also quantizes each decode row of x to int8 for the integer dots."""
+    AVX512-VNNI or AVX2) also quantizes each decode row of x to int8 for the integer dots."""
     prompts = chat_prompts(smollm2_dir)
     kwargs = {"dtype": dtype, "max_model_len": 256, "kv_cache_memory": "64MiB"}
     plain = greedy_with_logprobs(LLM(str(smollm2_dir), **kwargs), prompts, 24)

@@ -33,8 +33,8 @@ BF16_FP8 = (
 )  # an FP8 KV cache: the resumed prompt is stored in the same bytes
 # A CPU worker as it starts by default: its dtype (bf16 on a CPU with native bf16) and deterministic kernels.
 CPU_DEFAULT = ("--dtype", "auto")
-# 4-bit weights in the CPU's default dtype on the batch-invariant quantized kernel (with bf16 on a CPU with
-# AVX512-VNNI: the integer dots at every row count; with float32: the registers and the panels).
+# 4-bit weights in the CPU's default dtype on the batch-invariant quantized kernel (with bf16, the default on
+# a CPU with native bf16: the integer dots at every row count; with float32: the registers and the panels).
 INT4 = ("--dtype", "auto", "--quantization", "int4", "--deterministic")
 
 

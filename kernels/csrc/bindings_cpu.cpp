@@ -18,7 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("group_size"),
         py::arg("bias") = py::none(), py::arg("batch_invariant") = false);
   m.def("linear_quantized_int8_dots", &linear_quantized_int8_dots, "whether linear_quantized quantizes 16-bit x "
-        "of up to 8 rows to int8 for integer dot products (built for a CPU with AVX512-VNNI)");
+        "of up to 8 rows to int8 for integer dot products (built for a CPU with AVX512-VNNI or AVX2)");
   m.def("apply_token_bitmask_", &apply_token_bitmask_,
         "logits[rows[j], t] = -inf where bit t of bitmask[j] is clear (CPU; float32; in place)");
   m.def("sample_rows", &sample_rows, "one token per row of float32 logits, drawn by inversion with spec's "

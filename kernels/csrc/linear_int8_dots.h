@@ -1,15 +1,18 @@
-// Integer dot products for quantized weights against a few rows of 16-bit x, on CPUs with AVX512-VNNI
-// (AMD Zen 4, Intel Ice Lake and later): each row of x is quantized to int8 in blocks of 32 with an fp32
-// scale (llama.cpp's Q8 activations), and one VPDPBUSD multiplies 64 weight bytes by 64 activations and
-// adds them four by four into 16 int32 lanes. Dequantizing every weight to fp32 instead (8 or 16 lanes
-// an instruction, plus the conversions) made the register path arithmetic-bound, twice as slow as reading
-// the weights; the integer dots halve it (docs/performance.md#measurements-behind-choices-in-the-code).
+// Integer dot products for quantized weights against a few rows of 16-bit x: each row of x is quantized to
+// int8 in blocks of 32 with an fp32 scale (llama.cpp's Q8 activations) and meets the weights' bytes in
+// integer multiply-adds. With AVX512-VNNI (AMD Zen 4, Intel Ice Lake and later) one VPDPBUSD multiplies 64
+// weight bytes by 64 activations and adds them four by four into 16 int32 lanes; with AVX2 alone, two
+// VPMADDUBSW / VPMADDWD pairs do the same for the two 32-byte halves of a chunk (llama.cpp's AVX2 path), 8
+// lanes each. Dequantizing every weight to fp32 instead (8 or 16 lanes an instruction, plus the
+// conversions) made the register path arithmetic-bound, twice as slow as reading the weights; the integer
+// dots halve it (docs/performance.md#measurements-behind-choices-in-the-code).
 //
 // The price is x's rounding: |x - d q| <= d / 2 with d = max|x over the block| / 127, so a block's product
 // moves by at most d / 2 * sum |w| over it (the tests check that bound). Where a block holds an outlier
 // that is coarser than bf16's own rounding (SmolLM2's chats: top-5 logprobs moved by up to 1.25 nats, where
 // bf16 against float32 moves them by 0.29), a trade a 16-bit engine makes as llama.cpp does; float32 x
-// keeps the exact path.
+// keeps the exact path. The integer sums are exact on both instruction sets; the float work after them
+// (a lane's scale, the lanes' sum) is in 16 lanes with VNNI and 8 with AVX2, so the two round differently.
 //
 // Layout: a chunk is 64 weight bytes of one row: 128 4-bit weights (4 blocks, each 16 bytes with weight i
 // in the low nibble of byte i and 16 + i in the high one) or 64 8-bit weights (2 blocks). x is quantized
@@ -28,6 +31,9 @@
     defined(__F16C__)
 #include <immintrin.h>
 #define NANOVLLM_INT8_DOTS 1
+#define NANOVLLM_INT8_DOTS_VNNI 1
+#elif defined(NANOVLLM_LINEAR_AVX2)
+#define NANOVLLM_INT8_DOTS 1
 #endif
 
 namespace {
@@ -43,12 +49,20 @@ struct QRow {
 #ifdef NANOVLLM_INT8_DOTS
 constexpr int64_t kChunkBytes = 64;
 constexpr int64_t kDotBlock = 32;  // activations per x scale; also the smallest weight group
+// VPDPBUSD takes unsigned weight bytes: signed 8-bit weights go in offset by 128, and x's correction takes
+// the 128 back. AVX2 moves w's sign onto x instead (VPMADDUBSW's pairs of |w| x would saturate int16 with
+// the offset: 2 x 255 x 127 > 32767; with the sign moved, 2 x 128 x 127 fits).
+#ifdef NANOVLLM_INT8_DOTS_VNNI
+constexpr bool kOffsetWeights = true;
+#else
+constexpr bool kOffsetWeights = false;
+#endif
 
 // One row of x as the integer dots read it, chunk by chunk (zero past K).
 struct QuantizedRow {
   std::vector<int8_t> lo, hi;         // kChunkBytes per chunk (hi at 4 bits only)
   std::vector<float> scale;           // 16 per chunk: the x scale of each lane's block
-  std::vector<int32_t> correction;    // 8 bits: 16 per chunk, -128 times the sum of each lane's 4 bytes
+  std::vector<int32_t> correction;    // 8 bits with VNNI: 16 per chunk, -128 times the sum of each lane's 4 bytes
   std::vector<float> group_sums;      // 4 bits: x summed over each weight group (the mins' term)
 };
 
@@ -70,7 +84,7 @@ QuantizedRow quantize_row(const float* x, int64_t K, int64_t group) {
   q.lo.assign(chunks * kChunkBytes, 0);
   if (BITS == 4) q.hi.assign(chunks * kChunkBytes, 0);
   q.scale.assign(chunks * 16, 0.f);
-  if (BITS == 8) q.correction.assign(chunks * 16, 0);
+  if (BITS == 8 && kOffsetWeights) q.correction.assign(chunks * 16, 0);
   if (BITS == 4) q.group_sums.assign(K / group, 0.f);
   for (int64_t b = 0; b < K / kDotBlock; ++b) {
     const float* xb = x + b * kDotBlock;
@@ -87,13 +101,15 @@ QuantizedRow quantize_row(const float* x, int64_t K, int64_t group) {
       std::copy_n(qb + 16, 16, q.hi.data() + c * kChunkBytes + 16 * j);
     } else {
       std::copy_n(qb, kDotBlock, q.lo.data() + c * kChunkBytes + kDotBlock * j);
-      for (int64_t l = 0; l < lanes; ++l)
-        q.correction[c * 16 + j * lanes + l] = -128 * (qb[4 * l] + qb[4 * l + 1] + qb[4 * l + 2] + qb[4 * l + 3]);
+      if constexpr (kOffsetWeights)
+        for (int64_t l = 0; l < lanes; ++l)
+          q.correction[c * 16 + j * lanes + l] = -128 * (qb[4 * l] + qb[4 * l + 1] + qb[4 * l + 2] + qb[4 * l + 3]);
     }
   }
   return q;
 }
 
+#ifdef NANOVLLM_INT8_DOTS_VNNI
 // Where each chunk finds its weight scales: the groups its lanes fall in are `first` .. first + count - 1,
 // and lane l takes the one at `index[l]` of those (lanes past K take the first; their products are 0).
 struct ChunkGroups {
@@ -180,6 +196,130 @@ void int8_dot_tile(const QuantizedRow* x, const std::vector<ChunkGroups>& chunks
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) out[m][r] = _mm512_reduce_add_ps(acc[m][r]);
 }
-#endif
+
+#else
+// Where each chunk finds its weight scales: block b of the chunk (4 at 4 bits, 2 at 8) is in group
+// group[b] (blocks past K take the chunk's first; their products are 0), and `bytes` of it are in the row.
+struct ChunkGroups {
+  int32_t group[4];
+  int64_t bytes;
+  __m256i mask[2];  // each half's 4-byte lanes inside the row (rows end in whole 16-byte blocks)
+};
+
+template <int BITS>
+std::vector<ChunkGroups> chunk_groups(int64_t K, int64_t group) {
+  const int64_t per_chunk = blocks_per_chunk<BITS>(), row_bytes = K * BITS / 8;
+  std::vector<ChunkGroups> out(chunk_count<BITS>(K));
+  for (int64_t c = 0; c < static_cast<int64_t>(out.size()); ++c) {
+    for (int64_t j = 0; j < 4; ++j) {
+      const int64_t block = c * per_chunk + std::min(j, per_chunk - 1);
+      out[c].group[j] = static_cast<int32_t>((block < K / kDotBlock ? block : c * per_chunk) * kDotBlock / group);
+    }
+    out[c].bytes = std::min(kChunkBytes, row_bytes - c * kChunkBytes);
+    for (int h = 0; h < 2; ++h) {
+      int32_t lanes[8];
+      for (int l = 0; l < 8; ++l) lanes[l] = 32 * h + 4 * l < out[c].bytes ? -1 : 0;
+      out[c].mask[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes));
+    }
+  }
+  return out;
+}
+
+inline float half_to_float(c10::Half h) { return _cvtsh_ss(h.x); }
+
+// The weight scales of a chunk's half h, lane by lane: one block a half at 8 bits, two (4 lanes each) at 4.
+template <int BITS>
+inline __m256 half_scales(const c10::Half* s, const ChunkGroups& cg, int h) {
+  if constexpr (BITS == 8) return _mm256_set1_ps(half_to_float(s[cg.group[h]]));
+  return _mm256_set_m128(_mm_set1_ps(half_to_float(s[cg.group[2 * h + 1]])),
+                         _mm_set1_ps(half_to_float(s[cg.group[2 * h]])));
+}
+
+// out[m][r] = x[m] . w[r] for M rows of x against R weight rows.
+template <int M, int R, int BITS>
+void int8_dot_tile(const QuantizedRow* x, const std::vector<ChunkGroups>& chunks, const QRow* rows, int64_t K,
+                   int64_t group, float (*out)[R]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int8_t* xlo_rows[M];
+  const int8_t* xhi_rows[M];
+  const float* xs_rows[M];
+  for (int m = 0; m < M; ++m) {
+    xlo_rows[m] = x[m].lo.data();
+    xhi_rows[m] = BITS == 4 ? x[m].hi.data() : nullptr;
+    xs_rows[m] = x[m].scale.data();
+  }
+  __m256 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < static_cast<int64_t>(chunks.size()); ++c) {
+    const ChunkGroups& cg = chunks[c];
+    for (int h = 0; h < 2; ++h) {
+      __m256i lo[R], hi[R];
+      __m256 ws[R];
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* bytes = rows[r].q + c * kChunkBytes + 32 * h;
+        if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchRows * K * BITS / 8), _MM_HINT_T0);
+        __m256i w;
+        if (cg.bytes == kChunkBytes) [[likely]]
+          w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+        else
+          w = _mm256_maskload_epi32(reinterpret_cast<const int*>(bytes), cg.mask[h]);
+        if constexpr (BITS == 4) {
+          lo[r] = _mm256_and_si256(w, low4);
+          hi[r] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+        } else {
+          lo[r] = w;
+          hi[r] = _mm256_abs_epi8(w);
+        }
+        ws[r] = half_scales<BITS>(rows[r].s, cg, h);
+      }
+      for (int m = 0; m < M; ++m) {
+        const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xlo_rows[m] + c * kChunkBytes + 32 * h));
+        const __m256 xs = _mm256_loadu_ps(xs_rows[m] + c * 16 + 8 * h);
+        for (int r = 0; r < R; ++r) {
+          __m256i pairs;  // int16 sums of two products: at most 2 x 15 x 127 (4 bits, twice) or 2 x 128 x 127
+          if constexpr (BITS == 4) {
+            const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xhi_rows[m] + c * kChunkBytes + 32 * h));
+            pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], xlo), _mm256_maddubs_epi16(hi[r], xhi));
+          } else {
+            pairs = _mm256_maddubs_epi16(hi[r], _mm256_sign_epi8(xlo, lo[r]));  // |w| x (sign w) x
+          }
+          const __m256i dot = _mm256_madd_epi16(pairs, ones);
+          acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws[r], xs), acc[m][r]);
+        }
+      }
+    }
+  }
+  if constexpr (BITS == 4) {  // plus, per group, its min times x summed over the group
+    const int64_t groups = K / group;
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8) {
+      __m256 mins[R];
+      for (int r = 0; r < R; ++r) mins[r] = load8(rows[r].m + g);
+      for (int m = 0; m < M; ++m) {
+        const __m256 sums = _mm256_loadu_ps(x[m].group_sums.data() + g);
+        for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(mins[r], sums, acc[m][r]);
+      }
+    }
+    if (g < groups) {  // the last few groups, through zero-padded copies
+      __m256 mins[R];
+      for (int r = 0; r < R; ++r) {
+        alignas(16) c10::Half part[8] = {};
+        std::copy_n(rows[r].m + g, groups - g, part);
+        mins[r] = load8(part);
+      }
+      for (int m = 0; m < M; ++m) {
+        alignas(32) float part[8] = {};
+        std::copy_n(x[m].group_sums.data() + g, groups - g, part);
+        const __m256 sums = _mm256_load_ps(part);
+        for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(mins[r], sums, acc[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) out[m][r] = hsum8(acc[m][r]);
+}
+#endif  // NANOVLLM_INT8_DOTS_VNNI
+#endif  // NANOVLLM_INT8_DOTS
 
 }  // namespace

@@ -10,7 +10,7 @@
 // bit, whatever the number of rows, as long as the rows are dequantized in registers or panels (and x is
 // not taking the integer dots):
 // - up to kDirectRows (8) rows of x, weights are dequantized into registers as they are read; with 16-bit x
-//   on a CPU with AVX512-VNNI, x is quantized to int8 instead and meets the weights in integer dot products
+//   on a CPU with AVX512-VNNI or AVX2, x is quantized to int8 instead and meets the weights in integer dots
 //   (linear_int8_dots.h: within a stated bound of the exact product, not bit-equal);
 // - with x in float32, up to kPanelMaxRows, each thread dequantizes a panel of kPanelRows weight rows into
 //   an fp32 scratch that stays in cache, and runs the float tile over every row of x against it, six rows
@@ -192,10 +192,16 @@ DirectFn<BITS, T> direct_fn(int64_t rows) {
 template <int M, int BITS, typename T>
 void int8_dot_rows(const QuantizedRow* x, const std::vector<ChunkGroups>& chunks, const QRow* first, const T* bias,
                    T* y, int64_t n_begin, int64_t n_end, int64_t N, int64_t K, int64_t group) {
-  // One weight row at a time at every row count: faster than four (two from 3 rows of x) at every row count
-  // measured (docs/performance.md, Weight-only quantization). Which rows share a pass never changes a sum.
-  // The float tile's rows-a-pass rule (registers dequantized in place, above) measured the other way.
+  // With VNNI one weight row at a time at every row count: faster than four (two from 3 rows of x) at every
+  // row count measured (docs/performance.md, Weight-only quantization). With AVX2 one at 1-2 rows of x, two
+  // at 3-4 and four above, where each row of x's loads then serve several weight rows (measured faster at 8
+  // rows of x, most for 4-bit weights: docs/performance.md, Measurements behind choices in the code). Which
+  // rows share a pass never changes a sum.
+#ifdef NANOVLLM_INT8_DOTS_VNNI
   constexpr int R = 1;
+#else
+  constexpr int R = M <= 2 ? 1 : M <= 4 ? 2 : 4;
+#endif
   for_each_tile<M, R>(first, bias, y, n_begin, n_end, N,
                       [&](const QRow* w, float (*sums)[R]) { int8_dot_tile<M, R, BITS>(x, chunks, w, K, group, sums); });
 }
