@@ -227,6 +227,16 @@ std::vector<ChunkGroups> chunk_groups(int64_t K, int64_t group) {
 
 inline float half_to_float(c10::Half h) { return _cvtsh_ss(h.x); }
 
+// n <= 8 values widened to fp32, zeros after them: a plain load when there are 8, a padded copy otherwise.
+template <typename T>
+inline __m256 load_up_to_8(const T* p, int64_t n) {
+  if (n == 8) [[likely]]
+    return load8(p);
+  alignas(32) T part[8] = {};
+  std::copy_n(p, n, part);
+  return load8(part);
+}
+
 // The weight scales of a chunk's half h, lane by lane: one block a half at 8 bits, two (4 lanes each) at 4.
 template <int BITS>
 inline __m256 half_scales(const c10::Half* s, const ChunkGroups& cg, int h) {
@@ -269,7 +279,7 @@ void int8_dot_tile(const QuantizedRow* x, const std::vector<ChunkGroups>& chunks
           hi[r] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
         } else {
           lo[r] = w;
-          hi[r] = _mm256_abs_epi8(w);
+          hi[r] = _mm256_abs_epi8(w);  // at 8 bits `hi` holds |w|, which meets x with w's sign
         }
         ws[r] = half_scales<BITS>(rows[r].s, cg, h);
       }
@@ -292,26 +302,12 @@ void int8_dot_tile(const QuantizedRow* x, const std::vector<ChunkGroups>& chunks
   }
   if constexpr (BITS == 4) {  // plus, per group, its min times x summed over the group
     const int64_t groups = K / group;
-    int64_t g = 0;
-    for (; g + 8 <= groups; g += 8) {
+    for (int64_t g = 0; g < groups; g += 8) {
+      const int64_t n = std::min<int64_t>(8, groups - g);
       __m256 mins[R];
-      for (int r = 0; r < R; ++r) mins[r] = load8(rows[r].m + g);
+      for (int r = 0; r < R; ++r) mins[r] = load_up_to_8(rows[r].m + g, n);
       for (int m = 0; m < M; ++m) {
-        const __m256 sums = _mm256_loadu_ps(x[m].group_sums.data() + g);
-        for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(mins[r], sums, acc[m][r]);
-      }
-    }
-    if (g < groups) {  // the last few groups, through zero-padded copies
-      __m256 mins[R];
-      for (int r = 0; r < R; ++r) {
-        alignas(16) c10::Half part[8] = {};
-        std::copy_n(rows[r].m + g, groups - g, part);
-        mins[r] = load8(part);
-      }
-      for (int m = 0; m < M; ++m) {
-        alignas(32) float part[8] = {};
-        std::copy_n(x[m].group_sums.data() + g, groups - g, part);
-        const __m256 sums = _mm256_load_ps(part);
+        const __m256 sums = load_up_to_8(x[m].group_sums.data() + g, n);
         for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(mins[r], sums, acc[m][r]);
       }
     }
