@@ -92,7 +92,23 @@ def _reader(path: Path, size: int, mtime_ns: int) -> Any:
     """`size` and `mtime_ns` only key the cache: a rewritten file gets a reader of its own."""
     import gguf
 
-    return gguf.GGUFReader(str(path))
+    class PlainArrayReader(gguf.GGUFReader):
+        """GGUFReader over the file's mapping as a plain ndarray instead of an np.memmap: the parse slices
+        the file about 1.2 million times for SmolLM2's vocabulary and merges, and every slice of a memmap
+        builds a memmap (its __array_finalize__ ran in a Python loop), so the parse took 6.0 s and takes 2.1 s
+        this way (docs/performance.md#measurements-behind-choices-in-the-code). The mapping stays the same
+        read-only one: the ndarray's base holds it."""
+
+        # A plain ndarray where the base declares a memmap, on purpose (above).
+        @property  # type: ignore[override]
+        def data(self) -> np.ndarray:
+            return self._plain_data
+
+        @data.setter
+        def data(self, mapped: np.memmap) -> None:
+            self._plain_data = np.asarray(mapped)
+
+    return PlainArrayReader(str(path))
 
 
 def read_metadata(reader: Any) -> dict[str, Any]:
