@@ -371,6 +371,12 @@ def smol_service(smollm2_dir: Path, kernels, tmp_path_factory: pytest.TempPathFa
     logs = tmp_path_factory.mktemp("structured-logs")
     flags = ("--kv-cache-memory", "192MiB", "--max-model-len", "1024", "--max-num-seqs", "64")
     with router_and_worker(smollm2_dir, logs, worker_flags=flags) as (worker, router):
+        # The worker reads the tokenizer for its grammars at the first constraint, inside that constraint's
+        # grammar_compile_timeout_s (seen taking 6 s on a loaded 2-core machine; docs/architecture.md): one
+        # request first, so that the tests' bursts wait on compiles alone.
+        warm = _chat("Yes or no?", _sampling(0, 4, choice=generate_pb2.Choice(choices=["yes", "no"])))
+        text, finish, _ = asyncio.run(_calls(router.address, [warm]))[0]
+        assert text in ("yes", "no") and finish == generate_pb2.FINISH_REASON_STOP, (text, finish)
         yield router.address
         wait_idle(worker.address)  # every request ended and every KV block came back
 
