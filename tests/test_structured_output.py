@@ -10,6 +10,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -345,13 +346,18 @@ def test_a_constraint_that_does_not_compile_is_a_request_error(f32_llm: LLM, con
     assert not f32_llm.engine.has_unfinished_requests()  # nothing was queued
 
 
+# A JSON schema that takes llguidance about 0.75 s to compile (an enum of 100,000 strings; 20,000 took 0.15 s
+# on a 2-core AVX2 EPYC), against a time limit of a microsecond.
+SLOW_SCHEMA = json.dumps({"enum": [f"word{i}" for i in range(100_000)]})
+
+
 def test_a_compile_past_the_time_limit_refuses_its_request(qwen3_dir: Path, kernels):
     """grammar_compile_timeout_s bounds the wait: a request whose constraint is not compiled by then ends
-    with an error naming the limit (here a microsecond: the tokenizer alone takes far longer to load),
-    and the request beside it completes."""
+    with an error naming the limit (here a microsecond after the tokenizer's read, for a schema that takes
+    most of a second), and the request beside it completes."""
     llm = LLM(str(qwen3_dir), **F32, grammar_compile_timeout_s=1e-6)
     engine = llm.engine
-    engine.add_request("slow", [5, 6], SamplingParams(max_tokens=4, regex="[a-z]+"))
+    engine.add_request("slow", [5, 6], SamplingParams(max_tokens=4, json_schema=SLOW_SCHEMA))
     engine.add_request("plain", [5, 6], SamplingParams(max_tokens=4, ignore_eos=True))
     finished = {}
     while engine.has_unfinished_requests():
@@ -360,6 +366,21 @@ def test_a_compile_past_the_time_limit_refuses_its_request(qwen3_dir: Path, kern
                 finished[out.request_id] = out.error or out.finish_reason
     llm.shutdown()
     assert "grammar_compile_timeout_s" in finished["slow"] and finished["plain"] == "length"
+
+
+def test_the_tokenizers_read_is_not_counted_against_a_constraint(qwen3_dir: Path):
+    """The grammar tokenizer's first read (seconds for a real vocabulary on a busy machine) is the worker's
+    cost: a constraint's time limit counts from when the request asked, or from the end of that read if it
+    ended later; while it is being read, no limit runs."""
+    compiler = GrammarCompiler(str(qwen3_dir), ModelConfig.from_pretrained_dir(qwen3_dir).vocab_size, [0])
+    asked = time.monotonic()
+    assert compiler.tokenizer_read_at is None and compiler.counting_from(asked) is None
+    compiler.compile(("regex", "[a-z]+")).result()
+    read_at = compiler.tokenizer_read_at
+    assert read_at is not None and asked < read_at <= time.monotonic()
+    assert compiler.counting_from(asked) == read_at  # asked before the read ended
+    assert compiler.counting_from(read_at + 5.0) == read_at + 5.0  # asked after it
+    compiler.shutdown()
 
 
 # --------------------------------------------------------------------------- router + worker, SmolLM2
@@ -371,12 +392,6 @@ def smol_service(smollm2_dir: Path, kernels, tmp_path_factory: pytest.TempPathFa
     logs = tmp_path_factory.mktemp("structured-logs")
     flags = ("--kv-cache-memory", "192MiB", "--max-model-len", "1024", "--max-num-seqs", "64")
     with router_and_worker(smollm2_dir, logs, worker_flags=flags) as (worker, router):
-        # The worker reads the tokenizer for its grammars at the first constraint, inside that constraint's
-        # grammar_compile_timeout_s (seen taking 6 s on a loaded 2-core machine; docs/architecture.md): one
-        # request first, so that the tests' bursts wait on compiles alone.
-        warm = _chat("Yes or no?", _sampling(0, 4, choice=generate_pb2.Choice(choices=["yes", "no"])))
-        text, finish, _ = asyncio.run(_calls(router.address, [warm]))[0]
-        assert text in ("yes", "no") and finish == generate_pb2.FINISH_REASON_STOP, (text, finish)
         yield router.address
         wait_idle(worker.address)  # every request ended and every KV block came back
 

@@ -26,6 +26,7 @@ from nanovllm.common.sampling_params import SamplingParams
 from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.core.engine import LLMEngine
 from nanovllm.worker.models.gguf.cache import resolve_model
+from nanovllm.worker.sample.structured_output import GRAMMAR_WAIT_S, compile_timeout_message
 
 # A prompt: text, token ids, or a dict with images (LLM.generate).
 Prompt = str | list[int] | dict[str, Any]
@@ -110,14 +111,8 @@ class LLM:
         if len(lora_name) != len(batch):
             raise ValueError(f"got {len(lora_name)} lora_name for {len(batch)} prompts; give one or one each")
         # Constraints compile before anything is queued, so one that does not compile raises here.
-        timeout = self.config.grammar_compile_timeout_s
         for constraint in {p.constraint for p in sampling_params if p.constraint is not None}:
-            try:
-                self.engine.constraints.compiler.compile(constraint).result(timeout)
-            except concurrent.futures.TimeoutError:
-                raise RequestError(
-                    f"SamplingParams.{constraint[0]} did not compile within grammar_compile_timeout_s = {timeout} s"
-                ) from None
+            self._compile(constraint)
         ids = []
         for i, (prompt, params) in enumerate(zip(batch, sampling_params)):
             request_id = str(next(self._request_ids))
@@ -218,6 +213,23 @@ class LLM:
             raise
         results = self._run(len(ids), use_tqdm)
         return [results[request_id] for request_id in ids]
+
+    def _compile(self, constraint: tuple[str, str] | tuple[str, str, bool]) -> None:
+        """Wait until `constraint` compiles, with the engine queue's time limit: raises its RequestError,
+        or one naming grammar_compile_timeout_s when it takes longer (the tokenizer's first read apart)."""
+        compiler = self.engine.constraints.compiler
+        timeout = self.config.grammar_compile_timeout_s
+        future = compiler.compile(constraint)
+        asked = time.monotonic()
+        while True:
+            counting_from = compiler.counting_from(asked)
+            left = None if counting_from is None else max(counting_from + timeout - time.monotonic(), 0.0)
+            try:
+                future.result(GRAMMAR_WAIT_S if left is None else left)
+                return
+            except concurrent.futures.TimeoutError:
+                if left is not None:
+                    raise RequestError(compile_timeout_message(constraint[0], timeout)) from None
 
     def _prompt_inputs(self, prompt: Prompt) -> tuple[list[int], list[ImagePatches]]:
         """A prompt's token ids, with each image's placeholder expanded, and its images' patches."""

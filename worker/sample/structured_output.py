@@ -120,8 +120,10 @@ class GrammarCompiler:
     """Compiles constraints into fresh llguidance matchers off the calling thread, each constraint once.
     Called from one thread (the engine's); the compilations run one at a time on a thread of their own.
 
-    The tokenizer is read from the model directory on first use (about a second), so a worker that never
-    sees a constraint never pays for it.
+    The tokenizer is read from the model directory on first use (a second alone, 6 s seen on a busy 2-core
+    machine), so a worker that never sees a constraint never pays for it. That read is the worker's cost,
+    not a request's: `tokenizer_read_at` says when it ended, and a constraint's compile time limit counts
+    from then (ConstraintQueue, LLM.generate).
     """
 
     def __init__(self, model: str, vocab_size: int, eos_token_ids: list[int]) -> None:
@@ -131,6 +133,16 @@ class GrammarCompiler:
         self._pool: ThreadPoolExecutor | None = None
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._tokenizer: LLTokenizer | None = None  # llguidance's, built by the compile thread on first use
+        self._tokenizer_error: RequestError | None = None  # why it could not be built, once it could not
+        # time.monotonic() when the tokenizer's read ended (built or failed); None before. Written by the
+        # compile thread, read by the engine's.
+        self.tokenizer_read_at: float | None = None
+
+    def counting_from(self, since: float) -> float | None:
+        """When a constraint's time limit starts for a request that asked at `since`: then, or when the
+        tokenizer's read ended if that was later; None while it is being read."""
+        read_at = self.tokenizer_read_at
+        return None if read_at is None else max(since, read_at)
 
     def compile(self, constraint: tuple[str, str] | tuple[str, str, bool]) -> Future:
         """A future of the compiled matcher (never advanced: copy it per request), or of the RequestError
@@ -164,6 +176,8 @@ class GrammarCompiler:
         return matcher
 
     def _llg_tokenizer(self):
+        if self._tokenizer_error is not None:
+            raise self._tokenizer_error
         if self._tokenizer is None:
             import llguidance.hf
             from transformers import AutoTokenizer
@@ -171,12 +185,15 @@ class GrammarCompiler:
             try:
                 hf_tokenizer = AutoTokenizer.from_pretrained(self.model)
             except (OSError, ValueError) as exc:
-                raise RequestError(
+                self._tokenizer_error = RequestError(
                     f"structured output needs the model's tokenizer, and {self.model} has none usable: {exc}"
-                ) from None
+                )
+                self.tokenizer_read_at = time.monotonic()
+                raise self._tokenizer_error from None
             self._tokenizer = llguidance.hf.from_tokenizer(
                 hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
             )
+            self.tokenizer_read_at = time.monotonic()
             log.info("grammar_tokenizer_loaded", model=self.model, vocab_size=self.vocab_size)
         return self._tokenizer
 
@@ -234,6 +251,11 @@ class MaskFiller:
         return bitmask
 
 
+def compile_timeout_message(kind: str, timeout_s: float) -> str:
+    """A constraint of `kind` (json_schema, regex, ...) that did not compile in time, as its request's error."""
+    return f"SamplingParams.{kind} did not compile within grammar_compile_timeout_s = {timeout_s} s"
+
+
 class ConstraintQueue:
     """The engine's side of structured output: constrained requests wait here while their constraint
     compiles (never blocking the engine thread), and each step's constrained rows get their masks here."""
@@ -242,7 +264,7 @@ class ConstraintQueue:
         self.compiler = compiler
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
-        # request id -> (sequence, its compiled matcher to come, deadline)
+        # request id -> (sequence, its compiled matcher to come, when it was added)
         self._compiling: dict[str, tuple[Sequence, Future, float]] = {}
         self._masks: MaskFiller | None = None  # built with the first constrained step
 
@@ -251,10 +273,9 @@ class ConstraintQueue:
         return len(self._compiling)
 
     def add(self, seq: Sequence) -> None:
-        deadline = time.monotonic() + self.timeout_s
         constraint = seq.params.constraint
         assert constraint is not None  # a constrained request
-        self._compiling[seq.request_id] = (seq, self.compiler.compile(constraint), deadline)
+        self._compiling[seq.request_id] = (seq, self.compiler.compile(constraint), time.monotonic())
 
     def remove(self, request_id: str) -> bool:
         """Forget a request still compiling (aborted); False when it is not here."""
@@ -265,18 +286,17 @@ class ConstraintQueue:
         resumed request brought), and those refused with why: their constraint failed or ran out of time."""
         ready, refused = [], []
         now = time.monotonic()
-        for request_id, (seq, future, deadline) in list(self._compiling.items()):
-            if not future.done() and now < deadline:
-                continue
+        for request_id, (seq, future, added) in list(self._compiling.items()):
+            if not future.done():
+                counting_from = self.compiler.counting_from(added)  # None: the tokenizer is being read
+                if counting_from is None or now < counting_from + self.timeout_s:
+                    continue
             del self._compiling[request_id]
             error = None
             if not future.done():
                 constraint = seq.params.constraint
                 assert constraint is not None  # a constrained request
-                error = (
-                    f"SamplingParams.{constraint[0]} did not compile within grammar_compile_timeout_s "
-                    f"= {self.timeout_s} s"
-                )
+                error = compile_timeout_message(constraint[0], self.timeout_s)
             elif future.exception() is not None:
                 error = str(future.exception())
             else:
