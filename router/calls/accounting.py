@@ -120,6 +120,12 @@ class RequestTrace:
             **content,
         )
 
+    def span_ending(self) -> tuple[str, dict[str, str | int | float]]:
+        """The call span's outcome and attributes: the summary, less the api its span started with."""
+        summary = self.summary()
+        summary.pop("api")
+        return self.outcome, {f"nanovllm.{key}": value for key, value in summary.items() if value is not None}
+
     def summary(self) -> dict[str, str | int | float | None]:
         """What the call did, for its log line and its span."""
         return {

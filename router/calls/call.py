@@ -147,17 +147,7 @@ class GenerateCall:
         try:
             await self._run()
         finally:
-            self._end_spans()
-
-    def _end_spans(self) -> None:
-        trace = self.trace
-        if trace is None:
-            self.spans.end(self.refusal, {})
-            return
-        summary = trace.summary()
-        summary.pop("api")  # the span has it from its start
-        attributes = {f"nanovllm.{key}": value for key, value in summary.items() if value is not None}
-        self.spans.end(trace.outcome, attributes)
+            self.spans.end(*(self.trace.span_ending() if self.trace is not None else (self.refusal, {})))
 
     async def _refuse(self, code: grpc.StatusCode, message: str) -> NoReturn:
         self.refusal = code.name.lower()
