@@ -152,20 +152,40 @@ void linear_range_blocked(const std::vector<float>& xf, const T* w, const T* bia
   }
 }
 
+#ifdef NANOVLLM_LINEAR_BF16
+// linear_range_blocked for the native bf16 tile, which reads x as it is: x in blocks (twice the bytes of a
+// panel) and the weights in panels that stay in L2 together, 6 rows of x against 4 weight rows a pass (24
+// accumulators, 4 weight and 1 x register of the 32). Without the blocks every 8 rows of x streamed the
+// weights from memory again: an LM head at 64 rows ran at 0.45x PyTorch's GEMM, 1.0x with them
+// (docs/performance.md#deterministic-inference-benchdeterministicpy). Each output's sum is the same
+// whatever its tile's shape: its own accumulator, the same steps.
+void linear_range_blocked_bf16(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias,
+                               c10::BFloat16* y, int64_t rows, int64_t n_begin, int64_t n_end, int64_t N, int64_t K) {
+  const int64_t x_rows = std::max<int64_t>(6, 2 * kBlockBytes / (K * 2) / 6 * 6);
+  const int64_t panel = std::max<int64_t>(4, kBlockBytes / (K * 2) / 4 * 4);
+  for (int64_t x0 = 0; x0 < rows; x0 += x_rows) {
+    const int64_t x_end = std::min(rows, x0 + x_rows);
+    for (int64_t p = n_begin; p < n_end; p += panel) {
+      const int64_t p_end = std::min(n_end, p + panel);
+      int64_t m = x0;
+      for (; m + 6 <= x_end; m += 6) tile_rows_bf16<6, 4>(x + m * K, w + p * K, bias, y + m * N, p, p_end, N, K);
+      if (m < x_end) tile_bf16(x_end - m)(x + m * K, w + p * K, bias, y + m * N, p, p_end, N, K);
+    }
+  }
+}
+#endif
+
 template <typename T>
 void linear_impl(const T* x, const T* w, const T* bias, T* y, int64_t rows, int64_t N, int64_t K) {
   const std::vector<float> xf = widened(x, rows * K);
-#ifdef NANOVLLM_LINEAR_BF16
-  constexpr bool blocked_tiles = !std::is_same_v<T, c10::BFloat16>;  // the native bf16 tile reads x as it is
-#else
-  constexpr bool blocked_tiles = true;
-#endif
   // Contiguous ranges of weight rows, 64 at least, an even count so that row pairs never straddle.
   at::parallel_for(0, (N + 1) / 2, 32, [&](int64_t begin, int64_t end) {
-    if (blocked_tiles && rows > kTileRows)
-      linear_range_blocked(xf, w, bias, y, rows, begin * 2, std::min(N, end * 2), N, K);
-    else
-      linear_range(x, xf, w, bias, y, rows, begin * 2, std::min(N, end * 2), N, K);
+    const int64_t n_begin = begin * 2, n_end = std::min(N, end * 2);
+    if (rows <= kTileRows) return linear_range(x, xf, w, bias, y, rows, n_begin, n_end, N, K);
+#ifdef NANOVLLM_LINEAR_BF16
+    if constexpr (std::is_same_v<T, c10::BFloat16>) return linear_range_blocked_bf16(x, w, bias, y, rows, n_begin, n_end, N, K);
+#endif
+    linear_range_blocked(xf, w, bias, y, rows, n_begin, n_end, N, K);
   });
 }
 
