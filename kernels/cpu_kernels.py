@@ -34,7 +34,8 @@ from nanovllm.common.logging import get_logger
 
 log = get_logger(__name__)
 
-_CSRC = Path(__file__).resolve().parent / "csrc"  # one path whether imported installed or from the source tree
+# Resolved: one path whether imported installed or from the source tree (the Makefile builds from there).
+_CSRC = Path(__file__).resolve().parent / "csrc"
 # Two translation units, compiled side by side: the Python bindings (with decode_layers_cpu.cpp, whose classes
 # they bind: the only code that needs torch/extension.h), and every kernel's file in one unit
 # (kernels_cpu.cpp). Parsing ATen's headers was most of each file's compilation, paid once per file
