@@ -211,15 +211,16 @@ def test_a_json_schema_constraint_holds_and_the_request_does_not_change(case: Ca
 
 
 @pytest.fixture(scope="module")
-def quantized_models(model_dirs, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict]]:
-    """Every quantized weight format the CPU runs, on the random Qwen3: int8 and int4 quantized as it loads,
-    Q8_0, Q4_0 and Q4_1 as a GGUF file ships them."""
+def quantized_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict]]:
+    """Every quantized weight format the CPU runs, on a random Qwen3 of 256 features (a row of 256 or 512
+    weights is 2-8 of the integer dots' 64-byte chunks, so their order can show: a planted reversal of the
+    chunks in tiles of 5-8 rows fails the 4-bit formats' cases here, and none at 64 features, one or two
+    chunks a row): int8 and int4 quantized as it loads, Q8_0, Q4_0 and Q4_1 as a GGUF file ships them."""
     root = tmp_path_factory.mktemp("quantized")
-    formats: dict[str, tuple[Path, dict]] = {
-        q: (model_dirs["qwen3"], {"quantization": q}) for q in ("int8", "int4")
-    }
+    model = build_model("qwen3", root / "qwen3", hidden=256, seed=1)
+    formats: dict[str, tuple[Path, dict]] = {q: (model, {"quantization": q}) for q in ("int8", "int4")}
     for qtype in ("Q8_0", "Q4_0", "Q4_1"):
-        formats[qtype] = (write_gguf(model_dirs["qwen3"], root / f"{qtype}.gguf", qtype), {})
+        formats[qtype] = (write_gguf(model, root / f"{qtype}.gguf", qtype), {})
     return formats
 
 
