@@ -420,6 +420,17 @@ def test_quantized_weights_compute_with_their_quantized_values(
             assert error <= max(1e-4, 2 * spread), f"chunk {chunk} prompt {index}: {error:.2e} ({spread:.2e})"
 
 
+def test_every_layer_with_a_kernel_variant_runs_on_the_cpu_kernels(default_model: Path, moe_model: Path):
+    """bind_kernels reaches every module that holds a `kernels` choice: the attention's output gate was
+    written for the C++ kernels but left on PyTorch by a list of classes that did not name it."""
+    for model_dir in (default_model, moe_model):
+        model = LLM(str(model_dir), **ENGINE).engine.runner.model
+        unbound = [
+            name for name, m in model.named_modules() if hasattr(m, "kernels") and m.kernels.cpu is None
+        ]
+        assert not unbound, f"{model_dir.name}: modules left on PyTorch: {unbound[:5]}"
+
+
 def test_int8_keeps_the_top5_rule_as_on_qwen3(default_model: Path):
     """tests/test_quantization.py's rule for int8 on the dense random models, here on the hybrid."""
     rng = random.Random(29)

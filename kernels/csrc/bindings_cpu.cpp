@@ -47,8 +47,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_delta_chunk_", &gated_delta_chunk_, "a prompt chunk of one sequence through the gated delta "
         "rule token by token, as gated_delta_decode_ computes each (CPU; in place on the state row)");
   m.def("delta_gates", &delta_gates, "Qwen3.5's (g, beta) of each token and value head, float32 (CPU)");
-  m.def("gated_rms_norm", &gated_rms_norm, "RMSNorm of each row times weight times SiLU(gate) (CPU; float32, "
-        "bfloat16, float16)");
   m.def("sigmoid_mul", &sigmoid_mul, "x * sigmoid(gate), the sigmoid rounded to the dtype (CPU; float32, bfloat16, "
         "float16)");
   m.def("rms_norm_fp32_weight", &rms_norm_fp32_weight, "RMSNorm with a float32 weight, multiplied in float32 and "

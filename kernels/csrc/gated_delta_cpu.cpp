@@ -8,22 +8,39 @@
 #include "cpu_common.h"
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 namespace {
 
-// One channel's convolution step: the dot of weight [K] with the last K - 1 inputs (row) and `newest`,
-// the row shifted to take `newest`; the sum rounded to T, then SiLU, as transformers rounds.
-template <typename T>
-inline T conv_step(T* row, const T* weight, int64_t keep, T newest) {
-  float acc = 0.f;
-  for (int64_t t = 0; t < keep; ++t) acc += load(weight[t]) * load(row[t]);
-  acc += load(weight[keep]) * load(newest);
-  for (int64_t t = 0; t + 1 < keep; ++t) row[t] = row[t + 1];
-  if (keep > 0) row[keep - 1] = newest;
-  const float y = rounded<T>(acc);
-  return to<T>(y / (1.f + exp_simd(-y)));
+// A block of up to kConvLanes channels' convolution step for one token: each channel's dot of weight [KEEP + 1]
+// with its last KEEP inputs (its row of the state) and `newest`, the rows shifted to take `newest`; the sum
+// rounded to T, then SiLU, as transformers rounds. The channels go side by side in vector lanes (one at a
+// time, the exponential and the division made a decode step's convolution 50 us a layer on the 0.8B shape,
+// a tenth of its step: docs/performance.md#measurements-behind-choices-in-the-code); each channel's sum is
+// taken in the same order whatever its block, so a token's result does not depend on the step it is in.
+constexpr int64_t kConvLanes = 16;
+
+template <typename T, int KEEP>
+inline void conv_block(T* rows, const T* weight, const T* newest, T* out, int64_t lanes) {
+  float acc[kConvLanes];
+#pragma omp simd
+  for (int64_t j = 0; j < lanes; ++j) {
+    const T* w = weight + j * (KEEP + 1);
+    T* row = rows + j * KEEP;
+    float sum = 0.f;
+    for (int t = 0; t < KEEP; ++t) sum += load(w[t]) * load(row[t]);
+    sum += load(w[KEEP]) * load(newest[j]);
+    for (int t = 0; t + 1 < KEEP; ++t) row[t] = row[t + 1];
+    if constexpr (KEEP > 0) row[KEEP - 1] = newest[j];
+    acc[j] = sum;
+  }
+#pragma omp simd
+  for (int64_t j = 0; j < lanes; ++j) {
+    const float y = rounded<T>(acc[j]);
+    out[j] = to<T>(y / (1.f + exp_simd(-y)));
+  }
 }
 
 // One token of one value head: q, k (dk) normalised here, v (dv), the head's state s [dk, dv] updated in
@@ -122,6 +139,7 @@ at::Tensor conv_rows(const char* op, at::Tensor x, at::Tensor state, at::Tensor 
               op, ": x [rows, C] with contiguous rows, state contiguous [slots, C, K - 1], weight contiguous [C, K], "
               "got ", x.sizes(), " ", state.sizes(), " ", weight.sizes());
   const int64_t channels = x.size(1), width = weight.size(1), keep = width - 1;
+  TORCH_CHECK(2 <= width && width <= 6, op, ": the convolution is ", width, " wide; the kernel runs 2 to 6");
   auto out = at::empty({sequences * tokens, channels}, x.options());
   dispatch(op, x.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
@@ -130,12 +148,22 @@ at::Tensor conv_rows(const char* op, at::Tensor x, at::Tensor state, at::Tensor 
     T* st = state.data_ptr<T>();
     T* out_p = out.data_ptr<T>();
     const int64_t x_stride = x.stride(0);
-    at::parallel_for(0, sequences * channels, 64, [&](int64_t begin, int64_t end) {
+    const int64_t blocks = (channels + kConvLanes - 1) / kConvLanes;
+    at::parallel_for(0, sequences * blocks, 8, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t seq = i / channels, c = i % channels;
-        T* row = st + (slots[seq] * channels + c) * keep;
-        for (int64_t r = seq * tokens; r < (seq + 1) * tokens; ++r)
-          out_p[r * channels + c] = conv_step(row, w + c * width, keep, xp[r * x_stride + c]);
+        const int64_t seq = i / blocks, c = i % blocks * kConvLanes, lanes = std::min(kConvLanes, channels - c);
+        T* rows = st + (slots[seq] * channels + c) * keep;
+        for (int64_t r = seq * tokens; r < (seq + 1) * tokens; ++r) {
+          const T* newest = xp + r * x_stride + c;
+          T* o = out_p + r * channels + c;
+          switch (keep) {  // Qwen3.5's kernels are 4 wide; any width runs
+            case 3: conv_block<T, 3>(rows, w + c * width, newest, o, lanes); break;
+            case 2: conv_block<T, 2>(rows, w + c * width, newest, o, lanes); break;
+            case 1: conv_block<T, 1>(rows, w + c * width, newest, o, lanes); break;
+            case 4: conv_block<T, 4>(rows, w + c * width, newest, o, lanes); break;
+            default: conv_block<T, 5>(rows, w + c * width, newest, o, lanes);  // width 6, checked above
+          }
+        }
       }
     });
   });
@@ -255,41 +283,6 @@ std::vector<at::Tensor> delta_gates(at::Tensor a, at::Tensor b, at::Tensor a_log
       }
   });
   return {g, beta};
-}
-
-// Each row of x [N, d] RMS-normalised in float32 and rounded to the dtype, times weight [d] (rounded), times
-// SiLU(gate) in float32, rounded: transformers' RMSNormGated.
-at::Tensor gated_rms_norm(at::Tensor x, at::Tensor gate, at::Tensor weight, double eps) {
-  check_one_dtype("gated_rms_norm", {{"x", &x}, {"gate", &gate}, {"weight", &weight}});
-  TORCH_CHECK(x.dim() == 2 && gate.sizes() == x.sizes() && weight.dim() == 1 && weight.size(0) == x.size(1),
-              "gated_rms_norm: x and gate [N, d], weight [d], got ", x.sizes(), " ", gate.sizes(), " ",
-              weight.sizes());
-  x = x.contiguous();
-  gate = gate.contiguous();
-  weight = weight.contiguous();
-  const int64_t rows = x.size(0), d = x.size(1);
-  auto out = at::empty_like(x);
-  dispatch("gated_rms_norm", x.scalar_type(), [&](auto zero) {
-    using T = decltype(zero);
-    const T* xp = x.data_ptr<T>();
-    const T* gp = gate.data_ptr<T>();
-    const T* w = weight.data_ptr<T>();
-    T* op = out.data_ptr<T>();
-    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const T* xr = xp + r * d;
-        float ss = 0.f;
-        for (int64_t i = 0; i < d; ++i) ss += load(xr[i]) * load(xr[i]);
-        const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + static_cast<float>(eps));
-        for (int64_t i = 0; i < d; ++i) {
-          const float normed = rounded<T>(rounded<T>(load(xr[i]) * inv) * load(w[i]));
-          const float g = load(gp[r * d + i]);
-          op[r * d + i] = to<T>(normed * (g * sigmoid_f(g)));
-        }
-      }
-    });
-  });
-  return out;
 }
 
 // x [T, n] times sigmoid(gate) rounded to the dtype (gate [T, n], or [T, 1] for one gate a row).

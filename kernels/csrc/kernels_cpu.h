@@ -44,7 +44,6 @@ at::Tensor causal_conv_chunk_(at::Tensor x, at::Tensor state, at::Tensor weight,
 at::Tensor gated_delta_chunk_(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
                               at::Tensor state, int64_t slot);
 std::vector<at::Tensor> delta_gates(at::Tensor a, at::Tensor b, at::Tensor a_log, at::Tensor dt_bias);
-at::Tensor gated_rms_norm(at::Tensor x, at::Tensor gate, at::Tensor weight, double eps);
 at::Tensor sigmoid_mul(at::Tensor x, at::Tensor gate);
 at::Tensor rms_norm_fp32_weight(at::Tensor x, at::Tensor weight, double eps);
 

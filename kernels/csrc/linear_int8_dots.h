@@ -49,6 +49,11 @@ struct QRow {
 #ifdef NANOVLLM_INT8_DOTS
 constexpr int64_t kChunkBytes = 64;
 constexpr int64_t kDotBlock = 32;  // activations per x scale; also the smallest weight group
+// Bytes ahead of the chunk being read that the VNNI tiles ask the memory for: one weight row at a time is
+// one sequential stream a thread. kPrefetchRows' 8 rows ahead were 28 KB at the 3,584 features of
+// Qwen3.5-0.8B's down projection, most of L1, which x's chunks share: that projection ran at 0.70 of the
+// read bandwidth and 0.81 with a kilobyte (docs/performance.md#measurements-behind-choices-in-the-code).
+constexpr int64_t kDotPrefetchBytes = 1024;
 // VPDPBUSD takes unsigned weight bytes: signed 8-bit weights go in offset by 128, and x's correction takes
 // the 128 back. AVX2 moves w's sign onto x instead (VPMADDUBSW's pairs of |w| x would saturate int16 with
 // the offset: 2 x 255 x 127 > 32767; with the sign moved, 2 x 128 x 127 fits).
@@ -145,10 +150,44 @@ inline __m512 load_halves(const c10::Half* p, __mmask16 mask) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
 }
 
+// int8_dot_tile for 8-bit weights with one scale a row (int8 per channel): each lane's products times its x
+// scale, summed, and the row's scale applied once at the end. Per chunk that leaves the weight bytes, the
+// integer dot, its conversion and one FMA, where the general tile also loads, widens and permutes the
+// chunk's weight scales: Qwen3.5-0.8B's int8 projections then read their weights at 0.70-0.90 of the
+// memory's bandwidth at one row (docs/performance.md#measurements-behind-choices-in-the-code).
+template <int M, int R>
+void int8_dot_tile_row_scale(const QuantizedRow* x, const std::vector<ChunkGroups>& chunks, const QRow* rows,
+                             float (*out)[R]) {
+  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < static_cast<int64_t>(chunks.size()); ++c) {
+    __m512i lo[R];
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* bytes = rows[r].q + c * kChunkBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(bytes + kDotPrefetchBytes), _MM_HINT_T0);
+      lo[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(chunks[c].byte_mask, bytes), sign);  // w + 128
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m512i xlo = _mm512_loadu_si512(x[m].lo.data() + c * kChunkBytes);
+      const __m512i init = _mm512_loadu_si512(x[m].correction.data() + c * 16);
+      const __m512 xs = _mm512_loadu_ps(x[m].scale.data() + c * 16);
+      for (int r = 0; r < R; ++r)
+        acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(init, lo[r], xlo)), xs, acc[m][r]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) out[m][r] = _mm512_reduce_add_ps(acc[m][r]) * load(rows[r].s[0]);
+}
+
 // out[m][r] = x[m] . w[r] for M rows of x against R weight rows.
 template <int M, int R, int BITS>
 void int8_dot_tile(const QuantizedRow* x, const std::vector<ChunkGroups>& chunks, const QRow* rows, int64_t K,
                    int64_t group, float (*out)[R]) {
+  if constexpr (BITS == 8) {
+    if (group == K) return int8_dot_tile_row_scale<M, R>(x, chunks, rows, out);
+  }
   const __m512i low4 = _mm512_set1_epi8(0x0F), sign = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[M][R];
   for (int m = 0; m < M; ++m)
@@ -159,7 +198,7 @@ void int8_dot_tile(const QuantizedRow* x, const std::vector<ChunkGroups>& chunks
     __m512 ws[R];
     for (int r = 0; r < R; ++r) {
       const uint8_t* bytes = rows[r].q + c * kChunkBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchRows * K * BITS / 8), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(bytes + kDotPrefetchBytes), _MM_HINT_T0);
       const __m512i w = _mm512_maskz_loadu_epi8(cg.byte_mask, bytes);
       if constexpr (BITS == 4) {
         lo[r] = _mm512_and_si512(w, low4);

@@ -157,17 +157,19 @@ class LinearAttentionInProj(MergedColumnParallelLinear):
 
 
 class GatedRMSNorm(nn.Module):
-    """Each head's output normalised (fp32, rounded to the dtype), times the weight, times SiLU(gate)."""
+    """Each head's output normalised (fp32, rounded to the dtype), times the weight, times SiLU(gate).
+    On PyTorch on every backend: its row-wise rms_norm takes each head's sum of squares in the order
+    transformers' mean does, and so equals transformers' in bf16; a C++ row kernel summing in sequence
+    differed in about 2 of 100,000 outputs by a bf16 step, which on a random model's flat distributions moved
+    greedy tokens (tests/test_qwen3_5.py::test_bf16_meets_the_top5_rule). Each row is normalised on its
+    own, so a head's result does not depend on the step's other rows (--deterministic)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
-        self.kernels = PYTORCH  # see Qwen3_5ForCausalLM.bind_kernels
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if self.kernels.cpu is not None:
-            return self.kernels.cpu.gated_rms_norm(x, gate, self.weight, self.eps)
         normed = F.rms_norm(x.float(), x.shape[-1:], None, self.eps).to(x.dtype)
         return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
 
@@ -570,8 +572,8 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
     def bind_kernels(self, attention: AttentionBackend, kernels: LayerKernels) -> None:
         """Attention layers on `attention`; the linear layers' state work on `kernels.gated_delta`, its
         prompt chunks token by token under --deterministic or on Triton (GatedDeltaNet._run_with_states);
-        RMSNorm, the SwiGLU gate and the projections on the C++ CPU kernels or PyTorch (the fused Triton
-        layer kernels are the other decoders')."""
+        RMSNorm, the output gate, the SwiGLU gate and the projections on the C++ CPU kernels or PyTorch (the
+        fused Triton layer kernels are the other decoders'; GatedRMSNorm stays on PyTorch)."""
         for attn in self.attention_layers():
             attn.backend = attention
         if self.mtp is not None:
@@ -586,15 +588,16 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
             deterministic=kernels.deterministic,
             gated_delta=kernels.gated_delta,
         )
+        kernel_users = (
+            RMSNorm,
+            HeadRMSNorm,
+            DecoderMLP,
+            SparseMoeBlock,
+            ParallelLinear,
+            ParallelLMHead,
+            GatedDeltaNet,
+            GatedAttention,
+        )
         for module in self.modules():
-            kernel_users = (
-                RMSNorm,
-                HeadRMSNorm,
-                DecoderMLP,
-                SparseMoeBlock,
-                ParallelLinear,
-                ParallelLMHead,
-                GatedDeltaNet,
-            )
             if isinstance(module, kernel_users):
                 module.kernels = kernels
