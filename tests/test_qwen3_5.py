@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nanovllm import LLM
+from nanovllm import LLM, SamplingParams
 from nanovllm.common.block_hash import prefix_hashes
 from nanovllm.common.errors import ConfigError, RequestError, UnsupportedModelError
 from nanovllm.common.v1 import worker_pb2
@@ -36,6 +36,7 @@ from tests.helpers import (
     QUANTIZED_LOGPROB_TOL,
     assert_within_float32_rounding,
     compare_tp,
+    decode_layers_on_and_off,
     float32_references,
     greedy,
     greedy_with_logprobs,
@@ -420,6 +421,27 @@ def test_quantized_weights_compute_with_their_quantized_values(
             assert error <= max(1e-4, 2 * spread), f"chunk {chunk} prompt {index}: {error:.2e} ({spread:.2e})"
 
 
+@pytest.mark.parametrize(
+    "pattern, dtype, quantization",
+    [
+        ("default-3to1", "bfloat16", "none"),
+        ("full-first", "float32", "none"),
+        ("default-3to1", "bfloat16", "int8"),
+    ],
+)
+def test_decode_layers_equal_the_module_path(tmp_path: Path, pattern: str, dtype: str, quantization: str):
+    """A decode-only step's hybrid layers as one C++ call (kernels/csrc/decode_layers_cpu.cpp: the state rows
+    in place, the gated attention, the zero-centred norms) run the modules' kernels in their order: tokens and
+    logprobs equal bit for bit, one sequence and several, with a linear or a full-attention first layer, float
+    and packed weights. A sparse model keeps the modules (its shared expert is not in the C++ layers)."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(2, 500) for _ in range(n)] for n in (5, 23, 61)]
+    params = SamplingParams(temperature=0.0, logprobs=5, ignore_eos=True, max_tokens=12)
+    kwargs = {"dtype": dtype, "quantization": quantization, "max_model_len": 256, "kv_cache_memory": "32MiB"}
+    fused, modules = decode_layers_on_and_off(_build(tmp_path, pattern), prompts, params, **kwargs)
+    assert fused == modules
+
+
 def test_every_layer_with_a_kernel_variant_runs_on_the_cpu_kernels(default_model: Path, moe_model: Path):
     """bind_kernels reaches every module that holds a `kernels` choice: the attention's output gate was
     written for the C++ kernels but left on PyTorch by a list of classes that did not name it."""
@@ -429,6 +451,7 @@ def test_every_layer_with_a_kernel_variant_runs_on_the_cpu_kernels(default_model
             name for name, m in model.named_modules() if hasattr(m, "kernels") and m.kernels.cpu is None
         ]
         assert not unbound, f"{model_dir.name}: modules left on PyTorch: {unbound[:5]}"
+        assert (model.model.decode_layers is None) == (model_dir == moe_model)
 
 
 def test_int8_keeps_the_top5_rule_as_on_qwen3(default_model: Path):

@@ -132,6 +132,119 @@ class DecodeLayers {
   double eps_, scale_;
 };
 
+// ---- A hybrid model's (Qwen3.5's) decode step in one call: Gated DeltaNet layers, each reading and writing
+// its state rows in place, and gated-attention layers; every norm zero-centred (a float32 1 + w). The
+// modules' ops in their order (worker/models/qwen3_5.py), the gated norm on ATen's ops as GatedRMSNorm
+// runs them. Dense MLPs only: a sparse layer's shared expert is not here, and such a model keeps the modules.
+
+struct LinearAttentionWeights {
+  Projection in_proj, out_proj;
+  at::Tensor conv_weight, a_log, dt_bias, norm_weight;  // norm_weight: GatedRMSNorm's, in the model's dtype
+  at::Tensor conv_state, recurrent_state;              // every slot's rows, updated in place
+  std::vector<int64_t> split_sizes;                     // the in-projection's mixed (q, k, v), z, b, a
+  int64_t key_heads = 0, heads = 0, key_dim = 0, value_dim = 0;
+  double norm_eps = 0;
+};
+
+struct GatedAttentionWeights {
+  Projection qkv, o;  // qkv's rows: [q | gate] per head, then k, then v
+  at::Tensor qk_norm;  // float32 [heads + kv_heads, head_dim]
+  int64_t heads = 0, kv_heads = 0, head_dim = 0, rotary_dim = 0;
+  double scale = 0;
+  at::Tensor k_cache, v_cache;
+  c10::optional<at::Tensor> k_scale, v_scale;
+};
+
+struct HybridLayer {
+  at::Tensor input_norm, post_attention_norm;  // float32 1 + w
+  c10::optional<LinearAttentionWeights> linear;
+  c10::optional<GatedAttentionWeights> attention;
+  Projection gate_up, down;
+};
+
+class HybridDecodeLayers {
+ public:
+  HybridDecodeLayers(std::vector<HybridLayer> layers, double eps) : layers_(std::move(layers)), eps_(eps) {}
+
+  // x: the embedded tokens [T, hidden], one a sequence; cos and sin [T, 1, rotary_dim]; slots: each
+  // sequence's state row. Returns (the last layer's output, the residual), as the module path leaves them.
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
+                                             at::Tensor block_tables, at::Tensor context_lens,
+                                             at::Tensor slots) const {
+    at::Tensor residual;
+    for (const HybridLayer& layer : layers_) {
+      if (!residual.defined()) {
+        residual = x;
+        x = norm(x, layer.input_norm);
+      } else {
+        add_and_norm(x, residual, layer.input_norm);
+      }
+      x = layer.linear.has_value() ? linear_attention(*layer.linear, x, slots)
+                                   : gated_attention(*layer.attention, x, cos, sin, slot_mapping, block_tables,
+                                                     context_lens);
+      add_and_norm(x, residual, layer.post_attention_norm);
+      x = layer.down(silu_and_mul(layer.gate_up(x)));
+    }
+    return {x, residual};
+  }
+
+ private:
+  // RMSNorm with a float32 weight: in a 16-bit model multiplied in float32 and rounded once.
+  at::Tensor norm(const at::Tensor& x, const at::Tensor& weight) const {
+    return weight.scalar_type() == x.scalar_type() ? rms_norm(x, weight, eps_) : rms_norm_fp32_weight(x, weight, eps_);
+  }
+
+  // RMSNorm.add_and_norm: x <- norm(x + residual), residual <- x + residual.
+  void add_and_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight) const {
+    if (weight.scalar_type() == x.scalar_type()) return add_rms_norm_(x, residual, weight, eps_);
+    residual = x.add_(residual);
+    x = rms_norm_fp32_weight(residual, weight, eps_);
+  }
+
+  // GatedDeltaNet.forward for decode rows.
+  static at::Tensor linear_attention(const LinearAttentionWeights& l, const at::Tensor& x, const at::Tensor& slots) {
+    const int64_t tokens = x.size(0), key_size = l.key_heads * l.key_dim;
+    const std::vector<at::Tensor> parts = l.in_proj(x).split_with_sizes(l.split_sizes, -1);  // mixed, z, b, a
+    const std::vector<at::Tensor> gates = delta_gates(parts[3], parts[2], l.a_log, l.dt_bias);  // g, beta
+    const std::vector<at::Tensor> qkv = causal_conv_decode_(parts[0], l.conv_state, l.conv_weight, slots)
+                                            .split_with_sizes({key_size, key_size, l.heads * l.value_dim}, -1);
+    const at::Tensor out =
+        gated_delta_decode_(qkv[0].reshape({tokens, -1, l.key_dim}), qkv[1].reshape({tokens, -1, l.key_dim}),
+                            qkv[2].reshape({tokens, -1, l.value_dim}), gates[0], gates[1], l.recurrent_state, slots)
+            .to(x.scalar_type())
+            .view({-1, l.value_dim});
+    const at::Tensor normed = at::rms_norm(out.to(at::kFloat), {l.value_dim}, c10::nullopt, l.norm_eps).to(x.scalar_type());
+    const at::Tensor gate = at::silu(parts[1].reshape({-1, l.value_dim}).to(at::kFloat));
+    return l.out_proj((l.norm_weight * normed * gate).to(x.scalar_type()).view({tokens, -1}));
+  }
+
+  // GatedAttention.forward for decode rows: q/k normalised per head, RoPE on the first rotary_dim of each
+  // head (worker/layers/rotary.py's apply_rotary), the output times sigmoid(gate).
+  at::Tensor gated_attention(const GatedAttentionWeights& a, const at::Tensor& x, const at::Tensor& cos,
+                             const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                             const at::Tensor& context_lens) const {
+    const int64_t tokens = x.size(0), d = a.head_dim, q_size = 2 * a.heads * d;
+    const at::Tensor qkv = a.qkv(x);
+    const std::vector<at::Tensor> q_gate = qkv.slice(1, 0, q_size).view({tokens, a.heads, 2 * d}).split(d, -1);
+    const std::vector<at::Tensor> kv = qkv.slice(1, q_size).view({tokens, 2 * a.kv_heads, d}).chunk(2, 1);
+    at::Tensor qk = norm(at::cat({q_gate[0], kv[0]}, 1), a.qk_norm);
+    const at::Tensor part = qk.slice(-1, 0, a.rotary_dim);
+    const std::vector<at::Tensor> halves = part.chunk(2, -1);
+    at::Tensor swapped = at::cat({halves[1], halves[0]}, -1);
+    const at::Tensor turned = part.scalar_type() == at::kFloat ? at::addcmul(part * cos, swapped, sin)
+                                                               : (part * cos).add_(swapped.mul_(sin));
+    qk = at::cat({turned, qk.slice(-1, a.rotary_dim)}, -1);
+    const std::vector<at::Tensor> q_k = qk.split_with_sizes({a.heads, a.kv_heads}, 1);
+    store_kv_(q_k[1], kv[1].contiguous(), a.k_cache, a.v_cache, slot_mapping, a.k_scale, a.v_scale);
+    const at::Tensor out = paged_decode_attention(q_k[0], a.k_cache, a.v_cache, block_tables, context_lens, a.scale,
+                                                  a.k_scale, a.v_scale);
+    return a.o(sigmoid_mul(out.flatten(1), q_gate[1].reshape({tokens, a.heads * d})));
+  }
+
+  std::vector<HybridLayer> layers_;
+  double eps_;
+};
+
 }  // namespace
 
 void register_decode_layers(pybind11::module& m) {
@@ -176,4 +289,42 @@ void register_decode_layers(pybind11::module& m) {
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
       .def("forward", &DecodeLayers::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"),
            py::arg("block_tables"), py::arg("context_lens"));
+  py::class_<LinearAttentionWeights>(m, "LinearAttentionWeights", "A Gated DeltaNet layer's weights and state rows")
+      .def(py::init([](Projection in_proj, Projection out_proj, at::Tensor conv_weight, at::Tensor a_log,
+                       at::Tensor dt_bias, at::Tensor norm_weight, at::Tensor conv_state, at::Tensor recurrent_state,
+                       std::vector<int64_t> split_sizes, int64_t key_heads, int64_t heads, int64_t key_dim,
+                       int64_t value_dim, double norm_eps) {
+             TORCH_CHECK(split_sizes.size() == 4, "LinearAttentionWeights: split_sizes are mixed, z, b and a; got ",
+                         split_sizes.size());
+             return LinearAttentionWeights{in_proj, out_proj, conv_weight, a_log, dt_bias, norm_weight, conv_state,
+                                           recurrent_state, split_sizes, key_heads, heads, key_dim, value_dim,
+                                           norm_eps};
+           }),
+           py::arg("in_proj"), py::arg("out_proj"), py::arg("conv_weight"), py::arg("a_log"), py::arg("dt_bias"),
+           py::arg("norm_weight"), py::arg("conv_state"), py::arg("recurrent_state"), py::arg("split_sizes"),
+           py::arg("key_heads"), py::arg("heads"), py::arg("key_dim"), py::arg("value_dim"), py::arg("norm_eps"));
+  py::class_<GatedAttentionWeights>(m, "GatedAttentionWeights", "A gated-attention layer's weights and KV cache")
+      .def(py::init([](Projection qkv, Projection o, at::Tensor qk_norm, int64_t heads, int64_t kv_heads,
+                       int64_t head_dim, int64_t rotary_dim, double scale, at::Tensor k_cache, at::Tensor v_cache,
+                       c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale) {
+             return GatedAttentionWeights{qkv, o, qk_norm, heads, kv_heads, head_dim, rotary_dim, scale,
+                                          k_cache, v_cache, k_scale, v_scale};
+           }),
+           py::arg("qkv"), py::arg("o"), py::arg("qk_norm"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
+           py::arg("rotary_dim"), py::arg("scale"), py::arg("k_cache"), py::arg("v_cache"),
+           py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+  py::class_<HybridLayer>(m, "HybridLayerWeights", "One hybrid decoder layer for HybridDecodeLayers")
+      .def(py::init([](at::Tensor input_norm, at::Tensor post_attention_norm,
+                       c10::optional<LinearAttentionWeights> linear, c10::optional<GatedAttentionWeights> attention,
+                       Projection gate_up, Projection down) {
+             TORCH_CHECK(linear.has_value() != attention.has_value(),
+                         "HybridLayerWeights: a linear-attention layer or a gated-attention one");
+             return HybridLayer{input_norm, post_attention_norm, linear, attention, gate_up, down};
+           }),
+           py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("linear"), py::arg("attention"),
+           py::arg("gate_up"), py::arg("down"));
+  py::class_<HybridDecodeLayers>(m, "HybridDecodeLayers", "A hybrid model's decode step in one call (CPU kernels)")
+      .def(py::init<std::vector<HybridLayer>, double>(), py::arg("layers"), py::arg("eps"))
+      .def("forward", &HybridDecodeLayers::forward, py::arg("x"), py::arg("cos"), py::arg("sin"),
+           py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"), py::arg("slots"));
 }

@@ -1,6 +1,7 @@
 """A decode-only step's decoder layers in one C++ call (kernels/csrc/decode_layers_cpu.cpp): the model's own
-weights and KV caches handed over once, when the CPU kernels are bound. The same kernels run in the same
-order as the modules', so the step's result is the same bit for bit; only Python's dispatch is saved."""
+weights, KV caches and (a hybrid model's) state rows handed over once, when the CPU kernels are bound. The
+same kernels run in the same order as the modules', so the step's result is the same bit for bit; only
+Python's dispatch is saved."""
 
 from __future__ import annotations
 
@@ -89,3 +90,65 @@ def build_decode_layers(model: torch.nn.Module, kernels: ModuleType, determinist
     return kernels.DecodeLayers(
         layers, attn.num_heads, attn.num_kv_heads, attn.head_dim, first.input_layernorm.eps, attn.attn.scale
     )
+
+
+def build_hybrid_decode_layers(model: torch.nn.Module, kernels: ModuleType, deterministic: bool) -> Any:
+    """kernels.HybridDecodeLayers over a hybrid model's layers (worker/models/qwen3_5.py's HybridModel),
+    or None while the KV caches or state rows are not allocated, or where a layer is sparse (its shared
+    expert is not in the C++ layers)."""
+    decoder_layers: list[Any] = list(cast(torch.nn.ModuleList, model.layers))
+    if any(isinstance(layer.mlp, SparseMoeBlock) for layer in decoder_layers):
+        return None
+    layers = []
+    for layer in decoder_layers:
+        linear = attention = None
+        if layer.is_full_attention:
+            attn = layer.self_attn
+            if attn.attn.k_cache.numel() == 0:
+                return None
+            scales = attn.attn.kv_scales
+            attention = kernels.GatedAttentionWeights(
+                _linear(kernels, attn.qkv_proj, deterministic),
+                _linear(kernels, attn.o_proj, deterministic),
+                attn.qk_norm.weight,
+                attn.num_heads,
+                attn.num_kv_heads,
+                attn.head_dim,
+                attn.rotary_dim,
+                attn.attn.scale,
+                attn.attn.k_cache,
+                attn.attn.v_cache,
+                k_scale=None if scales is None else scales.key,
+                v_scale=None if scales is None else scales.value,
+            )
+        else:
+            mixer = layer.linear_attn
+            if mixer.conv_state.numel() == 0:
+                return None
+            linear = kernels.LinearAttentionWeights(
+                _linear(kernels, mixer.in_proj, deterministic),
+                _linear(kernels, mixer.out_proj, deterministic),
+                mixer.conv1d.weight,
+                mixer.A_log,
+                mixer.dt_bias,
+                mixer.norm.weight,
+                mixer.conv_state,
+                mixer.recurrent_state,
+                mixer.split_sizes,
+                mixer.num_key_heads,
+                mixer.num_heads,
+                mixer.key_dim,
+                mixer.value_dim,
+                mixer.norm.eps,
+            )
+        layers.append(
+            kernels.HybridLayerWeights(
+                layer.input_layernorm.weight,
+                layer.post_attention_layernorm.weight,
+                linear,
+                attention,
+                _linear(kernels, layer.mlp.gate_up_proj, deterministic),
+                _linear(kernels, layer.mlp.down_proj, deterministic),
+            )
+        )
+    return kernels.HybridDecodeLayers(layers, decoder_layers[0].input_layernorm.eps)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.kernels.attention import AttentionBackend, AttentionMetadata
+from nanovllm.kernels.attention import AttentionBackend, AttentionMetadata, DecodeBatch
 from nanovllm.worker.layers.attention import Attention
 from nanovllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.worker.layers.kernels import PYTORCH, LayerKernels
@@ -168,23 +168,31 @@ class DecoderModel(nn.Module):
         if splice is not None:
             x.index_copy_(0, splice[0], splice[1].to(x.dtype))
         rope = self.rotary.lookup(positions)  # once per step, shared by every layer
-        decode = meta.decode
-        if (
-            self.decode_layers is not None
-            and decode is not None
-            and meta.fresh is None
-            and meta.cached is None
-            and (self.lora is None or self.lora.batch is None)  # the C++ layers know no adapters
-        ):
-            x, residual = self.decode_layers.forward(
-                x, *rope, meta.slot_mapping, decode.block_tables, decode.context_lens
-            )
+        if self.decode_layers is not None and meta.decode is not None and self.runs_in_one_call(meta):
+            x, residual = self.decode_in_one_call(x, rope, meta, meta.decode)
         else:
             for layer in self.layers:
                 x, residual = layer(rope, x, residual, meta)
         assert residual is not None  # a model has layers
         x, _ = self.norm.add_and_norm(x, residual)
         return x
+
+    def runs_in_one_call(self, meta: AttentionMetadata) -> bool:
+        """Whether `decode_layers` can run the step: decodes only, without adapters (the C++ layers know
+        none)."""
+        return meta.fresh is None and meta.cached is None and (self.lora is None or self.lora.batch is None)
+
+    def decode_in_one_call(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        decode: DecodeBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode-only step's layers on `decode_layers`: (the last layer's output, the residual)."""
+        return self.decode_layers.forward(
+            x, *rope, meta.slot_mapping, decode.block_tables, decode.context_lens
+        )
 
 
 class DecoderForCausalLM(nn.Module):

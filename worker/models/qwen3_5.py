@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.kernels.attention import AttentionBackend, AttentionMetadata, StateBatch
+from nanovllm.kernels.attention import AttentionBackend, AttentionMetadata, DecodeBatch, StateBatch
 from nanovllm.worker.layers.attention import Attention
 from nanovllm.worker.layers.block_fp8 import Cut
 from nanovllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -47,6 +47,7 @@ from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.quantization import QuantPlan, assign
 from nanovllm.worker.layers.rotary import RotaryEmbedding, apply_rotary
 from nanovllm.worker.model_config import FULL_ATTENTION, HybridSpec, ModelConfig
+from nanovllm.worker.models.decode_layers import build_hybrid_decode_layers
 from nanovllm.worker.models.decoder import DecoderForCausalLM, DecoderLayer, DecoderMLP, DecoderModel
 
 
@@ -407,7 +408,8 @@ class HybridDecoderLayer(DecoderLayer):
 
 class HybridModel(DecoderModel):
     """The decoder's embedding, layer loop and final norm (DecoderModel.forward) over hybrid layers; RoPE
-    turns `rotary_dim` dimensions; no one-call decode step."""
+    turns `rotary_dim` dimensions; a decode step's layers in one C++ call where the model's layers are all
+    dense (worker/models/decode_layers.py)."""
 
     def __init__(self, cfg: ModelConfig, tp: TPContext, quant: QuantPlan | None) -> None:
         nn.Module.__init__(self)
@@ -425,6 +427,44 @@ class HybridModel(DecoderModel):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weight_offset=1.0)
         self.decode_layers = None
         self.lora = None
+
+    def runs_in_one_call(self, meta: AttentionMetadata) -> bool:
+        """... and every sequence a plain decode (a speculative verification's rows, which the decode batch
+        also carries, run the modules' token-by-token path)."""
+        states = meta.states
+        return (
+            super().runs_in_one_call(meta)
+            and states is not None
+            and states.num_verifies == 0
+            and states.num_decodes == len(states.slot_list)
+        )
+
+    def decode_in_one_call(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        decode: DecodeBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The linear layers' state work before and after the layers (each layer's rows are its own, so
+        the order across layers does not matter), the layers in one call on the decodes' state slots."""
+        states = meta.states
+        assert states is not None  # runs_in_one_call
+        layers = cast("list[HybridDecoderLayer]", list(self.layers))  # a ModuleList's items are bare Modules
+        linear_layers = [layer.linear_attn for layer in layers if not layer.is_full_attention]
+        for layer in linear_layers:
+            layer.prepare_states(states)
+        x, residual = self.decode_layers.forward(
+            x,
+            *rope,
+            meta.slot_mapping,
+            decode.block_tables,
+            decode.context_lens,
+            states.slots[: states.num_decodes],
+        )
+        for layer in linear_layers:
+            layer.keep_decode_states(states)
+        return x, residual
 
 
 class MultiTokenPredictor(nn.Module):
@@ -601,3 +641,9 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         for module in self.modules():
             if isinstance(module, kernel_users):
                 module.kernels = kernels
+        # Decode steps as one C++ call (as DecoderForCausalLM.bind_kernels), with the state work on the C++
+        # kernels too.
+        cpu = kernels.cpu
+        self.model.decode_layers = None
+        if kernels.gated_delta is cpu and cpu is not None and self.tp.size == 1:
+            self.model.decode_layers = build_hybrid_decode_layers(self.model, cpu, kernels.deterministic)
