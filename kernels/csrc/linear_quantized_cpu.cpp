@@ -54,6 +54,17 @@ inline QRow qrow(const uint8_t* q, const c10::Half* s, const c10::Half* m, int64
   return {q + n * (K * BITS / 8), s + n * groups, m == nullptr ? nullptr : m + n * groups};
 }
 
+// A packed weight's rows, each found when a tile asks for it: a table of every row's planes built per call
+// was 24 bytes a row written and read again (6 MB for Qwen3.5's 248,320-row head at one row of x).
+template <int BITS>
+struct PackedRows {
+  const uint8_t* q;
+  const c10::Half* s;
+  const c10::Half* m;
+  int64_t K, groups;
+  QRow operator[](int64_t n) const { return qrow<BITS>(q, s, m, n, K, groups); }
+};
+
 // Row `row`'s K weights as fp32 into out (the panel path and machines without AVX2).
 template <int BITS>
 void dequantize_row(const QRow& row, int64_t K, int64_t group, float* out) {
@@ -143,12 +154,13 @@ inline void qdot_tile(const float* x, int64_t K, int64_t group, const QRow* rows
 
 // Output columns [n_begin, n_end) for M rows of x, R weight rows at a time: tile(w, sums) fills sums[m][r]
 // with x[m] . w[r]; the bias is added and each output rounded to T once.
-template <int M, int R, typename T, typename Tile>
-void for_each_tile(const QRow* first, const T* bias, T* y, int64_t n_begin, int64_t n_end, int64_t N, Tile&& tile) {
+template <int M, int R, int BITS, typename T, typename Tile>
+void for_each_tile(const PackedRows<BITS>& weights, const T* bias, T* y, int64_t n_begin, int64_t n_end, int64_t N,
+                   Tile&& tile) {
   for (int64_t n = n_begin; n < n_end; n += R) {
     const int rows = static_cast<int>(std::min<int64_t>(R, n_end - n));
     QRow w[R];
-    for (int r = 0; r < R; ++r) w[r] = first[n - n_begin + std::min(r, rows - 1)];  // a missing row repeats the last
+    for (int r = 0; r < R; ++r) w[r] = weights[n + std::min(r, rows - 1)];  // a missing row repeats the last
     float sums[M][R];
     tile(w, sums);
     for (int r = 0; r < rows; ++r)
@@ -162,22 +174,23 @@ void for_each_tile(const QRow* first, const T* bias, T* y, int64_t n_begin, int6
 
 // Output columns [n_begin, n_end) for M (<= kDirectRows) rows of x, weights dequantized as they are read.
 template <int M, int BITS, typename T>
-void direct_rows(const float* x, const QRow* first, const T* bias, T* y, int64_t n_begin, int64_t n_end, int64_t N,
-                 int64_t K, int64_t group) {
+void direct_rows(const float* x, const PackedRows<BITS>& weights, const T* bias, T* y, int64_t n_begin, int64_t n_end,
+                 int64_t N, int64_t K, int64_t group) {
 #ifdef NANOVLLM_LINEAR_AVX2
   // Two weight rows at a time up to 4 rows of x (4 measured no faster at one row), one above, where the
   // accumulators take the registers.
   constexpr int R = M <= 4 ? 2 : 1;
-  for_each_tile<M, R>(first, bias, y, n_begin, n_end, N,
+  for_each_tile<M, R>(weights, bias, y, n_begin, n_end, N,
                       [&](const QRow* w, float (*sums)[R]) { qdot_tile<M, R, BITS>(x, K, group, w, sums); });
 #else
-  (void)x, (void)first, (void)bias, (void)y, (void)n_begin, (void)n_end, (void)N, (void)K, (void)group;
+  (void)x, (void)weights, (void)bias, (void)y, (void)n_begin, (void)n_end, (void)N, (void)K, (void)group;
   TORCH_CHECK(false, "linear_quantized: the register path needs AVX2");
 #endif
 }
 
 template <int BITS, typename T>
-using DirectFn = void (*)(const float*, const QRow*, const T*, T*, int64_t, int64_t, int64_t, int64_t, int64_t);
+using DirectFn = void (*)(const float*, const PackedRows<BITS>&, const T*, T*, int64_t, int64_t, int64_t, int64_t,
+                          int64_t);
 
 template <int BITS, typename T>
 DirectFn<BITS, T> direct_fn(int64_t rows) {
@@ -190,8 +203,8 @@ DirectFn<BITS, T> direct_fn(int64_t rows) {
 #ifdef NANOVLLM_INT8_DOTS
 // Output columns [n_begin, n_end) for M (<= kDirectRows) rows of x quantized to int8 (linear_int8_dots.h).
 template <int M, int BITS, typename T>
-void int8_dot_rows(const QuantizedRow* x, const std::vector<ChunkGroups>& chunks, const QRow* first, const T* bias,
-                   T* y, int64_t n_begin, int64_t n_end, int64_t N, int64_t K, int64_t group) {
+void int8_dot_rows(const QuantizedRow* x, const std::vector<ChunkGroups>& chunks, const PackedRows<BITS>& weights,
+                   const T* bias, T* y, int64_t n_begin, int64_t n_end, int64_t N, int64_t K, int64_t group) {
   // With VNNI one weight row at a time at every row count: faster than four (two from 3 rows of x) at every
   // row count measured (docs/performance.md, Weight-only quantization). With AVX2 one at 1-2 rows of x, two
   // at 3-4 and four above, where each row of x's loads then serve several weight rows (measured faster at 8
@@ -202,13 +215,13 @@ void int8_dot_rows(const QuantizedRow* x, const std::vector<ChunkGroups>& chunks
 #else
   constexpr int R = M <= 2 ? 1 : M <= 4 ? 2 : 4;
 #endif
-  for_each_tile<M, R>(first, bias, y, n_begin, n_end, N,
+  for_each_tile<M, R>(weights, bias, y, n_begin, n_end, N,
                       [&](const QRow* w, float (*sums)[R]) { int8_dot_tile<M, R, BITS>(x, chunks, w, K, group, sums); });
 }
 
 template <int BITS, typename T>
-using Int8DotFn = void (*)(const QuantizedRow*, const std::vector<ChunkGroups>&, const QRow*, const T*, T*, int64_t,
-                           int64_t, int64_t, int64_t, int64_t);
+using Int8DotFn = void (*)(const QuantizedRow*, const std::vector<ChunkGroups>&, const PackedRows<BITS>&, const T*,
+                           T*, int64_t, int64_t, int64_t, int64_t, int64_t);
 
 template <int BITS, typename T>
 Int8DotFn<BITS, T> int8_dot_fn(int64_t rows) {
@@ -225,6 +238,7 @@ void linear_quantized_impl(const T* x, const uint8_t* q, const c10::Half* scales
                            bool batch_invariant) {
   const std::vector<float> xf = widen(x, rows * K);
   const int64_t groups = K / group;
+  const PackedRows<BITS> weights{q, scales, mins, K, groups};
 #ifdef NANOVLLM_INT8_DOTS
   if constexpr (!std::is_same_v<T, float>) {  // 16-bit x only: float32 x keeps the exact path
     if (rows <= kDirectRows || batch_invariant) {
@@ -236,14 +250,11 @@ void linear_quantized_impl(const T* x, const uint8_t* q, const c10::Half* scales
       // Ranges of whole 4-row tiles, 64 rows at least.
       at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
         const int64_t n_begin = begin * 4, n_end = std::min(N, end * 4);
-        std::vector<QRow> w(n_end - n_begin);
-        for (int64_t n = n_begin; n < n_end; ++n) w[n - n_begin] = qrow<BITS>(q, scales, mins, n, K, groups);
         for (int64_t b = n_begin; b < n_end; b += block) {
           const int64_t b_end = std::min(n_end, b + block);
           for (int64_t m = 0; m < rows; m += kDirectRows) {
             const int64_t tile = std::min(kDirectRows, rows - m);
-            int8_dot_fn<BITS, T>(tile)(xq.data() + m, chunks, w.data() + (b - n_begin), bias, y + m * N, b, b_end,
-                                       N, K, group);
+            int8_dot_fn<BITS, T>(tile)(xq.data() + m, chunks, weights, bias, y + m * N, b, b_end, N, K, group);
           }
         }
       });
@@ -259,12 +270,7 @@ void linear_quantized_impl(const T* x, const uint8_t* q, const c10::Half* scales
   // Contiguous ranges of weight rows, 64 at least, an even count so that row pairs never straddle.
   at::parallel_for(0, (N + 1) / 2, 32, [&](int64_t begin, int64_t end) {
     const int64_t n_begin = begin * 2, n_end = std::min(N, end * 2);
-    if (direct) {
-      std::vector<QRow> w(n_end - n_begin);
-      for (int64_t n = n_begin; n < n_end; ++n) w[n - n_begin] = qrow<BITS>(q, scales, mins, n, K, groups);
-      direct_fn<BITS, T>(rows)(xf.data(), w.data(), bias, y, n_begin, n_end, N, K, group);
-      return;
-    }
+    if (direct) return direct_fn<BITS, T>(rows)(xf.data(), weights, bias, y, n_begin, n_end, N, K, group);
     std::vector<float> panel(kPanelRows * K);
     for (int64_t p = n_begin; p < n_end; p += kPanelRows) {
       const int64_t p_end = std::min(n_end, p + kPanelRows);
