@@ -645,6 +645,18 @@ def test_a_repeated_prefix_resumes_from_its_state_snapshot(default_model: Path):
     assert _all_back(llm)
 
 
+def _offline_link() -> WorkerConnection:
+    """A router's link to a worker it never dials (its bookkeeping alone), made inside an event loop as the
+    router makes it: its gRPC channel asks for the current loop, and outside one that depended on whether
+    an earlier test in the same process had left one (asyncio.run clears it), so the test failed or
+    passed by the order pytest-xdist's `load` distribution gave it."""
+
+    async def make() -> WorkerConnection:
+        return WorkerConnection("127.0.0.1:9", prepare=None)
+
+    return asyncio.run(make())
+
+
 def test_the_router_counts_a_hybrid_workers_hit_to_its_last_snapshot(default_model: Path):
     """A hybrid worker reports the blocks that end at a state snapshot (resume points) beside its cached
     blocks; the router's link counts a prompt's cached prefix only up to the last of them: a 230-token
@@ -657,7 +669,7 @@ def test_the_router_counts_a_hybrid_workers_hit_to_its_last_snapshot(default_mod
     bm = llm.engine.block_manager
     changes = bm.take_cache_events()
     assert changes.state.stored == set(bm.states.cache) and bm.states.cache
-    link = WorkerConnection("127.0.0.1:9", prepare=None)
+    link = _offline_link()
     link._apply(
         worker_pb2.PrefixCacheEvents(
             reset=True, stored=sorted(bm.cached), resume_points=True, state_stored=bm.state_cached()
@@ -732,7 +744,7 @@ def test_the_router_counts_a_hinted_snapshot_while_its_request_is_in_flight(defa
     rng = random.Random(3)
     system = [rng.randrange(2, 512) for _ in range(300)]
     first, second = system + [5, 6, 7], system + [8, 9]
-    link = WorkerConnection("127.0.0.1:9", prepare=None)
+    link = _offline_link()
     link.info, link.connected = worker_pb2.WorkerInfo(kvcache_block_size=16), True
     link._apply(worker_pb2.PrefixCacheEvents(reset=True, resume_points=True))
     link.submit("a", first, greedy(4), 0, block_hashes=prefix_hashes(first, 16), shared_prefix_tokens=300)

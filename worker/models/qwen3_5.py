@@ -430,12 +430,11 @@ class HybridModel(DecoderModel):
 
     def runs_in_one_call(self, meta: AttentionMetadata) -> bool:
         """... and every sequence a plain decode (a speculative verification's rows, which the decode batch
-        also carries, run the modules' token-by-token path)."""
+        also carries and the state lists after the decodes, run the modules' token-by-token path)."""
         states = meta.states
         return (
             super().runs_in_one_call(meta)
             and states is not None
-            and states.num_verifies == 0
             and states.num_decodes == len(states.slot_list)
         )
 
