@@ -120,7 +120,9 @@ def test_int8_dots_are_the_product_of_the_quantized_x(kernels, scheme, dtype) ->
     float32's rounding of the scaled partial sums (at most one rounding a term: K x 2^-24 of the products'
     mass) and the output's rounding to dtype (half its epsilon, relative). A lane given another block's
     scale, a nibble from the wrong half or a partial chunk read past its row moves an output by a whole
-    product, far past that."""
+    product, far past that. Per-channel int8 with VNNI sums the weights offset by 128 (the instruction takes
+    unsigned bytes) and takes x's share of the offset back once, after the sum, so its products' mass is that
+    of |w| + 128 weight steps."""
     if not kernels.linear_quantized_int8_dots():
         pytest.skip(NO_DOTS)
     gen = torch.Generator().manual_seed(3)
@@ -145,6 +147,8 @@ def test_int8_dots_are_the_product_of_the_quantized_x(kernels, scheme, dtype) ->
                 terms += x.double().abs().view(rows, -1, group).sum(-1) @ mins.abs().T
             else:
                 expected = quantized @ weight.T
+                if packed.group_size == features:  # one scale a row
+                    terms += quantized.abs().sum(-1, keepdim=True) * 128 * packed.scales.double().view(1, -1)
             expected += bias.double()
             bound = features * 2.0**-24 * terms + torch.finfo(dtype).eps / 2 * expected.abs() + 1e-7
             error = (_run(kernels, x, packed, bias).double() - expected).abs()

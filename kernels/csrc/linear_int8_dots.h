@@ -49,8 +49,8 @@ struct QRow {
 #ifdef NANOVLLM_INT8_DOTS
 constexpr int64_t kChunkBytes = 64;
 constexpr int64_t kDotBlock = 32;  // activations per x scale; also the smallest weight group
-// Bytes ahead of the chunk being read that the VNNI tiles ask the memory for: one weight row at a time is
-// one sequential stream a thread. kPrefetchRows' 8 rows ahead were 28 KB at the 3,584 features of
+// Bytes ahead of the chunk being read that the general VNNI tile asks the memory for (the per-channel tile asks
+// for none: int8_dot_tile_row_scale): one weight row at a time is one sequential stream a thread. kPrefetchRows' 8 rows ahead were 28 KB at the 3,584 features of
 // Qwen3.5-0.8B's down projection, most of L1, which x's chunks share: that projection ran at 0.70 of the
 // read bandwidth and 0.81 with a kilobyte (docs/performance.md#measurements-behind-choices-in-the-code).
 constexpr int64_t kDotPrefetchBytes = 1024;
@@ -68,6 +68,7 @@ struct QuantizedRow {
   std::vector<int8_t> lo, hi;         // kChunkBytes per chunk (hi at 4 bits only)
   std::vector<float> scale;           // 16 per chunk: the x scale of each lane's block
   std::vector<int32_t> correction;    // 8 bits with VNNI: 16 per chunk, -128 times the sum of each lane's 4 bytes
+  float correction_total = 0.f;       // 8 bits with VNNI: each lane's correction times its scale, summed
   std::vector<float> group_sums;      // 4 bits: x summed over each weight group (the mins' term)
 };
 
@@ -127,6 +128,11 @@ QuantizedRow quantize_row(const float* x, int64_t K, int64_t group) {
           q.correction[c * 16 + j * lanes + l] = -128 * (qb[4 * l] + qb[4 * l + 1] + qb[4 * l + 2] + qb[4 * l + 3]);
     }
   }
+  if constexpr (BITS == 8 && kOffsetWeights) {  // in double, rounded once: it stands for exact integer sums
+    double total = 0.0;
+    for (size_t l = 0; l < q.correction.size(); ++l) total += double(q.correction[l]) * double(q.scale[l]);
+    q.correction_total = static_cast<float>(total);
+  }
   return q;
 }
 
@@ -170,14 +176,17 @@ inline __m512 load_halves(const c10::Half* p, __mmask16 mask) {
 // int8_dot_tile for 8-bit weights with one scale a row (int8 per channel): each lane's products times its x
 // scale, summed, and the row's scale applied once at the end. Per chunk that leaves the weight bytes, the
 // integer dot, its conversion and one FMA, where the general tile also loads, widens and permutes the
-// chunk's weight scales: Qwen3.5-0.8B's int8 projections then read their weights at 0.70-0.90 of the
-// memory's bandwidth at one row. Two chunks a pass, even and odd chunks summed apart and added at the end
-// (a chunk left over, whole or partial, with the even ones), with plain loads where a chunk is whole: 13% faster
-// again over the 0.8B shape's weights at one row (docs/performance.md#measurements-behind-choices-in-the-code).
+// chunk's weight scales. A chunk's loads are what bound it (two of 64 bytes a cycle on Zen 4): the offset's
+// correction is x's alone here, so it leaves the loop as one float (`correction_total`), and the tile asks
+// for no prefetch (its instructions take load slots; the hardware's stream prefetcher follows one row at a
+// time): 49 -> 70 GB/s from cache, and a thread's DRAM reads at 0.9-1.0 of a sum's
+// (docs/performance.md#measurements-behind-choices-in-the-code). Two chunks a pass, even and odd chunks
+// summed apart and added at the end (a chunk left over, whole or partial, with the even ones), with plain
+// loads where a chunk is whole.
 template <int M, int R>
 void int8_dot_tile_row_scale(const QuantizedRow* x, const std::vector<ChunkGroups>& chunks, const QRow* rows,
                              float (*out)[R]) {
-  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80)), zero = _mm512_setzero_si512();
   __m512 acc[2][M][R];
   for (int u = 0; u < 2; ++u)
     for (int m = 0; m < M; ++m)
@@ -189,18 +198,15 @@ void int8_dot_tile_row_scale(const QuantizedRow* x, const std::vector<ChunkGroup
     __m512i lo[2][R];
     for (int r = 0; r < R; ++r) {
       const uint8_t* bytes = rows[r].q + c * kChunkBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(bytes + kDotPrefetchBytes), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(bytes + kDotPrefetchBytes + 64), _MM_HINT_T0);
       lo[0][r] = _mm512_xor_si512(_mm512_loadu_si512(bytes), sign);
       lo[1][r] = _mm512_xor_si512(_mm512_loadu_si512(bytes + kChunkBytes), sign);
     }
     for (int u = 0; u < 2; ++u)
       for (int m = 0; m < M; ++m) {
         const __m512i xlo = _mm512_loadu_si512(x[m].lo.data() + (c + u) * kChunkBytes);
-        const __m512i init = _mm512_loadu_si512(x[m].correction.data() + (c + u) * 16);
         const __m512 xs = _mm512_loadu_ps(x[m].scale.data() + (c + u) * 16);
         for (int r = 0; r < R; ++r)
-          acc[u][m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(init, lo[u][r], xlo)), xs, acc[u][m][r]);
+          acc[u][m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, lo[u][r], xlo)), xs, acc[u][m][r]);
       }
   }
   for (; c < n; ++c) {
@@ -209,15 +215,15 @@ void int8_dot_tile_row_scale(const QuantizedRow* x, const std::vector<ChunkGroup
       lo[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(chunks[c].byte_mask, rows[r].q + c * kChunkBytes), sign);
     for (int m = 0; m < M; ++m) {
       const __m512i xlo = _mm512_loadu_si512(x[m].lo.data() + c * kChunkBytes);
-      const __m512i init = _mm512_loadu_si512(x[m].correction.data() + c * 16);
       const __m512 xs = _mm512_loadu_ps(x[m].scale.data() + c * 16);
       for (int r = 0; r < R; ++r)
-        acc[0][m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(init, lo[r], xlo)), xs, acc[0][m][r]);
+        acc[0][m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, lo[r], xlo)), xs, acc[0][m][r]);
     }
   }
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r)
-      out[m][r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][m][r], acc[1][m][r])) * load(rows[r].s[0]);
+      out[m][r] = (_mm512_reduce_add_ps(_mm512_add_ps(acc[0][m][r], acc[1][m][r])) + x[m].correction_total) *
+                  load(rows[r].s[0]);
 }
 
 // out[m][r] = x[m] . w[r] for M rows of x against R weight rows.
