@@ -283,3 +283,27 @@ def test_each_cpu_gets_its_own_build():
     assert cpu_digest(two_cores) == cpu_digest(core.format(n=0, extra=""))
     assert cpu_digest(two_cores) != cpu_digest(core.format(n=0, extra="avx512f avx512_vnni"))
     assert cpu_digest(two_cores) != cpu_digest(two_cores.replace("AMD EPYC", "Intel Xeon"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_is_the_function_rounded_once(kernels, dtype):
+    """GELU's tanh form against its exact value (float64, as x sigmoid(2u): 1 + tanh(u) cancels where
+    tanh(u) nears -1, which is where PyTorch's own 16-bit results drift by several ulps). The kernel's float32
+    work: u to within a few ulps, which the exponential turns into |2u| times that relative error of the
+    result; then one rounding to the dtype (half its epsilon). Where e^(-2u) passes float32's range the
+    kernel's exp is infinite and the result 0, where the exact one is below |x| times float32's smallest
+    normal. Extremes (an overflowing exp, zeros,
+    infinities, NaN) as PyTorch's."""
+    x = (torch.randn(37, 3072, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    xd = x.double()
+    two_u = 2 * (2 / torch.pi) ** 0.5 * (xd + 0.044715 * xd**3)
+    exact = xd * torch.sigmoid(two_u)
+    finfo = torch.finfo(dtype)
+    fp32_part = (two_u.abs() + 4) * 4 * torch.finfo(torch.float32).eps
+    half_ulp = 0.0 if dtype == torch.float32 else finfo.eps / 2
+    flushed = xd.abs() * torch.finfo(torch.float32).smallest_normal
+    bound = (half_ulp + fp32_part) * exact.abs() + flushed + finfo.smallest_normal * finfo.eps
+    error = (kernels.gelu_tanh(x).double() - exact).abs()
+    assert (error <= bound).all(), (error / bound).max().item()
+    edges = torch.tensor([-200.0, -20.0, -1e-30, 0.0, 1e-30, 20.0, 200.0, float("inf"), float("nan")])
+    torch.testing.assert_close(kernels.gelu_tanh(edges), F.gelu(edges, approximate="tanh"), equal_nan=True)

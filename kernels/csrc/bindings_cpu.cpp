@@ -28,6 +28,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"), py::arg("k_scale") = py::none(),
         py::arg("v_scale") = py::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :n]) * x[:, n:] (CPU; float32, bfloat16, float16)");
+  m.def("gelu_tanh", &gelu_tanh, "GELU's tanh form, in float32, rounded once to x's dtype (CPU; float32, bfloat16, float16)");
   m.def("rotary", &rotary, "rotate-half RoPE with precomputed cos / signed sin rows (CPU; float32, bfloat16, float16)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV cache in the queries' dtype or FP8 with per-kv-head scales (CPU; "

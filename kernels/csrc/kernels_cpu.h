@@ -17,6 +17,7 @@ void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double 
 void store_kv_(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
                c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale);
 at::Tensor silu_and_mul(at::Tensor x);
+at::Tensor gelu_tanh(at::Tensor x);
 at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin);
 
 // linear_cpu.cpp

@@ -16,12 +16,15 @@ hold no tower, its output (worker/runner/images.py says why).
 from __future__ import annotations
 
 import math
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.common.errors import UnsupportedModelError
+from nanovllm.kernels.attention import AttentionBackend
+from nanovllm.worker.layers.kernels import LayerKernels
 from nanovllm.worker.layers.parallel import TPContext
 from nanovllm.worker.layers.quantization import QuantPlan
 from nanovllm.worker.layers.rotary import MultimodalRotaryEmbedding
@@ -72,9 +75,13 @@ class VisionMLP(nn.Module):
         super().__init__()
         self.linear_fc1 = nn.Linear(spec.hidden_size, spec.intermediate_size)
         self.linear_fc2 = nn.Linear(spec.intermediate_size, spec.hidden_size)
+        # The C++ CPU kernels (LayerKernels.cpu), bound with the model's, or None for PyTorch.
+        self.kernels: ModuleType | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate="tanh"))
+        h = self.linear_fc1(x)
+        h = F.gelu(h, approximate="tanh") if self.kernels is None else self.kernels.gelu_tanh(h)
+        return self.linear_fc2(h)
 
 
 class VisionBlock(nn.Module):
@@ -216,6 +223,14 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
         if name.startswith("model.visual."):
             return name.removeprefix("model.") if self.visual is not None else None
         return super().checkpoint_name(name)
+
+    def bind_kernels(self, attention: AttentionBackend, kernels: LayerKernels) -> None:
+        """The language model's kernels, and the tower's MLP activation on the C++ CPU kernels where bound."""
+        super().bind_kernels(attention, kernels)
+        if self.visual is not None:
+            for module in self.visual.modules():
+                if isinstance(module, VisionMLP):
+                    module.kernels = kernels.cpu
 
     def encode_image(self, pixels: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
         """One image's tokens as the language model embeds them [tokens, hidden] (rank 0's: the tower)."""
