@@ -17,6 +17,7 @@
 #include "linear_tile.h"
 
 #include <algorithm>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -153,23 +154,148 @@ void linear_range_blocked(const std::vector<float>& xf, const T* w, const T* bia
 }
 
 #ifdef NANOVLLM_LINEAR_BF16
-// linear_range_blocked for the native bf16 tile, which reads x as it is: x in blocks (twice the bytes of a
-// panel) and the weights in panels that stay in L2 together, 6 rows of x against 4 weight rows a pass (24
-// accumulators, 4 weight and 1 x register of the 32). Without the blocks every 8 rows of x streamed the
-// weights from memory again: an LM head at 64 rows ran at 0.45x PyTorch's GEMM, 1.0x with them
-// (docs/performance.md#deterministic-inference-benchdeterministicpy). Each output's sum is the same
-// whatever its tile's shape: its own accumulator, the same steps.
+// Weight rows a panel of the across-outputs tile holds: four vectors of 16 outputs.
+constexpr int64_t kPanelOutputs = 64;
+
+// A 16 x 16 block of 32-bit values transposed in registers: v[r] lane c becomes v[c] lane r.
+inline void transpose16x16(__m512i v[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // v[i + c]: rows i..i+3 of columns c, c + 4, c + 8, c + 12
+    v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int h = 0; h < 4; ++h) {
+      t[i + h] = _mm512_shuffle_i32x4(v[i + h], v[i + h + 4], 0x88);
+      t[i + h + 4] = _mm512_shuffle_i32x4(v[i + h], v[i + h + 4], 0xDD);
+    }
+  for (int h = 0; h < 8; ++h) {
+    v[h] = _mm512_shuffle_i32x4(t[h], t[h + 8], 0x88);
+    v[h + 8] = _mm512_shuffle_i32x4(t[h], t[h + 8], 0xDD);
+  }
+}
+
+// Weight rows [n, n + 64) (those at or past n_end repeat the last) packed as panel_tile_bf16 reads them: for
+// each lane l of tile_rows_bf16's accumulators and each 32-weight step j, the 64 rows' pairs (k = 32j + 2l,
+// 32j + 2l + 1) side by side, [16][k_vec / 32][64] pairs in all.
+void pack_panel_bf16(const c10::BFloat16* w, int64_t n, int64_t n_end, int64_t K, uint32_t* out) {
+  const int64_t steps = (K - K % 32) / 32;
+  for (int64_t i0 = 0; i0 < kPanelOutputs; i0 += 16) {
+    const c10::BFloat16* rows[16];
+    for (int r = 0; r < 16; ++r) rows[r] = w + std::min(n + i0 + r, n_end - 1) * K;
+    for (int64_t j = 0; j < steps; ++j) {
+      __m512i v[16];
+      for (int r = 0; r < 16; ++r) v[r] = _mm512_loadu_si512(rows[r] + 32 * j);
+      transpose16x16(v);  // v[l]: lane l's pair of each of the 16 rows
+      for (int l = 0; l < 16; ++l) _mm512_storeu_si512(out + (l * steps + j) * kPanelOutputs + i0, v[l]);
+    }
+  }
+}
+
+// y[m][n + i] for M rows of x against a packed panel (valid of its 64 outputs written): the sums of
+// tile_rows_bf16 bit for bit, vectorised across outputs instead of within one. Lane l's partial sum over
+// the steps j, which tile_rows_bf16 keeps in lane l of one accumulator, is here a vector of 64 outputs'
+// lane-l sums (the same VDPBF16PS steps in the same order, x's pair broadcast), and its tree over the 16
+// lanes (lanes l + 8 first, then hsum8's) is taken on those vectors: no horizontal sums, which at 6 x 4 per
+// tile had held tile_rows_bf16 to 0.8x of PyTorch's GEMM (docs/performance.md#measurements-behind-choices-in-the-code).
+template <int M>
+void panel_tile_bf16(const c10::BFloat16* x, const uint32_t* panel, const c10::BFloat16* w, const c10::BFloat16* bias,
+                     c10::BFloat16* y, int64_t n, int64_t valid, int64_t N, int64_t K) {
+  const int64_t k_vec = K - K % 32, steps = k_vec / 32;
+  alignas(64) float lanes[8][M][kPanelOutputs];  // lane l + lane l + 8, as tile_rows_bf16's first add
+  for (int l = 0; l < 16; ++l) {
+    __m512 acc[M][4];
+    for (int m = 0; m < M; ++m)
+      for (int b = 0; b < 4; ++b) acc[m][b] = _mm512_setzero_ps();
+    const uint32_t* p = panel + l * steps * kPanelOutputs;
+    for (int64_t j = 0; j < steps; ++j) {
+      __m512bh wv[4];
+      for (int b = 0; b < 4; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(p + j * kPanelOutputs + 16 * b);
+      for (int m = 0; m < M; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, x + m * K + 32 * j + 2 * l, sizeof(pair));
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+        for (int b = 0; b < 4; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xv, wv[b]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int b = 0; b < 4; ++b) {
+        float* dst = lanes[l & 7][m] + 16 * b;
+        _mm512_store_ps(dst, l < 8 ? acc[m][b] : _mm512_add_ps(_mm512_load_ps(dst), acc[m][b]));
+      }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int b = 0; b < 4 && 16 * b < valid; ++b) {
+      auto lane = [&](int i) { return _mm512_load_ps(lanes[i][m] + 16 * b); };
+      // hsum8's tree: ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7))
+      __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(lane(0), lane(4)), _mm512_add_ps(lane(2), lane(6))),
+                                 _mm512_add_ps(_mm512_add_ps(lane(1), lane(5)), _mm512_add_ps(lane(3), lane(7))));
+      const int64_t count = std::min<int64_t>(16, valid - 16 * b);
+      if (k_vec < K) {  // the tail in order, then the bias, one output at a time
+        _mm512_store_ps(lanes[0][m] + 16 * b, sum);
+        for (int64_t i = 16 * b; i < 16 * b + count; ++i) {
+          float s = lanes[0][m][i];
+          for (int64_t k = k_vec; k < K; ++k) s += load(x[m * K + k]) * load(w[(n + i) * K + k]);
+          if (bias != nullptr) s += load(bias[n + i]);
+          y[m * N + n + i] = to<c10::BFloat16>(s);
+        }
+        continue;
+      }
+      const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+      if (bias != nullptr) {
+        const __m256i bits = _mm256_maskz_loadu_epi16(mask, bias + n + 16 * b);
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+      }
+      // to<c10::BFloat16>'s rounding, 16 lanes at a time: to nearest even, a NaN the quiet 0x7FC0
+      const __m512i u = _mm512_castps_si512(sum);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+      __m512i bits = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
+      bits = _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(sum, sum, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+      _mm256_mask_storeu_epi16(y + m * N + n + 16 * b, mask, _mm512_cvtepi32_epi16(bits));
+    }
+}
+
+// Bytes of packed weights a thread holds at once: with a block of x they stay in a core's L2 while the block
+// goes through them (x is read again for each part: from L3, a few MB a step). Measured against 256 KB and
+// 2 MB (docs/performance.md#measurements-behind-choices-in-the-code).
+constexpr int64_t kPackedBytes = 512 << 10;
+
+// linear_range_blocked for the native bf16 tile, which reads x as it is: the thread's weights packed for
+// panel_tile_bf16 kPackedBytes at a time, each part once, then x in blocks (384 KB) against each packed panel
+// of 64 rows of the part in turn, 6 rows of x a pass (24 accumulators, 4 weight and 1 x register of the 32);
+// a block's last rows go through tile_rows_bf16. Without the blocks every 8 rows of x streamed the weights
+// from memory again: an LM head at 64 rows ran at 0.45x PyTorch's GEMM, 1.0x with them
+// (docs/performance.md#deterministic-inference-benchdeterministicpy). Each output's sum is the same whatever
+// its tile: tile_rows_bf16's steps in its order.
 void linear_range_blocked_bf16(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias,
                                c10::BFloat16* y, int64_t rows, int64_t n_begin, int64_t n_end, int64_t N, int64_t K) {
   const int64_t x_rows = std::max<int64_t>(6, 2 * kBlockBytes / (K * 2) / 6 * 6);
-  const int64_t panel = std::max<int64_t>(4, kBlockBytes / (K * 2) / 4 * 4);
-  for (int64_t x0 = 0; x0 < rows; x0 += x_rows) {
-    const int64_t x_end = std::min(rows, x0 + x_rows);
-    for (int64_t p = n_begin; p < n_end; p += panel) {
-      const int64_t p_end = std::min(n_end, p + panel);
-      int64_t m = x0;
-      for (; m + 6 <= x_end; m += 6) tile_rows_bf16<6, 4>(x + m * K, w + p * K, bias, y + m * N, p, p_end, N, K);
-      if (m < x_end) tile_bf16(x_end - m)(x + m * K, w + p * K, bias, y + m * N, p, p_end, N, K);
+  const int64_t panel_pairs = kPanelOutputs * ((K - K % 32) / 2);
+  const int64_t panels_at_once = std::max<int64_t>(1, kPackedBytes / (4 * std::max<int64_t>(panel_pairs, 1)));
+  thread_local std::vector<uint32_t> packed;  // kept: a fresh allocation a call paid its page faults again
+  for (int64_t part = n_begin; part < n_end; part += panels_at_once * kPanelOutputs) {
+    const int64_t part_end = std::min(n_end, part + panels_at_once * kPanelOutputs);
+    const int64_t panels = (part_end - part + kPanelOutputs - 1) / kPanelOutputs;
+    if (rows >= 6) {
+      if (static_cast<int64_t>(packed.size()) < panels * panel_pairs) packed.resize(panels * panel_pairs);
+      for (int64_t i = 0; i < panels; ++i)
+        pack_panel_bf16(w, part + i * kPanelOutputs, part_end, K, packed.data() + i * panel_pairs);
+    }
+    for (int64_t x0 = 0; x0 < rows; x0 += x_rows) {
+      const int64_t x_end = std::min(rows, x0 + x_rows);
+      for (int64_t i = 0; i < panels; ++i) {
+        const int64_t p = part + i * kPanelOutputs, p_end = std::min(part_end, p + kPanelOutputs);
+        int64_t m = x0;
+        for (; m + 6 <= x_end; m += 6)
+          panel_tile_bf16<6>(x + m * K, packed.data() + i * panel_pairs, w, bias, y + m * N, p, p_end - p, N, K);
+        if (m < x_end) tile_bf16(x_end - m)(x + m * K, w + p * K, bias, y + m * N, p, p_end, N, K);
+      }
     }
   }
 }
