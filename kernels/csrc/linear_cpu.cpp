@@ -23,7 +23,12 @@
 
 namespace {
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(NANOVLLM_LINEAR_AVX2)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(NANOVLLM_LINEAR_AVX2)
+// Prefills under --deterministic through 16-lane registers across outputs (panel_tile_wide, below).
+#define NANOVLLM_LINEAR_WIDE 1
+#endif
+
+#if defined(__AVX512BF16__) && defined(NANOVLLM_LINEAR_WIDE)
 #define NANOVLLM_LINEAR_BF16 1
 // bf16 x and weights where the CPU multiplies bf16 itself (AVX512-BF16). vdpbf16ps takes 32 weights and 32
 // inputs as they are, no widening, and adds their exact products into 16 fp32 lanes, two per lane: a
@@ -132,28 +137,7 @@ constexpr int64_t kBlockBytes = 192 * 1024;
 // Rows of x a blocked pass runs against two weight rows at once: 12 accumulators (linear_tile.h's widest).
 constexpr int kBlockTileRows = 6;
 
-// y[:, n_begin:n_end] for more rows of x than one tile (a prefill under --deterministic): x in blocks of
-// rows and the weights in panels that stay in L2 together, each panel read from memory once per block of x
-// instead of once per tile (the first tile's pass over a panel still reads it from memory: the weights are
-// prefetched). Only the order of (row, output) pairs changes; each output's sum is the tile's.
-template <typename T>
-void linear_range_blocked(const std::vector<float>& xf, const T* w, const T* bias, T* y, int64_t rows,
-                          int64_t n_begin, int64_t n_end, int64_t N, int64_t K) {
-  const int64_t x_rows = std::max<int64_t>(kBlockTileRows, kBlockBytes / (K * 4) / kBlockTileRows * kBlockTileRows);
-  const int64_t panel = std::max<int64_t>(2, kBlockBytes / (K * static_cast<int64_t>(sizeof(T))) / 2 * 2);
-  for (int64_t x0 = 0; x0 < rows; x0 += x_rows) {
-    const int64_t x_end = std::min(rows, x0 + x_rows);
-    for (int64_t p = n_begin; p < n_end; p += panel) {
-      const int64_t p_end = std::min(n_end, p + panel);
-      int64_t m = x0;
-      for (; m + kBlockTileRows <= x_end; m += kBlockTileRows)
-        tile_rows<kBlockTileRows, T, T, 2>(xf.data() + m * K, w + p * K, bias, y + m * N, p, p_end, N, K);
-      if (m < x_end) tile_fn<T, T>(x_end - m)(xf.data() + m * K, w + p * K, bias, y + m * N, p, p_end, N, K);
-    }
-  }
-}
-
-#ifdef NANOVLLM_LINEAR_BF16
+#ifdef NANOVLLM_LINEAR_WIDE
 // Weight rows a panel of the across-outputs tile holds: four vectors of 16 outputs.
 constexpr int64_t kPanelOutputs = 64;
 
@@ -181,6 +165,151 @@ inline void transpose16x16(__m512i v[16]) {
   }
 }
 
+// Bytes of packed weights a thread holds at once: with a block of x they stay in a core's L2 while the block
+// goes through them (x is read again for each part: from L3, a few MB a step). Measured against 256 KB and
+// 2 MB (docs/performance.md#measurements-behind-choices-in-the-code).
+constexpr int64_t kPackedBytes = 512 << 10;
+
+// 16 weights widened to fp32 (`mask` of them; the rest 0).
+inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+inline __m512 load16(const c10::BFloat16* p, __mmask16 mask) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+inline __m512 load16(const c10::Half* p, __mmask16 mask) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p)); }
+
+// Weight rows [n, n + 64) (those at or past n_end repeat the last) widened to fp32 and packed as
+// panel_tile_wide reads them: for each lane l of linear_tile.h's 8 and each 8-weight step j, the 64 rows'
+// weight k = 8j + l side by side, [8][k_vec / 8][64] in all.
+template <typename T>
+void pack_panel_wide(const T* w, int64_t n, int64_t n_end, int64_t K, float* out) {
+  const int64_t steps = vector_end(K) / 8;
+  for (int64_t i0 = 0; i0 < kPanelOutputs; i0 += 16) {
+    const T* rows[16];
+    for (int r = 0; r < 16; ++r) rows[r] = w + std::min(n + i0 + r, n_end - 1) * K;
+    for (int64_t j = 0; j < steps; j += 2) {  // two steps (16 weights) a row at a time, one at the end
+      const int64_t count = std::min<int64_t>(16, (steps - j) * 8);
+      const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+      __m512i v[16];
+      for (int r = 0; r < 16; ++r) v[r] = _mm512_castps_si512(load16(rows[r] + 8 * j, mask));
+      transpose16x16(v);  // v[c]: weight 8j + c of each of the 16 rows
+      for (int64_t c = 0; c < count; ++c)
+        _mm512_storeu_si512(out + ((c % 8) * steps + j + c / 8) * kPanelOutputs + i0, v[c]);
+    }
+  }
+}
+
+// y[m][n + i] for M rows of x (fp32) against a packed panel (valid of its 64 outputs written): tile_rows'
+// sums bit for bit, vectorised across 16 outputs a register instead of within one output's 8 lanes. Lane
+// l's partial sum over the steps j is here a vector of 64 outputs' lane-l sums (the same FMAs in the same
+// order, x broadcast), and hsum8's tree is taken on those vectors: with AVX-512 twice the lanes of
+// linear_tile.h's AVX2 registers and no horizontal sums, where that tile ran PyTorch's float32 GEMM's
+// prefills at about half its speed (docs/performance.md#measurements-behind-choices-in-the-code).
+template <int M, typename T, typename Y>
+void panel_tile_wide(const float* x, const float* panel, const T* w, const Y* bias, Y* y, int64_t n, int64_t valid,
+                     int64_t N, int64_t K) {
+  const int64_t k_vec = vector_end(K), steps = k_vec / 8;
+  alignas(64) float lanes[8][M][kPanelOutputs];
+  for (int l = 0; l < 8; ++l) {
+    __m512 acc[M][4];
+    for (int m = 0; m < M; ++m)
+      for (int b = 0; b < 4; ++b) acc[m][b] = _mm512_setzero_ps();
+    const float* p = panel + l * steps * kPanelOutputs;
+    for (int64_t j = 0; j < steps; ++j) {
+      __m512 wv[4];
+      for (int b = 0; b < 4; ++b) wv[b] = _mm512_loadu_ps(p + j * kPanelOutputs + 16 * b);
+      for (int m = 0; m < M; ++m) {
+        const __m512 xv = _mm512_set1_ps(x[m * K + 8 * j + l]);
+        for (int b = 0; b < 4; ++b) acc[m][b] = _mm512_fmadd_ps(xv, wv[b], acc[m][b]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int b = 0; b < 4; ++b) _mm512_store_ps(lanes[l][m] + 16 * b, acc[m][b]);
+  }
+  for (int m = 0; m < M; ++m)
+    for (int b = 0; b < 4 && 16 * b < valid; ++b) {
+      auto lane = [&](int i) { return _mm512_load_ps(lanes[i][m] + 16 * b); };
+      // hsum8's tree: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+      const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(lane(0), lane(4)), _mm512_add_ps(lane(2), lane(6))),
+                                       _mm512_add_ps(_mm512_add_ps(lane(1), lane(5)), _mm512_add_ps(lane(3), lane(7))));
+      const int64_t count = std::min<int64_t>(16, valid - 16 * b);
+      if constexpr (std::is_same_v<Y, float>) {
+        if (k_vec == K) {
+          const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+          const __m512 with_bias = bias == nullptr ? sum : _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask, bias + n + 16 * b));
+          _mm512_mask_storeu_ps(y + m * N + n + 16 * b, mask, with_bias);
+          continue;
+        }
+      }
+      _mm512_store_ps(lanes[0][m] + 16 * b, sum);  // the tail in order, then the bias, one output at a time
+      for (int64_t i = 16 * b; i < 16 * b + count; ++i) {
+        float s = lanes[0][m][i];
+        for (int64_t k = k_vec; k < K; ++k) s += x[m * K + k] * load(w[(n + i) * K + k]);
+        if (bias != nullptr) s += load(bias[n + i]);
+        y[m * N + n + i] = to<Y>(s);
+      }
+    }
+}
+
+// linear_range_blocked with AVX-512: the thread's weights widened and packed for panel_tile_wide
+// kPackedBytes at a time, each part once, then x in blocks against each packed panel of 64 rows of the part,
+// 6 rows of x a pass (24 accumulators, 4 weight and 1 x register of the 32); a block's last rows go through
+// linear_tile.h's tile. Each output's sum is the same whatever its tile.
+template <typename T>
+void linear_range_blocked_wide(const std::vector<float>& xf, const T* w, const T* bias, T* y, int64_t rows,
+                               int64_t n_begin, int64_t n_end, int64_t N, int64_t K) {
+  const int64_t x_rows = std::max<int64_t>(6, kBlockBytes / (K * 4) / 6 * 6);
+  const int64_t panel_floats = kPanelOutputs * vector_end(K);
+  const int64_t panels_at_once = std::max<int64_t>(1, kPackedBytes / (4 * std::max<int64_t>(panel_floats, 1)));
+  thread_local std::vector<float> packed;  // kept: a fresh allocation a call paid its page faults again
+  for (int64_t part = n_begin; part < n_end; part += panels_at_once * kPanelOutputs) {
+    const int64_t part_end = std::min(n_end, part + panels_at_once * kPanelOutputs);
+    const int64_t panels = (part_end - part + kPanelOutputs - 1) / kPanelOutputs;
+    if (rows >= 6) {
+      if (static_cast<int64_t>(packed.size()) < panels * panel_floats) packed.resize(panels * panel_floats);
+      for (int64_t i = 0; i < panels; ++i)
+        pack_panel_wide(w, part + i * kPanelOutputs, part_end, K, packed.data() + i * panel_floats);
+    }
+    for (int64_t x0 = 0; x0 < rows; x0 += x_rows) {
+      const int64_t x_end = std::min(rows, x0 + x_rows);
+      for (int64_t i = 0; i < panels; ++i) {
+        const int64_t p = part + i * kPanelOutputs, p_end = std::min(part_end, p + kPanelOutputs);
+        int64_t m = x0;
+        for (; m + 6 <= x_end; m += 6)
+          panel_tile_wide<6>(xf.data() + m * K, packed.data() + i * panel_floats, w, bias, y + m * N, p, p_end - p,
+                             N, K);
+        if (m < x_end) tile_fn<T, T>(x_end - m)(xf.data() + m * K, w + p * K, bias, y + m * N, p, p_end, N, K);
+      }
+    }
+  }
+}
+#endif
+
+// y[:, n_begin:n_end] for more rows of x than one tile (a prefill under --deterministic): x in blocks of
+// rows and the weights in panels that stay in L2 together, each panel read from memory once per block of x
+// instead of once per tile (the first tile's pass over a panel still reads it from memory: the weights are
+// prefetched). Only the order of (row, output) pairs changes; each output's sum is the tile's.
+template <typename T>
+void linear_range_blocked(const std::vector<float>& xf, const T* w, const T* bias, T* y, int64_t rows,
+                          int64_t n_begin, int64_t n_end, int64_t N, int64_t K) {
+#ifdef NANOVLLM_LINEAR_WIDE
+  linear_range_blocked_wide(xf, w, bias, y, rows, n_begin, n_end, N, K);
+#else
+  const int64_t x_rows = std::max<int64_t>(kBlockTileRows, kBlockBytes / (K * 4) / kBlockTileRows * kBlockTileRows);
+  const int64_t panel = std::max<int64_t>(2, kBlockBytes / (K * static_cast<int64_t>(sizeof(T))) / 2 * 2);
+  for (int64_t x0 = 0; x0 < rows; x0 += x_rows) {
+    const int64_t x_end = std::min(rows, x0 + x_rows);
+    for (int64_t p = n_begin; p < n_end; p += panel) {
+      const int64_t p_end = std::min(n_end, p + panel);
+      int64_t m = x0;
+      for (; m + kBlockTileRows <= x_end; m += kBlockTileRows)
+        tile_rows<kBlockTileRows, T, T, 2>(xf.data() + m * K, w + p * K, bias, y + m * N, p, p_end, N, K);
+      if (m < x_end) tile_fn<T, T>(x_end - m)(xf.data() + m * K, w + p * K, bias, y + m * N, p, p_end, N, K);
+    }
+  }
+#endif
+}
+
+#ifdef NANOVLLM_LINEAR_BF16
 // Weight rows [n, n + 64) (those at or past n_end repeat the last) packed as panel_tile_bf16 reads them: for
 // each lane l of tile_rows_bf16's accumulators and each 32-weight step j, the 64 rows' pairs (k = 32j + 2l,
 // 32j + 2l + 1) side by side, [16][k_vec / 32][64] pairs in all.
@@ -260,11 +389,6 @@ void panel_tile_bf16(const c10::BFloat16* x, const uint32_t* panel, const c10::B
       _mm256_mask_storeu_epi16(y + m * N + n + 16 * b, mask, _mm512_cvtepi32_epi16(bits));
     }
 }
-
-// Bytes of packed weights a thread holds at once: with a block of x they stay in a core's L2 while the block
-// goes through them (x is read again for each part: from L3, a few MB a step). Measured against 256 KB and
-// 2 MB (docs/performance.md#measurements-behind-choices-in-the-code).
-constexpr int64_t kPackedBytes = 512 << 10;
 
 // linear_range_blocked for the native bf16 tile, which reads x as it is: the thread's weights packed for
 // panel_tile_bf16 kPackedBytes at a time, each part once, then x in blocks (384 KB) against each packed panel
