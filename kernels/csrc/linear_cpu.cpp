@@ -177,6 +177,35 @@ inline __m512 load16(const c10::BFloat16* p, __mmask16 mask) {
 }
 inline __m512 load16(const c10::Half* p, __mmask16 mask) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p)); }
 
+// The blocked prefill loop of the packed tiles: the thread's weight rows [n_begin, n_end) packed
+// kPackedBytes at a time, each part once (pack(n, part_end, out): the panel of 64 rows from n, `panel_size`
+// values of P), then x in blocks of x_rows against each packed panel of the part in turn, 6 rows of x a pass
+// (tile6(m, panel, n, valid)), a block's last rows through rest(m, count, n, n_end) on the unpacked weights.
+template <typename P, typename Pack, typename Tile, typename Rest>
+void for_each_packed_panel(int64_t rows, int64_t n_begin, int64_t n_end, int64_t x_rows, int64_t panel_size,
+                           Pack&& pack, Tile&& tile6, Rest&& rest) {
+  const int64_t panels_at_once =
+      std::max<int64_t>(1, kPackedBytes / static_cast<int64_t>(sizeof(P)) / std::max<int64_t>(panel_size, 1));
+  thread_local std::vector<P> packed;  // kept: a fresh allocation a call paid its page faults again
+  for (int64_t part = n_begin; part < n_end; part += panels_at_once * kPanelOutputs) {
+    const int64_t part_end = std::min(n_end, part + panels_at_once * kPanelOutputs);
+    const int64_t panels = (part_end - part + kPanelOutputs - 1) / kPanelOutputs;
+    if (rows >= 6) {
+      if (static_cast<int64_t>(packed.size()) < panels * panel_size) packed.resize(panels * panel_size);
+      for (int64_t i = 0; i < panels; ++i) pack(part + i * kPanelOutputs, part_end, packed.data() + i * panel_size);
+    }
+    for (int64_t x0 = 0; x0 < rows; x0 += x_rows) {
+      const int64_t x_end = std::min(rows, x0 + x_rows);
+      for (int64_t i = 0; i < panels; ++i) {
+        const int64_t p = part + i * kPanelOutputs, p_end = std::min(part_end, p + kPanelOutputs);
+        int64_t m = x0;
+        for (; m + 6 <= x_end; m += 6) tile6(m, packed.data() + i * panel_size, p, p_end - p);
+        if (m < x_end) rest(m, x_end - m, p, p_end);
+      }
+    }
+  }
+}
+
 // Weight rows [n, n + 64) (those at or past n_end repeat the last) widened to fp32 and packed as
 // panel_tile_wide reads them: for each lane l of linear_tile.h's 8 and each 8-weight step j, the 64 rows'
 // weight k = 8j + l side by side, [8][k_vec / 8][64] in all.
@@ -250,37 +279,21 @@ void panel_tile_wide(const float* x, const float* panel, const T* w, const Y* bi
     }
 }
 
-// linear_range_blocked with AVX-512: the thread's weights widened and packed for panel_tile_wide
-// kPackedBytes at a time, each part once, then x in blocks against each packed panel of 64 rows of the part,
-// 6 rows of x a pass (24 accumulators, 4 weight and 1 x register of the 32); a block's last rows go through
-// linear_tile.h's tile. Each output's sum is the same whatever its tile.
+// linear_range_blocked with AVX-512: x (widened) in blocks of 192 KB against packed panels
+// (for_each_packed_panel), 6 rows of x a pass through panel_tile_wide (24 accumulators, 4 weight and 1 x
+// register of the 32), a block's last rows through linear_tile.h's tile: each output's sum the same.
 template <typename T>
 void linear_range_blocked_wide(const std::vector<float>& xf, const T* w, const T* bias, T* y, int64_t rows,
                                int64_t n_begin, int64_t n_end, int64_t N, int64_t K) {
-  const int64_t x_rows = std::max<int64_t>(6, kBlockBytes / (K * 4) / 6 * 6);
-  const int64_t panel_floats = kPanelOutputs * vector_end(K);
-  const int64_t panels_at_once = std::max<int64_t>(1, kPackedBytes / (4 * std::max<int64_t>(panel_floats, 1)));
-  thread_local std::vector<float> packed;  // kept: a fresh allocation a call paid its page faults again
-  for (int64_t part = n_begin; part < n_end; part += panels_at_once * kPanelOutputs) {
-    const int64_t part_end = std::min(n_end, part + panels_at_once * kPanelOutputs);
-    const int64_t panels = (part_end - part + kPanelOutputs - 1) / kPanelOutputs;
-    if (rows >= 6) {
-      if (static_cast<int64_t>(packed.size()) < panels * panel_floats) packed.resize(panels * panel_floats);
-      for (int64_t i = 0; i < panels; ++i)
-        pack_panel_wide(w, part + i * kPanelOutputs, part_end, K, packed.data() + i * panel_floats);
-    }
-    for (int64_t x0 = 0; x0 < rows; x0 += x_rows) {
-      const int64_t x_end = std::min(rows, x0 + x_rows);
-      for (int64_t i = 0; i < panels; ++i) {
-        const int64_t p = part + i * kPanelOutputs, p_end = std::min(part_end, p + kPanelOutputs);
-        int64_t m = x0;
-        for (; m + 6 <= x_end; m += 6)
-          panel_tile_wide<6>(xf.data() + m * K, packed.data() + i * panel_floats, w, bias, y + m * N, p, p_end - p,
-                             N, K);
-        if (m < x_end) tile_fn<T, T>(x_end - m)(xf.data() + m * K, w + p * K, bias, y + m * N, p, p_end, N, K);
-      }
-    }
-  }
+  for_each_packed_panel<float>(
+      rows, n_begin, n_end, std::max<int64_t>(6, kBlockBytes / (K * 4) / 6 * 6), kPanelOutputs * vector_end(K),
+      [&](int64_t n, int64_t part_end, float* out) { pack_panel_wide(w, n, part_end, K, out); },
+      [&](int64_t m, const float* panel, int64_t n, int64_t valid) {
+        panel_tile_wide<6>(xf.data() + m * K, panel, w, bias, y + m * N, n, valid, N, K);
+      },
+      [&](int64_t m, int64_t count, int64_t n, int64_t n_stop) {
+        tile_fn<T, T>(count)(xf.data() + m * K, w + n * K, bias, y + m * N, n, n_stop, N, K);
+      });
 }
 #endif
 
@@ -390,38 +403,22 @@ void panel_tile_bf16(const c10::BFloat16* x, const uint32_t* panel, const c10::B
     }
 }
 
-// linear_range_blocked for the native bf16 tile, which reads x as it is: the thread's weights packed for
-// panel_tile_bf16 kPackedBytes at a time, each part once, then x in blocks (384 KB) against each packed panel
-// of 64 rows of the part in turn, 6 rows of x a pass (24 accumulators, 4 weight and 1 x register of the 32);
-// a block's last rows go through tile_rows_bf16. Without the blocks every 8 rows of x streamed the weights
-// from memory again: an LM head at 64 rows ran at 0.45x PyTorch's GEMM, 1.0x with them
-// (docs/performance.md#deterministic-inference-benchdeterministicpy). Each output's sum is the same whatever
-// its tile: tile_rows_bf16's steps in its order.
+// linear_range_blocked for the native bf16 tile, which reads x as it is: x in blocks of 384 KB against
+// packed panels (for_each_packed_panel), 6 rows of x a pass through panel_tile_bf16, a block's last rows
+// through tile_rows_bf16: each output's sum the same, tile_rows_bf16's steps in its order. Without the blocks
+// every 8 rows of x streamed the weights from memory again: an LM head at 64 rows ran at 0.45x PyTorch's
+// GEMM, 1.0x with them (docs/performance.md#deterministic-inference-benchdeterministicpy).
 void linear_range_blocked_bf16(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias,
                                c10::BFloat16* y, int64_t rows, int64_t n_begin, int64_t n_end, int64_t N, int64_t K) {
-  const int64_t x_rows = std::max<int64_t>(6, 2 * kBlockBytes / (K * 2) / 6 * 6);
-  const int64_t panel_pairs = kPanelOutputs * ((K - K % 32) / 2);
-  const int64_t panels_at_once = std::max<int64_t>(1, kPackedBytes / (4 * std::max<int64_t>(panel_pairs, 1)));
-  thread_local std::vector<uint32_t> packed;  // kept: a fresh allocation a call paid its page faults again
-  for (int64_t part = n_begin; part < n_end; part += panels_at_once * kPanelOutputs) {
-    const int64_t part_end = std::min(n_end, part + panels_at_once * kPanelOutputs);
-    const int64_t panels = (part_end - part + kPanelOutputs - 1) / kPanelOutputs;
-    if (rows >= 6) {
-      if (static_cast<int64_t>(packed.size()) < panels * panel_pairs) packed.resize(panels * panel_pairs);
-      for (int64_t i = 0; i < panels; ++i)
-        pack_panel_bf16(w, part + i * kPanelOutputs, part_end, K, packed.data() + i * panel_pairs);
-    }
-    for (int64_t x0 = 0; x0 < rows; x0 += x_rows) {
-      const int64_t x_end = std::min(rows, x0 + x_rows);
-      for (int64_t i = 0; i < panels; ++i) {
-        const int64_t p = part + i * kPanelOutputs, p_end = std::min(part_end, p + kPanelOutputs);
-        int64_t m = x0;
-        for (; m + 6 <= x_end; m += 6)
-          panel_tile_bf16<6>(x + m * K, packed.data() + i * panel_pairs, w, bias, y + m * N, p, p_end - p, N, K);
-        if (m < x_end) tile_bf16(x_end - m)(x + m * K, w + p * K, bias, y + m * N, p, p_end, N, K);
-      }
-    }
-  }
+  for_each_packed_panel<uint32_t>(
+      rows, n_begin, n_end, std::max<int64_t>(6, 2 * kBlockBytes / (K * 2) / 6 * 6), kPanelOutputs * ((K - K % 32) / 2),
+      [&](int64_t n, int64_t part_end, uint32_t* out) { pack_panel_bf16(w, n, part_end, K, out); },
+      [&](int64_t m, const uint32_t* panel, int64_t n, int64_t valid) {
+        panel_tile_bf16<6>(x + m * K, panel, w, bias, y + m * N, n, valid, N, K);
+      },
+      [&](int64_t m, int64_t count, int64_t n, int64_t n_stop) {
+        tile_bf16(count)(x + m * K, w + n * K, bias, y + m * N, n, n_stop, N, K);
+      });
 }
 #endif
 
