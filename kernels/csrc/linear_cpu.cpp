@@ -170,6 +170,13 @@ inline void transpose16x16(__m512i v[16]) {
 // 2 MB (docs/performance.md#measurements-behind-choices-in-the-code).
 constexpr int64_t kPackedBytes = 512 << 10;
 
+// hsum8's tree taken on 8 vectors lane(0..7) instead of 8 lanes: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
+template <typename Lane>
+inline __m512 hsum8_tree(Lane&& lane) {
+  return _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(lane(0), lane(4)), _mm512_add_ps(lane(2), lane(6))),
+                       _mm512_add_ps(_mm512_add_ps(lane(1), lane(5)), _mm512_add_ps(lane(3), lane(7))));
+}
+
 // 16 weights widened to fp32 (`mask` of them; the rest 0).
 inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
 inline __m512 load16(const c10::BFloat16* p, __mmask16 mask) {
@@ -256,10 +263,7 @@ void panel_tile_wide(const float* x, const float* panel, const T* w, const Y* bi
   }
   for (int m = 0; m < M; ++m)
     for (int b = 0; b < 4 && 16 * b < valid; ++b) {
-      auto lane = [&](int i) { return _mm512_load_ps(lanes[i][m] + 16 * b); };
-      // hsum8's tree: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
-      const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(lane(0), lane(4)), _mm512_add_ps(lane(2), lane(6))),
-                                       _mm512_add_ps(_mm512_add_ps(lane(1), lane(5)), _mm512_add_ps(lane(3), lane(7))));
+      const __m512 sum = hsum8_tree([&](int i) { return _mm512_load_ps(lanes[i][m] + 16 * b); });
       const int64_t count = std::min<int64_t>(16, valid - 16 * b);
       if constexpr (std::is_same_v<Y, float>) {
         if (k_vec == K) {
@@ -374,10 +378,7 @@ void panel_tile_bf16(const c10::BFloat16* x, const uint32_t* panel, const c10::B
   }
   for (int m = 0; m < M; ++m)
     for (int b = 0; b < 4 && 16 * b < valid; ++b) {
-      auto lane = [&](int i) { return _mm512_load_ps(lanes[i][m] + 16 * b); };
-      // hsum8's tree: ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7))
-      __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(lane(0), lane(4)), _mm512_add_ps(lane(2), lane(6))),
-                                 _mm512_add_ps(_mm512_add_ps(lane(1), lane(5)), _mm512_add_ps(lane(3), lane(7))));
+      __m512 sum = hsum8_tree([&](int i) { return _mm512_load_ps(lanes[i][m] + 16 * b); });
       const int64_t count = std::min<int64_t>(16, valid - 16 * b);
       if (k_vec < K) {  // the tail in order, then the bias, one output at a time
         _mm512_store_ps(lanes[0][m] + 16 * b, sum);
