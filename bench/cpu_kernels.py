@@ -11,7 +11,7 @@ rows): 540 MB of fp32 weights, read from memory as in the model.
 "sample ..." is one sampler call over rows of SmolLM2's 49,152 logits (random, scale 3: flatter than a
 model's, so top-p's nucleus is wide) at temperature 0.7 with each filter: the Sampler's torch path (the
 same inversion in torch ops, with a sort or a top-k for the filters) against its C++ kernel, sample_rows;
-"greedy" is the argmax both take for temperature 0, for scale.
+"greedy" is temperature 0: torch.argmax against the kernels' argmax_rows.
 
 Decode attention runs at SmolLM2's 3 kv heads for each group size (query heads per kv head) and head dim
 asked for; a context "100-500" gives each sequence its own length, drawn uniformly from that range (the

@@ -100,6 +100,25 @@ def test_greedy_is_argmax_first_index_on_ties():
     assert out.logprobs == [None] * 4
 
 
+def test_the_cpu_kernels_argmax_is_torchs(kernels):
+    """The greedy rows' C++ argmax picks torch.argmax's index: the first of tied maxima, the first NaN where a
+    row holds one, 0 for a row of -inf, at lengths around its vector widths and a real vocabulary's."""
+    rows = []
+    for vocab in (1, 7, 16, 63, 64, 65, 1000, 151_936):
+        logits = rand_logits(6, vocab=vocab, seed=vocab)
+        logits[1] = logits[1].round()  # ties everywhere
+        logits[2, vocab // 2 :] = logits[2].max()  # the max tied from the middle on
+        logits[3] = float("-inf")
+        logits[4, vocab - 1] = float("nan")
+        logits[5, vocab // 3] = float("inf")
+        rows.append(logits)
+        assert torch.equal(kernels.argmax_rows(logits), logits.argmax(dim=-1)), vocab
+    greedy = [make_row(SamplingParams(temperature=0.0)) for _ in range(6)]
+    assert Sampler(cpu_kernels=kernels)(rows[-1], greedy).token_ids == rows[-1].argmax(dim=-1).tolist()
+    with pytest.raises(RuntimeError, match="argmax_rows: logits must be contiguous float32"):
+        kernels.argmax_rows(rows[-1].to(torch.bfloat16))
+
+
 def test_banned_token_is_never_chosen():
     logits = rand_logits(2)
     top = [int(logits[i].argmax()) for i in range(2)]

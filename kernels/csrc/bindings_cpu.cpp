@@ -23,6 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "logits[rows[j], t] = -inf where bit t of bitmask[j] is clear (CPU; float32; in place)");
   m.def("sample_rows", &sample_rows, "one token per row of float32 logits, drawn by inversion with spec's "
         "[temperature, top_k, top_p, min_p, uniform] rows (CPU)");
+  m.def("argmax_rows", &argmax_rows, "the first index of each row's largest float32 logit, a NaN the largest, "
+        "as torch.argmax(dim=-1) (CPU)");
   m.def("store_kv_", &store_kv_, "new tokens' K and V into their cache slots, as index_copy_, or quantized with "
         "per-kv-head scales into an FP8 cache (CPU; float32, bfloat16, float16)", py::arg("key"), py::arg("value"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"), py::arg("k_scale") = py::none(),

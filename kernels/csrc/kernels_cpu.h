@@ -50,3 +50,4 @@ at::Tensor rms_norm_fp32_weight(at::Tensor x, at::Tensor weight, double eps);
 
 // sampling_cpu.cpp
 at::Tensor sample_rows(at::Tensor logits, at::Tensor spec);
+at::Tensor argmax_rows(at::Tensor logits);
