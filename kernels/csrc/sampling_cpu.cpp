@@ -164,8 +164,8 @@ struct Lanes {
 #endif
 
 // The row's largest value, NaNs passed over (-inf for a row of NaNs), and whether it holds a NaN. GCC keeps
-// `omp simd reduction(max)` to one vector's latency chain (135 us over Qwen3.5's 248,320 logits); four
-// accumulators take 13 (docs/performance.md#measurements-behind-choices-in-the-code).
+// `omp simd reduction(max)` to one vector's latency chain; four accumulators run ten times faster
+// (docs/performance.md#measurements-behind-choices-in-the-code).
 float row_max(const float* x, int64_t vocab, bool& nan) {
   float max = -std::numeric_limits<float>::infinity();
   nan = false;
@@ -191,7 +191,7 @@ float row_max(const float* x, int64_t vocab, bool& nan) {
 }
 
 // The first index of the row's largest value, a NaN counting as larger than any number: torch.argmax's
-// pick. PyTorch's CPU argmax walks one row in scalar steps (350-410 us over 248,320 logits; 24 here).
+// pick. PyTorch's CPU argmax walks one row in scalar steps, 15-20 times slower (the same row of the docs).
 int64_t argmax_row(const float* x, int64_t vocab) {
   bool nan = false;
   const float max = row_max(x, vocab, nan);

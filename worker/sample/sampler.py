@@ -396,7 +396,7 @@ class Sampler:
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's argmax, as torch.argmax(dim=-1) picks it; on a CPU by the C++ kernel (PyTorch's walks a
-        row in scalar steps: 410 us a row of Qwen3.5's vocabulary)."""
+        row in scalar steps: docs/performance.md#measurements-behind-choices-in-the-code)."""
         if self.cpu_kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
             return self.cpu_kernels.argmax_rows(logits.contiguous())
         return logits.argmax(dim=-1)
