@@ -50,7 +50,7 @@ struct QRow {
 constexpr int64_t kChunkBytes = 64;
 constexpr int64_t kDotBlock = 32;  // activations per x scale; also the smallest weight group
 // Bytes ahead of the chunk being read that the general VNNI tile asks the memory for (the per-channel tile asks
-// for none: int8_dot_tile_row_scale): one weight row at a time is one sequential stream a thread. kPrefetchRows' 8 rows ahead were 28 KB at the 3,584 features of
+// for none: int8_row_scale_sums): one weight row at a time is one sequential stream a thread. kPrefetchRows' 8 rows ahead were 28 KB at the 3,584 features of
 // Qwen3.5-0.8B's down projection, most of L1, which x's chunks share: that projection ran at 0.70 of the
 // read bandwidth and 0.81 with a kilobyte (docs/performance.md#measurements-behind-choices-in-the-code).
 constexpr int64_t kDotPrefetchBytes = 1024;
@@ -173,66 +173,58 @@ inline __m512 load_halves(const c10::Half* p, __mmask16 mask) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
 }
 
-// int8_dot_tile for 8-bit weights with one scale a row (int8 per channel): each lane's products times its x
-// scale, summed, and the row's scale applied once at the end. Per chunk that leaves the weight bytes, the
-// integer dot, its conversion and one FMA, where the general tile also loads, widens and permutes the
-// chunk's weight scales. A chunk's loads are what bound it (two of 64 bytes a cycle on Zen 4): the offset's
-// correction is x's alone here, so it leaves the loop as one float (`correction_total`), and the tile asks
-// for no prefetch (its instructions take load slots; the hardware's stream prefetcher follows one row at a
-// time): 49 -> 70 GB/s from cache, and a thread's DRAM reads at 0.9-1.0 of a sum's
+// 8-bit weights with one scale a row (int8 per channel): sums[m][r] = x[m] . w[r] before the row's scale,
+// for `count` consecutive weight rows from `q` (`row_bytes` apart), one row at a time in one loop: each
+// lane's products times its x scale, summed, and x's correction for the weights' +128 offset added once
+// (it is x's alone here: `correction_total`). Per chunk that leaves the weight bytes, the integer dot, its
+// conversion and one FMA, where the general tile also loads, widens and permutes the chunk's weight scales;
+// no software prefetch (its instructions take load slots; the hardware's stream prefetcher follows one row
+// at a time). Everything a row does not change is set up once a call: a call a row through the general
+// tile's driver cost as much again as the row's own loop and held a thread's DRAM reads to 0.7 of a sum's
 // (docs/performance.md#measurements-behind-choices-in-the-code). Two chunks a pass, even and odd chunks
 // summed apart and added at the end (a chunk left over, whole or partial, with the even ones), with plain
 // loads where a chunk is whole.
-template <int M, int R>
-void int8_dot_tile_row_scale(const QuantizedRow* x, const std::vector<ChunkGroups>& chunks, const QRow* rows,
-                             float (*out)[R]) {
+template <int M>
+void int8_row_scale_sums(const QuantizedRow* x, const std::vector<ChunkGroups>& chunks, const uint8_t* q,
+                         int64_t row_bytes, int64_t count, float* sums) {
   const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80)), zero = _mm512_setzero_si512();
-  __m512 acc[2][M][R];
-  for (int u = 0; u < 2; ++u)
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < R; ++r) acc[u][m][r] = _mm512_setzero_ps();
+  const int8_t* xlo[M];
+  const float* xs[M];
+  for (int m = 0; m < M; ++m) xlo[m] = x[m].lo.data(), xs[m] = x[m].scale.data();
   const int64_t n = static_cast<int64_t>(chunks.size());
   const int64_t full = chunks[n - 1].byte_mask == ~__mmask64{0} ? n : n - 1;
-  int64_t c = 0;
-  for (; c + 2 <= full; c += 2) {
-    __m512i lo[2][R];
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* bytes = rows[r].q + c * kChunkBytes;
-      lo[0][r] = _mm512_xor_si512(_mm512_loadu_si512(bytes), sign);
-      lo[1][r] = _mm512_xor_si512(_mm512_loadu_si512(bytes + kChunkBytes), sign);
-    }
+  const __mmask64 last_mask = chunks[n - 1].byte_mask;
+  for (int64_t r = 0; r < count; ++r) {
+    const uint8_t* row = q + r * row_bytes;
+    __m512 acc[2][M];
     for (int u = 0; u < 2; ++u)
-      for (int m = 0; m < M; ++m) {
-        const __m512i xlo = _mm512_loadu_si512(x[m].lo.data() + (c + u) * kChunkBytes);
-        const __m512 xs = _mm512_loadu_ps(x[m].scale.data() + (c + u) * 16);
-        for (int r = 0; r < R; ++r)
-          acc[u][m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, lo[u][r], xlo)), xs, acc[u][m][r]);
-      }
-  }
-  for (; c < n; ++c) {
-    __m512i lo[R];
-    for (int r = 0; r < R; ++r)
-      lo[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(chunks[c].byte_mask, rows[r].q + c * kChunkBytes), sign);
-    for (int m = 0; m < M; ++m) {
-      const __m512i xlo = _mm512_loadu_si512(x[m].lo.data() + c * kChunkBytes);
-      const __m512 xs = _mm512_loadu_ps(x[m].scale.data() + c * 16);
-      for (int r = 0; r < R; ++r)
-        acc[0][m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, lo[r], xlo)), xs, acc[0][m][r]);
+      for (int m = 0; m < M; ++m) acc[u][m] = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 2 <= full; c += 2) {
+      const __m512i lo[2] = {_mm512_xor_si512(_mm512_loadu_si512(row + c * kChunkBytes), sign),
+                             _mm512_xor_si512(_mm512_loadu_si512(row + (c + 1) * kChunkBytes), sign)};
+      for (int u = 0; u < 2; ++u)
+        for (int m = 0; m < M; ++m) {
+          const __m512i dot = _mm512_dpbusd_epi32(zero, lo[u], _mm512_loadu_si512(xlo[m] + (c + u) * kChunkBytes));
+          acc[u][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(xs[m] + (c + u) * 16), acc[u][m]);
+        }
     }
+    for (; c < n; ++c) {
+      const __m512i lo = _mm512_xor_si512(_mm512_maskz_loadu_epi8(c < full ? ~__mmask64{0} : last_mask, row + c * kChunkBytes), sign);
+      for (int m = 0; m < M; ++m) {
+        const __m512i dot = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(xlo[m] + c * kChunkBytes));
+        acc[0][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(xs[m] + c * 16), acc[0][m]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      sums[m * count + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][m], acc[1][m])) + x[m].correction_total;
   }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r)
-      out[m][r] = (_mm512_reduce_add_ps(_mm512_add_ps(acc[0][m][r], acc[1][m][r])) + x[m].correction_total) *
-                  load(rows[r].s[0]);
 }
 
 // out[m][r] = x[m] . w[r] for M rows of x against R weight rows.
 template <int M, int R, int BITS>
 void int8_dot_tile(const QuantizedRow* x, const std::vector<ChunkGroups>& chunks, const QRow* rows, int64_t K,
                    int64_t group, float (*out)[R]) {
-  if constexpr (BITS == 8) {
-    if (group == K) return int8_dot_tile_row_scale<M, R>(x, chunks, rows, out);
-  }
   const __m512i low4 = _mm512_set1_epi8(0x0F), sign = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[M][R];
   for (int m = 0; m < M; ++m)

@@ -201,10 +201,42 @@ DirectFn<BITS, T> direct_fn(int64_t rows) {
 }
 
 #ifdef NANOVLLM_INT8_DOTS
+#ifdef NANOVLLM_INT8_DOTS_VNNI
+// int8 per channel (one scale a row): int8_row_scale_sums over 64 weight rows at a time, then each output's
+// scale, bias and rounding to T in one vectorisable pass, as for_each_tile computes them one by one.
+template <int M, typename T>
+void int8_row_scale_rows(const QuantizedRow* x, const std::vector<ChunkGroups>& chunks, const PackedRows<8>& weights,
+                         const T* bias, T* y, int64_t n_begin, int64_t n_end, int64_t N) {
+  constexpr int64_t kRows = 64;
+  float sums[M * kRows];
+  for (int64_t n = n_begin; n < n_end; n += kRows) {
+    const int64_t count = std::min(kRows, n_end - n);
+    int8_row_scale_sums<M>(x, chunks, weights.q + n * weights.K, weights.K, count, sums);
+    const c10::Half* scales = weights.s + n;
+    for (int m = 0; m < M; ++m) {
+      const float* sum = sums + m * count;
+      T* out = y + m * N + n;
+      if (bias == nullptr) {
+#pragma omp simd
+        for (int64_t r = 0; r < count; ++r) out[r] = to<T>(sum[r] * load(scales[r]));
+      } else {
+#pragma omp simd
+        for (int64_t r = 0; r < count; ++r) out[r] = to<T>(sum[r] * load(scales[r]) + load(bias[n + r]));
+      }
+    }
+  }
+}
+#endif
+
 // Output columns [n_begin, n_end) for M (<= kDirectRows) rows of x quantized to int8 (linear_int8_dots.h).
 template <int M, int BITS, typename T>
 void int8_dot_rows(const QuantizedRow* x, const std::vector<ChunkGroups>& chunks, const PackedRows<BITS>& weights,
                    const T* bias, T* y, int64_t n_begin, int64_t n_end, int64_t N, int64_t K, int64_t group) {
+#ifdef NANOVLLM_INT8_DOTS_VNNI
+  if constexpr (BITS == 8) {
+    if (group == K) return int8_row_scale_rows<M>(x, chunks, weights, bias, y, n_begin, n_end, N);
+  }
+#endif
   // With VNNI one weight row at a time at every row count: faster than four (two from 3 rows of x) at every
   // row count measured (docs/performance.md, Weight-only quantization). With AVX2 one at 1-2 rows of x, two
   // at 3-4 and four above, where each row of x's loads then serve several weight rows (measured faster at 8
