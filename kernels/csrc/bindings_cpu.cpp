@@ -52,6 +52,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("delta_gates", &delta_gates, "Qwen3.5's (g, beta) of each token and value head, float32 (CPU)");
   m.def("sigmoid_mul", &sigmoid_mul, "x * sigmoid(gate), the sigmoid rounded to the dtype (CPU; float32, bfloat16, "
         "float16)");
+  m.def("gated_rms_norm", &gated_rms_norm, "Qwen3.5's gated RMSNorm of float32 rows rounded to the weight's dtype, "
+        "times the weight, times a float32 gate, as transformers rounds it (CPU; float32, bfloat16, float16)");
   m.def("rms_norm_fp32_weight", &rms_norm_fp32_weight, "RMSNorm with a float32 weight, multiplied in float32 and "
         "rounded once (CPU; float32, bfloat16, float16)");
   m.def("add_rms_norm_", &add_rms_norm_,

@@ -208,14 +208,12 @@ class HybridDecodeLayers {
     const std::vector<at::Tensor> gates = delta_gates(parts[3], parts[2], l.a_log, l.dt_bias);  // g, beta
     const std::vector<at::Tensor> qkv = causal_conv_decode_(parts[0], l.conv_state, l.conv_weight, slots)
                                             .split_with_sizes({key_size, key_size, l.heads * l.value_dim}, -1);
-    const at::Tensor out =
+    const at::Tensor core =
         gated_delta_decode_(qkv[0].reshape({tokens, -1, l.key_dim}), qkv[1].reshape({tokens, -1, l.key_dim}),
                             qkv[2].reshape({tokens, -1, l.value_dim}), gates[0], gates[1], l.recurrent_state, slots)
-            .to(x.scalar_type())
             .view({-1, l.value_dim});
-    const at::Tensor normed = at::rms_norm(out.to(at::kFloat), {l.value_dim}, c10::nullopt, l.norm_eps).to(x.scalar_type());
     const at::Tensor gate = at::silu(parts[1].reshape({-1, l.value_dim}).to(at::kFloat));
-    return l.out_proj((l.norm_weight * normed * gate).to(x.scalar_type()).view({tokens, -1}));
+    return l.out_proj(gated_rms_norm(core, gate, l.norm_weight, l.norm_eps).view({tokens, -1}));
   }
 
   // GatedAttention.forward for decode rows: q/k normalised per head, RoPE on the first rotary_dim of each

@@ -311,6 +311,71 @@ at::Tensor sigmoid_mul(at::Tensor x, at::Tensor gate) {
   return out;
 }
 
+namespace {
+
+// The sum of a row of d (< 512) floats in the order PyTorch's CPU sum over a contiguous last dimension takes
+// (at::native's vectorized_inner_sum, row_sum and multi_row_sum, in 8-lane vectors on its AVX2 and AVX-512
+// builds alike): vector i into accumulator i % 4 (the vectors past the last whole four into the first), the
+// four accumulators added in order, then the values past the last whole vector and the 8 lanes in sequence.
+// `v` holds the squares already rounded: a product here could be contracted into a fused multiply-add.
+float torch_inner_sum(const float* v, int64_t d) {
+  constexpr int64_t kLanes = 8;
+  const int64_t vectors = d / kLanes, whole = vectors / 4 * 4;
+  float acc[4][kLanes] = {};
+  for (int64_t i = 0; i < vectors; ++i) {
+    float* into = acc[i < whole ? i % 4 : 0];
+    for (int64_t l = 0; l < kLanes; ++l) into[l] += v[i * kLanes + l];
+  }
+  for (int k = 1; k < 4; ++k)
+    for (int64_t l = 0; l < kLanes; ++l) acc[0][l] += acc[k][l];
+  float total = 0.f;
+  for (int64_t i = vectors * kLanes; i < d; ++i) total += v[i];
+  for (int64_t l = 0; l < kLanes; ++l) total += acc[0][l];
+  return total;
+}
+
+}  // namespace
+
+// Qwen3.5's gated RMSNorm of the delta rule's output, as transformers computes it in x's dtype T: each row
+// of `core` (float32 [rows, d]) rounded to T, normalised in float32 (x / sqrt(mean(x^2) + eps), the mean's
+// sum in PyTorch's order: the same bits as F.rms_norm), rounded to T, times `weight` ([d] in T, the product
+// rounded to T), times `gate` (float32 [rows, d], SiLU already applied), rounded to T. One call in place of
+// the dozen ATen operations a decode step's linear layer ran for it (each a dispatch and an allocation).
+at::Tensor gated_rms_norm(at::Tensor core, at::Tensor gate, at::Tensor weight, double eps) {
+  TORCH_CHECK(core.scalar_type() == at::kFloat && gate.scalar_type() == at::kFloat && core.dim() == 2 &&
+                  gate.sizes() == core.sizes() && weight.dim() == 1 && weight.size(0) == core.size(1),
+              "gated_rms_norm: core and gate float32 [rows, d], weight [d], got ", core.scalar_type(), " ",
+              core.sizes(), ", ", gate.scalar_type(), " ", gate.sizes(), ", ", weight.sizes());
+  const int64_t rows = core.size(0), d = core.size(1);
+  TORCH_CHECK(d < 512, "gated_rms_norm: rows of ", d, " values; PyTorch sums 512 or more in another order");
+  core = core.contiguous();
+  gate = gate.contiguous();
+  weight = weight.contiguous();
+  auto out = at::empty({rows, d}, core.options().dtype(weight.scalar_type()));
+  dispatch("gated_rms_norm", weight.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    const float* cp = core.data_ptr<float>();
+    const float* gp = gate.data_ptr<float>();
+    const T* w = weight.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+      std::vector<float> x(d), squares(d);
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t i = 0; i < d; ++i) x[i] = rounded<T>(cp[r * d + i]);
+        for (int64_t i = 0; i < d; ++i) squares[i] = x[i] * x[i];
+        asm volatile("" ::: "memory");  // the squares rounded apart from the sum's additions
+        const float mean = torch_inner_sum(squares.data(), d) / static_cast<float>(d);
+        const float inverse = 1.f / std::sqrt(mean + static_cast<float>(eps));
+        for (int64_t i = 0; i < d; ++i) {
+          const float normed = rounded<T>(x[i] * inverse);
+          op[r * d + i] = to<T>(rounded<T>(load(w[i]) * normed) * gp[r * d + i]);
+        }
+      }
+    });
+  });
+  return out;
+}
+
 // RMSNorm over the last dimension with a float32 weight ([d], or [H, d] for x [T, H, d]) of a 16-bit x:
 // normalised and multiplied in float32, rounded once (Qwen3.5's zero-centred norms, their 1 + w kept in
 // float32).

@@ -162,7 +162,8 @@ class GatedRMSNorm(nn.Module):
     On PyTorch on every backend: its row-wise rms_norm takes each head's sum of squares in the order
     transformers' mean does, and so equals transformers' in bf16; a C++ row kernel summing in sequence
     differed in about 2 of 100,000 outputs by a bf16 step, which on a random model's flat distributions moved
-    greedy tokens (tests/test_qwen3_5.py::test_bf16_meets_the_top5_rule). Each row is normalised on its
+    greedy tokens (tests/test_qwen3_5.py::test_bf16_meets_the_top5_rule). The CPU decode step's kernel
+    (gated_rms_norm) sums in PyTorch's order and equals this bit for bit. Each row is normalised on its
     own, so a head's result does not depend on the step's other rows (--deterministic)."""
 
     def __init__(self, dim: int, eps: float) -> None:
