@@ -221,9 +221,10 @@ void int8_row_scale_sums(const QuantizedRow* x, const std::vector<ChunkGroups>& 
   }
 }
 
-// out[m][r] = x[m] . w[r] for M rows of x against R weight rows.
+// out[m][r] = x[m] . w[r] for M rows of x against R weight rows. Inlined into its driver's row loop, which
+// then sets up what a row does not change once (docs/performance.md#measurements-behind-choices-in-the-code).
 template <int M, int R, int BITS>
-void int8_dot_tile(const QuantizedRow* x, const std::vector<ChunkGroups>& chunks, const QRow* rows, int64_t K,
+__attribute__((always_inline)) inline void int8_dot_tile(const QuantizedRow* x, const std::vector<ChunkGroups>& chunks, const QRow* rows, int64_t K,
                    int64_t group, float (*out)[R]) {
   const __m512i low4 = _mm512_set1_epi8(0x0F), sign = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[M][R];
