@@ -441,8 +441,11 @@ class ModelRunnerBase:
         )
         self.model.bind_kernels(choice.backend, kernels)
         self.sampler.cpu_kernels = cpu
+        if self.mtp is not None:
+            self.mtp.cpu_kernels = cpu
         if self.draft is not None:
             self.draft.model.bind_kernels(choice.backend, kernels)
+            self.draft.cpu_kernels = cpu
 
     def _cuda_allocated(self) -> int:
         """Bytes this process holds on the GPU through torch (0 on CPU): differences of it are this

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
@@ -25,6 +26,7 @@ from nanovllm.kernels.attention import AttentionMetadata
 from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.models.decoder import DecoderForCausalLM
 from nanovllm.worker.sample.paged_slots import chunk_slots, seq_chunk
+from nanovllm.worker.sample.sampler import greedy_tokens
 from nanovllm.worker.step import ScheduledSequence, StepInputs
 
 Tensors = Callable[[StepInputs], tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]]
@@ -36,6 +38,7 @@ class DraftModel:
         self.config = config
         self.block_size = block_size
         self.kv_cache = torch.empty(0)  # sized by allocate_cache once the target's block count is known
+        self.cpu_kernels: ModuleType | None = None  # the C++ kernels (kernels/cpu_kernels.py) for the argmax
 
     def allocate_cache(self, num_blocks: int, dtype: torch.dtype, device: torch.device) -> None:
         """A cache of `num_blocks` blocks, numbered as the target's (its pad block included)."""
@@ -93,4 +96,6 @@ class DraftModel:
     def _greedy(self, inputs: StepInputs, tensors: Tensors) -> list[int]:
         input_ids, positions, meta, logits_index = tensors(inputs)
         hidden = self.model(input_ids, positions, meta)
-        return self.model.compute_logits(hidden.index_select(0, logits_index)).argmax(-1).tolist()
+        return greedy_tokens(
+            self.model.compute_logits(hidden.index_select(0, logits_index)), self.cpu_kernels
+        ).tolist()

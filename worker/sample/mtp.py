@@ -39,12 +39,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
 from nanovllm.kernels.attention import AttentionMetadata
 from nanovllm.worker.models.qwen3_5 import Qwen3_5ForCausalLM
 from nanovllm.worker.sample.paged_slots import chunk_slots, seq_chunk
+from nanovllm.worker.sample.sampler import greedy_tokens
 from nanovllm.worker.sequence import Sequence, SequenceStatus
 from nanovllm.worker.step import HeadPass, ScheduledSequence, StepInputs
 
@@ -80,6 +82,7 @@ class MtpProposer:
         self.share = share  # rank 0 of several: hands each pass to the other ranks before running it
         self.kv_cache = torch.empty(0)  # sized by allocate_cache once the model's block count is known
         self._pending: dict[int, _Rows] = {}  # by seq_id: rows whose next token was not known yet
+        self.cpu_kernels: ModuleType | None = None  # the C++ kernels (kernels/cpu_kernels.py) for the argmax
 
     def allocate_cache(self, num_blocks: int, dtype: torch.dtype, device: torch.device) -> None:
         """The head's KV cache: `num_blocks` blocks numbered as the model's (its pad block included), in the
@@ -218,4 +221,4 @@ class MtpProposer:
         if not inputs.logits_index:
             return out[:0], []
         out = out.index_select(0, logits_index)
-        return out, self.model.compute_logits(out, self.draft_vocab).argmax(-1).tolist()
+        return out, greedy_tokens(self.model.compute_logits(out, self.draft_vocab), self.cpu_kernels).tolist()

@@ -300,6 +300,15 @@ def filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     return probs
 
 
+def greedy_tokens(logits: torch.Tensor, cpu_kernels: ModuleType | None) -> torch.Tensor:
+    """Each row's argmax, as torch.argmax(dim=-1) picks it; on a CPU by the C++ kernel on the rows in float32
+    (exact for 16-bit logits; PyTorch's CPU argmax walks a row in scalar steps:
+    docs/performance.md#measurements-behind-choices-in-the-code)."""
+    if cpu_kernels is not None and logits.device.type == "cpu":
+        return cpu_kernels.argmax_rows(logits.float().contiguous())
+    return logits.argmax(dim=-1)
+
+
 @dataclass
 class SamplingPlan:
     """What the sampler needs to know of a step's rows, read off them before the forward pass. After it,
@@ -375,7 +384,7 @@ class Sampler:
             return SampledBatch(empty, empty, lambda ids: SamplerOutput([], []))
         logits = _masked(logits, rows, self.cpu_kernels, plan.masked)
         if plan.argmax_only:
-            tokens = self._argmax(logits)
+            tokens = greedy_tokens(logits, self.cpu_kernels)
         else:
             tokens = self._choose(_prepared(logits, rows, plan.needs_edit), plan)
         if not plan.wanted:
@@ -386,20 +395,13 @@ class Sampler:
         """[batch] long tensor of chosen tokens: argmax for greedy rows, a draw for the others."""
         random, batch = plan.random, len(plan.rows)
         if not random:
-            return self._argmax(work)
+            return greedy_tokens(work, self.cpu_kernels)
         sampled = self._draw(_take(work, random, batch), plan)
         if len(random) == batch:
             return sampled
-        tokens = self._argmax(work)
+        tokens = greedy_tokens(work, self.cpu_kernels)
         tokens[_index(random, work.device)] = sampled
         return tokens
-
-    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """Each row's argmax, as torch.argmax(dim=-1) picks it; on a CPU by the C++ kernel (PyTorch's walks a
-        row in scalar steps: docs/performance.md#measurements-behind-choices-in-the-code)."""
-        if self.cpu_kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
-            return self.cpu_kernels.argmax_rows(logits.contiguous())
-        return logits.argmax(dim=-1)
 
     def _draw(self, x: torch.Tensor, plan: SamplingPlan) -> torch.Tensor:
         """One token per row of `x` (the plan's random rows), by inversion of its filtered distribution."""
