@@ -14,6 +14,7 @@ from nanovllm.worker.sample.sampler import (
     Sampler,
     apply_penalties,
     filtered_probs,
+    greedy_tokens,
     position_seed,
     position_uniform,
 )
@@ -101,7 +102,7 @@ def test_greedy_is_argmax_first_index_on_ties():
 
 
 def test_the_cpu_kernels_argmax_is_torchs(kernels):
-    """The greedy rows' C++ argmax picks torch.argmax's index: the first of tied maxima, the first NaN where a
+    """The greedy rows' C++ argmax (greedy_tokens) picks torch.argmax's index: the first of tied maxima, the first NaN where a
     row holds one, 0 for a row of -inf, at lengths around its vector widths and a real vocabulary's."""
     rows = []
     for vocab in (1, 7, 16, 63, 64, 65, 1000, 151_936):
@@ -117,6 +118,9 @@ def test_the_cpu_kernels_argmax_is_torchs(kernels):
     assert Sampler(cpu_kernels=kernels)(rows[-1], greedy).token_ids == rows[-1].argmax(dim=-1).tolist()
     with pytest.raises(RuntimeError, match="argmax_rows: logits must be contiguous float32"):
         kernels.argmax_rows(rows[-1].to(torch.bfloat16))
+    # The proposers' 16-bit logits: widened exactly, the same pick (ties in bf16 included)
+    bf16 = rows[-1].to(torch.bfloat16)
+    assert torch.equal(greedy_tokens(bf16, kernels), bf16.argmax(dim=-1))
 
 
 def test_banned_token_is_never_chosen():
