@@ -340,7 +340,7 @@ class Sampler:
     def __init__(self, generator: torch.Generator | None = None, cpu_kernels: ModuleType | None = None):
         # Engine-wide generator for rows without their own seed (None: torch's default RNG).
         self.generator = generator
-        self.cpu_kernels = cpu_kernels  # the C++ kernels (kernels/cpu_kernels.py) for the constraint masks, draws and argmax
+        self.cpu_kernels = cpu_kernels  # the C++ kernels (masks, draws, argmax)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         return self.sample(logits, self.plan(rows)).result()
