@@ -13,8 +13,11 @@ decodes the same prompts to the same length after them. Ratios are against the d
 
 With --shape (a random model of bench/models.py's shapes, e.g. qwen3.5-0.8b) the weights in the default
 dtype, int8 and int4, one stream only (random 128-token prompts), and what each token read at most: the
-decode step's time times the machine's read bandwidth measured around it, against the weights' bytes
-(a Qwen3.5 step also reads and writes its recurrent state, printed beside them).
+median decode step's time times the machine's read bandwidth (the median of sums over 1 GiB taken before,
+every 16 steps and after: the machine's bandwidth moves within seconds), against the weights' bytes (a
+Qwen3.5 step also reads and writes its recurrent state, printed beside them); and each step against a
+read of the same weights right after it (a max over each tensor of 1 MiB or more, scaled to all of them),
+the median: the step's work beyond reading its weights, whatever the machine reads that second.
 
 With --shape and --checkpoint fp8, the same random model also written as Qwen's block-FP8 checkpoints
 ship (bench/models.py write_block_fp8) and served as it loads (dequantized to the dtype) and repacked to
@@ -28,8 +31,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import random
+import statistics
 import subprocess
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -72,6 +77,62 @@ def one_stream(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
         decode_s += time.perf_counter() - first_at
         decode_tokens += count - 1
     return decode_tokens / decode_s
+
+
+@dataclass(frozen=True)
+class PairedStream:
+    """One stream's decode steps, each against a read of the same weights right after it."""
+
+    tokens_per_s: float  # decode tokens over the decode steps' own time
+    step_s: float  # the median decode step
+    against_read: float  # the median of each step's time over the read's after it
+    bandwidth: float  # the median of the sums over 1 GiB before, every 16 steps and after
+    bandwidth_range: tuple[float, float]
+
+
+def paired_stream(llm: LLM, prompts: list[list[int]], max_tokens: int) -> PairedStream:
+    """Each prompt alone; after each decode step, a read of the model's weights (a max over each tensor of
+    1 MiB or more, at the machine's threads; scaled to all the weights' bytes)."""
+    tensors = [t for t in weight_tensors(llm.engine.runner.model) if t.numel() * t.element_size() >= 2**20]
+    scale = weight_bytes(llm) / sum(t.numel() * t.element_size() for t in tensors)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    steps: list[float] = []
+    against_read: list[float] = []
+    bandwidths = [read_bandwidth()]
+    engine = llm.engine
+    for prompt in prompts:
+        engine.add_request("bench", prompt, params)
+        produced = 0
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            outputs = engine.step().outputs
+            step = time.perf_counter() - start
+            decoding = produced > 0  # the prompt's step gives the first token
+            produced += sum(len(out.new_token_ids) for out in outputs)
+            if not decoding:
+                continue
+            start = time.perf_counter()
+            for tensor in tensors:
+                tensor.max()
+            steps.append(step)
+            against_read.append(step / ((time.perf_counter() - start) * scale))
+            if len(steps) % 16 == 0:
+                bandwidths.append(read_bandwidth())
+    bandwidths.append(read_bandwidth())
+    return PairedStream(
+        len(steps) / sum(steps),
+        statistics.median(steps),
+        statistics.median(against_read),
+        statistics.median(bandwidths),
+        (min(bandwidths), max(bandwidths)),
+    )
+
+
+def weight_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The model's parameters and its packed weights' planes, each once."""
+    packed = {id(m): m for m in model.modules() if isinstance(m, PackedWeight)}.values()
+    planes = [t for m in packed for t in (m.qweight, m.scales, m.mins) if t is not None]
+    return [*model.parameters(), *planes]
 
 
 def weight_bytes(llm: LLM) -> int:
@@ -199,28 +260,28 @@ def shape_streams(
           f"{torch.get_num_threads()} threads; recurrent state per request {state / 2**20:.1f} MiB"
           + ("; W64: 64 random requests, 32-64 tokens in, 16-32 out" if w64 else "") + "\n")  # fmt: skip
     print(
-        "| weights | weight GB | one stream tok/s | vs default | read bandwidth GB/s | read per token at most | "
-        "vs weights | W64 tok/s | vs default |"
+        "| weights | weight GB | one stream tok/s | vs default | read bandwidth GB/s (range) | read per token at "
+        "most | vs weights | a step vs reading its weights | W64 tok/s | vs default |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     base_rate = base_w64 = 0.0
     for name, (path, kwargs) in engines.items():
         kv_cache_memory = "1GiB" if w64 else "256MiB"
         llm = LLM(str(path), max_model_len=1024, kv_cache_memory=kv_cache_memory, dtype=dtype, **kwargs)
         one_stream(llm, prompts[:1], 16)  # warm-up
-        bandwidths = [read_bandwidth()]
-        rate = one_stream(llm, prompts, max_tokens)
-        bandwidths.append(read_bandwidth())
+        stream = paired_stream(llm, prompts, max_tokens)
         throughput = 0.0
         if batch is not None:
             run_batch(llm, make_workload(8, cfg.vocab_size, (32, 64), (8, 16), seed=1))  # warm-up
             throughput = run_batch(llm, batch)[1]
+        rate = stream.tokens_per_s
         base_rate, base_w64 = base_rate or rate, base_w64 or throughput
-        size, bandwidth = weight_bytes(llm), max(bandwidths)
-        bound = bandwidth / rate
+        size, bound = weight_bytes(llm), stream.bandwidth * stream.step_s
+        low, high = stream.bandwidth_range
         w64_cells = f"{throughput:.1f} | {throughput / base_w64:.2f}x" if throughput else "- | -"
-        print(f"| {name} | {size / 1e9:.3f} | {rate:.2f} | {rate / base_rate:.2f}x | {bandwidth / 1e9:.1f} | "
-              f"{bound / 1e9:.3f} GB | {bound / size:.2f}x | {w64_cells} |")  # fmt: skip
+        print(f"| {name} | {size / 1e9:.3f} | {rate:.2f} | {rate / base_rate:.2f}x | {stream.bandwidth / 1e9:.1f} "
+              f"({low / 1e9:.0f}-{high / 1e9:.0f}) | {bound / 1e9:.3f} GB | {bound / size:.2f}x | "
+              f"{stream.against_read:.2f}x | {w64_cells} |")  # fmt: skip
         llm.shutdown()
         del llm
 
