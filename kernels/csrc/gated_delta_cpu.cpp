@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -25,16 +26,37 @@ constexpr int64_t kConvLanes = 16;
 template <typename T, int KEEP>
 inline void conv_block(T* rows, const T* weight, const T* newest, T* out, int64_t lanes) {
   float acc[kConvLanes];
+  if constexpr (std::is_same_v<T, float>) {
 #pragma omp simd
-  for (int64_t j = 0; j < lanes; ++j) {
-    const T* w = weight + j * (KEEP + 1);
-    T* row = rows + j * KEEP;
-    float sum = 0.f;
-    for (int t = 0; t < KEEP; ++t) sum += load(w[t]) * load(row[t]);
-    sum += load(w[KEEP]) * load(newest[j]);
-    for (int t = 0; t + 1 < KEEP; ++t) row[t] = row[t + 1];
-    if constexpr (KEEP > 0) row[KEEP - 1] = newest[j];
-    acc[j] = sum;
+    for (int64_t j = 0; j < lanes; ++j) {
+      const float* w = weight + j * (KEEP + 1);
+      float* row = rows + j * KEEP;
+      float sum = 0.f;
+      for (int t = 0; t < KEEP; ++t) sum += w[t] * row[t];
+      sum += w[KEEP] * newest[j];
+      for (int t = 0; t + 1 < KEEP; ++t) row[t] = row[t + 1];
+      if constexpr (KEEP > 0) row[KEEP - 1] = newest[j];
+      acc[j] = sum;
+    }
+  } else {
+    // 16-bit taps widened into float arrays tap by tap (tap t of lane j at [t][j]), the lanes' arithmetic
+    // then on whole vectors, the shifted rows narrowed back (exactly: they are T's values). Read lane by
+    // lane with a stride of KEEP or KEEP + 1 elements, as float32's loop reads them, the 0.8B shape's step
+    // took 20 us a layer in bf16, 12 this way (docs/performance.md#measurements-behind-choices-in-the-code).
+    float taps[KEEP + 1][kConvLanes], state[KEEP + 1][kConvLanes];
+    for (int64_t j = 0; j < lanes; ++j) {
+      for (int t = 0; t <= KEEP; ++t) taps[t][j] = load(weight[j * (KEEP + 1) + t]);
+      for (int t = 0; t < KEEP; ++t) state[t][j] = load(rows[j * KEEP + t]);
+      state[KEEP][j] = load(newest[j]);
+    }
+#pragma omp simd
+    for (int64_t j = 0; j < lanes; ++j) {
+      float sum = 0.f;
+      for (int t = 0; t <= KEEP; ++t) sum += taps[t][j] * state[t][j];
+      acc[j] = sum;
+    }
+    for (int64_t j = 0; j < lanes; ++j)
+      for (int t = 0; t < KEEP; ++t) rows[j * KEEP + t] = to<T>(state[t + 1][j]);
   }
 #pragma omp simd
   for (int64_t j = 0; j < lanes; ++j) {
