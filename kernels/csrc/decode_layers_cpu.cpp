@@ -217,7 +217,7 @@ class HybridDecodeLayers {
   }
 
   // GatedAttention.forward for decode rows: q/k normalised per head, RoPE on the first rotary_dim of each
-  // head (worker/layers/rotary.py's apply_rotary), the output times sigmoid(gate).
+  // head (the rotary kernel, as the module runs it on the CPU kernels), the output times sigmoid(gate).
   at::Tensor gated_attention(const GatedAttentionWeights& a, const at::Tensor& x, const at::Tensor& cos,
                              const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                              const at::Tensor& context_lens) const {
@@ -226,12 +226,7 @@ class HybridDecodeLayers {
     const std::vector<at::Tensor> q_gate = qkv.slice(1, 0, q_size).view({tokens, a.heads, 2 * d}).split(d, -1);
     const std::vector<at::Tensor> kv = qkv.slice(1, q_size).view({tokens, 2 * a.kv_heads, d}).chunk(2, 1);
     at::Tensor qk = norm(at::cat({q_gate[0], kv[0]}, 1), a.qk_norm);
-    const at::Tensor part = qk.slice(-1, 0, a.rotary_dim);
-    const std::vector<at::Tensor> halves = part.chunk(2, -1);
-    at::Tensor swapped = at::cat({halves[1], halves[0]}, -1);
-    const at::Tensor turned = part.scalar_type() == at::kFloat ? at::addcmul(part * cos, swapped, sin)
-                                                               : (part * cos).add_(swapped.mul_(sin));
-    qk = at::cat({turned, qk.slice(-1, a.rotary_dim)}, -1);
+    qk = at::cat({rotary(qk.slice(-1, 0, a.rotary_dim), cos, sin), qk.slice(-1, a.rotary_dim)}, -1);
     const std::vector<at::Tensor> q_k = qk.split_with_sizes({a.heads, a.kv_heads}, 1);
     store_kv_(q_k[1], kv[1].contiguous(), a.k_cache, a.v_cache, slot_mapping, a.k_scale, a.v_scale);
     const at::Tensor out = paged_decode_attention(q_k[0], a.k_cache, a.v_cache, block_tables, context_lens, a.scale,

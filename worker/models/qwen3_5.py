@@ -98,12 +98,13 @@ class GatedAttention(nn.Module):
         q, gate = qkv[:, : 2 * heads * d].view(tokens, heads, 2 * d).split(d, dim=-1)
         k, v = qkv[:, 2 * heads * d :].view(tokens, 2 * self.num_kv_heads, d).chunk(2, dim=1)
         qk = self.qk_norm(torch.cat([q, k], dim=1))
-        turned = apply_rotary(qk[..., : self.rotary_dim], *rope)
+        cpu = self.kernels.cpu
+        rotate = apply_rotary if cpu is None else cpu.rotary  # the same three roundings in a 16-bit dtype
+        turned = rotate(qk[..., : self.rotary_dim], *rope)
         qk = torch.cat([turned, qk[..., self.rotary_dim :]], dim=-1)
         q, k = qk.split([heads, self.num_kv_heads], dim=1)
         out = self.attn(q, k, v.contiguous(), meta)
         gate = gate.reshape(tokens, heads * d)
-        cpu = self.kernels.cpu
         return self.o_proj(cpu.sigmoid_mul(out, gate) if cpu is not None else out * torch.sigmoid(gate))
 
 
