@@ -136,9 +136,7 @@ def weight_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def weight_bytes(llm: LLM) -> int:
-    model = llm.engine.runner.model
-    packed = {id(m): m for m in model.modules() if isinstance(m, PackedWeight)}.values()
-    return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(m.nbytes for m in packed)
+    return sum(t.numel() * t.element_size() for t in weight_tensors(llm.engine.runner.model))
 
 
 def main() -> None:

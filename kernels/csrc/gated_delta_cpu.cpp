@@ -42,7 +42,7 @@ inline void conv_block(T* rows, const T* weight, const T* newest, T* out, int64_
     // 16-bit taps widened into float arrays tap by tap (tap t of lane j at [t][j]), the lanes' arithmetic
     // then on whole vectors, the shifted rows narrowed back (exactly: they are T's values). Read lane by
     // lane with a stride of KEEP or KEEP + 1 elements, as float32's loop reads them, the 0.8B shape's step
-    // took 20 us a layer in bf16, 12 this way (docs/performance.md#measurements-behind-choices-in-the-code).
+    // took 20 us a layer in bf16, 11 this way (docs/performance.md#measurements-behind-choices-in-the-code).
     float taps[KEEP + 1][kConvLanes], state[KEEP + 1][kConvLanes];
     for (int64_t j = 0; j < lanes; ++j) {
       for (int t = 0; t <= KEEP; ++t) taps[t][j] = load(weight[j * (KEEP + 1) + t]);
