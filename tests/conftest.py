@@ -33,6 +33,7 @@ from nanovllm.worker.models.gguf.cache import embedded_model_path, prepare_gguf
 from tests.chat_templates import QWEN3
 from tests.model_factory import build_model, build_tokenizer
 from tests.services import (
+    PREWARMED,
     ServerProcess,
     router_and_worker,
     unpin_test_process,
@@ -46,9 +47,11 @@ def _no_process_outlives_the_suite() -> Iterator[None]:
     yield
     left = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
     left = [p for p in left if "multiprocessing.resource_tracker" not in " ".join(p.cmdline())]
+    left = [p for p in left if p.pid not in PREWARMED.pids]  # the servers they forked count
     names = [" ".join(p.cmdline()[:8]) for p in left]
     for process in left:
         process.kill()
+    PREWARMED.close()
     assert names == [], f"processes left running by the suite: {names}"
 
 

@@ -20,8 +20,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nanovllm.common.v1 import worker_pb2, worker_pb2_grpc
-from nanovllm.server_process import ServerProcess, spawn
+from nanovllm.server_process import ServerProcess
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
+from tests.prewarmed import Prewarmed
 
 START_TIMEOUT_S = 180.0  # the first worker of a session may compile the C++ kernels
 
@@ -44,6 +45,7 @@ HOST_CPUS = frozenset(os.sched_getaffinity(0))  # every CPU the suite was given
 # process's threads, often to one CPU; a server started after that would inherit the slice and run beside
 # the test on that CPU alone, so each test and each start gives the process all of them back.
 SUITE_CPUS = worker_cpus(HOST_CPUS)
+PREWARMED = Prewarmed()
 
 
 def unpin_test_process() -> None:
@@ -58,12 +60,10 @@ def unpin_test_process() -> None:
 
 def start(args: list[str], log_path: Path | None = None, cpus: set[int] | None = None) -> ServerProcess:
     """`nanovllm <args>` with JSON logs to `log_path` (or nowhere), once it listens; on `cpus`, by default
-    the suite's (the child inherits the mask of the thread that starts it)."""
+    the suite's. Forked from this test process's prewarmed interpreter (tests/prewarmed.py)."""
     if log_path is None:
         log_path = Path(os.devnull)
-    if cpus is None:
-        os.sched_setaffinity(0, SUITE_CPUS)
-    return spawn([*args, "--log-format", "json"], log_path, cpus)
+    return PREWARMED.spawn([*args, "--log-format", "json"], log_path, SUITE_CPUS if cpus is None else cpus)
 
 
 def start_worker(

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -143,13 +144,19 @@ def test_two_workers_on_one_host_split_its_cpus(
         servers.append(router)
         for server in (second, router):
             wait_serving(server.address)
-        # The older worker held every CPU until its next step: give it one.
+        # The older worker holds every CPU until a step a refresh interval after its last look
+        # (worker/runner/cpu_share.py): give it steps until it has taken its part.
+        request = generate_pb2.GenerateRequest(
+            token_ids=generate_pb2.TokenIds(ids=[5, 6, 7]),
+            sampling=generate_pb2.SamplingParams(temperature=0, max_tokens=4),
+        )
+        deadline = time.monotonic() + 60
         with open_channel(router.address) as channel:
-            request = generate_pb2.GenerateRequest(
-                token_ids=generate_pb2.TokenIds(ids=[5, 6, 7]),
-                sampling=generate_pb2.SamplingParams(temperature=0, max_tokens=4),
-            )
-            list(generate_pb2_grpc.GenerationStub(channel).Generate(request, timeout=60))
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            while (
+                _last_share(tmp_path / "first.log")["sharing_processes"] != 2 and time.monotonic() < deadline
+            ):
+                list(stub.Generate(request, timeout=60))
         older, younger = _last_share(tmp_path / "first.log"), _last_share(tmp_path / "second.log")
         assert older["sharing_processes"] == 2 and younger["sharing_processes"] == 2
         assert set(older["cpus"]).isdisjoint(younger["cpus"]), (older, younger)
