@@ -1,12 +1,13 @@
 """Server processes forked from an interpreter that has already imported what servers import.
 
-The suite starts about 85 workers and 80 routers, each on one CPU. A fresh `python -m nanovllm.cli worker`
-spent 1.8 s of its start importing (torch alone 1.5 s) before it read a flag: a sixth of the suite's time.
-So each test process runs one prewarmed interpreter (this file as a script) that imports those modules
-once and forks a child per server; the child takes the server's stdio, environment, working directory
-and CPUs, then runs `nanovllm.cli` as `python -m` would (runpy, as __main__, with the server's argv) and
-exits as a Python process does. Everything from the flags on is the server's own start. The commands
-that users run (`nanovllm serve`, `nanovllm client`) still start fresh in the tests that run them.
+The suite starts about 85 workers and 80 routers, each on one CPU. Started fresh (`python -m nanovllm.cli`),
+a worker listened 1.8 s after its start and a router 0.56 s, mostly importing (torch alone 1.5 s): 200 s
+of the suite's 815 s of test time (2026-11-30, AVX-512 EPYC). So each test process keeps a prewarmed
+interpreter per command (this file as a script) that imports those libraries once and forks a child per
+server; the child takes the server's stdio, environment, working directory and CPUs, then runs
+`nanovllm.cli` as `python -m` would (runpy, as __main__, with the server's argv) and exits as a Python
+process does. Everything from the flags on is the server's own start. The commands that users run
+(`nanovllm serve`, `nanovllm client`) still start fresh in the tests that run them.
 
 A fork copies one thread only: the prewarmed interpreter forks only while it runs no other thread (the
 modules it imports start none; it checks before each fork), as a process running gRPC's or OpenMP's
@@ -17,6 +18,7 @@ parent dies: nanovllm/server_process.py's stop_with_parent), and so do its child
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import re
@@ -38,10 +40,10 @@ from nanovllm.server_process import (
     stop_with_parent,
 )
 
-# The libraries each command imports before it serves: not the package's own modules, nor prometheus_client,
-# which reads its multiprocess directory when first imported (a router of several processes sets it:
-# router/faces/process_group.py). A router imports no torch (tests/test_router_processes.py checks its
-# memory map), so routers fork from an interpreter of their own.
+# What each command imports before it serves. A router: libraries only, not the package's modules, which
+# import prometheus_client (it reads its multiprocess directory when first imported, and a router of
+# several processes sets that directory first: router/faces/process_group.py); and no torch, which a
+# router never maps (tests/test_router_processes.py), so routers fork from an interpreter of their own.
 ROUTER_PRELOAD = (
     "grpc",
     "grpc.aio",
@@ -55,9 +57,24 @@ ROUTER_PRELOAD = (
     "uvicorn",
     "xxhash",
 )
+# A worker: torch too, and the package's modules that `nanovllm worker` imports (nanovllm/cli.py's
+# run_worker; none reads the environment when imported), prometheus_client with them (one process a worker).
 PRELOAD = {
     "router": ROUTER_PRELOAD,
-    "worker": (*ROUTER_PRELOAD, "torch", "numpy", "safetensors.torch", "psutil"),
+    "worker": (
+        *ROUTER_PRELOAD,
+        "torch",
+        "numpy",
+        "safetensors.torch",
+        "psutil",
+        "nanovllm.client",
+        "nanovllm.flags",
+        "nanovllm.common.serving",
+        "nanovllm.worker.device",
+        "nanovllm.worker.models.gguf.cache",
+        "nanovllm.worker.runner.host_memory",
+        "nanovllm.worker.service.server",
+    ),
 }
 _PID = struct.Struct("i")
 
@@ -196,8 +213,10 @@ def _serve(command: str, sock: socket.socket) -> tuple[dict, list[int]]:
 
     for name in PRELOAD[command]:
         importlib.import_module(name)
-    if "prometheus_client" in sys.modules:
-        raise SystemExit("prewarmed interpreter: a preloaded module imports prometheus_client")
+    if command == "router" and "prometheus_client" in sys.modules:
+        raise SystemExit("prewarmed interpreter: a router's preloaded module imports prometheus_client")
+    if "nanovllm.cli" in sys.modules:  # runpy would warn on stderr, which the tests read as JSON logs
+        raise SystemExit("prewarmed interpreter: a preloaded module imports nanovllm.cli")
     statuses: dict[int, int] = {}  # a running child's pid -> where its exit status goes
 
     def reap(signum: int, frame: object) -> None:
@@ -210,7 +229,8 @@ def _serve(command: str, sock: socket.socket) -> tuple[dict, list[int]]:
                 return
             fd = statuses.pop(pid, None)
             if fd is not None:
-                os.write(fd, _PID.pack(os.waitstatus_to_exitcode(status)))
+                with contextlib.suppress(OSError):  # the test process no longer holds its handle
+                    os.write(fd, _PID.pack(os.waitstatus_to_exitcode(status)))
                 os.close(fd)
 
     signal.signal(signal.SIGCHLD, reap)
