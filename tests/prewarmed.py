@@ -189,7 +189,8 @@ class Prewarmed:
         if len(reply) != _PID.size:
             raise ServerExited(f"the prewarmed interpreter did not start nanovllm {args[0]}")
         (pid,) = _PID.unpack(reply)
-        proc = PrewarmedProcess(pid, status_read, open(read, encoding="utf-8"))  # noqa: SIM115 - the proc's
+        stdout = open(read, encoding="utf-8")  # noqa: SIM115 - the handle keeps it, as Popen keeps its stdout
+        proc = PrewarmedProcess(pid, status_read, stdout)
         line = proc.stdout.readline()
         match = LISTENING_RE.search(line)
         if match is None:
@@ -198,7 +199,7 @@ class Prewarmed:
             raise ServerExited(
                 f"nanovllm {args[0]} exited with {proc.returncode} before listening (log: {log_path})"
             )
-        return ServerProcess(proc, match.group(1), _field("metrics", line) or "", _field("http", line))  # type: ignore[arg-type]
+        return ServerProcess(proc, match.group(1), _field("metrics", line) or "", _field("http", line))
 
 
 def _field(name: str, line: str) -> str | None:

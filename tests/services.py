@@ -42,10 +42,10 @@ def worker_cpus(cpus: frozenset[int]) -> frozenset[int]:
 HOST_CPUS = frozenset(os.sched_getaffinity(0))  # every CPU the suite was given
 # The CPUs this test process and the servers it starts use, pinned by conftest before any engine runs. An
 # offline engine in the test process takes its slice of them (worker/runner/cpu_share.py) by pinning the
-# process's threads, often to one CPU; a server started after that would inherit the slice and run beside
-# the test on that CPU alone, so each test and each start gives the process all of them back.
+# process's threads, often to one CPU, so each test gives the process all of them back; servers are given
+# them by name (`start`), whatever the test process holds then.
 SUITE_CPUS = worker_cpus(HOST_CPUS)
-PREWARMED = Prewarmed()
+PREWARMED = Prewarmed()  # the interpreters servers fork from (tests/prewarmed.py)
 
 
 def unpin_test_process() -> None:
