@@ -96,6 +96,12 @@ def spawn(args: list[str], log_path: Path | None = None, cpus: set[int] | None =
     )
     if log is not None:
         log.close()  # the child holds its own copy
+    return await_listening(proc, args[0], log_path)
+
+
+def await_listening(proc: subprocess.Popen, command: str, log_path: Path | None) -> ServerProcess:
+    """The server once its first stdout line says where it listens; killed, and ServerExited, if it exits
+    first (its log, when it has one, says why)."""
     assert proc.stdout is not None  # stdout=PIPE
     line = proc.stdout.readline()
     match = LISTENING_RE.search(line)
@@ -103,7 +109,7 @@ def spawn(args: list[str], log_path: Path | None = None, cpus: set[int] | None =
         proc.kill()
         proc.wait()
         where = f" (log: {log_path})" if log_path else ""
-        raise ServerExited(f"nanovllm {args[0]} exited with {proc.returncode} before listening{where}")
+        raise ServerExited(f"nanovllm {command} exited with {proc.returncode} before listening{where}")
     metrics = re.search(r"metrics on ([^,\s]+)", line)
     http = re.search(r"http on ([^,\s]+)", line)
     return ServerProcess(proc, match.group(1), metrics.group(1) if metrics else "", http and http.group(1))

@@ -21,7 +21,6 @@ import atexit
 import contextlib
 import json
 import os
-import re
 import select
 import signal
 import socket
@@ -33,10 +32,10 @@ from pathlib import Path
 from typing import IO
 
 from nanovllm.server_process import (
-    LISTENING_RE,
     PARENT_VARIABLE,
     ServerExited,
     ServerProcess,
+    await_listening,
     stop_with_parent,
 )
 
@@ -190,21 +189,7 @@ class Prewarmed:
             raise ServerExited(f"the prewarmed interpreter did not start nanovllm {args[0]}")
         (pid,) = _PID.unpack(reply)
         stdout = open(read, encoding="utf-8")  # noqa: SIM115 - the handle keeps it, as Popen keeps its stdout
-        proc = PrewarmedProcess(pid, status_read, stdout)
-        line = proc.stdout.readline()
-        match = LISTENING_RE.search(line)
-        if match is None:
-            proc.kill()
-            proc.wait()
-            raise ServerExited(
-                f"nanovllm {args[0]} exited with {proc.returncode} before listening (log: {log_path})"
-            )
-        return ServerProcess(proc, match.group(1), _field("metrics", line) or "", _field("http", line))
-
-
-def _field(name: str, line: str) -> str | None:
-    found = re.search(rf"{name} on ([^,\s]+)", line)
-    return found.group(1) if found else None
+        return await_listening(PrewarmedProcess(pid, status_read, stdout), args[0], log_path)
 
 
 def _serve(command: str, sock: socket.socket) -> tuple[dict, list[int]]:
