@@ -217,6 +217,28 @@ def test_linear_few_rows_row_does_not_depend_on_its_neighbours(kernels, dtype, i
         assert torch.equal(kernels.linear_few_rows(x[:rows], w, b), alone[:rows]), rows
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_few_rows_is_the_same_at_any_thread_count(kernels, dtype):
+    """Each thread reads its own range of weight rows and a thread done early takes the rest of another's
+    from the far end (kernels/csrc/parallel_rows.h): whichever thread computes an output, and however the
+    ranges were cut, it is the same bits. More threads than CPUs make the threads' pace uneven, so ranges
+    change hands; 4,099 outputs (an odd count: a lone last row) make claims of many sizes."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 512, generator=gen).to(dtype)
+    w = torch.randn(4099, 512, generator=gen).to(dtype)
+    b = torch.randn(4099, generator=gen).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3, 5):
+            torch.set_num_threads(n)
+            outs.append([kernels.linear_few_rows(x[: rows + 1], w, b) for rows in range(3) for _ in range(3)])
+    finally:
+        torch.set_num_threads(threads)
+    for out in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(out, outs[0]))
+
+
 def test_linear_few_rows_rejects_bad_shapes_and_dtypes(kernels):
     x, w = torch.randn(2, 64), torch.randn(8, 64)
     with pytest.raises(RuntimeError, match=r"must share K, got x \[2, 32\] and weight \[8, 64\]"):

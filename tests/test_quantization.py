@@ -175,6 +175,28 @@ def test_a_row_does_not_depend_on_its_neighbours(kernels, dtype) -> None:
         assert torch.equal(_run(kernels, x[:rows], packed), alone[:rows]), rows
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4-32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_result_does_not_depend_on_the_thread_count(kernels, scheme, dtype) -> None:
+    """A few rows of x read the weights once, each thread its own range of weight rows and a thread done
+    early the rest of another's from the far end (kernels/csrc/parallel_rows.h): the same bits whichever
+    thread computes an output. More threads than CPUs make the threads' pace uneven, so ranges change
+    hands; 4,099 weight rows end in a partial tile. bfloat16 x takes the integer dots where the CPU has
+    them, float32 x the registers."""
+    packed, _ = _packed(scheme, 4099, 512)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(2)).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3, 5):
+            torch.set_num_threads(n)
+            outs.append([_run(kernels, x[: rows + 1], packed) for rows in range(3) for _ in range(3)])
+    finally:
+        torch.set_num_threads(threads)
+    for out in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(out, outs[0]))
+
+
 @pytest.mark.parametrize("scheme", ["Q8_0", "int8", "int4-32", "int4-128"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_batch_invariant_rows_equal_each_row_alone_at_every_row_count(kernels, scheme, dtype) -> None:

@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include "linear_tile.h"
+#include "parallel_rows.h"
 
 #include <algorithm>
 #include <cstring>
@@ -426,10 +427,16 @@ void linear_range_blocked_bf16(const c10::BFloat16* x, const c10::BFloat16* w, c
 template <typename T>
 void linear_impl(const T* x, const T* w, const T* bias, T* y, int64_t rows, int64_t N, int64_t K) {
   const std::vector<float> xf = widened(x, rows * K);
-  // Contiguous ranges of weight rows, 64 at least, an even count so that row pairs never straddle.
+  // Weight row pairs (so that pairs never straddle), 64 rows at least a thread: a few rows of x read the
+  // weights once (parallel_rows), more are bound by their arithmetic.
+  if (rows <= kTileRows) {
+    const int64_t grain = std::max<int64_t>(32, kClaimBytes / (2 * K * static_cast<int64_t>(sizeof(T))));
+    return parallel_rows((N + 1) / 2, grain, [&](int64_t begin, int64_t end) {
+      linear_range(x, xf, w, bias, y, rows, begin * 2, std::min(N, end * 2), N, K);
+    });
+  }
   at::parallel_for(0, (N + 1) / 2, 32, [&](int64_t begin, int64_t end) {
     const int64_t n_begin = begin * 2, n_end = std::min(N, end * 2);
-    if (rows <= kTileRows) return linear_range(x, xf, w, bias, y, rows, n_begin, n_end, N, K);
 #ifdef NANOVLLM_LINEAR_BF16
     if constexpr (std::is_same_v<T, c10::BFloat16>) return linear_range_blocked_bf16(x, w, bias, y, rows, n_begin, n_end, N, K);
 #endif

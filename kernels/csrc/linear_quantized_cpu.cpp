@@ -31,6 +31,7 @@
 
 #include "linear_int8_dots.h"
 #include "linear_tile.h"
+#include "parallel_rows.h"
 
 #include <algorithm>
 #include <type_traits>
@@ -279,8 +280,9 @@ void linear_quantized_impl(const T* x, const uint8_t* q, const c10::Half* scales
       const std::vector<ChunkGroups> chunks = chunk_groups<BITS>(K, group);
       // Weight rows a block: about kDotBlockBytes of them, which every tile of x rows reads from cache.
       const int64_t block = std::max<int64_t>(4, kDotBlockBytes / (K * BITS / 8) / 4 * 4);
-      // Ranges of whole 4-row tiles, 64 rows at least.
-      at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
+      // Whole 4-row tiles, 64 rows and kClaimBytes of weights a claim at least.
+      const int64_t grain = std::max<int64_t>(16, kClaimBytes / (4 * K * BITS / 8));
+      parallel_rows((N + 3) / 4, grain, [&](int64_t begin, int64_t end) {
         const int64_t n_begin = begin * 4, n_end = std::min(N, end * 4);
         for (int64_t b = n_begin; b < n_end; b += block) {
           const int64_t b_end = std::min(n_end, b + block);
@@ -299,10 +301,16 @@ void linear_quantized_impl(const T* x, const uint8_t* q, const c10::Half* scales
 #else
   const bool direct = false;
 #endif
-  // Contiguous ranges of weight rows, 64 at least, an even count so that row pairs never straddle.
+  // Weight row pairs (so that pairs never straddle), 64 rows at least a thread: the registers' pass reads the
+  // weights once (parallel_rows), the panels' is bound by its arithmetic.
+  if (direct) {
+    const int64_t grain = std::max<int64_t>(32, kClaimBytes / (2 * K * BITS / 8));
+    return parallel_rows((N + 1) / 2, grain, [&](int64_t begin, int64_t end) {
+      direct_fn<BITS, T>(rows)(xf.data(), weights, bias, y, begin * 2, std::min(N, end * 2), N, K, group);
+    });
+  }
   at::parallel_for(0, (N + 1) / 2, 32, [&](int64_t begin, int64_t end) {
     const int64_t n_begin = begin * 2, n_end = std::min(N, end * 2);
-    if (direct) return direct_fn<BITS, T>(rows)(xf.data(), weights, bias, y, n_begin, n_end, N, K, group);
     std::vector<float> panel(kPanelRows * K);
     for (int64_t p = n_begin; p < n_end; p += kPanelRows) {
       const int64_t p_end = std::min(n_end, p + kPanelRows);
