@@ -70,6 +70,7 @@ struct QuantizedRow {
   std::vector<int32_t> correction;    // 8 bits with VNNI: 16 per chunk, -128 times the sum of each lane's 4 bytes
   float correction_total = 0.f;       // 8 bits with VNNI: each lane's correction times its scale, summed
   std::vector<float> group_sums;      // 4 bits: x summed over each weight group (the mins' term)
+  std::vector<float> block_scale;     // 4 bits: each block's x scale, 4 per chunk (0 past K)
 };
 
 template <int BITS>
@@ -91,7 +92,7 @@ QuantizedRow quantize_row(const float* x, int64_t K, int64_t group) {
   if (BITS == 4) q.hi.assign(chunks * kChunkBytes, 0);
   q.scale.assign(chunks * 16, 0.f);
   if (BITS == 8 && kOffsetWeights) q.correction.assign(chunks * 16, 0);
-  if (BITS == 4) q.group_sums.assign(K / group, 0.f);
+  if (BITS == 4) q.group_sums.assign(K / group, 0.f), q.block_scale.assign(chunks * per_chunk, 0.f);
   for (int64_t b = 0; b < K / kDotBlock; ++b) {
     const float* xb = x + b * kDotBlock;
     float sum = 0.f;
@@ -119,6 +120,7 @@ QuantizedRow quantize_row(const float* x, int64_t K, int64_t group) {
     std::fill_n(q.scale.data() + c * 16 + j * lanes, lanes, amax / 127.f);
     if constexpr (BITS == 4) {
       q.group_sums[b * kDotBlock / group] += sum;
+      q.block_scale[b] = amax / 127.f;
       std::copy_n(qb, 16, q.lo.data() + c * kChunkBytes + 16 * j);
       std::copy_n(qb + 16, 16, q.hi.data() + c * kChunkBytes + 16 * j);
     } else {
@@ -218,6 +220,63 @@ void int8_row_scale_sums(const QuantizedRow* x, const std::vector<ChunkGroups>& 
     }
     for (int m = 0; m < M; ++m)
       sums[m * count + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][m], acc[1][m])) + x[m].correction_total;
+  }
+}
+
+// 4-bit weights in groups of 32 (int4, GGUF's Q4_0 and Q4_1): sums[m][r] = x[m] . w[r] for `count`
+// consecutive weight rows (their bytes, scales and mins from the given rows on). A group is one of x's blocks, so a chunk's four blocks take four weight scales
+// and four x scales: multiplied in a quarter vector and spread over the lanes by a permutation held in a
+// register, where the general tile loads the chunk's lane-to-group index, 16 weight scales (widened and
+// permuted) and 16 x scales, and multiplies them lane by lane: at one row of x a thread of the general tile
+// was bound by those loads and that vector work, not by the memory
+// (docs/performance.md#measurements-behind-choices-in-the-code). One weight row at a time, its set-up
+// hoisted, two chunks a pass in two accumulators (as int8_row_scale_sums), then each group's min times x
+// summed over the group.
+template <int M>
+void int4_group32_sums(const QuantizedRow* x, int64_t K, const uint8_t* q_rows, const c10::Half* scale_rows,
+                       const c10::Half* min_rows, int64_t count, float* sums) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const int64_t row_bytes = K / 2, n = chunk_count<4>(K), groups = K / 32;
+  const int64_t full = row_bytes % kChunkBytes == 0 ? n : n - 1;
+  const __mmask64 last_bytes = static_cast<__mmask64>((__mmask64{1} << (row_bytes % kChunkBytes)) - 1);
+  const __mmask8 last_groups = static_cast<__mmask8>((1u << (groups % 4)) - 1);
+  for (int64_t r = 0; r < count; ++r) {
+    const uint8_t* q = q_rows + r * row_bytes;
+    const c10::Half* scales = scale_rows + r * groups;
+    __m512 acc[2][M];
+    for (int u = 0; u < 2; ++u)
+      for (int m = 0; m < M; ++m) acc[u][m] = _mm512_setzero_ps();
+    auto chunk = [&](int64_t c, int u, __m512i w, __m128 ws) {
+      const __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+      for (int m = 0; m < M; ++m) {
+        __m512i dot = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(x[m].lo.data() + c * kChunkBytes));
+        dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(x[m].hi.data() + c * kChunkBytes));
+        const __m128 scale = _mm_mul_ps(ws, _mm_loadu_ps(x[m].block_scale.data() + 4 * c));
+        acc[u][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(scale)),
+                                    acc[u][m]);
+      }
+    };
+    auto four_scales = [&](int64_t c) {
+      return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + 4 * c)));
+    };
+    int64_t c = 0;
+    for (; c + 2 <= full; c += 2) {
+      chunk(c, 0, _mm512_loadu_si512(q + c * kChunkBytes), four_scales(c));
+      chunk(c + 1, 1, _mm512_loadu_si512(q + (c + 1) * kChunkBytes), four_scales(c + 1));
+    }
+    if (c < full) chunk(c, 0, _mm512_loadu_si512(q + c * kChunkBytes), four_scales(c)), ++c;
+    if (c < n)  // a partial chunk: its bytes and its groups' scales only
+      chunk(c, 1, _mm512_maskz_loadu_epi8(last_bytes, q + c * kChunkBytes),
+            _mm_cvtph_ps(_mm_maskz_loadu_epi16(last_groups, scales + 4 * c)));
+    const c10::Half* mins = min_rows + r * groups;
+    for (int64_t g = 0; g < groups; g += 16) {  // plus, per group, its min times x summed over the group
+      const __mmask16 mask = static_cast<__mmask16>(groups - g >= 16 ? 0xFFFF : (1u << (groups - g)) - 1);
+      const __m512 min = load_halves(mins + g, mask);
+      for (int m = 0; m < M; ++m)
+        acc[0][m] = _mm512_fmadd_ps(min, _mm512_maskz_loadu_ps(mask, x[m].group_sums.data() + g), acc[0][m]);
+    }
+    for (int m = 0; m < M; ++m) sums[m * count + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]));
   }
 }
 

@@ -227,6 +227,31 @@ void int8_row_scale_rows(const QuantizedRow* x, const std::vector<ChunkGroups>& 
     }
   }
 }
+
+// 4-bit weights in groups of 32: int4_group32_sums over 64 weight rows at a time, then the bias and each
+// output's rounding to T in one vectorisable pass.
+template <int M, typename T>
+void int4_group32_rows(const QuantizedRow* x, const PackedRows<4>& weights, const T* bias, T* y, int64_t n_begin,
+                       int64_t n_end, int64_t N) {
+  constexpr int64_t kRows = 64;
+  float sums[M * kRows];
+  for (int64_t n = n_begin; n < n_end; n += kRows) {
+    const int64_t count = std::min(kRows, n_end - n);
+    const QRow first = weights[n];
+    int4_group32_sums<M>(x, weights.K, first.q, first.s, first.m, count, sums);
+    for (int m = 0; m < M; ++m) {
+      const float* sum = sums + m * count;
+      T* out = y + m * N + n;
+      if (bias == nullptr) {
+#pragma omp simd
+        for (int64_t r = 0; r < count; ++r) out[r] = to<T>(sum[r]);
+      } else {
+#pragma omp simd
+        for (int64_t r = 0; r < count; ++r) out[r] = to<T>(sum[r] + load(bias[n + r]));
+      }
+    }
+  }
+}
 #endif
 
 // Output columns [n_begin, n_end) for M (<= kDirectRows) rows of x quantized to int8 (linear_int8_dots.h).
@@ -236,6 +261,8 @@ void int8_dot_rows(const QuantizedRow* x, const std::vector<ChunkGroups>& chunks
 #ifdef NANOVLLM_INT8_DOTS_VNNI
   if constexpr (BITS == 8) {
     if (group == K) return int8_row_scale_rows<M>(x, chunks, weights, bias, y, n_begin, n_end, N);
+  } else {
+    if (group == kDotBlock) return int4_group32_rows<M>(x, weights, bias, y, n_begin, n_end, N);
   }
 #endif
   // With VNNI one weight row at a time at every row count: faster than four (two from 3 rows of x) at every

@@ -1,9 +1,9 @@
 // A memory-bound pass over a weight's rows on all the threads, balanced without breaking each thread's stream.
 //
-// With at::parallel_for's static ranges one thread of two finished its half of a one-row projection 20-40 us
-// before the other, nearly every call (a tenth of a Qwen3.5-0.8B int8 decode step waiting); ranges handed out
-// on demand in 64 KB blocks balanced the threads but read 3-6% slower, each thread jumping between blocks
-// the hardware prefetcher had not seen coming. Here each thread owns one contiguous range and reads it
+// With at::parallel_for's static ranges one thread of two finished its half of a one-row projection well
+// before the other, nearly every call (a tenth of a Qwen3.5-0.8B int8 decode step spent waiting); ranges
+// handed out on demand in small blocks balanced the threads but read slower, each thread jumping between
+// blocks the hardware prefetcher had not seen coming. Here each thread owns one contiguous range and reads it
 // front to back (one ascending stream); a thread that finishes its own takes the rest of another's from the
 // far end, a share at a time, so the threads finish together and only the tail changes hands
 // (docs/performance.md#measurements-behind-choices-in-the-code). Which thread computes a unit never changes
@@ -19,8 +19,8 @@
 
 namespace {
 
-// The least weight bytes a claim reads (a claim is also `grain` units at least): about 4 us of one thread's
-// reading, the tail's granularity.
+// The least weight bytes a claim reads (a claim is also `grain` units at least): the tail's granularity, a
+// few microseconds of one thread's reading.
 constexpr int64_t kClaimBytes = 64 * 1024;
 
 // Units [front, back) of one thread's range that no thread has claimed yet, in one word so that the owner
