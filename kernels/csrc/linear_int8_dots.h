@@ -224,11 +224,11 @@ void int8_row_scale_sums(const QuantizedRow* x, const std::vector<ChunkGroups>& 
 }
 
 // 4-bit weights in groups of 32 (int4, GGUF's Q4_0 and Q4_1): sums[m][r] = x[m] . w[r] for `count`
-// consecutive weight rows (their bytes, scales and mins from the given rows on). A group is one of x's blocks, so a chunk's four blocks take four weight scales
-// and four x scales: multiplied in a quarter vector and spread over the lanes by a permutation held in a
-// register, where the general tile loads the chunk's lane-to-group index, 16 weight scales (widened and
-// permuted) and 16 x scales, and multiplies them lane by lane: at one row of x a thread of the general tile
-// was bound by those loads and that vector work, not by the memory
+// consecutive weight rows (their bytes, scales and mins from the given rows on). A group is one of x's
+// blocks, so a chunk's four blocks take four weight scales and four x scales: multiplied in a quarter
+// vector and spread over the lanes by a permutation held in a register, where the general tile loads the
+// chunk's lane-to-group index, 16 weight scales (widened and permuted) and 16 x scales and multiplies them
+// lane by lane: at one row of x a thread of the general tile was bound by that work, not by the memory
 // (docs/performance.md#measurements-behind-choices-in-the-code). One weight row at a time, its set-up
 // hoisted, two chunks a pass in two accumulators (as int8_row_scale_sums), then each group's min times x
 // summed over the group.
@@ -253,8 +253,8 @@ void int4_group32_sums(const QuantizedRow* x, int64_t K, const uint8_t* q_rows, 
         __m512i dot = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(x[m].lo.data() + c * kChunkBytes));
         dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(x[m].hi.data() + c * kChunkBytes));
         const __m128 scale = _mm_mul_ps(ws, _mm_loadu_ps(x[m].block_scale.data() + 4 * c));
-        acc[u][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(scale)),
-                                    acc[u][m]);
+        const __m512 lanes = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(scale));
+        acc[u][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), lanes, acc[u][m]);
       }
     };
     auto four_scales = [&](int64_t c) {
