@@ -74,6 +74,20 @@ def test_add_rms_norm_updates_both_in_place(kernels, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_with_a_float32_weight_is_the_add_then_the_norm(kernels, dtype):
+    """Qwen3.5's zero-centred norms keep 1 + w in float32: the fused kernel's residual is PyTorch's one
+    rounded add and its x what rms_norm_fp32_weight gives on that residual, bit for bit."""
+    gen = torch.Generator().manual_seed(4)
+    x, residual = (torch.randn(9, 1024, generator=gen).to(dtype) for _ in range(2))
+    w = torch.rand(1024, generator=gen) + 0.5
+    expected_residual = x.clone().add_(residual)
+    expected = kernels.rms_norm_fp32_weight(expected_residual, w, 1e-6)
+    kernels.add_rms_norm_fp32_weight_(x, residual, w, 1e-6)
+    assert torch.equal(residual, expected_residual)
+    assert torch.equal(x, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 7])
 def test_head_rms_norm_reads_q_and_k_in_place_of_the_qkv_output(kernels, dtype, tokens):
     """Qwen3's q/k norm: one weight row per head, on the q and k columns of the fused QKV output (a

@@ -401,32 +401,64 @@ at::Tensor gated_rms_norm(at::Tensor core, at::Tensor gate, at::Tensor weight, d
 // RMSNorm over the last dimension with a float32 weight ([d], or [H, d] for x [T, H, d]) of a 16-bit x:
 // normalised and multiplied in float32, rounded once (Qwen3.5's zero-centred norms, their 1 + w kept in
 // float32).
-at::Tensor rms_norm_fp32_weight(at::Tensor x, at::Tensor weight, double eps) {
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous(),
-              "rms_norm_fp32_weight: weight must be contiguous float32, got ", weight.scalar_type());
+namespace {
+
+// Rows [begin, end) of `in` ([rows, d]) normalised and multiplied by the float32 weight (row r takes weight
+// row r % heads) in float32, rounded once into `out`.
+template <typename T>
+void fp32_weight_norm_rows(const T* in, const float* w, int64_t heads, T* out, int64_t begin, int64_t end, int64_t d,
+                           float eps) {
+  for (int64_t r = begin; r < end; ++r) {
+    const T* xr = in + r * d;
+    const float* wr = w + (r % heads) * d;
+    float ss = 0.f;
+    for (int64_t i = 0; i < d; ++i) ss += load(xr[i]) * load(xr[i]);
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+    for (int64_t i = 0; i < d; ++i) out[r * d + i] = to<T>(load(xr[i]) * inv * wr[i]);
+  }
+}
+
+void check_fp32_norm_weight(const char* op, const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous(), op,
+              ": weight must be contiguous float32, got ", weight.scalar_type());
   const int64_t d = x.size(-1);
   TORCH_CHECK(weight.size(-1) == d && (weight.dim() == 1 || (weight.dim() == 2 && x.dim() == 3 &&
                                                              weight.size(0) == x.size(1))),
-              "rms_norm_fp32_weight: weight [d] or [H, d] for x [T, H, d], got ", weight.sizes(), " for ",
-              x.sizes());
+              op, ": weight [d] or [H, d] for x [T, H, d], got ", weight.sizes(), " for ", x.sizes());
+}
+
+}  // namespace
+
+at::Tensor rms_norm_fp32_weight(at::Tensor x, at::Tensor weight, double eps) {
+  check_fp32_norm_weight("rms_norm_fp32_weight", x, weight);
   x = x.contiguous();
-  const int64_t rows = x.numel() / d, heads = weight.dim() == 2 ? weight.size(0) : 1;
+  const int64_t d = x.size(-1), rows = x.numel() / d, heads = weight.dim() == 2 ? weight.size(0) : 1;
   auto out = at::empty_like(x);
   dispatch("rms_norm_fp32_weight", x.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
     const T* xp = x.data_ptr<T>();
-    const float* w = weight.data_ptr<float>();
     T* op = out.data_ptr<T>();
     at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const T* xr = xp + r * d;
-        const float* wr = w + (r % heads) * d;
-        float ss = 0.f;
-        for (int64_t i = 0; i < d; ++i) ss += load(xr[i]) * load(xr[i]);
-        const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + static_cast<float>(eps));
-        for (int64_t i = 0; i < d; ++i) op[r * d + i] = to<T>(load(xr[i]) * inv * wr[i]);
-      }
+      fp32_weight_norm_rows(xp, weight.data_ptr<float>(), heads, op, begin, end, d, static_cast<float>(eps));
     });
   });
   return out;
+}
+
+void add_rms_norm_fp32_weight_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
+  check_fp32_norm_weight("add_rms_norm_fp32_weight_", x, weight);
+  TORCH_CHECK(weight.dim() == 1 && x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes() &&
+                  x.scalar_type() == residual.scalar_type(),
+              "add_rms_norm_fp32_weight_: x and residual must be contiguous, of one shape and dtype, the weight [d]");
+  const int64_t d = x.size(-1), rows = x.numel() / d;
+  dispatch("add_rms_norm_fp32_weight_", x.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    T* xp = x.data_ptr<T>();
+    T* rp = residual.data_ptr<T>();
+    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin * d; i < end * d; ++i) rp[i] = to<T>(load(rp[i]) + load(xp[i]));
+      fp32_weight_norm_rows(static_cast<const T*>(rp), weight.data_ptr<float>(), 1, xp, begin, end, d,
+                            static_cast<float>(eps));
+    });
+  });
 }

@@ -47,6 +47,10 @@ class RMSNorm(nn.Module):
         if kernels is not None and self.weight.dtype == x.dtype:
             kernels.add_rms_norm_(x, residual, self.weight, self.eps)
             return x, residual
+        fp32_weight = self.weight.dtype == torch.float32  # a zero-centred norm in a 16-bit model
+        if self.kernels.cpu is not None and fp32_weight and x.is_contiguous() and residual.is_contiguous():
+            self.kernels.cpu.add_rms_norm_fp32_weight_(x, residual, self.weight, self.eps)
+            return x, residual
         residual = x.add_(residual)
         return self.forward(residual), residual
 
