@@ -56,8 +56,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "times the weight, times a float32 gate, as transformers rounds it (CPU; float32, bfloat16, float16)");
   m.def("rms_norm_fp32_weight", &rms_norm_fp32_weight, "RMSNorm with a float32 weight, multiplied in float32 and "
         "rounded once (CPU; float32, bfloat16, float16)");
-  m.def("add_rms_norm_fp32_weight_", &add_rms_norm_fp32_weight_,
-        "residual += x; x = rms_norm_fp32_weight(residual) (CPU; float32, bfloat16, float16; in place)");
   m.def("add_rms_norm_", &add_rms_norm_,
-        "residual += x; x = RMSNorm(residual) (CPU; float32, bfloat16, float16; in place)");
+        "residual += x; x = RMSNorm(residual), a float32 weight with 16-bit x as rms_norm_fp32_weight (CPU; "
+        "float32, bfloat16, float16; in place)");
 }

@@ -196,8 +196,7 @@ class HybridDecodeLayers {
 
   // RMSNorm.add_and_norm: x <- norm(x + residual), residual <- x + residual.
   void add_and_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight) const {
-    if (weight.scalar_type() == x.scalar_type()) return add_rms_norm_(x, residual, weight, eps_);
-    add_rms_norm_fp32_weight_(x, residual, weight, eps_);
+    add_rms_norm_(x, residual, weight, eps_);
   }
 
   // GatedDeltaNet.forward for decode rows.

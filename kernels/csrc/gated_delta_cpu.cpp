@@ -429,11 +429,12 @@ void check_fp32_norm_weight(const char* op, const at::Tensor& x, const at::Tenso
 
 }  // namespace
 
-at::Tensor rms_norm_fp32_weight(at::Tensor x, at::Tensor weight, double eps) {
+void rms_norm_fp32_weight_into(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
   check_fp32_norm_weight("rms_norm_fp32_weight", x, weight);
-  x = x.contiguous();
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && out.sizes() == x.sizes() &&
+                  out.scalar_type() == x.scalar_type(),
+              "rms_norm_fp32_weight: x and out must be contiguous, of one shape and dtype");
   const int64_t d = x.size(-1), rows = x.numel() / d, heads = weight.dim() == 2 ? weight.size(0) : 1;
-  auto out = at::empty_like(x);
   dispatch("rms_norm_fp32_weight", x.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
     const T* xp = x.data_ptr<T>();
@@ -442,23 +443,11 @@ at::Tensor rms_norm_fp32_weight(at::Tensor x, at::Tensor weight, double eps) {
       fp32_weight_norm_rows(xp, weight.data_ptr<float>(), heads, op, begin, end, d, static_cast<float>(eps));
     });
   });
-  return out;
 }
 
-void add_rms_norm_fp32_weight_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
-  check_fp32_norm_weight("add_rms_norm_fp32_weight_", x, weight);
-  TORCH_CHECK(weight.dim() == 1 && x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes() &&
-                  x.scalar_type() == residual.scalar_type(),
-              "add_rms_norm_fp32_weight_: x and residual must be contiguous, of one shape and dtype, the weight [d]");
-  const int64_t d = x.size(-1), rows = x.numel() / d;
-  dispatch("add_rms_norm_fp32_weight_", x.scalar_type(), [&](auto zero) {
-    using T = decltype(zero);
-    T* xp = x.data_ptr<T>();
-    T* rp = residual.data_ptr<T>();
-    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin * d; i < end * d; ++i) rp[i] = to<T>(load(rp[i]) + load(xp[i]));
-      fp32_weight_norm_rows(static_cast<const T*>(rp), weight.data_ptr<float>(), 1, xp, begin, end, d,
-                            static_cast<float>(eps));
-    });
-  });
+at::Tensor rms_norm_fp32_weight(at::Tensor x, at::Tensor weight, double eps) {
+  x = x.contiguous();
+  auto out = at::empty_like(x);
+  rms_norm_fp32_weight_into(x, weight, eps, out);
+  return out;
 }

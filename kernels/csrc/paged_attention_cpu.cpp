@@ -596,9 +596,15 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   return out;
 }
 
-// In place: residual += x, then x = RMSNorm(residual) * weight (the pre-norm residual stream update).
+// In place: residual += x, then x = RMSNorm(residual) * weight (the pre-norm residual stream update). A float32
+// weight with 16-bit x (Qwen3.5's zero-centred norms, 1 + w kept in float32) multiplies in float32 and rounds
+// once, as rms_norm_fp32_weight.
 void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
-  check_one_dtype("add_rms_norm_", {{"x", &x}, {"residual", &residual}, {"weight", &weight}});
+  const bool fp32_weight = weight.scalar_type() == at::kFloat && x.scalar_type() != at::kFloat;
+  if (fp32_weight)
+    check_one_dtype("add_rms_norm_", {{"x", &x}, {"residual", &residual}});
+  else
+    check_one_dtype("add_rms_norm_", {{"x", &x}, {"residual", &residual}, {"weight", &weight}});
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous() &&
                   x.sizes() == residual.sizes(),
               "add_rms_norm_: x, residual and weight must be contiguous, x and residual of one shape");
@@ -611,8 +617,10 @@ void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double 
 #pragma omp simd
       for (int64_t i = begin; i < end; ++i) rp[i] = to<T>(load(rp[i]) + load(xp[i]));
     });
-    rms_norm_rows(rp, hidden, weight.data_ptr<T>(), false, xp, rows, 1, hidden, static_cast<float>(eps));
+    if (!fp32_weight)
+      rms_norm_rows(rp, hidden, weight.data_ptr<T>(), false, xp, rows, 1, hidden, static_cast<float>(eps));
   });
+  if (fp32_weight) rms_norm_fp32_weight_into(residual, weight, eps, x);
 }
 
 // New tokens' K and V into their cache slots: row t of key and value [T, kv_heads, D] (each row contiguous,

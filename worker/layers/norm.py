@@ -44,12 +44,9 @@ class RMSNorm(nn.Module):
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual), reusing both buffers: the caller owns them."""
         kernels = self.kernels.triton or self.kernels.cpu
-        if kernels is not None and self.weight.dtype == x.dtype:
+        # the C++ kernel also takes a zero-centred norm's float32 weight in a 16-bit model
+        if kernels is not None and (self.weight.dtype == x.dtype or kernels is self.kernels.cpu):
             kernels.add_rms_norm_(x, residual, self.weight, self.eps)
-            return x, residual
-        fp32_weight = self.weight.dtype == torch.float32  # a zero-centred norm in a 16-bit model
-        if self.kernels.cpu is not None and fp32_weight and x.is_contiguous() and residual.is_contiguous():
-            self.kernels.cpu.add_rms_norm_fp32_weight_(x, residual, self.weight, self.eps)
             return x, residual
         residual = x.add_(residual)
         return self.forward(residual), residual
