@@ -54,6 +54,11 @@ constexpr int64_t kDotBlock = 32;  // activations per x scale; also the smallest
 // Qwen3.5-0.8B's down projection, most of L1, which x's chunks share: that projection ran at 0.70 of the
 // read bandwidth and 0.81 with a kilobyte (docs/performance.md#measurements-behind-choices-in-the-code).
 constexpr int64_t kDotPrefetchBytes = 1024;
+// Bytes ahead of its reads that the 4-bit group-32 loop asks into L2 (prefetcht1, one a 64-byte line of weight
+// bytes): its arithmetic per byte (two dots a chunk, four scales spread) is enough that the hardware's
+// stream prefetcher alone left two threads reading 0.75 of a sum's bandwidth, 0.85 with this; the int8 row
+// loop, lighter, gained nothing in the engine (docs/performance.md#measurements-behind-choices-in-the-code).
+constexpr int64_t kL2PrefetchBytes = 8192;
 // VPDPBUSD takes unsigned weight bytes: signed 8-bit weights go in offset by 128, and x's correction takes
 // the 128 back. AVX2 moves w's sign onto x instead (VPMADDUBSW's pairs of |w| x would saturate int16 with
 // the offset: 2 x 255 x 127 > 32767; with the sign moved, 2 x 128 x 127 fits).
@@ -230,8 +235,8 @@ void int8_row_scale_sums(const QuantizedRow* x, const std::vector<ChunkGroups>& 
 // chunk's lane-to-group index, 16 weight scales (widened and permuted) and 16 x scales and multiplies them
 // lane by lane: at one row of x a thread of the general tile was bound by that work, not by the memory
 // (docs/performance.md#measurements-behind-choices-in-the-code). One weight row at a time, its set-up
-// hoisted, two chunks a pass in two accumulators (as int8_row_scale_sums), then each group's min times x
-// summed over the group.
+// hoisted, two chunks a pass in two accumulators (as int8_row_scale_sums), the weight bytes asked into L2
+// kL2PrefetchBytes ahead, then each group's min times x summed over the group.
 template <int M>
 void int4_group32_sums(const QuantizedRow* x, int64_t K, const uint8_t* q_rows, const c10::Half* scale_rows,
                        const c10::Half* min_rows, int64_t count, float* sums) {
@@ -262,6 +267,8 @@ void int4_group32_sums(const QuantizedRow* x, int64_t K, const uint8_t* q_rows, 
     };
     int64_t c = 0;
     for (; c + 2 <= full; c += 2) {
+      _mm_prefetch(reinterpret_cast<const char*>(q + c * kChunkBytes + kL2PrefetchBytes), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(q + (c + 1) * kChunkBytes + kL2PrefetchBytes), _MM_HINT_T1);
       chunk(c, 0, _mm512_loadu_si512(q + c * kChunkBytes), four_scales(c));
       chunk(c + 1, 1, _mm512_loadu_si512(q + (c + 1) * kChunkBytes), four_scales(c + 1));
     }
