@@ -235,13 +235,16 @@ void int8_row_scale_sums(const QuantizedRow* x, const std::vector<ChunkGroups>& 
 // chunk's lane-to-group index, 16 weight scales (widened and permuted) and 16 x scales and multiplies them
 // lane by lane: at one row of x a thread of the general tile was bound by that work, not by the memory
 // (docs/performance.md#measurements-behind-choices-in-the-code). One weight row at a time, its set-up
-// hoisted, two chunks a pass in two accumulators (as int8_row_scale_sums), the weight bytes asked into L2
-// kL2PrefetchBytes ahead, then each group's min times x summed over the group.
+// hoisted, two chunks a pass in two accumulators (as int8_row_scale_sums) with their eight scales widened and
+// multiplied by x's in one half vector (docs/performance.md#measurements-behind-choices-in-the-code), the weight
+// bytes asked into L2 kL2PrefetchBytes ahead, then each group's min times x summed over the group.
 template <int M>
 void int4_group32_sums(const QuantizedRow* x, int64_t K, const uint8_t* q_rows, const c10::Half* scale_rows,
                        const c10::Half* min_rows, int64_t count, float* sums) {
   const __m512i low4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+  // a chunk's four groups over its 16 lanes; the second of a pair's, from the upper four of eight scales
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m512i spread_next = _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4);
   const int64_t row_bytes = K / 2, n = chunk_count<4>(K), groups = K / 32;
   const int64_t full = row_bytes % kChunkBytes == 0 ? n : n - 1;
   const __mmask64 last_bytes = static_cast<__mmask64>((__mmask64{1} << (row_bytes % kChunkBytes)) - 1);
@@ -252,30 +255,39 @@ void int4_group32_sums(const QuantizedRow* x, int64_t K, const uint8_t* q_rows, 
     __m512 acc[2][M];
     for (int u = 0; u < 2; ++u)
       for (int m = 0; m < M; ++m) acc[u][m] = _mm512_setzero_ps();
-    auto chunk = [&](int64_t c, int u, __m512i w, __m128 ws) {
-      const __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
-      for (int m = 0; m < M; ++m) {
-        __m512i dot = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(x[m].lo.data() + c * kChunkBytes));
-        dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(x[m].hi.data() + c * kChunkBytes));
-        const __m128 scale = _mm_mul_ps(ws, _mm_loadu_ps(x[m].block_scale.data() + 4 * c));
-        const __m512 lanes = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(scale));
-        acc[u][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), lanes, acc[u][m]);
-      }
-    };
-    auto four_scales = [&](int64_t c) {
-      return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + 4 * c)));
+    auto dot = [&](int64_t c, __m512i lo, __m512i hi, int m) {  // chunk c's integer dot with row m of x
+      const __m512i low_part = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(x[m].lo.data() + c * kChunkBytes));
+      return _mm512_cvtepi32_ps(
+          _mm512_dpbusd_epi32(low_part, hi, _mm512_loadu_si512(x[m].hi.data() + c * kChunkBytes)));
     };
     int64_t c = 0;
-    for (; c + 2 <= full; c += 2) {
+    for (; c + 2 <= full; c += 2) {  // two chunks' eight weight scales converted and multiplied by x's at once
       _mm_prefetch(reinterpret_cast<const char*>(q + c * kChunkBytes + kL2PrefetchBytes), _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(q + (c + 1) * kChunkBytes + kL2PrefetchBytes), _MM_HINT_T1);
-      chunk(c, 0, _mm512_loadu_si512(q + c * kChunkBytes), four_scales(c));
-      chunk(c + 1, 1, _mm512_loadu_si512(q + (c + 1) * kChunkBytes), four_scales(c + 1));
+      const __m512i w0 = _mm512_loadu_si512(q + c * kChunkBytes), w1 = _mm512_loadu_si512(q + (c + 1) * kChunkBytes);
+      const __m512i lo0 = _mm512_and_si512(w0, low4), hi0 = _mm512_and_si512(_mm512_srli_epi16(w0, 4), low4);
+      const __m512i lo1 = _mm512_and_si512(w1, low4), hi1 = _mm512_and_si512(_mm512_srli_epi16(w1, 4), low4);
+      const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 4 * c)));
+      for (int m = 0; m < M; ++m) {
+        const __m512 both = _mm512_castps256_ps512(_mm256_mul_ps(ws, _mm256_loadu_ps(x[m].block_scale.data() + 4 * c)));
+        acc[0][m] = _mm512_fmadd_ps(dot(c, lo0, hi0, m), _mm512_permutexvar_ps(spread, both), acc[0][m]);
+        acc[1][m] = _mm512_fmadd_ps(dot(c + 1, lo1, hi1, m), _mm512_permutexvar_ps(spread_next, both), acc[1][m]);
+      }
     }
-    if (c < full) chunk(c, 0, _mm512_loadu_si512(q + c * kChunkBytes), four_scales(c)), ++c;
+    auto single = [&](int64_t c, int u, __m512i w, __m128 ws) {  // a chunk left over: its four scales alone
+      const __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+      for (int m = 0; m < M; ++m) {
+        const __m128 scale = _mm_mul_ps(ws, _mm_loadu_ps(x[m].block_scale.data() + 4 * c));
+        acc[u][m] = _mm512_fmadd_ps(dot(c, lo, hi, m), _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(scale)),
+                                    acc[u][m]);
+      }
+    };
+    if (c < full)
+      single(c, 0, _mm512_loadu_si512(q + c * kChunkBytes),
+             _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + 4 * c)))), ++c;
     if (c < n)  // a partial chunk: its bytes and its groups' scales only
-      chunk(c, 1, _mm512_maskz_loadu_epi8(last_bytes, q + c * kChunkBytes),
-            _mm_cvtph_ps(_mm_maskz_loadu_epi16(last_groups, scales + 4 * c)));
+      single(c, 1, _mm512_maskz_loadu_epi8(last_bytes, q + c * kChunkBytes),
+             _mm_cvtph_ps(_mm_maskz_loadu_epi16(last_groups, scales + 4 * c)));
     const c10::Half* mins = min_rows + r * groups;
     for (int64_t g = 0; g < groups; g += 16) {  // plus, per group, its min times x summed over the group
       const __mmask16 mask = static_cast<__mmask16>(groups - g >= 16 ? 0xFFFF : (1u << (groups - g)) - 1);
