@@ -56,8 +56,8 @@ constexpr int64_t kDotBlock = 32;  // activations per x scale; also the smallest
 constexpr int64_t kDotPrefetchBytes = 1024;
 // Bytes ahead of its reads that the 4-bit group-32 loop asks into L2 (prefetcht1, one a 64-byte line of weight
 // bytes): its arithmetic per byte (two dots a chunk, four scales spread) is enough that the hardware's
-// stream prefetcher alone left two threads reading 0.75 of a sum's bandwidth, 0.85 with this; the int8 row
-// loop, lighter, gained nothing in the engine (docs/performance.md#measurements-behind-choices-in-the-code).
+// stream prefetcher alone leaves the memory idle part of the time; the int8 row loop, lighter, gained nothing
+// in the engine (docs/performance.md#measurements-behind-choices-in-the-code).
 constexpr int64_t kL2PrefetchBytes = 8192;
 // VPDPBUSD takes unsigned weight bytes: signed 8-bit weights go in offset by 128, and x's correction takes
 // the 128 back. AVX2 moves w's sign onto x instead (VPMADDUBSW's pairs of |w| x would saturate int16 with
