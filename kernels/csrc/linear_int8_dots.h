@@ -88,27 +88,43 @@ int64_t chunk_count(int64_t K) {
   return (K * BITS / 8 + kChunkBytes - 1) / kChunkBytes;
 }
 
-// x's K floats quantized for weights of BITS bits in groups of `group`.
-template <int BITS>
-QuantizedRow quantize_row(const float* x, int64_t K, int64_t group) {
+#ifdef NANOVLLM_INT8_DOTS_VNNI
+// 16 consecutive values of x widened to fp32 (exact for every dtype).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+// x's K values (float32 or 16-bit) quantized for weights of BITS bits in groups of `group`, into `q`, whose
+// vectors keep their memory from call to call: a one-row call's allocations, a widened copy of x and the
+// block sums added one by one were half of its fixed cost, about 100 calls a Qwen3.5-0.8B decode step
+// (docs/performance.md#measurements-behind-choices-in-the-code).
+template <int BITS, typename T>
+void quantize_row(const T* x, int64_t K, int64_t group, QuantizedRow& q) {
   const int64_t chunks = chunk_count<BITS>(K), per_chunk = blocks_per_chunk<BITS>(), lanes = 16 / per_chunk;
-  QuantizedRow q;
   q.lo.assign(chunks * kChunkBytes, 0);
-  if (BITS == 4) q.hi.assign(chunks * kChunkBytes, 0);
   q.scale.assign(chunks * 16, 0.f);
-  if (BITS == 8 && kOffsetWeights) q.correction.assign(chunks * 16, 0);
-  if (BITS == 4) q.group_sums.assign(K / group, 0.f), q.block_scale.assign(chunks * per_chunk, 0.f);
+  if constexpr (BITS == 4) {
+    q.hi.assign(chunks * kChunkBytes, 0);
+    q.group_sums.assign(K / group, 0.f);
+    q.block_scale.assign(chunks * per_chunk, 0.f);
+  }
+  if constexpr (BITS == 8 && kOffsetWeights) q.correction.assign(chunks * 16, 0);
   for (int64_t b = 0; b < K / kDotBlock; ++b) {
-    const float* xb = x + b * kDotBlock;
+    const T* xb = x + b * kDotBlock;
     float sum = 0.f;
-    if constexpr (BITS == 4)
-      for (int64_t i = 0; i < kDotBlock; ++i) sum += xb[i];
     int8_t qb[kDotBlock];
 #ifdef NANOVLLM_INT8_DOTS_VNNI
     // 16 lanes at a time, the values the scalar lines below compute: the largest |x| (exact in any order),
     // x times 127 / it rounded to the nearest integer, ties to even (the conversion's default rounding, as
-    // nearbyint's).
-    const __m512 low = _mm512_loadu_ps(xb), high = _mm512_loadu_ps(xb + 16);
+    // nearbyint's); the block's sum in the vector's order.
+    const __m512 low = load16(xb), high = load16(xb + 16);
+    if constexpr (BITS == 4) sum = _mm512_reduce_add_ps(_mm512_add_ps(low, high));
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
     const float inverse = amax > 0.f ? 127.f / amax : 0.f;
     const __m512 scale_by = _mm512_set1_ps(inverse);
@@ -116,10 +132,14 @@ QuantizedRow quantize_row(const float* x, int64_t K, int64_t group) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16),
                      _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(high, scale_by))));
 #else
-    float amax = 0.f;
-    for (int64_t i = 0; i < kDotBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    float xf[kDotBlock], amax = 0.f;
+#pragma omp simd
+    for (int64_t i = 0; i < kDotBlock; ++i) xf[i] = load(xb[i]);
+    for (int64_t i = 0; i < kDotBlock; ++i) amax = std::max(amax, std::fabs(xf[i]));
+    if constexpr (BITS == 4)
+      for (int64_t i = 0; i < kDotBlock; ++i) sum += xf[i];
     const float inverse = amax > 0.f ? 127.f / amax : 0.f;
-    for (int64_t i = 0; i < kDotBlock; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * inverse));
+    for (int64_t i = 0; i < kDotBlock; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(xf[i] * inverse));
 #endif
     const int64_t c = b / per_chunk, j = b % per_chunk;
     std::fill_n(q.scale.data() + c * 16 + j * lanes, lanes, amax / 127.f);
@@ -135,12 +155,12 @@ QuantizedRow quantize_row(const float* x, int64_t K, int64_t group) {
           q.correction[c * 16 + j * lanes + l] = -128 * (qb[4 * l] + qb[4 * l + 1] + qb[4 * l + 2] + qb[4 * l + 3]);
     }
   }
+  q.correction_total = 0.f;
   if constexpr (BITS == 8 && kOffsetWeights) {  // in double, rounded once: it stands for exact integer sums
     double total = 0.0;
     for (size_t l = 0; l < q.correction.size(); ++l) total += double(q.correction[l]) * double(q.scale[l]);
     q.correction_total = static_cast<float>(total);
   }
-  return q;
 }
 
 #ifdef NANOVLLM_INT8_DOTS_VNNI

@@ -292,19 +292,35 @@ Int8DotFn<BITS, T> int8_dot_fn(int64_t rows) {
 }
 #endif
 
+// Whether the integer dots read chunk_groups' table at this group size: not int4_group32_rows (VNNI, 4-bit
+// groups of 32), which spreads each chunk's scales by permutations held in registers.
+template <int BITS>
+bool takes_chunk_groups(int64_t group) {
+#ifdef NANOVLLM_INT8_DOTS_VNNI
+  return BITS == 8 || group != kDotBlock;
+#else
+  (void)group;
+  return true;
+#endif
+}
+
 template <int BITS, typename T>
 void linear_quantized_impl(const T* x, const uint8_t* q, const c10::Half* scales, const c10::Half* mins,
                            const T* bias, T* y, int64_t rows, int64_t N, int64_t K, int64_t group,
                            bool batch_invariant) {
-  const std::vector<float> xf = widen(x, rows * K);
   const int64_t groups = K / group;
   const PackedRows<BITS> weights{q, scales, mins, K, groups};
 #ifdef NANOVLLM_INT8_DOTS
   if constexpr (!std::is_same_v<T, float>) {  // 16-bit x only: float32 x keeps the exact path
     if (rows <= kDirectRows || batch_invariant) {
-      std::vector<QuantizedRow> xq;
-      for (int64_t m = 0; m < rows; ++m) xq.push_back(quantize_row<BITS>(xf.data() + m * K, K, group));
-      const std::vector<ChunkGroups> chunks = chunk_groups<BITS>(K, group);
+      // A decode call's rows of x keep their memory in the calling thread from call to call; a prefill's
+      // many rows (with batch_invariant) take memory of their own.
+      thread_local std::vector<QuantizedRow> kept(kDirectRows);
+      std::vector<QuantizedRow> own(rows > kDirectRows ? rows : 0);
+      QuantizedRow* xq = rows > kDirectRows ? own.data() : kept.data();
+      for (int64_t m = 0; m < rows; ++m) quantize_row<BITS>(x + m * K, K, group, xq[m]);
+      const std::vector<ChunkGroups> chunks =
+          takes_chunk_groups<BITS>(group) ? chunk_groups<BITS>(K, group) : std::vector<ChunkGroups>();
       // Weight rows a block: about kDotBlockBytes of them, which every tile of x rows reads from cache.
       const int64_t block = std::max<int64_t>(4, kDotBlockBytes / (K * BITS / 8) / 4 * 4);
       // Whole 4-row tiles, 64 rows and kClaimBytes of weights a claim at least.
@@ -315,7 +331,7 @@ void linear_quantized_impl(const T* x, const uint8_t* q, const c10::Half* scales
           const int64_t b_end = std::min(n_end, b + block);
           for (int64_t m = 0; m < rows; m += kDirectRows) {
             const int64_t tile = std::min(kDirectRows, rows - m);
-            int8_dot_fn<BITS, T>(tile)(xq.data() + m, chunks, weights, bias, y + m * N, b, b_end, N, K, group);
+            int8_dot_fn<BITS, T>(tile)(xq + m, chunks, weights, bias, y + m * N, b, b_end, N, K, group);
           }
         }
       });
@@ -323,6 +339,7 @@ void linear_quantized_impl(const T* x, const uint8_t* q, const c10::Half* scales
     }
   }
 #endif
+  const std::vector<float> xf = widen(x, rows * K);
 #ifdef NANOVLLM_LINEAR_AVX2
   const bool direct = rows <= kDirectRows;
 #else
