@@ -178,13 +178,6 @@ inline __m512 hsum8_tree(Lane&& lane) {
                        _mm512_add_ps(_mm512_add_ps(lane(1), lane(5)), _mm512_add_ps(lane(3), lane(7))));
 }
 
-// 16 weights widened to fp32 (`mask` of them; the rest 0).
-inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
-inline __m512 load16(const c10::BFloat16* p, __mmask16 mask) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
-}
-inline __m512 load16(const c10::Half* p, __mmask16 mask) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p)); }
-
 // The blocked prefill loop of the packed tiles: the thread's weight rows [n_begin, n_end) packed
 // kPackedBytes at a time, each part once (pack(n, part_end, out): the panel of 64 rows from n, `panel_size`
 // values of P), then x in blocks of x_rows against each packed panel of the part in turn, 6 rows of x a pass

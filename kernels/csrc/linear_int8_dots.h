@@ -88,18 +88,6 @@ int64_t chunk_count(int64_t K) {
   return (K * BITS / 8 + kChunkBytes - 1) / kChunkBytes;
 }
 
-#ifdef NANOVLLM_INT8_DOTS_VNNI
-// 16 consecutive values of x widened to fp32 (exact for every dtype).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-#endif
-
 // x's K values (float32 or 16-bit) quantized for weights of BITS bits in groups of `group`, into `q`, whose
 // vectors keep their memory from call to call: a one-row call's allocations, a widened copy of x and the
 // block sums added one by one were half of its fixed cost, about 100 calls a Qwen3.5-0.8B decode step
@@ -123,7 +111,7 @@ void quantize_row(const T* x, int64_t K, int64_t group, QuantizedRow& q) {
     // 16 lanes at a time, the values the scalar lines below compute: the largest |x| (exact in any order),
     // x times 127 / it rounded to the nearest integer, ties to even (the conversion's default rounding, as
     // nearbyint's); the block's sum in the vector's order.
-    const __m512 low = load16(xb), high = load16(xb + 16);
+    const __m512 low = load16(xb, 0xFFFF), high = load16(xb + 16, 0xFFFF);
     if constexpr (BITS == 4) sum = _mm512_reduce_add_ps(_mm512_add_ps(low, high));
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
     const float inverse = amax > 0.f ? 127.f / amax : 0.f;
