@@ -155,6 +155,61 @@ def test_int8_dots_are_the_product_of_the_quantized_x(kernels, scheme, dtype) ->
             assert (error <= bound).all(), (scheme, dtype, features, rows, (error / bound).max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_interleaved_rows_compute_the_rows_layouts_product(kernels, dtype) -> None:
+    """4-bit weights in groups of 32 with their rows interleaved 16 at a time (the layout a 16-bit engine's
+    projections take on a CPU with AVX512-VNNI): the same integer sums as the rows' own layout, scaled and
+    added in another order, so every output within float32's rounding of the scaled partial sums of the two
+    (K x 2^-24 of the products' mass each, as the test above holds them) and the output's rounding; prefill
+    sizes dequantize to the same float weight, so the GEMM's result is the same bit for bit. The planes
+    dequantize as before; loading and sharding refuse the interleaved layout."""
+    if not kernels.linear_quantized_interleaved():
+        pytest.skip("this CPU has no AVX512-VNNI: weights keep the rows' own layout")
+    gen = torch.Generator().manual_seed(5)
+    for features in (96, 1024):
+        packed, _ = _packed("int4-32", 48, features)
+        rows_layout = PackedWeight.of_planes(
+            packed.scheme, 32, packed.qweight.clone(), packed.scales.clone(), packed.mins.clone()
+        )
+        weight = packed.dequantize(torch.float64)
+        packed.interleave_()
+        assert packed.interleaved and not torch.equal(packed.qweight, rows_layout.qweight)
+        assert torch.equal(packed.dequantize(torch.float32), rows_layout.dequantize(torch.float32))
+        bias = torch.randn(48, generator=gen).to(dtype)
+        for rows in (1, 2, 5, 8, 20):
+            x = torch.randn(rows, features, generator=gen).to(dtype)
+            magnitude = x.double().abs()  # x's int8 rounding moves it by at most 1/254 of its block's largest
+            terms = (
+                magnitude @ weight.abs().T
+                + magnitude.view(rows, -1, 32).sum(-1) @ rows_layout.mins.double().abs().T
+            )
+            for invariant in (False, True):
+                args = (packed.bits, 32, bias, invariant)
+                expected = kernels.linear_quantized(
+                    x, rows_layout.qweight, rows_layout.scales, rows_layout.mins, *args
+                )
+                got = kernels.linear_quantized(x, packed.qweight, packed.scales, packed.mins, *args, True)
+                if rows > 8 and not invariant:
+                    assert torch.equal(got, expected), (features, rows)
+                    continue
+                bound = 2 * (
+                    features * 2.0**-24 * 1.02 * terms + torch.finfo(dtype).eps / 2 * expected.double().abs()
+                )
+                error = (got.double() - expected.double()).abs()
+                assert (error <= bound + 1e-7).all(), (
+                    features,
+                    rows,
+                    invariant,
+                    (error / bound).max().item(),
+                )
+    with pytest.raises(RuntimeError, match="interleaved"):
+        packed.narrow(0, 0, 16)
+    with pytest.raises(RuntimeError, match="4 bits in groups of 32"):
+        kernels.linear_quantized(
+            x.float(), packed.qweight, packed.scales, packed.mins, 4, 32, None, False, True
+        )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_sized_inputs_go_through_a_gemm(kernels, dtype) -> None:
     """Above 64 rows (8 with 16-bit x) the weight is dequantized once to x's dtype and PyTorch's GEMM

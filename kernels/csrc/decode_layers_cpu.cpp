@@ -25,10 +25,11 @@ struct Projection {
   c10::optional<at::Tensor> bias;
   int64_t few_rows_max = 0;  // float weights: linear_few_rows up to this many rows, PyTorch's GEMM above
   bool batch_invariant = false;  // every row count on the kernels' fixed summation order
+  bool interleaved = false;      // packed rows interleaved 16 at a time (PackedWeight.interleave_)
 
   at::Tensor operator()(const at::Tensor& x) const {
     if (!weight.has_value())
-      return linear_quantized(x, *qweight, *scales, mins, bits, group_size, bias, batch_invariant);
+      return linear_quantized(x, *qweight, *scales, mins, bits, group_size, bias, batch_invariant, interleaved);
     if (batch_invariant || x.size(0) <= few_rows_max) return linear_few_rows(x, *weight, bias);
     return at::linear(x, *weight, bias);
   }
@@ -244,12 +245,14 @@ void register_decode_layers(pybind11::module& m) {
       .def(py::init([](c10::optional<at::Tensor> weight, c10::optional<at::Tensor> qweight,
                        c10::optional<at::Tensor> scales, c10::optional<at::Tensor> mins, int64_t bits,
                        int64_t group_size, c10::optional<at::Tensor> bias, int64_t few_rows_max,
-                       bool batch_invariant) {
+                       bool batch_invariant, bool interleaved) {
              TORCH_CHECK(weight.has_value() != qweight.has_value(), "Projection: a float weight or a packed one");
-             return Projection{weight, qweight, scales, mins, bits, group_size, bias, few_rows_max, batch_invariant};
+             return Projection{weight, qweight, scales, mins, bits, group_size, bias, few_rows_max, batch_invariant,
+                               interleaved};
            }),
            py::arg("weight"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
-           py::arg("group_size"), py::arg("bias"), py::arg("few_rows_max"), py::arg("batch_invariant"));
+           py::arg("group_size"), py::arg("bias"), py::arg("few_rows_max"), py::arg("batch_invariant"),
+           py::arg("interleaved") = false);
   py::class_<SparseMoe>(m, "SparseMoe", "A sparse layer's router and experts for DecodeLayers")
       .def(py::init([](Projection router, std::vector<Projection> w13, std::vector<Projection> w2, int64_t top_k,
                        bool norm_topk_prob) {

@@ -27,8 +27,9 @@ std::vector<at::Tensor> linear_grouped(std::vector<at::Tensor> xs, std::vector<a
 // linear_quantized_cpu.cpp
 at::Tensor linear_quantized(at::Tensor x, at::Tensor qweight, at::Tensor scales,
                             c10::optional<at::Tensor> mins, int64_t bits, int64_t group_size,
-                            c10::optional<at::Tensor> bias, bool batch_invariant);
+                            c10::optional<at::Tensor> bias, bool batch_invariant, bool interleaved);
 bool linear_quantized_int8_dots();
+bool linear_quantized_interleaved();
 
 // lora_cpu.cpp
 void lora_add_(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor rows,

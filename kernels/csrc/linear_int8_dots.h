@@ -46,6 +46,9 @@ struct QRow {
   const c10::Half* m;
 };
 
+// Weight rows a tile of a 4-bit weight with rows interleaved holds (int4_rows16_sums).
+constexpr int64_t kInterleavedRows = 16;
+
 #ifdef NANOVLLM_INT8_DOTS
 constexpr int64_t kChunkBytes = 64;
 constexpr int64_t kDotBlock = 32;  // activations per x scale; also the smallest weight group
@@ -305,6 +308,51 @@ void int4_group32_sums(const QuantizedRow* x, int64_t K, const uint8_t* q_rows, 
     }
     for (int m = 0; m < M; ++m) sums[m * count + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]));
   }
+}
+
+// 4-bit weights in groups of 32 with kInterleavedRows (16) rows interleaved (PackedWeight.interleave_): a
+// tile's bytes are [K / 8][16 rows][4 bytes], its scales and mins [K / 32][16 rows]. Lane r of a 64-byte load
+// is row r's next 8 weights, so one VPDPBUSD meets 16 rows with x's 4 bytes broadcast, a group's two scales
+// multiply 16 rows' sums at once and no row ends in a horizontal sum: about two thirds of the row loop's
+// instructions per weight byte (from L2, one thread, 41-48 GB/s against int4_group32_sums' 30), which in
+// the machine's fast spells is what bounds the row loop
+// (docs/performance.md#measurements-behind-choices-in-the-code). sums[m][r] = x[m] . w[r] over one tile.
+// Bytes ahead of its reads that the interleaved loop asks into L2 (one line of four a group): 4 KB read
+// fastest of 1, 4, 16 and 64 KB in a bare loop from memory.
+constexpr int64_t kInterleavedPrefetchBytes = 4096;
+
+template <int M>
+void int4_rows16_sums(const QuantizedRow* x, int64_t K, const uint8_t* q, const c10::Half* scales,
+                      const c10::Half* mins, float (*sums)[kInterleavedRows]) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const int32_t* xlo[M];
+  const int32_t* xhi[M];
+  for (int m = 0; m < M; ++m)
+    xlo[m] = reinterpret_cast<const int32_t*>(x[m].lo.data()), xhi[m] = reinterpret_cast<const int32_t*>(x[m].hi.data());
+  __m512 acc[M], min_acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps(), min_acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < K / kDotBlock; ++g) {
+    const uint8_t* group = q + g * 4 * kChunkBytes;
+    __m512i lo[4], hi[4];
+    for (int w = 0; w < 4; ++w) {
+      _mm_prefetch(reinterpret_cast<const char*>(group + w * kChunkBytes + kInterleavedPrefetchBytes), _MM_HINT_T1);
+      const __m512i v = _mm512_loadu_si512(group + w * kChunkBytes);
+      lo[w] = _mm512_and_si512(v, low4), hi[w] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
+    const __m512 s = load_halves(scales + g * kInterleavedRows, 0xFFFF);
+    const __m512 mn = load_halves(mins + g * kInterleavedRows, 0xFFFF);
+    for (int m = 0; m < M; ++m) {
+      __m512i low_dot = _mm512_setzero_si512(), high_dot = _mm512_setzero_si512();
+      for (int w = 0; w < 4; ++w) {
+        low_dot = _mm512_dpbusd_epi32(low_dot, lo[w], _mm512_set1_epi32(xlo[m][4 * g + w]));
+        high_dot = _mm512_dpbusd_epi32(high_dot, hi[w], _mm512_set1_epi32(xhi[m][4 * g + w]));
+      }
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(low_dot, high_dot));
+      acc[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(x[m].block_scale[g])), acc[m]);
+      min_acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x[m].group_sums[g]), min_acc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(sums[m], _mm512_add_ps(acc[m], min_acc[m]));
 }
 
 // out[m][r] = x[m] . w[r] for M rows of x against R weight rows. Inlined into its driver's row loop, which

@@ -252,6 +252,41 @@ void int4_group32_rows(const QuantizedRow* x, const PackedRows<4>& weights, cons
     }
   }
 }
+
+// 4-bit groups of 32 with rows interleaved: int4_rows16_sums over tiles [t_begin, t_end), then the bias and
+// each output's rounding to T.
+template <int M, typename T>
+void int4_rows16_rows(const QuantizedRow* x, const uint8_t* q, const c10::Half* scales, const c10::Half* mins,
+                      int64_t K, const T* bias, T* y, int64_t t_begin, int64_t t_end, int64_t N) {
+  const int64_t tile_bytes = kInterleavedRows * K / 2, tile_groups = kInterleavedRows * (K / kDotBlock);
+  float sums[M][kInterleavedRows];
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    int4_rows16_sums<M>(x, K, q + t * tile_bytes, scales + t * tile_groups, mins + t * tile_groups, sums);
+    const int64_t n = t * kInterleavedRows;
+    for (int m = 0; m < M; ++m) {
+      T* out = y + m * N + n;
+      if (bias == nullptr) {
+#pragma omp simd
+        for (int64_t r = 0; r < kInterleavedRows; ++r) out[r] = to<T>(sums[m][r]);
+      } else {
+#pragma omp simd
+        for (int64_t r = 0; r < kInterleavedRows; ++r) out[r] = to<T>(sums[m][r] + load(bias[n + r]));
+      }
+    }
+  }
+}
+
+template <typename T>
+using Rows16Fn = void (*)(const QuantizedRow*, const uint8_t*, const c10::Half*, const c10::Half*, int64_t, const T*,
+                          T*, int64_t, int64_t, int64_t);
+
+template <typename T>
+Rows16Fn<T> int4_rows16_fn(int64_t rows) {
+  static const Rows16Fn<T> table[kDirectRows] = {
+      int4_rows16_rows<1, T>, int4_rows16_rows<2, T>, int4_rows16_rows<3, T>, int4_rows16_rows<4, T>,
+      int4_rows16_rows<5, T>, int4_rows16_rows<6, T>, int4_rows16_rows<7, T>, int4_rows16_rows<8, T>};
+  return table[rows - 1];
+}
 #endif
 
 // Output columns [n_begin, n_end) for M (<= kDirectRows) rows of x quantized to int8 (linear_int8_dots.h).
@@ -307,7 +342,7 @@ bool takes_chunk_groups(int64_t group) {
 template <int BITS, typename T>
 void linear_quantized_impl(const T* x, const uint8_t* q, const c10::Half* scales, const c10::Half* mins,
                            const T* bias, T* y, int64_t rows, int64_t N, int64_t K, int64_t group,
-                           bool batch_invariant) {
+                           bool batch_invariant, bool interleaved) {
   const int64_t groups = K / group;
   const PackedRows<BITS> weights{q, scales, mins, K, groups};
 #ifdef NANOVLLM_INT8_DOTS
@@ -319,6 +354,19 @@ void linear_quantized_impl(const T* x, const uint8_t* q, const c10::Half* scales
       std::vector<QuantizedRow> own(rows > kDirectRows ? rows : 0);
       QuantizedRow* xq = rows > kDirectRows ? own.data() : kept.data();
       for (int64_t m = 0; m < rows; ++m) quantize_row<BITS>(x + m * K, K, group, xq[m]);
+#ifdef NANOVLLM_INT8_DOTS_VNNI
+      if (BITS == 4 && interleaved) {  // tiles of 16 rows, a block of them read by every tile of x's rows
+        const int64_t tile_bytes = kInterleavedRows * K / 2;
+        const int64_t block = std::max<int64_t>(1, kDotBlockBytes / tile_bytes);
+        parallel_rows(N / kInterleavedRows, std::max<int64_t>(1, kClaimBytes / tile_bytes), [&](int64_t begin, int64_t end) {
+          for (int64_t b = begin; b < end; b += block)
+            for (int64_t m = 0; m < rows; m += kDirectRows)
+              int4_rows16_fn<T>(std::min(kDirectRows, rows - m))(xq + m, q, scales, mins, K, bias, y + m * N, b,
+                                                                 std::min(end, b + block), N);
+        });
+        return;
+      }
+#endif
       const std::vector<ChunkGroups> chunks =
           takes_chunk_groups<BITS>(group) ? chunk_groups<BITS>(K, group) : std::vector<ChunkGroups>();
       // Weight rows a block: about kDotBlockBytes of them, which every tile of x rows reads from cache.
@@ -408,24 +456,46 @@ void dequantize_row_16(const QRow& row, int64_t K, int64_t group, T* out) {
 #endif
 
 // The whole weight [N, K] in `dtype` (each weight rounded from its exact fp32 value).
+// Row n of a weight with rows interleaved (4 bits, groups of 32) in the rows' own layout, in `planes` (K / 2
+// bytes, then K / 32 scales and as many mins).
+struct RowPlanes {
+  std::vector<uint8_t> q;
+  std::vector<c10::Half> s, m;
+};
+QRow interleaved_row(const uint8_t* q, const c10::Half* scales, const c10::Half* mins, int64_t n, int64_t K,
+                     RowPlanes& planes) {
+  const int64_t t = n / kInterleavedRows, r = n % kInterleavedRows, groups = K / kBlock;
+  planes.q.resize(K / 2), planes.s.resize(groups), planes.m.resize(groups);
+  const uint8_t* tile = q + t * kInterleavedRows * K / 2;
+  for (int64_t w = 0; w < K / 8; ++w) std::memcpy(planes.q.data() + 4 * w, tile + (w * kInterleavedRows + r) * 4, 4);
+  for (int64_t g = 0; g < groups; ++g) {
+    planes.s[g] = scales[(t * groups + g) * kInterleavedRows + r];
+    planes.m[g] = mins[(t * groups + g) * kInterleavedRows + r];
+  }
+  return {planes.q.data(), planes.s.data(), planes.m.data()};
+}
+
 template <int BITS>
 at::Tensor dequantize_all(const uint8_t* q, const c10::Half* scales, const c10::Half* mins, int64_t N, int64_t K,
-                          int64_t group, at::ScalarType dtype) {
+                          int64_t group, at::ScalarType dtype, bool interleaved) {
   auto w = at::empty({N, K}, at::dtype(dtype));
   dispatch("linear_quantized", dtype, [&](auto zero) {
     using T = decltype(zero);
     T* out = w.data_ptr<T>();
     at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      RowPlanes planes;
+      auto row_at = [&](int64_t n) {
+        return interleaved ? interleaved_row(q, scales, mins, n, K, planes) : qrow<BITS>(q, scales, mins, n, K, K / group);
+      };
 #ifdef __AVX512F__
       if constexpr (!std::is_same_v<T, float>) {
-        for (int64_t n = begin; n < end; ++n)
-          dequantize_row_16<BITS, T>(qrow<BITS>(q, scales, mins, n, K, K / group), K, group, out + n * K);
+        for (int64_t n = begin; n < end; ++n) dequantize_row_16<BITS, T>(row_at(n), K, group, out + n * K);
         return;
       }
 #endif
       std::vector<float> row(K);
       for (int64_t n = begin; n < end; ++n) {
-        dequantize_row<BITS>(qrow<BITS>(q, scales, mins, n, K, K / group), K, group, row.data());
+        dequantize_row<BITS>(row_at(n), K, group, row.data());
         T* o = out + n * K;
 #pragma omp simd
         for (int64_t k = 0; k < K; ++k) o[k] = to<T>(row[k]);
@@ -442,7 +512,7 @@ at::Tensor dequantize_all(const uint8_t* q, const c10::Half* scales, const c10::
 // or None. Returns [rows, N] in x's dtype. batch_invariant: each row summed in one order at every row count.
 at::Tensor linear_quantized(at::Tensor x, at::Tensor qweight, at::Tensor scales,
                             c10::optional<at::Tensor> mins, int64_t bits, int64_t group_size,
-                            c10::optional<at::Tensor> bias, bool batch_invariant) {
+                            c10::optional<at::Tensor> bias, bool batch_invariant, bool interleaved) {
   TORCH_CHECK(bits == 4 || bits == 8, "linear_quantized: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && scales.dim() == 2, "linear_quantized: x, qweight and scales must "
               "be 2-d, got ", x.sizes(), ", ", qweight.sizes(), ", ", scales.sizes());
@@ -466,6 +536,13 @@ at::Tensor linear_quantized(at::Tensor x, at::Tensor qweight, at::Tensor scales,
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "linear_quantized: bias must be [", N, "], got ",
                 bias->sizes());
   }
+  if (interleaved)
+    TORCH_CHECK(linear_quantized_interleaved() && bits == 4 && group_size == kBlock && N % kInterleavedRows == 0 &&
+                    x.scalar_type() != at::kFloat,
+                "linear_quantized: rows interleaved need 4 bits in groups of ", kBlock, ", a multiple of ",
+                kInterleavedRows, " rows and 16-bit x on a CPU with AVX512-VNNI; got ", bits, " bits, groups of ",
+                group_size, ", ", N, " rows, x ", x.scalar_type(),
+                linear_quantized_interleaved() ? "" : " (this build has no VNNI)");
   x = x.contiguous();
   qweight = qweight.contiguous();
   scales = scales.contiguous();
@@ -475,8 +552,8 @@ at::Tensor linear_quantized(at::Tensor x, at::Tensor qweight, at::Tensor scales,
   const auto* s = scales.data_ptr<c10::Half>();
   const auto* mn = m.defined() ? m.data_ptr<c10::Half>() : nullptr;
   if (!batch_invariant && rows > (x.scalar_type() == at::kFloat ? kPanelMaxRows : kDirectRows)) {
-    const at::Tensor w = bits == 8 ? dequantize_all<8>(q, s, mn, N, K, group_size, x.scalar_type())
-                                      : dequantize_all<4>(q, s, mn, N, K, group_size, x.scalar_type());
+    const at::Tensor w = bits == 8 ? dequantize_all<8>(q, s, mn, N, K, group_size, x.scalar_type(), false)
+                                      : dequantize_all<4>(q, s, mn, N, K, group_size, x.scalar_type(), interleaved);
     return at::linear(x, w, b.defined() ? b : at::Tensor());
   }
   auto y = at::empty({rows, N}, x.options());
@@ -486,16 +563,24 @@ at::Tensor linear_quantized(at::Tensor x, at::Tensor qweight, at::Tensor scales,
     const T* bp = b.defined() ? b.data_ptr<T>() : nullptr;
     if (bits == 8)
       linear_quantized_impl<8, T>(x.data_ptr<T>(), q, s, mn, bp, y.data_ptr<T>(), rows, N, K, group_size,
-                                  batch_invariant);
+                                  batch_invariant, false);
     else
       linear_quantized_impl<4, T>(x.data_ptr<T>(), q, s, mn, bp, y.data_ptr<T>(), rows, N, K, group_size,
-                                  batch_invariant);
+                                  batch_invariant, interleaved);
   });
   return y;
 }
 
 bool linear_quantized_int8_dots() {
 #ifdef NANOVLLM_INT8_DOTS
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool linear_quantized_interleaved() {
+#ifdef NANOVLLM_INT8_DOTS_VNNI
   return true;
 #else
   return false;

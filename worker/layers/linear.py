@@ -56,6 +56,7 @@ def linear(
                 weight.group_size,
                 bias,
                 deterministic,
+                weight.interleaved,
             )
         weight = weight.dequantize(x.dtype)
     if deterministic and triton_kernels is not None:
@@ -309,3 +310,16 @@ class RowParallelLinear(ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self._project(x))
+
+
+def interleave_packed_weights(model: nn.Module) -> int:
+    """Interleave the rows of every projection's 4-bit weight in groups of 32 (PackedWeight.interleave_), for
+    the CPU kernel with AVX512-VNNI and 16-bit x; once the weights are loaded (loading, sharding and LoRA's
+    shapes read the rows' layout). Experts and the embedding keep theirs. Returns how many were."""
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None) if isinstance(module, ParallelLinear) else None
+        if isinstance(weight, PackedWeight) and weight.can_interleave:
+            weight.interleave_()
+            count += 1
+    return count

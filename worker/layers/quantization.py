@@ -11,6 +11,11 @@ through floats, and one C++ kernel (kernels/csrc/linear_quantized_cpu.cpp) runs 
 Loading goes through `assign(destination, source)`: a float source is quantized into a packed destination
 (Hugging Face checkpoints with quantization int8/int4), a packed one copied plane by plane (GGUF as it
 ships), or dequantized into a float destination (a fused projection whose GGUF parts differ in type).
+
+Once loaded, on a CPU whose kernel has AVX512-VNNI, a 16-bit model's 4-bit projections in groups of 32 have
+their rows interleaved 16 at a time (`interleave_`): the kernel's layout for one decode row, whose loop then
+takes two thirds of the instructions a weight byte (docs/performance.md, Measurements behind choices in the
+code). `dequantize` reads either layout.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from nanovllm.worker.layers.block_fp8 import BlockFp8Weight, Cuts
 from nanovllm.worker.model_config import FP8_BLOCK
 
 BLOCK = 32  # weights per 4-bit block; every group is a whole number of blocks
+INTERLEAVED_ROWS = 16  # rows a tile of an interleaved weight holds (kInterleavedRows in the C++ kernel)
 
 
 @dataclass(frozen=True)
@@ -39,12 +45,15 @@ class QuantScheme:
 
 class PackedWeight(nn.Module):
     """A quantized [out_features, in_features] weight: the planes `qweight` (int8 [N, K] at 8 bits, uint8
-    [N, K / 2] at 4), `scales` and, at 4 bits, `mins` (float16 [N, K / group_size])."""
+    [N, K / 2] at 4), `scales` and, at 4 bits, `mins` (float16 [N, K / group_size]). With `interleaved`
+    the same planes hold tiles of 16 rows: a tile's bytes [K / 8][16 rows][4 bytes] (each row's 8 weights
+    of 4 bytes side by side), its scales and mins [K / 32][16 rows]."""
 
     # registered buffers (nn.Module's __getattr__ types them as Tensor | Module)
     qweight: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
+    interleaved: bool = False
 
     def __init__(self, out_features: int, in_features: int, scheme: QuantScheme, layer: str) -> None:
         super().__init__()
@@ -96,8 +105,54 @@ class PackedWeight(nn.Module):
             p.numel() * p.element_size() for p in (self.qweight, self.scales, self.mins) if p is not None
         )
 
+    @property
+    def can_interleave(self) -> bool:
+        """4 bits in groups of 32, whole tiles of rows, not interleaved yet."""
+        rows = self.qweight.shape[0]
+        return (
+            self.bits == 4
+            and self.group_size == BLOCK
+            and rows % INTERLEAVED_ROWS == 0
+            and not self.interleaved
+        )
+
+    def interleave_(self) -> PackedWeight:
+        """Reorder the planes into tiles of 16 rows (the class docstring's layout), in place of the rows."""
+        if not self.can_interleave:
+            raise RuntimeError(f"{self.extra_repr()}: only 4 bits in groups of {BLOCK} and whole tiles of "
+                               f"{INTERLEAVED_ROWS} rows interleave, once")  # fmt: skip
+        assert self.mins is not None  # 4 bits
+        rows, width = self.qweight.shape
+        tiles = rows // INTERLEAVED_ROWS
+        words = self.qweight.view(tiles, INTERLEAVED_ROWS, width // 4, 4)
+        self.qweight = words.transpose(1, 2).contiguous().view(rows, width)
+        self.scales = _tiles(self.scales)
+        self.mins = _tiles(self.mins)
+        self.interleaved = True
+        return self
+
+    def _row_planes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """qweight, scales and mins in the rows' own layout (a copy when interleaved)."""
+        if not self.interleaved:
+            return self.qweight, self.scales, self.mins
+        assert self.mins is not None  # only 4 bits interleave
+        rows, width = self.qweight.shape
+        tiles = rows // INTERLEAVED_ROWS
+        words = self.qweight.view(tiles, width // 4, INTERLEAVED_ROWS, 4)
+        return (
+            words.transpose(1, 2).contiguous().view(rows, width),
+            _rows(self.scales),
+            _rows(self.mins),
+        )
+
+    def _check_rows_layout(self, what: str) -> None:
+        if self.interleaved:
+            raise RuntimeError(f"{self.extra_repr()}: {what} needs the rows' own layout; this weight is "
+                               "interleaved for the CPU kernel, after loading")  # fmt: skip
+
     def narrow(self, dim: int, start: int, length: int) -> PackedWeight:
         """Rows (dim 0) or input features (dim 1, whole groups only) as views of these planes."""
+        self._check_rows_layout("narrow")
         if dim == 0:
             return PackedWeight.of_planes(
                 self.scheme,
@@ -122,6 +177,8 @@ class PackedWeight(nn.Module):
         )
 
     def copy_(self, source: PackedWeight) -> PackedWeight:
+        self._check_rows_layout("copy_")
+        source._check_rows_layout("copy_")
         if source.bits != self.bits or source.group_size != self.group_size or source.shape != self.shape:
             raise ConfigError(
                 f"cannot load a {source.scheme.name} weight {tuple(source.shape)} in groups of {source.group_size} "
@@ -135,6 +192,7 @@ class PackedWeight(nn.Module):
 
     def quantize_(self, weight: torch.Tensor) -> PackedWeight:
         """Fill these planes from a float weight of the same shape, rounding each to the nearest level."""
+        self._check_rows_layout("quantize_")
         if weight.shape != self.shape:
             raise ConfigError(f"a float weight {tuple(weight.shape)} does not fit {tuple(self.shape)}")
         rows, features = weight.shape
@@ -157,8 +215,7 @@ class PackedWeight(nn.Module):
     def dequantize(self, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The float weight (or just `rows` of it), computed as the kernel computes it: s * q exactly, then
         + m rounded once, in float32, then rounded to `dtype`."""
-        qweight, scales = self.qweight, self.scales
-        mins = self.mins
+        qweight, scales, mins = self._row_planes()
         if rows is not None:
             qweight, scales = qweight[rows], scales[rows]
             mins = None if mins is None else mins[rows]
@@ -177,7 +234,30 @@ class PackedWeight(nn.Module):
         return [self.qweight, self.scales, self.mins]
 
     def extra_repr(self) -> str:
-        return f"{self.scheme.name}, shape={tuple(self.shape)}, group_size={self.group_size}"
+        rows = ", rows interleaved" if self.interleaved else ""
+        return f"{self.scheme.name}, shape={tuple(self.shape)}, group_size={self.group_size}{rows}"
+
+
+def _tiles(plane: torch.Tensor) -> torch.Tensor:
+    """A [rows, groups] plane as tiles of 16 rows, each [groups][16 rows]."""
+    rows, groups = plane.shape
+    return (
+        plane.view(rows // INTERLEAVED_ROWS, INTERLEAVED_ROWS, groups)
+        .transpose(1, 2)
+        .contiguous()
+        .view(rows, groups)
+    )
+
+
+def _rows(plane: torch.Tensor) -> torch.Tensor:
+    """_tiles undone."""
+    rows, groups = plane.shape
+    return (
+        plane.view(rows // INTERLEAVED_ROWS, groups, INTERLEAVED_ROWS)
+        .transpose(1, 2)
+        .contiguous()
+        .view(rows, groups)
+    )
 
 
 def _divide(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ def _projection(
             bias,
             FEW_ROWS_MAX,
             deterministic,
+            weight.interleaved,
         )
     return kernels.Projection(weight, None, None, None, 0, 0, bias, FEW_ROWS_MAX, deterministic)
 

@@ -29,6 +29,7 @@ from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.device import resolve_placement, usable_cpus
 from nanovllm.worker.layers.block_fp8 import BlockFp8Weight
 from nanovllm.worker.layers.kernels import LayerKernels
+from nanovllm.worker.layers.linear import interleave_packed_weights
 from nanovllm.worker.layers.lora import LoRAContext
 from nanovllm.worker.layers.moe import SparseMoeBlock
 from nanovllm.worker.layers.parallel import TPContext
@@ -86,6 +87,7 @@ class ModelRunnerBase:
         self.cpu_share: CpuShare | None = None
         self.decode_graphs: DecodeGraphs | None = None
         self.kv_offload: KVOffload | None = None
+        self.interleaved_weights = 0  # packed projections whose rows the CPU kernel takes interleaved
         # Before any rank starts: a device that cannot run the dtype fails here, with nothing to undo.
         self.placement = resolve_placement(config.device, config.dtype)
         if tp is None:
@@ -327,6 +329,7 @@ class ModelRunnerBase:
             weight_bytes_in_dtype=float_bytes + sum(m.shape.numel() * element for m in packed),
             weight_bytes=float_bytes + sum(m.nbytes for m in packed),
             kernel=self._quantized_kernel(),
+            rows_interleaved=self.interleaved_weights,
         )
 
     def _quantized_kernel(self) -> str:
@@ -439,6 +442,10 @@ class ModelRunnerBase:
         kernels = LayerKernels(
             cpu=cpu, triton=fused, block_fp8=block_fp8, deterministic=deterministic, gated_delta=gated_delta
         )
+        if cpu is not None and self.dtype != torch.float32 and cpu.linear_quantized_interleaved():
+            self.interleaved_weights = interleave_packed_weights(self.model)
+            if self.draft is not None:
+                self.interleaved_weights += interleave_packed_weights(self.draft.model)
         self.model.bind_kernels(choice.backend, kernels)
         self.sampler.cpu_kernels = cpu
         if self.mtp is not None:
