@@ -93,8 +93,8 @@ int64_t chunk_count(int64_t K) {
 
 // x's K values (float32 or 16-bit) quantized for weights of BITS bits in groups of `group`, into `q`, whose
 // vectors keep their memory from call to call: a one-row call's allocations, a widened copy of x and the
-// block sums added one by one were half of its fixed cost, about 100 calls a Qwen3.5-0.8B decode step
-// (docs/performance.md#measurements-behind-choices-in-the-code).
+// block sums added one by one were half of its work before the parallel region, paid by every projection of
+// a decode step (docs/performance.md#measurements-behind-choices-in-the-code).
 template <int BITS, typename T>
 void quantize_row(const T* x, int64_t K, int64_t group, QuantizedRow& q) {
   const int64_t chunks = chunk_count<BITS>(K), per_chunk = blocks_per_chunk<BITS>(), lanes = 16 / per_chunk;
@@ -314,11 +314,10 @@ void int4_group32_sums(const QuantizedRow* x, int64_t K, const uint8_t* q_rows, 
 // tile's bytes are [K / 8][16 rows][4 bytes], its scales and mins [K / 32][16 rows]. Lane r of a 64-byte load
 // is row r's next 8 weights, so one VPDPBUSD meets 16 rows with x's 4 bytes broadcast, a group's two scales
 // multiply 16 rows' sums at once and no row ends in a horizontal sum: about two thirds of the row loop's
-// instructions per weight byte (from L2, one thread, 41-48 GB/s against int4_group32_sums' 30), which in
-// the machine's fast spells is what bounds the row loop
+// instructions per weight byte, which is what bounds int4_group32_sums where the memory reads fast
 // (docs/performance.md#measurements-behind-choices-in-the-code). sums[m][r] = x[m] . w[r] over one tile.
-// Bytes ahead of its reads that the interleaved loop asks into L2 (one line of four a group): 4 KB read
-// fastest of 1, 4, 16 and 64 KB in a bare loop from memory.
+// Bytes ahead of its reads that the interleaved loop asks into L2, a line at a time (the fastest of the
+// distances measured: docs/performance.md#measurements-behind-choices-in-the-code).
 constexpr int64_t kInterleavedPrefetchBytes = 4096;
 
 template <int M>
