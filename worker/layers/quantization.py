@@ -122,12 +122,9 @@ class PackedWeight(nn.Module):
             raise RuntimeError(f"{self.extra_repr()}: only 4 bits in groups of {BLOCK} and whole tiles of "
                                f"{INTERLEAVED_ROWS} rows interleave, once")  # fmt: skip
         assert self.mins is not None  # 4 bits
-        rows, width = self.qweight.shape
-        tiles = rows // INTERLEAVED_ROWS
-        words = self.qweight.view(tiles, INTERLEAVED_ROWS, width // 4, 4)
-        self.qweight = words.transpose(1, 2).contiguous().view(rows, width)
-        self.scales = _tiles(self.scales)
-        self.mins = _tiles(self.mins)
+        self.qweight = _interleave(self.qweight, 4)  # a row's 8 weights: 4 bytes
+        self.scales = _interleave(self.scales, 1)
+        self.mins = _interleave(self.mins, 1)
         self.interleaved = True
         return self
 
@@ -136,13 +133,10 @@ class PackedWeight(nn.Module):
         if not self.interleaved:
             return self.qweight, self.scales, self.mins
         assert self.mins is not None  # only 4 bits interleave
-        rows, width = self.qweight.shape
-        tiles = rows // INTERLEAVED_ROWS
-        words = self.qweight.view(tiles, width // 4, INTERLEAVED_ROWS, 4)
         return (
-            words.transpose(1, 2).contiguous().view(rows, width),
-            _rows(self.scales),
-            _rows(self.mins),
+            _interleave(self.qweight, 4, undo=True),
+            _interleave(self.scales, 1, undo=True),
+            _interleave(self.mins, 1, undo=True),
         )
 
     def _check_rows_layout(self, what: str) -> None:
@@ -238,26 +232,16 @@ class PackedWeight(nn.Module):
         return f"{self.scheme.name}, shape={tuple(self.shape)}, group_size={self.group_size}{rows}"
 
 
-def _tiles(plane: torch.Tensor) -> torch.Tensor:
-    """A [rows, groups] plane as tiles of 16 rows, each [groups][16 rows]."""
-    rows, groups = plane.shape
-    return (
-        plane.view(rows // INTERLEAVED_ROWS, INTERLEAVED_ROWS, groups)
-        .transpose(1, 2)
-        .contiguous()
-        .view(rows, groups)
-    )
-
-
-def _rows(plane: torch.Tensor) -> torch.Tensor:
-    """_tiles undone."""
-    rows, groups = plane.shape
-    return (
-        plane.view(rows // INTERLEAVED_ROWS, groups, INTERLEAVED_ROWS)
-        .transpose(1, 2)
-        .contiguous()
-        .view(rows, groups)
-    )
+def _interleave(plane: torch.Tensor, unit: int, undo: bool = False) -> torch.Tensor:
+    """A [rows, width] plane, `unit` elements a column, as tiles of 16 rows with each tile's rows and columns
+    swapped ([width / unit][16 rows][unit]); `undo` swaps them back."""
+    rows, width = plane.shape
+    tiles, columns = rows // INTERLEAVED_ROWS, width // unit
+    if undo:
+        shape = (tiles, columns, INTERLEAVED_ROWS, unit)
+    else:
+        shape = (tiles, INTERLEAVED_ROWS, columns, unit)
+    return plane.view(shape).transpose(1, 2).contiguous().view(rows, width)
 
 
 def _divide(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
