@@ -310,16 +310,16 @@ void int4_group32_sums(const QuantizedRow* x, int64_t K, const uint8_t* q_rows, 
   }
 }
 
+// Bytes ahead of its reads that the interleaved loop asks into L2, a line at a time (the fastest of the
+// distances measured: docs/performance.md#measurements-behind-choices-in-the-code).
+constexpr int64_t kInterleavedPrefetchBytes = 4096;
+
 // 4-bit weights in groups of 32 with kInterleavedRows (16) rows interleaved (PackedWeight.interleave_): a
 // tile's bytes are [K / 8][16 rows][4 bytes], its scales and mins [K / 32][16 rows]. Lane r of a 64-byte load
 // is row r's next 8 weights, so one VPDPBUSD meets 16 rows with x's 4 bytes broadcast, a group's two scales
 // multiply 16 rows' sums at once and no row ends in a horizontal sum: about two thirds of the row loop's
 // instructions per weight byte, which is what bounds int4_group32_sums where the memory reads fast
 // (docs/performance.md#measurements-behind-choices-in-the-code). sums[m][r] = x[m] . w[r] over one tile.
-// Bytes ahead of its reads that the interleaved loop asks into L2, a line at a time (the fastest of the
-// distances measured: docs/performance.md#measurements-behind-choices-in-the-code).
-constexpr int64_t kInterleavedPrefetchBytes = 4096;
-
 template <int M>
 void int4_rows16_sums(const QuantizedRow* x, int64_t K, const uint8_t* q, const c10::Half* scales,
                       const c10::Half* mins, float (*sums)[kInterleavedRows]) {

@@ -455,7 +455,6 @@ void dequantize_row_16(const QRow& row, int64_t K, int64_t group, T* out) {
 }
 #endif
 
-// The whole weight [N, K] in `dtype` (each weight rounded from its exact fp32 value).
 // Row n of a weight with rows interleaved (4 bits, groups of 32) in the rows' own layout, in `planes` (K / 2
 // bytes, then K / 32 scales and as many mins).
 struct RowPlanes {
@@ -475,6 +474,7 @@ QRow interleaved_row(const uint8_t* q, const c10::Half* scales, const c10::Half*
   return {planes.q.data(), planes.s.data(), planes.m.data()};
 }
 
+// The whole weight [N, K] in `dtype` (each weight rounded from its exact fp32 value).
 template <int BITS>
 at::Tensor dequantize_all(const uint8_t* q, const c10::Half* scales, const c10::Half* mins, int64_t N, int64_t K,
                           int64_t group, at::ScalarType dtype, bool interleaved) {
