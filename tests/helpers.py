@@ -244,10 +244,11 @@ def decode_layers_on_and_off(
 ) -> list[list[tuple[list[int], list[dict]]]]:
     """Tokens and top logprobs of batch[0] alone, then of the whole batch, from an engine whose decode
     steps run the layers as one C++ call (worker/models/decode_layers.py) and from one that runs them
-    module by module: [on, off]. Every KV block comes back in both."""
+    module by module: [on, off], on the CPU (the C++ layers exist only there, also on a GPU machine). Every
+    KV block comes back in both."""
     runs = []
     for fused in (True, False):
-        llm = LLM(str(model_dir), **llm_kwargs)
+        llm = LLM(str(model_dir), device="cpu", **llm_kwargs)
         model = llm.engine.runner.model.model
         assert model.decode_layers is not None
         if not fused:

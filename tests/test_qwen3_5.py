@@ -473,7 +473,7 @@ def test_every_layer_with_a_kernel_variant_runs_on_the_cpu_kernels(default_model
     """bind_kernels reaches every module that holds a `kernels` choice: the attention's output gate was
     written for the C++ kernels but left on PyTorch by a list of classes that did not name it."""
     for model_dir in (default_model, moe_model):
-        model = LLM(str(model_dir), **ENGINE).engine.runner.model
+        model = LLM(str(model_dir), **ENGINE, device="cpu").engine.runner.model
         unbound = [
             name for name, m in model.named_modules() if hasattr(m, "kernels") and m.kernels.cpu is None
         ]
