@@ -20,12 +20,14 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.common.block_hash import prefix_hashes
 from nanovllm.common.errors import ConfigError, RequestError, UnsupportedModelError
 from nanovllm.common.v1 import worker_pb2
+from nanovllm.kernels.fla_gated_delta import fla_unavailable
 from nanovllm.router.calls.validation import validate_generate
 from nanovllm.router.fleet.tokenizer import ModelTokenizer
 from nanovllm.router.fleet.workers import WorkerConnection
 from nanovllm.v1 import generate_pb2
 from nanovllm.worker.core.recurrent_states import RecurrentStates
 from nanovllm.worker.layers.gated_delta_rule import causal_conv_step, chunked, recurrent_step
+from nanovllm.worker.layers.kernels import LayerKernels
 from nanovllm.worker.layers.quantization import PackedWeight
 from nanovllm.worker.model_config import ModelConfig
 from nanovllm.worker.models.qwen3_5 import GatedRMSNorm, Qwen3_5ForCausalLM
@@ -631,6 +633,81 @@ def test_deterministic_bf16_gives_a_request_what_it_gives_it_alone(default_model
     crowded = tight.generate([*crowd, target], params, use_tqdm=False)[-1]
     assert tight.engine.scheduler.num_preemptions > 0
     assert (crowded["token_ids"], crowded["logprobs"]) == want
+
+
+def _prompts_on(model_dir: Path, prompts_kernel, prompts: list[list[int]], params: SamplingParams, **options):
+    """Outputs of `prompts`, then of the first again (a prefix hit), from a bf16 engine on the Triton kernels
+    whose linear layers take their prompt chunks through `prompts_kernel` (None: token by token)."""
+    from nanovllm.kernels import triton_gated_delta, triton_layers
+
+    options = {**ENGINE, "dtype": "bfloat16", "attention_backend": "triton", **options}
+    llm = LLM(
+        str(model_dir), **options, enforce_eager=True, device=TRITON_DEVICE.type, state_snapshot_interval=32
+    )
+    runner = llm.engine.runner
+    kernels = LayerKernels(
+        triton=triton_layers, gated_delta=triton_gated_delta, gated_delta_prompts=prompts_kernel
+    )
+    runner.model.bind_kernels(runner.backend_choice.backend, kernels)
+    walking = [layer.prompts_token_by_token for layer in runner.model.linear_attention_layers()]
+    assert walking == [prompts_kernel is None] * len(walking)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs.append(llm.generate([prompts[0]], params, use_tqdm=False)[0])
+    assert outs[-1]["num_cached_tokens"] == 32 and _all_back(llm)
+    return outs
+
+
+@pytest.mark.slow
+def test_prompts_together_give_what_their_tokens_walked_give(default_model: Path):
+    """LayerKernels.gated_delta_prompts (fla-core's chunked kernels on CUDA) takes a step's prompt chunks
+    together, each sequence's cut where the step keeps a copy of its state, round after round. Given the
+    token walk itself as that kernel (a sequence at a time), an engine must give the walking engine's
+    tokens and logprobs bit for bit: three prompts, 16 tokens a step (chunks across steps), snapshots every
+    32 tokens (inside chunks), and a hit resuming from one. A wrong row, slot, round or copy changes bits
+    (a copy kept before its piece ran, planted, failed it at the hit)."""
+    from nanovllm.kernels import triton_gated_delta
+
+    def walk(q, k, v, g, beta, state, slots, lengths):
+        outs, first = [], 0
+        for slot, n in zip(slots, lengths, strict=True):
+            rows = slice(first, first + n)
+            outs.append(
+                triton_gated_delta.gated_delta_chunk_(
+                    q[rows], k[rows], v[rows], g[rows], beta[rows], state, slot
+                )
+            )
+            first += n
+        return torch.cat(outs)
+
+    params = greedy(2)
+    params.logprobs = 2
+    prompts = [_prompts()[2], [7, 8, 9] * 7, [300, 301] * 9]
+    together, walked = (
+        _prompts_on(default_model, kernel, prompts, params, max_num_batched_tokens=16)
+        for kernel in (walk, None)
+    )
+    assert [(o["token_ids"], o["logprobs"]) for o in together] == [
+        (o["token_ids"], o["logprobs"]) for o in walked
+    ]
+
+
+@pytest.mark.skipif(
+    fla_unavailable(TRITON_DEVICE) is not None,
+    reason=f"fla-core's kernels on a GPU: {fla_unavailable(TRITON_DEVICE)} (.ci/gpu hybrid runs this with it)",
+)
+def test_fla_prompts_meet_the_top5_rule_against_the_walk(default_model: Path):
+    """fla-core's chunked prompts (kernels/fla_gated_delta.py) against the token walk, bf16 on a GPU: their
+    sums differ (a chunk's matmuls), so vLLM's top-5 rule holds them, within a few bf16 roundings."""
+    from nanovllm.kernels.fla_gated_delta import gated_delta_prompts_
+
+    params = greedy(8)
+    params.logprobs = 5
+    prompts = [_prompts()[3], _prompts()[4], [7, 8, 9] * 30]
+    fla, walked = (
+        _prompts_on(default_model, kernel, prompts, params) for kernel in (gated_delta_prompts_, None)
+    )
+    # 1.0 nats: 8 bf16 roundings of logits in [16, 32) (tests/top5.py's LOGPROB_TOL for bf16)
+    assert top5_rule("fla-core against the walk", fla, walked) <= 1.0
 
 
 @pytest.mark.slow

@@ -47,6 +47,24 @@ class GatedDeltaKernels(Protocol):
     ) -> torch.Tensor: ...
 
 
+class GatedDeltaPrompts(Protocol):
+    """Prompt chunks of several sequences through a chunked form of the rule in one call (fla-core's on
+    CUDA: kernels/fla_gated_delta.py), each from and into its state row: the rows of q, k, v, g and beta are
+    the sequences' `lengths` tokens one after another, `slots` their rows of `state`."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        slots: list[int],
+        lengths: list[int],
+    ) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class LayerKernels:
     # The C++ CPU kernels (kernels/cpu_kernels.py: RMSNorm, RoPE, the SwiGLU gate, the few-rows and
@@ -64,6 +82,9 @@ class LayerKernels:
     # A hybrid model's linear-attention state work: the C++ CPU kernels, the Triton ones with the Triton
     # attention backend, or None for PyTorch (worker/models/qwen3_5.py's GatedDeltaNet).
     gated_delta: GatedDeltaKernels | None = None
+    # Where set, a hybrid model's prompt chunks go through it, the step's sequences together, rather than
+    # token by token through `gated_delta` (decode steps and verifications stay there).
+    gated_delta_prompts: GatedDeltaPrompts | None = None
 
 
 PYTORCH = LayerKernels()

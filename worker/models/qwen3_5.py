@@ -210,8 +210,9 @@ class GatedDeltaNet(nn.Module):
         self.kernels = PYTORCH
         # Prompt chunks token by token through the decode step's own arithmetic: under --deterministic, so a
         # token's result does not depend on how its prompt was cut into steps (the chunked form's sums follow
-        # its 64-token blocks, which start where the chunk does), and on Triton, where the chunked form's
-        # many small ops per sequence would each be a launch.
+        # its 64-token blocks, which start where the chunk does), and on Triton without a chunked kernel for
+        # prompts (kernels.gated_delta_prompts), where PyTorch's chunked form's many small ops per sequence
+        # would each be a launch.
         self.prompts_token_by_token = False
 
     def _load_conv(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
@@ -288,12 +289,22 @@ class GatedDeltaNet(nn.Module):
         self.keep_decode_states(states)
         begin = nd
         entries = zip(states.slot_list[nd:], states.num_tokens[nd:], states.saves[nd:])
+        batched: list[tuple[int, list[tuple[slice, list[int]]]]] = []  # prompts for gated_delta_prompts
         for i, (slot, n, saves) in enumerate(entries):
             # A verification's tokens one at a time through the decode step's arithmetic, as the decode
             # steps it stands for compute them; its saves after each token keep what a rejection rolls back to.
             verify = i < states.num_verifies
+            cuts = sorted({offset for offset, _ in saves} | {n})
+            if not verify and self.kernels.gated_delta_prompts is not None:
+                pieces, done = [], 0
+                for end in cuts:
+                    pieces.append((slice(begin + done, begin + end), [r for o, r in saves if o == end]))
+                    done = end
+                batched.append((slot, pieces))
+                begin += n
+                continue
             done = 0
-            for end in sorted({offset for offset, _ in saves} | {n}):
+            for end in cuts:
                 if end > done:
                     rows = slice(begin + done, begin + end)
                     if verify and rule is None:
@@ -315,6 +326,44 @@ class GatedDeltaNet(nn.Module):
                     if offset == end:
                         self._keep(slot, row)
             begin += n
+        if batched:
+            self._prompts_together(mixed, g, beta, weight, batched, out)
+
+    def _prompts_together(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        weight: torch.Tensor,
+        batched: list[tuple[int, list[tuple[slice, list[int]]]]],
+        out: torch.Tensor,
+    ) -> None:
+        """Prompt chunks through kernels.gated_delta_prompts, the sequences together: each sequence's rows
+        come in pieces that end where the step keeps a copy of its state (the snapshot rows after each), so
+        round r runs every sequence's r-th piece in one call (the convolution on gated_delta's kernel, a
+        sequence at a time), then keeps those copies."""
+        rule, prompts = self.kernels.gated_delta, self.kernels.gated_delta_prompts
+        assert rule is not None and prompts is not None  # bound together (Qwen3_5ForCausalLM.bind_kernels)
+        for r in range(max(len(pieces) for _, pieces in batched)):
+            round_ = [(slot, *pieces[r]) for slot, pieces in batched if r < len(pieces)]
+            runs = [(slot, rows) for slot, rows, _ in round_ if rows.stop > rows.start]
+            if runs:
+                heads = [
+                    self._heads(rule.causal_conv_chunk_(mixed[rows], self.conv_state, weight, slot))
+                    for slot, rows in runs
+                ]
+                q, k, v = (torch.cat(parts) for parts in zip(*heads, strict=True))
+                result = prompts(
+                    q, k, v, torch.cat([g[rows] for _, rows in runs]), torch.cat([beta[rows] for _, rows in runs]),
+                    self.recurrent_state, [slot for slot, _ in runs], [rows.stop - rows.start for _, rows in runs],
+                )  # fmt: skip
+                first = 0
+                for _, rows in runs:
+                    out[rows] = result[first : first + rows.stop - rows.start]
+                    first += rows.stop - rows.start
+            for slot, _, keeps in round_:
+                for row in keeps:
+                    self._keep(slot, row)
 
     def _decode_rows(
         self,
@@ -621,13 +670,14 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
             self.mtp.attention().backend = attention
         for layer in self.linear_attention_layers():
             layer.prompts_token_by_token = kernels.gated_delta is not None and (
-                kernels.deterministic or kernels.triton is not None
+                kernels.deterministic or (kernels.triton is not None and kernels.gated_delta_prompts is None)
             )
         kernels = LayerKernels(
             cpu=kernels.cpu,
             block_fp8=kernels.block_fp8,
             deterministic=kernels.deterministic,
             gated_delta=kernels.gated_delta,
+            gated_delta_prompts=None if kernels.deterministic else kernels.gated_delta_prompts,
         )
         kernel_users = (
             RMSNorm,

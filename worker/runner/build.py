@@ -24,11 +24,12 @@ from nanovllm.kernels.backends import (
     select_attention_backend,
     triton_unavailable,
 )
+from nanovllm.kernels.fla_gated_delta import fla_unavailable, gated_delta_prompts_
 from nanovllm.kernels.fp8_kv import KV_CACHE_DTYPES, is_fp8
 from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.device import resolve_placement, usable_cpus
 from nanovllm.worker.layers.block_fp8 import BlockFp8Weight
-from nanovllm.worker.layers.kernels import LayerKernels
+from nanovllm.worker.layers.kernels import GatedDeltaPrompts, LayerKernels
 from nanovllm.worker.layers.linear import interleave_packed_weights
 from nanovllm.worker.layers.lora import LoRAContext
 from nanovllm.worker.layers.moe import SparseMoeBlock
@@ -436,12 +437,17 @@ class ModelRunnerBase:
         gated_delta: ModuleType | None = cpu
         if self.block_fp8_kernel:  # Triton is imported only where it runs
             from nanovllm.kernels import triton_block_fp8 as block_fp8
+        prompts: GatedDeltaPrompts | None = None
         if isinstance(choice.backend, TritonAttention):
             from nanovllm.kernels import triton_gated_delta as gated_delta
             from nanovllm.kernels import triton_layers as fused
+
+            if self.model.is_hybrid:
+                prompts = self._prompt_kernel(deterministic)
         kernels = LayerKernels(
-            cpu=cpu, triton=fused, block_fp8=block_fp8, deterministic=deterministic, gated_delta=gated_delta
-        )
+            cpu=cpu, triton=fused, block_fp8=block_fp8, deterministic=deterministic, gated_delta=gated_delta,
+            gated_delta_prompts=prompts,
+        )  # fmt: skip
         if cpu is not None and self.dtype != torch.float32 and cpu.linear_quantized_interleaved():
             self.interleaved_weights = interleave_packed_weights(self.model)
             if self.draft is not None:
@@ -453,6 +459,19 @@ class ModelRunnerBase:
         if self.draft is not None:
             self.draft.model.bind_kernels(choice.backend, kernels)
             self.draft.cpu_kernels = cpu
+
+    def _prompt_kernel(self, deterministic: bool) -> GatedDeltaPrompts | None:
+        """fla-core's chunked kernels for a hybrid model's prompts on the Triton path, where they run and the
+        arithmetic allows (kernels/fla_gated_delta.py says why and when); None: prompts walk their tokens."""
+        if deterministic:
+            reason: str | None = "--deterministic walks a prompt's tokens as its decode steps do"
+        elif self.dtype == torch.float32:
+            reason = "float32 keeps the exact walk (fla-core's matmuls take TF32)"
+        else:
+            reason = fla_unavailable(self.device)
+        if self.tp.rank == 0:
+            log.info("linear_attention_prompts", kernel="walk" if reason else "fla-core", reason=reason)
+        return None if reason else gated_delta_prompts_
 
     def _cuda_allocated(self) -> int:
         """Bytes this process holds on the GPU through torch (0 on CPU): differences of it are this
