@@ -19,6 +19,7 @@ the dequantized cache.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -60,7 +61,8 @@ def fp8_launch_args(
     their place when unused) and the format's constexprs: FP8_MANTISSA 0 for a float cache."""
     dtype = k_cache.dtype
     if not fp8_kv.is_fp8(dtype):
-        return k_cache, v_cache, k_cache, v_cache, {"FP8_MANTISSA": 0, "FP8_BIAS": 0, "FP8_MAX": 0.0}
+        constexprs = {"FP8_MANTISSA": 0, "FP8_BIAS": 0, "FP8_MAX": 0.0, "FP8_NATIVE": False}
+        return k_cache, v_cache, k_cache, v_cache, constexprs
     if scales is None:
         raise ValueError(f"a {dtype} KV cache needs its per-head scales")
     mantissa = fp8_kv.MANTISSA_BITS[dtype]
@@ -68,8 +70,17 @@ def fp8_launch_args(
         "FP8_MANTISSA": mantissa,
         "FP8_BIAS": 2 ** (6 - mantissa) - 1,  # 7 for e4m3, 15 for e5m2
         "FP8_MAX": torch.finfo(dtype).max,
+        "FP8_NATIVE": k_cache.is_cuda and not interpreted() and converts_fp8(k_cache.device),
     }
     return k_cache.view(torch.uint8), v_cache.view(torch.uint8), scales.key, scales.value, constexprs
+
+
+@functools.cache
+def converts_fp8(device: torch.device) -> bool:
+    """Whether the GPU converts fp8 to 16 bits in hardware (sm_89 and later: two values an instruction),
+    where widen_fp8's integer arithmetic made a step's attention bound by the ALUs rather than the
+    memory (docs/performance.md, the H200 of 2026-11-30)."""
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 @triton.jit
@@ -111,7 +122,7 @@ def _store_kernel(
     key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, WIDTH: tl.constexpr,
-    FP8_MANTISSA: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
+    FP8_MANTISSA: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_MAX: tl.constexpr, FP8_NATIVE: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     slot = tl.load(slot_mapping + t)
@@ -171,14 +182,20 @@ def store_kvcache(
 def _load_kv_tile(
     cache, table_row, pos, valid, kv_head, dims, dim_mask,
     stride_b, stride_t, stride_h, BLOCK_SIZE: tl.constexpr, DOT: tl.constexpr,
-    FP8_MANTISSA: tl.constexpr, FP8_BIAS: tl.constexpr,
+    FP8_MANTISSA: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_NATIVE: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_N, D] keys or values of positions `pos`, each looked up through the block table; from an fp8
-    cache, the fp8 values unscaled."""
+    cache, the fp8 values unscaled (FP8_NATIVE: converted by the GPU, the same values widen_fp8 gives)."""
     block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0)
     ptrs = cache + block[:, None] * stride_b + (pos % BLOCK_SIZE)[:, None] * stride_t + kv_head * stride_h
     mask = valid[:, None] & dim_mask[None, :]
-    if FP8_MANTISSA:
+    if FP8_NATIVE:
+        byte = tl.load(ptrs + dims[None, :], mask=mask, other=0)
+        if FP8_MANTISSA == 3:
+            tile = byte.to(tl.float8e4nv, bitcast=True)
+        else:
+            tile = byte.to(tl.float8e5, bitcast=True)
+    elif FP8_MANTISSA:
         tile = widen_fp8(tl.load(ptrs + dims[None, :], mask=mask, other=0), FP8_MANTISSA, FP8_BIAS)
     else:
         tile = tl.load(ptrs + dims[None, :], mask=mask, other=0.0)
@@ -220,7 +237,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT: tl.constexpr, PRECISION: tl.constexpr,
-    FP8_MANTISSA: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
+    FP8_MANTISSA: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_MAX: tl.constexpr, FP8_NATIVE: tl.constexpr,
 ):  # fmt: skip
     """One sequence, one KV head (all its GROUP query heads at once), one split of the context."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -242,11 +259,11 @@ def _decode_kernel(
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < hi
         k = _load_kv_tile(k_cache, table_row, pos, valid, kv_head, dims, d_mask,
-                          stride_b, stride_t, stride_h, BLOCK_SIZE, DOT, FP8_MANTISSA, FP8_BIAS)  # fmt: skip
+                          stride_b, stride_t, stride_h, BLOCK_SIZE, DOT, FP8_MANTISSA, FP8_BIAS, FP8_NATIVE)  # fmt: skip
         s = dot(q, tl.trans(k), PRECISION) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         v = _load_kv_tile(v_cache, table_row, pos, valid, kv_head, dims, d_mask,
-                          stride_b, stride_t, stride_h, BLOCK_SIZE, DOT, FP8_MANTISSA, FP8_BIAS)  # fmt: skip
+                          stride_b, stride_t, stride_h, BLOCK_SIZE, DOT, FP8_MANTISSA, FP8_BIAS, FP8_NATIVE)  # fmt: skip
         acc, l_i, m_i = _online_softmax_step(s, v, acc, l_i, m_i, DOT, PRECISION)
     if FP8_MANTISSA:  # before the division: the float kernel divides these very sums
         acc = acc * v_factor
@@ -344,7 +361,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     DOT: tl.constexpr, PRECISION: tl.constexpr,
-    FP8_MANTISSA: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
+    FP8_MANTISSA: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_MAX: tl.constexpr, FP8_NATIVE: tl.constexpr,
 ):  # fmt: skip
     """BLOCK_M queries of one chunk and one head, causal over the chunk's cached context (earlier chunks
     and cached prefixes included, its own K/V already stored)."""
@@ -370,12 +387,12 @@ def _prefill_kernel(
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < end
         k = _load_kv_tile(k_cache, table_row, pos, valid, kv_head, dims, d_mask,
-                          stride_b, stride_t, stride_h, BLOCK_SIZE, DOT, FP8_MANTISSA, FP8_BIAS)  # fmt: skip
+                          stride_b, stride_t, stride_h, BLOCK_SIZE, DOT, FP8_MANTISSA, FP8_BIAS, FP8_NATIVE)  # fmt: skip
         s = dot(q, tl.trans(k), PRECISION) * qk_scale
         # Causal: the row max stays finite, since key 0 precedes every query.
         s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         v = _load_kv_tile(v_cache, table_row, pos, valid, kv_head, dims, d_mask,
-                          stride_b, stride_t, stride_h, BLOCK_SIZE, DOT, FP8_MANTISSA, FP8_BIAS)  # fmt: skip
+                          stride_b, stride_t, stride_h, BLOCK_SIZE, DOT, FP8_MANTISSA, FP8_BIAS, FP8_NATIVE)  # fmt: skip
         acc, l_i, m_i = _online_softmax_step(s, v, acc, l_i, m_i, DOT, PRECISION)
     if FP8_MANTISSA:
         acc = acc * v_factor

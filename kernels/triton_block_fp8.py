@@ -5,13 +5,14 @@ checkpoints ship it (worker/layers/block_fp8.py): float8_e4m3fn bytes [N, K] and
 W is read as its bytes, a quarter of float32's and half of a 16-bit weight's traffic, which is what a
 decode step's projections wait on. A program computes a [BLOCK_M, BLOCK_N] tile of y; BLOCK_N and BLOCK_K
 divide the scale block, so a tile's columns and each step of its K loop lie in one scale block and the
-scale is one number per step: the step's dot of x with the bytes' exact values (fp8_kv's bit trick widens
-them, on any GPU and in the interpreter; every e4m3 value is exact in bf16, fp16 and fp32), accumulated in
-fp32, then times the scale. Activations are x's dtype (float32, bfloat16 or float16), never quantized.
+scale is one number per step: the step's dot of x with the bytes' exact values (converted by the GPU from
+sm_89 on, else widened by fp8_kv's bit trick, as in the interpreter; every e4m3 value is exact in bf16, fp16
+and fp32, so both give the same values), accumulated in fp32, then times the scale. Activations are x's dtype (float32, bfloat16 or float16), never quantized.
 
 The tile is fixed whatever the number of rows and K is walked in one order, as kernels/triton_layers.py's
 `linear`: every output is summed alike however many rows came with it (batch-invariant). On a CPU the
-kernel runs only in Triton's interpreter (the tests); it has not yet run on a GPU.
+kernel runs only in Triton's interpreter (the tests); they passed on an H200 with the bit trick (2026-11-30),
+the GPU's conversion has not yet run.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _block_fp8_linear_kernel(
     x, weight, scale, bias, out, rows, n, k, stride_x, stride_w, stride_s, stride_o,
     SCALE_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT: tl.constexpr, PRECISION: tl.constexpr,
+    DOT: tl.constexpr, PRECISION: tl.constexpr, NATIVE: tl.constexpr,
 ):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] tile of out = x @ (bytes * scales).T (+ bias); `weight` is the bytes (uint8)."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -51,8 +52,13 @@ def _block_fp8_linear_kernel(
                        other=0)  # fmt: skip
         # triton_attention.widen_fp8 and .dot written out: in the interpreter each call of a jit function
         # costs as much as the step's arithmetic
-        bits = ((byte & 0x80).to(tl.uint32) << 24) | ((byte & 0x7F).to(tl.uint32) << (23 - _E4M3_MANTISSA))
-        b = bits.to(tl.float32, bitcast=True) * _E4M3_WIDEN
+        if NATIVE:
+            b = byte.to(tl.float8e4nv, bitcast=True)
+        else:
+            bits = ((byte & 0x80).to(tl.uint32) << 24) | (
+                (byte & 0x7F).to(tl.uint32) << (23 - _E4M3_MANTISSA)
+            )
+            b = bits.to(tl.float32, bitcast=True) * _E4M3_WIDEN
         s = tl.load(scale_row + k0 // SCALE_BLOCK)
         if _INTERPRETED:  # products summed along k in order (see triton_attention.dot)
             acc += tl.sum(a.to(tl.float32)[:, :, None] * b[None, :, :], axis=1) * s
@@ -93,5 +99,6 @@ def linear_block_fp8(
             SCALE_BLOCK=block, HAS_BIAS=bias is not None,
             BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
             DOT=triton_attention._dot_dtype(x.dtype), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            NATIVE=x.is_cuda and not triton_attention.interpreted() and triton_attention.converts_fp8(x.device),
         )  # fmt: skip
     return out

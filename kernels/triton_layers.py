@@ -144,7 +144,7 @@ def _qk_rope_store_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
     NORM: tl.constexpr, ROUND: tl.constexpr,
-    FP8_MANTISSA: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
+    FP8_MANTISSA: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_MAX: tl.constexpr, FP8_NATIVE: tl.constexpr,
 ):  # fmt: skip
     """One token: its q and k heads normalised per head (NORM) and rotated, q written to q_out, k and v
     to the token's cache slot (a negative slot stores nothing); into an fp8 cache, k as rounded to the
