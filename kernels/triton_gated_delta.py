@@ -1,5 +1,8 @@
 """Triton kernels for a hybrid model's linear attention (worker/models/qwen3_5.py) on CUDA: the causal
-convolution and the gated delta rule, token after token on each sequence's state row in place.
+convolution and the gated delta rule on each sequence's state row in place.
+
+The convolution's output at a token needs only the last few inputs, so a prompt chunk's tokens are computed
+side by side (those before the chunk read from the state row), each summed as its decode step sums it.
 
 The rule's state of a value head is [dk, dv]; its columns are independent (a column's read, write and
 output involve only that column and the whole of k and q), so a program takes one sequence, one head and a
@@ -84,59 +87,113 @@ def gated_delta_chunk_(q, k, v, g, beta, state, slot: int) -> torch.Tensor:
 
 
 @triton.jit
-def _conv_kernel(
-    x_ptr, x_stride, state_ptr, w_ptr, slot_ptr, out_ptr, channels, num_tokens, first_row_of,
-    KEEP: tl.constexpr, BC: tl.constexpr, PER_SEQUENCE: tl.constexpr,
+def _conv_decode_kernel(
+    x_ptr, x_stride, state_ptr, w_ptr, slot_ptr, out_ptr, channels, KEEP: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
+    """One token of sequence program_id(0) on its state row, shifted in."""
     seq, cb = tl.program_id(0), tl.program_id(1)
     c = cb * BC + tl.arange(0, BC)
     live = c < channels
-    first = seq * first_row_of
-    slot = tl.load(slot_ptr + (seq if PER_SEQUENCE else 0))
+    row_state = state_ptr + (tl.load(slot_ptr + seq) * channels + c) * KEEP
+    newest = tl.load(x_ptr + seq * x_stride + c, mask=live, other=0.0)
+    acc = tl.zeros([BC], dtype=tl.float32)
+    for j in tl.static_range(KEEP):  # oldest first, as the C++ kernel; the state shifts as it is read
+        past = tl.load(row_state + j, mask=live, other=0.0)
+        acc += tl.load(w_ptr + c * (KEEP + 1) + j, mask=live, other=0.0).to(tl.float32) * past.to(tl.float32)
+        if j + 1 < KEEP:
+            tl.store(row_state + j, tl.load(row_state + j + 1, mask=live, other=0.0), mask=live)
+    acc += tl.load(w_ptr + c * (KEEP + 1) + KEEP, mask=live, other=0.0).to(tl.float32) * newest.to(tl.float32)
+    tl.store(row_state + KEEP - 1, newest, mask=live)
+    y = acc.to(newest.dtype).to(tl.float32)  # the sum rounded to the dtype, then SiLU, as transformers
+    tl.store(out_ptr + seq * channels + c, (y / (1.0 + tl.exp(-y))).to(newest.dtype), mask=live)
+
+
+@triton.jit
+def _conv_chunk_kernel(
+    x_ptr, x_stride, state_ptr, w_ptr, slot, out_ptr, channels, num_tokens,
+    KEEP: tl.constexpr, KEEP_POW2: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """BT tokens of one sequence's chunk at once: token t's inputs are x[t - KEEP .. t], those before the
+    chunk from the state row, summed in the decode kernel's order, so a token's result is the same bits
+    either way. The first block's program then writes the new state (the chunk's last KEEP inputs) after
+    it has read the old one; no other program reads the state (BT >= KEEP)."""
+    tb, cb = tl.program_id(0), tl.program_id(1)
+    c = cb * BC + tl.arange(0, BC)
+    live = c < channels
+    t = tb * BT + tl.arange(0, BT)
+    cells = (t < num_tokens)[:, None] & live[None, :]
     row_state = state_ptr + (slot * channels + c) * KEEP
-    for t in range(num_tokens):
-        row = first + t
-        newest = tl.load(x_ptr + row * x_stride + c, mask=live, other=0.0)
-        acc = tl.zeros([BC], dtype=tl.float32)
-        for j in tl.static_range(KEEP):  # oldest first, as the C++ kernel; the state shifts as it is read
-            past = tl.load(row_state + j, mask=live, other=0.0)
-            acc += tl.load(w_ptr + c * (KEEP + 1) + j, mask=live, other=0.0).to(tl.float32) * past.to(
-                tl.float32
-            )
-            if j + 1 < KEEP:
-                tl.store(row_state + j, tl.load(row_state + j + 1, mask=live, other=0.0), mask=live)
-        acc += tl.load(w_ptr + c * (KEEP + 1) + KEEP, mask=live, other=0.0).to(tl.float32) * newest.to(
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(KEEP):
+        past = _input_before(x_ptr, x_stride, row_state, t - KEEP + j, c, cells, KEEP)
+        acc += tl.load(w_ptr + c * (KEEP + 1) + j, mask=live, other=0.0).to(tl.float32)[None, :] * past.to(
             tl.float32
         )
-        tl.store(row_state + KEEP - 1, newest, mask=live)
-        y = acc.to(newest.dtype).to(tl.float32)  # the sum rounded to the dtype, then SiLU, as transformers
-        tl.store(out_ptr + row * channels + c, (y / (1.0 + tl.exp(-y))).to(newest.dtype), mask=live)
+    newest = tl.load(x_ptr + t[:, None] * x_stride + c[None, :], mask=cells, other=0.0)
+    w_newest = tl.load(w_ptr + c * (KEEP + 1) + KEEP, mask=live, other=0.0).to(tl.float32)
+    acc += w_newest[None, :] * newest.to(tl.float32)
+    y = acc.to(newest.dtype).to(tl.float32)
+    tl.store(
+        out_ptr + t[:, None] * channels + c[None, :], (y / (1.0 + tl.exp(-y))).to(newest.dtype), mask=cells
+    )
+    if tb == 0:
+        tl.debug_barrier()  # every thread's reads of the old state before any write (a CTA's threads split them)
+        j = tl.arange(0, KEEP_POW2)
+        keep = (j < KEEP)[:, None] & live[None, :]
+        last = _input_before(x_ptr, x_stride, row_state, num_tokens - KEEP + j, c, keep, KEEP)
+        tl.store(row_state[None, :] + j[:, None], last, mask=keep)
 
 
-def _conv(x, state, weight, slots, per_sequence: bool) -> torch.Tensor:
-    rows, channels = x.shape
-    keep = state.shape[2]
+@triton.jit
+def _input_before(x_ptr, x_stride, row_state, src, c, cells, KEEP: tl.constexpr):
+    """The chunk's input at rows `src` ([N]) of channels c: x's row where src >= 0, else the state's
+    (src + KEEP)-th oldest."""
+    in_x = (src >= 0)[:, None]
+    from_x = tl.load(x_ptr + src[:, None] * x_stride + c[None, :], mask=cells & in_x, other=0.0)
+    from_state = tl.load(row_state[None, :] + (src + KEEP)[:, None], mask=cells & ~in_x, other=0.0)
+    return tl.where(in_x, from_x, from_state)
+
+
+def _check_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> None:
+    channels, keep = x.shape[1], state.shape[2]
     if not state.is_contiguous() or state.shape[1] != channels or tuple(weight.shape) != (channels, keep + 1):
         raise ValueError(
             f"state must be contiguous [rows, {channels}, K - 1] and weight [{channels}, K], got "
             f"{tuple(state.shape)} and {tuple(weight.shape)}"
         )
+
+
+_CONV_CHANNELS = 128  # a program's channels
+_CONV_TOKENS = 32  # a chunk program's tokens
+
+
+def causal_conv_decode_(x, state, weight, slots) -> torch.Tensor:
+    """x [B, C] (rows of unit stride) -> SiLU(conv) [B, C], each sequence's state row (slots[b]) shifted in."""
+    _check_conv(x, state, weight)
+    rows, channels = x.shape
     out = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
-    bc = 128
-    grid = (rows if per_sequence else 1, triton.cdiv(channels, bc))
-    _conv_kernel[grid](
-        x, x.stride(0), state, weight.contiguous(), slots, out, channels, 1 if per_sequence else rows,
-        1 if per_sequence else 0, KEEP=keep, BC=bc, PER_SEQUENCE=per_sequence,
+    grid = (rows, triton.cdiv(channels, _CONV_CHANNELS))
+    _conv_decode_kernel[grid](
+        x, x.stride(0), state, weight.contiguous(), slots, out, channels, KEEP=state.shape[2], BC=_CONV_CHANNELS
     )  # fmt: skip
     return out
 
 
-def causal_conv_decode_(x, state, weight, slots) -> torch.Tensor:
-    """x [B, C] (contiguous rows) -> SiLU(conv) [B, C], each sequence's state row (slots[b]) shifted in."""
-    return _conv(x, state, weight, slots, per_sequence=True)
-
-
 def causal_conv_chunk_(x, state, weight, slot: int) -> torch.Tensor:
-    """A chunk x [T, C] of one sequence, token after token, on state row `slot`."""
-    slots = torch.tensor([slot], dtype=torch.long, device=x.device)
-    return _conv(x, state, weight, slots, per_sequence=False)
+    """A chunk x [T, C] of one sequence on state row `slot`: each token's result the bits its decode step
+    would give, the tokens computed side by side."""
+    _check_conv(x, state, weight)
+    rows, channels = x.shape
+    keep = state.shape[2]
+    if keep > _CONV_TOKENS:
+        raise ValueError(
+            f"a convolution of width {keep + 1}: the chunk kernel takes up to {_CONV_TOKENS + 1}"
+        )
+    out = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
+    if rows:
+        grid = (triton.cdiv(rows, _CONV_TOKENS), triton.cdiv(channels, _CONV_CHANNELS))
+        _conv_chunk_kernel[grid](
+            x, x.stride(0), state, weight.contiguous(), slot, out, channels, rows,
+            KEEP=keep, KEEP_POW2=triton.next_power_of_2(keep), BT=_CONV_TOKENS, BC=_CONV_CHANNELS,
+        )  # fmt: skip
+    return out

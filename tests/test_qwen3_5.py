@@ -217,6 +217,16 @@ def test_the_triton_kernels_compute_the_recurrent_step():
     conv_steps = [tgd.causal_conv_decode_(x[t : t + 1], convs, dev(weight), one) for t in range(n)]
     assert torch.equal(chunk, torch.cat(steps)) and torch.equal(states[0], states[1])
     assert torch.equal(conv_chunk, torch.cat(conv_steps)) and torch.equal(convs[0], convs[1])
+    # the convolution's chunk computes its tokens side by side: from a state that is not zero, chunks
+    # shorter than the state, one block of tokens and three, in bf16 (its rounding before the SiLU)
+    for n in (1, 2, 9, 70):
+        x = dev(torch.randn(n, channels, generator=gen)).bfloat16()
+        convs = dev(torch.randn(1, channels, width - 1, generator=gen).bfloat16().repeat(2, 1, 1))
+        conv_chunk = tgd.causal_conv_chunk_(x, convs, dev(weight).bfloat16(), 0)
+        conv_steps = [
+            tgd.causal_conv_decode_(x[t : t + 1], convs, dev(weight).bfloat16(), one) for t in range(n)
+        ]
+        assert torch.equal(conv_chunk, torch.cat(conv_steps)) and torch.equal(convs[0], convs[1]), n
 
 
 def test_the_triton_path_gives_transformers_tokens(default_model: Path):
