@@ -9,7 +9,8 @@ and scattered back after (what the engine would have to do to use it); its kerne
 are timed as CUDA graphs replayed (the engine's decode steps run as graphs), so the figures are GPU time.
 Prefill: one prompt of T tokens and 8 prompts of 512 on states from the pool, the final state written back;
 ours walks a prompt's tokens one after another (a launch per prompt, as the runner calls it), fla's chunked
-kernel computes a chunk's tokens with matmuls (one varlen call). Timed eagerly with CUDA events.
+kernel computes a chunk's tokens with matmuls (one varlen call). Timed eagerly with CUDA events. Then our
+convolution of a prompt (fla's prompts take theirs from the caller: the engine runs ours before them).
 
 Each row also gives the largest difference of fla's output from ours, relative to our output's largest
 magnitude: the two sum in different orders (and fla's chunked form rounds through 16-bit matmul inputs), so
@@ -168,6 +169,22 @@ def prefill_row(name: str, lengths: list[int], gen: torch.Generator) -> str:
     )
 
 
+def conv_row(name: str, length: int, gen: torch.Generator) -> str:
+    """Ours alone (fla's prompts take their convolution from the caller): a prompt's causal convolution of
+    width 4 over the layer's q, k and v channels, its tokens side by side."""
+    from nanovllm.kernels.triton_gated_delta import causal_conv_chunk_
+
+    key_heads, heads, dk, dv = SHAPES[name]
+    channels = 2 * key_heads * dk + heads * dv
+    x = torch.randn(length, channels, generator=gen).to("cuda", torch.bfloat16)
+    state = torch.zeros(1, channels, 3, dtype=torch.bfloat16, device="cuda")
+    weight = torch.randn(channels, 4, generator=gen).to("cuda", torch.bfloat16)
+    ms = _event_ms(lambda: causal_conv_chunk_(x, state, weight, 0), 10)
+    return (
+        f"| {name} | convolution, {length} tokens | {ms * 1e3:.0f} | | | {length / ms / 1e3:.2f} M tok/s | |"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -191,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
         for length in args.prompt_lens:
             print(prefill_row(name, [length], gen), flush=True)
         print(prefill_row(name, [512] * 8, gen), flush=True)
+        for length in args.prompt_lens:
+            print(conv_row(name, length, gen), flush=True)
 
 
 if __name__ == "__main__":
