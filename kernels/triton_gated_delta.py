@@ -21,6 +21,7 @@ import triton.language as tl
 
 # Importing the attention kernels first defines every kernel under the same interpreter setting.
 from nanovllm.kernels import triton_attention  # noqa: F401
+from nanovllm.kernels.triton_layers import _cast, _round
 
 
 @triton.jit
@@ -104,8 +105,8 @@ def _conv_decode_kernel(
             tl.store(row_state + j, tl.load(row_state + j + 1, mask=live, other=0.0), mask=live)
     acc += tl.load(w_ptr + c * (KEEP + 1) + KEEP, mask=live, other=0.0).to(tl.float32) * newest.to(tl.float32)
     tl.store(row_state + KEEP - 1, newest, mask=live)
-    y = acc.to(newest.dtype).to(tl.float32)  # the sum rounded to the dtype, then SiLU, as transformers
-    tl.store(out_ptr + seq * channels + c, (y / (1.0 + tl.exp(-y))).to(newest.dtype), mask=live)
+    y = _round(acc, newest.dtype)  # the sum rounded to the dtype, then SiLU, as transformers
+    tl.store(out_ptr + seq * channels + c, _cast(y / (1.0 + tl.exp(-y)), newest.dtype), mask=live)
 
 
 @triton.jit
@@ -132,9 +133,9 @@ def _conv_chunk_kernel(
     newest = tl.load(x_ptr + t[:, None] * x_stride + c[None, :], mask=cells, other=0.0)
     w_newest = tl.load(w_ptr + c * (KEEP + 1) + KEEP, mask=live, other=0.0).to(tl.float32)
     acc += w_newest[None, :] * newest.to(tl.float32)
-    y = acc.to(newest.dtype).to(tl.float32)
+    y = _round(acc, newest.dtype)
     tl.store(
-        out_ptr + t[:, None] * channels + c[None, :], (y / (1.0 + tl.exp(-y))).to(newest.dtype), mask=cells
+        out_ptr + t[:, None] * channels + c[None, :], _cast(y / (1.0 + tl.exp(-y)), newest.dtype), mask=cells
     )
     if tb == 0:
         tl.debug_barrier()  # every thread's reads of the old state before any write (a CTA's threads split them)
@@ -196,4 +197,74 @@ def causal_conv_chunk_(x, state, weight, slot: int) -> torch.Tensor:
             x, x.stride(0), state, weight.contiguous(), slot, out, channels, rows,
             KEEP=keep, KEEP_POW2=triton.next_power_of_2(keep), BT=_CONV_TOKENS, BC=_CONV_CHANNELS,
         )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _gates_kernel(
+    a_ptr, a_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, heads, BH: tl.constexpr
+):  # fmt: skip
+    """One token's decay g = -exp(A_log) softplus(a + dt_bias) and write strength beta = sigmoid(b), the
+    latter rounded to b's dtype, both float32 out."""
+    t = tl.program_id(0)
+    h = tl.arange(0, BH)
+    live = h < heads
+    x = tl.load(a_ptr + t * a_stride + h, mask=live, other=0.0).to(tl.float32)
+    x += tl.load(dt_bias_ptr + h, mask=live, other=0.0).to(tl.float32)
+    # softplus as PyTorch's (x past 20 as is), log1p(u) kept accurate for small u: log(1 + u) u / ((1 + u) - 1)
+    u = tl.exp(x)
+    one_u = 1.0 + u
+    log1p = tl.where(one_u == 1.0, u, tl.log(one_u) * (u / (one_u - 1.0)))
+    g = -tl.exp(tl.load(a_log_ptr + h, mask=live, other=0.0).to(tl.float32)) * tl.where(x > 20.0, x, log1p)
+    b = tl.load(b_ptr + t * b_stride + h, mask=live, other=0.0)
+    beta = _round(1.0 / (1.0 + tl.exp(-b.to(tl.float32))), b.dtype)
+    tl.store(g_ptr + t * heads + h, g, mask=live)
+    tl.store(beta_ptr + t * heads + h, beta, mask=live)
+
+
+def delta_gates(a, b, a_log, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, beta) float32 [T, heads] of a, b [T, heads] (rows of unit stride), a_log and dt_bias [heads]:
+    one launch for what PyTorch takes eight."""
+    tokens, heads = a.shape
+    if a.stride(1) != 1 or b.stride(1) != 1 or tuple(b.shape) != (tokens, heads):
+        raise ValueError(
+            f"a and b must be [T, heads] with unit-stride rows, got {tuple(a.shape)}, {tuple(b.shape)}"
+        )
+    g = torch.empty(tokens, heads, dtype=torch.float32, device=a.device)
+    beta = torch.empty_like(g)
+    if tokens:
+        _gates_kernel[(tokens,)](
+            a, a.stride(0), b, b.stride(0), a_log, dt_bias, g, beta, heads, BH=triton.next_power_of_2(heads)
+        )  # fmt: skip
+    return g, beta
+
+
+@triton.jit
+def _gated_norm_kernel(x_ptr, z_ptr, z_stride, w_ptr, out_ptr, heads, eps, D: tl.constexpr):
+    """One head's output row: rms-normalised in float32 and rounded, times the weight (rounded), times
+    SiLU of its gate in float32, rounded: GatedRMSNorm's roundings."""
+    row = tl.program_id(0)
+    d = tl.arange(0, D)
+    x = tl.load(x_ptr + row * D + d).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    normed = _round(x * tl.rsqrt(tl.sum(x * x, 0) / D + eps), dtype)
+    weighted = _round(tl.load(w_ptr + d).to(tl.float32) * normed, dtype)
+    gate = tl.load(z_ptr + (row // heads) * z_stride + (row % heads) * D + d).to(tl.float32)
+    tl.store(out_ptr + row * D + d, _cast(weighted * (gate / (1.0 + tl.exp(-gate))), dtype))
+
+
+def gated_rms_norm(x, z, weight, eps: float) -> torch.Tensor:
+    """GatedRMSNorm (worker/models/qwen3_5.py) of x [T * heads, D] (contiguous) with the gates z [T, heads * D]
+    (rows of unit stride, a view of the projection's output as it is): [T * heads, D] in x's dtype, one
+    launch for what PyTorch takes eight."""
+    rows, dim = x.shape
+    tokens = z.shape[0]
+    if not x.is_contiguous() or z.stride(1) != 1 or tokens * z.shape[1] != rows * dim or dim & (dim - 1):
+        raise ValueError(
+            f"gated_rms_norm: x contiguous [T * heads, D] with D a power of two and z [T, heads * D] of unit "
+            f"stride, got {tuple(x.shape)} and {tuple(z.shape)}"
+        )
+    out = torch.empty_like(x)
+    if rows:
+        _gated_norm_kernel[(rows,)](x, z, z.stride(0), weight, out, rows // tokens, eps, D=dim)
     return out

@@ -229,6 +229,39 @@ def test_the_triton_kernels_compute_the_recurrent_step():
         assert torch.equal(conv_chunk, torch.cat(conv_steps)) and torch.equal(convs[0], convs[1]), n
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_triton_gates_and_gated_norm_are_the_modules(dtype: torch.dtype):
+    """kernels/triton_gated_delta.py's delta_gates and gated_rms_norm (one launch each on a GPU, where PyTorch
+    takes eight) against the PyTorch path they replace, with its roundings: beta rounded to the dtype, the
+    normalised row rounded, times the weight rounded, times SiLU(gate) rounded. Their exp, log and sums
+    differ from PyTorch's by a few float32 ulps (a 128-term sum of squares in another order: up to 128 ulp
+    of it, half that after the square root): within 2e-5 relative in float32; in bf16 that moves an output
+    across a rounding boundary now and then, so one bf16 step (2^-8 relative) and at most 1% of them."""
+    from nanovllm.kernels import triton_gated_delta as tgd
+
+    gen = torch.Generator().manual_seed(5)
+    tokens, heads, dim = 7, 4, 128
+    a, b = (torch.randn(tokens, 3 * heads, generator=gen).to(dtype)[:, :heads] * 4 for _ in range(2))
+    a[0, 0], a[1, 1] = 30.0, -30.0  # softplus's linear branch and log1p's small end
+    a_log, dt_bias = torch.randn(heads, generator=gen).to(dtype), torch.randn(heads, generator=gen).to(dtype)
+    g, beta = tgd.delta_gates(*(t.to(TRITON_DEVICE) for t in (a, b, a_log, dt_bias)))
+    torch.testing.assert_close(beta.cpu(), b.sigmoid().float(), rtol=2e-5, atol=0)
+    want_g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    torch.testing.assert_close(g.cpu(), want_g, rtol=2e-5, atol=0)
+    norm = GatedRMSNorm(dim, 1e-6)
+    norm.weight.data = (1 + torch.randn(dim, generator=gen) / 4).to(dtype)
+    x = (torch.randn(tokens * heads, dim, generator=gen) * 3).to(dtype)
+    z = torch.randn(tokens, 2 * heads * dim, generator=gen).to(dtype)[:, heads * dim :]  # a view, as given
+    want = norm(x, z).float()
+    dev = norm.weight.data.to(TRITON_DEVICE)
+    got = tgd.gated_rms_norm(x.to(TRITON_DEVICE), z.to(TRITON_DEVICE), dev, 1e-6).cpu().float()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-6)
+    else:
+        apart = (got - want).abs() > 2**-8 * want.abs()
+        assert not apart.any() and (got != want).float().mean() <= 0.01
+
+
 def test_the_triton_path_gives_transformers_tokens(default_model: Path):
     """The model on the Triton attention backend (in the interpreter on a CPU): its linear layers on
     kernels/triton_gated_delta.py, prompts token by token, decode steps on the state rows; float32

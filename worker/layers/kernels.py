@@ -3,6 +3,7 @@ attention backend) and bound to every layer that has a variant (DecoderForCausal
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Protocol
@@ -13,8 +14,12 @@ import torch
 class GatedDeltaKernels(Protocol):
     """A hybrid model's causal convolution and gated delta rule on its state rows, in place: a decode step's
     B sequences of one token each (`slots` their rows), or one sequence's prompt chunk token by token
-    through the same arithmetic (`slot` its row). The C++ CPU kernels (kernels/csrc/gated_delta_cpu.cpp) and
-    kernels/triton_gated_delta.py export these four calls."""
+    through the same arithmetic (`slot` its row), and the gates (g, beta) of a step's tokens. The C++ CPU
+    kernels (kernels/csrc/gated_delta_cpu.cpp) and kernels/triton_gated_delta.py export these five calls."""
+
+    def delta_gates(
+        self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+    ) -> Sequence[torch.Tensor]: ...
 
     def causal_conv_decode_(
         self, x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor

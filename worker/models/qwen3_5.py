@@ -19,6 +19,7 @@ as attention heads are split.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, cast
 
@@ -171,10 +172,16 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        # On the Triton path, kernels/triton_gated_delta.py's one kernel with these roundings (bound by
+        # Qwen3_5ForCausalLM.bind_kernels); its sums follow the GPU's order, not PyTorch's.
+        self.fused: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x [rows, dim]; gate [tokens, heads * dim] (rows = tokens x heads), as the projection gives it."""
+        if self.fused is not None:
+            return self.fused(x, gate, self.weight, self.eps)
         normed = F.rms_norm(x.float(), x.shape[-1:], None, self.eps).to(x.dtype)
-        return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
+        return (self.weight * normed * F.silu(gate.reshape(x.shape).float())).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -237,8 +244,8 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         mixed, z, b, a = self.in_proj(x).split(self.split_sizes, dim=-1)
-        if self.kernels.cpu is not None:
-            g, beta = self.kernels.cpu.delta_gates(a, b, self.A_log, self.dt_bias)
+        if self.kernels.gated_delta is not None:
+            g, beta = self.kernels.gated_delta.delta_gates(a, b, self.A_log, self.dt_bias)
         else:
             beta = b.sigmoid()
             g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
@@ -255,7 +262,7 @@ class GatedDeltaNet(nn.Module):
                 begin += n
         else:
             self._run_with_states(mixed, g, beta, weight, states, out)
-        normed = self.norm(out.view(-1, self.value_dim), z.reshape(-1, self.value_dim))
+        normed = self.norm(out.view(-1, self.value_dim), z)
         return self.out_proj(normed.view(x.shape[0], -1))
 
     def _run_with_states(
@@ -663,15 +670,22 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         """Attention layers on `attention`; the linear layers' state work on `kernels.gated_delta`, its
         prompt chunks token by token under --deterministic or on Triton (GatedDeltaNet._run_with_states);
         RMSNorm, the output gate, the SwiGLU gate and the projections on the C++ CPU kernels or PyTorch (the
-        fused Triton layer kernels are the other decoders'; GatedRMSNorm stays on PyTorch)."""
+        fused Triton layer kernels are the other decoders'; GatedRMSNorm on its own Triton kernel on the Triton
+        path, on PyTorch otherwise)."""
         for attn in self.attention_layers():
             attn.backend = attention
         if self.mtp is not None:
             self.mtp.attention().backend = attention
+        fused_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+        if kernels.triton is not None and kernels.gated_delta is not None:
+            from nanovllm.kernels.triton_gated_delta import gated_rms_norm
+
+            fused_norm = gated_rms_norm
         for layer in self.linear_attention_layers():
             layer.prompts_token_by_token = kernels.gated_delta is not None and (
                 kernels.deterministic or (kernels.triton is not None and kernels.gated_delta_prompts is None)
             )
+            layer.norm.fused = fused_norm
         kernels = LayerKernels(
             cpu=kernels.cpu,
             block_fp8=kernels.block_fp8,
