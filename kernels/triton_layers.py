@@ -57,9 +57,11 @@ def _round(x, dtype: tl.constexpr):
 @triton.jit
 def _rms_norm_kernel(
     x, residual, weight, out, stride_x, stride_r, stride_o, n, eps,
-    BLOCK: tl.constexpr, ADD: tl.constexpr, ROUND: tl.constexpr,
+    BLOCK: tl.constexpr, ADD: tl.constexpr, ROUND: tl.constexpr, WEIGHT_FP32: tl.constexpr,
 ):  # fmt: skip
-    """One row: out = norm(x [+ residual]) * weight; with ADD the sum is written back to `residual`."""
+    """One row: out = norm(x [+ residual]) * weight; with ADD the sum is written back to `residual`. In 16 bits
+    the normalised row is rounded, then multiplied by the weight and rounded; a zero-centred norm's float32
+    weight (WEIGHT_FP32: 1 + w, Qwen3.5's) multiplies the float32 row and the product is rounded once."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -75,7 +77,9 @@ def _rms_norm_kernel(
             tl.store(residual + row * stride_r + offs, v, mask=mask)
     y = v / tl.sqrt(tl.sum(v * v, axis=0) / n + eps)
     w = tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
-    if ROUND:
+    if WEIGHT_FP32:
+        tl.store(out + row * stride_o + offs, _cast(y * w, dtype), mask=mask)
+    elif ROUND:
         tl.store(out + row * stride_o + offs, _cast(_round(y, dtype) * w, dtype), mask=mask)
     else:
         tl.store(out + row * stride_o + offs, y * w, mask=mask)
@@ -89,6 +93,7 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
         x, residual if residual is not None else x, weight, out,
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), n, eps,
         BLOCK=triton.next_power_of_2(n), ADD=residual is not None, ROUND=x.dtype != torch.float32,
+        WEIGHT_FP32=x.dtype != torch.float32 and weight.dtype == torch.float32,
     )  # fmt: skip
 
 

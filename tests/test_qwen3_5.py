@@ -262,6 +262,50 @@ def test_the_triton_gates_and_gated_norm_are_the_modules(dtype: torch.dtype):
         assert not apart.any() and (got != want).float().mean() <= 0.01
 
 
+def test_hybrid_decode_layers_launch_few_kernels(default_model: Path, monkeypatch):
+    """A bf16 decode step on the CUDA path's code (Triton attention, gated-delta and fused layer kernels;
+    graphs off, every launch visible, counted as tests/test_triton_layers.py counts Qwen3's): each linear
+    layer launches at most 12 kernels and each gated-attention layer at most 19 (24-25 and 24 before the
+    gates, the gated norm, the zero-centred norms and the SwiGLU gate were fused; on an H200 a 0.8B-shape
+    step launched 933 kernels)."""
+    from nanovllm.kernels import triton_layers
+    from nanovllm.worker.models.qwen3_5 import HybridDecoderLayer
+    from tests.test_triton_layers import _Launches
+
+    llm = LLM(
+        str(default_model), dtype="bfloat16", attention_backend="triton", kv_cache_memory="16MiB",
+        max_model_len=64, enforce_eager=True, device=TRITON_DEVICE.type,
+    )  # fmt: skip
+    engine = llm.engine
+    for i in range(3):
+        engine.add_request(str(i), [5 + i, 6, 7, 8], greedy(4))
+    engine.step()  # the prefill
+    counter = _Launches()
+    jit_type = type(triton_layers._rms_norm_kernel)
+    monkeypatch.setattr(jit_type, "run", counter.triton_run(jit_type.run))
+    counts: dict[str, list[int]] = {"linear": [], "attention": []}
+    starts: dict[int, int] = {}
+    layers = [m for m in engine.runner.model.modules() if isinstance(m, HybridDecoderLayer)]
+
+    def before(module, args):
+        starts[id(module)] = counter.count
+
+    def after(module, args, output):
+        kind = "attention" if module.is_full_attention else "linear"
+        counts[kind].append(counter.count - starts[id(module)])
+
+    hooks = [h for m in layers for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
+    try:
+        with counter:
+            stats = engine.step().stats
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert stats.num_decode_tokens == 3 and stats.num_prefill_tokens == 0
+    assert counts["linear"] and counts["attention"]
+    assert max(counts["linear"]) <= 12 and max(counts["attention"]) <= 19, counts
+
+
 def test_the_triton_path_gives_transformers_tokens(default_model: Path):
     """The model on the Triton attention backend (in the interpreter on a CPU): its linear layers on
     kernels/triton_gated_delta.py, prompts token by token, decode steps on the state rows; float32

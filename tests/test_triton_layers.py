@@ -49,6 +49,24 @@ def test_rms_norm_and_residual_add(dtype, hidden):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_a_zero_centred_norm_multiplies_by_its_float32_weight_and_rounds_once(dtype):
+    """Qwen3.5's norms (weight_offset 1: the weight 1 + w kept in float32): the row normalised in float32,
+    times the weight in float32, rounded once, as RMSNorm's PyTorch path (_fp32_norm) and transformers."""
+    gen = torch.Generator().manual_seed(3)
+    x, residual = (torch.randn(7, 96, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    norm = RMSNorm(96, 1e-6, weight_offset=1.0).to(DEVICE)
+    norm.weight.data = (1 + torch.randn(96, generator=gen) / 4).to(DEVICE)
+    assert norm.weight.dtype == torch.float32
+    ref = norm(x)
+    _assert_rounded_alike(triton_layers.rms_norm(x, norm.weight, norm.eps), ref, ref.abs())
+    ref_out, ref_sum = norm.add_and_norm(x.clone(), residual.clone())
+    out, summed = x.clone(), residual.clone()
+    triton_layers.add_rms_norm_(out, summed, norm.weight, norm.eps)
+    assert torch.equal(summed, ref_sum)
+    _assert_rounded_alike(out, ref_out, ref_out.abs())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(dtype):
     gate_up = torch.randn(5, 2 * 200, generator=torch.Generator().manual_seed(0)).to(DEVICE, dtype)
     gate, up = gate_up.chunk(2, dim=-1)

@@ -29,10 +29,10 @@ class RMSNorm(nn.Module):
         self.kernels = PYTORCH
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels.triton is not None:  # a zero-centred norm's float32 weight too
+            return self.kernels.triton.rms_norm(x, self.weight, self.eps)
         if self.weight.dtype != x.dtype:  # a zero-centred norm in a 16-bit model
             return _fp32_norm(x, self.weight, self.eps, self.kernels.cpu)
-        if self.kernels.triton is not None:
-            return self.kernels.triton.rms_norm(x, self.weight, self.eps)
         if self.kernels.cpu is not None:
             return self.kernels.cpu.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
@@ -44,8 +44,7 @@ class RMSNorm(nn.Module):
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual), reusing both buffers: the caller owns them."""
         kernels = self.kernels.triton or self.kernels.cpu
-        # the C++ kernel also takes a zero-centred norm's float32 weight in a 16-bit model
-        if kernels is not None and (self.weight.dtype == x.dtype or kernels is self.kernels.cpu):
+        if kernels is not None:  # both take a zero-centred norm's float32 weight in a 16-bit model
             kernels.add_rms_norm_(x, residual, self.weight, self.eps)
             return x, residual
         residual = x.add_(residual)

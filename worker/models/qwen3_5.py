@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, cast
 
 import torch
@@ -669,13 +669,14 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
     def bind_kernels(self, attention: AttentionBackend, kernels: LayerKernels) -> None:
         """Attention layers on `attention`; the linear layers' state work on `kernels.gated_delta`, its
         prompt chunks token by token under --deterministic or on Triton (GatedDeltaNet._run_with_states);
-        RMSNorm, the output gate, the SwiGLU gate and the projections on the C++ CPU kernels or PyTorch (the
-        fused Triton layer kernels are the other decoders'; GatedRMSNorm on its own Triton kernel on the Triton
-        path, on PyTorch otherwise)."""
+        RMSNorm and the SwiGLU gate on the C++ CPU kernels or the fused Triton ones; the output gate and the
+        projections on the C++ CPU kernels or PyTorch (the rest of the fused Triton layer kernels are the other
+        decoders'); GatedRMSNorm on its own Triton kernel on the Triton path, on PyTorch otherwise."""
         for attn in self.attention_layers():
             attn.backend = attention
         if self.mtp is not None:
             self.mtp.attention().backend = attention
+        triton = kernels.triton
         fused_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
         if kernels.triton is not None and kernels.gated_delta is not None:
             from nanovllm.kernels.triton_gated_delta import gated_rms_norm
@@ -706,6 +707,9 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         for module in self.modules():
             if isinstance(module, kernel_users):
                 module.kernels = kernels
+            # the fused norm (its zero-centred weight too) and SwiGLU gate, as the other decoders'
+            if isinstance(module, (RMSNorm, DecoderMLP)) and triton is not None:
+                module.kernels = replace(kernels, triton=triton)
         # Decode steps as one C++ call (as DecoderForCausalLM.bind_kernels), with the state work on the C++
         # kernels too.
         cpu = kernels.cpu
