@@ -240,17 +240,23 @@ def delta_gates(a, b, a_log, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _gated_norm_kernel(x_ptr, z_ptr, z_stride, w_ptr, out_ptr, heads, eps, D: tl.constexpr):
-    """One head's output row: rms-normalised in float32 and rounded, times the weight (rounded), times
+def _gated_norm_kernel(
+    x_ptr, z_ptr, z_stride, w_ptr, out_ptr, heads, eps, D: tl.constexpr, HEADS: tl.constexpr
+):  # fmt: skip
+    """One token's head rows: each rms-normalised in float32 and rounded, times the weight (rounded), times
     SiLU of its gate in float32, rounded: GatedRMSNorm's roundings."""
-    row = tl.program_id(0)
-    d = tl.arange(0, D)
-    x = tl.load(x_ptr + row * D + d).to(tl.float32)
+    t = tl.program_id(0)
+    h = tl.arange(0, HEADS)[:, None]
+    d = tl.arange(0, D)[None, :]
+    live = (h < heads) & (d < D)
+    x = tl.load(x_ptr + (t * heads + h) * D + d, mask=live, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    normed = _round(x * tl.rsqrt(tl.sum(x * x, 0) / D + eps), dtype)
+    normed = _round(x * tl.rsqrt(tl.sum(x * x, 1)[:, None] / D + eps), dtype)
     weighted = _round(tl.load(w_ptr + d).to(tl.float32) * normed, dtype)
-    gate = tl.load(z_ptr + (row // heads) * z_stride + (row % heads) * D + d).to(tl.float32)
-    tl.store(out_ptr + row * D + d, _cast(weighted * (gate / (1.0 + tl.exp(-gate))), dtype))
+    gate = tl.load(z_ptr + t * z_stride + h * D + d, mask=live, other=0.0).to(tl.float32)
+    tl.store(
+        out_ptr + (t * heads + h) * D + d, _cast(weighted * (gate / (1.0 + tl.exp(-gate))), dtype), mask=live
+    )
 
 
 def gated_rms_norm(x, z, weight, eps: float) -> torch.Tensor:
@@ -266,5 +272,8 @@ def gated_rms_norm(x, z, weight, eps: float) -> torch.Tensor:
         )
     out = torch.empty_like(x)
     if rows:
-        _gated_norm_kernel[(rows,)](x, z, z.stride(0), weight, out, rows // tokens, eps, D=dim)
+        heads = rows // tokens
+        _gated_norm_kernel[(tokens,)](
+            x, z, z.stride(0), weight, out, heads, eps, D=dim, HEADS=triton.next_power_of_2(heads)
+        )  # fmt: skip
     return out
