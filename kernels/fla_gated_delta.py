@@ -53,3 +53,30 @@ def gated_delta_prompts_(
     )  # fmt: skip
     state.index_copy_(0, rows, final)
     return out[0]
+
+
+def warm_up(
+    key_heads: int, heads: int, key_dim: int, value_dim: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    """One small varlen call at the layers' shape, so that fla-core's autotuning and Triton's compilation
+    (a fresh machine's first call took most of a minute, bench/gated_delta.py) happen as the engine starts,
+    not in its first request's prompt step. The autotuned configurations depend on the shape, not on T."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = [70, 3]  # two sequences, one longer than a 64-token chunk
+
+    def rows(*size: int) -> torch.Tensor:
+        return torch.randn(sum(lengths), *size, generator=gen).to(device, dtype)
+
+    state = torch.zeros(2, heads, key_dim, value_dim, dtype=torch.float32, device=device)
+    g = -torch.rand(sum(lengths), heads, generator=gen).to(device)
+    beta = torch.rand(sum(lengths), heads, generator=gen).to(device)
+    gated_delta_prompts_(
+        rows(key_heads, key_dim),
+        rows(key_heads, key_dim),
+        rows(heads, value_dim),
+        g,
+        beta,
+        state,
+        [0, 1],
+        lengths,
+    )

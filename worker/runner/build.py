@@ -24,7 +24,7 @@ from nanovllm.kernels.backends import (
     select_attention_backend,
     triton_unavailable,
 )
-from nanovllm.kernels.fla_gated_delta import fla_unavailable, gated_delta_prompts_
+from nanovllm.kernels.fla_gated_delta import fla_unavailable, gated_delta_prompts_, warm_up
 from nanovllm.kernels.fp8_kv import KV_CACHE_DTYPES, is_fp8
 from nanovllm.worker.config import EngineConfig
 from nanovllm.worker.device import resolve_placement, usable_cpus
@@ -471,7 +471,11 @@ class ModelRunnerBase:
             reason = fla_unavailable(self.device)
         if self.tp.rank == 0:
             log.info("linear_attention_prompts", kernel="walk" if reason else "fla-core", reason=reason)
-        return None if reason else gated_delta_prompts_
+        if reason is not None or not isinstance(self.model, Qwen3_5ForCausalLM):
+            return None
+        layer = self.model.linear_attention_layers()[0]
+        warm_up(layer.num_key_heads, layer.num_heads, layer.key_dim, layer.value_dim, self.dtype, self.device)
+        return gated_delta_prompts_
 
     def _cuda_allocated(self) -> int:
         """Bytes this process holds on the GPU through torch (0 on CPU): differences of it are this
