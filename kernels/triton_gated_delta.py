@@ -277,3 +277,35 @@ def gated_rms_norm(x, z, weight, eps: float) -> torch.Tensor:
             x, z, z.stride(0), weight, out, heads, eps, D=dim, HEADS=triton.next_power_of_2(heads)
         )  # fmt: skip
     return out
+
+
+@triton.jit
+def _sigmoid_mul_kernel(x_ptr, gate_ptr, gate_stride, out_ptr, heads, D: tl.constexpr, HEADS: tl.constexpr):
+    """One token: each head's x times sigmoid(its gate), the sigmoid rounded, then the product."""
+    t = tl.program_id(0)
+    h = tl.arange(0, HEADS)[:, None]
+    d = tl.arange(0, D)[None, :]
+    live = (h < heads) & (d < D)
+    x = tl.load(x_ptr + (t * heads + h) * D + d, mask=live, other=0.0)
+    gate = tl.load(gate_ptr + t * gate_stride + h * 2 * D + d, mask=live, other=0.0).to(tl.float32)
+    dtype = x.dtype
+    tl.store(out_ptr + (t * heads + h) * D + d, _cast(x.to(tl.float32) * _round(tl.sigmoid(gate), dtype), dtype),
+             mask=live)  # fmt: skip
+
+
+def sigmoid_mul(x, gate) -> torch.Tensor:
+    """Qwen3.5's attention output gate: x [T, heads * D] (contiguous) times sigmoid(gate), gate [T, heads, D]
+    the gate half of each head's [q | gate] rows as the projection gives them (head stride 2 D, unit stride
+    within a head); [T, heads * D] in x's dtype, one launch for PyTorch's three (a copy of the gate too)."""
+    tokens, heads, dim = gate.shape
+    if not x.is_contiguous() or tuple(x.shape) != (tokens, heads * dim) or gate.stride()[1:] != (2 * dim, 1):
+        raise ValueError(
+            f"sigmoid_mul: x contiguous [T, heads * D] and gate [T, heads, D] of strides (*, 2 D, 1), got "
+            f"{tuple(x.shape)} and {tuple(gate.shape)} {gate.stride()}"
+        )
+    out = torch.empty_like(x)
+    if tokens:
+        _sigmoid_mul_kernel[(tokens,)](
+            x, gate, gate.stride(0), out, heads, D=dim, HEADS=triton.next_power_of_2(heads)
+        )  # fmt: skip
+    return out

@@ -90,6 +90,8 @@ class GatedAttention(nn.Module):
         assert cfg.hybrid is not None  # a hybrid model's config
         self.rotary_dim = cfg.hybrid.rotary_dim
         self.kernels = PYTORCH  # see Qwen3_5ForCausalLM.bind_kernels
+        # On the Triton path, the output gate as one kernel reading the gate in place (bound there too).
+        self.fused_gate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(
         self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata
@@ -105,6 +107,8 @@ class GatedAttention(nn.Module):
         qk = torch.cat([turned, qk[..., self.rotary_dim :]], dim=-1)
         q, k = qk.split([heads, self.num_kv_heads], dim=1)
         out = self.attn(q, k, v.contiguous(), meta)
+        if self.fused_gate is not None:
+            return self.o_proj(self.fused_gate(out, gate))
         gate = gate.reshape(tokens, heads * d)
         return self.o_proj(cpu.sigmoid_mul(out, gate) if cpu is not None else out * torch.sigmoid(gate))
 
@@ -668,20 +672,22 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
 
     def bind_kernels(self, attention: AttentionBackend, kernels: LayerKernels) -> None:
         """Attention layers on `attention`; the linear layers' state work on `kernels.gated_delta`, its
-        prompt chunks token by token under --deterministic or on Triton (GatedDeltaNet._run_with_states);
-        RMSNorm and the SwiGLU gate on the C++ CPU kernels or the fused Triton ones; the output gate and the
-        projections on the C++ CPU kernels or PyTorch (the rest of the fused Triton layer kernels are the other
-        decoders'); GatedRMSNorm on its own Triton kernel on the Triton path, on PyTorch otherwise."""
+        prompt chunks token by token under --deterministic or on Triton without `gated_delta_prompts`
+        (GatedDeltaNet._run_with_states); RMSNorm and the SwiGLU gate on the C++ CPU kernels or the fused
+        Triton ones; the projections on the C++ CPU kernels or PyTorch (the rest of the fused Triton layer
+        kernels are the other decoders'); GatedRMSNorm and the attention's output gate on Triton kernels of
+        their own on the Triton path, on the C++ kernels or PyTorch otherwise."""
         for attn in self.attention_layers():
             attn.backend = attention
         if self.mtp is not None:
             self.mtp.attention().backend = attention
         triton = kernels.triton
         fused_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+        fused_gate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         if kernels.triton is not None and kernels.gated_delta is not None:
-            from nanovllm.kernels.triton_gated_delta import gated_rms_norm
+            from nanovllm.kernels.triton_gated_delta import gated_rms_norm, sigmoid_mul
 
-            fused_norm = gated_rms_norm
+            fused_norm, fused_gate = gated_rms_norm, sigmoid_mul
         for layer in self.linear_attention_layers():
             layer.prompts_token_by_token = kernels.gated_delta is not None and (
                 kernels.deterministic or (kernels.triton is not None and kernels.gated_delta_prompts is None)
@@ -710,6 +716,8 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
             # the fused norm (its zero-centred weight too) and SwiGLU gate, as the other decoders'
             if isinstance(module, (RMSNorm, DecoderMLP)) and triton is not None:
                 module.kernels = replace(kernels, triton=triton)
+            if isinstance(module, GatedAttention):
+                module.fused_gate = fused_gate
         # Decode steps as one C++ call (as DecoderForCausalLM.bind_kernels), with the state work on the C++
         # kernels too.
         cpu = kernels.cpu
