@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 # Importing the attention kernels first defines every kernel under the same interpreter setting.
-from nanovllm.kernels import triton_attention  # noqa: F401
+from nanovllm.kernels import triton_attention
 from nanovllm.kernels.triton_layers import _cast, _round
 
 
@@ -65,7 +65,9 @@ def _delta(q, k, v, g, beta, state, slots, per_sequence: bool) -> torch.Tensor:
     if dk & (dk - 1) or dv & (dv - 1):
         raise ValueError(f"the rule's kernel takes power-of-two head dims, got dk={dk}, dv={dv}")
     out = torch.empty(rows, heads, dv, dtype=torch.float32, device=q.device)
-    bv = min(dv, 32)
+    # Blocks of 32 columns give a GPU more programs; the interpreter pays per program, and a column's
+    # arithmetic is the same in a block of any width (its sums run down the column), so there it takes all.
+    bv = dv if triton_attention.interpreted() else min(dv, 32)
     grid = (rows if per_sequence else 1, heads, dv // bv)
     _delta_kernel[grid](
         q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(), beta.float().contiguous(),
@@ -202,13 +204,13 @@ def causal_conv_chunk_(x, state, weight, slot: int) -> torch.Tensor:
 
 @triton.jit
 def _gates_kernel(
-    a_ptr, a_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, heads, BH: tl.constexpr
+    a_ptr, a_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, heads, count, BLOCK: tl.constexpr
 ):  # fmt: skip
-    """One token's decay g = -exp(A_log) softplus(a + dt_bias) and write strength beta = sigmoid(b), the
-    latter rounded to b's dtype, both float32 out."""
-    t = tl.program_id(0)
-    h = tl.arange(0, BH)
-    live = h < heads
+    """BLOCK of the T x heads decays g = -exp(A_log) softplus(a + dt_bias) and write strengths beta =
+    sigmoid(b), the latter rounded to b's dtype, both float32 out."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = i < count
+    t, h = i // heads, i % heads
     x = tl.load(a_ptr + t * a_stride + h, mask=live, other=0.0).to(tl.float32)
     x += tl.load(dt_bias_ptr + h, mask=live, other=0.0).to(tl.float32)
     # softplus as PyTorch's (x past 20 as is), log1p(u) kept accurate for small u: log(1 + u) u / ((1 + u) - 1)
@@ -218,8 +220,8 @@ def _gates_kernel(
     g = -tl.exp(tl.load(a_log_ptr + h, mask=live, other=0.0).to(tl.float32)) * tl.where(x > 20.0, x, log1p)
     b = tl.load(b_ptr + t * b_stride + h, mask=live, other=0.0)
     beta = _round(1.0 / (1.0 + tl.exp(-b.to(tl.float32))), b.dtype)
-    tl.store(g_ptr + t * heads + h, g, mask=live)
-    tl.store(beta_ptr + t * heads + h, beta, mask=live)
+    tl.store(g_ptr + i, g, mask=live)
+    tl.store(beta_ptr + i, beta, mask=live)
 
 
 def delta_gates(a, b, a_log, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,30 +235,34 @@ def delta_gates(a, b, a_log, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.empty(tokens, heads, dtype=torch.float32, device=a.device)
     beta = torch.empty_like(g)
     if tokens:
-        _gates_kernel[(tokens,)](
-            a, a.stride(0), b, b.stride(0), a_log, dt_bias, g, beta, heads, BH=triton.next_power_of_2(heads)
+        count = tokens * heads
+        _gates_kernel[(triton.cdiv(count, _GATES_BLOCK),)](
+            a, a.stride(0), b, b.stride(0), a_log, dt_bias, g, beta, heads, count, BLOCK=_GATES_BLOCK
         )  # fmt: skip
     return g, beta
 
 
+_GATES_BLOCK = 1024
+
+
 @triton.jit
 def _gated_norm_kernel(
-    x_ptr, z_ptr, z_stride, w_ptr, out_ptr, heads, eps, D: tl.constexpr, HEADS: tl.constexpr
-):  # fmt: skip
-    """One token's head rows: each rms-normalised in float32 and rounded, times the weight (rounded), times
-    SiLU of its gate in float32, rounded: GatedRMSNorm's roundings."""
-    t = tl.program_id(0)
-    h = tl.arange(0, HEADS)[:, None]
+    x_ptr, z_ptr, z_stride, w_ptr, out_ptr, rows, heads, eps, D: tl.constexpr, R: tl.constexpr
+):
+    """R head rows (row r: token r // heads, head r % heads): each rms-normalised in float32 and rounded,
+    times the weight (rounded), times SiLU of its gate in float32, rounded: GatedRMSNorm's roundings."""
+    r = (tl.program_id(0) * R + tl.arange(0, R))[:, None]
     d = tl.arange(0, D)[None, :]
-    live = (h < heads) & (d < D)
-    x = tl.load(x_ptr + (t * heads + h) * D + d, mask=live, other=0.0).to(tl.float32)
+    live = (r < rows) & (d < D)
+    x = tl.load(x_ptr + r * D + d, mask=live, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     normed = _round(x * tl.rsqrt(tl.sum(x * x, 1)[:, None] / D + eps), dtype)
     weighted = _round(tl.load(w_ptr + d).to(tl.float32) * normed, dtype)
-    gate = tl.load(z_ptr + t * z_stride + h * D + d, mask=live, other=0.0).to(tl.float32)
-    tl.store(
-        out_ptr + (t * heads + h) * D + d, _cast(weighted * (gate / (1.0 + tl.exp(-gate))), dtype), mask=live
-    )
+    gate = tl.load(z_ptr + (r // heads) * z_stride + (r % heads) * D + d, mask=live, other=0.0).to(tl.float32)
+    tl.store(out_ptr + r * D + d, _cast(weighted * (gate / (1.0 + tl.exp(-gate))), dtype), mask=live)
+
+
+_NORM_ROWS = 16  # a program's head rows
 
 
 def gated_rms_norm(x, z, weight, eps: float) -> torch.Tensor:
@@ -272,9 +278,8 @@ def gated_rms_norm(x, z, weight, eps: float) -> torch.Tensor:
         )
     out = torch.empty_like(x)
     if rows:
-        heads = rows // tokens
-        _gated_norm_kernel[(tokens,)](
-            x, z, z.stride(0), weight, out, heads, eps, D=dim, HEADS=triton.next_power_of_2(heads)
+        _gated_norm_kernel[(triton.cdiv(rows, _NORM_ROWS),)](
+            x, z, z.stride(0), weight, out, rows, rows // tokens, eps, D=dim, R=_NORM_ROWS
         )  # fmt: skip
     return out
 

@@ -276,9 +276,8 @@ def test_hybrid_decode_layers_launch_few_kernels(default_model: Path, monkeypatc
     layer launches at most 12 kernels and each gated-attention layer at most 18 (24-25 and 24 before the
     gates, the gated norm, the zero-centred norms, the SwiGLU gate and the output gate were fused; on an
     H200 a 0.8B-shape step launched 933 kernels)."""
-    from nanovllm.kernels import triton_layers
     from nanovllm.worker.models.qwen3_5 import HybridDecoderLayer
-    from tests.test_triton_layers import _Launches
+    from tests.test_triton_layers import step_launches
 
     llm = LLM(
         str(default_model), dtype="bfloat16", attention_backend="triton", kv_cache_memory="16MiB",
@@ -288,27 +287,11 @@ def test_hybrid_decode_layers_launch_few_kernels(default_model: Path, monkeypatc
     for i in range(3):
         engine.add_request(str(i), [5 + i, 6, 7, 8], greedy(4))
     engine.step()  # the prefill
-    counter = _Launches()
-    jit_type = type(triton_layers._rms_norm_kernel)
-    monkeypatch.setattr(jit_type, "run", counter.triton_run(jit_type.run))
-    counts: dict[str, list[int]] = {"linear": [], "attention": []}
-    starts: dict[int, int] = {}
     layers = [m for m in engine.runner.model.modules() if isinstance(m, HybridDecoderLayer)]
-
-    def before(module, args):
-        starts[id(module)] = counter.count
-
-    def after(module, args, output):
-        kind = "attention" if module.is_full_attention else "linear"
-        counts[kind].append(counter.count - starts[id(module)])
-
-    hooks = [h for m in layers for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
-    try:
-        with counter:
-            stats = engine.step().stats
-    finally:
-        for hook in hooks:
-            hook.remove()
+    stats, per_layer = step_launches(engine, layers, monkeypatch)
+    counts: dict[str, list[int]] = {"linear": [], "attention": []}
+    for layer, launches in zip(layers, per_layer, strict=True):
+        counts["attention" if layer.is_full_attention else "linear"].append(launches)
     assert stats.num_decode_tokens == 3 and stats.num_prefill_tokens == 0
     assert counts["linear"] and counts["attention"]
     assert max(counts["linear"]) <= 12 and max(counts["attention"]) <= 18, counts

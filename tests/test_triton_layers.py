@@ -13,6 +13,7 @@ from nanovllm.kernels import triton_layers
 from nanovllm.worker.layers.norm import HeadRMSNorm, RMSNorm
 from nanovllm.worker.layers.rotary import RotaryEmbedding, apply_rotary
 from nanovllm.worker.models.decoder import DecoderLayer
+from nanovllm.worker.step import StepStats
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -160,7 +161,16 @@ def test_decode_layer_launches_at_most_12_kernels(qwen3_dir, monkeypatch):
             str(i), [5 + i, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         )
     engine.step()  # the prefill
+    layers = [m for m in engine.runner.model.modules() if isinstance(m, DecoderLayer)]
+    stats, per_layer = step_launches(engine, layers, monkeypatch)
+    assert stats.num_decode_tokens == 3 and stats.num_prefill_tokens == 0
+    assert len(per_layer) == len(layers) >= 2
+    assert max(per_layer) <= 12, per_layer
 
+
+def step_launches(engine, layers: list[torch.nn.Module], monkeypatch) -> tuple[StepStats, list[int]]:
+    """One engine step's stats and the kernels each of `layers` launched in it (_Launches' count), in the
+    order the layers ran."""
     counter = _Launches()
     jit_type = type(triton_layers._rms_norm_kernel)  # JITFunction, or the interpreter's InterpretedFunction
     monkeypatch.setattr(jit_type, "run", counter.triton_run(jit_type.run))
@@ -173,7 +183,6 @@ def test_decode_layer_launches_at_most_12_kernels(qwen3_dir, monkeypatch):
     def after(module, args, output):
         per_layer.append(counter.count - starts[id(module)])
 
-    layers = [m for m in engine.runner.model.modules() if isinstance(m, DecoderLayer)]
     hooks = [h for m in layers for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
     try:
         with counter:
@@ -181,6 +190,4 @@ def test_decode_layer_launches_at_most_12_kernels(qwen3_dir, monkeypatch):
     finally:
         for hook in hooks:
             hook.remove()
-    assert stats.num_decode_tokens == 3 and stats.num_prefill_tokens == 0
-    assert len(per_layer) == len(layers) >= 2
-    assert max(per_layer) <= 12, per_layer
+    return stats, per_layer
