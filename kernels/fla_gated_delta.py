@@ -41,15 +41,13 @@ def gated_delta_prompts_(
     `state` ([rows, heads, dk, dv] float32). Returns the output [T, heads, dv] in v's dtype."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    starts = [0]
-    for n in lengths:
-        starts.append(starts[-1] + n)
+    starts = torch.tensor([0, *lengths], dtype=torch.long).cumsum(0)
     rows = torch.tensor(slots, dtype=torch.long, device=q.device)
     out, final = chunk_gated_delta_rule(
         q[None], k[None], v[None], g=g[None].float(), beta=beta[None].float(), scale=q.shape[-1] ** -0.5,
         initial_state=state.index_select(0, rows), output_final_state=True, use_qk_l2norm_in_kernel=True,
-        cu_seqlens=torch.tensor(starts, dtype=torch.long, device=q.device),
-        cu_seqlens_cpu=torch.tensor(starts, dtype=torch.long),  # its chunk table without a device sync
+        cu_seqlens=starts.to(q.device),
+        cu_seqlens_cpu=starts,  # its chunk table without a device sync
     )  # fmt: skip
     state.index_copy_(0, rows, final)
     return out[0]
