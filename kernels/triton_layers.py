@@ -54,17 +54,24 @@ def _round(x, dtype: tl.constexpr):
     return _cast(x, dtype).to(tl.float32)
 
 
+# Rows a program of the row-wise kernels below: one on a GPU, whose programs run side by side; 16 in Triton's
+# interpreter, which pays for each program's every op (the same arithmetic on a block of rows costs it about
+# what one row does).
+_ROWS = 16 if triton_attention.interpreted() else 1
+
+
 @triton.jit
 def _rms_norm_kernel(
-    x, residual, weight, out, stride_x, stride_r, stride_o, n, eps,
-    BLOCK: tl.constexpr, ADD: tl.constexpr, ROUND: tl.constexpr, WEIGHT_FP32: tl.constexpr,
+    x, residual, weight, out, rows, stride_x, stride_r, stride_o, n, eps,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, ADD: tl.constexpr, ROUND: tl.constexpr, WEIGHT_FP32: tl.constexpr,
 ):  # fmt: skip
-    """One row: out = norm(x [+ residual]) * weight; with ADD the sum is written back to `residual`. In 16 bits
-    the normalised row is rounded, then multiplied by the weight and rounded; a zero-centred norm's float32
-    weight (WEIGHT_FP32: 1 + w, Qwen3.5's) multiplies the float32 row and the product is rounded once."""
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n
+    """ROWS rows, each on its own: out = norm(x [+ residual]) * weight; with ADD the sum is written back to
+    `residual`. In 16 bits the normalised row is rounded, then multiplied by the weight and rounded; a
+    zero-centred norm's float32 weight (WEIGHT_FP32: 1 + w, Qwen3.5's) multiplies the float32 row and the
+    product is rounded once."""
+    row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS))[:, None]
+    offs = tl.arange(0, BLOCK)[None, :]
+    mask = (row < rows) & (offs < n)
     dtype = out.dtype.element_ty
     v = tl.load(x + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if ADD:
@@ -75,8 +82,8 @@ def _rms_norm_kernel(
             v = rounded.to(tl.float32)
         else:
             tl.store(residual + row * stride_r + offs, v, mask=mask)
-    y = v / tl.sqrt(tl.sum(v * v, axis=0) / n + eps)
-    w = tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
+    y = v / tl.sqrt(tl.sum(v * v, axis=1)[:, None] / n + eps)
+    w = tl.load(weight + offs, mask=offs < n, other=0.0).to(tl.float32)
     if WEIGHT_FP32:
         tl.store(out + row * stride_o + offs, _cast(y * w, dtype), mask=mask)
     elif ROUND:
@@ -89,10 +96,10 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
     rows, n = x.shape
     if rows == 0:
         return
-    _rms_norm_kernel[(rows,)](
-        x, residual if residual is not None else x, weight, out,
+    _rms_norm_kernel[(triton.cdiv(rows, _ROWS),)](
+        x, residual if residual is not None else x, weight, out, rows,
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), n, eps,
-        BLOCK=triton.next_power_of_2(n), ADD=residual is not None, ROUND=x.dtype != torch.float32,
+        BLOCK=triton.next_power_of_2(n), ROWS=_ROWS, ADD=residual is not None, ROUND=x.dtype != torch.float32,
         WEIGHT_FP32=x.dtype != torch.float32 and weight.dtype == torch.float32,
     )  # fmt: skip
 
@@ -110,10 +117,12 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up, out, stride_in, stride_out, n, BLOCK: tl.constexpr, ROUND: tl.constexpr):
-    row, part = tl.program_id(0), tl.program_id(1)
-    cols = part * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n
+def _silu_and_mul_kernel(
+    gate_up, out, rows, stride_in, stride_out, n, BLOCK: tl.constexpr, ROWS: tl.constexpr, ROUND: tl.constexpr
+):  # fmt: skip
+    row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS))[:, None]
+    cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    mask = (row < rows) & (cols < n)
     dtype = out.dtype.element_ty
     gate = tl.load(gate_up + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up + row * stride_in + n + cols, mask=mask, other=0.0).to(tl.float32)
@@ -130,13 +139,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
     if rows:
         block = min(1024, triton.next_power_of_2(n))
-        _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](
+        _silu_and_mul_kernel[(triton.cdiv(rows, _ROWS), triton.cdiv(n, block))](
             gate_up,
             out,
+            rows,
             gate_up.stride(0),
             out.stride(0),
             n,
             BLOCK=block,
+            ROWS=_ROWS,
             ROUND=gate_up.dtype != torch.float32,
         )
     return out
