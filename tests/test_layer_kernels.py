@@ -170,6 +170,25 @@ def test_silu_and_mul_extremes(kernels):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_row", [False, True])
+def test_sigmoid_mul_matches_torch(kernels, dtype, per_row):
+    """x * sigmoid(gate), the sigmoid rounded to the dtype (Qwen3.5's attention output gate, a row of gates;
+    a shared expert's, one gate a row): the vectorised exp as PyTorch's, overflow and NaN included."""
+    generator = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 2048, generator=generator) * 4).to(dtype)
+    gate = (torch.randn(5, 1 if per_row else 2048, generator=generator) * 8).to(dtype)
+    if not per_row:
+        gate[0, :5] = torch.tensor([-200.0, 200.0, float("inf"), float("-inf"), float("nan")])
+    want = x * torch.sigmoid(gate)
+    got = kernels.sigmoid_mul(x, gate)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, equal_nan=True)
+    else:
+        assert_matches(got.nan_to_num(), want.nan_to_num())
+        assert torch.equal(got.isnan(), want.isnan())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_matches_torch_on_a_strided_view(kernels, dtype):
     rotary = RotaryEmbedding(head_dim=64, max_position=512, base=1e6, dtype=dtype)
     positions = torch.tensor([0, 1, 7, 300, 511])

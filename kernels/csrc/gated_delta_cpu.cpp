@@ -323,11 +323,20 @@ at::Tensor sigmoid_mul(at::Tensor x, at::Tensor gate) {
     const T* gp = gate.data_ptr<T>();
     T* op = out.data_ptr<T>();
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r)
-        for (int64_t i = 0; i < n; ++i) {
-          const float s = rounded<T>(sigmoid_f(load(gp[r * per_row + (per_row == 1 ? 0 : i)])));
-          op[r * n + i] = to<T>(load(xp[r * n + i]) * s);
+      for (int64_t r = begin; r < end; ++r) {
+        const T* xr = xp + r * n;
+        const T* g = gp + r * per_row;
+        T* o = op + r * n;
+        if (per_row == 1) {
+          const float s = rounded<T>(sigmoid_f(load(g[0])));
+          for (int64_t i = 0; i < n; ++i) o[i] = to<T>(load(xr[i]) * s);
+          continue;
         }
+        // A gated attention's whole row of gates: the vectorised exp (std::exp kept this loop scalar, 20 us
+        // of a 2,048-wide row).
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) o[i] = to<T>(load(xr[i]) * rounded<T>(1.f / (1.f + exp_simd(-load(g[i])))));
+      }
     });
   });
   return out;
