@@ -157,40 +157,49 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def _qk_rope_store_kernel(
     qkv, norm_weight, cos, sin, q_out, k_cache, v_cache, slot_mapping, k_scale, v_scale,
     stride_qkv, stride_cos, stride_q, eps,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
-    NORM: tl.constexpr, ROUND: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, Q_HEAD_STRIDE: tl.constexpr,
+    ROTARY: tl.constexpr, HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+    NORM: tl.constexpr, WEIGHT_FP32: tl.constexpr, ROUND: tl.constexpr,
     FP8_MANTISSA: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_MAX: tl.constexpr, FP8_NATIVE: tl.constexpr,
 ):  # fmt: skip
-    """One token: its q and k heads normalised per head (NORM) and rotated, q written to q_out, k and v
-    to the token's cache slot (a negative slot stores nothing); into an fp8 cache, k as rounded to the
-    dtype and v quantized as store_kvcache quantizes them."""
+    """One token: its q and k heads normalised per head (NORM) and rotated on their first ROTARY
+    dimensions, q written to q_out, k and v to the token's cache slot (a negative slot stores nothing);
+    into an fp8 cache, k as rounded to the dtype and v quantized as store_kvcache quantizes them. q head h
+    starts Q_HEAD_STRIDE * h into the row (2 HEAD_DIM where each q head is followed by its gate), the k
+    heads after the last q head's stride, the v heads after them."""
     t = tl.program_id(0)
     dtype = q_out.dtype.element_ty
     head = tl.arange(0, HEADS_PAD)[:, None]
     dim = tl.arange(0, DIM_PAD)[None, :]
-    partner = (dim + HEAD_DIM // 2) % HEAD_DIM  # rotate-half pairs dim d with d +- HEAD_DIM / 2
+    turned = dim < ROTARY
+    partner = tl.where(turned, (dim + ROTARY // 2) % ROTARY, dim)  # rotate-half pairs d with d +- ROTARY / 2
     mask = (head < NUM_HEADS + NUM_KV_HEADS) & (dim < HEAD_DIM)
-    row = qkv + t * stride_qkv + head * HEAD_DIM
+    kv_start = NUM_HEADS * Q_HEAD_STRIDE
+    row = (
+        qkv
+        + t * stride_qkv
+        + tl.where(head < NUM_HEADS, head * Q_HEAD_STRIDE, kv_start + (head - NUM_HEADS) * HEAD_DIM)
+    )
     x = tl.load(row + dim, mask=mask, other=0.0).to(tl.float32)
     swapped = tl.load(row + partner, mask=mask, other=0.0).to(tl.float32)
     if NORM:
         scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)
         x, swapped = x * scale[:, None], swapped * scale[:, None]
+        w = tl.load(norm_weight + head * HEAD_DIM + dim, mask=mask, other=0.0).to(tl.float32)
+        w_partner = tl.load(norm_weight + head * HEAD_DIM + partner, mask=mask, other=0.0).to(tl.float32)
+        if ROUND and not WEIGHT_FP32:  # the normalised value rounds before the weight multiplies it
+            x, swapped = _round(x, dtype), _round(swapped, dtype)
+        x, swapped = x * w, swapped * w_partner
         if ROUND:
             x, swapped = _round(x, dtype), _round(swapped, dtype)
-        x = x * tl.load(norm_weight + head * HEAD_DIM + dim, mask=mask, other=0.0).to(tl.float32)
-        swapped = swapped * tl.load(norm_weight + head * HEAD_DIM + partner, mask=mask, other=0.0).to(
-            tl.float32
-        )
-        if ROUND:
-            x, swapped = _round(x, dtype), _round(swapped, dtype)
-    c = tl.load(cos + t * stride_cos + dim, mask=dim < HEAD_DIM, other=0.0).to(tl.float32)
-    s = tl.load(sin + t * stride_cos + dim, mask=dim < HEAD_DIM, other=0.0).to(tl.float32)
+    c = tl.load(cos + t * stride_cos + dim, mask=turned, other=0.0).to(tl.float32)
+    s = tl.load(sin + t * stride_cos + dim, mask=turned, other=0.0).to(tl.float32)
     if ROUND:
-        rotated = _cast(_round(x * c, dtype) + _round(swapped * s, dtype), dtype)
+        rotated = tl.where(
+            turned, _cast(_round(x * c, dtype) + _round(swapped * s, dtype), dtype), x.to(dtype)
+        )
     else:
-        rotated = x * c + swapped * s
+        rotated = tl.where(turned, x * c + swapped * s, x)
     tl.store(q_out + t * stride_q + head * HEAD_DIM + dim, rotated, mask=mask & (head < NUM_HEADS))
     slot = tl.load(slot_mapping + t)
     if slot >= 0:
@@ -204,7 +213,7 @@ def _qk_rope_store_kernel(
         tl.store(k_cache + slot * width + (head - NUM_HEADS) * HEAD_DIM + dim, k, mask=k_mask)
         kv_head = tl.arange(0, KV_PAD)[:, None]
         v_mask = (kv_head < NUM_KV_HEADS) & (dim < HEAD_DIM)
-        v = tl.load(qkv + t * stride_qkv + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + dim, mask=v_mask)
+        v = tl.load(qkv + t * stride_qkv + kv_start + (NUM_KV_HEADS + kv_head) * HEAD_DIM + dim, mask=v_mask)
         if FP8_MANTISSA:
             v_s = tl.load(v_scale + kv_head, mask=kv_head < NUM_KV_HEADS, other=1.0)
             v = triton_attention.quantize_fp8(v.to(tl.float32), v_s, FP8_MANTISSA, FP8_BIAS, FP8_MAX)
@@ -224,11 +233,15 @@ def qk_norm_rope_store(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     scales: fp8_kv.KVScales | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
     """From the QKV projection's output [T, (heads + 2 kv_heads) * head_dim]: q [T, heads, head_dim]
     normalised per head (Qwen3's q/k norm, with `norm_weight` [heads + kv_heads, head_dim]; None: no norm)
-    and rotated (cos and signed sin [T, 1, head_dim], RotaryEmbedding.lookup); k, likewise, and v stored in
-    the KV cache at `slot_mapping` (an fp8 cache: the bytes store_kvcache writes with `scales`)."""
+    and rotated (cos and signed sin [T, 1, rotary_dim], RotaryEmbedding.lookup: the first rotary_dim of
+    each head turn, the rest pass); k, likewise, and v stored in the KV cache at `slot_mapping` (an fp8
+    cache: the bytes store_kvcache writes with `scales`). A float32 weight in a 16-bit model (a zero-centred
+    norm's 1 + w) multiplies the float32 normalised row, rounded once. `gated`: Qwen3.5's gated attention,
+    whose rows hold each q head followed by its output gate ([T, (2 heads + 2 kv_heads) * head_dim])."""
     tokens = qkv.shape[0]
     q = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if tokens:
@@ -237,8 +250,10 @@ def qk_norm_rope_store(
             qkv, norm_weight if norm_weight is not None else qkv, cos, sin, q, k_cache, v_cache, slot_mapping,
             k_scale, v_scale, qkv.stride(0), cos.stride(0), q.stride(0), eps,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+            Q_HEAD_STRIDE=(2 if gated else 1) * head_dim, ROTARY=cos.shape[-1],
             HEADS_PAD=triton.next_power_of_2(num_heads + num_kv_heads), KV_PAD=triton.next_power_of_2(num_kv_heads),
-            DIM_PAD=triton.next_power_of_2(head_dim), NORM=norm_weight is not None, ROUND=qkv.dtype != torch.float32,
+            DIM_PAD=triton.next_power_of_2(head_dim), NORM=norm_weight is not None,
+            WEIGHT_FP32=norm_weight is not None and norm_weight.dtype != qkv.dtype, ROUND=qkv.dtype != torch.float32,
             **fp8,
             # In 16-bit no fused multiply-add: the compiler narrows RoPE's products and sum, whose operands
             # are exact in the dtype, to 16-bit operations and may fuse one product into the sum, one

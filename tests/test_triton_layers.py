@@ -115,6 +115,47 @@ def test_qk_norm_rope_store(dtype, qk_norm, heads, kv_heads, head_dim):
     assert not flat_k[untouched].any() and not flat_v[untouched].any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim, rotary_dim", [(4, 2, 16, 8), (8, 2, 256, 64)])
+def test_qk_norm_rope_store_gated_partial(dtype, heads, kv_heads, head_dim, rotary_dim):
+    """Qwen3.5's gated attention: each q head followed by its output gate in the row, a zero-centred q/k
+    norm (its float32 1 + w, rounded once), RoPE on the first rotary_dim of each head, against the module
+    path's ops (HeadRMSNorm, apply_rotary on the slice, the rest passed); the gates are neither read as q
+    nor stored."""
+    gen = torch.Generator().manual_seed(heads * rotary_dim)
+    tokens, block_size, num_blocks = 7, 4, 8
+    qkv = torch.randn(tokens, (2 * heads + 2 * kv_heads) * head_dim, generator=gen).to(DEVICE, dtype)
+    norm = HeadRMSNorm(heads, kv_heads, head_dim, 1e-6, weight_offset=1.0).to(DEVICE)
+    norm.weight.data = (1 + torch.randn(heads + kv_heads, head_dim, generator=gen) / 4).to(DEVICE)
+    assert norm.weight.dtype == torch.float32
+    rotary = RotaryEmbedding(rotary_dim, 512, 10000.0, dtype).to(DEVICE)
+    positions = torch.randint(0, 512, (tokens,), generator=gen).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens].to(DEVICE)
+    slots[2] = -1
+    cos, sin = rotary.lookup(positions)
+
+    q, _ = qkv[:, : 2 * heads * head_dim].view(tokens, heads, 2 * head_dim).split(head_dim, dim=-1)
+    k, ref_v = qkv[:, 2 * heads * head_dim :].view(tokens, 2 * kv_heads, head_dim).chunk(2, dim=1)
+    qk = norm(torch.cat([q, k], dim=1))
+    qk = torch.cat([apply_rotary(qk[..., :rotary_dim], cos, sin), qk[..., rotary_dim:]], dim=-1)
+    ref_q, ref_k = qk.split([heads, kv_heads], dim=1)
+
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    got_q = triton_layers.qk_norm_rope_store(
+        qkv, heads, kv_heads, head_dim, norm.weight, norm.eps, cos, sin, k_cache, v_cache, slots, gated=True
+    )
+    scale = norm.weight.abs().amax() * head_dim**0.5
+    _assert_rounded_alike(got_q, ref_q, scale)
+    flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+    stored = slots >= 0
+    _assert_rounded_alike(flat_k[slots[stored]], ref_k[stored], scale)
+    assert torch.equal(flat_v[slots[stored]], ref_v[stored])
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
+    untouched[slots[stored]] = False
+    assert not flat_k[untouched].any() and not flat_v[untouched].any()
+
+
 class _Launches(TorchDispatchMode):
     """Counts what would launch a GPU kernel: every ATen op that is not a view or an allocation (each
     launches at least one), and every Triton kernel call (`triton_run` wraps the kernels' run; what the

@@ -90,7 +90,10 @@ class GatedAttention(nn.Module):
         assert cfg.hybrid is not None  # a hybrid model's config
         self.rotary_dim = cfg.hybrid.rotary_dim
         self.kernels = PYTORCH  # see Qwen3_5ForCausalLM.bind_kernels
-        # On the Triton path, the output gate as one kernel reading the gate in place (bound there too).
+        # On the Triton path (bound there too): the q/k norm, the partial RoPE and the K/V store as one
+        # kernel (kernels/triton_layers.py's qk_norm_rope_store), and the output gate as one kernel reading
+        # the gate in place.
+        self.fused_qk_store: Callable[..., torch.Tensor] | None = None
         self.fused_gate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(
@@ -99,14 +102,24 @@ class GatedAttention(nn.Module):
         tokens, d, heads = x.shape[0], self.head_dim, self.num_heads
         qkv = self.qkv_proj(x)
         q, gate = qkv[:, : 2 * heads * d].view(tokens, heads, 2 * d).split(d, dim=-1)
-        k, v = qkv[:, 2 * heads * d :].view(tokens, 2 * self.num_kv_heads, d).chunk(2, dim=1)
-        qk = self.qk_norm(torch.cat([q, k], dim=1))
+        attn = self.attn
+        if self.fused_qk_store is not None and attn.k_cache.numel():
+            q = self.fused_qk_store(
+                qkv, heads, self.num_kv_heads, d, self.qk_norm.weight, self.qk_norm.eps, *rope, attn.k_cache,
+                attn.v_cache, meta.slot_mapping, scales=attn.kv_scales, gated=True,
+            )  # fmt: skip
+            out = attn.attend_cached(q, meta)
+        else:
+            k, v = qkv[:, 2 * heads * d :].view(tokens, 2 * self.num_kv_heads, d).chunk(2, dim=1)
+            qk = self.qk_norm(torch.cat([q, k], dim=1))
+            rotate = (
+                apply_rotary if self.kernels.cpu is None else self.kernels.cpu.rotary
+            )  # the same roundings
+            turned = rotate(qk[..., : self.rotary_dim], *rope)
+            qk = torch.cat([turned, qk[..., self.rotary_dim :]], dim=-1)
+            q, k = qk.split([heads, self.num_kv_heads], dim=1)
+            out = attn(q, k, v.contiguous(), meta)
         cpu = self.kernels.cpu
-        rotate = apply_rotary if cpu is None else cpu.rotary  # the same three roundings in a 16-bit dtype
-        turned = rotate(qk[..., : self.rotary_dim], *rope)
-        qk = torch.cat([turned, qk[..., self.rotary_dim :]], dim=-1)
-        q, k = qk.split([heads, self.num_kv_heads], dim=1)
-        out = self.attn(q, k, v.contiguous(), meta)
         if self.fused_gate is not None:
             return self.o_proj(self.fused_gate(out, gate))
         gate = gate.reshape(tokens, heads * d)
@@ -718,6 +731,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
                 module.kernels = replace(kernels, triton=triton)
             if isinstance(module, GatedAttention):
                 module.fused_gate = fused_gate
+                module.fused_qk_store = triton.qk_norm_rope_store if triton is not None else None
         # Decode steps as one C++ call (as DecoderForCausalLM.bind_kernels), with the state work on the C++
         # kernels too.
         cpu = kernels.cpu
