@@ -29,6 +29,7 @@ def _delta_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr, out_ptr,
     first_row_of, num_tokens, key_heads, heads, scale,
     DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, GROUP: tl.constexpr, PER_SEQUENCE: tl.constexpr,
+    ROUND: tl.constexpr,
 ):  # fmt: skip
     seq, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # PER_SEQUENCE (decode): program `seq` runs row `seq` on slot_ptr[seq]; else one sequence's rows
@@ -51,11 +52,14 @@ def _delta_kernel(
         v = tl.load(v_ptr + (row * heads + h) * DV + cols).to(tl.float32)
         delta = (v - tl.sum(s * k[:, None], axis=0) * decay) * beta
         s = s * decay + k[:, None] * delta[None, :]
-        tl.store(out_ptr + (row * heads + h) * DV + cols, tl.sum(s * q[:, None], axis=0))
+        o = tl.sum(s * q[:, None], axis=0)
+        if ROUND:  # into a 16-bit output: rounded to nearest, as a copy of the float32 output rounds
+            o = _cast(o, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + (row * heads + h) * DV + cols, o)
     tl.store(state, s)
 
 
-def _delta(q, k, v, g, beta, state, slots, per_sequence: bool) -> torch.Tensor:
+def _delta(q, k, v, g, beta, state, slots, per_sequence: bool, out: torch.Tensor | None) -> torch.Tensor:
     rows, key_heads, dk = q.shape
     heads, dv = v.shape[1], v.shape[2]
     if state.dtype != torch.float32 or not state.is_contiguous() or tuple(state.shape[1:]) != (heads, dk, dv):
@@ -64,7 +68,10 @@ def _delta(q, k, v, g, beta, state, slots, per_sequence: bool) -> torch.Tensor:
         )
     if dk & (dk - 1) or dv & (dv - 1):
         raise ValueError(f"the rule's kernel takes power-of-two head dims, got dk={dk}, dv={dv}")
-    out = torch.empty(rows, heads, dv, dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty(rows, heads, dv, dtype=torch.float32, device=q.device)
+    elif tuple(out.shape) != (rows, heads, dv) or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous [{rows}, {heads}, {dv}], got {tuple(out.shape)}")
     # Blocks of 32 columns give a GPU more programs; the interpreter pays per program, and a column's
     # arithmetic is the same in a block of any width (its sums run down the column), so there it takes all.
     bv = dv if triton_attention.interpreted() else min(dv, 32)
@@ -73,20 +80,23 @@ def _delta(q, k, v, g, beta, state, slots, per_sequence: bool) -> torch.Tensor:
         q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(), beta.float().contiguous(),
         state, slots, out, 1 if per_sequence else 0, 1 if per_sequence else rows, key_heads, heads,
         dk**-0.5, DK=dk, DV=dv, BV=bv, GROUP=heads // key_heads, PER_SEQUENCE=per_sequence,
+        ROUND=out.dtype != torch.float32,
     )  # fmt: skip
     return out
 
 
-def gated_delta_decode_(q, k, v, g, beta, state, slots) -> torch.Tensor:
+def gated_delta_decode_(q, k, v, g, beta, state, slots, out: torch.Tensor | None = None) -> torch.Tensor:
     """One token of B sequences, each on state[slots[b]] (updated in place): q, k [B, key_heads, dk], v [B,
-    heads, dv], g and beta [B, heads]. Returns the output [B, heads, dv] fp32."""
-    return _delta(q, k, v, g, beta, state, slots, per_sequence=True)
+    heads, dv], g and beta [B, heads]. Returns the output [B, heads, dv] fp32, or `out` filled (rounded to
+    its dtype)."""
+    return _delta(q, k, v, g, beta, state, slots, per_sequence=True, out=out)
 
 
-def gated_delta_chunk_(q, k, v, g, beta, state, slot: int) -> torch.Tensor:
-    """A chunk of T tokens of one sequence, in order, on state[slot]. Returns [T, heads, dv] fp32."""
+def gated_delta_chunk_(q, k, v, g, beta, state, slot: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A chunk of T tokens of one sequence, in order, on state[slot]. Returns [T, heads, dv] fp32, or `out`
+    filled (rounded to its dtype)."""
     slots = torch.tensor([slot], dtype=torch.long, device=q.device)
-    return _delta(q, k, v, g, beta, state, slots, per_sequence=False)
+    return _delta(q, k, v, g, beta, state, slots, per_sequence=False, out=out)
 
 
 @triton.jit

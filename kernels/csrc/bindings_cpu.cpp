@@ -46,11 +46,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_conv_decode_", &causal_conv_decode_, "a hybrid model's causal convolution for one token of B "
         "sequences, SiLU applied, each on its state row (updated in place) (CPU; float32, bfloat16, float16)");
   m.def("gated_delta_decode_", &gated_delta_decode_, "the gated delta rule's recurrent step for one token of B "
-        "sequences, each on its float32 state row (updated in place); returns the float32 output (CPU)");
+        "sequences, each on its float32 state row (updated in place); returns the float32 output, or `out` filled "
+        "(CPU)", py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("state"),
+        py::arg("slots"), py::arg("out") = py::none());
   m.def("causal_conv_chunk_", &causal_conv_chunk_, "a prompt chunk of one sequence through the causal "
         "convolution token by token, as causal_conv_decode_ computes each (CPU; in place on the state row)");
   m.def("gated_delta_chunk_", &gated_delta_chunk_, "a prompt chunk of one sequence through the gated delta "
-        "rule token by token, as gated_delta_decode_ computes each (CPU; in place on the state row)");
+        "rule token by token, as gated_delta_decode_ computes each (CPU; in place on the state row)", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("state"), py::arg("slot"),
+        py::arg("out") = py::none());
   m.def("delta_gates", &delta_gates, "Qwen3.5's (g, beta) of each token and value head, float32 (CPU)");
   m.def("sigmoid_mul", &sigmoid_mul, "x * sigmoid(gate), the sigmoid rounded to the dtype (CPU; float32, bfloat16, "
         "float16)");

@@ -209,7 +209,8 @@ class HybridDecodeLayers {
                                             .split_with_sizes({key_size, key_size, l.heads * l.value_dim}, -1);
     const at::Tensor core =
         gated_delta_decode_(qkv[0].reshape({tokens, -1, l.key_dim}), qkv[1].reshape({tokens, -1, l.key_dim}),
-                            qkv[2].reshape({tokens, -1, l.value_dim}), gates[0], gates[1], l.recurrent_state, slots)
+                            qkv[2].reshape({tokens, -1, l.value_dim}), gates[0], gates[1], l.recurrent_state, slots,
+                            c10::nullopt)
             .view({-1, l.value_dim});
     const at::Tensor gate = at::silu(parts[1].reshape({-1, l.value_dim}).to(at::kFloat));
     return l.out_proj(gated_rms_norm(core, gate, l.norm_weight, l.norm_eps).view({tokens, -1}));

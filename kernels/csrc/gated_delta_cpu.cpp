@@ -227,6 +227,13 @@ at::Tensor delta_rows(const char* op, at::Tensor q, at::Tensor k, at::Tensor v, 
   return out;
 }
 
+// The rule's float32 output, or `out` (the same shape) filled with it rounded to out's dtype.
+at::Tensor into(const char* op, const at::Tensor& result, const c10::optional<at::Tensor>& out) {
+  if (!out.has_value()) return result;
+  TORCH_CHECK(out->sizes() == result.sizes(), op, ": out must be ", result.sizes(), ", got ", out->sizes());
+  return out->copy_(result);
+}
+
 }  // namespace
 
 // x [B, C] -> SiLU(depthwise conv of each channel's last K - 1 inputs (state[slots[b], c]) and x[b, c] with
@@ -239,11 +246,13 @@ at::Tensor causal_conv_decode_(at::Tensor x, at::Tensor state, at::Tensor weight
 // One token of B sequences through the gated delta rule, each on state[slots[b]] ([heads, dk, dv] fp32,
 // updated in place): q, k [B, key_heads, dk] and v [B, heads, dv] (any float dtype), g and beta [B, heads]
 // fp32. q and k are L2-normalised (eps 1e-6 under the root), q scaled by dk^-0.5; key head h / (heads /
-// key_heads) serves value head h. Returns the output [B, heads, dv] fp32.
+// key_heads) serves value head h. Returns the output [B, heads, dv] fp32, or `out` filled (rounded to its dtype).
 at::Tensor gated_delta_decode_(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
-                               at::Tensor state, at::Tensor slots) {
+                               at::Tensor state, at::Tensor slots, c10::optional<at::Tensor> out) {
   check_slots("gated_delta_decode_", slots, q.size(0), state.size(0));
-  return delta_rows("gated_delta_decode_", q, k, v, g, beta, state, slots.data_ptr<int64_t>(), q.size(0), 1);
+  return into("gated_delta_decode_",
+              delta_rows("gated_delta_decode_", q, k, v, g, beta, state, slots.data_ptr<int64_t>(), q.size(0), 1),
+              out);
 }
 
 // A prompt chunk of T tokens of one sequence, token after token on its state row `slot`: the decode
@@ -255,12 +264,14 @@ at::Tensor causal_conv_chunk_(at::Tensor x, at::Tensor state, at::Tensor weight,
   return conv_rows("causal_conv_chunk_", x, state, weight, &slot, 1, x.size(0));
 }
 
-// q, k [T, key_heads, dk], v [T, heads, dv], g and beta [T, heads] fp32: the output [T, heads, dv] fp32.
+// q, k [T, key_heads, dk], v [T, heads, dv], g and beta [T, heads] fp32: the output [T, heads, dv] fp32, or
+// `out` filled (rounded to its dtype).
 at::Tensor gated_delta_chunk_(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
-                              at::Tensor state, int64_t slot) {
+                              at::Tensor state, int64_t slot, c10::optional<at::Tensor> out) {
   TORCH_CHECK(0 <= slot && slot < state.size(0), "gated_delta_chunk_: slot ", slot, " is outside the state's ",
               state.size(0), " rows");
-  return delta_rows("gated_delta_chunk_", q, k, v, g, beta, state, &slot, 1, q.size(0));
+  return into("gated_delta_chunk_", delta_rows("gated_delta_chunk_", q, k, v, g, beta, state, &slot, 1, q.size(0)),
+              out);
 }
 
 // ---- Qwen3.5's elementwise and row-wise steps, row by row in a fixed order: PyTorch can compute the last

@@ -41,10 +41,10 @@ void apply_token_bitmask_(at::Tensor logits, at::Tensor bitmask, at::Tensor rows
 // gated_delta_cpu.cpp
 at::Tensor causal_conv_decode_(at::Tensor x, at::Tensor state, at::Tensor weight, at::Tensor slots);
 at::Tensor gated_delta_decode_(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
-                               at::Tensor state, at::Tensor slots);
+                               at::Tensor state, at::Tensor slots, c10::optional<at::Tensor> out);
 at::Tensor causal_conv_chunk_(at::Tensor x, at::Tensor state, at::Tensor weight, int64_t slot);
 at::Tensor gated_delta_chunk_(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
-                              at::Tensor state, int64_t slot);
+                              at::Tensor state, int64_t slot, c10::optional<at::Tensor> out);
 std::vector<at::Tensor> delta_gates(at::Tensor a, at::Tensor b, at::Tensor a_log, at::Tensor dt_bias);
 at::Tensor sigmoid_mul(at::Tensor x, at::Tensor gate);
 at::Tensor rms_norm_fp32_weight(at::Tensor x, at::Tensor weight, double eps);

@@ -15,7 +15,9 @@ class GatedDeltaKernels(Protocol):
     """A hybrid model's causal convolution and gated delta rule on its state rows, in place: a decode step's
     B sequences of one token each (`slots` their rows), or one sequence's prompt chunk token by token
     through the same arithmetic (`slot` its row), and the gates (g, beta) of a step's tokens. The C++ CPU
-    kernels (kernels/csrc/gated_delta_cpu.cpp) and kernels/triton_gated_delta.py export these five calls."""
+    kernels (kernels/csrc/gated_delta_cpu.cpp) and kernels/triton_gated_delta.py export these five calls.
+    The rule's output is float32, or written into `out` (contiguous [rows, heads, dv], its values rounded to
+    its dtype): on a GPU the copy a caller would make is a kernel launch of its own."""
 
     def delta_gates(
         self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
@@ -34,6 +36,7 @@ class GatedDeltaKernels(Protocol):
         beta: torch.Tensor,
         state: torch.Tensor,
         slots: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
     def causal_conv_chunk_(
@@ -49,6 +52,7 @@ class GatedDeltaKernels(Protocol):
         beta: torch.Tensor,
         state: torch.Tensor,
         slot: int,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 

@@ -301,7 +301,7 @@ class GatedDeltaNet(nn.Module):
         if nd and rule is not None:  # the recurrent form on each sequence's state row, in place
             slots = states.slots[:nd]
             q, k, v = self._heads(rule.causal_conv_decode_(mixed[:nd], conv_state, weight, slots))
-            out[:nd] = rule.gated_delta_decode_(q, k, v, g[:nd], beta[:nd].float(), recurrent_state, slots)
+            rule.gated_delta_decode_(q, k, v, g[:nd], beta[:nd].float(), recurrent_state, slots, out=out[:nd])
         elif nd:  # the recurrent form, all at once
             slots = states.slots[:nd]
             mixed_rows, conv = causal_conv_step(mixed[:nd], weight, conv_state.index_select(0, slots))
@@ -337,8 +337,8 @@ class GatedDeltaNet(nn.Module):
                         )
                     elif rule is not None and (verify or self.prompts_token_by_token):
                         q, k, v = self._heads(rule.causal_conv_chunk_(mixed[rows], conv_state, weight, slot))
-                        out[rows] = rule.gated_delta_chunk_(
-                            q, k, v, g[rows], beta[rows].float(), recurrent_state, slot
+                        rule.gated_delta_chunk_(
+                            q, k, v, g[rows], beta[rows].float(), recurrent_state, slot, out=out[rows]
                         )
                     else:
                         mixed_rows, conv_state[slot] = causal_conv(mixed[rows], weight, conv_state[slot])
