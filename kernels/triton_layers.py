@@ -310,49 +310,64 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 @triton.jit
 def _lora_shrink_kernel(
-    x, a, s, rows, row_slots, k, rank, stride_x, stride_a_slot, stride_s,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    x, a, s, rows, row_slots, count, k, rank, stride_x, stride_a_slot, stride_s,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    """s[i, part p's ranks] = A[slot of i, part p's ranks] @ x[rows[i]] in fp32, for program (i, p); nothing
-    for a row whose slot is negative (no adapter)."""
-    i, p = tl.program_id(0), tl.program_id(1)
-    row = tl.load(rows + i)
-    slot = tl.load(row_slots + i)
-    if slot >= 0:
-        ranks = tl.arange(0, BLOCK_R)
-        ks = tl.arange(0, BLOCK_K)
-        weights = a + slot * stride_a_slot + (p * rank + ranks[:, None]) * k
-        acc = tl.zeros([BLOCK_R], tl.float32)
-        for k0 in range(0, k, BLOCK_K):
-            kk = k0 + ks
-            xv = tl.load(x + row * stride_x + kk, mask=kk < k, other=0.0).to(tl.float32)
-            w = tl.load(weights + kk[None, :], mask=(ranks[:, None] < rank) & (kk[None, :] < k), other=0.0)
-            acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
-        tl.store(s + i * stride_s + p * rank + ranks, acc, mask=ranks < rank)
+    """s[i, part p's ranks] = A[slot of i, part p's ranks] @ x[rows[i]] in fp32, for the ROWS adapted rows i of
+    program (., p), each on its own; nothing for a row whose slot is negative (no adapter)."""
+    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    p = tl.program_id(1)
+    live = i < count
+    row = tl.load(rows + i, mask=live, other=0)
+    slot = tl.load(row_slots + i, mask=live, other=-1)
+    on = live & (slot >= 0)
+    ranks = tl.arange(0, BLOCK_R)
+    ks = tl.arange(0, BLOCK_K)
+    weights = a + slot[:, None, None] * stride_a_slot + (p * rank + ranks[None, :, None]) * k
+    acc = tl.zeros([ROWS, BLOCK_R], tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        kk = k0 + ks
+        xv = tl.load(
+            x + row[:, None] * stride_x + kk[None, :], mask=on[:, None] & (kk[None, :] < k), other=0.0
+        )
+        w = tl.load(
+            weights + kk[None, None, :],
+            mask=on[:, None, None] & (ranks[None, :, None] < rank) & (kk[None, None, :] < k),
+            other=0.0,
+        )
+        acc += tl.sum(w.to(tl.float32) * xv.to(tl.float32)[:, None, :], axis=2)
+    tl.store(
+        s + i[:, None] * stride_s + p * rank + ranks[None, :], acc, mask=on[:, None] & (ranks[None, :] < rank)
+    )
 
 
 @triton.jit
 def _lora_expand_kernel(
-    y, s, b, rows, row_slots, n, rank, bound1, bound2, stride_y, stride_s, stride_b_slot,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    y, s, b, rows, row_slots, count, n, rank, bound1, bound2, stride_y, stride_s, stride_b_slot,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    """y[rows[i], cols] += s[i, ranks of each column's part] . B[slot of i, cols], rounded once, for the
-    columns of program (i, j); a column's part is 0 below bound1, 1 below bound2, else 2. Nothing for a
-    row whose slot is negative."""
-    i, j = tl.program_id(0), tl.program_id(1)
-    row = tl.load(rows + i)
-    slot = tl.load(row_slots + i)
-    if slot >= 0:
-        cols = j * BLOCK_N + tl.arange(0, BLOCK_N)
-        ranks = tl.arange(0, BLOCK_R)
-        part = (cols >= bound1).to(tl.int32) + (cols >= bound2).to(tl.int32)
-        inside = (cols[:, None] < n) & (ranks[None, :] < rank)
-        sv = tl.load(s + i * stride_s + part[:, None] * rank + ranks[None, :], mask=inside, other=0.0)
-        w = tl.load(b + slot * stride_b_slot + cols[:, None] * rank + ranks[None, :], mask=inside, other=0.0)
-        delta = tl.sum(sv * w.to(tl.float32), axis=1)
-        out = y + row * stride_y + cols
-        current = tl.load(out, mask=cols < n, other=0.0).to(tl.float32)
-        tl.store(out, _cast(current + delta, y.dtype.element_ty), mask=cols < n)
+    """y[rows[i], cols] += s[i, ranks of each column's part] . B[slot of i, cols], rounded once, for the ROWS
+    adapted rows i and the columns of program (., j); a column's part is 0 below bound1, 1 below bound2,
+    else 2. Nothing for a row whose slot is negative."""
+    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    j = tl.program_id(1)
+    live = i < count
+    row = tl.load(rows + i, mask=live, other=0)
+    slot = tl.load(row_slots + i, mask=live, other=-1)
+    on = live & (slot >= 0)
+    cols = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    ranks = tl.arange(0, BLOCK_R)
+    part = (cols >= bound1).to(tl.int32) + (cols >= bound2).to(tl.int32)
+    inside = on[:, None, None] & (cols[None, :, None] < n) & (ranks[None, None, :] < rank)
+    sv = tl.load(s + i[:, None, None] * stride_s + part[None, :, None] * rank + ranks[None, None, :], mask=inside,
+                 other=0.0)  # fmt: skip
+    w = tl.load(b + slot[:, None, None] * stride_b_slot + cols[None, :, None] * rank + ranks[None, None, :],
+                mask=inside, other=0.0)  # fmt: skip
+    delta = tl.sum(sv * w.to(tl.float32), axis=2)
+    out = y + row[:, None] * stride_y + cols[None, :]
+    written = on[:, None] & (cols[None, :] < n)
+    current = tl.load(out, mask=written, other=0.0).to(tl.float32)
+    tl.store(out, _cast(current + delta, y.dtype.element_ty), mask=written)
 
 
 def lora_add_(
@@ -367,8 +382,9 @@ def lora_add_(
     """y[rows[i]] += each part's (x[rows[i]] A_p^T) B_p^T with the slot row_slots[i] (worker/layers/lora.py's
     layout: a [slots, parts * rank, K], b [slots, N, rank], part_bounds [0, ..., N]), each row on its own
     (batch-invariant), no host synchronisation; rows whose slot is negative are left as they are (a
-    captured decode graph's base and padding rows). One program per adapted row and part for the shrink, per
-    row and BLOCK_N columns for the expand: punica's BGMV, for decode-sized batches."""
+    captured decode graph's base and padding rows). One program per adapted row (_ROWS of them in the
+    interpreter) and part for the shrink, per row and BLOCK_N columns for the expand: punica's BGMV, for
+    decode-sized batches."""
     count, parts, rank = rows.numel(), len(part_bounds) - 1, b.shape[2]
     if count == 0:
         return
@@ -377,12 +393,14 @@ def lora_add_(
     k, n = x.shape[1], y.shape[1]
     s = torch.empty((count, parts * rank), dtype=torch.float32, device=x.device)
     block_r = triton.next_power_of_2(rank)
-    _lora_shrink_kernel[(count, parts)](
-        x, a, s, rows, row_slots, k, rank, x.stride(0), a.stride(0), s.stride(0), BLOCK_R=block_r, BLOCK_K=256
-    )
+    programs = triton.cdiv(count, _ROWS)
+    _lora_shrink_kernel[(programs, parts)](
+        x, a, s, rows, row_slots, count, k, rank, x.stride(0), a.stride(0), s.stride(0),
+        BLOCK_R=block_r, BLOCK_K=256, ROWS=_ROWS,
+    )  # fmt: skip
     bounds = [*part_bounds[1:-1], n, n][:2]
     block_n = 64
-    _lora_expand_kernel[(count, triton.cdiv(n, block_n))](
-        y, s, b, rows, row_slots, n, rank, *bounds, y.stride(0), s.stride(0), b.stride(0),
-        BLOCK_N=block_n, BLOCK_R=block_r,
+    _lora_expand_kernel[(programs, triton.cdiv(n, block_n))](
+        y, s, b, rows, row_slots, count, n, rank, *bounds, y.stride(0), s.stride(0), b.stride(0),
+        BLOCK_N=block_n, BLOCK_R=block_r, ROWS=_ROWS,
     )  # fmt: skip
