@@ -309,18 +309,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @triton.jit
+def _adapted_rows(rows, row_slots, count, ROWS: tl.constexpr):
+    """Program (i, .)'s ROWS adapted rows: their indexes, their rows of x and y, their adapter slots, and
+    whether each is there with an adapter (a slot of -1 has none)."""
+    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = i < count
+    slot = tl.load(row_slots + i, mask=live, other=-1)
+    return i, tl.load(rows + i, mask=live, other=0), slot, live & (slot >= 0)
+
+
+@triton.jit
 def _lora_shrink_kernel(
     x, a, s, rows, row_slots, count, k, rank, stride_x, stride_a_slot, stride_s,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     """s[i, part p's ranks] = A[slot of i, part p's ranks] @ x[rows[i]] in fp32, for the ROWS adapted rows i of
     program (., p), each on its own; nothing for a row whose slot is negative (no adapter)."""
-    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    i, row, slot, on = _adapted_rows(rows, row_slots, count, ROWS)
     p = tl.program_id(1)
-    live = i < count
-    row = tl.load(rows + i, mask=live, other=0)
-    slot = tl.load(row_slots + i, mask=live, other=-1)
-    on = live & (slot >= 0)
     ranks = tl.arange(0, BLOCK_R)
     ks = tl.arange(0, BLOCK_K)
     weights = a + slot[:, None, None] * stride_a_slot + (p * rank + ranks[None, :, None]) * k
@@ -349,13 +355,8 @@ def _lora_expand_kernel(
     """y[rows[i], cols] += s[i, ranks of each column's part] . B[slot of i, cols], rounded once, for the ROWS
     adapted rows i and the columns of program (., j); a column's part is 0 below bound1, 1 below bound2,
     else 2. Nothing for a row whose slot is negative."""
-    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    j = tl.program_id(1)
-    live = i < count
-    row = tl.load(rows + i, mask=live, other=0)
-    slot = tl.load(row_slots + i, mask=live, other=-1)
-    on = live & (slot >= 0)
-    cols = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    i, row, slot, on = _adapted_rows(rows, row_slots, count, ROWS)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ranks = tl.arange(0, BLOCK_R)
     part = (cols >= bound1).to(tl.int32) + (cols >= bound2).to(tl.int32)
     inside = on[:, None, None] & (cols[None, :, None] < n) & (ranks[None, None, :] < rank)

@@ -75,6 +75,19 @@ def test_silu_and_mul(dtype):
     _assert_rounded_alike(triton_layers.silu_and_mul(gate_up), ref, up.abs())
 
 
+def _assert_stored(k_cache, v_cache, slots, ref_k, ref_v, scale) -> None:
+    """k and v in their slots of the caches (k rounded alike), nothing where a slot is negative, and every
+    other slot left zero."""
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+    stored = slots >= 0
+    _assert_rounded_alike(flat_k[slots[stored]], ref_k[stored], scale)
+    assert torch.equal(flat_v[slots[stored]], ref_v[stored])
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[slots[stored]] = False
+    assert not flat_k[untouched].any() and not flat_v[untouched].any()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [True, False])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (6, 2, 80), (16, 8, 128)])
@@ -106,13 +119,7 @@ def test_qk_norm_rope_store(dtype, qk_norm, heads, kv_heads, head_dim):
     # The size of what is rounded: a normalised head's entries are at most sqrt(head_dim), times its weight.
     scale = norm.weight.abs().amax() * head_dim**0.5 if qk_norm else qk.abs().amax()
     _assert_rounded_alike(q, ref_q, scale)
-    flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
-    stored = slots >= 0
-    _assert_rounded_alike(flat_k[slots[stored]], ref_k[stored], scale)
-    assert torch.equal(flat_v[slots[stored]], ref_v[stored])
-    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
-    untouched[slots[stored]] = False
-    assert not flat_k[untouched].any() and not flat_v[untouched].any()
+    _assert_stored(k_cache, v_cache, slots, ref_k, ref_v, scale)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -147,13 +154,7 @@ def test_qk_norm_rope_store_gated_partial(dtype, heads, kv_heads, head_dim, rota
     )
     scale = norm.weight.abs().amax() * head_dim**0.5
     _assert_rounded_alike(got_q, ref_q, scale)
-    flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
-    stored = slots >= 0
-    _assert_rounded_alike(flat_k[slots[stored]], ref_k[stored], scale)
-    assert torch.equal(flat_v[slots[stored]], ref_v[stored])
-    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
-    untouched[slots[stored]] = False
-    assert not flat_k[untouched].any() and not flat_v[untouched].any()
+    _assert_stored(k_cache, v_cache, slots, ref_k, ref_v, scale)
 
 
 class _Launches(TorchDispatchMode):
