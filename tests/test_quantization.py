@@ -155,6 +155,26 @@ def test_int8_dots_are_the_product_of_the_quantized_x(kernels, scheme, dtype) ->
             assert (error <= bound).all(), (scheme, dtype, features, rows, (error / bound).max().item())
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequantize_rows_is_the_weights_dequantize_bit_for_bit(kernels, scheme, dtype) -> None:
+    """The C++ lookup of a packed embedding's rows (kernels' dequantize_rows) equals PackedWeight.dequantize of
+    the same rows bit for bit, repeated and out-of-order rows included, interleaved 4-bit rows too; a row
+    outside the weight is refused by number."""
+    packed, _ = _packed(scheme, 48, 256, seed=3)
+    rows = torch.tensor([47, 0, 5, 5, 31, 16])
+    want = packed.dequantize(dtype, rows=rows)
+    args = (packed.qweight, packed.scales, packed.mins, packed.bits, packed.group_size)
+    assert torch.equal(kernels.dequantize_rows(*args, rows, dtype), want)
+    assert kernels.dequantize_rows(*args, rows[:0], dtype).shape == (0, 256)
+    if packed.can_interleave and kernels.linear_quantized_interleaved():
+        packed.interleave_()
+        interleaved = (packed.qweight, packed.scales, packed.mins, packed.bits, packed.group_size)
+        assert torch.equal(kernels.dequantize_rows(*interleaved, rows, dtype, True), want)
+    with pytest.raises(RuntimeError, match="row 48 is outside the weight's 48 rows"):
+        kernels.dequantize_rows(*args, torch.tensor([3, 48]), dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_interleaved_rows_compute_the_rows_layouts_product(kernels, dtype) -> None:
     """4-bit weights in groups of 32 with their rows interleaved 16 at a time (the layout a 16-bit engine's

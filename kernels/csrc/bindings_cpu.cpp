@@ -17,6 +17,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "float16 scales (and mins at 4 bits) (CPU; x float32, bfloat16, float16; fp32 accumulation)", py::arg("x"),
         py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("group_size"),
         py::arg("bias") = py::none(), py::arg("batch_invariant") = false, py::arg("interleaved") = false);
+  m.def("dequantize_rows", &dequantize_rows, "rows of a packed weight (linear_quantized's planes) in a float dtype, "
+        "as PackedWeight.dequantize computes them: an embedding's lookup (CPU)", py::arg("qweight"), py::arg("scales"),
+        py::arg("mins"), py::arg("bits"), py::arg("group_size"), py::arg("rows"), py::arg("dtype"),
+        py::arg("interleaved") = false);
   m.def("linear_quantized_interleaved", &linear_quantized_interleaved, "whether linear_quantized takes 4-bit "
         "weights in groups of 32 with their rows interleaved 16 at a time (PackedWeight.interleave_; AVX512-VNNI)");
   m.def("linear_quantized_int8_dots", &linear_quantized_int8_dots, "whether linear_quantized quantizes 16-bit x "

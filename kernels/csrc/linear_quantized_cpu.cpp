@@ -474,17 +474,21 @@ QRow interleaved_row(const uint8_t* q, const c10::Half* scales, const c10::Half*
   return {planes.q.data(), planes.s.data(), planes.m.data()};
 }
 
-// The whole weight [N, K] in `dtype` (each weight rounded from its exact fp32 value).
+// The whole weight [N, K] in `dtype`, or its rows `rows` (`count` of them) when given (each weight rounded
+// from its exact fp32 value).
 template <int BITS>
 at::Tensor dequantize_all(const uint8_t* q, const c10::Half* scales, const c10::Half* mins, int64_t N, int64_t K,
-                          int64_t group, at::ScalarType dtype, bool interleaved) {
-  auto w = at::empty({N, K}, at::dtype(dtype));
+                          int64_t group, at::ScalarType dtype, bool interleaved, const int64_t* rows = nullptr,
+                          int64_t count = 0) {
+  const int64_t out_rows = rows != nullptr ? count : N;
+  auto w = at::empty({out_rows, K}, at::dtype(dtype));
   dispatch("linear_quantized", dtype, [&](auto zero) {
     using T = decltype(zero);
     T* out = w.data_ptr<T>();
-    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, out_rows, 16, [&](int64_t begin, int64_t end) {
       RowPlanes planes;
-      auto row_at = [&](int64_t n) {
+      auto row_at = [&](int64_t i) {
+        const int64_t n = rows != nullptr ? rows[i] : i;
         return interleaved ? interleaved_row(q, scales, mins, n, K, planes) : qrow<BITS>(q, scales, mins, n, K, K / group);
       };
 #ifdef __AVX512F__
@@ -510,27 +514,38 @@ at::Tensor dequantize_all(const uint8_t* q, const c10::Half* scales, const c10::
 // x [rows, K] in float32, bfloat16 or float16; qweight [N, K] int8 (bits 8) or [N, K / 2] uint8 (bits 4);
 // scales and mins [N, K / group_size] float16 (mins only, and required, for 4 bits); bias [N] in x's dtype
 // or None. Returns [rows, N] in x's dtype. batch_invariant: each row summed in one order at every row count.
+namespace {
+
+// A packed weight's planes for K input features (linear_quantized's and dequantize_rows' arguments).
+void check_planes(const char* op, const at::Tensor& qweight, const at::Tensor& scales,
+                  const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group_size, int64_t K) {
+  TORCH_CHECK(bits == 4 || bits == 8, op, ": bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(qweight.dim() == 2 && scales.dim() == 2, op, ": qweight and scales must be 2-d, got ", qweight.sizes(),
+              ", ", scales.sizes());
+  const int64_t N = qweight.size(0);
+  TORCH_CHECK(group_size > 0 && group_size % kBlock == 0 && K % group_size == 0, op, ": group_size ", group_size,
+              " must be a multiple of ", kBlock, " that divides the ", K, " input features");
+  TORCH_CHECK(qweight.size(1) * 8 == K * bits, op, ": qweight must be [", N, ", ", K * bits / 8, "] for ", K,
+              " input features at ", bits, " bits, got ", qweight.sizes());
+  TORCH_CHECK(qweight.scalar_type() == (bits == 8 ? at::kChar : at::kByte), op, ": qweight must be ",
+              bits == 8 ? "int8" : "uint8", " at ", bits, " bits, got ", qweight.scalar_type());
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.size(0) == N && scales.size(1) == K / group_size, op,
+              ": scales must be float16 [", N, ", ", K / group_size, "], got ", scales.scalar_type(), " ",
+              scales.sizes());
+  TORCH_CHECK(mins.has_value() == (bits == 4), op, ": mins are required at 4 bits and absent at 8");
+  if (mins.has_value())
+    TORCH_CHECK(mins->scalar_type() == at::kHalf && mins->sizes() == scales.sizes(), op, ": mins must be float16 ",
+                scales.sizes(), ", got ", mins->scalar_type(), " ", mins->sizes());
+}
+
+}  // namespace
+
 at::Tensor linear_quantized(at::Tensor x, at::Tensor qweight, at::Tensor scales,
                             c10::optional<at::Tensor> mins, int64_t bits, int64_t group_size,
                             c10::optional<at::Tensor> bias, bool batch_invariant, bool interleaved) {
-  TORCH_CHECK(bits == 4 || bits == 8, "linear_quantized: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && scales.dim() == 2, "linear_quantized: x, qweight and scales must "
-              "be 2-d, got ", x.sizes(), ", ", qweight.sizes(), ", ", scales.sizes());
+  TORCH_CHECK(x.dim() == 2, "linear_quantized: x must be 2-d, got ", x.sizes());
   const int64_t rows = x.size(0), K = x.size(1), N = qweight.size(0);
-  TORCH_CHECK(group_size > 0 && group_size % kBlock == 0 && K % group_size == 0, "linear_quantized: group_size ",
-              group_size, " must be a multiple of ", kBlock, " that divides the ", K, " input features");
-  TORCH_CHECK(qweight.size(1) * 8 == K * bits, "linear_quantized: qweight must be [", N, ", ", K * bits / 8,
-              "] for ", K, " input features at ", bits, " bits, got ", qweight.sizes());
-  TORCH_CHECK(qweight.scalar_type() == (bits == 8 ? at::kChar : at::kByte), "linear_quantized: qweight must be ",
-              bits == 8 ? "int8" : "uint8", " at ", bits, " bits, got ", qweight.scalar_type());
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.size(0) == N && scales.size(1) == K / group_size,
-              "linear_quantized: scales must be float16 [", N, ", ", K / group_size, "], got ", scales.scalar_type(),
-              " ", scales.sizes());
-  TORCH_CHECK(mins.has_value() == (bits == 4), "linear_quantized: mins are required at 4 bits and absent at 8");
-  if (mins.has_value())
-    TORCH_CHECK(mins->scalar_type() == at::kHalf && mins->sizes() == scales.sizes(),
-                "linear_quantized: mins must be float16 ", scales.sizes(), ", got ", mins->scalar_type(), " ",
-                mins->sizes());
+  check_planes("linear_quantized", qweight, scales, mins, bits, group_size, K);
   if (bias.has_value()) {
     check_one_dtype("linear_quantized", {{"x", &x}, {"bias", &*bias}});
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "linear_quantized: bias must be [", N, "], got ",
@@ -569,6 +584,36 @@ at::Tensor linear_quantized(at::Tensor x, at::Tensor qweight, at::Tensor scales,
                                   batch_invariant, interleaved);
   });
   return y;
+}
+
+// Rows `rows` (int64 [n], each in [0, N)) of a packed weight (linear_quantized's planes) in `dtype`: an
+// embedding's lookup in one call, each weight rounded from its exact fp32 value as PackedWeight.dequantize
+// computes it (in a decode step PyTorch's six operations for one row took 130 us, their code and data cold
+// after the head's weights streamed: docs/performance.md#qwen35-08b-shape-what-a-token-reads-benchquantizationpy---shape-qwen35-08b).
+at::Tensor dequantize_rows(at::Tensor qweight, at::Tensor scales, c10::optional<at::Tensor> mins, int64_t bits,
+                           int64_t group_size, at::Tensor rows, at::ScalarType dtype, bool interleaved) {
+  TORCH_CHECK(qweight.dim() == 2, "dequantize_rows: qweight must be 2-d, got ", qweight.sizes());
+  const int64_t K = qweight.size(1) * 8 / bits, N = qweight.size(0);
+  check_planes("dequantize_rows", qweight, scales, mins, bits, group_size, K);
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "dequantize_rows: rows must be int64 [n], got ",
+              rows.scalar_type(), " ", rows.sizes());
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "dequantize_rows: float32, bfloat16 or float16 only, got ", dtype);
+  if (interleaved)
+    TORCH_CHECK(bits == 4 && group_size == kBlock && N % kInterleavedRows == 0, "dequantize_rows: rows interleaved "
+                "need 4 bits in groups of ", kBlock, " and a multiple of ", kInterleavedRows, " rows");
+  rows = rows.contiguous();
+  const int64_t* ids = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.size(0); ++i)
+    TORCH_CHECK(0 <= ids[i] && ids[i] < N, "dequantize_rows: row ", ids[i], " is outside the weight's ", N, " rows");
+  qweight = qweight.contiguous();
+  scales = scales.contiguous();
+  const at::Tensor m = mins.has_value() ? mins->contiguous() : at::Tensor();
+  const auto* q = static_cast<const uint8_t*>(qweight.data_ptr());
+  const auto* s = scales.data_ptr<c10::Half>();
+  const auto* mn = m.defined() ? m.data_ptr<c10::Half>() : nullptr;
+  return bits == 8 ? dequantize_all<8>(q, s, mn, N, K, group_size, dtype, false, ids, rows.size(0))
+                   : dequantize_all<4>(q, s, mn, N, K, group_size, dtype, interleaved, ids, rows.size(0));
 }
 
 bool linear_quantized_int8_dots() {

@@ -36,6 +36,8 @@ class VocabParallelEmbedding(nn.Module):
             make_weight(self.shard_size, hidden_size, quant, prefix, linear=False),
         )
         set_weight_loader(self.weight, self.weight_loader)
+        # The C++ CPU kernels when bound (DecoderForCausalLM.bind_kernels): a packed weight's rows in one call.
+        self.kernels = PYTORCH
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadableTensor, shard_id: object = None) -> None:
         vocab_size = self.shard_size * self.tp.size
@@ -46,9 +48,16 @@ class VocabParallelEmbedding(nn.Module):
         assign(param, loaded.narrow(0, self.vocab_start, self.shard_size))
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.weight, PackedWeight):
-            return self.weight.dequantize(self.dtype, rows=ids.flatten()).view(*ids.shape, -1)
-        return F.embedding(ids, self.weight)
+        weight, cpu = self.weight, self.kernels.cpu
+        if isinstance(weight, PackedWeight) and cpu is not None and ids.device.type == "cpu":
+            rows = cpu.dequantize_rows(
+                weight.qweight, weight.scales, weight.mins, weight.bits, weight.group_size, ids.flatten(),
+                self.dtype, weight.interleaved,
+            )  # fmt: skip
+            return rows.view(*ids.shape, -1)
+        if isinstance(weight, PackedWeight):
+            return weight.dequantize(self.dtype, rows=ids.flatten()).view(*ids.shape, -1)
+        return F.embedding(ids, weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -71,7 +80,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         prefix: str = "",
     ) -> None:
         super().__init__(vocab_size, hidden_size, tp, quant, prefix)
-        self.kernels = PYTORCH  # see DecoderForCausalLM.bind_kernels
 
     def forward(self, hidden: torch.Tensor, vocab: int = 0) -> torch.Tensor:
         """The logits of every token id, or of the first `vocab` ids only (one rank: the rows are a view)."""

@@ -291,12 +291,19 @@ class DecoderForCausalLM(nn.Module):
 
     def bind_kernels(self, attention: AttentionBackend, kernels: LayerKernels) -> None:
         """Run every attention layer on `attention` (batch-invariant when kernels.deterministic), and every
-        layer with a variant on `kernels` (worker/layers/kernels.py): RMSNorm, RoPE, the SwiGLU gate and the
-        projections on the C++ CPU kernels, or on PyTorch; with the Triton layer kernels, RMSNorm, SwiGLU and
+        layer with a variant on `kernels` (worker/layers/kernels.py): RMSNorm, RoPE, the SwiGLU gate, the
+        projections and a packed embedding's rows on the C++ CPU kernels, or on PyTorch; with the Triton layer kernels, RMSNorm, SwiGLU and
         q/k norm + RoPE + KV store fused."""
         for attn in self.attention_layers():
             attn.backend = attention
-        kernel_users = (RMSNorm, DecoderAttention, DecoderMLP, SparseMoeBlock, ParallelLinear, ParallelLMHead)
+        kernel_users = (
+            RMSNorm,
+            DecoderAttention,
+            DecoderMLP,
+            SparseMoeBlock,
+            ParallelLinear,
+            VocabParallelEmbedding,
+        )
         for module in self.modules():
             if isinstance(module, kernel_users):
                 module.kernels = kernels

@@ -30,7 +30,7 @@ from torch import nn
 from nanovllm.kernels.attention import AttentionBackend, AttentionMetadata, DecodeBatch, StateBatch
 from nanovllm.worker.layers.attention import Attention
 from nanovllm.worker.layers.block_fp8 import Cut
-from nanovllm.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.worker.layers.embedding import VocabParallelEmbedding
 from nanovllm.worker.layers.gated_delta_rule import causal_conv, causal_conv_step, chunked, recurrent_step
 from nanovllm.worker.layers.kernels import PYTORCH, LayerKernels
 from nanovllm.worker.layers.linear import (
@@ -719,7 +719,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
             DecoderMLP,
             SparseMoeBlock,
             ParallelLinear,
-            ParallelLMHead,
+            VocabParallelEmbedding,  # the head too
             GatedDeltaNet,
             GatedAttention,
         )
