@@ -212,7 +212,12 @@ class HybridDecodeLayers {
                             qkv[2].reshape({tokens, -1, l.value_dim}), gates[0], gates[1], l.recurrent_state, slots,
                             c10::nullopt)
             .view({-1, l.value_dim});
-    const at::Tensor gate = at::silu(parts[1].reshape({-1, l.value_dim}).to(at::kFloat));
+    // SiLU of the gates in float32, as the module's F.silu(z.float()): widened into a buffer of their own, then
+    // PyTorch's SiLU in place (the same kernel): fewer calls through the dispatcher, each cold in a step
+    // whose weights stream through the caches (docs/performance.md#qwen35-08b-shape-what-a-token-reads-benchquantizationpy---shape-qwen35-08b).
+    at::Tensor gate = at::empty({tokens * l.heads, l.value_dim}, x.options().dtype(at::kFloat));
+    gate.view({tokens, -1}).copy_(parts[1]);
+    at::silu_(gate);
     return l.out_proj(gated_rms_norm(core, gate, l.norm_weight, l.norm_eps).view({tokens, -1}));
   }
 
