@@ -146,6 +146,31 @@ def test_the_cpu_decode_kernels_compute_the_recurrent_step(kernels, dtype: torch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads, kv_heads, d, rotary", [(8, 2, 256, 64), (4, 2, 16, 16), (2, 1, 32, 8)])
+def test_the_cpu_gated_qk_norm_rope_is_the_modules_ops_bit_for_bit(kernels, dtype, heads, kv_heads, d, rotary):
+    """kernels' gated_qk_norm_rope (the decode step's one call) equals the ops the module path runs on the
+    C++ kernels bit for bit: rms_norm_fp32_weight of the q and k heads concatenated (each q head read past
+    its gate), rotary on their first `rotary` dims, the rest passed."""
+    if kernels is None:
+        pytest.skip("the C++ CPU kernels did not build here")
+    gen = torch.Generator().manual_seed(d + rotary)
+    tokens = 3
+    qkv = (torch.randn(tokens, (2 * heads + 2 * kv_heads) * d, generator=gen) * 3).to(dtype)
+    weight = 1 + torch.randn(heads + kv_heads, d, generator=gen) / 4
+    angles = torch.rand(tokens, 1, rotary // 2, generator=gen) * 6
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1).to(dtype)
+    q = qkv[:, : 2 * heads * d].view(tokens, heads, 2 * d)[..., :d]
+    k = qkv[:, 2 * heads * d :].view(tokens, 2 * kv_heads, d)[:, :kv_heads]
+    normed = kernels.rms_norm_fp32_weight(torch.cat([q, k], 1), weight, 1e-6)
+    want = torch.cat([kernels.rotary(normed[..., :rotary], cos, sin), normed[..., rotary:]], -1)
+    got = kernels.gated_qk_norm_rope(qkv, heads, kv_heads, d, weight, 1e-6, cos, sin)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="qkv must be"):
+        kernels.gated_qk_norm_rope(qkv[:, :-1], heads, kv_heads, d, weight, 1e-6, cos, sin)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dim", [8, 20, 40, 96, 100, 128, 264, 504])
 def test_the_cpu_gated_norm_is_the_modules_bit_for_bit(kernels, dtype: torch.dtype, dim: int):
     """kernels' gated_rms_norm (the decode step's) equals GatedRMSNorm on PyTorch (transformers' roundings)

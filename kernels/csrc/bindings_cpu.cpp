@@ -64,6 +64,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "float16)");
   m.def("gated_rms_norm", &gated_rms_norm, "Qwen3.5's gated RMSNorm of float32 rows rounded to the weight's dtype, "
         "times the weight, times a float32 gate, as transformers rounds it (CPU; float32, bfloat16, float16)");
+  m.def("gated_qk_norm_rope", &gated_qk_norm_rope, "Qwen3.5's gated attention's q and k heads from the QKV "
+        "projection's output, normalised with a float32 weight and turned by RoPE on their first dims, in one call "
+        "(CPU; float32, bfloat16, float16)", py::arg("qkv"), py::arg("heads"), py::arg("kv_heads"), py::arg("d"),
+        py::arg("weight"), py::arg("eps"), py::arg("cos"), py::arg("sin"));
   m.def("rms_norm_fp32_weight", &rms_norm_fp32_weight, "RMSNorm with a float32 weight, multiplied in float32 and "
         "rounded once (CPU; float32, bfloat16, float16)");
   m.def("add_rms_norm_", &add_rms_norm_,

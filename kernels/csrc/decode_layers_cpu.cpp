@@ -230,8 +230,13 @@ class HybridDecodeLayers {
     const at::Tensor qkv = a.qkv(x);
     const std::vector<at::Tensor> q_gate = qkv.slice(1, 0, q_size).view({tokens, a.heads, 2 * d}).split(d, -1);
     const std::vector<at::Tensor> kv = qkv.slice(1, q_size).view({tokens, 2 * a.kv_heads, d}).chunk(2, 1);
-    at::Tensor qk = norm(at::cat({q_gate[0], kv[0]}, 1), a.qk_norm);
-    qk = at::cat({rotary(qk.slice(-1, 0, a.rotary_dim), cos, sin), qk.slice(-1, a.rotary_dim)}, -1);
+    at::Tensor qk;
+    if (a.qk_norm.scalar_type() != x.scalar_type()) {  // a 16-bit model's float32 1 + w: one call
+      qk = gated_qk_norm_rope(qkv, a.heads, a.kv_heads, d, a.qk_norm, eps_, cos, sin);
+    } else {
+      qk = norm(at::cat({q_gate[0], kv[0]}, 1), a.qk_norm);
+      qk = at::cat({rotary(qk.slice(-1, 0, a.rotary_dim), cos, sin), qk.slice(-1, a.rotary_dim)}, -1);
+    }
     const std::vector<at::Tensor> q_k = qk.split_with_sizes({a.heads, a.kv_heads}, 1);
     store_kv_(q_k[1], kv[1].contiguous(), a.k_cache, a.v_cache, slot_mapping, a.k_scale, a.v_scale);
     const at::Tensor out = paged_decode_attention(q_k[0], a.k_cache, a.v_cache, block_tables, context_lens, a.scale,

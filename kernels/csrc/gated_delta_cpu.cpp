@@ -465,6 +465,59 @@ void rms_norm_fp32_weight_into(const at::Tensor& x, const at::Tensor& weight, do
   });
 }
 
+// Qwen3.5's gated attention's q and k heads, from the QKV projection's output qkv [T, (2 heads + 2 kv_heads) d]
+// (each q head followed by its gate, then the k heads, then the v heads): [T, heads + kv_heads, d], each head
+// normalised with its row of the float32 weight (rms_norm_fp32_weight's arithmetic) and its first `rotary`
+// dims turned by RoPE with cos and signed sin [T, 1, rotary] (the rotary kernel's roundings), the rest passed.
+// What the module path's norm of the heads concatenated, rotary of their first dims and concatenation give, in
+// one call: in a decode step each call through the dispatcher is cold after a projection's stream
+// (docs/performance.md#qwen35-08b-shape-what-a-token-reads-benchquantizationpy---shape-qwen35-08b).
+constexpr int64_t kMaxRotary = 512;  // the rotary dims a head turns, at most (Qwen3.5's: 64)
+
+at::Tensor gated_qk_norm_rope(at::Tensor qkv, int64_t heads, int64_t kv_heads, int64_t d, at::Tensor weight,
+                              double eps, at::Tensor cos, at::Tensor sin) {
+  check_one_dtype("gated_qk_norm_rope", {{"qkv", &qkv}, {"cos", &cos}, {"sin", &sin}});
+  const int64_t tokens = qkv.size(0), rows = heads + kv_heads, rotary = cos.size(-1), half = rotary / 2;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (2 * heads + 2 * kv_heads) * d && qkv.stride(1) == 1,
+              "gated_qk_norm_rope: qkv must be [T, ", (2 * heads + 2 * kv_heads) * d, "] with unit stride, got ",
+              qkv.sizes());
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.dim() == 2 &&
+                  weight.size(0) == rows && weight.size(1) == d,
+              "gated_qk_norm_rope: weight must be contiguous float32 [", rows, ", ", d, "], got ",
+              weight.scalar_type(), " ", weight.sizes());
+  TORCH_CHECK(rotary % 2 == 0 && rotary <= std::min<int64_t>(d, kMaxRotary) && cos.numel() == tokens * rotary &&
+                  sin.numel() == tokens * rotary,
+              "gated_qk_norm_rope: cos and sin must be [T, 1, rotary] with rotary even and at most ",
+              std::min<int64_t>(d, kMaxRotary), ", got ", cos.sizes(), " ", sin.sizes());
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  auto out = at::empty({tokens, rows, d}, qkv.options());
+  dispatch("gated_qk_norm_rope", qkv.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    const T* xp = qkv.data_ptr<T>();
+    const float* w = weight.data_ptr<float>();
+    const T* cp = cos.data_ptr<T>();
+    const T* sp = sin.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    const int64_t stride = qkv.stride(0), k_start = 2 * heads * d;
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t h = 0; h < rows; ++h) {
+        const T* head = xp + t * stride + (h < heads ? h * 2 * d : k_start + (h - heads) * d);
+        T* y = op + (t * rows + h) * d;
+        fp32_weight_norm_rows(head, w + h * d, 1, y, 0, 1, d, static_cast<float>(eps));
+        const T* c = cp + t * rotary;
+        const T* sn = sp + t * rotary;
+        T turned[kMaxRotary];
+        for (int64_t i = 0; i < half; ++i)
+          turned[i] = to<T>(rounded<T>(load(y[i]) * load(c[i])) + rounded<T>(load(y[i + half]) * load(sn[i])));
+        for (int64_t i = half; i < rotary; ++i)
+          turned[i] = to<T>(rounded<T>(load(y[i]) * load(c[i])) + rounded<T>(load(y[i - half]) * load(sn[i])));
+        std::copy(turned, turned + rotary, y);
+      }
+  });
+  return out;
+}
+
 at::Tensor rms_norm_fp32_weight(at::Tensor x, at::Tensor weight, double eps) {
   x = x.contiguous();
   auto out = at::empty_like(x);

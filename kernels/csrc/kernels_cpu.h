@@ -50,6 +50,8 @@ at::Tensor gated_delta_chunk_(at::Tensor q, at::Tensor k, at::Tensor v, at::Tens
 std::vector<at::Tensor> delta_gates(at::Tensor a, at::Tensor b, at::Tensor a_log, at::Tensor dt_bias);
 at::Tensor sigmoid_mul(at::Tensor x, at::Tensor gate);
 at::Tensor rms_norm_fp32_weight(at::Tensor x, at::Tensor weight, double eps);
+at::Tensor gated_qk_norm_rope(at::Tensor qkv, int64_t heads, int64_t kv_heads, int64_t d, at::Tensor weight,
+                              double eps, at::Tensor cos, at::Tensor sin);
 // Into `out` (contiguous, x's shape and dtype; may be x itself): what rms_norm_fp32_weight returns.
 void rms_norm_fp32_weight_into(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out);
 at::Tensor gated_rms_norm(at::Tensor core, at::Tensor gate, at::Tensor weight, double eps);
