@@ -147,7 +147,9 @@ def test_the_cpu_decode_kernels_compute_the_recurrent_step(kernels, dtype: torch
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads, kv_heads, d, rotary", [(8, 2, 256, 64), (4, 2, 16, 16), (2, 1, 32, 8)])
-def test_the_cpu_gated_qk_norm_rope_is_the_modules_ops_bit_for_bit(kernels, dtype, heads, kv_heads, d, rotary):
+def test_the_cpu_gated_qk_norm_rope_is_the_modules_ops_bit_for_bit(
+    kernels, dtype, heads, kv_heads, d, rotary
+):
     """kernels' gated_qk_norm_rope (the decode step's one call) equals the ops the module path runs on the
     C++ kernels bit for bit: rms_norm_fp32_weight of the q and k heads concatenated (each q head read past
     its gate), rotary on their first `rotary` dims, the rest passed."""
