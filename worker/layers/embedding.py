@@ -49,15 +49,16 @@ class VocabParallelEmbedding(nn.Module):
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         weight, cpu = self.weight, self.kernels.cpu
-        if isinstance(weight, PackedWeight) and cpu is not None and ids.device.type == "cpu":
+        if not isinstance(weight, PackedWeight):
+            return F.embedding(ids, weight)
+        if cpu is not None:
             rows = cpu.dequantize_rows(
                 weight.qweight, weight.scales, weight.mins, weight.bits, weight.group_size, ids.flatten(),
                 self.dtype, weight.interleaved,
             )  # fmt: skip
-            return rows.view(*ids.shape, -1)
-        if isinstance(weight, PackedWeight):
-            return weight.dequantize(self.dtype, rows=ids.flatten()).view(*ids.shape, -1)
-        return F.embedding(ids, weight)
+        else:
+            rows = weight.dequantize(self.dtype, rows=ids.flatten())
+        return rows.view(*ids.shape, -1)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
