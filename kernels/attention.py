@@ -126,6 +126,16 @@ class StateBatch:
     # decode steps would run them.
     num_verifies: int = 0
 
+    @property
+    def prepares(self) -> bool:
+        """Whether a state starts or resumes here (work before the step's layers)."""
+        return self.fresh_slots is not None or bool(self.restores)
+
+    @property
+    def keeps_decode_states(self) -> bool:
+        """Whether a decode row's state is copied after its token."""
+        return any(self.saves[: self.num_decodes])
+
 
 @dataclass
 class AttentionMetadata:

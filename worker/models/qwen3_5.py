@@ -524,10 +524,9 @@ class HybridModel(DecoderModel):
         the order across layers does not matter), the layers in one call on the decodes' state slots."""
         states = meta.states
         assert states is not None  # runs_in_one_call
-        layers = cast("list[HybridDecoderLayer]", list(self.layers))  # a ModuleList's items are bare Modules
-        linear_layers = [layer.linear_attn for layer in layers if not layer.is_full_attention]
-        for layer in linear_layers:
-            layer.prepare_states(states)
+        if states.prepares:  # most decode steps have nothing to prepare or keep: no Python per layer then
+            for layer in self._linear_layers():
+                layer.prepare_states(states)
         x, residual = self.decode_layers.forward(
             x,
             *rope,
@@ -536,9 +535,14 @@ class HybridModel(DecoderModel):
             decode.context_lens,
             states.slots[: states.num_decodes],
         )
-        for layer in linear_layers:
-            layer.keep_decode_states(states)
+        if states.keeps_decode_states:
+            for layer in self._linear_layers():
+                layer.keep_decode_states(states)
         return x, residual
+
+    def _linear_layers(self) -> list[GatedDeltaNet]:
+        layers = cast("list[HybridDecoderLayer]", list(self.layers))  # a ModuleList's items are bare Modules
+        return [layer.linear_attn for layer in layers if not layer.is_full_attention]
 
 
 class MultiTokenPredictor(nn.Module):
@@ -674,12 +678,17 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         return cast("list[HybridDecoderLayer]", self.model.layers)  # a ModuleList's items are bare Modules
 
     def prepare_states(self, states: StateBatch) -> None:
-        """A decode step's state work outside a replayed graph: before it (GatedDeltaNet.prepare_states)."""
+        """A decode step's state work outside a replayed graph: before it
+        (GatedDeltaNet.prepare_states); a step with none (most decode steps) runs no Python per layer."""
+        if not states.prepares:
+            return
         for layer in self.linear_attention_layers():
             layer.prepare_states(states)
 
     def keep_decode_states(self, states: StateBatch) -> None:
         """... and after it (GatedDeltaNet.keep_decode_states)."""
+        if not states.keeps_decode_states:
+            return
         for layer in self.linear_attention_layers():
             layer.keep_decode_states(states)
 
