@@ -146,6 +146,53 @@ def test_the_cpu_decode_kernels_compute_the_recurrent_step(kernels, dtype: torch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "key_heads, heads, dk, dv, width", [(2, 4, 16, 24, 4), (3, 3, 32, 16, 2), (1, 2, 8, 40, 6)]
+)
+def test_the_cpu_linear_attention_step_is_the_four_kernels_bit_for_bit(
+    kernels, dtype, key_heads, heads, dk, dv, width
+):
+    """kernels' linear_attention_decode_ (the C++ decode layers' one call between a Gated DeltaNet layer's
+    projections) equals causal_conv_decode_, delta_gates, gated_delta_decode_ and gated_rms_norm in turn, bit
+    for bit, on 3 sequences in rows 4, 0, 2 of 5 (the others untouched): value heads one or two a key head,
+    head dims under a 16-channel block and past it, convolutions 2 to 6 wide; a projection of the wrong width
+    is refused by its numbers."""
+    if kernels is None:
+        pytest.skip("the C++ CPU kernels did not build here")
+    gen = torch.Generator().manual_seed(dk * width + heads)
+    batch, rows, eps = 3, 5, 1e-6
+    slots = torch.tensor([4, 0, 2])
+    key_size, value_size = key_heads * dk, heads * dv
+    channels = 2 * key_size + value_size
+    projected = (torch.randn(batch, channels + value_size + 2 * heads, generator=gen) * 2).to(dtype)
+    gate = F.silu(torch.randn(batch, value_size, generator=gen))
+    conv_state = torch.randn(rows, channels, width - 1, generator=gen).to(dtype)
+    conv_weight = torch.randn(channels, width, generator=gen).to(dtype)
+    state = torch.randn(rows, heads, dk, dv, generator=gen)
+    a_log, dt_bias = (torch.randn(heads, generator=gen).to(dtype) for _ in range(2))
+    norm_weight = (1 + torch.randn(dv, generator=gen) / 4).to(dtype)
+    convs, states = conv_state.clone(), state.clone()
+
+    mixed, _, b, a = projected.split([channels, value_size, heads, heads], -1)
+    q, k, v = kernels.causal_conv_decode_(mixed, convs, conv_weight, slots).split(
+        [key_size, key_size, value_size], -1
+    )
+    g, beta = kernels.delta_gates(a, b, a_log, dt_bias)
+    core = kernels.gated_delta_decode_(
+        q.reshape(batch, key_heads, dk), k.reshape(batch, key_heads, dk), v.reshape(batch, heads, dv), g, beta,
+        states, slots,
+    )  # fmt: skip
+    want = kernels.gated_rms_norm(core.view(-1, dv), gate.view(-1, dv), norm_weight, eps).view(batch, -1)
+
+    args = (conv_state, conv_weight, state, a_log, dt_bias, norm_weight, slots, key_heads, dk, heads, dv, eps)
+    got = kernels.linear_attention_decode_(projected, gate, *args)
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert torch.equal(conv_state, convs) and torch.equal(state, states)  # the rows updated, the others kept
+    with pytest.raises(RuntimeError, match=f"projected must be \\[B, {channels + value_size + 2 * heads}\\]"):
+        kernels.linear_attention_decode_(projected[:, :-1], gate, *args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads, kv_heads, d, rotary", [(8, 2, 256, 64), (4, 2, 16, 16), (2, 1, 32, 8)])
 def test_the_cpu_gated_qk_norm_rope_is_the_modules_ops_bit_for_bit(
     kernels, dtype, heads, kv_heads, d, rotary

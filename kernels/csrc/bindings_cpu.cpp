@@ -64,6 +64,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "float16)");
   m.def("gated_rms_norm", &gated_rms_norm, "Qwen3.5's gated RMSNorm of float32 rows rounded to the weight's dtype, "
         "times the weight, times a float32 gate, as transformers rounds it (CPU; float32, bfloat16, float16)");
+  m.def("linear_attention_decode_", &linear_attention_decode_, "A Gated DeltaNet layer's decode step between its "
+        "projections (convolution, gates, delta rule on the state rows in place, gated RMSNorm) in one call (CPU; "
+        "float32, bfloat16, float16)", py::arg("projected"), py::arg("gate"), py::arg("conv_state"),
+        py::arg("conv_weight"), py::arg("recurrent_state"), py::arg("a_log"), py::arg("dt_bias"),
+        py::arg("norm_weight"), py::arg("slots"), py::arg("key_heads"), py::arg("key_dim"), py::arg("heads"),
+        py::arg("value_dim"), py::arg("norm_eps"));
   m.def("gated_qk_norm_rope", &gated_qk_norm_rope, "Qwen3.5's gated attention's q and k heads from the QKV "
         "projection's output, normalised with a float32 weight and turned by RoPE on their first dims, in one call "
         "(CPU; float32, bfloat16, float16)", py::arg("qkv"), py::arg("heads"), py::arg("kv_heads"), py::arg("d"),

@@ -200,25 +200,17 @@ class HybridDecodeLayers {
     add_rms_norm_(x, residual, weight, eps_);
   }
 
-  // GatedDeltaNet.forward for decode rows.
+  // GatedDeltaNet.forward for decode rows: the in-projection, the gates' SiLU in float32 as the module's
+  // F.silu(z.float()) (widened into a buffer of their own, then PyTorch's SiLU in place: the same kernel), the
+  // rest up to the out-projection in one call (linear_attention_decode_).
   static at::Tensor linear_attention(const LinearAttentionWeights& l, const at::Tensor& x, const at::Tensor& slots) {
-    const int64_t tokens = x.size(0), key_size = l.key_heads * l.key_dim;
-    const std::vector<at::Tensor> parts = l.in_proj(x).split_with_sizes(l.split_sizes, -1);  // mixed, z, b, a
-    const std::vector<at::Tensor> gates = delta_gates(parts[3], parts[2], l.a_log, l.dt_bias);  // g, beta
-    const std::vector<at::Tensor> qkv = causal_conv_decode_(parts[0], l.conv_state, l.conv_weight, slots)
-                                            .split_with_sizes({key_size, key_size, l.heads * l.value_dim}, -1);
-    const at::Tensor core =
-        gated_delta_decode_(qkv[0].reshape({tokens, -1, l.key_dim}), qkv[1].reshape({tokens, -1, l.key_dim}),
-                            qkv[2].reshape({tokens, -1, l.value_dim}), gates[0], gates[1], l.recurrent_state, slots,
-                            c10::nullopt)
-            .view({-1, l.value_dim});
-    // SiLU of the gates in float32, as the module's F.silu(z.float()): widened into a buffer of their own, then
-    // PyTorch's SiLU in place (the same kernel): fewer calls through the dispatcher, each cold in a step
-    // whose weights stream through the caches (docs/performance.md#qwen35-08b-shape-what-a-token-reads-benchquantizationpy---shape-qwen35-08b).
-    at::Tensor gate = at::empty({tokens * l.heads, l.value_dim}, x.options().dtype(at::kFloat));
-    gate.view({tokens, -1}).copy_(parts[1]);
+    const at::Tensor projected = l.in_proj(x);  // mixed, z, b, a
+    at::Tensor gate = at::empty({x.size(0), l.split_sizes[1]}, x.options().dtype(at::kFloat));
+    gate.copy_(projected.narrow(1, l.split_sizes[0], l.split_sizes[1]));
     at::silu_(gate);
-    return l.out_proj(gated_rms_norm(core, gate, l.norm_weight, l.norm_eps).view({tokens, -1}));
+    return l.out_proj(linear_attention_decode_(projected, gate, l.conv_state, l.conv_weight, l.recurrent_state,
+                                               l.a_log, l.dt_bias, l.norm_weight, slots, l.key_heads, l.key_dim,
+                                               l.heads, l.value_dim, l.norm_eps));
   }
 
   // GatedAttention.forward for decode rows: q/k normalised per head, RoPE on the first rotary_dim of each

@@ -65,6 +65,24 @@ inline void conv_block(T* rows, const T* weight, const T* newest, T* out, int64_
   }
 }
 
+// Channels [0, n) of one token through the convolution, kConvLanes at a time: rows (the state's, KEEP a
+// channel), weight, newest and out point at the first channel's; keep is the width less one (1 to 5).
+template <typename T>
+void conv_channels(T* rows, const T* weight, const T* newest, T* out, int64_t n, int64_t keep) {
+  for (int64_t c = 0; c < n; c += kConvLanes) {
+    const int64_t lanes = std::min(kConvLanes, n - c);
+    T* r = rows + c * keep;
+    const T* w = weight + c * (keep + 1);
+    switch (keep) {  // Qwen3.5's kernels are 4 wide; any width runs
+      case 3: conv_block<T, 3>(r, w, newest + c, out + c, lanes); break;
+      case 2: conv_block<T, 2>(r, w, newest + c, out + c, lanes); break;
+      case 1: conv_block<T, 1>(r, w, newest + c, out + c, lanes); break;
+      case 4: conv_block<T, 4>(r, w, newest + c, out + c, lanes); break;
+      default: conv_block<T, 5>(r, w, newest + c, out + c, lanes);  // width 6, checked by the callers
+    }
+  }
+}
+
 // One token of one value head: q, k (dk) normalised here, v (dv), the head's state s [dk, dv] updated in
 // place, the output into o (dv); `work` holds 2 dk + dv floats. Every kernel below runs a token through
 // this, so a token's arithmetic is the same in a decode step and in a prompt chunk.
@@ -175,17 +193,8 @@ at::Tensor conv_rows(const char* op, at::Tensor x, at::Tensor state, at::Tensor 
       for (int64_t i = begin; i < end; ++i) {
         const int64_t seq = i / blocks, c = i % blocks * kConvLanes, lanes = std::min(kConvLanes, channels - c);
         T* rows = st + (slots[seq] * channels + c) * keep;
-        for (int64_t r = seq * tokens; r < (seq + 1) * tokens; ++r) {
-          const T* newest = xp + r * x_stride + c;
-          T* o = out_p + r * channels + c;
-          switch (keep) {  // Qwen3.5's kernels are 4 wide; any width runs
-            case 3: conv_block<T, 3>(rows, w + c * width, newest, o, lanes); break;
-            case 2: conv_block<T, 2>(rows, w + c * width, newest, o, lanes); break;
-            case 1: conv_block<T, 1>(rows, w + c * width, newest, o, lanes); break;
-            case 4: conv_block<T, 4>(rows, w + c * width, newest, o, lanes); break;
-            default: conv_block<T, 5>(rows, w + c * width, newest, o, lanes);  // width 6, checked above
-          }
-        }
+        for (int64_t r = seq * tokens; r < (seq + 1) * tokens; ++r)
+          conv_channels(rows, w + c * width, xp + r * x_stride + c, out_p + r * channels + c, lanes, keep);
       }
     });
   });
@@ -283,6 +292,19 @@ namespace {
 
 inline float sigmoid_f(float x) { return 1.f / (1.f + std::exp(-x)); }
 
+// A value head's decay g = -exp(A_log) softplus(a + dt_bias), float32.
+inline float delta_decay(float a, float dt_bias, float a_log) {
+  const float x = a + dt_bias;
+  const float softplus = x > 20.f ? x : std::log1p(std::exp(x));
+  return -std::exp(a_log) * softplus;
+}
+
+// Its write strength beta = sigmoid(b), rounded to the dtype as transformers computes it there.
+template <typename T>
+inline float delta_strength(T b) {
+  return rounded<T>(sigmoid_f(load(b)));
+}
+
 }  // namespace
 
 // The write strength and decay of each token and value head: beta = sigmoid(b) (rounded to the dtype, as
@@ -309,10 +331,8 @@ std::vector<at::Tensor> delta_gates(at::Tensor a, at::Tensor b, at::Tensor a_log
     float* betap = beta.data_ptr<float>();
     for (int64_t t = 0; t < tokens; ++t)
       for (int64_t h = 0; h < heads; ++h) {
-        const float x = load(ap[t * a.stride(0) + h]) + load(dt[h]);
-        const float softplus = x > 20.f ? x : std::log1p(std::exp(x));
-        gp[t * heads + h] = -std::exp(load(al[h])) * softplus;
-        betap[t * heads + h] = rounded<T>(sigmoid_f(load(bp[t * b.stride(0) + h])));
+        gp[t * heads + h] = delta_decay(load(ap[t * a.stride(0) + h]), load(dt[h]), load(al[h]));
+        betap[t * heads + h] = delta_strength(bp[t * b.stride(0) + h]);
       }
   });
   return {g, beta};
@@ -376,6 +396,21 @@ float torch_inner_sum(const float* v, int64_t d) {
   return total;
 }
 
+// One row of gated_rms_norm below: core (d floats) into out (d values of T); x and squares hold d floats.
+template <typename T>
+inline void gated_norm_row(const float* core, const float* gate, const T* w, T* out, int64_t d, float eps, float* x,
+                           float* squares) {
+  for (int64_t i = 0; i < d; ++i) x[i] = rounded<T>(core[i]);
+  for (int64_t i = 0; i < d; ++i) squares[i] = x[i] * x[i];
+  asm volatile("" ::: "memory");  // the squares rounded apart from the sum's additions
+  const float mean = torch_inner_sum(squares, d) / static_cast<float>(d);
+  const float inverse = 1.f / std::sqrt(mean + eps);
+  for (int64_t i = 0; i < d; ++i) {
+    const float normed = rounded<T>(x[i] * inverse);
+    out[i] = to<T>(rounded<T>(load(w[i]) * normed) * gate[i]);
+  }
+}
+
 }  // namespace
 
 // Qwen3.5's gated RMSNorm of the delta rule's output, as transformers computes it in x's dtype T: each row
@@ -402,15 +437,96 @@ at::Tensor gated_rms_norm(at::Tensor core, at::Tensor gate, at::Tensor weight, d
     T* op = out.data_ptr<T>();
     at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
       std::vector<float> x(d), squares(d);
-      for (int64_t r = begin; r < end; ++r) {
-        for (int64_t i = 0; i < d; ++i) x[i] = rounded<T>(cp[r * d + i]);
-        for (int64_t i = 0; i < d; ++i) squares[i] = x[i] * x[i];
-        asm volatile("" ::: "memory");  // the squares rounded apart from the sum's additions
-        const float mean = torch_inner_sum(squares.data(), d) / static_cast<float>(d);
-        const float inverse = 1.f / std::sqrt(mean + static_cast<float>(eps));
-        for (int64_t i = 0; i < d; ++i) {
-          const float normed = rounded<T>(x[i] * inverse);
-          op[r * d + i] = to<T>(rounded<T>(load(w[i]) * normed) * gp[r * d + i]);
+      for (int64_t r = begin; r < end; ++r)
+        gated_norm_row(cp + r * d, gp + r * d, w, op + r * d, d, static_cast<float>(eps), x.data(), squares.data());
+    });
+  });
+  return out;
+}
+
+// A Gated DeltaNet layer's decode step between its two projections, for B sequences, one token each: from the
+// in-projection's rows `projected` [B, mixed | z | b | a] (mixed: q, k of key_heads heads of key_dim, v of
+// heads of value_dim) and the gates' SiLU `gate` (float32 [B, heads * value_dim]), the convolution of mixed on
+// conv_state[slots[b]], each head's decay and write strength, the delta rule on recurrent_state[slots[b]] and
+// the gated RMSNorm with norm_weight, into [B, heads * value_dim] in the dtype: causal_conv_decode_,
+// delta_gates, gated_delta_decode_ and gated_rms_norm's arithmetic, the same bits, in one parallel region over
+// (sequence, key head) and without the tensors between them. The C++ decode layers run it: in a decode
+// step each call through the dispatcher, each allocation and each parallel region start cold after a
+// projection's stream (docs/performance.md#qwen35-08b-shape-what-a-token-reads-benchquantizationpy---shape-qwen35-08b).
+at::Tensor linear_attention_decode_(at::Tensor projected, at::Tensor gate, at::Tensor conv_state,
+                                    at::Tensor conv_weight, at::Tensor recurrent_state, at::Tensor a_log,
+                                    at::Tensor dt_bias, at::Tensor norm_weight, at::Tensor slots, int64_t key_heads,
+                                    int64_t key_dim, int64_t heads, int64_t value_dim, double norm_eps) {
+  constexpr const char* op = "linear_attention_decode_";
+  check_one_dtype(op, {{"projected", &projected}, {"conv_state", &conv_state}, {"conv_weight", &conv_weight},
+                       {"a_log", &a_log}, {"dt_bias", &dt_bias}, {"norm_weight", &norm_weight}});
+  TORCH_CHECK(key_heads > 0 && heads % key_heads == 0 && key_dim > 0 && value_dim > 0, op, ": ", heads,
+              " value heads must be a multiple of ", key_heads, " key heads, with head dims ", key_dim, " and ",
+              value_dim);
+  TORCH_CHECK(value_dim < 512, op, ": value heads of ", value_dim, "; PyTorch's norm sums 512 or more in another order");
+  const int64_t batch = projected.size(0), key_size = key_heads * key_dim, value_size = heads * value_dim;
+  const int64_t channels = 2 * key_size + value_size;
+  TORCH_CHECK(projected.dim() == 2 && projected.stride(1) == 1 && projected.size(1) == channels + value_size + 2 * heads,
+              op, ": projected must be [B, ", channels + value_size + 2 * heads, "] with unit stride (mixed ", channels,
+              ", z ", value_size, ", b and a ", heads, " each), got ", projected.sizes());
+  TORCH_CHECK(gate.scalar_type() == at::kFloat && gate.is_contiguous() && gate.dim() == 2 && gate.size(0) == batch &&
+                  gate.size(1) == value_size,
+              op, ": gate must be contiguous float32 [", batch, ", ", value_size, "], got ", gate.scalar_type(), " ",
+              gate.sizes());
+  TORCH_CHECK(conv_state.dim() == 3 && conv_state.is_contiguous() && conv_state.size(1) == channels &&
+                  conv_weight.dim() == 2 && conv_weight.is_contiguous() && conv_weight.size(0) == channels &&
+                  conv_weight.size(1) == conv_state.size(2) + 1,
+              op, ": conv_state contiguous [slots, ", channels, ", K - 1] and conv_weight contiguous [", channels,
+              ", K], got ", conv_state.sizes(), " ", conv_weight.sizes());
+  const int64_t width = conv_weight.size(1), keep = width - 1;
+  TORCH_CHECK(2 <= width && width <= 6, op, ": the convolution is ", width, " wide; the kernel runs 2 to 6");
+  TORCH_CHECK(recurrent_state.dim() == 4 && recurrent_state.scalar_type() == at::kFloat &&
+                  recurrent_state.is_contiguous() && recurrent_state.size(1) == heads &&
+                  recurrent_state.size(2) == key_dim && recurrent_state.size(3) == value_dim,
+              op, ": recurrent_state must be contiguous float32 [slots, ", heads, ", ", key_dim, ", ", value_dim,
+              "], got ", recurrent_state.sizes(), " ", recurrent_state.scalar_type());
+  TORCH_CHECK(a_log.numel() == heads && dt_bias.numel() == heads && norm_weight.numel() == value_dim, op,
+              ": a_log and dt_bias must hold ", heads, " values and norm_weight ", value_dim, ", got ", a_log.numel(),
+              ", ", dt_bias.numel(), ", ", norm_weight.numel());
+  check_slots(op, slots, batch, conv_state.size(0));
+  check_slots(op, slots, batch, recurrent_state.size(0));
+  a_log = a_log.contiguous();
+  dt_bias = dt_bias.contiguous();
+  norm_weight = norm_weight.contiguous();
+  auto out = at::empty({batch, value_size}, projected.options());
+  const int64_t group = heads / key_heads, dk = key_dim, dv = value_dim;
+  const int64_t b_at = channels + value_size, a_at = b_at + heads;  // b's and a's first columns
+  const float scale = 1.f / std::sqrt(static_cast<float>(dk)), eps = static_cast<float>(norm_eps);
+  dispatch(op, projected.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    const T* pp = projected.data_ptr<T>();
+    const T* cw = conv_weight.data_ptr<T>();
+    const T* al = a_log.data_ptr<T>();
+    const T* dt = dt_bias.data_ptr<T>();
+    const T* nw = norm_weight.data_ptr<T>();
+    const float* gp = gate.data_ptr<float>();
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    T* cs = conv_state.data_ptr<T>();
+    float* rs = recurrent_state.data_ptr<float>();
+    T* outp = out.data_ptr<T>();
+    at::parallel_for(0, batch * key_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<T> mixed(2 * dk + group * dv);  // the key head's q and k, then its value heads' v, convolved
+      std::vector<float> work(2 * dk + dv), o(dv), x(dv), squares(dv);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t seq = task / key_heads, kh = task % key_heads, slot = sl[seq];
+        const T* row = pp + seq * projected.stride(0);
+        const int64_t first[3] = {kh * dk, key_size + kh * dk, 2 * key_size + kh * group * dv};
+        const int64_t count[3] = {dk, dk, group * dv};
+        for (int64_t part = 0, offset = 0; part < 3; offset += count[part++])
+          conv_channels(cs + (slot * channels + first[part]) * keep, cw + first[part] * width, row + first[part],
+                        mixed.data() + offset, count[part], keep);
+        for (int64_t j = 0; j < group; ++j) {
+          const int64_t h = kh * group + j;
+          delta_step(mixed.data(), mixed.data() + dk, mixed.data() + 2 * dk + j * dv,
+                     delta_decay(load(row[a_at + h]), load(dt[h]), load(al[h])), delta_strength(row[b_at + h]),
+                     rs + (slot * heads + h) * dk * dv, o.data(), dk, dv, scale, work.data());
+          gated_norm_row(o.data(), gp + seq * value_size + h * dv, nw, outp + seq * value_size + h * dv, dv, eps,
+                         x.data(), squares.data());
         }
       }
     });

@@ -55,6 +55,10 @@ at::Tensor gated_qk_norm_rope(at::Tensor qkv, int64_t heads, int64_t kv_heads, i
 // Into `out` (contiguous, x's shape and dtype; may be x itself): what rms_norm_fp32_weight returns.
 void rms_norm_fp32_weight_into(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out);
 at::Tensor gated_rms_norm(at::Tensor core, at::Tensor gate, at::Tensor weight, double eps);
+at::Tensor linear_attention_decode_(at::Tensor projected, at::Tensor gate, at::Tensor conv_state,
+                                    at::Tensor conv_weight, at::Tensor recurrent_state, at::Tensor a_log,
+                                    at::Tensor dt_bias, at::Tensor norm_weight, at::Tensor slots, int64_t key_heads,
+                                    int64_t key_dim, int64_t heads, int64_t value_dim, double norm_eps);
 
 // sampling_cpu.cpp
 at::Tensor sample_rows(at::Tensor logits, at::Tensor spec);
