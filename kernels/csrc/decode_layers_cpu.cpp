@@ -37,14 +37,24 @@ struct Projection {
 
 // A sparse layer's experts, as worker/layers/moe.py's SparseMoeBlock runs them on the CPU kernels: the same
 // ops in the same order (route in float32, rows grouped by expert in ascending order, each token's k
-// outputs added one at a time in that order).
+// outputs added one at a time in that order), then a shared expert's output times sigmoid of its gate
+// (Qwen3.5-MoE's) added.
 struct SparseMoe {
   Projection router;
   std::vector<Projection> w13, w2;  // per expert: [2 I, H] (gate rows, then up rows) and [H, I]
   int64_t top_k = 0;
   bool norm_topk_prob = false;
+  c10::optional<Projection> shared_gate_up, shared_down, shared_gate;  // all three or none
 
   at::Tensor operator()(const at::Tensor& x) const {
+    const at::Tensor out = experts(x);
+    if (!shared_gate_up.has_value()) return out;
+    const at::Tensor shared = (*shared_down)(silu_and_mul((*shared_gate_up)(x)));
+    return out + sigmoid_mul(shared, (*shared_gate)(x));
+  }
+
+ private:
+  at::Tensor experts(const at::Tensor& x) const {
     at::Tensor weights, chosen;
     std::tie(weights, chosen) = at::softmax(router(x), -1, at::kFloat).topk(top_k, -1);
     if (norm_topk_prob) weights.div_(weights.sum(-1, /*keepdim=*/true));
@@ -133,10 +143,10 @@ class DecodeLayers {
   double eps_, scale_;
 };
 
-// ---- A hybrid model's (Qwen3.5's) decode step in one call: Gated DeltaNet layers, each reading and writing
-// its state rows in place, and gated-attention layers; every norm zero-centred (a float32 1 + w). The
-// modules' ops in their order (worker/models/qwen3_5.py), the gated norm on ATen's ops as GatedRMSNorm
-// runs them. Dense MLPs only: a sparse layer's shared expert is not here, and such a model keeps the modules.
+// ---- A hybrid model's (Qwen3.5's, Qwen3.5-MoE's) decode step in one call: Gated DeltaNet layers, each
+// reading and writing its state rows in place, and gated-attention layers; every norm zero-centred (a float32
+// 1 + w); dense MLPs or sparse experts with a shared expert. The modules' ops in their order
+// (worker/models/qwen3_5.py).
 
 struct LinearAttentionWeights {
   Projection in_proj, out_proj;
@@ -160,7 +170,8 @@ struct HybridLayer {
   at::Tensor input_norm, post_attention_norm;  // float32 1 + w
   c10::optional<LinearAttentionWeights> linear;
   c10::optional<GatedAttentionWeights> attention;
-  Projection gate_up, down;
+  c10::optional<Projection> gate_up, down;  // a dense MLP's, or
+  c10::optional<SparseMoe> moe;             // a sparse layer's experts (and shared expert)
 };
 
 class HybridDecodeLayers {
@@ -184,7 +195,7 @@ class HybridDecodeLayers {
                                    : gated_attention(*layer.attention, x, cos, sin, slot_mapping, block_tables,
                                                      context_lens);
       add_and_norm(x, residual, layer.post_attention_norm);
-      x = layer.down(silu_and_mul(layer.gate_up(x)));
+      x = layer.moe.has_value() ? (*layer.moe)(x) : (*layer.down)(silu_and_mul((*layer.gate_up)(x)));
     }
     return {x, residual};
   }
@@ -258,15 +269,21 @@ void register_decode_layers(pybind11::module& m) {
            py::arg("interleaved") = false);
   py::class_<SparseMoe>(m, "SparseMoe", "A sparse layer's router and experts for DecodeLayers")
       .def(py::init([](Projection router, std::vector<Projection> w13, std::vector<Projection> w2, int64_t top_k,
-                       bool norm_topk_prob) {
+                       bool norm_topk_prob, c10::optional<Projection> shared_gate_up,
+                       c10::optional<Projection> shared_down, c10::optional<Projection> shared_gate) {
              TORCH_CHECK(!w13.empty() && w13.size() == w2.size(), "SparseMoe: ", w13.size(), " gate/up and ",
                          w2.size(), " down projections");
              TORCH_CHECK(router.weight.has_value(), "SparseMoe: the router's weight must be float");
              TORCH_CHECK(top_k >= 1 && top_k <= static_cast<int64_t>(w13.size()), "SparseMoe: top_k ", top_k,
                          " with ", w13.size(), " experts");
-             return SparseMoe{router, w13, w2, top_k, norm_topk_prob};
+             TORCH_CHECK(shared_gate_up.has_value() == shared_down.has_value() &&
+                             shared_down.has_value() == shared_gate.has_value(),
+                         "SparseMoe: a shared expert's gate_up, down and gate, all three or none");
+             return SparseMoe{router, w13, w2, top_k, norm_topk_prob, shared_gate_up, shared_down, shared_gate};
            }),
-           py::arg("router"), py::arg("w13"), py::arg("w2"), py::arg("top_k"), py::arg("norm_topk_prob"));
+           py::arg("router"), py::arg("w13"), py::arg("w2"), py::arg("top_k"), py::arg("norm_topk_prob"),
+           py::arg("shared_gate_up") = py::none(), py::arg("shared_down") = py::none(),
+           py::arg("shared_gate") = py::none());
   py::class_<Layer>(m, "DecoderLayerWeights", "One decoder layer's weights and KV cache for DecodeLayers")
       .def(py::init([](at::Tensor input_norm, at::Tensor post_attention_norm,
                        c10::optional<at::Tensor> qk_norm, Projection qkv, Projection o,
@@ -313,13 +330,16 @@ void register_decode_layers(pybind11::module& m) {
   py::class_<HybridLayer>(m, "HybridLayerWeights", "One hybrid decoder layer for HybridDecodeLayers")
       .def(py::init([](at::Tensor input_norm, at::Tensor post_attention_norm,
                        c10::optional<LinearAttentionWeights> linear, c10::optional<GatedAttentionWeights> attention,
-                       Projection gate_up, Projection down) {
+                       c10::optional<Projection> gate_up, c10::optional<Projection> down,
+                       c10::optional<SparseMoe> moe) {
              TORCH_CHECK(linear.has_value() != attention.has_value(),
                          "HybridLayerWeights: a linear-attention layer or a gated-attention one");
-             return HybridLayer{input_norm, post_attention_norm, linear, attention, gate_up, down};
+             TORCH_CHECK(moe.has_value() != (gate_up.has_value() && down.has_value()),
+                         "HybridLayerWeights: a dense MLP's gate_up and down, or a sparse layer's moe");
+             return HybridLayer{input_norm, post_attention_norm, linear, attention, gate_up, down, moe};
            }),
            py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("linear"), py::arg("attention"),
-           py::arg("gate_up"), py::arg("down"));
+           py::arg("gate_up"), py::arg("down"), py::arg("moe"));
   py::class_<HybridDecodeLayers>(m, "HybridDecodeLayers", "A hybrid model's decode step in one call (CPU kernels)")
       .def(py::init<std::vector<HybridLayer>, double>(), py::arg("layers"), py::arg("eps"))
       .def("forward", &HybridDecodeLayers::forward, py::arg("x"), py::arg("cos"), py::arg("sin"),

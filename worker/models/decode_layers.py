@@ -41,18 +41,25 @@ def _linear(kernels: ModuleType, layer: ParallelLinear, deterministic: bool) -> 
 
 
 def _mlp(kernels: ModuleType, mlp: Any, deterministic: bool) -> dict[str, object]:
-    """DecoderLayerWeights' arguments for a dense MLP (gate_up, down) or a sparse layer's experts (moe)."""
+    """The layer weights' arguments for a dense MLP (gate_up, down) or a sparse layer's experts and shared
+    expert (moe)."""
     if isinstance(mlp, SparseMoeBlock):
         experts = mlp.experts
         # parameters (float experts) or PackedWeights
         w13 = cast("list[torch.Tensor | PackedWeight]", list(experts.w13))
         w2 = cast("list[torch.Tensor | PackedWeight]", list(experts.w2))
+        shared = mlp.shared_expert
         moe = kernels.SparseMoe(
             _projection(kernels, mlp.gate.weight, None, deterministic),
             [_projection(kernels, w, None, deterministic) for w in w13],
             [_projection(kernels, w, None, deterministic) for w in w2],
             mlp.spec.top_k,
             mlp.spec.norm_topk_prob,
+            shared_gate_up=None if shared is None else _linear(kernels, shared.gate_up_proj, deterministic),
+            shared_down=None if shared is None else _linear(kernels, shared.down_proj, deterministic),
+            shared_gate=None
+            if shared is None
+            else _projection(kernels, mlp.shared_expert_gate.weight, None, deterministic),
         )
         return {"gate_up": None, "down": None, "moe": moe}
     return {
@@ -95,11 +102,8 @@ def build_decode_layers(model: torch.nn.Module, kernels: ModuleType, determinist
 
 def build_hybrid_decode_layers(model: torch.nn.Module, kernels: ModuleType, deterministic: bool) -> Any:
     """kernels.HybridDecodeLayers over a hybrid model's layers (worker/models/qwen3_5.py's HybridModel),
-    or None while the KV caches or state rows are not allocated, or where a layer is sparse (its shared
-    expert is not in the C++ layers)."""
+    or None while the KV caches or state rows are not allocated."""
     decoder_layers: list[Any] = list(cast(torch.nn.ModuleList, model.layers))
-    if any(isinstance(layer.mlp, SparseMoeBlock) for layer in decoder_layers):
-        return None
     layers = []
     for layer in decoder_layers:
         linear = attention = None
@@ -148,8 +152,7 @@ def build_hybrid_decode_layers(model: torch.nn.Module, kernels: ModuleType, dete
                 layer.post_attention_layernorm.weight,
                 linear,
                 attention,
-                _linear(kernels, layer.mlp.gate_up_proj, deterministic),
-                _linear(kernels, layer.mlp.down_proj, deterministic),
+                **_mlp(kernels, layer.mlp, deterministic),
             )
         )
     return kernels.HybridDecodeLayers(layers, decoder_layers[0].input_layernorm.eps)

@@ -483,8 +483,7 @@ class HybridDecoderLayer(DecoderLayer):
 
 class HybridModel(DecoderModel):
     """The decoder's embedding, layer loop and final norm (DecoderModel.forward) over hybrid layers; RoPE
-    turns `rotary_dim` dimensions; a decode step's layers in one C++ call where the model's layers are all
-    dense (worker/models/decode_layers.py)."""
+    turns `rotary_dim` dimensions; a decode step's layers in one C++ call (worker/models/decode_layers.py)."""
 
     def __init__(self, cfg: ModelConfig, tp: TPContext, quant: QuantPlan | None) -> None:
         nn.Module.__init__(self)
