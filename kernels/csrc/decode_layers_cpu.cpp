@@ -267,7 +267,7 @@ void register_decode_layers(pybind11::module& m) {
            py::arg("weight"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
            py::arg("group_size"), py::arg("bias"), py::arg("few_rows_max"), py::arg("batch_invariant"),
            py::arg("interleaved") = false);
-  py::class_<SparseMoe>(m, "SparseMoe", "A sparse layer's router and experts for DecodeLayers")
+  py::class_<SparseMoe>(m, "SparseMoe", "A sparse layer's router, experts and shared expert for the decode layers")
       .def(py::init([](Projection router, std::vector<Projection> w13, std::vector<Projection> w2, int64_t top_k,
                        bool norm_topk_prob, c10::optional<Projection> shared_gate_up,
                        c10::optional<Projection> shared_down, c10::optional<Projection> shared_gate) {
