@@ -9,6 +9,7 @@
 // The model keeps its modules for everything else (prefill, chunks, tensor parallelism, other backends).
 #include <torch/extension.h>
 
+#include "cpu_common.h"
 #include "kernels_cpu.h"
 
 #include <algorithm>
@@ -58,15 +59,25 @@ struct SparseMoe {
     at::Tensor weights, chosen;
     std::tie(weights, chosen) = at::softmax(router(x), -1, at::kFloat).topk(top_k, -1);
     if (norm_topk_prob) weights.div_(weights.sum(-1, /*keepdim=*/true));
-    weights = weights.to(x.scalar_type());
-    const at::Tensor flat = chosen.flatten();
-    const at::Tensor order = at::argsort(flat, /*stable=*/true);
-    const at::Tensor counts = at::bincount(flat, {}, static_cast<int64_t>(w13.size()));
-    const int64_t* count = counts.data_ptr<int64_t>();
+    weights = weights.to(x.scalar_type()).contiguous();
+    chosen = chosen.contiguous();
+    // The (token, slot) pairs as rows grouped by expert in ascending order, tokens in order within a group (a
+    // stable counting sort of the choices: SparseMoeBlock's stable argsort), found on the host: a decode step's
+    // dozen routing and combining ATen calls each ran cold after the experts' streams.
+    const int64_t tokens = x.size(0), pairs = tokens * top_k, num_experts = static_cast<int64_t>(w13.size());
+    const int64_t* choice = chosen.data_ptr<int64_t>();
+    std::vector<int64_t> first(num_experts + 1, 0);
+    for (int64_t i = 0; i < pairs; ++i) ++first[choice[i] + 1];
     std::vector<int64_t> experts, sizes;
-    for (int64_t e = 0; e < counts.size(0); ++e)
-      if (count[e] > 0) experts.push_back(e), sizes.push_back(count[e]);
-    const at::Tensor token_of_row = at::floor_divide(order, top_k);
+    for (int64_t e = 0; e < num_experts; ++e) {
+      if (first[e + 1] > 0) experts.push_back(e), sizes.push_back(first[e + 1]);
+      first[e + 1] += first[e];
+    }
+    std::vector<int64_t> pair_of_row(pairs);  // row r holds pair pair_of_row[r] (token * top_k + slot)
+    for (int64_t i = 0; i < pairs; ++i) pair_of_row[first[choice[i]]++] = i;
+    at::Tensor token_of_row = at::empty({pairs}, chosen.options());
+    int64_t* token = token_of_row.data_ptr<int64_t>();
+    for (int64_t r = 0; r < pairs; ++r) token[r] = pair_of_row[r] / top_k;
     const std::vector<at::Tensor> inputs = x.index_select(0, token_of_row).split_with_sizes(sizes);
     const int64_t most_rows = *std::max_element(sizes.begin(), sizes.end());
     std::vector<at::Tensor> ys;
@@ -78,12 +89,35 @@ struct SparseMoe {
     } else {
       for (size_t i = 0; i < experts.size(); ++i) ys.push_back(w2[experts[i]](silu_and_mul(w13[experts[i]](inputs[i]))));
     }
-    const at::Tensor rows = at::cat(ys).mul_(weights.flatten().index_select(0, order).unsqueeze(1));
-    const at::Tensor by_token =
-        rows.index_select(0, at::argsort(token_of_row, /*stable=*/true)).view({-1, top_k, rows.size(1)});
-    at::Tensor out = by_token.select(1, 0);
-    for (int64_t slot = 1; slot < top_k; ++slot) out = out + by_token.select(1, slot);
-    return out.contiguous();
+    // Each token's k rows (in ascending expert order) times their weights, each product rounded to the dtype,
+    // added one at a time with the sum rounded after each add: SparseMoeBlock's mul_ and adds, as ATen rounds them.
+    const int64_t hidden = ys[0].size(1);
+    std::vector<const at::Tensor*> y_of_row(pairs);
+    std::vector<int64_t> index_in_y(pairs);
+    for (size_t i = 0, r = 0; i < ys.size(); ++i)
+      for (int64_t j = 0; j < sizes[i]; ++j, ++r) y_of_row[r] = &ys[i], index_in_y[r] = j;
+    std::vector<int64_t> rows_seen(tokens, 0);
+    at::Tensor out = at::empty({tokens, hidden}, x.options());
+    dispatch("SparseMoe", x.scalar_type(), [&](auto zero) {
+      using T = decltype(zero);
+      const T* w = weights.data_ptr<T>();
+      T* o = out.data_ptr<T>();
+      std::vector<float> product(hidden);
+      for (int64_t r = 0; r < pairs; ++r) {  // rows ascend by expert, so each token meets its rows in that order
+        const int64_t pair = pair_of_row[r], t = pair / top_k;
+        const T* y = y_of_row[r]->data_ptr<T>() + index_in_y[r] * hidden;
+        const float weight = load(w[pair]);
+        T* into = o + t * hidden;
+        if (rows_seen[t]++ == 0) {
+          for (int64_t h = 0; h < hidden; ++h) into[h] = to<T>(load(y[h]) * weight);
+          continue;
+        }
+        for (int64_t h = 0; h < hidden; ++h) product[h] = rounded<T>(load(y[h]) * weight);
+        asm volatile("" ::: "memory");  // the products rounded apart from the adds (no fused multiply-add)
+        for (int64_t h = 0; h < hidden; ++h) into[h] = to<T>(load(into[h]) + product[h]);
+      }
+    });
+    return out;
   }
 };
 
