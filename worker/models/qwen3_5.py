@@ -523,9 +523,7 @@ class HybridModel(DecoderModel):
         the order across layers does not matter), the layers in one call on the decodes' state slots."""
         states = meta.states
         assert states is not None  # runs_in_one_call
-        if states.prepares:  # most decode steps have nothing to prepare or keep: no Python per layer then
-            for layer in self._linear_layers():
-                layer.prepare_states(states)
+        self.prepare_states(states)
         x, residual = self.decode_layers.forward(
             x,
             *rope,
@@ -534,14 +532,25 @@ class HybridModel(DecoderModel):
             decode.context_lens,
             states.slots[: states.num_decodes],
         )
-        if states.keeps_decode_states:
-            for layer in self._linear_layers():
-                layer.keep_decode_states(states)
+        self.keep_decode_states(states)
         return x, residual
 
-    def _linear_layers(self) -> list[GatedDeltaNet]:
+    def linear_attention_layers(self) -> list[GatedDeltaNet]:
         layers = cast("list[HybridDecoderLayer]", list(self.layers))  # a ModuleList's items are bare Modules
         return [layer.linear_attn for layer in layers if not layer.is_full_attention]
+
+    def prepare_states(self, states: StateBatch) -> None:
+        """A decode step's state work before its layers (GatedDeltaNet.prepare_states); a step with none (most
+        decode steps) runs no Python per layer."""
+        if states.prepares:
+            for layer in self.linear_attention_layers():
+                layer.prepare_states(states)
+
+    def keep_decode_states(self, states: StateBatch) -> None:
+        """... and after them (GatedDeltaNet.keep_decode_states)."""
+        if states.keeps_decode_states:
+            for layer in self.linear_attention_layers():
+                layer.keep_decode_states(states)
 
 
 class MultiTokenPredictor(nn.Module):
@@ -671,25 +680,21 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         return projections
 
     def linear_attention_layers(self) -> list[GatedDeltaNet]:
-        return [layer.linear_attn for layer in self._layers() if not layer.is_full_attention]
+        return self._hybrid().linear_attention_layers()
+
+    def _hybrid(self) -> HybridModel:
+        return cast(HybridModel, self.model)  # model_class
 
     def _layers(self) -> list[HybridDecoderLayer]:
         return cast("list[HybridDecoderLayer]", self.model.layers)  # a ModuleList's items are bare Modules
 
     def prepare_states(self, states: StateBatch) -> None:
-        """A decode step's state work outside a replayed graph: before it
-        (GatedDeltaNet.prepare_states); a step with none (most decode steps) runs no Python per layer."""
-        if not states.prepares:
-            return
-        for layer in self.linear_attention_layers():
-            layer.prepare_states(states)
+        """A decode step's state work outside a replayed graph, before it (HybridModel.prepare_states)."""
+        self._hybrid().prepare_states(states)
 
     def keep_decode_states(self, states: StateBatch) -> None:
-        """... and after it (GatedDeltaNet.keep_decode_states)."""
-        if not states.keeps_decode_states:
-            return
-        for layer in self.linear_attention_layers():
-            layer.keep_decode_states(states)
+        """... and after it."""
+        self._hybrid().keep_decode_states(states)
 
     def bind_kernels(self, attention: AttentionBackend, kernels: LayerKernels) -> None:
         """Attention layers on `attention`; the linear layers' state work on `kernels.gated_delta`, its
