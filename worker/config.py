@@ -178,6 +178,14 @@ class EngineConfig:
         "step's tensors fault in fresh pages; by default the process keeps them for reuse and stays at "
         "its peak resident memory (worker/runner/host_memory.py)",
     )
+    huge_pages: bool = option(
+        True,
+        flag="--no-huge-pages",
+        negate=True,
+        help="on a CPU, the weights, KV cache and recurrent states live on 2 MiB pages (transparent huge "
+        "pages, where the kernel allows them), so a step reading its weights walks 512 times fewer page "
+        "tables; off keeps them on the allocator's pages (worker/runner/huge_pages.py)",
+    )
     seed: int = option(0, help="seed for requests that set none")
     deterministic: bool | None = option(
         None,

@@ -42,6 +42,7 @@ from nanovllm.worker.models.loader import has_tensors_under, load_safetensors, l
 from nanovllm.worker.models.qwen3_5 import Qwen3_5ForCausalLM
 from nanovllm.worker.models.qwen3_5_vision import Qwen3_5ForConditionalGeneration
 from nanovllm.worker.models.registry import causal_lm_class
+from nanovllm.worker.runner import huge_pages
 from nanovllm.worker.runner.block_table_rows import BlockTableRows
 from nanovllm.worker.runner.cpu_share import CpuShare
 from nanovllm.worker.runner.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
@@ -134,6 +135,7 @@ class ModelRunnerBase:
             )  # fmt: skip
         self.num_blocks = self._allocate_kv_cache()
         self.kv_offload = self._kv_offload() if config.kv_tiers else None
+        self._lay_out_weights()
         self._bind_kernels()
         if self.tp.rank == 0 and config.weight_format != "none":
             self._log_quantized_weights()
@@ -159,6 +161,8 @@ class ModelRunnerBase:
                     log.info("freed_memory_kept_for_reuse" if kept else "freed_memory_returned", glibc=kept)
         self.dtype = self.placement.dtype
         self.kv_cache_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, self.dtype)
+        # The tensors the runner keeps for its lifetime on 2 MiB pages (worker/runner/huge_pages.py).
+        self.on_huge_pages = self.device.type == "cpu" and config.huge_pages and huge_pages.available()
         self.block_size = config.kvcache_block_size
 
     def _load_weights(self) -> None:
@@ -426,6 +430,20 @@ class ModelRunnerBase:
                 "attention_backend_selected", backend=self.kernel_backend, reason=self.backend_choice.reason
             )
 
+    def _lay_out_weights(self) -> None:
+        """The weights as the kernels read them, before the kernels bind them: 4-bit projections interleaved
+        for the C++ kernel with AVX512-VNNI and 16-bit x; on a CPU, every weight moved onto huge pages
+        (worker/runner/huge_pages.py)."""
+        backend = self.backend_choice.backend
+        cpu = backend.kernels if isinstance(backend, CpuKernelAttention) else None
+        models = [self.model] if self.draft is None else [self.model, self.draft.model]
+        if cpu is not None and self.dtype != torch.float32 and cpu.linear_quantized_interleaved():
+            self.interleaved_weights = sum(interleave_packed_weights(model) for model in models)
+        if self.on_huge_pages:
+            moved = sum(huge_pages.move_weights(model) for model in models)
+            if self.tp.rank == 0:
+                log.info("weights_on_huge_pages", mib=round(moved / 2**20, 1))
+
     def _bind_kernels(self) -> None:
         """Bind the kernels chosen: the attention backend, and with the C++ attention the other layers' C++
         variants, with Triton's its fused layer kernels (worker/layers/kernels.py)."""
@@ -448,10 +466,6 @@ class ModelRunnerBase:
             cpu=cpu, triton=fused, block_fp8=block_fp8, deterministic=deterministic, gated_delta=gated_delta,
             gated_delta_prompts=prompts,
         )  # fmt: skip
-        if cpu is not None and self.dtype != torch.float32 and cpu.linear_quantized_interleaved():
-            self.interleaved_weights = interleave_packed_weights(self.model)
-            if self.draft is not None:
-                self.interleaved_weights += interleave_packed_weights(self.draft.model)
         self.model.bind_kernels(choice.backend, kernels)
         self.sampler.cpu_kernels = cpu
         if self.mtp is not None:
@@ -573,10 +587,8 @@ class ModelRunnerBase:
         rows = slots * self.state_rows_per_slot + self.num_state_snapshots + 1
         self.pad_state_row = rows - 1
         for layer in model.linear_attention_layers():
-            layer.conv_state = torch.zeros((rows, *layout.conv), dtype=self.dtype, device=self.device)
-            layer.recurrent_state = torch.zeros(
-                (rows, *layout.recurrent), dtype=layout.recurrent_dtype, device=self.device
-            )
+            layer.conv_state = self._zeros((rows, *layout.conv), self.dtype)
+            layer.recurrent_state = self._zeros((rows, *layout.recurrent), layout.recurrent_dtype)
         if self.tp.rank == 0:
             log.info(
                 "state_slots_allocated",
@@ -588,6 +600,12 @@ class ModelRunnerBase:
                 gib=round(rows * per_slot / 2**30, 3),
             )
         return rows * per_slot
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor the runner keeps for its lifetime (the KV cache, the states): on a CPU on huge pages."""
+        if self.on_huge_pages:
+            return huge_pages.zeros(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def _allocate_kv_cache(self) -> int:
         cfg = self.config.model_config
@@ -611,7 +629,7 @@ class ModelRunnerBase:
         # step write to (worker/runner/decode_graphs.py).
         self.pad_block = num_blocks
         shape = (2, cfg.num_attention_layers, num_blocks + 1, self.block_size, kv_heads, cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+        self.kv_cache = self._zeros(shape, self.kv_cache_dtype)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         if self.draft is not None:
