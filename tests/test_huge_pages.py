@@ -4,6 +4,9 @@ an engine decodes the same tokens with them and without."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -112,3 +115,28 @@ def test_an_engine_on_huge_pages_decodes_what_it_decodes_without(tmp_path: Path)
         tokens[on] = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
         llm.shutdown()
     assert tokens[True] == tokens[False]
+
+
+# In a fresh process with the worker's malloc settings (freed memory kept): 256 MB of weights allocated from
+# the heap, moved onto huge pages, the freed memory given back; the resident memory before and after.
+MOVE_SCRIPT = """
+import json, torch
+from torch import nn
+from nanovllm.worker.runner import huge_pages
+from nanovllm.worker.runner.host_memory import keep_freed_memory, return_freed_memory
+def resident() -> int:
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
+keep_freed_memory()
+model = nn.Sequential(*(nn.Linear(2048, 4096, bias=False) for _ in range(8))).requires_grad_(False)
+before = resident()
+huge_pages.move_weights(model)
+return_freed_memory()
+print(json.dumps({"before": before, "after": resident()}))
+"""
+
+
+def test_moving_the_weights_does_not_keep_them_twice():
+    """As the runner does it; without return_freed_memory glibc keeps the old 256 MB and this fails."""
+    out = subprocess.run([sys.executable, "-c", MOVE_SCRIPT], capture_output=True, text=True, check=True)
+    sizes = json.loads(out.stdout.splitlines()[-1])
+    assert sizes["after"] - sizes["before"] < 8 * 2048 * 4096 * 4 // 8, sizes  # the mapping's slack at most

@@ -46,7 +46,7 @@ from nanovllm.worker.runner import huge_pages
 from nanovllm.worker.runner.block_table_rows import BlockTableRows
 from nanovllm.worker.runner.cpu_share import CpuShare
 from nanovllm.worker.runner.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
-from nanovllm.worker.runner.host_memory import keep_freed_memory
+from nanovllm.worker.runner.host_memory import keep_freed_memory, return_freed_memory
 from nanovllm.worker.runner.images import ImageEncoder
 from nanovllm.worker.runner.inputs import InputBuilder
 from nanovllm.worker.runner.kv_cache import (
@@ -441,6 +441,7 @@ class ModelRunnerBase:
             self.interleaved_weights = sum(interleave_packed_weights(model) for model in models)
         if self.on_huge_pages:
             moved = sum(huge_pages.move_weights(model) for model in models)
+            return_freed_memory()  # the weights' old memory: no step reuses that much
             if self.tp.rank == 0:
                 log.info("weights_on_huge_pages", mib=round(moved / 2**20, 1))
 

@@ -34,3 +34,12 @@ def keep_freed_memory() -> bool:
         return False
     settings = ((_M_MMAP_THRESHOLD, _KEEP_BELOW), (_M_TRIM_THRESHOLD, _KEEP_BELOW), (_M_ARENA_MAX, 1))
     return all(libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) == 1 for param, value in settings)
+
+
+def return_freed_memory() -> None:
+    """Give the memory freed so far back to the OS once (glibc's malloc_trim): after a release that no step
+    will reuse, such as the weights' old memory once they move onto huge pages (worker/runner/huge_pages.py),
+    which the settings above would otherwise keep, up to 1 GiB of it."""
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(ctypes.c_size_t(0))
