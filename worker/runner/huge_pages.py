@@ -14,6 +14,7 @@ Where the kernel's transparent huge pages are off (`never`) or absent, nothing c
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import sys
 from collections.abc import Callable
@@ -95,7 +96,8 @@ def _mapping(nbytes: int) -> torch.Tensor:
     pages, as a uint8 tensor (which keeps the mapping alive)."""
     length = -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE  # a huge page more: room to start on a boundary
     region = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
+    with contextlib.suppress(OSError):  # refused (a sandbox's filter): the mapping serves on small pages
+        region.madvise(mmap.MADV_HUGEPAGE)
     whole = torch.frombuffer(region, dtype=torch.uint8)
     start = -whole.data_ptr() % HUGE_PAGE
     return whole[start : start + nbytes]
