@@ -39,14 +39,20 @@ def huge_page_bytes(address: int) -> int:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
-def test_zeros_are_zero_on_a_huge_page_boundary_and_on_huge_pages():
+@pytest.fixture
+def from_a_huge_page(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors from 2 MiB up on huge pages (the runner's threshold is larger than this file's tensors)."""
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", HUGE)
+
+
+def test_zeros_are_zero_on_a_huge_page_boundary_and_on_huge_pages(from_a_huge_page: None):
     tensor = huge_pages.zeros((3, 2**20), torch.float32)  # 12 MiB
     assert tensor.shape == (3, 2**20) and tensor.dtype == torch.float32
     assert tensor.data_ptr() % HUGE == 0
     assert not tensor.any()
     # faulted in at allocation (zero_), on huge pages: all six 2 MiB pages the kernel could give
     assert huge_page_bytes(tensor.data_ptr()) >= 3 * HUGE, huge_page_bytes(tensor.data_ptr())
-    small = huge_pages.zeros((1000, 4), torch.bfloat16)  # under a huge page: from torch.zeros
+    small = huge_pages.zeros((1000, 4), torch.bfloat16)  # under the threshold: from torch.zeros
     assert small.shape == (1000, 4) and not small.any()
 
 
@@ -64,7 +70,7 @@ class Tied(nn.Module):
         self.scale = nn.Parameter(torch.tensor(0.5), requires_grad=False)
 
 
-def test_move_weights_keeps_each_parameter_its_values_and_its_holders():
+def test_move_weights_keeps_each_parameter_its_values_and_its_holders(from_a_huge_page: None):
     torch.manual_seed(0)
     model = Tied().requires_grad_(False)
     x = torch.randn(3, 512)
@@ -92,9 +98,20 @@ def test_move_weights_keeps_each_parameter_its_values_and_its_holders():
     assert huge_page_bytes(pointers[1]) >= HUGE  # 2 MiB of the weight at least
 
 
-def test_an_engine_on_huge_pages_decodes_what_it_decodes_without(tmp_path: Path):
+def test_weights_under_the_threshold_stay_where_they_are():
+    model = Tied().requires_grad_(False)  # 2.2 MB, under the runner's 16 MiB
+    pointers = [t.data_ptr() for t in model.state_dict().values()]
+    assert huge_pages.move_weights(model) == 0
+    assert [t.data_ptr() for t in model.state_dict().values()] == pointers
+
+
+def test_an_engine_on_huge_pages_decodes_what_it_decodes_without(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     """A hybrid model in bf16 with int4 projections (interleaved for the C++ kernel where it runs first, then
-    moved), its recurrent states and KV cache: greedy tokens equal the same engine's off huge pages."""
+    moved), its recurrent states and KV cache: greedy tokens equal the same engine's off huge pages. Every
+    tensor of this small model goes on huge pages (a real model's are above the runner's threshold)."""
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 0)
     build_model("qwen3_5", tmp_path, num_layers=4, hidden=256, tokenizer=False)
     prompts = [[(5 * i + j) % 900 + 3 for j in range(40 + 7 * i)] for i in range(4)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)

@@ -27,6 +27,11 @@ from torch import nn
 from nanovllm.worker.layers.quantization import PackedWeight
 
 HUGE_PAGE = 2 << 20
+# The least a mapping of huge pages is made for: below it a tensor's reads stay within about what the TLB
+# covers on 4 KiB pages (3,072 entries, 12 MiB, on Zen 4), and each huge page costs its first fault 1-5 ms
+# where the kernel must compact memory for it (docs/performance.md#weights-kv-cache-and-states-on-huge-pages).
+# Read at each call, so that a test can lower it.
+MIN_BYTES = 16 << 20
 _ALIGNMENT = 64  # each tensor in a mapping starts on a cache line
 _THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -43,13 +48,13 @@ def available() -> bool:
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor: of 2 MiB or more in a mapping of its own on huge pages, its pages faulted in now
-    (as torch.zeros would) so that the memory is taken at start, not by a later step; smaller, from
-    torch.zeros (a huge page of its own would hold mostly nothing)."""
+    """A zeroed CPU tensor: of MIN_BYTES or more in a mapping of its own on huge pages, its pages faulted in
+    now (as torch.zeros would) so that the memory is taken at start, not by a later step; smaller, from
+    torch.zeros."""
     nbytes = dtype.itemsize
     for size in shape:
         nbytes *= size
-    if nbytes < HUGE_PAGE:
+    if nbytes < MIN_BYTES:
         return torch.zeros(shape, dtype=dtype)
     return _mapping(nbytes).view(dtype).view(shape).zero_()
 
@@ -59,7 +64,7 @@ def move_weights(model: nn.Module) -> int:
     order model.modules() reaches them, each then taking its old tensor's place (a parameter keeps its
     identity, so every module holding it reads the new memory; the old memory is freed as each moves).
     Call it before anything keeps a tensor of its own to the weights (the C++ kernels' bindings). Returns
-    the bytes moved."""
+    the bytes moved: none where they come to less than MIN_BYTES."""
     places: list[tuple[torch.Tensor, Callable[[torch.Tensor], None]]] = []
     seen: set[int] = set()
 
@@ -79,6 +84,8 @@ def move_weights(model: nn.Module) -> int:
     for tensor, _ in places:
         offsets.append(end)
         end += _aligned(tensor.numel() * tensor.element_size())
+    if end < MIN_BYTES:
+        return 0
     memory = _mapping(end)
     while places:  # each dropped from the list as it moves, so that its old memory goes once it is replaced
         tensor, put = places.pop()
