@@ -10,7 +10,7 @@ must be equal on both; the run fails if they are not. Engines' start times are p
 measured (the first huge-page allocations of a process may wait for the kernel to compact memory).
 
     .venv/bin/python -m bench.huge_pages [--shape qwen3.5-0.8b] [--quantization int4] [--passes 5]
-        [--skip-w64]
+        [--dtype auto] [--skip-w64]
 
 --shape smollm2 runs the embedded SmolLM2-135M-Instruct GGUF as it ships.
 """
@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--shape", default="qwen3.5-0.8b", choices=[*SHAPES, SMOLLM2])
     parser.add_argument("--quantization", default="int4", help="int8, int4 or none (not with smollm2)")
     parser.add_argument("--passes", type=int, default=5)
+    parser.add_argument("--dtype", default="auto", help="the engines' dtype (auto: the machine's default)")
     parser.add_argument("--skip-w64", action="store_true")
     args = parser.parse_args()
     options: dict[str, object] = {}
@@ -79,11 +80,13 @@ def main() -> None:
     started: dict[bool, float] = {}
     for on in (False, True):
         start = time.perf_counter()
-        engines[on] = LLM(path, max_model_len=1024, kv_cache_memory="1GiB", huge_pages=on, **options)
+        engines[on] = LLM(
+            path, max_model_len=1024, kv_cache_memory="1GiB", huge_pages=on, dtype=args.dtype, **options
+        )
         started[on] = time.perf_counter() - start
     print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {machine_description()}")
     weights = options.get("quantization", "as shipped" if args.shape == SMOLLM2 else "the default dtype")
-    print(f"{args.shape}, weights {weights}; engines started in {started[False]:.2f} s (4 KiB pages) and "
+    print(f"{args.shape}, weights {weights}, dtype {args.dtype}; engines started in {started[False]:.2f} s (4 KiB pages) and "
           f"{started[True]:.2f} s (huge pages)\n")  # fmt: skip
     prompt = [random.Random(0).randrange(2, vocab) for _ in range(128)]
     interleaved_streams(engines, prompt, 8)  # warm-up

@@ -68,10 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def read_bandwidth(nbytes: int = 2**30) -> float:
     """Bytes per second a sum over `nbytes` reads, the best of 5; on huge pages where the kernel gives them,
     as the engine's weights are (worker/runner/huge_pages.py), the faster read on this machine."""
-    if huge_pages.available():
-        data = huge_pages.zeros((nbytes // 4,), torch.float32).fill_(1.0)
-    else:
-        data = torch.ones(nbytes // 4, dtype=torch.float32)
+    data = huge_pages.zeros((nbytes // 4,), torch.float32).fill_(1.0)
     best = float("inf")
     for _ in range(5):
         t0 = time.perf_counter()

@@ -441,7 +441,8 @@ class ModelRunnerBase:
             self.interleaved_weights = sum(interleave_packed_weights(model) for model in models)
         if self.on_huge_pages:
             moved = sum(huge_pages.move_weights(model) for model in models)
-            return_freed_memory()  # the weights' old memory: no step reuses that much
+            if moved:
+                return_freed_memory()  # the weights' old memory: no step reuses that much
             if self.tp.rank == 0:
                 log.info("weights_on_huge_pages", mib=round(moved / 2**20, 1))
 
