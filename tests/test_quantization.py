@@ -21,7 +21,10 @@ import torch.nn.functional as F
 from nanovllm import LLM, SamplingParams
 from nanovllm.common.errors import ConfigError
 from nanovllm.worker.config import EngineConfig
-from nanovllm.worker.layers.quantization import PackedWeight, QuantScheme, assign
+from nanovllm.worker.layers.embedding import ParallelLMHead
+from nanovllm.worker.layers.kernels import LayerKernels
+from nanovllm.worker.layers.parallel import TPContext
+from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, QuantScheme, assign
 from nanovllm.worker.models.decoder import DecoderForCausalLM
 from nanovllm.worker.models.gguf.cache import embedded_model_path
 from nanovllm.worker.models.gguf.tensors import gguf_quant_plan, gguf_tensors
@@ -159,7 +162,7 @@ def test_int8_dots_are_the_product_of_the_quantized_x(kernels, scheme, dtype) ->
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_dequantize_rows_is_the_weights_dequantize_bit_for_bit(kernels, scheme, dtype) -> None:
     """The C++ lookup of a packed embedding's rows (kernels' dequantize_rows) equals PackedWeight.dequantize of
-    the same rows bit for bit, repeated and out-of-order rows included, interleaved 4-bit rows too; a row
+    the same rows bit for bit, repeated and out-of-order rows included, interleaved rows too; a row
     outside the weight is refused by number."""
     packed, _ = _packed(scheme, 48, 256, seed=3)
     rows = torch.tensor([47, 0, 5, 5, 31, 16])
@@ -175,21 +178,25 @@ def test_dequantize_rows_is_the_weights_dequantize_bit_for_bit(kernels, scheme, 
         kernels.dequantize_rows(*args, torch.tensor([3, 48]), dtype)
 
 
+@pytest.mark.parametrize("scheme", ["int4-32", "int8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_interleaved_rows_compute_the_rows_layouts_product(kernels, dtype) -> None:
-    """4-bit weights in groups of 32 with their rows interleaved 16 at a time (the layout a 16-bit engine's
-    projections take on a CPU with AVX512-VNNI): the same integer sums as the rows' own layout, scaled and
-    added in another order, so every output within float32's rounding of the scaled partial sums of the two
-    (K x 2^-24 of the products' mass each, as the test above holds them) and the output's rounding; prefill
-    sizes dequantize to the same float weight, so the GEMM's result is the same bit for bit. The planes
-    dequantize as before; loading and sharding refuse the interleaved layout."""
+def test_interleaved_rows_compute_the_rows_layouts_product(kernels, scheme, dtype) -> None:
+    """4-bit weights in groups of 32 and 8-bit weights with one scale a row, with their rows interleaved 16
+    at a time (the layout a 16-bit engine's weights take on a CPU with AVX512-VNNI): the same integer sums
+    as the rows' own layout, scaled and added in another order (at 8 bits each block's sum exact, the +128
+    offset taken back inside it), so every output within float32's rounding of the scaled partial sums of
+    the two (K x 2^-24 of the products' mass each, as the tests above hold them) and the output's rounding;
+    prefill sizes dequantize to the same float weight, so the GEMM's result is the same bit for bit. The
+    planes dequantize as before; whole tiles of rows narrow, other cuts and loading into them are refused."""
     if not kernels.linear_quantized_interleaved():
         pytest.skip("this CPU has no AVX512-VNNI: weights keep the rows' own layout")
     gen = torch.Generator().manual_seed(5)
     for features in (96, 1024):
-        packed, _ = _packed("int4-32", 48, features)
+        packed, _ = _packed(scheme, 48, features)
+        group = packed.group_size
+        mins = None if packed.mins is None else packed.mins.clone()
         rows_layout = PackedWeight.of_planes(
-            packed.scheme, 32, packed.qweight.clone(), packed.scales.clone(), packed.mins.clone()
+            packed.scheme, group, packed.qweight.clone(), packed.scales.clone(), mins
         )
         weight = packed.dequantize(torch.float64)
         packed.interleave_()
@@ -199,15 +206,14 @@ def test_interleaved_rows_compute_the_rows_layouts_product(kernels, dtype) -> No
         for rows in (1, 2, 5, 8, 20):
             x = torch.randn(rows, features, generator=gen).to(dtype)
             magnitude = x.double().abs()  # x's int8 rounding moves it by at most 1/254 of its block's largest
-            terms = (
-                magnitude @ weight.abs().T
-                + magnitude.view(rows, -1, 32).sum(-1) @ rows_layout.mins.double().abs().T
-            )
+            terms = magnitude @ weight.abs().T
+            if mins is not None:
+                terms += magnitude.view(rows, -1, 32).sum(-1) @ mins.double().abs().T
+            else:  # the rows' layout sums the weights offset by 128 steps, and takes x's share back after
+                terms += magnitude.sum(-1, keepdim=True) * 128 * rows_layout.scales.double().view(1, -1)
             for invariant in (False, True):
-                args = (packed.bits, 32, bias, invariant)
-                expected = kernels.linear_quantized(
-                    x, rows_layout.qweight, rows_layout.scales, rows_layout.mins, *args
-                )
+                args = (packed.bits, group, bias, invariant)
+                expected = kernels.linear_quantized(x, rows_layout.qweight, rows_layout.scales, mins, *args)
                 got = kernels.linear_quantized(x, packed.qweight, packed.scales, packed.mins, *args, True)
                 if rows > 8 and not invariant:
                     assert torch.equal(got, expected), (features, rows)
@@ -222,12 +228,39 @@ def test_interleaved_rows_compute_the_rows_layouts_product(kernels, dtype) -> No
                     invariant,
                     (error / bound).max().item(),
                 )
+    tiles = packed.narrow(0, 16, 32)
+    assert tiles.interleaved
+    assert torch.equal(
+        tiles.dequantize(torch.float32), rows_layout.narrow(0, 16, 32).dequantize(torch.float32)
+    )
+    with pytest.raises(RuntimeError, match=r"rows \[0, 8\) split tiles of 16"):
+        packed.narrow(0, 0, 8)
     with pytest.raises(RuntimeError, match="interleaved"):
-        packed.narrow(0, 0, 16)
-    with pytest.raises(RuntimeError, match="4 bits in groups of 32"):
+        packed.narrow(1, 0, 32)
+    with pytest.raises(RuntimeError, match="interleaved"):
+        assign(tiles, rows_layout.narrow(0, 16, 32))
+    with pytest.raises(RuntimeError, match="4 bits in groups of 32 or 8 bits with one scale a row"):
         kernels.linear_quantized(
-            x.float(), packed.qweight, packed.scales, packed.mins, 4, 32, None, False, True
+            x.float(), packed.qweight, packed.scales, packed.mins, packed.bits, group, None, False, True
         )
+
+
+def test_an_interleaved_head_gives_the_logits_of_its_first_ids(kernels) -> None:
+    """The LM head's logits of its first `vocab` ids (MTP's draft vocabulary) from an int8 head with rows
+    interleaved, which narrows along whole tiles of 16 rows only: the tiles holding them multiplied and the
+    rest cut off, equal to the whole vocabulary's first columns bit for bit at any count."""
+    if not kernels.linear_quantized_interleaved():
+        pytest.skip("this CPU has no AVX512-VNNI: weights keep the rows' own layout")
+    head = ParallelLMHead(64, 96, TPContext(), QuantPlan(head=SCHEMES["int8"]), "lm_head")
+    assert isinstance(head.weight, PackedWeight)
+    head.weight.quantize_(torch.randn(64, 96, generator=torch.Generator().manual_seed(2)) * 0.05)
+    head.weight.interleave_()
+    head.kernels = LayerKernels(cpu=kernels)
+    hidden = torch.randn(3, 96, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    whole = head(hidden)
+    for vocab in (1, 16, 20, 37, 64):
+        first = head(hidden, vocab)
+        assert first.shape == (3, vocab) and torch.equal(first, whole[:, :vocab]), vocab
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -22,7 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("mins"), py::arg("bits"), py::arg("group_size"), py::arg("rows"), py::arg("dtype"),
         py::arg("interleaved") = false);
   m.def("linear_quantized_interleaved", &linear_quantized_interleaved, "whether linear_quantized takes 4-bit "
-        "weights in groups of 32 with their rows interleaved 16 at a time (PackedWeight.interleave_; AVX512-VNNI)");
+        "weights in groups of 32 and 8-bit ones with one scale a row with their rows interleaved 16 at a time "
+        "(PackedWeight.interleave_; AVX512-VNNI)");
   m.def("linear_quantized_int8_dots", &linear_quantized_int8_dots, "whether linear_quantized quantizes 16-bit x "
         "of up to 8 rows to int8 for integer dot products (built for a CPU with AVX512-VNNI or AVX2)");
   m.def("apply_token_bitmask_", &apply_token_bitmask_,

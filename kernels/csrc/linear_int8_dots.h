@@ -77,6 +77,7 @@ struct QuantizedRow {
   std::vector<float> scale;           // 16 per chunk: the x scale of each lane's block
   std::vector<int32_t> correction;    // 8 bits with VNNI: 16 per chunk, -128 times the sum of each lane's 4 bytes
   float correction_total = 0.f;       // 8 bits with VNNI: each lane's correction times its scale, summed
+  std::vector<int32_t> block_correction;  // 8 bits with VNNI: -128 times the sum of each block's 32 bytes
   std::vector<float> group_sums;      // 4 bits: x summed over each weight group (the mins' term)
   std::vector<float> block_scale;     // 4 bits: each block's x scale, 4 per chunk (0 past K)
 };
@@ -105,7 +106,7 @@ void quantize_row(const T* x, int64_t K, int64_t group, QuantizedRow& q) {
     q.group_sums.assign(K / group, 0.f);
     q.block_scale.assign(chunks * per_chunk, 0.f);
   }
-  if constexpr (BITS == 8 && kOffsetWeights) q.correction.assign(chunks * 16, 0);
+  if constexpr (BITS == 8 && kOffsetWeights) q.correction.assign(chunks * 16, 0), q.block_correction.assign(K / kDotBlock, 0);
   for (int64_t b = 0; b < K / kDotBlock; ++b) {
     const T* xb = x + b * kDotBlock;
     float sum = 0.f;
@@ -142,8 +143,10 @@ void quantize_row(const T* x, int64_t K, int64_t group, QuantizedRow& q) {
     } else {
       std::copy_n(qb, kDotBlock, q.lo.data() + c * kChunkBytes + kDotBlock * j);
       if constexpr (kOffsetWeights)
-        for (int64_t l = 0; l < lanes; ++l)
+        for (int64_t l = 0; l < lanes; ++l) {
           q.correction[c * 16 + j * lanes + l] = -128 * (qb[4 * l] + qb[4 * l + 1] + qb[4 * l + 2] + qb[4 * l + 3]);
+          q.block_correction[b] += q.correction[c * 16 + j * lanes + l];
+        }
     }
   }
   q.correction_total = 0.f;
@@ -353,6 +356,34 @@ void int4_rows16_sums(const QuantizedRow* x, int64_t K, const uint8_t* q, const 
     }
   }
   for (int m = 0; m < M; ++m) _mm512_storeu_ps(sums[m], _mm512_add_ps(acc[m], min_acc[m]));
+}
+
+// 8-bit weights with one scale a row (int8 per channel) with kInterleavedRows (16) rows interleaved: a tile's
+// bytes [K / 4][16 rows][4 bytes]. Lane r of a 64-byte load is row r's next 4 weights, so one VPDPBUSD meets 16
+// rows with x's 4 bytes broadcast; a block's eight dots start from its correction for the +128 offset, so each
+// lane's int32 is the block's exact dot, which one FMA scales by x's block scale: about half the row loop's
+// instructions a weight byte at one row of x, a third at 2-8. No software prefetch: with the hardware's alone
+// the head's 254 MB read at a sum's rate where the memory was fast, 3-5% faster than with prefetcht0 2-4 KB
+// ahead, and as fast where it was slow (docs/performance.md#measurements-behind-choices-in-the-code).
+// sums[m][r] = x[m] . w[r] before the row's scale, over one tile.
+template <int M>
+void int8_rows16_sums(const QuantizedRow* x, int64_t K, const uint8_t* q, float (*sums)[kInterleavedRows]) {
+  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int32_t* xq[M];
+  for (int m = 0; m < M; ++m) xq[m] = reinterpret_cast<const int32_t*>(x[m].lo.data());
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < K / kDotBlock; ++b) {
+    const uint8_t* block = q + b * 8 * kChunkBytes;
+    __m512i w[8];
+    for (int j = 0; j < 8; ++j) w[j] = _mm512_xor_si512(_mm512_loadu_si512(block + j * kChunkBytes), sign);
+    for (int m = 0; m < M; ++m) {
+      __m512i dot = _mm512_set1_epi32(x[m].block_correction[b]);
+      for (int j = 0; j < 8; ++j) dot = _mm512_dpbusd_epi32(dot, w[j], _mm512_set1_epi32(xq[m][8 * b + j]));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(x[m].scale[8 * b]), acc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(sums[m], acc[m]);
 }
 
 // out[m][r] = x[m] . w[r] for M rows of x against R weight rows. Inlined into its driver's row loop, which

@@ -35,6 +35,7 @@
 
 #include <algorithm>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -203,6 +204,18 @@ DirectFn<BITS, T> direct_fn(int64_t rows) {
 
 #ifdef NANOVLLM_INT8_DOTS
 #ifdef NANOVLLM_INT8_DOTS_VNNI
+// out[r] = sums[r] (+ bias[r]) rounded to T, `count` outputs in one vectorisable pass.
+template <typename T>
+inline void store_rows(const float* sums, const T* bias, T* out, int64_t count) {
+  if (bias == nullptr) {
+#pragma omp simd
+    for (int64_t r = 0; r < count; ++r) out[r] = to<T>(sums[r]);
+  } else {
+#pragma omp simd
+    for (int64_t r = 0; r < count; ++r) out[r] = to<T>(sums[r] + load(bias[r]));
+  }
+}
+
 // int8 per channel (one scale a row): int8_row_scale_sums over 64 weight rows at a time, then each output's
 // scale, bias and rounding to T in one vectorisable pass, as for_each_tile computes them one by one.
 template <int M, typename T>
@@ -239,17 +252,7 @@ void int4_group32_rows(const QuantizedRow* x, const PackedRows<4>& weights, cons
     const int64_t count = std::min(kRows, n_end - n);
     const QRow first = weights[n];
     int4_group32_sums<M>(x, weights.K, first.q, first.s, first.m, count, sums);
-    for (int m = 0; m < M; ++m) {
-      const float* sum = sums + m * count;
-      T* out = y + m * N + n;
-      if (bias == nullptr) {
-#pragma omp simd
-        for (int64_t r = 0; r < count; ++r) out[r] = to<T>(sum[r]);
-      } else {
-#pragma omp simd
-        for (int64_t r = 0; r < count; ++r) out[r] = to<T>(sum[r] + load(bias[n + r]));
-      }
-    }
+    for (int m = 0; m < M; ++m) store_rows(sums + m * count, bias == nullptr ? nullptr : bias + n, y + m * N + n, count);
   }
 }
 
@@ -263,15 +266,26 @@ void int4_rows16_rows(const QuantizedRow* x, const uint8_t* q, const c10::Half* 
   for (int64_t t = t_begin; t < t_end; ++t) {
     int4_rows16_sums<M>(x, K, q + t * tile_bytes, scales + t * tile_groups, mins + t * tile_groups, sums);
     const int64_t n = t * kInterleavedRows;
+    for (int m = 0; m < M; ++m)
+      store_rows(sums[m], bias == nullptr ? nullptr : bias + n, y + m * N + n, kInterleavedRows);
+  }
+}
+
+// 8-bit weights with one scale a row, rows interleaved: int8_rows16_sums over tiles [t_begin, t_end), then each
+// row's scale, the bias and each output's rounding to T.
+template <int M, typename T>
+void int8_rows16_rows(const QuantizedRow* x, const uint8_t* q, const c10::Half* scales, const c10::Half* mins,
+                      int64_t K, const T* bias, T* y, int64_t t_begin, int64_t t_end, int64_t N) {
+  (void)mins;
+  const int64_t tile_bytes = kInterleavedRows * K;
+  float sums[M][kInterleavedRows];
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    int8_rows16_sums<M>(x, K, q + t * tile_bytes, sums);
+    const int64_t n = t * kInterleavedRows;
+    const __m512 s = load_halves(scales + n, 0xFFFF);
     for (int m = 0; m < M; ++m) {
-      T* out = y + m * N + n;
-      if (bias == nullptr) {
-#pragma omp simd
-        for (int64_t r = 0; r < kInterleavedRows; ++r) out[r] = to<T>(sums[m][r]);
-      } else {
-#pragma omp simd
-        for (int64_t r = 0; r < kInterleavedRows; ++r) out[r] = to<T>(sums[m][r] + load(bias[n + r]));
-      }
+      _mm512_storeu_ps(sums[m], _mm512_mul_ps(s, _mm512_loadu_ps(sums[m])));
+      store_rows(sums[m], bias == nullptr ? nullptr : bias + n, y + m * N + n, kInterleavedRows);
     }
   }
 }
@@ -280,11 +294,10 @@ template <typename T>
 using Rows16Fn = void (*)(const QuantizedRow*, const uint8_t*, const c10::Half*, const c10::Half*, int64_t, const T*,
                           T*, int64_t, int64_t, int64_t);
 
-template <typename T>
-Rows16Fn<T> int4_rows16_fn(int64_t rows) {
-  static const Rows16Fn<T> table[kDirectRows] = {
-      int4_rows16_rows<1, T>, int4_rows16_rows<2, T>, int4_rows16_rows<3, T>, int4_rows16_rows<4, T>,
-      int4_rows16_rows<5, T>, int4_rows16_rows<6, T>, int4_rows16_rows<7, T>, int4_rows16_rows<8, T>};
+// The interleaved loop at BITS bits for 1 + M rows of x, by M (`rows` of them: table[rows - 1]).
+template <int BITS, typename T, int... M>
+Rows16Fn<T> rows16_fn(int64_t rows, std::integer_sequence<int, M...>) {
+  static const Rows16Fn<T> table[] = {(BITS == 4 ? int4_rows16_rows<M + 1, T> : int8_rows16_rows<M + 1, T>)...};
   return table[rows - 1];
 }
 #endif
@@ -355,14 +368,14 @@ void linear_quantized_impl(const T* x, const uint8_t* q, const c10::Half* scales
       QuantizedRow* xq = rows > kDirectRows ? own.data() : kept.data();
       for (int64_t m = 0; m < rows; ++m) quantize_row<BITS>(x + m * K, K, group, xq[m]);
 #ifdef NANOVLLM_INT8_DOTS_VNNI
-      if (BITS == 4 && interleaved) {  // tiles of 16 rows, a block of them read by every tile of x's rows
-        const int64_t tile_bytes = kInterleavedRows * K / 2;
+      if (interleaved) {  // tiles of 16 rows, a block of them read by every tile of x's rows
+        const int64_t tile_bytes = kInterleavedRows * K * BITS / 8;
         const int64_t block = std::max<int64_t>(1, kDotBlockBytes / tile_bytes);
         parallel_rows(N / kInterleavedRows, std::max<int64_t>(1, kClaimBytes / tile_bytes), [&](int64_t begin, int64_t end) {
           for (int64_t b = begin; b < end; b += block)
             for (int64_t m = 0; m < rows; m += kDirectRows)
-              int4_rows16_fn<T>(std::min(kDirectRows, rows - m))(xq + m, q, scales, mins, K, bias, y + m * N, b,
-                                                                 std::min(end, b + block), N);
+              rows16_fn<BITS, T>(std::min(kDirectRows, rows - m), std::make_integer_sequence<int, kDirectRows>())(
+                  xq + m, q, scales, mins, K, bias, y + m * N, b, std::min(end, b + block), N);
         });
         return;
       }
@@ -455,18 +468,23 @@ void dequantize_row_16(const QRow& row, int64_t K, int64_t group, T* out) {
 }
 #endif
 
-// Row n of a weight with rows interleaved (4 bits, groups of 32) in the rows' own layout, in `planes` (K / 2
-// bytes, then K / 32 scales and as many mins).
+// Row n of a weight with rows interleaved in the rows' own layout: at 4 bits (groups of 32) in `planes` (K / 2
+// bytes, then K / 32 scales and as many mins); at 8 bits (one scale a row, which stays in place) its K bytes.
 struct RowPlanes {
   std::vector<uint8_t> q;
   std::vector<c10::Half> s, m;
 };
+template <int BITS>
 QRow interleaved_row(const uint8_t* q, const c10::Half* scales, const c10::Half* mins, int64_t n, int64_t K,
                      RowPlanes& planes) {
-  const int64_t t = n / kInterleavedRows, r = n % kInterleavedRows, groups = K / kBlock;
-  planes.q.resize(K / 2), planes.s.resize(groups), planes.m.resize(groups);
-  const uint8_t* tile = q + t * kInterleavedRows * K / 2;
-  for (int64_t w = 0; w < K / 8; ++w) std::memcpy(planes.q.data() + 4 * w, tile + (w * kInterleavedRows + r) * 4, 4);
+  const int64_t t = n / kInterleavedRows, r = n % kInterleavedRows, row_bytes = K * BITS / 8;
+  planes.q.resize(row_bytes);
+  const uint8_t* tile = q + t * kInterleavedRows * row_bytes;
+  for (int64_t w = 0; w < row_bytes / 4; ++w)
+    std::memcpy(planes.q.data() + 4 * w, tile + (w * kInterleavedRows + r) * 4, 4);
+  if constexpr (BITS == 8) return {planes.q.data(), scales + n, nullptr};
+  const int64_t groups = K / kBlock;
+  planes.s.resize(groups), planes.m.resize(groups);
   for (int64_t g = 0; g < groups; ++g) {
     planes.s[g] = scales[(t * groups + g) * kInterleavedRows + r];
     planes.m[g] = mins[(t * groups + g) * kInterleavedRows + r];
@@ -489,7 +507,7 @@ at::Tensor dequantize_all(const uint8_t* q, const c10::Half* scales, const c10::
       RowPlanes planes;
       auto row_at = [&](int64_t i) {
         const int64_t n = rows != nullptr ? rows[i] : i;
-        return interleaved ? interleaved_row(q, scales, mins, n, K, planes) : qrow<BITS>(q, scales, mins, n, K, K / group);
+        return interleaved ? interleaved_row<BITS>(q, scales, mins, n, K, planes) : qrow<BITS>(q, scales, mins, n, K, K / group);
       };
 #ifdef __AVX512F__
       if constexpr (!std::is_same_v<T, float>) {
@@ -515,6 +533,12 @@ at::Tensor dequantize_all(const uint8_t* q, const c10::Half* scales, const c10::
 // scales and mins [N, K / group_size] float16 (mins only, and required, for 4 bits); bias [N] in x's dtype
 // or None. Returns [rows, N] in x's dtype. batch_invariant: each row summed in one order at every row count.
 namespace {
+
+// Whether a weight of these bits and groups can have its rows interleaved (PackedWeight.can_interleave): 4 bits
+// in groups of 32, or 8 with one scale a row; whole tiles of rows.
+bool interleaves(int64_t bits, int64_t group_size, int64_t N, int64_t K) {
+  return (bits == 4 ? group_size == kBlock : group_size == K) && N % kInterleavedRows == 0;
+}
 
 // A packed weight's planes for K input features (linear_quantized's and dequantize_rows' arguments).
 void check_planes(const char* op, const at::Tensor& qweight, const at::Tensor& scales,
@@ -552,11 +576,10 @@ at::Tensor linear_quantized(at::Tensor x, at::Tensor qweight, at::Tensor scales,
                 bias->sizes());
   }
   if (interleaved)
-    TORCH_CHECK(linear_quantized_interleaved() && bits == 4 && group_size == kBlock && N % kInterleavedRows == 0 &&
-                    x.scalar_type() != at::kFloat,
-                "linear_quantized: rows interleaved need 4 bits in groups of ", kBlock, ", a multiple of ",
-                kInterleavedRows, " rows and 16-bit x on a CPU with AVX512-VNNI; got ", bits, " bits, groups of ",
-                group_size, ", ", N, " rows, x ", x.scalar_type(),
+    TORCH_CHECK(linear_quantized_interleaved() && interleaves(bits, group_size, N, K) && x.scalar_type() != at::kFloat,
+                "linear_quantized: rows interleaved need 4 bits in groups of ", kBlock, " or 8 bits with one scale a "
+                "row, a multiple of ", kInterleavedRows, " rows and 16-bit x on a CPU with AVX512-VNNI; got ", bits,
+                " bits, groups of ", group_size, " over ", K, " input features, ", N, " rows, x ", x.scalar_type(),
                 linear_quantized_interleaved() ? "" : " (this build has no VNNI)");
   x = x.contiguous();
   qweight = qweight.contiguous();
@@ -567,7 +590,7 @@ at::Tensor linear_quantized(at::Tensor x, at::Tensor qweight, at::Tensor scales,
   const auto* s = scales.data_ptr<c10::Half>();
   const auto* mn = m.defined() ? m.data_ptr<c10::Half>() : nullptr;
   if (!batch_invariant && rows > (x.scalar_type() == at::kFloat ? kPanelMaxRows : kDirectRows)) {
-    const at::Tensor w = bits == 8 ? dequantize_all<8>(q, s, mn, N, K, group_size, x.scalar_type(), false)
+    const at::Tensor w = bits == 8 ? dequantize_all<8>(q, s, mn, N, K, group_size, x.scalar_type(), interleaved)
                                       : dequantize_all<4>(q, s, mn, N, K, group_size, x.scalar_type(), interleaved);
     return at::linear(x, w, b.defined() ? b : at::Tensor());
   }
@@ -578,7 +601,7 @@ at::Tensor linear_quantized(at::Tensor x, at::Tensor qweight, at::Tensor scales,
     const T* bp = b.defined() ? b.data_ptr<T>() : nullptr;
     if (bits == 8)
       linear_quantized_impl<8, T>(x.data_ptr<T>(), q, s, mn, bp, y.data_ptr<T>(), rows, N, K, group_size,
-                                  batch_invariant, false);
+                                  batch_invariant, interleaved);
     else
       linear_quantized_impl<4, T>(x.data_ptr<T>(), q, s, mn, bp, y.data_ptr<T>(), rows, N, K, group_size,
                                   batch_invariant, interleaved);
@@ -600,8 +623,8 @@ at::Tensor dequantize_rows(at::Tensor qweight, at::Tensor scales, c10::optional<
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
               "dequantize_rows: float32, bfloat16 or float16 only, got ", dtype);
   if (interleaved)
-    TORCH_CHECK(bits == 4 && group_size == kBlock && N % kInterleavedRows == 0, "dequantize_rows: rows interleaved "
-                "need 4 bits in groups of ", kBlock, " and a multiple of ", kInterleavedRows, " rows");
+    TORCH_CHECK(interleaves(bits, group_size, N, K), "dequantize_rows: rows interleaved need 4 bits in groups of ",
+                kBlock, " or 8 bits with one scale a row, and a multiple of ", kInterleavedRows, " rows");
   rows = rows.contiguous();
   const int64_t* ids = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < rows.size(0); ++i)
@@ -612,7 +635,7 @@ at::Tensor dequantize_rows(at::Tensor qweight, at::Tensor scales, c10::optional<
   const auto* q = static_cast<const uint8_t*>(qweight.data_ptr());
   const auto* s = scales.data_ptr<c10::Half>();
   const auto* mn = m.defined() ? m.data_ptr<c10::Half>() : nullptr;
-  return bits == 8 ? dequantize_all<8>(q, s, mn, N, K, group_size, dtype, false, ids, rows.size(0))
+  return bits == 8 ? dequantize_all<8>(q, s, mn, N, K, group_size, dtype, interleaved, ids, rows.size(0))
                    : dequantize_all<4>(q, s, mn, N, K, group_size, dtype, interleaved, ids, rows.size(0));
 }
 

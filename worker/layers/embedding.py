@@ -13,7 +13,7 @@ from nanovllm.worker.layers.kernels import PYTORCH
 from nanovllm.worker.layers.linear import linear
 from nanovllm.worker.layers.loadable import LoadableTensor, set_weight_loader
 from nanovllm.worker.layers.parallel import TPContext
-from nanovllm.worker.layers.quantization import PackedWeight, QuantPlan, assign, make_weight
+from nanovllm.worker.layers.quantization import INTERLEAVED_ROWS, PackedWeight, QuantPlan, assign, make_weight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -85,7 +85,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor, vocab: int = 0) -> torch.Tensor:
         """The logits of every token id, or of the first `vocab` ids only (one rank: the rows are a view)."""
         if vocab and self.tp.size == 1:
-            return linear(hidden, self.weight.narrow(0, 0, vocab), None, self.kernels)
+            return self._first_rows_logits(hidden, vocab)
         if vocab:
             return self._first_ids_logits(hidden, vocab)
         logits = linear(hidden, self.weight, None, self.kernels)
@@ -100,9 +100,18 @@ class ParallelLMHead(VocabParallelEmbedding):
         here = counts[self.tp.rank]
         logits = hidden.new_zeros(hidden.shape[0], width, dtype=hidden.dtype)
         if here:
-            logits[:, :here] = linear(hidden, self.weight.narrow(0, 0, here), None, self.kernels)
+            logits[:, :here] = self._first_rows_logits(hidden, here)
         gathered = self.tp.all_gather_last_dim(logits)
         return torch.cat([gathered[:, r * width : r * width + n] for r, n in enumerate(counts) if n], dim=-1)
+
+    def _first_rows_logits(self, hidden: torch.Tensor, rows: int) -> torch.Tensor:
+        """hidden times the first `rows` rows of this rank's weight; an interleaved weight narrows along whole
+        tiles of rows, so it multiplies up to the tile's end and the extra logits are cut off."""
+        weight, whole = self.weight, rows
+        if isinstance(weight, PackedWeight) and weight.interleaved:
+            whole = -(-rows // INTERLEAVED_ROWS) * INTERLEAVED_ROWS  # the rows are whole tiles: within them
+        logits = linear(hidden, weight.narrow(0, 0, whole), None, self.kernels)
+        return logits if whole == rows else logits[:, :rows].contiguous()
 
     def token_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """Row i's logit of token `token_ids[i]` (float32 [rows]), from that token's row of the head alone:

@@ -313,12 +313,13 @@ class RowParallelLinear(ParallelLinear):
 
 
 def interleave_packed_weights(model: nn.Module) -> int:
-    """Interleave the rows of every projection's 4-bit weight in groups of 32 (PackedWeight.interleave_), for
-    the CPU kernel with AVX512-VNNI and 16-bit x; once the weights are loaded (loading, sharding and LoRA's
-    shapes read the rows' layout). Experts and the embedding keep theirs. Returns how many were."""
+    """Interleave the rows of every packed `weight` that can (4 bits in groups of 32, 8 bits with one scale a
+    row: PackedWeight.interleave_), the projections', the embedding's and the head's, for the CPU kernel with
+    AVX512-VNNI and 16-bit x; once the weights are loaded (loading, sharding and LoRA's shapes read the rows'
+    layout). The experts (`w13`, `w2`) keep theirs. Returns how many were (a tied weight once)."""
     count = 0
     for module in model.modules():
-        weight = getattr(module, "weight", None) if isinstance(module, ParallelLinear) else None
+        weight = getattr(module, "weight", None)
         if isinstance(weight, PackedWeight) and weight.can_interleave:
             weight.interleave_()
             count += 1

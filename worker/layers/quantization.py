@@ -12,10 +12,10 @@ Loading goes through `assign(destination, source)`: a float source is quantized 
 (Hugging Face checkpoints with quantization int8/int4), a packed one copied plane by plane (GGUF as it
 ships), or dequantized into a float destination (a fused projection whose GGUF parts differ in type).
 
-Once loaded, on a CPU whose kernel has AVX512-VNNI, a 16-bit model's 4-bit projections in groups of 32 have
-their rows interleaved 16 at a time (`interleave_`): the kernel's layout for one decode row, whose loop then
-takes two thirds of the instructions a weight byte (docs/performance.md, Measurements behind choices in the
-code). `dequantize` reads either layout.
+Once loaded, on a CPU whose kernel has AVX512-VNNI, a 16-bit model's 4-bit weights in groups of 32 and 8-bit
+weights with one scale a row have their rows interleaved 16 at a time (`interleave_`): the kernel's layout for
+a few rows of x, whose loop then takes two thirds of the instructions a weight byte at 4 bits and about half at
+8 (docs/performance.md, Measurements behind choices in the code). `dequantize` reads either layout.
 """
 
 from __future__ import annotations
@@ -46,8 +46,10 @@ class QuantScheme:
 class PackedWeight(nn.Module):
     """A quantized [out_features, in_features] weight: the planes `qweight` (int8 [N, K] at 8 bits, uint8
     [N, K / 2] at 4), `scales` and, at 4 bits, `mins` (float16 [N, K / group_size]). With `interleaved`
-    the same planes hold tiles of 16 rows: a tile's bytes [K / 8][16 rows][4 bytes] (each row's 8 weights
-    of 4 bytes side by side), its scales and mins [K / 32][16 rows]."""
+    the same planes hold tiles of 16 rows: a tile's bytes [K / 8][16 rows][4 bytes] at 4 bits (each row's 8
+    weights of 4 bytes side by side), its scales and mins [K / 32][16 rows]; [K / 4][16 rows][4 bytes] at 8
+    bits, whose one scale a row stays in place. A tile is 16 consecutive rows of each plane, so whole tiles
+    narrow as rows do."""
 
     # registered buffers (nn.Module's __getattr__ types them as Tensor | Module)
     qweight: torch.Tensor
@@ -107,24 +109,20 @@ class PackedWeight(nn.Module):
 
     @property
     def can_interleave(self) -> bool:
-        """4 bits in groups of 32, whole tiles of rows, not interleaved yet."""
-        rows = self.qweight.shape[0]
-        return (
-            self.bits == 4
-            and self.group_size == BLOCK
-            and rows % INTERLEAVED_ROWS == 0
-            and not self.interleaved
-        )
+        """4 bits in groups of 32 or 8 bits with one scale a row, whole tiles of rows, not interleaved yet."""
+        rows, features = self.shape
+        group = BLOCK if self.bits == 4 else features
+        return self.group_size == group and rows % INTERLEAVED_ROWS == 0 and not self.interleaved
 
     def interleave_(self) -> PackedWeight:
         """Reorder the planes into tiles of 16 rows (the class docstring's layout), in place of the rows."""
         if not self.can_interleave:
-            raise RuntimeError(f"{self.extra_repr()}: only 4 bits in groups of {BLOCK} and whole tiles of "
-                               f"{INTERLEAVED_ROWS} rows interleave, once")  # fmt: skip
-        assert self.mins is not None  # 4 bits
-        self.qweight = _interleave(self.qweight, 4)  # a row's 8 weights: 4 bytes
-        self.scales = _interleave(self.scales, 1)
-        self.mins = _interleave(self.mins, 1)
+            raise RuntimeError(f"{self.extra_repr()}: only 4 bits in groups of {BLOCK} or 8 bits with one scale a "
+                               f"row, in whole tiles of {INTERLEAVED_ROWS} rows, interleave, once")  # fmt: skip
+        self.qweight = _interleave(self.qweight, 4)  # a row's 8 weights at 4 bits, 4 at 8: 4 bytes
+        if self.mins is not None:  # 4 bits: a scale and a min a group
+            self.scales = _interleave(self.scales, 1)
+            self.mins = _interleave(self.mins, 1)
         self.interleaved = True
         return self
 
@@ -132,12 +130,10 @@ class PackedWeight(nn.Module):
         """qweight, scales and mins in the rows' own layout (a copy when interleaved)."""
         if not self.interleaved:
             return self.qweight, self.scales, self.mins
-        assert self.mins is not None  # only 4 bits interleave
-        return (
-            _interleave(self.qweight, 4, undo=True),
-            _interleave(self.scales, 1, undo=True),
-            _interleave(self.mins, 1, undo=True),
-        )
+        qweight = _interleave(self.qweight, 4, undo=True)
+        if self.mins is None:  # 8 bits: the scales stayed in place
+            return qweight, self.scales, None
+        return qweight, _interleave(self.scales, 1, undo=True), _interleave(self.mins, 1, undo=True)
 
     def _check_rows_layout(self, what: str) -> None:
         if self.interleaved:
@@ -145,16 +141,22 @@ class PackedWeight(nn.Module):
                                "interleaved for the CPU kernel, after loading")  # fmt: skip
 
     def narrow(self, dim: int, start: int, length: int) -> PackedWeight:
-        """Rows (dim 0) or input features (dim 1, whole groups only) as views of these planes."""
-        self._check_rows_layout("narrow")
+        """Rows (dim 0; whole tiles when interleaved) or input features (dim 1, whole groups only, the rows'
+        layout only) as views of these planes."""
         if dim == 0:
-            return PackedWeight.of_planes(
+            if self.interleaved and (start % INTERLEAVED_ROWS or length % INTERLEAVED_ROWS):
+                raise RuntimeError(f"{self.extra_repr()}: rows [{start}, {start + length}) split tiles of "
+                                   f"{INTERLEAVED_ROWS}; an interleaved weight narrows along whole tiles")  # fmt: skip
+            rows = PackedWeight.of_planes(
                 self.scheme,
                 self.group_size,
                 self.qweight.narrow(0, start, length),
                 self.scales.narrow(0, start, length),
                 None if self.mins is None else self.mins.narrow(0, start, length),
             )
+            rows.interleaved = self.interleaved
+            return rows
+        self._check_rows_layout("narrow")
         if start % self.group_size or length % self.group_size:
             raise ConfigError(
                 f"quantization {self.scheme.name}: input features [{start}, {start + length}) split groups of "

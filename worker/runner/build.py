@@ -431,7 +431,7 @@ class ModelRunnerBase:
             )
 
     def _lay_out_weights(self) -> None:
-        """The weights as the kernels read them, before the kernels bind them: 4-bit projections interleaved
+        """The weights as the kernels read them, before the kernels bind them: packed weights interleaved
         for the C++ kernel with AVX512-VNNI and 16-bit x; on a CPU, every weight moved onto huge pages
         (worker/runner/huge_pages.py)."""
         backend = self.backend_choice.backend
