@@ -30,6 +30,7 @@ from nanovllm.worker.models.gguf.cache import embedded_model_path
 from nanovllm.worker.models.gguf.tensors import gguf_quant_plan, gguf_tensors
 from tests.helpers import (
     QUANTIZED_LOGPROB_TOL,
+    QUANTIZED_TOP_GAP,
     chat_prompts,
     greedy_with_logprobs,
     teacher_forced_logits,
@@ -513,14 +514,14 @@ def test_gguf_q4_1_in_bfloat16_keeps_the_top5_rule_against_the_dequantized_model
     """A 16-bit engine's decode steps take the integer dots (AVX512-VNNI or AVX2; x quantized to int8 in
     blocks of 32): no longer bit-equal to the dequantized model, held to the top-5 rule instead. Whole
     chats are not asserted equal: bfloat16 logits of 2 to 32 come in steps of 1/64 to 1/8, so near-ties
-    are common and the dots' moves (up to 1 nat seen) part them (seen on the AVX2 EPYC: 0 of 4 chats equal
+    are common and the dots' moves (up to 2.5 nats seen, QUANTIZED_LOGPROB_TOL) part them (seen on the AVX2 EPYC: 0 of 4 chats equal
     for 24 tokens, parting where the dequantized model's top two were 0, 0.13, 0.13 and 0.19 nats apart;
     on the AVX-512 EPYC 2 or more)."""
     kwargs = {"dtype": "bfloat16", "max_model_len": 256, "kv_cache_memory": "64MiB"}
     prompts = chat_prompts(smollm2_dir)
     shipped = greedy_with_logprobs(LLM(str(smollm2_gguf), **kwargs), prompts, 24)
     plain = greedy_with_logprobs(LLM(str(smollm2_gguf), quantization="none", **kwargs), prompts, 24)
-    assert top5_rule("Q4_1 bfloat16", plain, shipped) <= QUANTIZED_LOGPROB_TOL["bfloat16"]
+    assert top5_rule("Q4_1 bfloat16", plain, shipped, QUANTIZED_TOP_GAP) <= QUANTIZED_LOGPROB_TOL["bfloat16"]
 
 
 def test_gguf_q4_1_holds_under_110_mb_and_names_paris(smollm2_gguf: Path) -> None:
@@ -553,7 +554,7 @@ def test_int8_keeps_the_top5_rule_on_random_models(model_dirs, arch) -> None:
         "model.embed_tokens.weight" if tied else "lm_head.weight"
     }
     quantized = greedy_with_logprobs(llm, prompts, 24)
-    assert top5_rule(arch, plain, quantized) <= QUANTIZED_LOGPROB_TOL["float32"]
+    assert top5_rule(arch, plain, quantized, QUANTIZED_TOP_GAP) <= QUANTIZED_LOGPROB_TOL["float32"]
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
@@ -566,7 +567,7 @@ def test_int8_keeps_the_top5_rule_on_smollm2(smollm2_dir: Path, dtype: str) -> N
     kwargs = {"dtype": dtype, "max_model_len": 256, "kv_cache_memory": "64MiB"}
     plain = greedy_with_logprobs(LLM(str(smollm2_dir), **kwargs), prompts, 24)
     quantized = greedy_with_logprobs(LLM(str(smollm2_dir), quantization="int8", **kwargs), prompts, 24)
-    assert top5_rule("SmolLM2", plain, quantized) <= QUANTIZED_LOGPROB_TOL[dtype]
+    assert top5_rule("SmolLM2", plain, quantized, QUANTIZED_TOP_GAP) <= QUANTIZED_LOGPROB_TOL[dtype]
     if dtype == "float32":  # in bfloat16 (seen: 0 of 4 chats the same for 24 tokens) near-ties part sooner
         assert sum(a["token_ids"] == b["token_ids"] for a, b in zip(plain, quantized)) >= len(prompts) // 2
 
