@@ -237,8 +237,9 @@ def test_linear_few_rows_matches_fp32_matmul(kernels, dtype, rows, in_features, 
 @pytest.mark.parametrize("in_features", [100, 1024, 12288])
 def test_linear_few_rows_row_does_not_depend_on_its_neighbours(kernels, dtype, in_features):
     """Each output is summed in one order whatever the number of rows: a sequence's projections are bit for
-    bit the same alone, in a small batch, or as one row of a speculative verification. Above one tile (8
-    rows) the kernel runs x in blocks against panels of weights held in L2 (the native bf16 tile's blocks
+    bit the same alone, in a small batch, or as one row of a speculative verification. Two tiles (9-16 rows)
+    take each chunk of weight rows in turn; above, the kernel runs x in blocks against panels of weights held
+    in L2 (the native bf16 tile's blocks
     twice the others' rows, its panels packed 64 outputs wide and summed across them, each 6 rows of x);
     12288 features make both smaller than the 21 rows and each thread's share of the 301 outputs, so rows
     and outputs cross blocks; 100 leaves a tail of inputs past the vector steps, 1024 none."""

@@ -6,10 +6,13 @@
 // Here each weight row is read once,
 // from memory into registers, and serves every row of x: a tile of up to kTileRows rows of x (widened to
 // fp32 once, then read from L1) against one to four weight rows at a time (linear_tile.h, which also states
-// the order every sum is taken in; tile_from_memory and tile_bf16 below say how many). Under --deterministic
-// it also runs prefills, every row count in the same order: there x goes in blocks against panels of weights
-// that stay in L2 (linear_range_blocked): a pass over the weights from memory for every 8 rows ran prefills
-// at about half PyTorch's GEMM speed (docs/performance.md#measurements-behind-choices-in-the-code).
+// the order every sum is taken in; tile_from_memory and tile_bf16 below say how many). Two tiles (9 to 16
+// rows) take each 32 KB of weight rows in turn, the second from L1, rather than a pass over all the weights
+// each (docs/performance.md#projections-at-few-rows-benchcpu_kernelspy---only-projections). Under
+// --deterministic it also runs prefills, every row count in the same order: above two tiles x goes in blocks
+// against panels of weights that stay in L2 (linear_range_blocked): a pass over the weights from memory for
+// every 8 rows ran prefills at about half PyTorch's GEMM speed
+// (docs/performance.md#measurements-behind-choices-in-the-code).
 #include <ATen/ATen.h>
 #include "kernels_cpu.h"
 #include <ATen/Parallel.h>
@@ -106,11 +109,17 @@ TileFn<T, T> tile_from_memory(int64_t rows) {
   }
 }
 
+// The weight bytes a chunk of linear_range's two tiles: read from memory by the first tile, from L1 or L2 by
+// the second.
+constexpr int64_t kTileChunkBytes = 32 * 1024;
+// Up to this many tiles of x's rows read the weights once (linear_range); more go in blocks against panels.
+constexpr int64_t kFewRowsTiles = 2;
+
 // y[:, n_begin:n_end] for every tile of x's rows: bf16 through the native tile where there is one, else x
 // widened to fp32 once (`xf`, filled by the caller) through linear_tile.h's.
 template <typename T>
-void linear_range(const T* x, const std::vector<float>& xf, const T* w, const T* bias, T* y, int64_t rows,
-                  int64_t n_begin, int64_t n_end, int64_t N, int64_t K) {
+void tiles_over(const T* x, const float* xf, const T* w, const T* bias, T* y, int64_t rows, int64_t n_begin,
+                int64_t n_end, int64_t N, int64_t K) {
   for (int64_t m = 0; m < rows; m += kTileRows) {
     const int64_t tile = std::min(kTileRows, rows - m);
 #ifdef NANOVLLM_LINEAR_BF16
@@ -119,8 +128,18 @@ void linear_range(const T* x, const std::vector<float>& xf, const T* w, const T*
       continue;
     }
 #endif
-    tile_from_memory<T>(tile)(xf.data() + m * K, w + n_begin * K, bias, y + m * N, n_begin, n_end, N, K);
+    tile_from_memory<T>(tile)(xf + m * K, w + n_begin * K, bias, y + m * N, n_begin, n_end, N, K);
   }
+}
+
+// tiles_over, with more than one tile in chunks of weight rows, so that the weights are read from memory once.
+template <typename T>
+void linear_range(const T* x, const std::vector<float>& xf, const T* w, const T* bias, T* y, int64_t rows,
+                  int64_t n_begin, int64_t n_end, int64_t N, int64_t K) {
+  if (rows <= kTileRows) return tiles_over(x, xf.data(), w, bias, y, rows, n_begin, n_end, N, K);
+  const int64_t chunk = std::max<int64_t>(2, kTileChunkBytes / (K * static_cast<int64_t>(sizeof(T))) / 2 * 2);
+  for (int64_t n = n_begin; n < n_end; n += chunk)
+    tiles_over(x, xf.data(), w, bias, y, rows, n, std::min(n_end, n + chunk), N, K);
 }
 
 // x widened to fp32, for the tiles that read it so (all but the native bf16 one).
@@ -422,7 +441,7 @@ void linear_impl(const T* x, const T* w, const T* bias, T* y, int64_t rows, int6
   const std::vector<float> xf = widened(x, rows * K);
   // Weight row pairs (so that pairs never straddle), 64 rows at least a thread: a few rows of x read the
   // weights once (parallel_rows), more are bound by their arithmetic.
-  if (rows <= kTileRows) {
+  if (rows <= kFewRowsTiles * kTileRows) {
     const int64_t grain = std::max<int64_t>(32, kClaimBytes / (2 * K * static_cast<int64_t>(sizeof(T))));
     return parallel_rows((N + 1) / 2, grain, [&](int64_t begin, int64_t end) {
       linear_range(x, xf, w, bias, y, rows, begin * 2, std::min(N, end * 2), N, K);
