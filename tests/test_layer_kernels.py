@@ -239,8 +239,8 @@ def test_linear_few_rows_row_does_not_depend_on_its_neighbours(kernels, dtype, i
     """Each output is summed in one order whatever the number of rows: a sequence's projections are bit for
     bit the same alone, in a small batch, or as one row of a speculative verification. Two tiles (9-16 rows)
     take each chunk of weight rows in turn; above, the kernel runs x in blocks against panels of weights held
-    in L2 (the native bf16 tile's blocks
-    twice the others' rows, its panels packed 64 outputs wide and summed across them, each 6 rows of x);
+    in L2 (the native bf16 tile's blocks twice the others' rows, its panels packed 64 outputs wide and summed
+    across them, each 6 rows of x);
     12288 features make both smaller than the 21 rows and each thread's share of the 301 outputs, so rows
     and outputs cross blocks; 100 leaves a tail of inputs past the vector steps, 1024 none."""
     gen = torch.Generator().manual_seed(0)

@@ -109,8 +109,8 @@ TileFn<T, T> tile_from_memory(int64_t rows) {
   }
 }
 
-// The weight bytes a chunk of linear_range's two tiles: read from memory by the first tile, from L1 or L2 by
-// the second.
+// The weight bytes a chunk when linear_range has more than one tile of x: read from memory by the first
+// tile, from L1 or L2 by the others.
 constexpr int64_t kTileChunkBytes = 32 * 1024;
 // Up to this many tiles of x's rows read the weights once (linear_range); more go in blocks against panels.
 constexpr int64_t kFewRowsTiles = 2;
