@@ -2,6 +2,10 @@ from __future__ import annotations
 
 import os
 
+from tests.cpus import SUITE_CPUS
+
+os.sched_setaffinity(0, SUITE_CPUS)  # before torch loads libgomp (tests/cpus.py), and before any engine runs
+
 import torch
 
 # Triton kernels run on a CPU only in Triton's interpreter, which must be on before any kernel is defined
@@ -12,10 +16,6 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     from tests.triton_interpreter import patch_the_language_once
 
     patch_the_language_once()
-
-from tests.services import SUITE_CPUS  # before any engine starts a thread: see the pin below
-
-os.sched_setaffinity(0, SUITE_CPUS)
 
 from collections.abc import Iterator
 from dataclasses import dataclass

@@ -19,6 +19,7 @@ from structlog.testing import capture_logs
 from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.kernels.cpu_kernels import load_cpu_kernels
 from nanovllm.worker.llm import load_tokenizer
 from nanovllm.worker.sequence import Sequence
 from nanovllm.worker.step import ScheduledSequence, SchedulerOutput
@@ -248,10 +249,15 @@ def decode_layers_on_and_off(
     """Tokens and top logprobs of batch[0] alone, then of the whole batch, from an engine whose decode
     steps run the layers as one C++ call (worker/models/decode_layers.py) and from one that runs them
     module by module: [on, off], on the CPU (the C++ layers exist only there, also on a GPU machine). Every
-    KV block comes back in both."""
+    KV block comes back in both. Two threads, so that the one call runs on a team
+    (kernels/csrc/decode_team.h), which it must have: on two CPUs its threads spin between jobs and warm the
+    next weights, on the one CPU of a suite's worker they take turns asleep."""
+    kernels = load_cpu_kernels()
+    assert kernels is not None
     runs = []
     for fused in (True, False):
-        llm = LLM(str(model_dir), device="cpu", **llm_kwargs)
+        teams_before = kernels.decode_teams_led()
+        llm = LLM(str(model_dir), device="cpu", num_threads=2, **llm_kwargs)
         model = llm.engine.runner.model.model
         assert model.decode_layers is not None
         if not fused:
@@ -261,6 +267,7 @@ def decode_layers_on_and_off(
             *llm.generate(batch, params, use_tqdm=False),
         ]
         runs.append([(out["token_ids"], [dict(lp.top) for lp in out["logprobs"]]) for out in outs])
+        assert (kernels.decode_teams_led() > teams_before) == fused
         assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     return runs
 

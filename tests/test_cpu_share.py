@@ -16,7 +16,8 @@ import torch
 
 from nanovllm.v1 import generate_pb2, generate_pb2_grpc
 from nanovllm.worker.runner.cpu_share import CpuShare, cpu_slice
-from tests.services import HOST_CPUS, open_channel, start_router, start_worker, wait_serving
+from tests.cpus import HOST_CPUS
+from tests.services import open_channel, start_router, start_worker, wait_serving
 
 FOUR_CPUS = frozenset({0, 1, 2, 3})
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, rotate_half
 
-from nanovllm import SamplingParams
+from nanovllm import LLM, SamplingParams
 from nanovllm.kernels.cpu_kernels import FEW_ROWS_MAX, cpu_digest
 from nanovllm.worker.layers.kernels import LayerKernels
 from nanovllm.worker.layers.linear import RowParallelLinear
@@ -366,3 +366,22 @@ def test_gelu_tanh_is_the_function_rounded_once(kernels, dtype):
     assert (error <= bound).all(), (error / bound).max().item()
     edges = torch.tensor([-200.0, -20.0, -1e-30, 0.0, 1e-30, 20.0, 200.0, float("inf"), float("nan")])
     torch.testing.assert_close(kernels.gelu_tanh(edges), F.gelu(edges, approximate="tanh"), equal_nan=True)
+
+
+def test_an_error_inside_a_decode_team_reaches_the_caller_and_the_team_ends(model_dirs, kernels):
+    """An op that refuses its input inside a step led on a team (kernels/csrc/decode_team.h) raises from
+    the one call with its own message, the team's threads leave its region with it, and the next step
+    leads a new team: here a KV slot past the cache, which store_kv_ refuses after the first projection's
+    job ran on both threads."""
+    llm = LLM(str(model_dirs["qwen3"]), device="cpu", num_threads=2, max_model_len=64, kv_cache_memory="1MiB")
+    model = llm.engine.runner.model.model
+    x = model.embed_tokens(torch.tensor([5]))
+    cos, sin = model.rotary.lookup(torch.tensor([0]))
+    tables, lens = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    before = kernels.decode_teams_led()
+    with pytest.raises(
+        RuntimeError, match=r"store_kv_: slot 1000000 of token 0 is outside the cache's \d+ slots"
+    ):
+        model.decode_layers.forward(x, cos, sin, torch.tensor([10**6]), tables, lens)
+    out, _ = model.decode_layers.forward(x, cos, sin, torch.tensor([0]), tables, lens)
+    assert torch.isfinite(out).all() and kernels.decode_teams_led() == before + 2

@@ -11,8 +11,10 @@
 
 #include "cpu_common.h"
 #include "kernels_cpu.h"
+#include "decode_team.h"
 
 #include <algorithm>
+#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -27,6 +29,12 @@ struct Projection {
   int64_t few_rows_max = 0;  // float weights: linear_few_rows up to this many rows, PyTorch's GEMM above
   bool batch_invariant = false;  // every row count on the kernels' fixed summation order
   bool interleaved = false;      // packed rows interleaved 16 at a time (PackedWeight.interleave_)
+
+  // The most rows of x this projection keeps on the kernels (which run on a DecodeTeam), not ATen's GEMM.
+  int64_t kernel_rows() const {
+    if (batch_invariant) return std::numeric_limits<int64_t>::max();
+    return weight.has_value() ? few_rows_max : linear_quantized_direct_rows();
+  }
 
   at::Tensor operator()(const at::Tensor& x) const {
     if (!weight.has_value())
@@ -46,6 +54,15 @@ struct SparseMoe {
   int64_t top_k = 0;
   bool norm_topk_prob = false;
   c10::optional<Projection> shared_gate_up, shared_down, shared_gate;  // all three or none
+
+  int64_t kernel_rows() const {
+    int64_t rows = router.kernel_rows();
+    for (const std::vector<Projection>* experts : {&w13, &w2})
+      for (const Projection& p : *experts) rows = std::min(rows, p.kernel_rows());
+    for (const c10::optional<Projection>* p : {&shared_gate_up, &shared_down, &shared_gate})
+      if (p->has_value()) rows = std::min(rows, (*p)->kernel_rows());
+    return rows;
+  }
 
   at::Tensor operator()(const at::Tensor& x) const {
     const at::Tensor out = experts(x);
@@ -129,7 +146,28 @@ struct Layer {
   c10::optional<SparseMoe> moe;             // a sparse layer's experts
   at::Tensor k_cache, v_cache;  // [num_blocks, block_size, kv_heads, head_dim]
   c10::optional<at::Tensor> k_scale, v_scale;  // an FP8 cache's, per kv head
+
+  int64_t kernel_rows() const {
+    const int64_t rows = std::min(qkv.kernel_rows(), o.kernel_rows());
+    return std::min(rows, moe.has_value() ? moe->kernel_rows() : std::min(gate_up->kernel_rows(), down->kernel_rows()));
+  }
 };
+
+// The most rows of x for which every projection of `layers` stays on the kernels.
+template <typename L>
+int64_t kernel_rows(const std::vector<L>& layers) {
+  int64_t rows = std::numeric_limits<int64_t>::max();
+  for (const L& layer : layers) rows = std::min(rows, layer.kernel_rows());
+  return rows;
+}
+
+// body() leading a DecodeTeam when `on_kernels` (every projection of the step on the kernels, none on
+// ATen's GEMM, which inside the team's region would run on one thread); alone otherwise.
+template <typename Body>
+void lead_team(nanovllm::StreamOrder& order, bool on_kernels, const Body& body) {
+  if (on_kernels) return nanovllm::DecodeTeam::lead(order, body);
+  body();
+}
 
 class DecodeLayers {
  public:
@@ -140,13 +178,23 @@ class DecodeLayers {
         kv_heads_(num_kv_heads),
         dim_(head_dim),
         eps_(eps),
-        scale_(scale) {}
+        scale_(scale),
+        team_rows_(kernel_rows(layers_)) {}
 
   // x: the embedded tokens [T, hidden]; returns (the last layer's output, the residual), as the module
   // path leaves them for the final norm.
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
                                              at::Tensor slot_mapping, at::Tensor block_tables,
                                              at::Tensor context_lens) const {
+    std::tuple<at::Tensor, at::Tensor> out;
+    lead_team(order_, x.size(0) <= team_rows_, [&] { out = layers(x, cos, sin, slot_mapping, block_tables, context_lens); });
+    return out;
+  }
+
+ private:
+  std::tuple<at::Tensor, at::Tensor> layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                                            const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                            const at::Tensor& context_lens) const {
     at::Tensor residual;
     const int64_t tokens = x.size(0), qk_size = (heads_ + kv_heads_) * dim_;
     for (const Layer& layer : layers_) {
@@ -171,10 +219,11 @@ class DecodeLayers {
     return {x, residual};
   }
 
- private:
   std::vector<Layer> layers_;
   int64_t heads_, kv_heads_, dim_;
   double eps_, scale_;
+  int64_t team_rows_;
+  mutable nanovllm::StreamOrder order_;  // which weights follow which in a step (decode_team.h)
 };
 
 // ---- A hybrid model's (Qwen3.5's, Qwen3.5-MoE's) decode step in one call: Gated DeltaNet layers, each
@@ -206,17 +255,34 @@ struct HybridLayer {
   c10::optional<GatedAttentionWeights> attention;
   c10::optional<Projection> gate_up, down;  // a dense MLP's, or
   c10::optional<SparseMoe> moe;             // a sparse layer's experts (and shared expert)
+
+  int64_t kernel_rows() const {
+    const int64_t rows = linear.has_value() ? std::min(linear->in_proj.kernel_rows(), linear->out_proj.kernel_rows())
+                                            : std::min(attention->qkv.kernel_rows(), attention->o.kernel_rows());
+    return std::min(rows, moe.has_value() ? moe->kernel_rows() : std::min(gate_up->kernel_rows(), down->kernel_rows()));
+  }
 };
 
 class HybridDecodeLayers {
  public:
-  HybridDecodeLayers(std::vector<HybridLayer> layers, double eps) : layers_(std::move(layers)), eps_(eps) {}
+  HybridDecodeLayers(std::vector<HybridLayer> layers, double eps)
+      : layers_(std::move(layers)), eps_(eps), team_rows_(kernel_rows(layers_)) {}
 
   // x: the embedded tokens [T, hidden], one a sequence; cos and sin [T, 1, rotary_dim]; slots: each
   // sequence's state row. Returns (the last layer's output, the residual), as the module path leaves them.
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
                                              at::Tensor block_tables, at::Tensor context_lens,
                                              at::Tensor slots) const {
+    std::tuple<at::Tensor, at::Tensor> out;
+    lead_team(order_, x.size(0) <= team_rows_,
+              [&] { out = layers(x, cos, sin, slot_mapping, block_tables, context_lens, slots); });
+    return out;
+  }
+
+ private:
+  std::tuple<at::Tensor, at::Tensor> layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                                            const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                            const at::Tensor& context_lens, const at::Tensor& slots) const {
     at::Tensor residual;
     for (const HybridLayer& layer : layers_) {
       if (!residual.defined()) {
@@ -234,7 +300,6 @@ class HybridDecodeLayers {
     return {x, residual};
   }
 
- private:
   // RMSNorm with a float32 weight: in a 16-bit model multiplied in float32 and rounded once.
   at::Tensor norm(const at::Tensor& x, const at::Tensor& weight) const {
     return weight.scalar_type() == x.scalar_type() ? rms_norm(x, weight, eps_) : rms_norm_fp32_weight(x, weight, eps_);
@@ -283,12 +348,16 @@ class HybridDecodeLayers {
 
   std::vector<HybridLayer> layers_;
   double eps_;
+  int64_t team_rows_;
+  mutable nanovllm::StreamOrder order_;  // which weights follow which in a step (decode_team.h)
 };
 
 }  // namespace
 
 void register_decode_layers(pybind11::module& m) {
   namespace py = pybind11;
+  m.def("decode_teams_led", [] { return nanovllm::DecodeTeam::led().load(); }, "how many decode steps' layers "
+        "this process ran on a team of more than one thread (decode_team.h)");
   py::class_<Projection>(m, "Projection", "One projection's weights for DecodeLayers: float or packed")
       .def(py::init([](c10::optional<at::Tensor> weight, c10::optional<at::Tensor> qweight,
                        c10::optional<at::Tensor> scales, c10::optional<at::Tensor> mins, int64_t bits,

@@ -7,6 +7,7 @@
 #include "kernels_cpu.h"
 #include "cpu_common.h"
 #include <ATen/Parallel.h>
+#include "decode_team.h"
 
 #include <algorithm>
 #include <cmath>
@@ -189,7 +190,7 @@ at::Tensor conv_rows(const char* op, at::Tensor x, at::Tensor state, at::Tensor 
     T* out_p = out.data_ptr<T>();
     const int64_t x_stride = x.stride(0);
     const int64_t blocks = (channels + kConvLanes - 1) / kConvLanes;
-    at::parallel_for(0, sequences * blocks, 8, [&](int64_t begin, int64_t end) {
+    nanovllm::parallel_for(0, sequences * blocks, 8, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t seq = i / blocks, c = i % blocks * kConvLanes, lanes = std::min(kConvLanes, channels - c);
         T* rows = st + (slots[seq] * channels + c) * keep;
@@ -221,7 +222,7 @@ at::Tensor delta_rows(const char* op, at::Tensor q, at::Tensor k, at::Tensor v, 
     const float* bp = beta.data_ptr<float>();
     float* st = state.data_ptr<float>();
     float* out_p = out.data_ptr<float>();
-    at::parallel_for(0, sequences * heads, 1, [&](int64_t begin, int64_t end) {
+    nanovllm::parallel_for(0, sequences * heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> work(2 * dk + dv);
       for (int64_t i = begin; i < end; ++i) {
         const int64_t seq = i / heads, h = i % heads, kh = h / group;
@@ -353,7 +354,7 @@ at::Tensor sigmoid_mul(at::Tensor x, at::Tensor gate) {
     const T* xp = x.data_ptr<T>();
     const T* gp = gate.data_ptr<T>();
     T* op = out.data_ptr<T>();
-    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    nanovllm::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const T* xr = xp + r * n;
         const T* g = gp + r * per_row;
@@ -435,7 +436,7 @@ at::Tensor gated_rms_norm(at::Tensor core, at::Tensor gate, at::Tensor weight, d
     const float* gp = gate.data_ptr<float>();
     const T* w = weight.data_ptr<T>();
     T* op = out.data_ptr<T>();
-    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    nanovllm::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
       std::vector<float> x(d), squares(d);
       for (int64_t r = begin; r < end; ++r)
         gated_norm_row(cp + r * d, gp + r * d, w, op + r * d, d, static_cast<float>(eps), x.data(), squares.data());
@@ -509,7 +510,7 @@ at::Tensor linear_attention_decode_(at::Tensor projected, at::Tensor gate, at::T
     T* cs = conv_state.data_ptr<T>();
     float* rs = recurrent_state.data_ptr<float>();
     T* outp = out.data_ptr<T>();
-    at::parallel_for(0, batch * key_heads, 1, [&](int64_t begin, int64_t end) {
+    nanovllm::parallel_for(0, batch * key_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<T> mixed(2 * dk + group * dv);  // the key head's q and k, then its value heads' v, convolved
       std::vector<float> work(2 * dk + dv), o(dv), x(dv), squares(dv);
       for (int64_t task = begin; task < end; ++task) {
@@ -575,7 +576,7 @@ void rms_norm_fp32_weight_into(const at::Tensor& x, const at::Tensor& weight, do
     using T = decltype(zero);
     const T* xp = x.data_ptr<T>();
     T* op = out.data_ptr<T>();
-    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    nanovllm::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
       fp32_weight_norm_rows(xp, weight.data_ptr<float>(), heads, op, begin, end, d, static_cast<float>(eps));
     });
   });

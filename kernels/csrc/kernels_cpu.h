@@ -31,6 +31,9 @@ at::Tensor linear_quantized(at::Tensor x, at::Tensor qweight, at::Tensor scales,
 at::Tensor dequantize_rows(at::Tensor qweight, at::Tensor scales, c10::optional<at::Tensor> mins, int64_t bits,
                            int64_t group_size, at::Tensor rows, at::ScalarType dtype, bool interleaved);
 bool linear_quantized_int8_dots();
+// The most rows of 16-bit x linear_quantized runs on its own kernels when not batch_invariant (more are
+// dequantized for ATen's GEMM; float32 x stays on them longer).
+int64_t linear_quantized_direct_rows();
 bool linear_quantized_interleaved();
 
 // lora_cpu.cpp

@@ -438,6 +438,8 @@ void linear_range_blocked_bf16(const c10::BFloat16* x, const c10::BFloat16* w, c
 
 template <typename T>
 void linear_impl(const T* x, const T* w, const T* bias, T* y, int64_t rows, int64_t N, int64_t K) {
+  if (nanovllm::DecodeTeam* team = nanovllm::DecodeTeam::current())
+    team->reads({{reinterpret_cast<const char*>(w), N * K * static_cast<int64_t>(sizeof(T))}});
   const std::vector<float> xf = widened(x, rows * K);
   // Weight row pairs (so that pairs never straddle), 64 rows at least a thread: a few rows of x read the
   // weights once (parallel_rows), more are bound by their arithmetic.
@@ -447,7 +449,7 @@ void linear_impl(const T* x, const T* w, const T* bias, T* y, int64_t rows, int6
       linear_range(x, xf, w, bias, y, rows, begin * 2, std::min(N, end * 2), N, K);
     });
   }
-  at::parallel_for(0, (N + 1) / 2, 32, [&](int64_t begin, int64_t end) {
+  nanovllm::parallel_for(0, (N + 1) / 2, 32, [&](int64_t begin, int64_t end) {
     const int64_t n_begin = begin * 2, n_end = std::min(N, end * 2);
 #ifdef NANOVLLM_LINEAR_BF16
     if constexpr (std::is_same_v<T, c10::BFloat16>) return linear_range_blocked_bf16(x, w, bias, y, rows, n_begin, n_end, N, K);
@@ -468,7 +470,7 @@ void linear_grouped_impl(const std::vector<at::Tensor>& xs, const std::vector<at
   }
   // One range over every group's weight row pairs: each thread streams its share of all the weights, one
   // parallel region for the lot instead of one per group.
-  at::parallel_for(0, first_pair[groups], 32, [&](int64_t begin, int64_t end) {
+  nanovllm::parallel_for(0, first_pair[groups], 32, [&](int64_t begin, int64_t end) {
     int64_t g = std::upper_bound(first_pair.begin(), first_pair.end(), begin) - first_pair.begin() - 1;
     for (; begin < end; ++g) {
       const int64_t stop = std::min(end, first_pair[g + 1]);

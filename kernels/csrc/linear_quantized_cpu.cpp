@@ -358,6 +358,12 @@ void linear_quantized_impl(const T* x, const uint8_t* q, const c10::Half* scales
                            bool batch_invariant, bool interleaved) {
   const int64_t groups = K / group;
   const PackedRows<BITS> weights{q, scales, mins, K, groups};
+  if (nanovllm::DecodeTeam* team = nanovllm::DecodeTeam::current()) {
+    const nanovllm::Stream packed{reinterpret_cast<const char*>(q), N * K * BITS / 8},
+        scale_rows{reinterpret_cast<const char*>(scales), N * groups * 2},
+        min_rows{reinterpret_cast<const char*>(mins), mins != nullptr ? N * groups * 2 : 0};
+    team->reads({packed, scale_rows, min_rows});
+  }
 #ifdef NANOVLLM_INT8_DOTS
   if constexpr (!std::is_same_v<T, float>) {  // 16-bit x only: float32 x keeps the exact path
     if (rows <= kDirectRows || batch_invariant) {
@@ -414,7 +420,7 @@ void linear_quantized_impl(const T* x, const uint8_t* q, const c10::Half* scales
       direct_fn<BITS, T>(rows)(xf.data(), weights, bias, y, begin * 2, std::min(N, end * 2), N, K, group);
     });
   }
-  at::parallel_for(0, (N + 1) / 2, 32, [&](int64_t begin, int64_t end) {
+  nanovllm::parallel_for(0, (N + 1) / 2, 32, [&](int64_t begin, int64_t end) {
     const int64_t n_begin = begin * 2, n_end = std::min(N, end * 2);
     std::vector<float> panel(kPanelRows * K);
     for (int64_t p = n_begin; p < n_end; p += kPanelRows) {
@@ -503,7 +509,7 @@ at::Tensor dequantize_all(const uint8_t* q, const c10::Half* scales, const c10::
   dispatch("linear_quantized", dtype, [&](auto zero) {
     using T = decltype(zero);
     T* out = w.data_ptr<T>();
-    at::parallel_for(0, out_rows, 16, [&](int64_t begin, int64_t end) {
+    nanovllm::parallel_for(0, out_rows, 16, [&](int64_t begin, int64_t end) {
       RowPlanes planes;
       auto row_at = [&](int64_t i) {
         const int64_t n = rows != nullptr ? rows[i] : i;
@@ -638,6 +644,8 @@ at::Tensor dequantize_rows(at::Tensor qweight, at::Tensor scales, c10::optional<
   return bits == 8 ? dequantize_all<8>(q, s, mn, N, K, group_size, dtype, interleaved, ids, rows.size(0))
                    : dequantize_all<4>(q, s, mn, N, K, group_size, dtype, interleaved, ids, rows.size(0));
 }
+
+int64_t linear_quantized_direct_rows() { return kDirectRows; }
 
 bool linear_quantized_int8_dots() {
 #ifdef NANOVLLM_INT8_DOTS

@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 #include "kernels_cpu.h"
 #include <ATen/Parallel.h>
+#include "decode_team.h"
 
 #include "linear_tile.h"
 
@@ -26,7 +27,7 @@ void lora_add_impl(T* y, const T* x, const T* a, const T* b, const int64_t* rows
   std::vector<std::pair<int64_t, int64_t>> tasks;
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t r = starts[g]; r < starts[g + 1]; r += kTileRows) tasks.emplace_back(g, r);
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+  nanovllm::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> xf(kTileRows * K), s(kTileRows * rank), delta(kTileRows * N);
     for (int64_t t = begin; t < end; ++t) {
       const auto [g, first] = tasks[t];

@@ -21,6 +21,7 @@
 #include <ATen/ATen.h>
 #include "kernels_cpu.h"
 #include <ATen/Parallel.h>
+#include "decode_team.h"
 
 #include "cpu_common.h"
 
@@ -468,11 +469,11 @@ void decode_attention_impl(const T* q, const C* kc, const C* vc, const int64_t* 
     mid[i] = 2 * total + work;
     total += work;
   }
-  const int64_t chunks = std::min<int64_t>(at::get_num_threads(), tasks);
+  const int64_t chunks = std::min<int64_t>(nanovllm::num_threads(), tasks);
   auto first_task = [&](int64_t chunk) {
     return std::lower_bound(mid.begin(), mid.end(), 2 * total * chunk / chunks) - mid.begin();
   };
-  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+  nanovllm::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
     DecodeScratch<T, C> scratch;
     for (int64_t task = first_task(chunk_begin); task < first_task(chunk_end); ++task) {
       const int64_t b = task / kv_heads, kvh = task % kv_heads;
@@ -491,7 +492,7 @@ void decode_attention_impl(const T* q, const C* kc, const C* vc, const int64_t* 
 template <typename T>
 void rms_norm_rows(const T* x, int64_t token_stride, const T* w, bool per_head, T* out, int64_t tokens,
                    int64_t heads, int64_t hidden, float eps) {
-  at::parallel_for(0, tokens * heads, std::max<int64_t>(16, 8192 / hidden), [&](int64_t begin, int64_t end) {
+  nanovllm::parallel_for(0, tokens * heads, std::max<int64_t>(16, 8192 / hidden), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t head = r % heads;
       const T* xr = x + (r / heads) * token_stride + head * hidden;
@@ -613,7 +614,7 @@ void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double 
     using T = decltype(zero);
     T* xp = x.data_ptr<T>();
     T* rp = residual.data_ptr<T>();
-    at::parallel_for(0, rows * hidden, 4096, [&](int64_t begin, int64_t end) {
+    nanovllm::parallel_for(0, rows * hidden, 4096, [&](int64_t begin, int64_t end) {
 #pragma omp simd
       for (int64_t i = begin; i < end; ++i) rp[i] = to<T>(load(rp[i]) + load(xp[i]));
     });
@@ -673,7 +674,7 @@ void store_kv_(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor 
         };
         const T *k_src = key.data_ptr<T>(), *v_src = value.data_ptr<T>();
         C *k_dst = static_cast<C*>(k_cache.data_ptr()), *v_dst = static_cast<C*>(v_cache.data_ptr());
-        at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+        nanovllm::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
           for (int64_t t = begin; t < end; ++t) {
             quantize(k_src + t * key.stride(0), k_scale->data_ptr<float>(), k_dst + slots[t] * row);
             quantize(v_src + t * value.stride(0), v_scale->data_ptr<float>(), v_dst + slots[t] * row);
@@ -688,7 +689,7 @@ void store_kv_(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor 
   auto* k_dst = static_cast<char*>(k_cache.data_ptr());
   auto* v_dst = static_cast<char*>(v_cache.data_ptr());
   const int64_t k_stride = key.stride(0) * key.element_size(), v_stride = value.stride(0) * value.element_size();
-  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+  nanovllm::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       std::memcpy(k_dst + slots[t] * bytes, k_src + t * k_stride, bytes);
       std::memcpy(v_dst + slots[t] * bytes, v_src + t * v_stride, bytes);
@@ -705,7 +706,7 @@ at::Tensor silu_and_mul(at::Tensor x) {
     using T = decltype(zero);
     const T* xp = x.data_ptr<T>();
     T* op = out.data_ptr<T>();
-    at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
+    nanovllm::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const T* gate = xp + r * 2 * n;
         const T* up = gate + n;
@@ -733,7 +734,7 @@ at::Tensor gelu_tanh(at::Tensor x) {
     using T = decltype(zero);
     const T* xp = x.data_ptr<T>();
     T* op = out.data_ptr<T>();
-    at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
+    nanovllm::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
 #pragma omp simd
       for (int64_t i = begin; i < end; ++i) {
         const float v = load(xp[i]);
@@ -761,7 +762,7 @@ at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin) {
     const T* cp = cos.data_ptr<T>();
     const T* sp = sin.data_ptr<T>();
     T* op = out.data_ptr<T>();
-    at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    nanovllm::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const T* c = cp + t * dim;
         const T* s = sp + t * dim;

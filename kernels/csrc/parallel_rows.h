@@ -12,6 +12,8 @@
 
 #include <ATen/Parallel.h>
 
+#include "decode_team.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -59,15 +61,16 @@ class alignas(64) UnclaimedRange {
 template <typename F>
 void parallel_rows(int64_t n, int64_t grain, const F& fn) {
   TORCH_CHECK(n < (int64_t{1} << 32), "parallel_rows: ", n, " units do not fit a claim's 32 bits");
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain);
-  if (threads <= 1 || at::in_parallel_region()) {
+  nanovllm::DecodeTeam* team = nanovllm::DecodeTeam::current();
+  const int64_t threads = std::min<int64_t>(nanovllm::num_threads(), (n + grain - 1) / grain);
+  if (threads <= 1 || (team == nullptr && at::in_parallel_region())) {
     if (n > 0) fn(0, n);
     return;
   }
   const std::unique_ptr<UnclaimedRange[]> ranges(new UnclaimedRange[threads]);
   for (int64_t t = 0; t < threads; ++t) ranges[t].reset(n * t / threads, n * (t + 1) / threads);
   const int64_t share = 2 * threads;
-  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+  nanovllm::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
     int64_t begin = 0, end = 0;
     for (int64_t t = first; t < last; ++t)
       while (ranges[t].claim(/*from_front=*/true, grain, share, begin, end)) fn(begin, end);
