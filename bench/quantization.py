@@ -15,7 +15,10 @@ With --shape (a random model of bench/models.py's shapes, e.g. qwen3.5-0.8b) the
 dtype, int8 and int4, one stream only (random 128-token prompts), and what each token read at most: the
 median decode step's time times the machine's read bandwidth (the median of sums over 1 GiB taken before,
 every 16 steps and after: the machine's bandwidth moves within seconds), against the weights' bytes (a
-Qwen3.5 step also reads and writes its recurrent state, printed beside them); and each step against a
+Qwen3.5 step also reads and writes its recurrent state, printed beside them); the same for each 16 steps
+against the sums just before and after them (the median of those windows, and their range: the steps and
+the bandwidth of the same seconds, where the run's two medians can pair a fast spell's sums with a slow
+spell's steps); and each step against a
 read of the same weights right after it (a max over each tensor of 1 MiB or more, scaled to all of them),
 the median: the step's work beyond reading its weights, whatever the machine reads that second.
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import random
 import statistics
 import subprocess
@@ -88,6 +92,9 @@ class PairedStream:
     against_read: float  # the median of each step's time over the read's after it
     bandwidth: float  # the median of the sums over 1 GiB before, every 16 steps and after
     bandwidth_range: tuple[float, float]
+    # each 16 steps' median times the mean of the sums before and after them: the steps and the machine's
+    # bandwidth of the same seconds (the run's medians pair moments that differ when the bandwidth moves)
+    read_per_window: list[float]
 
 
 def paired_stream(llm: LLM, prompts: list[list[int]], max_tokens: int) -> PairedStream:
@@ -99,6 +106,7 @@ def paired_stream(llm: LLM, prompts: list[list[int]], max_tokens: int) -> Paired
     steps: list[float] = []
     against_read: list[float] = []
     bandwidths = [read_bandwidth()]
+    windows: list[int] = [0]  # where each sum falls in `steps`
     engine = llm.engine
     for prompt in prompts:
         engine.add_request("bench", prompt, params)
@@ -118,13 +126,21 @@ def paired_stream(llm: LLM, prompts: list[list[int]], max_tokens: int) -> Paired
             against_read.append(step / ((time.perf_counter() - start) * scale))
             if len(steps) % 16 == 0:
                 bandwidths.append(read_bandwidth())
+                windows.append(len(steps))
     bandwidths.append(read_bandwidth())
+    windows.append(len(steps))
+    read_per_window = [
+        statistics.median(steps[begin:end]) * (bandwidths[i] + bandwidths[i + 1]) / 2
+        for i, (begin, end) in enumerate(itertools.pairwise(windows))
+        if end > begin
+    ]
     return PairedStream(
         len(steps) / sum(steps),
         statistics.median(steps),
         statistics.median(against_read),
         statistics.median(bandwidths),
         (min(bandwidths), max(bandwidths)),
+        read_per_window,
     )
 
 
@@ -259,9 +275,10 @@ def shape_streams(
           + ("; W64: 64 random requests, 32-64 tokens in, 16-32 out" if w64 else "") + "\n")  # fmt: skip
     print(
         "| weights | weight GB | one stream tok/s | vs default | read bandwidth GB/s (range) | read per token at "
-        "most | vs weights | a step vs reading its weights | W64 tok/s | vs default |"
+        "most | vs weights | each 16 steps vs weights (median, range) | a step vs reading its weights | W64 tok/s "
+        "| vs default |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     base_rate = base_w64 = 0.0
     for name, (path, kwargs) in engines.items():
         kv_cache_memory = "1GiB" if w64 else "256MiB"
@@ -277,8 +294,10 @@ def shape_streams(
         size, bound = weight_bytes(llm), stream.bandwidth * stream.step_s
         low, high = stream.bandwidth_range
         w64_cells = f"{throughput:.1f} | {throughput / base_w64:.2f}x" if throughput else "- | -"
+        windows = [read / size for read in stream.read_per_window]
         print(f"| {name} | {size / 1e9:.3f} | {rate:.2f} | {rate / base_rate:.2f}x | {stream.bandwidth / 1e9:.1f} "
               f"({low / 1e9:.0f}-{high / 1e9:.0f}) | {bound / 1e9:.3f} GB | {bound / size:.2f}x | "
+              f"{statistics.median(windows):.2f}x ({min(windows):.2f}-{max(windows):.2f}) | "
               f"{stream.against_read:.2f}x | {w64_cells} |")  # fmt: skip
         llm.shutdown()
         del llm
