@@ -93,6 +93,10 @@ class DecodeTeam {
   // the first exception a member's share threw.
   template <typename F>
   void run_job(const F& fn) {
+    if (in_job_) {  // the leader's share parallelising again: all of it here, as at::parallel_for nests
+      for (int64_t member = 0; member < members_; ++member) fn(member);
+      return;
+    }
     job_ = &fn;
     invoke_ = [](const void* job, int64_t member) { (*static_cast<const F*>(job))(member); };
     error_ = nullptr;
@@ -102,11 +106,13 @@ class DecodeTeam {
     generation_.fetch_add(1, std::memory_order_release);
     generation_.notify_all();
     std::exception_ptr own;
+    in_job_ = true;
     try {
       fn(0);
     } catch (...) {
       own = std::current_exception();
     }
+    in_job_ = false;
     for (uint32_t left; (left = pending_.load(std::memory_order_acquire)) != 0;) wait_while(pending_, left);
     if (own) std::rethrow_exception(own);
     if (failed_.load(std::memory_order_acquire)) std::rethrow_exception(error_);
@@ -202,6 +208,7 @@ class DecodeTeam {
   void (*invoke_)(const void*, int64_t) = nullptr;
   std::exception_ptr error_;
   bool dismissed_ = false;
+  bool in_job_ = false;  // the leader is running its share of a job
   alignas(64) std::atomic<uint32_t> generation_{0};
   alignas(64) std::atomic<uint32_t> pending_{0};
   alignas(64) std::atomic<int64_t> arrivals_{0};
