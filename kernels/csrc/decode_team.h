@@ -44,8 +44,9 @@ class DecodeTeam {
   }
 
   // body() on the calling thread, leading a team of at::get_num_threads() threads; alone without a second
-  // thread or inside a parallel region already. body() must not call into ATen ops that parallelise:
-  // inside the region they run on the calling thread only.
+  // thread or inside a parallel region already. The ATen ops body() calls run on the calling thread alone
+  // (inside a parallel region): right for a decode step's small ones, not for a GEMM. A member may arrive
+  // after the first job is posted: it sees that job's generation and runs its share then.
   template <typename Body>
   static void lead(StreamOrder& order, const Body& body) {
     const int64_t threads = at::get_num_threads();
@@ -55,7 +56,6 @@ class DecodeTeam {
       if (first != 0) return team.serve();
       team.members_ = (threads + (last - first) - 1) / (last - first);  // at::parallel_for's chunks
       if (team.members_ > 1) led().fetch_add(1, std::memory_order_relaxed);
-      while (team.arrivals_.load(std::memory_order_acquire) != team.members_ - 1) _mm_pause();
       struct Dismiss {  // also when body() throws: the members leave before the region ends
         DecodeTeam& team;
         ~Dismiss() {
