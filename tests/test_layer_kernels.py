@@ -385,3 +385,19 @@ def test_an_error_inside_a_decode_team_reaches_the_caller_and_the_team_ends(mode
         model.decode_layers.forward(x, cos, sin, torch.tensor([10**6]), tables, lens)
     out, _ = model.decode_layers.forward(x, cos, sin, torch.tensor([0]), tables, lens)
     assert torch.isfinite(out).all() and kernels.decode_teams_led() == before + 2
+
+
+def test_a_decode_step_leads_a_team_only_where_its_projections_stay_on_the_kernels(model_dirs, kernels):
+    """Packed weights without --deterministic hand more than 8 rows of 16-bit x to ATen's GEMM, which inside
+    a team's region would run on one thread: a step of 9 rows runs without a team, a step of one row with."""
+    llm = LLM(
+        str(model_dirs["qwen3"]), device="cpu", num_threads=2, dtype="bfloat16", quantization="int4",
+        max_model_len=64, kv_cache_memory="4MiB",
+    )  # fmt: skip
+    assert not llm.engine.config.deterministic
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    before = kernels.decode_teams_led()
+    llm.generate([[5 + i, 6, 7] for i in range(9)], params, use_tqdm=False)
+    assert kernels.decode_teams_led() == before
+    llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    assert kernels.decode_teams_led() == before + 2
