@@ -15,7 +15,7 @@ venv: $(STAMP)
 node-deps: $(NODE_STAMP)
 
 # Packages go in with uv (installed by the venv's pip): it fetches and unpacks them side by side, 7 s where
-# pip took 65 for the extras (docs/development.md#getting-started). It does not read pip's configuration, so
+# pip took 65 for the extras (docs/development.md#setup-and-first-run). It does not read pip's configuration, so
 # it is handed the wheel folder that pip's configuration names (this machine's: where the CPU build of torch
 # lies). torch is pinned to that build; an unpinned `torch` would pull a multi-GB CUDA build. On a CUDA
 # machine install the CUDA build of torch first (see README).
