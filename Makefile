@@ -22,7 +22,7 @@ node-deps: $(NODE_STAMP)
 # CPU build of torch lies). torch is pinned to that build; an unpinned `torch` would pull a multi-GB CUDA
 # build. On a CUDA machine install the CUDA build of torch first (see README).
 UV := $(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python
-FIND_LINKS := $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
+FIND_LINKS = $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet 'uv>=0.5'
