@@ -10,7 +10,9 @@ float32 weights, read from memory as in the model) run as:
     `torch._weight_int4pack_mm_for_cpu` (int4, groups of 32 along K with a scale and a zero point each),
     up to 64 rows (on an AVX2 CPU they take about a minute per step at 512),
   - the engine's `linear_quantized` (kernels/csrc/linear_quantized_cpu.cpp) on the same two formats:
-    int8 per channel, int4 in groups of 32 with a scale and a min (float16) each.
+    int8 per channel, int4 in groups of 32 with a scale and a min (float16) each; by default (x quantized
+    to int8 for the integer dots where the CPU has them) and, in float32, exact (--exact-quantized-matmuls:
+    each weight dequantized to fp32).
 x is float32 but in the bfloat16 columns (the engine's activations where the CPU has native bf16). The calls alternate, so drift falls on all alike; the
 table gives median milliseconds per step.
 
@@ -76,9 +78,10 @@ def main() -> None:
     print(f"SmolLM2-135M's 30 layers of projections per step, median ms of {args.repeat}\n")
     print(
         "| rows | float32 F.linear | float32 few-rows | bfloat16 F.linear | bfloat16 few-rows "
-        "| torch int8 | torch int4 | ours int8 | ours int4 | ours int8, bf16 x | ours int4, bf16 x |"
+        "| torch int8 | torch int4 | ours int8 | ours int4 | ours int8, exact | ours int4, exact "
+        "| ours int8, bf16 x | ours int4, bf16 x |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for rows in args.rows:
         x32 = torch.randn(rows, max(HIDDEN, INTERMEDIATE), generator=gen)
         x16 = x32.to(torch.bfloat16)
@@ -90,10 +93,11 @@ def main() -> None:
 
             return one_step
 
-        def packed(name: str) -> Callable[[torch.Tensor, int], object]:
+        def packed(name: str, exact: bool = False) -> Callable[[torch.Tensor, int], object]:
             def call(x: torch.Tensor, i: int) -> object:
                 p = ours[name][i]
-                return kernels.linear_quantized(x, p.qweight, p.scales, p.mins, p.bits, p.group_size, None)
+                args = (p.bits, p.group_size, None, False, False, exact)
+                return kernels.linear_quantized(x, p.qweight, p.scales, p.mins, *args)
 
             return call
 
@@ -109,6 +113,8 @@ def main() -> None:
             else None,
             "ours8": step(packed("int8"), x32),
             "ours4": step(packed("int4"), x32),
+            "ours8x": step(packed("int8", exact=True), x32),
+            "ours4x": step(packed("int4", exact=True), x32),
             "ours8_16": step(packed("int8"), x16),
             "ours4_16": step(packed("int4"), x16),
         }
@@ -120,7 +126,8 @@ def main() -> None:
                 run()
                 times[name].append(time.perf_counter() - start)
         cell = {name: f"{statistics.median(t) * 1e3:.1f}" for name, t in times.items()}
-        columns = ["f32", "few", "bf16", "few16", "int8", "int4", "ours8", "ours4", "ours8_16", "ours4_16"]
+        columns = ["f32", "few", "bf16", "few16", "int8", "int4", "ours8", "ours4", "ours8x", "ours4x"]
+        columns += ["ours8_16", "ours4_16"]
         print(f"| {rows} | " + " | ".join(cell.get(name, "-") for name in columns) + " |")
 
 

@@ -243,10 +243,17 @@ def test_a_gguf_draft_reads_its_weights_from_the_file(gguf_path: Path) -> None:
     """The embedded model as its own draft, both from the GGUF file: the draft's weights are read from the
     file as the model's are (its converted directory holds configuration and tokenizer only), its greedy
     proposals are the model's own picks, so the tokens are those without speculation and nearly every
-    proposal is accepted."""
+    proposal is accepted. On the exact kernel: with the integer dots the verification's rounding-level
+    differences from a decode step (its attention's order) move some of x's values across a boundary of their
+    int8 rounding, and near-ties part more often (32 of 38 accepted)."""
     prompts = [[1, 504, 3937, 282, 4649, 314, 216], [1, 9690, 42, 1217, 4649, 30, 216, 198]]
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    engine = {"kv_cache_memory": "64MiB", "max_model_len": 256, "dtype": "float32"}
+    engine = {
+        "kv_cache_memory": "64MiB",
+        "max_model_len": 256,
+        "dtype": "float32",
+        "exact_quantized_matmuls": True,
+    }
     plain = LLM(str(gguf_path), **engine).generate(prompts, greedy, use_tqdm=False)
     spec = LLM(
         str(gguf_path), speculative_method="draft", speculative_model=str(gguf_path), num_speculative_tokens=3,
@@ -402,10 +409,12 @@ def test_serve_without_model_answers_paris(gguf_path: Path, kernels, tmp_path: P
         assert quantized["types"] == {"Q4_1": 120, "Q8_0": 1} and quantized["weight_bytes"] <= 110e6, (
             quantized
         )
-        dots = expected.dtype_name != "float32" and kernels.linear_quantized_int8_dots()
+        rows = "up to 64 rows" if expected.dtype_name == "float32" else "up to 8 rows"
         assert quantized["kernel"] == (
-            "linear_quantized (C++, int8 dots up to 8 rows)" if dots else "linear_quantized (C++)"
-        )
+            f"linear_quantized (C++, int8 dots {rows})"
+            if kernels.linear_quantized_int8_dots()
+            else "linear_quantized (C++, exact)"
+        ), quantized
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=60) == 0
     finally:

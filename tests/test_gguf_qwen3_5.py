@@ -195,7 +195,7 @@ def test_quantized_files_compute_with_their_quantized_values(tmp_path: Path, arc
     top-5 on one prompt), as int8's does with top-1 routing (docs/models.md)."""
     source = _source(tmp_path, arch, **BLOCK_ALIGNED)
     path = write_gguf(source, tmp_path / "model.gguf", quant, fuse_gate_up=quant == "Q8_0")
-    shipped = _load(path, tmp_path)
+    shipped = _load(path, tmp_path, exact_quantized_matmuls=True)  # x in float32, as the float engine's
     packed = [m for m in shipped.engine.runner.model.modules() if isinstance(m, PackedWeight)]
     assert len(packed) == (2 + 4 * 4 if arch == "qwen3_5" else 2 + 4 * (2 + 2 * 8 + 2))
     references = [_load(path, tmp_path, quantization="none", attention_backend=b) for b in ("auto", "torch")]

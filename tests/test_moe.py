@@ -107,9 +107,9 @@ def test_deterministic_gives_the_request_what_it_gives_it_alone(top2_model: Path
 def test_quantized_experts_compute_with_their_quantized_weights(top2_model: Path, quantization: str):
     """Every expert's weights packed too (2 layers x 8 experts x w13 and w2, besides the 2 attention
     projections per layer, and the head): float32 teacher-forced logits within 1e-4 of the float engine given the same
-    weights dequantized."""
+    weights dequantized, on the exact kernel (--exact-quantized-matmuls; int4 takes the integer dots by default)."""
     kwargs = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory": "16MiB"}
-    quantized = LLM(str(top2_model), quantization=quantization, **kwargs)
+    quantized = LLM(str(top2_model), quantization=quantization, exact_quantized_matmuls=True, **kwargs)
     dequantized = LLM(str(top2_model), **kwargs)
     packed = {n: m for n, m in quantized.engine.runner.model.named_modules() if isinstance(m, PackedWeight)}
     assert len(packed) == 2 * (8 * 2 + 2) + 1  # and the head

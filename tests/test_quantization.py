@@ -53,9 +53,20 @@ def _packed(scheme: str, rows: int, features: int, seed: int = 0) -> tuple[Packe
     return PackedWeight(rows, features, SCHEMES[scheme], "test").quantize_(weight), weight
 
 
-def _run(kernels, x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _run(
+    kernels, x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None, exact: bool = False
+) -> torch.Tensor:
     return kernels.linear_quantized(
-        x, packed.qweight, packed.scales, packed.mins, packed.bits, packed.group_size, bias
+        x,
+        packed.qweight,
+        packed.scales,
+        packed.mins,
+        packed.bits,
+        packed.group_size,
+        bias,
+        False,
+        False,
+        exact,
     )
 
 
@@ -65,30 +76,36 @@ def _run(kernels, x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_kernel_equals_the_float_kernel_on_dequantized_weights(kernels, scheme, dtype) -> None:
-    """Bit for bit wherever the weights are dequantized in registers (up to 8 rows) or cached panels (up
-    to 64 rows of float32 x): x widened, the exact dequantized weight, the same summation order, one
-    rounding to dtype. 16-bit x above 8 rows runs PyTorch's 16-bit GEMM on the weight in x's dtype; up to
-    8 rows it takes the integer dots where the build has them (the next test)."""
+    """With `exact` (the engine's --exact-quantized-matmuls), bit for bit wherever the weights are
+    dequantized in registers (up to 8 rows) or cached panels (up to 64 rows of float32 x): x widened, the
+    exact dequantized weight, the same summation order, one rounding to dtype. 16-bit x above 8 rows runs
+    PyTorch's 16-bit GEMM on the weight in x's dtype. Without `exact` x takes the integer dots where the
+    build has them (the next tests)."""
     packed, _ = _packed(scheme, 70, 256)
     dequantized = packed.dequantize(torch.float32)
     gen = torch.Generator().manual_seed(1)
     bias = torch.randn(70, generator=gen).to(dtype)
     for rows in (1, 2, 3, 4, 5, 8, 9, 17, 40):
         x = torch.randn(rows, 256, generator=gen).to(dtype)
-        if dtype != torch.float32 and rows <= 8 and kernels.linear_quantized_int8_dots():
-            continue
         if dtype == torch.float32 or rows <= 8:
             expected = kernels.linear_few_rows(x.float(), dequantized, bias.float()).to(dtype)
         else:
             expected = F.linear(x, packed.dequantize(dtype), bias)
-        assert torch.equal(_run(kernels, x, packed, bias), expected), (scheme, dtype, rows)
+        assert torch.equal(_run(kernels, x, packed, bias, exact=True), expected), (scheme, dtype, rows)
+
+
+def _dot_rows(dtype: torch.dtype) -> tuple[int, ...]:
+    """Rows of x the integer dots take (not batch_invariant): up to 8 of 16-bit x, 64 of float32 x, in tiles
+    of 8 rows."""
+    return (*range(1, 9), 17, 64) if dtype == torch.float32 else tuple(range(1, 9))
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_int8_dots_stay_within_the_activation_rounding_bound(kernels, scheme, dtype) -> None:
-    """With AVX512-VNNI or AVX2, up to 8 rows of 16-bit x are quantized to int8 in blocks of 32 (scale d =
-    the block's max |x| / 127) and meet the weights in integer dot products. Each x moves by at most d / 2, so
+    """With AVX512-VNNI or AVX2, up to 8 rows of 16-bit x and 64 of float32 x are quantized to int8 in
+    blocks of 32 (scale d = the block's max |x| / 127) and meet the weights in integer dot products. Each x
+    moves by at most d / 2, so
     an output moves by at most the sum over blocks of d / 2 * sum |w| from the exact product (plus the
     output's own rounding to dtype). Several shapes end in a partial 64-byte chunk, and 37 weight rows
     leave partial tiles."""
@@ -100,7 +117,7 @@ def test_int8_dots_stay_within_the_activation_rounding_bound(kernels, scheme, dt
         packed, _ = _packed(scheme, 37, features)
         weight = packed.dequantize(torch.float64)
         bias = torch.randn(37, generator=gen).to(dtype)
-        for rows in range(1, 9):
+        for rows in _dot_rows(dtype):
             x = (torch.randn(rows, features, generator=gen) * torch.rand(rows, features, generator=gen)).to(
                 dtype
             )
@@ -116,7 +133,7 @@ def test_int8_dots_stay_within_the_activation_rounding_bound(kernels, scheme, dt
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_int8_dots_are_the_product_of_the_quantized_x(kernels, scheme, dtype) -> None:
     """Tighter than the bound above: the integer sums are exact, so each output is x's int8 quantization
     (q = round(x * (127 / max|x|)) per block of 32, in float32 as the kernel rounds it, times max|x| / 127)
@@ -134,7 +151,7 @@ def test_int8_dots_are_the_product_of_the_quantized_x(kernels, scheme, dtype) ->
         packed, _ = _packed(scheme, 37, features)
         weight = packed.dequantize(torch.float64)
         bias = torch.randn(37, generator=gen).to(dtype)
-        for rows in range(1, 9):
+        for rows in _dot_rows(dtype):
             x = torch.randn(rows, features, generator=gen).to(dtype)
             blocks = x.float().view(rows, -1, 32)
             amax = blocks.abs().amax(-1, keepdim=True)
@@ -180,10 +197,10 @@ def test_dequantize_rows_is_the_weights_dequantize_bit_for_bit(kernels, scheme, 
 
 
 @pytest.mark.parametrize("scheme", ["int4-32", "int8"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_interleaved_rows_compute_the_rows_layouts_product(kernels, scheme, dtype) -> None:
     """4-bit weights in groups of 32 and 8-bit weights with one scale a row, with their rows interleaved 16
-    at a time (the layout a 16-bit engine's weights take on a CPU with AVX512-VNNI): the same integer sums
+    at a time (the layout an engine's weights take on a CPU with AVX512-VNNI): the same integer sums
     as the rows' own layout, scaled and added in another order (at 8 bits each block's sum exact, the +128
     offset taken back inside it), so every output within float32's rounding of the scaled partial sums of
     the two (K x 2^-24 of the products' mass each, as the tests above hold them) and the output's rounding;
@@ -204,7 +221,7 @@ def test_interleaved_rows_compute_the_rows_layouts_product(kernels, scheme, dtyp
         assert packed.interleaved and not torch.equal(packed.qweight, rows_layout.qweight)
         assert torch.equal(packed.dequantize(torch.float32), rows_layout.dequantize(torch.float32))
         bias = torch.randn(48, generator=gen).to(dtype)
-        for rows in (1, 2, 5, 8, 20):
+        for rows in (1, 2, 5, 8, 20, 70):
             x = torch.randn(rows, features, generator=gen).to(dtype)
             magnitude = x.double().abs()  # x's int8 rounding moves it by at most 1/254 of its block's largest
             terms = magnitude @ weight.abs().T
@@ -216,7 +233,7 @@ def test_interleaved_rows_compute_the_rows_layouts_product(kernels, scheme, dtyp
                 args = (packed.bits, group, bias, invariant)
                 expected = kernels.linear_quantized(x, rows_layout.qweight, rows_layout.scales, mins, *args)
                 got = kernels.linear_quantized(x, packed.qweight, packed.scales, packed.mins, *args, True)
-                if rows > 8 and not invariant:
+                if rows > (64 if dtype == torch.float32 else 8) and not invariant:  # the GEMM
                     assert torch.equal(got, expected), (features, rows)
                     continue
                 bound = 2 * (
@@ -242,7 +259,7 @@ def test_interleaved_rows_compute_the_rows_layouts_product(kernels, scheme, dtyp
         assign(tiles, rows_layout.narrow(0, 16, 32))
     with pytest.raises(RuntimeError, match="4 bits in groups of 32 or 8 bits with one scale a row"):
         kernels.linear_quantized(
-            x.float(), packed.qweight, packed.scales, packed.mins, packed.bits, group, None, False, True
+            x, packed.qweight, packed.scales, packed.mins, packed.bits, group, None, False, True, True
         )
 
 
@@ -290,8 +307,8 @@ def test_the_result_does_not_depend_on_the_thread_count(kernels, scheme, dtype) 
     """A few rows of x read the weights once, each thread its own range of weight rows and a thread done
     early the rest of another's from the far end (kernels/csrc/parallel_rows.h): the same bits whichever
     thread computes an output. More threads than CPUs make the threads' pace uneven, so ranges change
-    hands; 4,099 weight rows end in a partial tile. bfloat16 x takes the integer dots where the CPU has
-    them, float32 x the registers."""
+    hands; 4,099 weight rows end in a partial tile. x takes the integer dots where the CPU has them, and
+    the registers when exact."""
     packed, _ = _packed(scheme, 4099, 512)
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(2)).to(dtype)
     threads = torch.get_num_threads()
@@ -299,7 +316,9 @@ def test_the_result_does_not_depend_on_the_thread_count(kernels, scheme, dtype) 
         outs = []
         for n in (1, 2, 3, 5):
             torch.set_num_threads(n)
-            outs.append([_run(kernels, x[: rows + 1], packed) for rows in range(3) for _ in range(3)])
+            outs.append(
+                [_run(kernels, x[: rows + 1], packed, exact=exact) for rows in range(3) for exact in (0, 1)]
+            )
     finally:
         torch.set_num_threads(threads)
     for out in outs[1:]:
@@ -310,32 +329,35 @@ def test_the_result_does_not_depend_on_the_thread_count(kernels, scheme, dtype) 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_batch_invariant_rows_equal_each_row_alone_at_every_row_count(kernels, scheme, dtype) -> None:
     """batch_invariant (--deterministic): one kernel at every row count, decode to prefill sizes (never the
-    GEMM), so every row equals that row alone, bit for bit. With 16-bit x on a CPU with integer dots it is
-    the integer dots in tiles of 8 rows (and at up to 8 rows exactly what the default mode runs, so a
-    deterministic decode step costs what a default one does); float32 x, or a CPU without them, the
-    registers and the panels. 130 rows: full tiles and a partial one; 37 weight rows: partial tiles."""
+    GEMM), so every row equals that row alone, bit for bit. On a CPU with integer dots it is the integer
+    dots in tiles of 8 rows (and at up to 8 rows exactly what the default mode runs, so a deterministic
+    decode step costs what a default one does); with `exact`, or on a CPU without them, the registers and
+    the panels. 130 rows: full tiles and a partial one; 37 weight rows: partial tiles."""
     packed, _ = _packed(scheme, 37, 256)
     gen = torch.Generator().manual_seed(3)
     bias = torch.randn(37, generator=gen).to(dtype)
     x = torch.randn(130, 256, generator=gen).to(dtype)
 
-    def run(rows: torch.Tensor, invariant: bool) -> torch.Tensor:
-        return kernels.linear_quantized(
-            rows, packed.qweight, packed.scales, packed.mins, packed.bits, packed.group_size, bias, invariant
-        )
+    for exact in (False, True):
 
-    alone = torch.cat([run(x[i : i + 1], True) for i in range(len(x))])
-    for rows in (2, 5, 8, 9, 17, 64, 65, 130):
-        assert torch.equal(run(x[:rows], True), alone[:rows]), (scheme, dtype, rows)
-    if dtype != torch.float32 and kernels.linear_quantized_int8_dots():
-        assert torch.equal(run(x[:8], False), alone[:8])  # the default mode's decode kernel
+        def run(rows: torch.Tensor, invariant: bool, exact: bool = exact) -> torch.Tensor:
+            args = (packed.bits, packed.group_size, bias, invariant, False, exact)
+            return kernels.linear_quantized(rows, packed.qweight, packed.scales, packed.mins, *args)
+
+        alone = torch.cat([run(x[i : i + 1], True) for i in range(len(x))])
+        for rows in (2, 5, 8, 9, 17, 64, 65, 130):
+            assert torch.equal(run(x[:rows], True), alone[:rows]), (scheme, dtype, exact, rows)
+        if not exact and kernels.linear_quantized_int8_dots():
+            assert torch.equal(run(x[:8], False), alone[:8])  # the default mode's decode kernel
 
 
 def test_torch_fallback_computes_the_same_product(kernels) -> None:
     """Without the C++ kernels (another device, no compiler) a packed weight is dequantized per call."""
     packed, _ = _packed("int4-64", 64, 128)
     x = torch.randn(3, 128)
-    torch.testing.assert_close(F.linear(x, packed.dequantize(torch.float32)), _run(kernels, x, packed))
+    torch.testing.assert_close(
+        F.linear(x, packed.dequantize(torch.float32)), _run(kernels, x, packed, exact=True)
+    )
 
 
 def test_kernel_rejects_inconsistent_planes(kernels) -> None:
@@ -488,11 +510,12 @@ def smollm2_gguf(smollm2_dir: Path) -> Path:
 
 @pytest.mark.slow
 def test_gguf_q4_1_logits_equal_the_dequantized_model(smollm2_gguf: Path, kernels) -> None:
-    """The same weights through two kernels: decode steps (few rows: linear_quantized's register path
-    against linear_few_rows on the float32 copy) are bit-identical; prefill (PyTorch's GEMM against the
-    panel path, summing in another order) within 1e-3 of logits up to ~20."""
+    """The same weights through two kernels, the quantized one exact (--exact-quantized-matmuls): decode
+    steps (few rows: linear_quantized's register path against linear_few_rows on the float32 copy) are
+    bit-identical; prefill (PyTorch's GEMM against the panel path, summing in another order) within 1e-3 of
+    logits up to ~20."""
     kwargs = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory": "64MiB"}
-    shipped = LLM(str(smollm2_gguf), **kwargs)
+    shipped = LLM(str(smollm2_gguf), exact_quantized_matmuls=True, **kwargs)
     dequantized = LLM(str(smollm2_gguf), quantization="none", **kwargs)
     packed = [m for m in shipped.engine.runner.model.modules() if isinstance(m, PackedWeight)]
     assert {m.scheme.name for m in packed} == {"Q4_1", "Q8_0"}

@@ -592,7 +592,7 @@ def test_quantized_weights_compute_with_their_quantized_values(
     nibble moves them by 1e-2 and more. (The MoE's shared expert at 64 features: a group divides a row.)"""
     model = _build(tmp_path, pattern, shared_expert_intermediate_size=64)
     kwargs = {**ENGINE, "max_model_len": 256}
-    quantized = LLM(str(model), quantization=quantization, **kwargs)
+    quantized = LLM(str(model), quantization=quantization, exact_quantized_matmuls=True, **kwargs)
     packed = {n: m for n, m in quantized.engine.runner.model.named_modules() if isinstance(m, PackedWeight)}
     layers = [name for name in packed if ".layers." in name]
     assert len(layers) == 4 * (2 + (2 * 8 + 2 if pattern == "moe-3to1" else 2))

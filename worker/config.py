@@ -246,6 +246,15 @@ class EngineConfig:
     quantization_group_size: int = option(
         32, help="input features per int4 scale: a multiple of 32 that divides every layer's input features"
     )
+    exact_quantized_matmuls: bool = option(
+        False,
+        help="int8, int4 and GGUF weights on a CPU: x kept in the model's dtype and each weight dequantized "
+        "exactly, so results equal the dequantized model's bit for bit; by default each row of x is quantized "
+        "to int8 in blocks of 32 and meets the weights in integer dot products (AVX2 or AVX512-VNNI, as "
+        "llama.cpp does; 1.2-2.7x faster at a few rows) where that rounding adds little to the error already "
+        "there: 16-bit x, or a model whose projections are 4-bit; float32 x with 8-bit weights stays exact "
+        "(the start log's weights_quantized line says which; docs/quantization.md)",
+    )
     lora_adapters: list[str] = option(
         flag="--lora",
         default_factory=list,
@@ -428,7 +437,7 @@ class EngineConfig:
             return False, (
                 f"auto: off for {self.weight_format} weights, whose batch-invariant kernel keeps prompts off "
                 "PyTorch's GEMM (measured at 0.52-0.83x of the throughput with 16-bit activations, 0.94-1.00x "
-                "in float32); --deterministic turns it on"
+                "in float32 on the exact panels); --deterministic turns it on"
             )
         return True, "auto: on a CPU's C++ kernels, where the batch-invariant ones measured no slower"
 

@@ -16,7 +16,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_quantized", &linear_quantized, "x @ W.T (+ bias) with W as 8- or 4-bit integers in groups with "
         "float16 scales (and mins at 4 bits) (CPU; x float32, bfloat16, float16; fp32 accumulation)", py::arg("x"),
         py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("group_size"),
-        py::arg("bias") = py::none(), py::arg("batch_invariant") = false, py::arg("interleaved") = false);
+        py::arg("bias") = py::none(), py::arg("batch_invariant") = false, py::arg("interleaved") = false,
+        py::arg("exact") = false);
   m.def("dequantize_rows", &dequantize_rows, "rows of a packed weight (linear_quantized's planes) in a float dtype, "
         "as PackedWeight.dequantize computes them: an embedding's lookup (CPU)", py::arg("qweight"), py::arg("scales"),
         py::arg("mins"), py::arg("bits"), py::arg("group_size"), py::arg("rows"), py::arg("dtype"),
@@ -24,8 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_quantized_interleaved", &linear_quantized_interleaved, "whether linear_quantized takes 4-bit "
         "weights in groups of 32 and 8-bit ones with one scale a row with their rows interleaved 16 at a time "
         "(PackedWeight.interleave_; AVX512-VNNI)");
-  m.def("linear_quantized_int8_dots", &linear_quantized_int8_dots, "whether linear_quantized quantizes 16-bit x "
-        "of up to 8 rows to int8 for integer dot products (built for a CPU with AVX512-VNNI or AVX2)");
+  m.def("linear_quantized_int8_dots", &linear_quantized_int8_dots, "whether linear_quantized quantizes x to "
+        "int8 for integer dot products unless exact (built for a CPU with AVX512-VNNI or AVX2)");
   m.def("apply_token_bitmask_", &apply_token_bitmask_,
         "logits[rows[j], t] = -inf where bit t of bitmask[j] is clear (CPU; float32; in place)");
   m.def("sample_rows", &sample_rows, "one token per row of float32 logits, drawn by inversion with spec's "

@@ -29,6 +29,7 @@ struct Projection {
   int64_t few_rows_max = 0;  // float weights: linear_few_rows up to this many rows, PyTorch's GEMM above
   bool batch_invariant = false;  // every row count on the kernels' fixed summation order
   bool interleaved = false;      // packed rows interleaved 16 at a time (PackedWeight.interleave_)
+  bool exact = false;            // packed: x kept in its dtype, not quantized for the integer dots
 
   // The most rows of x this projection keeps on the kernels (which run on a DecodeTeam), not ATen's GEMM.
   int64_t kernel_rows() const {
@@ -38,7 +39,7 @@ struct Projection {
 
   at::Tensor operator()(const at::Tensor& x) const {
     if (!weight.has_value())
-      return linear_quantized(x, *qweight, *scales, mins, bits, group_size, bias, batch_invariant, interleaved);
+      return linear_quantized(x, *qweight, *scales, mins, bits, group_size, bias, batch_invariant, interleaved, exact);
     if (batch_invariant || x.size(0) <= few_rows_max) return linear_few_rows(x, *weight, bias);
     return at::linear(x, *weight, bias);
   }
@@ -362,14 +363,14 @@ void register_decode_layers(pybind11::module& m) {
       .def(py::init([](c10::optional<at::Tensor> weight, c10::optional<at::Tensor> qweight,
                        c10::optional<at::Tensor> scales, c10::optional<at::Tensor> mins, int64_t bits,
                        int64_t group_size, c10::optional<at::Tensor> bias, int64_t few_rows_max,
-                       bool batch_invariant, bool interleaved) {
+                       bool batch_invariant, bool interleaved, bool exact) {
              TORCH_CHECK(weight.has_value() != qweight.has_value(), "Projection: a float weight or a packed one");
              return Projection{weight, qweight, scales, mins, bits, group_size, bias, few_rows_max, batch_invariant,
-                               interleaved};
+                               interleaved, exact};
            }),
            py::arg("weight"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
            py::arg("group_size"), py::arg("bias"), py::arg("few_rows_max"), py::arg("batch_invariant"),
-           py::arg("interleaved") = false);
+           py::arg("interleaved") = false, py::arg("exact") = false);
   py::class_<SparseMoe>(m, "SparseMoe", "A sparse layer's router, experts and shared expert for the decode layers")
       .def(py::init([](Projection router, std::vector<Projection> w13, std::vector<Projection> w2, int64_t top_k,
                        bool norm_topk_prob, c10::optional<Projection> shared_gate_up,

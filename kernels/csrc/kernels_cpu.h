@@ -27,7 +27,7 @@ std::vector<at::Tensor> linear_grouped(std::vector<at::Tensor> xs, std::vector<a
 // linear_quantized_cpu.cpp
 at::Tensor linear_quantized(at::Tensor x, at::Tensor qweight, at::Tensor scales,
                             c10::optional<at::Tensor> mins, int64_t bits, int64_t group_size,
-                            c10::optional<at::Tensor> bias, bool batch_invariant, bool interleaved);
+                            c10::optional<at::Tensor> bias, bool batch_invariant, bool interleaved, bool exact);
 at::Tensor dequantize_rows(at::Tensor qweight, at::Tensor scales, c10::optional<at::Tensor> mins, int64_t bits,
                            int64_t group_size, at::Tensor rows, at::ScalarType dtype, bool interleaved);
 bool linear_quantized_int8_dots();

@@ -6,12 +6,13 @@
 // On a CPU one decode stream is bound by reading the weights, and 4 bits read a quarter of what bf16 does.
 // Each weight is widened to fp32 exactly (s * q is exact: an fp16 times an integer of at most 8 bits fits
 // fp32's mantissa, so adding m rounds once, as gguf's own dequantization does), then summed in
-// linear_tile.h's order. So the result equals linear_few_rows on the dequantized float32 weights, bit for
-// bit, whatever the number of rows, as long as the rows are dequantized in registers or panels (and x is
-// not taking the integer dots):
-// - up to kDirectRows (8) rows of x, weights are dequantized into registers as they are read; with 16-bit x
-//   on a CPU with AVX512-VNNI or AVX2, x is quantized to int8 instead and meets the weights in integer dots
-//   (linear_int8_dots.h: within a stated bound of the exact product, not bit-equal);
+// linear_tile.h's order. So with `exact` the result equals linear_few_rows on the dequantized float32
+// weights, bit for bit, whatever the number of rows, as long as the rows are dequantized in registers or
+// panels. Without it (the engine's default), on a CPU with AVX512-VNNI or AVX2, x is quantized to int8
+// instead and meets the weights in integer dots (linear_int8_dots.h: within a stated bound of the exact
+// product, not bit-equal) up to kDirectRows rows of 16-bit x and kPanelMaxRows of float32 x: dequantizing
+// every weight to fp32 is arithmetic-bound, on AVX2 at about half the memory's rate. The exact paths:
+// - up to kDirectRows (8) rows of x, weights are dequantized into registers as they are read;
 // - with x in float32, up to kPanelMaxRows, each thread dequantizes a panel of kPanelRows weight rows into
 //   an fp32 scratch that stays in cache, and runs the float tile over every row of x against it, six rows
 //   of x against two weight rows a pass (arithmetic-bound);
@@ -20,8 +21,8 @@
 //   GEMM starts right after the registers: a CPU with native bf16 runs it on AMX or AVX512_BF16, and the
 //   float engine runs such batches in PyTorch's 16-bit GEMM too. What each path costs against the others:
 //   docs/performance.md (Weight-only quantized matmuls, Deterministic inference).
-// With batch_invariant (the engine's --deterministic) the GEMM never runs. 16-bit x on a CPU with the
-// integer dots takes them at every row count, in tiles of 8 rows of x: a row's int8 quantization, its int32
+// With batch_invariant (the engine's --deterministic) the GEMM never runs. x on a CPU with the integer
+// dots, not `exact`, takes them at every row count, in tiles of 8 rows of x: a row's int8 quantization, its int32
 // dots and the float work after them are the same instructions whatever the tile, so one kernel serves
 // decode and prefill. Otherwise every row count takes the registers or the panels. Either way each row's
 // result is the same whatever rows are beside it.
@@ -355,7 +356,7 @@ bool takes_chunk_groups(int64_t group) {
 template <int BITS, typename T>
 void linear_quantized_impl(const T* x, const uint8_t* q, const c10::Half* scales, const c10::Half* mins,
                            const T* bias, T* y, int64_t rows, int64_t N, int64_t K, int64_t group,
-                           bool batch_invariant, bool interleaved) {
+                           bool batch_invariant, bool interleaved, bool exact) {
   const int64_t groups = K / group;
   const PackedRows<BITS> weights{q, scales, mins, K, groups};
   if (nanovllm::DecodeTeam* team = nanovllm::DecodeTeam::current()) {
@@ -365,8 +366,9 @@ void linear_quantized_impl(const T* x, const uint8_t* q, const c10::Half* scales
     team->reads({packed, scale_rows, min_rows});
   }
 #ifdef NANOVLLM_INT8_DOTS
-  if constexpr (!std::is_same_v<T, float>) {  // 16-bit x only: float32 x keeps the exact path
-    if (rows <= kDirectRows || batch_invariant) {
+  // float32 x takes them where it would take the panels, 16-bit x where it would take the registers.
+  if (!exact) {
+    if (rows <= (std::is_same_v<T, float> ? kPanelMaxRows : kDirectRows) || batch_invariant) {
       // A decode call's rows of x keep their memory in the calling thread from call to call; a prefill's
       // many rows (with batch_invariant) take memory of their own.
       thread_local std::vector<QuantizedRow> kept(kDirectRows);
@@ -538,6 +540,7 @@ at::Tensor dequantize_all(const uint8_t* q, const c10::Half* scales, const c10::
 // x [rows, K] in float32, bfloat16 or float16; qweight [N, K] int8 (bits 8) or [N, K / 2] uint8 (bits 4);
 // scales and mins [N, K / group_size] float16 (mins only, and required, for 4 bits); bias [N] in x's dtype
 // or None. Returns [rows, N] in x's dtype. batch_invariant: each row summed in one order at every row count.
+// exact: x kept in its dtype, each weight dequantized exactly (never the integer dots).
 namespace {
 
 // Whether a weight of these bits and groups can have its rows interleaved (PackedWeight.can_interleave): 4 bits
@@ -572,7 +575,7 @@ void check_planes(const char* op, const at::Tensor& qweight, const at::Tensor& s
 
 at::Tensor linear_quantized(at::Tensor x, at::Tensor qweight, at::Tensor scales,
                             c10::optional<at::Tensor> mins, int64_t bits, int64_t group_size,
-                            c10::optional<at::Tensor> bias, bool batch_invariant, bool interleaved) {
+                            c10::optional<at::Tensor> bias, bool batch_invariant, bool interleaved, bool exact) {
   TORCH_CHECK(x.dim() == 2, "linear_quantized: x must be 2-d, got ", x.sizes());
   const int64_t rows = x.size(0), K = x.size(1), N = qweight.size(0);
   check_planes("linear_quantized", qweight, scales, mins, bits, group_size, K);
@@ -582,11 +585,11 @@ at::Tensor linear_quantized(at::Tensor x, at::Tensor qweight, at::Tensor scales,
                 bias->sizes());
   }
   if (interleaved)
-    TORCH_CHECK(linear_quantized_interleaved() && interleaves(bits, group_size, N, K) && x.scalar_type() != at::kFloat,
+    TORCH_CHECK(linear_quantized_interleaved() && interleaves(bits, group_size, N, K) && !exact,
                 "linear_quantized: rows interleaved need 4 bits in groups of ", kBlock, " or 8 bits with one scale a "
-                "row, a multiple of ", kInterleavedRows, " rows and 16-bit x on a CPU with AVX512-VNNI; got ", bits,
-                " bits, groups of ", group_size, " over ", K, " input features, ", N, " rows, x ", x.scalar_type(),
-                linear_quantized_interleaved() ? "" : " (this build has no VNNI)");
+                "row, a multiple of ", kInterleavedRows, " rows and the integer dots (not exact) on a CPU with "
+                "AVX512-VNNI; got ", bits, " bits, groups of ", group_size, " over ", K, " input features, ", N,
+                " rows, exact ", exact, linear_quantized_interleaved() ? "" : " (this build has no VNNI)");
   x = x.contiguous();
   qweight = qweight.contiguous();
   scales = scales.contiguous();
@@ -607,10 +610,10 @@ at::Tensor linear_quantized(at::Tensor x, at::Tensor qweight, at::Tensor scales,
     const T* bp = b.defined() ? b.data_ptr<T>() : nullptr;
     if (bits == 8)
       linear_quantized_impl<8, T>(x.data_ptr<T>(), q, s, mn, bp, y.data_ptr<T>(), rows, N, K, group_size,
-                                  batch_invariant, interleaved);
+                                  batch_invariant, interleaved, exact);
     else
       linear_quantized_impl<4, T>(x.data_ptr<T>(), q, s, mn, bp, y.data_ptr<T>(), rows, N, K, group_size,
-                                  batch_invariant, interleaved);
+                                  batch_invariant, interleaved, exact);
   });
   return y;
 }

@@ -88,6 +88,9 @@ class LayerKernels:
     # EngineConfig.deterministic: the projections on kernels whose sums do not depend on the number of rows
     # (worker/layers/linear.py); the other layers work row by row.
     deterministic: bool = False
+    # EngineConfig.exact_quantized_matmuls: packed weights meet x in its dtype, not x quantized to int8 for the
+    # C++ kernel's integer dots.
+    exact_quantized: bool = False
     # A hybrid model's linear-attention state work: the C++ CPU kernels, the Triton ones with the Triton
     # attention backend, or None for PyTorch (worker/models/qwen3_5.py's GatedDeltaNet).
     gated_delta: GatedDeltaKernels | None = None

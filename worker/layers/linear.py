@@ -57,6 +57,7 @@ def linear(
                 bias,
                 deterministic,
                 weight.interleaved,
+                kernels.exact_quantized,
             )
         weight = weight.dequantize(x.dtype)
     if deterministic and triton_kernels is not None:

@@ -313,7 +313,5 @@ class DecoderForCausalLM(nn.Module):
         # ranks, whose all-reduces sit between the kernels.
         cpu = kernels.cpu
         self.model.decode_layers = (
-            build_decode_layers(self.model, cpu, kernels.deterministic)
-            if cpu is not None and self.tp.size == 1
-            else None
+            build_decode_layers(self.model, cpu, kernels) if cpu is not None and self.tp.size == 1 else None
         )

@@ -723,6 +723,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
             cpu=kernels.cpu,
             block_fp8=kernels.block_fp8,
             deterministic=kernels.deterministic,
+            exact_quantized=kernels.exact_quantized,
             gated_delta=kernels.gated_delta,
             gated_delta_prompts=None if kernels.deterministic else kernels.gated_delta_prompts,
         )
@@ -750,4 +751,4 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         cpu = kernels.cpu
         self.model.decode_layers = None
         if kernels.gated_delta is cpu and cpu is not None and self.tp.size == 1:
-            self.model.decode_layers = build_hybrid_decode_layers(self.model, cpu, kernels.deterministic)
+            self.model.decode_layers = build_hybrid_decode_layers(self.model, cpu, kernels)

@@ -90,6 +90,9 @@ class ModelRunnerBase:
         self.decode_graphs: DecodeGraphs | None = None
         self.kv_offload: KVOffload | None = None
         self.interleaved_weights = 0  # packed projections whose rows the CPU kernel takes interleaved
+        # Packed weights meet x in its dtype, not x quantized to int8 for the CPU kernel's integer dots, and why
+        # (_choose_quantized_arithmetic).
+        self.exact_quantized, self.exact_quantized_reason = True, "no packed weights"
         # Before any rank starts: a device that cannot run the dtype fails here, with nothing to undo.
         self.placement = resolve_placement(config.device, config.dtype)
         if tp is None:
@@ -135,6 +138,7 @@ class ModelRunnerBase:
             )  # fmt: skip
         self.num_blocks = self._allocate_kv_cache()
         self.kv_offload = self._kv_offload() if config.kv_tiers else None
+        self._choose_quantized_arithmetic()
         self._lay_out_weights()
         self._bind_kernels()
         if self.tp.rank == 0 and config.weight_format != "none":
@@ -334,6 +338,7 @@ class ModelRunnerBase:
             weight_bytes_in_dtype=float_bytes + sum(m.shape.numel() * element for m in packed),
             weight_bytes=float_bytes + sum(m.nbytes for m in packed),
             kernel=self._quantized_kernel(),
+            kernel_reason=self.exact_quantized_reason,
             rows_interleaved=self.interleaved_weights,
         )
 
@@ -341,10 +346,11 @@ class ModelRunnerBase:
         kernels = self.sampler.cpu_kernels
         if kernels is None:
             return "dequantize + F.linear"
-        if self.dtype != torch.float32 and kernels.linear_quantized_int8_dots():
-            rows = "at every row count" if self.config.deterministic else "up to 8 rows"
-            return f"linear_quantized (C++, int8 dots {rows})"
-        return "linear_quantized (C++)"
+        if self.exact_quantized:
+            return "linear_quantized (C++, exact)"
+        rows = "up to 64 rows" if self.dtype == torch.float32 else "up to 8 rows"
+        rows = "at every row count" if self.config.deterministic else rows
+        return f"linear_quantized (C++, int8 dots {rows})"
 
     def _wants_cuda_graphs(self) -> bool:
         """CUDA graphs for decode unless enforce_eager; not yet with tensor parallelism, whose ranks would
@@ -430,14 +436,44 @@ class ModelRunnerBase:
                 "attention_backend_selected", backend=self.kernel_backend, reason=self.backend_choice.reason
             )
 
+    def _choose_quantized_arithmetic(self) -> None:
+        """Whether packed weights take the C++ kernel's integer dots, each row of x rounded to int8 in blocks
+        of 32 (its scale the block's max |x| / 127), where the rounding adds little to the error already there:
+        16-bit x's own rounding is of that size, and 4-bit weights' rounding about 16 times it (a group of 32
+        Gaussian weights spans ~4 sigma in 15 steps, x's block ~2.2 sigma in 254). Float32 x with 8-bit
+        weights only stays exact: per-channel int8 rounds each weight by about what the dots would round x by,
+        so they would double the error (seen: random Qwen3-MoE and Qwen3.5 breaking the top-5 rule). A model
+        whose projections are 4-bit takes the dots for its 8-bit weights too (the int8 head of
+        --quantization int4, a GGUF's Q8_0 embedding): their rounding is small beside the layers'."""
+        cpu = self.backend_choice.backend
+        kernels = cpu.kernels if isinstance(cpu, CpuKernelAttention) else None
+        models = [self.model] if self.draft is None else [self.model, self.draft.model]
+        bits = {m.bits for model in models for m in model.modules() if isinstance(m, PackedWeight)}
+        if not bits:
+            return
+        if self.config.exact_quantized_matmuls:
+            choice = True, "asked for (--exact-quantized-matmuls)"
+        elif kernels is None or not kernels.linear_quantized_int8_dots():
+            choice = True, "the CPU kernels have no integer dots here (neither AVX2 nor AVX512-VNNI)"
+        elif self.dtype != torch.float32:
+            choice = False, "16-bit x: x's int8 rounding in blocks of 32 is about its own"
+        elif 4 in bits:
+            choice = (
+                False,
+                "4-bit weights: their rounding is about 16 times x's int8 rounding in blocks of 32",
+            )
+        else:
+            choice = True, "float32 x and 8-bit weights: x's int8 rounding would about double their error"
+        self.exact_quantized, self.exact_quantized_reason = choice
+
     def _lay_out_weights(self) -> None:
         """The weights as the kernels read them, before the kernels bind them: packed weights interleaved
-        for the C++ kernel with AVX512-VNNI and 16-bit x; on a CPU, every weight moved onto huge pages
+        for the C++ kernel's integer dots with AVX512-VNNI; on a CPU, every weight moved onto huge pages
         (worker/runner/huge_pages.py)."""
         backend = self.backend_choice.backend
         cpu = backend.kernels if isinstance(backend, CpuKernelAttention) else None
         models = [self.model] if self.draft is None else [self.model, self.draft.model]
-        if cpu is not None and self.dtype != torch.float32 and cpu.linear_quantized_interleaved():
+        if cpu is not None and not self.exact_quantized and cpu.linear_quantized_interleaved():
             self.interleaved_weights = sum(interleave_packed_weights(model) for model in models)
         if self.on_huge_pages:
             moved = sum(huge_pages.move_weights(model) for model in models)
@@ -465,8 +501,8 @@ class ModelRunnerBase:
             if self.model.is_hybrid:
                 prompts = self._prompt_kernel(deterministic)
         kernels = LayerKernels(
-            cpu=cpu, triton=fused, block_fp8=block_fp8, deterministic=deterministic, gated_delta=gated_delta,
-            gated_delta_prompts=prompts,
+            cpu=cpu, triton=fused, block_fp8=block_fp8, deterministic=deterministic,
+            exact_quantized=self.exact_quantized, gated_delta=gated_delta, gated_delta_prompts=prompts,
         )  # fmt: skip
         self.model.bind_kernels(choice.backend, kernels)
         self.sampler.cpu_kernels = cpu
