@@ -531,20 +531,27 @@ def test_gguf_q4_1_logits_equal_the_dequantized_model(smollm2_gguf: Path, kernel
 
 
 @pytest.mark.slow
-def test_gguf_q4_1_in_bfloat16_keeps_the_top5_rule_against_the_dequantized_model(
-    smollm2_gguf: Path, smollm2_dir: Path
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gguf_q4_1_with_the_integer_dots_keeps_the_top5_rule_against_the_dequantized_model(
+    smollm2_gguf: Path, smollm2_dir: Path, dtype: str
 ) -> None:
-    """A 16-bit engine's decode steps take the integer dots (AVX512-VNNI or AVX2; x quantized to int8 in
-    blocks of 32): no longer bit-equal to the dequantized model, held to the top-5 rule instead. Whole
-    chats are not asserted equal: bfloat16 logits of 2 to 32 come in steps of 1/64 to 1/8, so near-ties
-    are common and the dots' moves (up to 2.5 nats seen, QUANTIZED_LOGPROB_TOL) part them (seen on the AVX2 EPYC: 0 of 4 chats equal
-    for 24 tokens, parting where the dequantized model's top two were 0, 0.13, 0.13 and 0.19 nats apart;
-    on the AVX-512 EPYC 2 or more)."""
-    kwargs = {"dtype": "bfloat16", "max_model_len": 256, "kv_cache_memory": "64MiB"}
+    """Decode steps take the integer dots by default (AVX512-VNNI or AVX2; x quantized to int8 in blocks of
+    32; in float32 because the projections are 4-bit): no longer bit-equal to the dequantized model, held to
+    the top-5 rule instead, within the dots' tolerance in either dtype (QUANTIZED_LOGPROB_TOL's bfloat16
+    entry: x's int8 rounding is what moves them, up to 2.5 nats seen). Whole chats are not asserted equal:
+    bfloat16 logits of 2 to 32 come in steps of 1/64 to 1/8, so near-ties are common and the dots' moves
+    part them (seen on the AVX2 EPYC: 0 of 4 chats equal for 24 tokens, parting where the dequantized
+    model's top two were 0, 0.13, 0.13 and 0.19 nats apart; on the AVX-512 EPYC 2 or more)."""
+    kwargs = {"dtype": dtype, "max_model_len": 256, "kv_cache_memory": "64MiB"}
     prompts = chat_prompts(smollm2_dir)
-    shipped = greedy_with_logprobs(LLM(str(smollm2_gguf), **kwargs), prompts, 24)
+    llm = LLM(str(smollm2_gguf), **kwargs)
+    assert (
+        llm.engine.runner.exact_quantized
+        is not llm.engine.runner.sampler.cpu_kernels.linear_quantized_int8_dots()
+    )
+    shipped = greedy_with_logprobs(llm, prompts, 24)
     plain = greedy_with_logprobs(LLM(str(smollm2_gguf), quantization="none", **kwargs), prompts, 24)
-    assert top5_rule("Q4_1 bfloat16", plain, shipped, QUANTIZED_TOP_GAP) <= QUANTIZED_LOGPROB_TOL["bfloat16"]
+    assert top5_rule(f"Q4_1 {dtype}", plain, shipped, QUANTIZED_TOP_GAP) <= QUANTIZED_LOGPROB_TOL["bfloat16"]
 
 
 def test_gguf_q4_1_holds_under_110_mb_and_names_paris(smollm2_gguf: Path) -> None:
@@ -576,6 +583,7 @@ def test_int8_keeps_the_top5_rule_on_random_models(model_dirs, arch) -> None:
     assert packed - {n for n in packed if ".layers." in n} == {
         "model.embed_tokens.weight" if tied else "lm_head.weight"
     }
+    assert llm.engine.runner.exact_quantized  # float32 x with 8-bit weights: not the integer dots
     quantized = greedy_with_logprobs(llm, prompts, 24)
     assert top5_rule(arch, plain, quantized, QUANTIZED_TOP_GAP) <= QUANTIZED_LOGPROB_TOL["float32"]
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
