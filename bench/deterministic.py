@@ -8,9 +8,10 @@ int8 and int4 (the random model quantized as it loads), all in the machine's def
 qwen3.5 (a random Qwen3.5-0.8B shape with --qwen3-5-layers layers, the machine's default dtype).
 
 The flag moves every projection onto the C++ fixed-order kernels: float weights to the fixed-order matmul
-(PyTorch's GEMM above 16 rows otherwise), quantized ones to the registers, the panels or, with 16-bit x on
-a CPU with AVX512-VNNI, the integer dots at every row count (PyTorch's GEMM on the dequantized weight above
-8 rows otherwise, 64 with float32 x); every prompt query onto the decode attention kernel (SDPA otherwise).
+(PyTorch's GEMM above 16 rows otherwise), quantized ones to the integer dots at every row count where the
+engine takes them (16-bit x, or float32 x with 4-bit projections, on a CPU with AVX2 or AVX512-VNNI), else
+to the registers and the panels (PyTorch's GEMM on the dequantized weight above 8 rows otherwise, 64 with
+float32 x); every prompt query onto the decode attention kernel (SDPA otherwise).
 
 Usage:  .venv/bin/python -m bench.deterministic [--formats Q4_1 int8 ...] [--rounds 3] [--num-seqs 64]
 """

@@ -436,8 +436,8 @@ class EngineConfig:
         if self.weight_format != "none":
             return False, (
                 f"auto: off for {self.weight_format} weights, whose batch-invariant kernel keeps prompts off "
-                "PyTorch's GEMM (measured at 0.52-0.83x of the throughput with 16-bit activations, 0.94-1.00x "
-                "in float32 on the exact panels); --deterministic turns it on"
+                "PyTorch's GEMM (measured at 0.52-0.83x of the throughput with 16-bit activations, 0.91-1.00x "
+                "in float32); --deterministic turns it on"
             )
         return True, "auto: on a CPU's C++ kernels, where the batch-invariant ones measured no slower"
 
