@@ -200,14 +200,14 @@ def test_dequantize_rows_is_the_weights_dequantize_bit_for_bit(kernels, scheme, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_interleaved_rows_compute_the_rows_layouts_product(kernels, scheme, dtype) -> None:
     """4-bit weights in groups of 32 and 8-bit weights with one scale a row, with their rows interleaved 16
-    at a time (the layout an engine's weights take on a CPU with AVX512-VNNI): the same integer sums
+    at a time (the layout an engine's weights take where the integer dots run: AVX512-VNNI or AVX2): the same integer sums
     as the rows' own layout, scaled and added in another order (at 8 bits each block's sum exact, the +128
     offset taken back inside it), so every output within float32's rounding of the scaled partial sums of
     the two (K x 2^-24 of the products' mass each, as the tests above hold them) and the output's rounding;
     prefill sizes dequantize to the same float weight, so the GEMM's result is the same bit for bit. The
     planes dequantize as before; whole tiles of rows narrow, other cuts and loading into them are refused."""
     if not kernels.linear_quantized_interleaved():
-        pytest.skip("this CPU has no AVX512-VNNI: weights keep the rows' own layout")
+        pytest.skip(NO_DOTS)
     gen = torch.Generator().manual_seed(5)
     for features in (96, 1024):
         packed, _ = _packed(scheme, 48, features)
@@ -268,7 +268,7 @@ def test_an_interleaved_head_gives_the_logits_of_its_first_ids(kernels) -> None:
     interleaved, which narrows along whole tiles of 16 rows only: the tiles holding them multiplied and the
     rest cut off, equal to the whole vocabulary's first columns bit for bit at any count."""
     if not kernels.linear_quantized_interleaved():
-        pytest.skip("this CPU has no AVX512-VNNI: weights keep the rows' own layout")
+        pytest.skip(NO_DOTS)
     head = ParallelLMHead(64, 96, TPContext(), QuantPlan(head=SCHEMES["int8"]), "lm_head")
     assert isinstance(head.weight, PackedWeight)
     head.weight.quantize_(torch.randn(64, 96, generator=torch.Generator().manual_seed(2)) * 0.05)

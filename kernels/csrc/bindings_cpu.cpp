@@ -24,7 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("interleaved") = false);
   m.def("linear_quantized_interleaved", &linear_quantized_interleaved, "whether linear_quantized takes 4-bit "
         "weights in groups of 32 and 8-bit ones with one scale a row with their rows interleaved 16 at a time "
-        "(PackedWeight.interleave_; AVX512-VNNI)");
+        "(PackedWeight.interleave_; with the integer dots: AVX512-VNNI or AVX2)");
   m.def("linear_quantized_int8_dots", &linear_quantized_int8_dots, "whether linear_quantized quantizes x to "
         "int8 for integer dot products unless exact (built for a CPU with AVX512-VNNI or AVX2)");
   m.def("apply_token_bitmask_", &apply_token_bitmask_,

@@ -487,6 +487,99 @@ inline __m256 half_scales(const c10::Half* s, const ChunkGroups& cg, int h) {
                          _mm_set1_ps(half_to_float(s[cg.group[2 * h]])));
 }
 
+// Bytes ahead of its reads that the interleaved loops ask into L1 (prefetcht0), a line at a time: with the
+// hardware's stream prefetcher alone two threads left the memory idle part of the time, at both bit widths
+// (2-8 KB ahead alike; docs/performance.md#measurements-behind-choices-in-the-code).
+constexpr int64_t kInterleavedPrefetchBytes = 4096;
+
+// 4-bit weights in groups of 32 with kInterleavedRows (16) rows interleaved (PackedWeight.interleave_): a
+// tile's bytes are [K / 8][16 rows][4 bytes], its scales and mins [K / 32][16 rows]. Lane r of a 32-byte load
+// is row 8h + r's next 8 weights (h the load's half of the 64-byte column), so two VPMADDUBSW meet 8 rows with
+// x's 4 bytes broadcast; a group's four columns add in int16 (at most 4 x 2 x 2 x 15 x 127 = 30,480), so one
+// VPMADDWD, one conversion and one FMA a group and 8 rows take what the row loop does a chunk's half (for each
+// 64 weights): about half its instructions a weight byte, and no row ends in a horizontal sum. H of the two
+// halves a pass: both where M's accumulators leave registers for them (each 64-byte line read once), one
+// otherwise (the second half's lines then come from L1/L2). sums[m][r] = x[m] . w[r] over one tile.
+template <int M, int H = (M <= 2 ? 2 : 1)>
+void int4_rows16_sums(const QuantizedRow* x, int64_t K, const uint8_t* q, const c10::Half* scales,
+                      const c10::Half* mins, float (*sums)[kInterleavedRows]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int32_t* xlo[M];
+  const int32_t* xhi[M];
+  for (int m = 0; m < M; ++m)
+    xlo[m] = reinterpret_cast<const int32_t*>(x[m].lo.data()), xhi[m] = reinterpret_cast<const int32_t*>(x[m].hi.data());
+  for (int first = 0; first < 2; first += H) {
+    __m256 acc[M][H];
+    for (int m = 0; m < M; ++m)
+      for (int h = 0; h < H; ++h) acc[m][h] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < K / kDotBlock; ++g) {
+      const uint8_t* group = q + g * 4 * kChunkBytes + 32 * first;
+      __m256i pairs[M][H];
+      for (int w = 0; w < 4; ++w) {
+        _mm_prefetch(reinterpret_cast<const char*>(group + w * kChunkBytes + kInterleavedPrefetchBytes), _MM_HINT_T0);
+        for (int h = 0; h < H; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + w * kChunkBytes + 32 * h));
+          const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          for (int m = 0; m < M; ++m) {
+            const __m256i both = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xlo[m][4 * g + w])),
+                                                  _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xhi[m][4 * g + w])));
+            pairs[m][h] = w == 0 ? both : _mm256_add_epi16(pairs[m][h], both);
+          }
+        }
+      }
+      for (int h = 0; h < H; ++h) {
+        const int64_t at = g * kInterleavedRows + 8 * (first + h);
+        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + at)));
+        const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + at)));
+        for (int m = 0; m < M; ++m) {
+          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[m][h], ones));
+          acc[m][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(s, _mm256_set1_ps(x[m].block_scale[g])), acc[m][h]);
+          acc[m][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(x[m].group_sums[g]), acc[m][h]);
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int h = 0; h < H; ++h) _mm256_storeu_ps(sums[m] + 8 * (first + h), acc[m][h]);
+  }
+}
+
+// 8-bit weights with one scale a row (int8 per channel) with kInterleavedRows (16) rows interleaved: a tile's
+// bytes [K / 4][16 rows][4 bytes]. Lane r of a 32-byte load is row 8h + r's next 4 weights, which meet x's 4
+// bytes broadcast with w's sign moved onto x (int8_dot_tile's reason); each column's int16 pairs widen to int32
+// (two of them could pass int16), a block's eight add in int32 and one FMA scales them by x's block scale.
+// sums[m][r] = x[m] . w[r] before the row's scale, over one tile.
+template <int M, int H = (M <= 2 ? 2 : 1)>
+void int8_rows16_sums(const QuantizedRow* x, int64_t K, const uint8_t* q, float (*sums)[kInterleavedRows]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int32_t* xq[M];
+  for (int m = 0; m < M; ++m) xq[m] = reinterpret_cast<const int32_t*>(x[m].lo.data());
+  for (int first = 0; first < 2; first += H) {
+    __m256 acc[M][H];
+    for (int m = 0; m < M; ++m)
+      for (int h = 0; h < H; ++h) acc[m][h] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / kDotBlock; ++b) {
+      const uint8_t* block = q + b * 8 * kChunkBytes + 32 * first;
+      __m256i dot[M][H];
+      for (int j = 0; j < 8; ++j)
+        for (int h = 0; h < H; ++h) {
+          if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(block + j * kChunkBytes + kInterleavedPrefetchBytes), _MM_HINT_T0);
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + j * kChunkBytes + 32 * h));
+          const __m256i magnitude = _mm256_abs_epi8(w);
+          for (int m = 0; m < M; ++m) {
+            const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(xq[m][8 * b + j]), w);
+            const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones);
+            dot[m][h] = j == 0 ? d : _mm256_add_epi32(dot[m][h], d);
+          }
+        }
+      for (int m = 0; m < M; ++m)
+        for (int h = 0; h < H; ++h)
+          acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m][h]), _mm256_set1_ps(x[m].scale[8 * b]), acc[m][h]);
+    }
+    for (int m = 0; m < M; ++m)
+      for (int h = 0; h < H; ++h) _mm256_storeu_ps(sums[m] + 8 * (first + h), acc[m][h]);
+  }
+}
+
 // out[m][r] = x[m] . w[r] for M rows of x against R weight rows.
 template <int M, int R, int BITS>
 void int8_dot_tile(const QuantizedRow* x, const std::vector<ChunkGroups>& chunks, const QRow* rows, int64_t K,

@@ -204,7 +204,6 @@ DirectFn<BITS, T> direct_fn(int64_t rows) {
 }
 
 #ifdef NANOVLLM_INT8_DOTS
-#ifdef NANOVLLM_INT8_DOTS_VNNI
 // out[r] = sums[r] (+ bias[r]) rounded to T, `count` outputs in one vectorisable pass.
 template <typename T>
 inline void store_rows(const float* sums, const T* bias, T* out, int64_t count) {
@@ -217,6 +216,7 @@ inline void store_rows(const float* sums, const T* bias, T* out, int64_t count) 
   }
 }
 
+#ifdef NANOVLLM_INT8_DOTS_VNNI
 // int8 per channel (one scale a row): int8_row_scale_sums over 64 weight rows at a time, then each output's
 // scale, bias and rounding to T in one vectorisable pass, as for_each_tile computes them one by one.
 template <int M, typename T>
@@ -257,6 +257,8 @@ void int4_group32_rows(const QuantizedRow* x, const PackedRows<4>& weights, cons
   }
 }
 
+#endif
+
 // 4-bit groups of 32 with rows interleaved: int4_rows16_sums over tiles [t_begin, t_end), then the bias and
 // each output's rounding to T.
 template <int M, typename T>
@@ -283,9 +285,9 @@ void int8_rows16_rows(const QuantizedRow* x, const uint8_t* q, const c10::Half* 
   for (int64_t t = t_begin; t < t_end; ++t) {
     int8_rows16_sums<M>(x, K, q + t * tile_bytes, sums);
     const int64_t n = t * kInterleavedRows;
-    const __m512 s = load_halves(scales + n, 0xFFFF);
     for (int m = 0; m < M; ++m) {
-      _mm512_storeu_ps(sums[m], _mm512_mul_ps(s, _mm512_loadu_ps(sums[m])));
+#pragma omp simd
+      for (int64_t r = 0; r < kInterleavedRows; ++r) sums[m][r] *= load(scales[n + r]);
       store_rows(sums[m], bias == nullptr ? nullptr : bias + n, y + m * N + n, kInterleavedRows);
     }
   }
@@ -301,7 +303,6 @@ Rows16Fn<T> rows16_fn(int64_t rows, std::integer_sequence<int, M...>) {
   static const Rows16Fn<T> table[] = {(BITS == 4 ? int4_rows16_rows<M + 1, T> : int8_rows16_rows<M + 1, T>)...};
   return table[rows - 1];
 }
-#endif
 
 // Output columns [n_begin, n_end) for M (<= kDirectRows) rows of x quantized to int8 (linear_int8_dots.h).
 template <int M, int BITS, typename T>
@@ -375,7 +376,6 @@ void linear_quantized_impl(const T* x, const uint8_t* q, const c10::Half* scales
       std::vector<QuantizedRow> own(rows > kDirectRows ? rows : 0);
       QuantizedRow* xq = rows > kDirectRows ? own.data() : kept.data();
       for (int64_t m = 0; m < rows; ++m) quantize_row<BITS>(x + m * K, K, group, xq[m]);
-#ifdef NANOVLLM_INT8_DOTS_VNNI
       if (interleaved) {  // tiles of 16 rows, a block of them read by every tile of x's rows
         const int64_t tile_bytes = kInterleavedRows * K * BITS / 8;
         const int64_t block = std::max<int64_t>(1, kDotBlockBytes / tile_bytes);
@@ -387,7 +387,6 @@ void linear_quantized_impl(const T* x, const uint8_t* q, const c10::Half* scales
         });
         return;
       }
-#endif
       const std::vector<ChunkGroups> chunks =
           takes_chunk_groups<BITS>(group) ? chunk_groups<BITS>(K, group) : std::vector<ChunkGroups>();
       // Weight rows a block: about kDotBlockBytes of them, which every tile of x rows reads from cache.
@@ -588,8 +587,8 @@ at::Tensor linear_quantized(at::Tensor x, at::Tensor qweight, at::Tensor scales,
     TORCH_CHECK(linear_quantized_interleaved() && interleaves(bits, group_size, N, K) && !exact,
                 "linear_quantized: rows interleaved need 4 bits in groups of ", kBlock, " or 8 bits with one scale a "
                 "row, a multiple of ", kInterleavedRows, " rows and the integer dots (not exact) on a CPU with "
-                "AVX512-VNNI; got ", bits, " bits, groups of ", group_size, " over ", K, " input features, ", N,
-                " rows, exact ", exact, linear_quantized_interleaved() ? "" : " (this build has no VNNI)");
+                "AVX512-VNNI or AVX2; got ", bits, " bits, groups of ", group_size, " over ", K, " input features, ", N,
+                " rows, exact ", exact, linear_quantized_interleaved() ? "" : " (this build has no integer dots)");
   x = x.contiguous();
   qweight = qweight.contiguous();
   scales = scales.contiguous();
@@ -659,7 +658,7 @@ bool linear_quantized_int8_dots() {
 }
 
 bool linear_quantized_interleaved() {
-#ifdef NANOVLLM_INT8_DOTS_VNNI
+#ifdef NANOVLLM_INT8_DOTS
   return true;
 #else
   return false;
